@@ -1,0 +1,308 @@
+"""Typed configuration: one dataclass per concern, validated on construction.
+
+Every error names the command-line flag at fault and what to do about it, so a
+user who mistypes a launch script learns the fix before any process group is
+built. ``arguments.py`` maps Megatron-LM's flags onto these dataclasses.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag and the fix."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The GPT architecture. GPT-2 and Llama are both points in this space."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int  # unpadded; the embedding is padded, see padded_vocab_size
+    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size
+    num_query_groups: Optional[int] = None  # grouped-query attention; default = heads
+    max_position_embeddings: Optional[int] = None  # default seq_length
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    use_fused_kernels: bool = True
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        for flag, value in [("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
+                            ("--num-attention-heads", self.num_attention_heads),
+                            ("--seq-length", self.seq_length), ("--vocab-size", self.vocab_size),
+                            ("--ffn-hidden-size", self.ffn_hidden_size),
+                            ("--num-query-groups", self.num_query_groups)]:
+            _require(value > 0, f"{flag} must be positive, got {value}.")
+        _require(self.hidden_size % self.num_attention_heads == 0,
+                 f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                 f"({self.num_attention_heads}); pick a head count that divides the hidden size.")
+        _require(self.num_attention_heads % self.num_query_groups == 0,
+                 f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                 f"--num-query-groups ({self.num_query_groups}): each query group shares one key/value head.")
+        _require(self.normalization in ("LayerNorm", "RMSNorm"),
+                 f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}.")
+        _require(self.position_embedding_type in ("learned_absolute", "rope"),
+                 f"--position-embedding-type must be learned_absolute or rope, got "
+                 f"{self.position_embedding_type!r}.")
+        _require(self.position_embedding_type != "rope" or self.head_dim % 2 == 0,
+                 f"--position-embedding-type rope needs an even head dimension; hidden size / heads = {self.head_dim}.")
+        _require(self.seq_length <= self.max_position_embeddings,
+                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
+                 f"({self.max_position_embeddings}); raise --max-position-embeddings.")
+        for flag, p in [("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)]:
+            _require(0.0 <= p < 1.0, f"{flag} must be in [0, 1), got {p}.")
+        _require(self.init_method_std > 0, f"--init-method-std must be positive, got {self.init_method_std}.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
+        """Megatron pads the vocabulary so every tensor-parallel shard is a multiple of 128."""
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the world is cut: tensor x data x pipeline (tensor-parallel ranks adjacent)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    ddp_bucket_size: Optional[int] = None  # elements; None = Megatron's default (max(40M, 1M * dp))
+    accumulate_allreduce_grads_in_fp32: bool = False
+    distributed_backend: Optional[str] = None  # None = nccl on CUDA, gloo otherwise
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_model_parallel_size >= 1,
+                 f"--tensor-model-parallel-size must be >= 1, got {self.tensor_model_parallel_size}.")
+        _require(self.pipeline_model_parallel_size >= 1,
+                 f"--pipeline-model-parallel-size must be >= 1, got {self.pipeline_model_parallel_size}.")
+        _require(not self.overlap_param_gather or self.use_distributed_optimizer,
+                 "--overlap-param-gather needs --use-distributed-optimizer (only sharded parameters are gathered).")
+        vpp = self.virtual_pipeline_model_parallel_size
+        _require(vpp is None or vpp >= 1, f"--virtual-pipeline-model-parallel-size must be >= 1, got {vpp}.")
+        _require(vpp is None or vpp == 1 or self.pipeline_model_parallel_size > 1,
+                 "--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1.")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        _require(world_size % model_parallel == 0,
+                 f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                 f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
+                 f"({self.pipeline_model_parallel_size}) = {model_parallel}; launch a multiple of "
+                 f"{model_parallel} processes or change the parallel sizes.")
+        return world_size // model_parallel
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    micro_batch_size: int = 1
+    global_batch_size: Optional[int] = None  # default micro batch x data-parallel size
+    train_iters: int = 100
+    seed: int = 1234
+    bf16: bool = False
+    fp16: bool = False
+    recompute_granularity: Optional[str] = None  # "full" or "selective"
+    recompute_method: Optional[str] = None  # "uniform" or "block"
+    recompute_num_layers: Optional[int] = None
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    exit_signal_handler: bool = False
+    exit_interval: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}.")
+        _require(self.train_iters >= 0, f"--train-iters must be >= 0, got {self.train_iters}.")
+        _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive; pick one.")
+        _require(self.recompute_granularity in (None, "full", "selective"),
+                 f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}.")
+        _require(self.recompute_method in (None, "uniform", "block"),
+                 f"--recompute-method must be uniform or block, got {self.recompute_method!r}.")
+        _require(self.recompute_granularity == "full" or self.recompute_method is None,
+                 "--recompute-method only applies with --recompute-granularity full.")
+        _require(self.eval_interval >= 1, f"--eval-interval must be >= 1, got {self.eval_interval}.")
+
+    def num_microbatches(self, data_parallel_size: int) -> int:
+        """Gradient-accumulation steps: global batch = micro batch x steps x data-parallel size."""
+        global_batch = self.global_batch_size or self.micro_batch_size * data_parallel_size
+        per_step = self.micro_batch_size * data_parallel_size
+        _require(global_batch % per_step == 0,
+                 f"--global-batch-size ({global_batch}) must be divisible by --micro-batch-size "
+                 f"({self.micro_batch_size}) x data-parallel size ({data_parallel_size}) = {per_step}.")
+        return global_batch // per_step
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    optimizer: str = "adam"
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None  # default train_iters
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    loss_scale: Optional[float] = None  # static loss scale for fp16; None = dynamic
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    optimizer_cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, got {self.optimizer!r}.")
+        _require(self.lr_decay_style in ("constant", "linear", "cosine"),
+                 f"--lr-decay-style must be constant, linear or cosine, got {self.lr_decay_style!r}.")
+        _require(0 <= self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must be between 0 and --lr ({self.lr}).")
+        _require(self.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}.")
+        _require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}.")
+        for flag, beta in [("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)]:
+            _require(0.0 <= beta < 1.0, f"{flag} must be in [0, 1), got {beta}.")
+        _require(self.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}.")
+        _require(self.loss_scale is None or self.loss_scale > 0, f"--loss-scale must be positive, got {self.loss_scale}.")
+        _require(self.hysteresis >= 1, f"--hysteresis must be >= 1, got {self.hysteresis}.")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    data_path: list = field(default_factory=list)  # [path] or [w1, path1, w2, path2, ...]
+    split: str = "969,30,1"
+    mock_data: bool = False
+    tokenizer_type: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    data_cache_path: Optional[str] = None
+    eod_mask_loss: bool = False
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.mock_data or bool(self.data_path),
+                 "no training data: give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data.")
+        parts = self.split.replace("/", ",").split(",")
+        _require(all(p.strip().replace(".", "", 1).isdigit() for p in parts) and len(parts) <= 3,
+                 f"--split must be up to three comma-separated weights like 969,30,1, got {self.split!r}.")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.save_interval is None or self.save_interval >= 1,
+                 f"--save-interval must be >= 1, got {self.save_interval}.")
+        _require(self.save_interval is None or self.save is not None,
+                 "--save-interval needs --save DIR to know where to write checkpoints.")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    log_interval: int = 100
+    tensorboard_dir: Optional[str] = None
+    peak_tflops: Optional[float] = None  # per device; None = look up the device table
+    log_memory: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.log_interval >= 1, f"--log-interval must be >= 1, got {self.log_interval}.")
+
+
+@dataclass(kw_only=True)
+class Config:
+    """Everything a run needs. Cross-section checks live here."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(mock_data=True))
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        model, parallel = self.model, self.parallel
+        tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        _require(model.num_attention_heads % tp == 0,
+                 f"--num-attention-heads ({model.num_attention_heads}) must be divisible by "
+                 f"--tensor-model-parallel-size ({tp}): each tensor-parallel rank holds whole heads.")
+        _require(model.num_query_groups % tp == 0,
+                 f"--num-query-groups ({model.num_query_groups}) must be divisible by "
+                 f"--tensor-model-parallel-size ({tp}): each tensor-parallel rank holds whole key/value groups.")
+        _require(model.ffn_hidden_size % tp == 0,
+                 f"--ffn-hidden-size ({model.ffn_hidden_size}) must be divisible by "
+                 f"--tensor-model-parallel-size ({tp}).")
+        _require(not parallel.sequence_parallel or model.seq_length % tp == 0,
+                 f"--sequence-parallel splits the sequence: --seq-length ({model.seq_length}) must be "
+                 f"divisible by --tensor-model-parallel-size ({tp}).")
+        if parallel.num_layers_per_virtual_pipeline_stage is not None:
+            per_stage = model.num_layers // pp
+            _require(per_stage % parallel.num_layers_per_virtual_pipeline_stage == 0,
+                     f"--num-layers-per-virtual-pipeline-stage ({parallel.num_layers_per_virtual_pipeline_stage}) "
+                     f"must divide the layers per pipeline stage ({model.num_layers} / {pp} = {per_stage}).")
+            parallel.virtual_pipeline_model_parallel_size = (
+                per_stage // parallel.num_layers_per_virtual_pipeline_stage)
+        if self.optimizer.lr_decay_iters is None:
+            self.optimizer.lr_decay_iters = self.training.train_iters
+
+    @property
+    def params_dtype(self):
+        import torch
+        if self.training.bf16:
+            return torch.bfloat16
+        if self.training.fp16:
+            return torch.float16
+        return torch.float32
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        kinds = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
+                 "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+                 "logging": LoggingConfig}
+        assert set(sections) == set(kinds)
+        return cls(**{name: kinds[name](**d[name]) for name in kinds if name in d})
+
