@@ -1,0 +1,27 @@
+"""Tensor and sequence parallelism: mappings, parallel layers, vocab-parallel loss, RNG tracker."""
+from megatron_lite.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_shards,
+    set_tensor_model_parallel_attributes,
+    shard_tensor,
+)
+from megatron_lite.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "gather_shards",
+    "set_tensor_model_parallel_attributes", "shard_tensor",
+    "copy_to_tensor_model_parallel_region", "gather_from_sequence_parallel_region",
+    "gather_from_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+]
