@@ -1,0 +1,72 @@
+"""Fused ops for the transformer, each with one dispatch rule (see ``dispatch.py``).
+
+The model calls only these functions. Each runs our CUDA kernel when the extension
+is built and the tensors are on CUDA, else apex's kernel when apex offers the op,
+else the PyTorch reference in ``reference.py`` (which defines the semantics).
+"""
+from . import apex_ops, reference
+from .dispatch import configure, fused_enabled, choose
+
+__all__ = [
+    "configure",
+    "fused_enabled",
+    "layer_norm",
+    "rms_norm",
+    "bias_gelu",
+    "swiglu",
+    "bias_dropout_add",
+    "apply_rotary_pos_emb",
+    "scaled_upper_triang_masked_softmax",
+    "scaled_masked_softmax",
+]
+
+
+def layer_norm(x, weight, bias, eps):
+    """LayerNorm over the last dim in float32; returns x's dtype. ``bias`` may be None."""
+    impl = choose("layer_norm", x, None, apex_ops.layer_norm_op, reference.layer_norm)
+    return impl(x, weight, bias, eps)
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm ``x * rsqrt(mean(x^2) + eps) * weight`` in float32; returns x's dtype."""
+    impl = choose("rms_norm", x, None, apex_ops.rms_norm_op, reference.rms_norm)
+    return impl(x, weight, eps)
+
+
+def bias_gelu(x, bias):
+    """GELU (tanh approximation) of ``x + bias``; ``bias`` may be None."""
+    impl = choose("bias_gelu", x, None, None, reference.bias_gelu)
+    return impl(x, bias)
+
+
+def swiglu(x):
+    """``silu(gate) * up`` where the last dim of ``x`` is [gate, up]."""
+    impl = choose("swiglu", x, None, None, reference.swiglu)
+    return impl(x)
+
+
+def bias_dropout_add(x, bias, residual, prob, training):
+    """``residual + dropout(x + bias, prob)``; ``bias`` may be None."""
+    impl = choose("bias_dropout_add", x, None, None, reference.bias_dropout_add)
+    return impl(x, bias, residual, prob, training)
+
+
+def apply_rotary_pos_emb(t, freqs):
+    """Rotary embedding of t [s, b, heads, d] by angles freqs [s, 1, 1, rot_dim]."""
+    impl = choose("apply_rotary_pos_emb", t, None, apex_ops.rotary_op, reference.apply_rotary_pos_emb)
+    return impl(t, freqs)
+
+
+def scaled_upper_triang_masked_softmax(x, scale):
+    """Causal softmax of ``x * scale``; x is [batch * heads, sq, sk]."""
+    impl = choose(
+        "scaled_upper_triang_masked_softmax", x, None, None,
+        reference.scaled_upper_triang_masked_softmax,
+    )
+    return impl(x, scale)
+
+
+def scaled_masked_softmax(x, mask, scale):
+    """Softmax of ``x * scale`` with bool ``mask`` (True = masked); fully masked rows are zero."""
+    impl = choose("scaled_masked_softmax", x, None, None, reference.scaled_masked_softmax)
+    return impl(x, mask, scale)
