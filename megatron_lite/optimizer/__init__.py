@@ -1,0 +1,1 @@
+"""Optimizers, loss scaling and gradient clipping for mixed-precision, parallel training."""

@@ -1,0 +1,146 @@
+"""Learning-rate warmup and decay, and weight-decay increment, with Megatron-LM's formulas.
+
+    step <= warmup:            lr = max_lr * step / warmup
+    warmup < step <= decay:    lr = min_lr + (max_lr - min_lr) * coeff(ratio),
+                               ratio = (step - warmup) / (decay - warmup)
+                               linear: coeff = 1 - ratio
+                               cosine: coeff = 0.5 * (cos(pi * ratio) + 1)
+    step > decay:              lr = min_lr
+    constant style:            lr = max_lr after warmup
+
+``step`` counts calls to ``step()`` (iterations, in the training loop). The
+scheduler is created before the first iteration, which therefore runs at step 0:
+with warmup its learning rate is 0, as in Megatron-LM.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from megatron_lite.config import ConfigError
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+# The values a checkpoint must agree on for its step count to mean the same schedule.
+_SCHEDULE_FIELDS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+                    "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
+                    "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
+                    "wd_incr_steps": "--train-iters", "wd_incr_style": "--weight-decay-incr-style"}
+
+
+class OptimizerParamScheduler:
+    """Sets ``lr`` (and optionally ``weight_decay``) on every param group of an optimizer.
+
+    A group's ``lr`` is the schedule's value times the group's ``lr_mult``
+    (default 1). Weight decay is left alone unless ``start_wd``/``end_wd`` are
+    given; then a group's ``weight_decay`` is the schedule's value times its
+    ``wd_mult`` (default 1; 0 for groups that must not decay).
+
+    Args:
+        optimizer: anything with ``.param_groups``, a list of dicts.
+        max_lr: peak learning rate (``--lr``).
+        min_lr: final learning rate (``--min-lr``).
+        lr_warmup_steps: steps of linear warmup from 0 (``--lr-warmup-iters``).
+        lr_decay_steps: step at which decay reaches ``min_lr``, warmup included
+            (``--lr-decay-iters``, default ``--train-iters``).
+        lr_decay_style: 'constant', 'linear' or 'cosine' (``--lr-decay-style``).
+        start_wd, end_wd: weight decay at step 0 and from ``wd_incr_steps`` on.
+        wd_incr_steps: steps over which weight decay goes from start to end;
+            required unless ``wd_incr_style`` is 'constant'.
+        wd_incr_style: 'constant' (start_wd must equal end_wd), 'linear' or 'cosine'.
+    """
+
+    def __init__(self, optimizer, *, max_lr: float, min_lr: float, lr_warmup_steps: int, lr_decay_steps: int,
+                 lr_decay_style: str, start_wd: Optional[float] = None, end_wd: Optional[float] = None,
+                 wd_incr_steps: Optional[int] = None, wd_incr_style: str = "constant"):
+        checks = [
+            (lr_decay_style in LR_DECAY_STYLES,
+             f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {lr_decay_style!r}."),
+            (0.0 <= min_lr <= max_lr, f"--min-lr ({min_lr}) must be between 0 and --lr ({max_lr})."),
+            (0 <= lr_warmup_steps < lr_decay_steps,
+             f"--lr-warmup-iters ({lr_warmup_steps}) must be >= 0 and smaller than --lr-decay-iters "
+             f"({lr_decay_steps}, default --train-iters): lower the warmup or lengthen the decay."),
+            (wd_incr_style in WD_INCR_STYLES,
+             f"--weight-decay-incr-style must be one of {', '.join(WD_INCR_STYLES)}, got {wd_incr_style!r}."),
+            ((start_wd is None) == (end_wd is None),
+             "give both --start-weight-decay and --end-weight-decay, or neither."),
+        ]
+        if start_wd is not None and end_wd is not None:
+            checks.append((0.0 <= start_wd <= end_wd, f"--start-weight-decay ({start_wd}) must be between 0 "
+                                                      f"and --end-weight-decay ({end_wd})."))
+            if wd_incr_style == "constant":
+                checks.append((start_wd == end_wd, f"--weight-decay-incr-style constant needs "
+                                                   f"--start-weight-decay ({start_wd}) equal to "
+                                                   f"--end-weight-decay ({end_wd})."))
+            else:
+                checks.append((wd_incr_steps is not None and wd_incr_steps > 0,
+                               f"--weight-decay-incr-style {wd_incr_style} needs a positive wd_incr_steps "
+                               f"(--train-iters), got {wd_incr_steps}."))
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        self.optimizer = optimizer
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.lr_warmup_steps = int(lr_warmup_steps)
+        self.lr_decay_steps = int(lr_decay_steps)
+        self.lr_decay_style = lr_decay_style
+        self.start_wd = start_wd
+        self.end_wd = end_wd
+        self.wd_incr_steps = wd_incr_steps
+        self.wd_incr_style = wd_incr_style
+        self.num_steps = 0
+        self.step(increment=0)
+
+    def get_lr(self) -> float:
+        """The schedule's learning rate at the current step, before any group's ``lr_mult``."""
+        if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
+            return self.max_lr * self.num_steps / self.lr_warmup_steps
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if self.num_steps > self.lr_decay_steps:
+            return self.min_lr
+        decay_ratio = (self.num_steps - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - decay_ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def get_wd(self) -> Optional[float]:
+        """The weight decay at the current step, or None when the scheduler leaves it alone."""
+        if self.start_wd is None:
+            return None
+        if self.wd_incr_style == "constant" or self.num_steps > self.wd_incr_steps:
+            return self.end_wd
+        incr_ratio = self.num_steps / self.wd_incr_steps
+        if self.wd_incr_style == "linear":
+            coeff = incr_ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * (1.0 - incr_ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+    def step(self, increment: int = 1) -> None:
+        """Advance ``increment`` steps and write the new values into every param group."""
+        self.num_steps += increment
+        lr, wd = self.get_lr(), self.get_wd()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            if wd is not None:
+                group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+
+    def state_dict(self) -> dict:
+        state = {name: getattr(self, name) for name in _SCHEDULE_FIELDS}
+        state["num_steps"] = self.num_steps
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resume at the checkpoint's step; the schedule itself must be the one this run was given."""
+        for name, flag in _SCHEDULE_FIELDS.items():
+            if state_dict[name] != getattr(self, name):
+                raise ConfigError(
+                    f"the checkpoint's learning-rate schedule has {name}={state_dict[name]!r} but this run has "
+                    f"{getattr(self, name)!r}: resume with the checkpoint's {flag}, or start a new run.")
+        self.num_steps = int(state_dict["num_steps"])
+        self.step(increment=0)
+

@@ -1,0 +1,142 @@
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_lite.config import ConfigError
+from megatron_lite.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+def _optimizer(*groups):
+    """Any object with ``param_groups`` works; a namespace keeps the test free of torch.optim."""
+    return SimpleNamespace(param_groups=[dict(g) for g in (groups or ({},))])
+
+
+def _scheduler(style, optimizer=None, **overrides):
+    kwargs = dict(max_lr=1.0, min_lr=0.1, lr_warmup_steps=10, lr_decay_steps=110, lr_decay_style=style)
+    kwargs.update(overrides)
+    return OptimizerParamScheduler(optimizer or _optimizer(), **kwargs)
+
+
+def _lrs_at(scheduler, steps):
+    """lr at each of the (increasing) ``steps``, reached by step(increment)."""
+    lrs = []
+    for target in steps:
+        scheduler.step(increment=target - scheduler.num_steps)
+        lrs.append(scheduler.get_lr())
+        assert scheduler.optimizer.param_groups[0]["lr"] == lrs[-1]
+    return lrs
+
+
+# Hand computation with max 1.0, min 0.1, warmup 10, decay ends at 110 (100 decay steps):
+#   step 0: 0; step 5: 5/10 = 0.5; step 10: 1.0
+#   step 35: ratio 0.25 -> linear 0.1 + 0.9 * 0.75 = 0.775
+#                          cosine 0.1 + 0.9 * 0.5 * (cos(pi/4) + 1) = 0.1 + 0.9 * 0.853553390593 = 0.868198051534
+#   step 60: ratio 0.5 -> both 0.1 + 0.9 * 0.5 = 0.55
+#   step 85: ratio 0.75 -> linear 0.1 + 0.9 * 0.25 = 0.325; cosine 0.1 + 0.9 * 0.146446609407 = 0.231801948466
+#   step 110: min 0.1; step 500: 0.1
+STEPS = [0, 5, 10, 35, 60, 85, 110, 111, 500]
+EXPECTED = {
+    "linear": [0.0, 0.5, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1, 0.1],
+    "cosine": [0.0, 0.5, 1.0, 0.868198051534, 0.55, 0.231801948466, 0.1, 0.1, 0.1],
+    "constant": [0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+}
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine", "constant"])
+def test_lr_at_key_steps(style):
+    assert _lrs_at(_scheduler(style), STEPS) == pytest.approx(EXPECTED[style], abs=1e-12)
+
+
+def test_lr_is_set_on_construction_and_step_defaults_to_one():
+    optimizer = _optimizer({"lr": 123.0})
+    scheduler = _scheduler("cosine", optimizer, lr_warmup_steps=4)
+    assert optimizer.param_groups[0]["lr"] == 0.0  # the first iteration runs at step 0
+    scheduler.step()
+    assert scheduler.num_steps == 1 and optimizer.param_groups[0]["lr"] == 0.25
+
+
+def test_no_warmup_starts_at_max_lr():
+    scheduler = _scheduler("linear", lr_warmup_steps=0, lr_decay_steps=100)
+    assert _lrs_at(scheduler, [0, 50, 100, 101]) == pytest.approx([1.0, 0.55, 0.1, 0.1])
+
+
+def test_lr_mult_scales_each_group():
+    optimizer = _optimizer({}, {"lr_mult": 0.5}, {"lr_mult": 0.0})
+    scheduler = _scheduler("cosine", optimizer)
+    scheduler.step(60)
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.55, 0.275, 0.0])
+
+
+def test_drives_a_torch_optimizer():
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([{"params": [param], "weight_decay": 0.0}], lr=99.0)
+    scheduler = _scheduler("linear", optimizer)
+    scheduler.step(35)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.775)
+    assert optimizer.param_groups[0]["weight_decay"] == 0.0  # left alone without start_wd/end_wd
+
+
+@pytest.mark.parametrize("style, expected", [
+    # start 0.0, end 0.1 over 100 steps; cosine coeff at ratio r is 0.5 * (cos(pi * (1 - r)) + 1).
+    ("linear", [0.0, 0.025, 0.05, 0.1, 0.1]),
+    ("cosine", [0.0, 0.1 * 0.146446609407, 0.05, 0.1, 0.1]),
+])
+def test_weight_decay_increment(style, expected):
+    optimizer = _optimizer({}, {"wd_mult": 0.0})
+    scheduler = _scheduler("constant", optimizer, start_wd=0.0, end_wd=0.1, wd_incr_steps=100,
+                           wd_incr_style=style)
+    got = []
+    for target in [0, 25, 50, 100, 150]:
+        scheduler.step(target - scheduler.num_steps)
+        got.append(optimizer.param_groups[0]["weight_decay"])
+        assert optimizer.param_groups[1]["weight_decay"] == 0.0
+    assert got == pytest.approx(expected, abs=1e-12)
+
+
+def test_constant_weight_decay():
+    optimizer = _optimizer({"weight_decay": 0.5})
+    scheduler = _scheduler("cosine", optimizer, start_wd=0.01, end_wd=0.01)
+    scheduler.step(70)
+    assert optimizer.param_groups[0]["weight_decay"] == 0.01 and scheduler.get_wd() == 0.01
+
+
+def test_state_dict_round_trip():
+    reference = _scheduler("cosine")
+    reference.step(37)
+    resumed_optimizer = _optimizer()
+    resumed = _scheduler("cosine", resumed_optimizer)
+    resumed.load_state_dict(reference.state_dict())
+    assert resumed.num_steps == 37
+    assert resumed_optimizer.param_groups[0]["lr"] == reference.get_lr()  # applied without a step
+    for _ in range(80):
+        reference.step()
+        resumed.step()
+        assert resumed.get_lr() == reference.get_lr()
+
+
+def test_loading_a_different_schedule_names_the_flag():
+    state = _scheduler("cosine").state_dict()
+    with pytest.raises(ConfigError, match="--lr-decay-iters"):
+        _scheduler("cosine", lr_decay_steps=200).load_state_dict(state)
+    with pytest.raises(ConfigError, match="--lr\\b"):
+        _scheduler("cosine", max_lr=2.0).load_state_dict(state)
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (dict(lr_decay_style="inverse-square-root"), "--lr-decay-style"),
+    (dict(min_lr=2.0), "--min-lr"),
+    (dict(min_lr=-0.1), "--min-lr"),
+    (dict(lr_warmup_steps=110), "--lr-warmup-iters"),
+    (dict(lr_warmup_steps=-1), "--lr-warmup-iters"),
+    (dict(lr_decay_steps=0, lr_warmup_steps=0), "--lr-decay-iters"),
+    (dict(start_wd=0.1), "--end-weight-decay"),
+    (dict(start_wd=0.2, end_wd=0.1, wd_incr_style="linear", wd_incr_steps=10), "--start-weight-decay"),
+    (dict(start_wd=0.0, end_wd=0.1), "constant needs"),
+    (dict(start_wd=0.0, end_wd=0.1, wd_incr_style="linear"), "wd_incr_steps"),
+    (dict(wd_incr_style="exponential"), "--weight-decay-incr-style"),
+])
+def test_bad_settings_name_the_flag(overrides, flag):
+    with pytest.raises(ConfigError, match=flag):
+        _scheduler("cosine", **overrides)
+
