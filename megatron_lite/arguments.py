@@ -1,0 +1,93 @@
+"""Command line -> Config, with Megatron-LM's flag names.
+
+Flags are generated from the config dataclasses' fields (``micro_batch_size`` ->
+``--micro-batch-size``), so every option is reachable and named as in Megatron-LM.
+Booleans that default to True are switched off with Megatron's negative spelling
+(``--disable-bias-linear``, ``--no-fused-kernels``). Unknown flags are an error.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from megatron_lite.config import (CheckpointConfig, Config, ConfigError, DataConfig, LoggingConfig, ModelConfig,
+                                  OptimizerConfig, ParallelConfig, TrainingConfig)
+
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
+            "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+            "logging": LoggingConfig}
+
+# Fields that default to True are turned off by these flags (Megatron's spelling).
+NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "use_fused_kernels": "--no-fused-kernels",
+                  "log_memory": "--no-log-memory"}
+LIST_FIELDS = {"data_path"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _scalar_type(hint):
+    """int for Optional[int], and so on."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_lite.pretrain_gpt", allow_abbrev=False,
+                                     description="Pretrain a GPT model with tensor, pipeline and data parallelism.")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = _scalar_type(hints[f.name])
+            if f.name in LIST_FIELDS:
+                group.add_argument(_flag(f.name), dest=f.name, nargs="+", default=argparse.SUPPRESS)
+            elif kind is bool and f.default is True:
+                group.add_argument(NEGATIVE_FLAGS[f.name], dest=f.name, action="store_false",
+                                   default=argparse.SUPPRESS)
+            elif kind is bool:
+                group.add_argument(_flag(f.name), dest=f.name, action="store_true", default=argparse.SUPPRESS)
+            else:
+                group.add_argument(_flag(f.name), dest=f.name, type=kind, default=argparse.SUPPRESS)
+    parser.add_argument("--group-query-attention", action="store_true",
+                        help="use --num-query-groups key/value heads (grouped-query attention)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Parse Megatron-style flags; raises ConfigError (naming the flag) on bad values."""
+    namespace = vars(build_parser().parse_args(argv))
+    if "num_query_groups" in namespace and not namespace.pop("group_query_attention"):
+        raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM); add the flag.")
+    namespace.pop("group_query_attention", None)
+    return config_from_dict(namespace)
+
+
+def config_from_dict(values: dict) -> Config:
+    """Distribute flat field values into the config sections and validate them."""
+    sections = {}
+    for section, cls in SECTIONS.items():
+        names = {f.name for f in dataclasses.fields(cls)}
+        sections[section] = {k: v for k, v in values.items() if k in names}
+    if "vocab_size" not in sections["model"] and values.get("tokenizer_type"):
+        sections["model"]["vocab_size"] = _tokenizer_vocab_size(values)
+    missing = [_flag(f.name) for f in dataclasses.fields(ModelConfig)
+               if f.default is dataclasses.MISSING and f.name not in sections["model"]]
+    if missing:
+        raise ConfigError(f"missing required model flags: {' '.join(missing)}.")
+    try:
+        built = {section: cls(**sections[section]) for section, cls in SECTIONS.items()}
+    except TypeError as error:  # e.g. an unknown key in a programmatic dict
+        raise ConfigError(str(error)) from None
+    return Config(**built)
+
+
+def _tokenizer_vocab_size(values: dict) -> int:
+    """Megatron takes the vocabulary size from the tokenizer when --vocab-size is absent."""
+    from megatron_lite.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(values["tokenizer_type"], vocab_file=values.get("vocab_file"),
+                                merge_file=values.get("merge_file"), tokenizer_model=values.get("tokenizer_model"))
+    return tokenizer.vocab_size

@@ -1,0 +1,91 @@
+"""What the log line reports: FLOPs, throughput, MFU, memory, in Megatron-LM's format.
+
+Users' log parsers read Megatron's line, so its fields, order and number formats are
+kept exactly; tokens/s, MFU and peak memory go on a second line after it.
+"""
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import warnings
+
+import torch
+
+from megatron_lite.config import ModelConfig
+
+# Dense bf16 peak per device, TFLOP/s (REFERENCE.md section 7).
+PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800": 312.0, "L40S": 362.0}
+
+
+def num_floating_point_operations(config: ModelConfig, batch_size: int, padded_vocab_size: int) -> float:
+    """Model FLOPs of one iteration (forward + backward = 3 x forward), counting every matmul.
+
+    For multi-head attention and a 4h GELU MLP this is Megatron's
+    72 B s l h^2 (1 + s/(6h) + V/(12 l h)); GQA and SwiGLU change the QKV and MLP terms.
+    """
+    s, h, l = config.seq_length, config.hidden_size, config.num_layers
+    d = config.head_dim
+    qkv = 2 * h * (config.num_attention_heads + 2 * config.num_query_groups) * d
+    attention = 2 * 2 * s * config.num_attention_heads * d  # QK^T and attention x V
+    projection = 2 * config.num_attention_heads * d * h
+    mlp = 2 * h * config.ffn_hidden_size * (3 if config.swiglu else 2)
+    logits = 2 * h * padded_vocab_size
+    per_token_forward = l * (qkv + attention + projection + mlp) + logits
+    return 3.0 * batch_size * s * per_token_forward
+
+
+def device_peak_tflops(peak_tflops: float | None) -> float | None:
+    """--peak-tflops wins; else the device table for a known GPU; None on CPU or an unknown device."""
+    if peak_tflops is not None:
+        return peak_tflops
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+def model_flops_utilization(tflops_per_gpu: float, peak: float | None) -> float | None:
+    if peak is None:
+        return None
+    mfu = tflops_per_gpu / peak
+    if mfu > 1.0:
+        warnings.warn(f"MFU {100 * mfu:.1f}% is above 100%: the peak of {peak} TFLOP/s is wrong for this "
+                      "device; pass the right --peak-tflops.", stacklevel=2)
+    return mfu
+
+
+def peak_memory_mb() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2 ** 20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2 ** 20 if sys.platform == "darwin" else 2 ** 10)
+
+
+def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
+                         tflops_per_gpu: float, learning_rate: float, global_batch_size: int, lm_loss: float,
+                         loss_scale: float, grad_norm: float | None, skipped_iterations: int,
+                         nan_iterations: int) -> str:
+    line = (f" iteration {iteration:8d}/{train_iters:8d} |"
+            f" consumed samples: {consumed_samples:12d} |"
+            f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+            f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f} |"
+            f" learning rate: {learning_rate:.6E} |"
+            f" global batch size: {global_batch_size:5d} |"
+            f" lm loss: {lm_loss:.6E} |"
+            f" loss scale: {loss_scale:.1f} |")
+    if grad_norm is not None:
+        line += f" grad norm: {grad_norm:.3f} |"
+    return line + (f" number of skipped iterations: {skipped_iterations:3d} |"
+                   f" number of nan iterations: {nan_iterations:3d} |")
+
+
+def format_throughput_log(*, tokens_per_second: float, mfu: float | None, peak_memory: float) -> str:
+    mfu_text = "n/a (pass --peak-tflops)" if mfu is None else f"{100 * mfu:.1f}%"
+    return (f" tokens per second: {tokens_per_second:.1f} | MFU: {mfu_text} |"
+            f" peak memory (MB): {peak_memory:.1f} |")
+
+
+def format_validation_log(*, iteration: int, lm_loss: float, prefix: str = "validation") -> str:
+    ppl = math.exp(min(20.0, lm_loss))  # as Megatron: cap the exponent so a diverged run prints
+    return f" {prefix} loss at iteration {iteration} | lm loss value: {lm_loss:.6E} | lm loss PPL: {ppl:.6E} |"

@@ -1,0 +1,43 @@
+"""Token (vocab-parallel) and position embeddings, and rotary position angles."""
+import contextlib
+
+import torch
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.tensor_parallel import VocabParallelEmbedding, scatter_to_sequence_parallel_region
+from megatron_lite.tensor_parallel.random import get_rng_tracker
+
+
+class LanguageModelEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig, *, padded_vocab_size: int, tp_group, sequence_parallel: bool,
+                 params_dtype: torch.dtype):
+        super().__init__()
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, config.hidden_size, tp_group=tp_group,
+                                                      params_dtype=params_dtype)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                                    dtype=params_dtype)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """[b, s] token ids -> [s, b, h] (or [s/tp, b, h] under sequence parallelism)."""
+        embeddings = self.word_embeddings(input_ids.t().contiguous())
+        if self.position_embeddings is not None:
+            embeddings = embeddings + self.position_embeddings(position_ids.t())
+        if self.sequence_parallel:
+            embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)
+            # Each rank now holds different tokens: draw its own dropout mask.
+            with get_rng_tracker().fork() if self.training and self.dropout.p > 0 else contextlib.nullcontext():
+                return self.dropout(embeddings)
+        return self.dropout(embeddings)
+
+
+def rotary_freqs(seq_length: int, head_dim: int, base: float, device=None) -> torch.Tensor:
+    """Angles position * base^(-2i/d), laid out [s, 1, 1, d] as cat(freqs, freqs) (rotate-half RoPE)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    freqs = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)
+    return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]

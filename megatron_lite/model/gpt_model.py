@@ -1,0 +1,87 @@
+"""GPT: embedding -> transformer layers -> final norm -> output layer -> loss.
+
+One class covers GPT-2 and Llama (see ModelConfig). A pipeline stage is the same
+class built with ``pre_process`` (holds the embedding), ``post_process`` (holds the
+final norm, the output layer and the loss) and the global layer numbers it runs.
+"""
+import torch
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_freqs
+from megatron_lite.model.norm import Norm
+from megatron_lite.model.transformer_block import TransformerBlock
+from megatron_lite.parallel_state import ParallelState
+from megatron_lite.tensor_parallel import ColumnParallelLinear, gather_from_tensor_model_parallel_region
+from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: ModelConfig, parallel_state: ParallelState, *, layer_numbers: range | None = None,
+                 pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, recompute_granularity: str | None = None,
+                 recompute_method: str | None = None, recompute_num_layers: int | None = None):
+        super().__init__()
+        self.config = config
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.sequence_parallel = sequence_parallel
+        self.tp_group = parallel_state.tensor_model_parallel_group
+        self.padded_vocab_size = config.padded_vocab_size(parallel_state.tensor_model_parallel_world_size)
+        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
+        self.input_tensor = None
+        layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
+        parallel = dict(tp_group=self.tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config, padded_vocab_size=self.padded_vocab_size, **parallel)
+        self.decoder = TransformerBlock(config, layer_numbers, recompute_granularity=recompute_granularity,
+                                        recompute_method=recompute_method,
+                                        recompute_num_layers=recompute_num_layers, **parallel)
+        if post_process:
+            self.final_layernorm = Norm(config.hidden_size, normalization=config.normalization,
+                                        eps=config.norm_epsilon, sequence_parallel=sequence_parallel,
+                                        params_dtype=params_dtype)
+            tied_here = self.share_embeddings_and_output_weights and pre_process
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
+                skip_weight_param_allocation=tied_here, **parallel)
+        if self.share_embeddings_and_output_weights and (pre_process != post_process):
+            # First and last stage each hold a copy of the tied embedding; their gradients
+            # are summed over the embedding group so the copies stay identical.
+            self.shared_embedding_or_output_weight().shared_embedding = True
+
+    def shared_embedding_or_output_weight(self) -> nn.Parameter:
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
+        """The pipeline schedule hands a non-first stage its input activations here."""
+        self.input_tensor = input_tensor
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns per-token loss [b, s] given labels on the last stage, full-vocabulary
+        logits [b, s, V] without them, and hidden states [s, b, h] on other stages."""
+        if self.pre_process:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            hidden_states = self.embedding(input_ids, position_ids)
+        else:
+            hidden_states = self.input_tensor
+        freqs = None
+        if self.config.position_embedding_type == "rope":
+            freqs = rotary_freqs(input_ids.shape[1], self.config.head_dim, self.config.rotary_base,
+                                 device=hidden_states.device)
+        hidden_states = self.decoder(hidden_states, freqs)
+        if not self.post_process:
+            return hidden_states
+        hidden_states = self.final_layernorm(hidden_states)
+        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=output_weight)  # [s, b, V/tp]
+        if labels is None:
+            logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous(), self.tp_group)
+        return loss.t().contiguous()

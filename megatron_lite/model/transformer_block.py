@@ -1,0 +1,57 @@
+"""The stack of transformer layers one pipeline chunk holds, with activation recomputation."""
+import torch
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.transformer_layer import TransformerLayer
+from megatron_lite.tensor_parallel.random import checkpoint
+
+
+class TransformerBlock(nn.Module):
+    """Layers are keyed by their global number, so a checkpoint written by one pipeline
+    layout names the same weights as any other.
+
+    ``recompute_granularity='full'`` keeps only the inputs of recomputed layers:
+    ``uniform`` checkpoints groups of ``recompute_num_layers`` layers, ``block``
+    checkpoints the first ``recompute_num_layers`` layers of this chunk one by one.
+    ``selective`` recomputes only the attention core (the s^2 part of the activations).
+    """
+
+    def __init__(self, config: ModelConfig, layer_numbers: range, *, tp_group, sequence_parallel: bool,
+                 params_dtype: torch.dtype, recompute_granularity: str | None = None,
+                 recompute_method: str | None = None, recompute_num_layers: int | None = None):
+        super().__init__()
+        self.layers = nn.ModuleDict({
+            str(n): TransformerLayer(config, layer_number=n, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                     params_dtype=params_dtype,
+                                     recompute_attention_core=recompute_granularity == "selective")
+            for n in layer_numbers})
+        self.recompute_full = recompute_granularity == "full"
+        self.recompute_method = recompute_method or "uniform"
+        self.recompute_num_layers = recompute_num_layers or 1
+
+    def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None) -> torch.Tensor:
+        layers = list(self.layers.values())
+        if not (self.recompute_full and self.training):
+            for layer in layers:
+                hidden_states = layer(hidden_states, rotary_freqs)
+            return hidden_states
+        if self.recompute_method == "uniform":
+            for start in range(0, len(layers), self.recompute_num_layers):
+                group = layers[start:start + self.recompute_num_layers]
+                hidden_states = checkpoint(_run_layers(group), hidden_states, rotary_freqs)
+            return hidden_states
+        for index, layer in enumerate(layers):  # "block"
+            if index < self.recompute_num_layers:
+                hidden_states = checkpoint(layer, hidden_states, rotary_freqs)
+            else:
+                hidden_states = layer(hidden_states, rotary_freqs)
+        return hidden_states
+
+
+def _run_layers(layers):
+    def run(hidden_states, rotary_freqs):
+        for layer in layers:
+            hidden_states = layer(hidden_states, rotary_freqs)
+        return hidden_states
+    return run

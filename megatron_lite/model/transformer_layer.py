@@ -1,0 +1,40 @@
+"""One pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
+import contextlib
+
+import torch
+from torch import nn
+
+from megatron_lite import kernels
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.attention import SelfAttention
+from megatron_lite.model.mlp import MLP
+from megatron_lite.model.norm import Norm
+from megatron_lite.tensor_parallel.random import get_rng_tracker
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config: ModelConfig, *, layer_number: int, tp_group, sequence_parallel: bool,
+                 params_dtype: torch.dtype, recompute_attention_core: bool = False):
+        super().__init__()
+        self.layer_number = layer_number  # global, 0-based: names and init do not depend on the stage
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = sequence_parallel
+        norm = dict(normalization=config.normalization, eps=config.norm_epsilon,
+                    sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+        self.input_layernorm = Norm(config.hidden_size, **norm)
+        self.self_attention = SelfAttention(config, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                            params_dtype=params_dtype, recompute_core=recompute_attention_core)
+        self.pre_mlp_layernorm = Norm(config.hidden_size, **norm)
+        self.mlp = MLP(config, tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+
+    def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None) -> torch.Tensor:
+        attention_output, attention_bias = self.self_attention(self.input_layernorm(hidden_states), rotary_freqs)
+        hidden_states = self._bias_dropout_add(attention_output, attention_bias, hidden_states)
+        mlp_output, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        return self._bias_dropout_add(mlp_output, mlp_bias, hidden_states)
+
+    def _bias_dropout_add(self, x, bias, residual):
+        # Under sequence parallelism each rank holds different tokens: draw its own mask.
+        forked = self.sequence_parallel and self.training and self.hidden_dropout > 0
+        with get_rng_tracker().fork() if forked else contextlib.nullcontext():
+            return kernels.bias_dropout_add(x, bias, residual, self.hidden_dropout, self.training)

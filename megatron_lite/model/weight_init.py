@@ -1,0 +1,57 @@
+"""Layout-independent weight initialisation.
+
+Every FULL parameter is drawn from its own generator, seeded by (seed, parameter
+name), and each rank keeps its tensor-parallel shard. Names are global (layers keyed
+by global number), so the same seed gives the same full weights under any
+tensor/pipeline layout, which is what lets equivalence tests compare layouts at all.
+"""
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.parallel_state import ParallelState
+from megatron_lite.tensor_parallel import shard_tensor
+
+_TIED_WEIGHT_NAME = "embedding.word_embeddings.weight"
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _init_full(name: str, shape: torch.Size, config: ModelConfig, seed: int) -> torch.Tensor:
+    if name.endswith("layernorm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    std = config.init_method_std
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        # Each layer adds two residual branches; scaling keeps the residual stream's variance flat in depth.
+        std = std / math.sqrt(2.0 * config.num_layers)
+    return torch.empty(shape).normal_(0.0, std, generator=_generator(seed, name))
+
+
+def full_shape(param: nn.Parameter, tensor_model_parallel_size: int) -> torch.Size:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tensor_model_parallel_size
+    return torch.Size(shape)
+
+
+@torch.no_grad()
+def initialize_weights(model_chunks: list[nn.Module], config: ModelConfig, parallel_state: ParallelState,
+                       seed: int) -> None:
+    tp_size = parallel_state.tensor_model_parallel_world_size
+    tp_rank = parallel_state.tensor_model_parallel_rank
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            init_name = _TIED_WEIGHT_NAME if getattr(param, "shared_embedding", False) else name
+            full = _init_full(init_name, full_shape(param, tp_size), config, seed)
+            if getattr(param, "tensor_model_parallel", False):
+                full = shard_tensor(full, partition_dim=param.partition_dim, partition_stride=param.partition_stride,
+                                    rank=tp_rank, world_size=tp_size)
+            param.copy_(full)

@@ -1,0 +1,312 @@
+"""The pretraining loop, top to bottom.
+
+    pretrain(config)
+      initialise processes, groups and seeds
+      build the model chunks this rank holds, wrap them for data parallelism
+      build the optimizer and LR schedule, load a checkpoint
+      loop: train_step -> log -> evaluate -> save
+
+Parallelism shows up only where it acts: ``build_model`` asks the pipeline split
+which layers this rank holds, ``train_step`` hands the micro-batches to the
+pipeline schedule, and the optimizer hides data-parallel sharding.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite import collectives, metrics
+from megatron_lite.config import Config
+from megatron_lite.data import MockGPTDataset, build_pretraining_data_loader, build_train_valid_test_datasets
+from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
+from megatron_lite.initialize import initialize_distributed
+from megatron_lite.model import GPTModel, initialize_weights
+from megatron_lite.optimizer import get_megatron_optimizer
+from megatron_lite.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron_lite.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
+from megatron_lite.pipeline_parallel.layer_split import get_layer_numbers
+from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
+from megatron_lite.tensor_parallel.random import model_parallel_seed
+
+
+@dataclass
+class TrainingState:
+    """What the loop carries between iterations; checkpoints save it."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    losses: list = field(default_factory=list)  # lm loss per iteration, on the last pipeline stage
+
+
+def set_random_seeds(seed: int, parallel_state: ParallelState) -> None:
+    """Pipeline stages get different default streams (Megatron's seed + 100 x stage); dropout
+    inside tensor-parallel regions uses the tracker's per-tensor-rank stream."""
+    torch.manual_seed(seed + 100 * parallel_state.pipeline_model_parallel_rank)
+    model_parallel_seed(seed, parallel_state.tensor_model_parallel_rank)
+
+
+def build_model(config: Config, parallel_state: ParallelState, *, wrap_with_ddp: bool = True) -> list:
+    """The model chunks this rank holds (one, or one per virtual stage), initialised
+    layout-independently and wrapped for data-parallel gradient reduction."""
+    parallel, training = config.parallel, config.training
+    vpp = parallel.virtual_pipeline_model_parallel_size or 1
+    device = _device()
+    chunks = []
+    for virtual_rank in range(vpp):
+        layers = get_layer_numbers(
+            config.model.num_layers, pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            pipeline_rank=parallel_state.pipeline_model_parallel_rank,
+            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+            virtual_pipeline_rank=virtual_rank,
+            decoder_first_pipeline_num_layers=parallel.decoder_first_pipeline_num_layers,
+            decoder_last_pipeline_num_layers=parallel.decoder_last_pipeline_num_layers)
+        chunks.append(GPTModel(
+            config.model, parallel_state, layer_numbers=layers,
+            pre_process=parallel_state.is_pipeline_first_stage() and virtual_rank == 0,
+            post_process=parallel_state.is_pipeline_last_stage() and virtual_rank == vpp - 1,
+            sequence_parallel=parallel.sequence_parallel, params_dtype=config.params_dtype,
+            recompute_granularity=training.recompute_granularity, recompute_method=training.recompute_method,
+            recompute_num_layers=training.recompute_num_layers))
+    initialize_weights(chunks, config.model, parallel_state, seed=training.seed)
+    chunks = [chunk.to(device) for chunk in chunks]
+    if not wrap_with_ddp:
+        return chunks
+    return [DistributedDataParallel(chunk, config=parallel, data_parallel_group=parallel_state.data_parallel_group)
+            for chunk in chunks]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Masked mean of the per-token loss of one micro-batch."""
+    loss_mask = loss_mask.float()
+    loss = torch.sum(output_tensor.float() * loss_mask) / loss_mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch through this rank's model chunk (Megatron's forward_step contract)."""
+    batch = {k: v.to(_device(), non_blocking=True) for k, v in next(data_iterator).items()}
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def build_data_iterators(config: Config, parallel_state: ParallelState, consumed_train_samples: int,
+                         consumed_valid_samples: int = 0):
+    """(train, valid) micro-batch iterators; a list of them, one per chunk, when interleaving."""
+    training, data = config.training, config.data
+    global_batch = training.global_batch_size or training.micro_batch_size * parallel_state.data_parallel_world_size
+    num_evaluations = training.train_iters // training.eval_interval + 1
+    num_samples = (training.train_iters * global_batch, num_evaluations * training.eval_iters * global_batch,
+                   training.eval_iters * global_batch)
+    train_ds, valid_ds = _build_datasets(config, num_samples)[:2]
+    vpp = config.parallel.virtual_pipeline_model_parallel_size or 1
+
+    def loaders(dataset, consumed):
+        if dataset is None:
+            return None
+        made = [build_pretraining_data_loader(
+            dataset, consumed_samples=consumed, micro_batch_size=training.micro_batch_size,
+            data_parallel_rank=parallel_state.data_parallel_rank,
+            data_parallel_size=parallel_state.data_parallel_world_size,
+            eod_token=getattr(dataset, "eod", None), eod_mask_loss=data.eod_mask_loss) for _ in range(vpp)]
+        return made if vpp > 1 else made[0]
+
+    return loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples)
+
+
+def _build_datasets(config: Config, num_samples: tuple):
+    model, training, data = config.model, config.training, config.data
+    if data.mock_data:
+        return tuple(MockGPTDataset(vocab_size=model.vocab_size, seq_length=model.seq_length,
+                                    seed=training.seed + split, num_samples=n) if n > 0 else None
+                     for split, n in enumerate(num_samples))
+    is_builder = not dist.is_initialized() or dist.get_rank() == 0
+    kwargs = dict(data_path=data.data_path, split=data.split, seq_length=model.seq_length, seed=training.seed,
+                  train_valid_test_num_samples=num_samples, data_cache_path=data.data_cache_path)
+    if is_builder:  # one rank builds the sample indices and caches them; the others load the cache
+        datasets = build_train_valid_test_datasets(is_builder_rank=True, **kwargs)
+    if dist.is_initialized():
+        dist.barrier()
+    if not is_builder:
+        datasets = build_train_valid_test_datasets(is_builder_rank=False, **kwargs)
+    return datasets
+
+
+def _no_sync_all(model_chunks):
+    """Suppress data-parallel gradient reduction in every chunk (non-final micro-batches)."""
+    stack = contextlib.ExitStack()
+    for chunk in model_chunks:
+        stack.enter_context(chunk.no_sync())
+    return stack
+
+
+def train_step(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, data_iterator):
+    """Forward and backward over every micro-batch of the global batch, then one optimizer step.
+
+    Returns (mean lm loss on the last stage or None, update_successful, grad_norm)."""
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = _forward_backward(config, parallel_state, model_chunks, data_iterator, forward_only=False,
+                               grad_scale_func=optimizer.scale_loss)
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=1)
+    return _average_loss(losses, parallel_state), update_successful, grad_norm
+
+
+def _forward_backward(config, parallel_state, model_chunks, data_iterator, *, forward_only, grad_scale_func=None):
+    model = config.model
+    num_microbatches = config.training.num_microbatches(parallel_state.data_parallel_world_size)
+    forward_backward = get_forward_backward_func(parallel_state)
+    return forward_backward(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=model_chunks,
+        num_microbatches=num_microbatches, seq_length=model.seq_length,
+        micro_batch_size=config.training.micro_batch_size, hidden_size=model.hidden_size,
+        parallel_state=parallel_state, forward_only=forward_only, sequence_parallel=config.parallel.sequence_parallel,
+        dtype=config.params_dtype, no_sync_func=functools.partial(_no_sync_all, model_chunks),
+        finalize_model_grads_func=functools.partial(finalize_model_grads, parallel_state=parallel_state),
+        grad_scale_func=grad_scale_func)
+
+
+def _average_loss(losses: list, parallel_state: ParallelState) -> float | None:
+    """Mean over micro-batches, then over data-parallel replicas (last stage only)."""
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    loss = torch.stack([entry["lm loss"].float() for entry in losses]).mean().reshape(1)
+    collectives.all_reduce(loss, parallel_state.data_parallel_group)
+    return loss.item() / parallel_state.data_parallel_world_size
+
+
+@torch.no_grad()
+def evaluate(config: Config, parallel_state: ParallelState, model_chunks, data_iterator) -> float | None:
+    """Mean validation loss over --eval-iters global batches, forward only."""
+    for chunk in model_chunks:
+        chunk.eval()
+    losses = []
+    for _ in range(config.training.eval_iters):
+        step_losses = _forward_backward(config, parallel_state, model_chunks, data_iterator, forward_only=True)
+        losses.append(_average_loss(step_losses, parallel_state))
+    for chunk in model_chunks:
+        chunk.train()
+    return None if losses[0] is None else sum(losses) / len(losses)
+
+
+def build_optimizer_and_scheduler(config: Config, parallel_state: ParallelState, model_chunks):
+    optimizer = get_megatron_optimizer(config.optimizer, model_chunks, parallel_state=parallel_state,
+                                       parallel_config=config.parallel, params_dtype=config.params_dtype)
+    opt = config.optimizer
+    scheduler = OptimizerParamScheduler(optimizer, max_lr=opt.lr, min_lr=opt.min_lr,
+                                        lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=opt.lr_decay_iters,
+                                        lr_decay_style=opt.lr_decay_style)
+    return optimizer, scheduler
+
+
+def is_last_rank() -> bool:
+    """Megatron prints from the last rank: it is on the last pipeline stage, which has the loss."""
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def print_rank_last(message: str) -> None:
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def pretrain(config: Config, *, keep_process_group: bool = False):
+    """Train as configured; returns (TrainingState, model chunks, parallel state)."""
+    initialize_distributed(config.parallel)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    config.parallel.data_parallel_size(world_size)  # fails with the arithmetic before any group is built
+    parallel_state = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
+                                               config.parallel.pipeline_model_parallel_size,
+                                               config.parallel.virtual_pipeline_model_parallel_size)
+    config.training.num_microbatches(parallel_state.data_parallel_world_size)
+    set_random_seeds(config.training.seed, parallel_state)
+    model_chunks = build_model(config, parallel_state)
+    optimizer, scheduler = build_optimizer_and_scheduler(config, parallel_state, model_chunks)
+    state = TrainingState()
+    from megatron_lite import checkpointing
+
+    if config.checkpoint.load:
+        state = checkpointing.load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) or state
+    train_iterator, valid_iterator = build_data_iterators(config, parallel_state, state.consumed_train_samples)
+    train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state)
+    if not keep_process_group:
+        destroy_model_parallel(parallel_state)
+    return state, model_chunks, parallel_state
+
+
+def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
+          valid_iterator, state: TrainingState) -> None:
+    from megatron_lite import checkpointing
+    from megatron_lite.signal_handler import DistributedSignalHandler
+
+    training, logging = config.training, config.logging
+    global_batch = training.global_batch_size or training.micro_batch_size * parallel_state.data_parallel_world_size
+    flops_per_iteration = metrics.num_floating_point_operations(
+        config.model, global_batch, config.model.padded_vocab_size(parallel_state.tensor_model_parallel_world_size))
+    peak = metrics.device_peak_tflops(logging.peak_tflops)
+    world_size = parallel_state.world_size
+    interval_losses, interval_start = [], time.perf_counter()
+    for chunk in model_chunks:
+        chunk.train()
+    signal_handler = (DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext())
+    with signal_handler:
+        while state.iteration < training.train_iters:
+            loss, update_successful, grad_norm = train_step(config, parallel_state, model_chunks, optimizer,
+                                                            scheduler, train_iterator)
+            state.iteration += 1
+            state.consumed_train_samples += global_batch
+            state.skipped_iterations += 0 if update_successful else 1
+            if loss is not None:
+                state.nan_iterations += 0 if loss == loss and abs(loss) != float("inf") else 1
+                state.losses.append(loss)
+                interval_losses.append(loss)
+            if state.iteration % logging.log_interval == 0:
+                elapsed = (time.perf_counter() - interval_start) / logging.log_interval
+                _log_iteration(config, state, optimizer, grad_norm, interval_losses, elapsed,
+                               flops_per_iteration, peak, world_size, global_batch)
+                interval_losses, interval_start = [], time.perf_counter()
+            if valid_iterator is not None and state.iteration % training.eval_interval == 0:
+                valid_loss = evaluate(config, parallel_state, model_chunks, valid_iterator)
+                if valid_loss is not None:
+                    print_rank_last(metrics.format_validation_log(iteration=state.iteration, lm_loss=valid_loss))
+            save_now = (config.checkpoint.save_interval and state.iteration % config.checkpoint.save_interval == 0)
+            stop_now = (training.exit_signal_handler
+                        and signal_handler.signals_received(parallel_state)) or (
+                training.exit_interval and state.iteration % training.exit_interval == 0)
+            if config.checkpoint.save and (save_now or stop_now):
+                checkpointing.save_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler, state)
+            if stop_now:
+                print_rank_last(f" exiting at iteration {state.iteration} (signal or --exit-interval)")
+                return
+
+
+def _log_iteration(config, state, optimizer, grad_norm, interval_losses, elapsed_s, flops_per_iteration, peak,
+                   world_size, global_batch):
+    if not is_last_rank():
+        return
+    tflops_per_gpu = flops_per_iteration / (elapsed_s * world_size) / 1e12
+    lm_loss = sum(interval_losses) / max(len(interval_losses), 1)
+    print(metrics.format_iteration_log(
+        iteration=state.iteration, train_iters=config.training.train_iters,
+        consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed_s * 1000.0,
+        tflops_per_gpu=tflops_per_gpu, learning_rate=optimizer.param_groups[0]["lr"],
+        global_batch_size=global_batch, lm_loss=lm_loss, loss_scale=optimizer.get_loss_scale(),
+        grad_norm=grad_norm, skipped_iterations=state.skipped_iterations,
+        nan_iterations=state.nan_iterations), flush=True)
+    tokens_per_second = global_batch * config.model.seq_length / elapsed_s
+    if config.logging.log_memory:
+        print(metrics.format_throughput_log(
+            tokens_per_second=tokens_per_second, mfu=metrics.model_flops_utilization(tflops_per_gpu, peak),
+            peak_memory=metrics.peak_memory_mb()), flush=True)
