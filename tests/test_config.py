@@ -1,0 +1,75 @@
+"""Flags parse into validated config; bad combinations fail naming the flag and the fix."""
+import pytest
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.config import ConfigError
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--vocab-size", "100", "--mock-data"]
+
+
+def test_megatron_flags_parse():
+    config = parse_args(BASE + ["--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "1e-3",
+                                "--min-lr", "1e-5", "--lr-decay-style", "linear", "--lr-warmup-iters", "3",
+                                "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                "--sequence-parallel", "--use-distributed-optimizer", "--bf16",
+                                "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+                                "--group-query-attention", "--num-query-groups", "2",
+                                "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
+                                "--clip-grad", "0.5", "--train-iters", "7", "--save", "/tmp/x",
+                                "--save-interval", "5", "--split", "98,1,1", "--no-fused-kernels"])
+    assert config.training.micro_batch_size == 2 and config.training.global_batch_size == 16
+    assert config.parallel.tensor_model_parallel_size == 2 and config.parallel.sequence_parallel
+    assert config.model.num_query_groups == 2 and not config.model.add_bias_linear
+    assert not config.model.use_fused_kernels
+    assert config.optimizer.lr_decay_iters == 7  # defaults to --train-iters
+    assert config.training.num_microbatches(data_parallel_size=2) == 4
+
+
+def test_unknown_flag_is_an_error():
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--tensor-parallel-size", "2"])
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--hidden-size", "66"], r"--hidden-size \(66\) must be divisible by --num-attention-heads \(4\)"),
+    (["--tensor-model-parallel-size", "3"], r"--num-attention-heads \(4\) must be divisible by "
+                                            r"--tensor-model-parallel-size \(3\)"),
+    (["--group-query-attention", "--num-query-groups", "3"], r"--num-query-groups \(3\)"),
+    (["--num-query-groups", "2"], "needs --group-query-attention"),
+    (["--bf16", "--fp16"], "mutually exclusive"),
+    (["--seq-length", "64", "--max-position-embeddings", "32"], "--max-position-embeddings"),
+    (["--save-interval", "10"], "needs --save"),
+    (["--overlap-param-gather"], "needs --use-distributed-optimizer"),
+    (["--lr", "1e-4", "--min-lr", "1e-3"], "--min-lr"),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33",
+      "--max-position-embeddings", "64"], r"--seq-length \(33\) must be divisible"),
+])
+def test_bad_combinations_name_the_flag(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_args(BASE + extra)
+
+
+def test_no_data_is_an_error():
+    with pytest.raises(ConfigError, match="--data-path"):
+        parse_args([a for a in BASE if a != "--mock-data"])
+
+
+def test_batch_arithmetic_is_explained():
+    config = parse_args(BASE + ["--micro-batch-size", "3", "--global-batch-size", "16"])
+    with pytest.raises(ConfigError, match=r"--global-batch-size \(16\) must be divisible by --micro-batch-size "
+                                          r"\(3\) x data-parallel size \(2\) = 6"):
+        config.training.num_microbatches(data_parallel_size=2)
+
+
+def test_world_size_arithmetic_is_shown():
+    config = parse_args(BASE + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible .* = 4"):
+        config.parallel.data_parallel_size(6)
+
+
+def test_config_round_trips_through_dict():
+    from megatron_lite.config import Config
+
+    config = parse_args(BASE + ["--swiglu"])
+    assert Config.from_dict(config.to_dict()) == config
