@@ -1,0 +1,148 @@
+"""JSONL -> indexed datasets: the engine behind ``tools/preprocess_data.py``.
+
+Worker processes tokenize lines; the main process writes documents in input order. A bad
+line (malformed JSON, a missing or non-string key, ids the tokenizer rejects) is reported
+as ``file:line`` and skipped, or aborts the run with ``strict``. Outputs go through
+``IndexedDatasetBuilder``, so they appear only when complete.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional, TextIO
+
+import numpy as np
+
+from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path
+from megatron_lite.tokenizer import build_tokenizer
+
+
+class PreprocessError(RuntimeError):
+    """The input cannot be preprocessed (with ``strict``, any bad line)."""
+
+
+@dataclass
+class PreprocessStats:
+    documents: int = 0
+    tokens: int = 0
+    bad_lines: int = 0
+    empty_documents: int = 0
+    input_bytes: int = 0
+    seconds: float = 0.0
+
+
+def encode_line(line: str, tokenizer, json_keys: tuple[str, ...], append_eod: bool):
+    """One JSON line -> ({key: ids}, None), or (None, problem) for a bad line."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        return None, f"malformed JSON ({error.msg} at column {error.colno})"
+    if not isinstance(record, dict):
+        return None, f"expected a JSON object, got {type(record).__name__}"
+    encoded = {}
+    for key in json_keys:
+        if key not in record:
+            return None, f"missing key {key!r} (--json-keys)"
+        if not isinstance(record[key], str):
+            return None, f"key {key!r} is {type(record[key]).__name__}, not a string"
+        try:
+            ids = tokenizer.tokenize(record[key])
+        except ValueError as error:
+            return None, f"tokenizer rejected {key!r}: {error}"
+        if append_eod:
+            ids.append(tokenizer.eod)
+        encoded[key] = np.asarray(ids, dtype=np.int64)
+    return encoded, None
+
+
+_worker = {}  # each worker process's tokenizer and options, set once by _init_worker
+
+
+def _init_worker(tokenizer_kwargs: dict, json_keys: tuple[str, ...], append_eod: bool) -> None:
+    _worker.update(tokenizer=build_tokenizer(**tokenizer_kwargs), json_keys=json_keys, append_eod=append_eod)
+
+
+def _encode_item(item: tuple[int, int, str]):
+    file_index, line_number, line = item
+    encoded, problem = encode_line(line, _worker["tokenizer"], _worker["json_keys"], _worker["append_eod"])
+    return file_index, line_number, len(line.encode("utf-8")), encoded, problem
+
+
+def _read_lines(input_paths: list[str]):
+    for file_index, path in enumerate(input_paths):
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if line.strip():  # blank lines (a trailing newline) are not documents
+                    yield file_index, line_number, line
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """Megatron-LM's naming: ``{output_prefix}_{key}_document`` (pass this to --data-path)."""
+    return f"{output_prefix}_{key}_document"
+
+
+def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kwargs: dict,
+                     json_keys: tuple[str, ...] = ("text",), append_eod: bool = False, workers: int = 1,
+                     log_interval: int = 1000, strict: bool = False, log: Optional[TextIO] = None) -> PreprocessStats:
+    """Tokenizes every line of ``input_paths`` into one ``.bin``/``.idx`` pair per JSON key.
+
+    Args:
+        tokenizer_kwargs: arguments of ``build_tokenizer`` (tokenizer_type, vocab_file, ...).
+        workers: tokenizer processes; the main process only reads and writes.
+    """
+    log = log or sys.stderr
+    if workers < 1:
+        raise PreprocessError(f"--workers must be >= 1, got {workers}.")
+    for path in input_paths:
+        if not os.path.isfile(path):
+            raise PreprocessError(f"--input {path} is not a file; give a JSONL file with one JSON object per line.")
+    tokenizer = build_tokenizer(**tokenizer_kwargs)  # fails here, clearly, before any worker starts
+    dtype = best_fitting_dtype(tokenizer.vocab_size)
+    builders = {}
+    stats = PreprocessStats()
+    start = time.monotonic()
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+    try:
+        for key in json_keys:
+            builders[key] = IndexedDatasetBuilder(data_file_path(output_prefix_for(output_prefix, key)), dtype)
+        with context.Pool(workers, initializer=_init_worker,
+                          initargs=(tokenizer_kwargs, tuple(json_keys), append_eod)) as pool:
+            for file_index, line_number, size, encoded, problem in pool.imap(
+                    _encode_item, _read_lines(input_paths), chunksize=64):
+                stats.input_bytes += size
+                if problem is not None:
+                    where = f"{input_paths[file_index]}:{line_number}"
+                    if strict:
+                        raise PreprocessError(f"{where}: {problem} (--strict: aborting, no output written)")
+                    stats.bad_lines += 1
+                    print(f"{where}: {problem}; skipped", file=log)
+                    continue
+                if any(ids.size == 0 for ids in encoded.values()):
+                    stats.empty_documents += 1
+                    continue
+                for key, ids in encoded.items():
+                    builders[key].add_document(ids)
+                stats.documents += 1
+                stats.tokens += sum(ids.size for ids in encoded.values())
+                if stats.documents % log_interval == 0:
+                    elapsed = time.monotonic() - start
+                    print(f"processed {stats.documents} documents ({stats.documents / elapsed:.1f} docs/s, "
+                          f"{stats.input_bytes / elapsed / 1e6:.2f} MB/s)", file=log)
+        for key, builder in builders.items():
+            builder.finalize(index_file_path(output_prefix_for(output_prefix, key)))
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    stats.seconds = time.monotonic() - start
+    summary = f"done: {stats.documents} documents, {stats.tokens} tokens in {stats.seconds:.1f} s"
+    if stats.bad_lines:
+        summary += f"; skipped {stats.bad_lines} bad lines (listed above)"
+    if stats.empty_documents:
+        summary += f"; skipped {stats.empty_documents} empty documents"
+    print(summary, file=log)
+    return stats

@@ -1,0 +1,48 @@
+"""Hugging Face ``tokenizers`` files (``tokenizer.json``); the only place that imports ``tokenizers``."""
+from __future__ import annotations
+
+import os
+
+# End-of-document markers used by common model families, in the order we look for them.
+_EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+_PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>")
+
+
+def _import_tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise ImportError("--tokenizer-type HuggingFaceTokenizer needs the `tokenizers` package: "
+                          "pip install tokenizers") from None
+    return tokenizers
+
+
+class HuggingFaceTokenizer:
+    """``--tokenizer-model`` is a ``tokenizer.json`` or a directory holding one."""
+
+    def __init__(self, tokenizer_model: str):
+        path = tokenizer_model
+        if path and os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        if not path or not os.path.isfile(path):
+            raise FileNotFoundError(f"HuggingFaceTokenizer needs --tokenizer-model pointing at a tokenizer.json "
+                                    f"(or its directory); {tokenizer_model!r} has none.")
+        self._tokenizer = _import_tokenizers().Tokenizer.from_file(path)
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        eod = next((vocab[t] for t in _EOD_CANDIDATES if t in vocab), None)
+        if eod is None:
+            raise ValueError(f"{path} has none of the end-of-document tokens {_EOD_CANDIDATES}; add one as a "
+                             "special token.")
+        self.eod = eod
+        self.pad = next((vocab[t] for t in _PAD_CANDIDATES if t in vocab), eod)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def tokenize(self, text: str) -> list[int]:
+        # Documents are concatenated with explicit EOD tokens; no BOS/EOS template per document.
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -1,0 +1,55 @@
+"""Tokenize a JSONL corpus into Megatron-LM indexed datasets.
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \
+        --append-eod --workers 2
+
+writes data/corpus_text_document.bin/.idx; train with --data-path data/corpus_text_document.
+"""
+import argparse
+import sys
+
+from megatron_lite.data.preprocess import PreprocessError, output_prefix_for, preprocess_jsonl
+from megatron_lite.tokenizer import TOKENIZER_TYPES
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", nargs="+", required=True, help="JSONL file(s), one JSON object per line")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one output pair each")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json")
+    group.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt")
+    group.add_argument("--tokenizer-model", help="SentencePiece .model or Hugging Face tokenizer.json")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids are 0..vocab-size-1, EOD = vocab-size")
+    group.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    group.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines")
+    group.add_argument("--strict", action="store_true", help="abort on the first bad line instead of skipping it")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    tokenizer_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                            merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                            vocab_size=args.vocab_size)
+    try:
+        preprocess_jsonl(args.input, output_prefix=args.output_prefix, tokenizer_kwargs=tokenizer_kwargs,
+                         json_keys=tuple(args.json_keys), append_eod=args.append_eod, workers=args.workers,
+                         log_interval=args.log_interval, strict=args.strict)
+    except (PreprocessError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    for key in args.json_keys:
+        print(f"--data-path {output_prefix_for(args.output_prefix, key)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
