@@ -1,4 +1,5 @@
 """Tensor and sequence parallelism: mappings, parallel layers, vocab-parallel loss, RNG tracker."""
+from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -16,6 +17,12 @@ from megatron_lite.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron_lite.tensor_parallel.random import (
+    RNGStatesTracker,
+    checkpoint,
+    get_rng_tracker,
+    model_parallel_seed,
+)
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "gather_shards",
@@ -24,4 +31,5 @@ __all__ = [
     "gather_from_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
+    "vocab_parallel_cross_entropy", "RNGStatesTracker", "checkpoint", "get_rng_tracker", "model_parallel_seed",
 ]

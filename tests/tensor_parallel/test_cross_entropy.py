@@ -1,0 +1,63 @@
+"""Vocab-parallel cross entropy against torch.nn.functional.cross_entropy, value and gradient."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.collectives import count_collectives
+from megatron_lite.parallel_state import initialize_model_parallel
+from megatron_lite.tensor_parallel import vocab_parallel_cross_entropy
+
+S, B, V = 6, 3, 32
+
+
+def _reference():
+    generator = torch.Generator().manual_seed(0)
+    # Large logits: the max subtraction must keep exp() finite.
+    logits = 30 * torch.randn(S, B, V, generator=generator)
+    target = torch.randint(0, V, (S, B), generator=generator)
+    upstream = torch.rand(S, B, generator=generator)
+    full = logits.clone().requires_grad_()
+    loss = F.cross_entropy(full.view(-1, V), target.view(-1), reduction="none").view(S, B)
+    (loss * upstream).sum().backward()
+    return logits, target, upstream, loss.detach(), full.grad
+
+
+def _check(rank, world_size):
+    group = initialize_model_parallel(world_size).tensor_model_parallel_group
+    logits, target, upstream, expected_loss, expected_grad = _reference()
+    local = logits.chunk(world_size, dim=-1)[rank].clone().requires_grad_()
+    with count_collectives() as forward_count:
+        loss = vocab_parallel_cross_entropy(local, target, group)
+    with count_collectives() as backward_count:
+        (loss * upstream).sum().backward()
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(local.grad, expected_grad.chunk(world_size, dim=-1)[rank], rtol=1e-5, atol=1e-6)
+    assert loss.shape == (S, B)
+    return dict(forward_count.calls), dict(backward_count.calls)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_matches_cross_entropy_on_sharded_vocabulary(run_distributed, world_size):
+    forward, backward = run_distributed(_check, world_size)[0]
+    # max, target logit, sum of exponentials: three [s, b] all-reduces; the backward is local.
+    assert forward == {("all_reduce", "tensor"): 3}
+    assert backward == {}
+
+
+def test_single_rank_matches_cross_entropy():
+    _check(0, 1)
+
+
+def test_low_precision_logits_are_reduced_in_float32():
+    logits, target, _, expected_loss, _ = _reference()
+    local = logits.bfloat16().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target, None)
+    loss.sum().backward()
+    assert loss.dtype == torch.float32 and local.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, F.cross_entropy(logits.bfloat16().float().view(-1, V), target.view(-1),
+                                                     reduction="none").view(S, B))
+
+
+def test_shape_mismatch_is_explained():
+    with pytest.raises(ValueError, match="must agree"):
+        vocab_parallel_cross_entropy(torch.zeros(2, 3, V), torch.zeros(3, 2, dtype=torch.long), None)
