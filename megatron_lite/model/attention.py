@@ -57,8 +57,10 @@ class SelfAttention(nn.Module):
         seq, batch = query.shape[:2]
         # [s, b, n, d] -> [b, n, s, d]; each key/value group serves heads_per_group query heads.
         query = query.permute(1, 2, 0, 3)
-        key = key.permute(1, 2, 0, 3).repeat_interleave(self.heads_per_group, dim=1)
-        value = value.permute(1, 2, 0, 3).repeat_interleave(self.heads_per_group, dim=1)
+        key, value = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
+        if self.heads_per_group > 1:
+            key = key.repeat_interleave(self.heads_per_group, dim=1)
+            value = value.repeat_interleave(self.heads_per_group, dim=1)
         dropout = self.attention_dropout if self.training else 0.0
         # Heads differ across tensor-parallel ranks, so their dropout masks must too.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
