@@ -1,0 +1,58 @@
+"""Point-to-point exchange of activations and gradients between neighbouring stages.
+
+Every tensor that crosses a stage boundary has one shape, known from the config
+before anything runs: ``[seq_length (/ tp under sequence parallelism),
+micro_batch_size, hidden_size]``. The receiver allocates its buffer from that
+shape, so nothing but the data travels. A sender whose tensor does not match
+would leave the receiver with a garbled or never-completing message; the shape
+is therefore checked on the sending side, before anything is posted, and the
+error names the flags that set it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite import collectives
+from megatron_lite.config import ConfigError
+
+
+def tensor_shape(*, seq_length: int, micro_batch_size: int, hidden_size: int,
+                 tensor_model_parallel_size: int = 1, sequence_parallel: bool = False) -> tuple[int, int, int]:
+    """Shape of the hidden state passed between pipeline stages ([sequence, batch, hidden])."""
+    if sequence_parallel:
+        if seq_length % tensor_model_parallel_size != 0:
+            raise ConfigError(
+                f"--sequence-parallel splits the sequence over tensor-parallel ranks: --seq-length ({seq_length}) "
+                f"must be divisible by --tensor-model-parallel-size ({tensor_model_parallel_size}).")
+        seq_length //= tensor_model_parallel_size
+    return (seq_length, micro_batch_size, hidden_size)
+
+
+def check_tensor(tensor: torch.Tensor, shape: tuple, dtype: torch.dtype, what: str) -> None:
+    """Raise if ``tensor`` is not what the neighbouring stage will allocate for it."""
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+        raise ValueError(
+            f"pipeline {what} has shape {list(tensor.shape)} and dtype {tensor.dtype}, but the neighbouring stage "
+            f"expects {list(shape)} {dtype}: [--seq-length (divided by --tensor-model-parallel-size under "
+            f"--sequence-parallel), --micro-batch-size, --hidden-size] in the training dtype. Make every model "
+            f"chunk return its hidden state as [sequence, batch, hidden], or fix the sizes passed to the schedule.")
+
+
+def exchange(*, sends: list[tuple[torch.Tensor, int]], receives: list[int], shape: tuple, dtype: torch.dtype,
+             device: torch.device, group) -> list[torch.Tensor]:
+    """Post all ``sends`` (tensor, global destination rank) and ``receives`` (global source ranks) together.
+
+    Posting both directions in one batch is what lets two neighbours that each
+    have something for the other proceed: a lone blocking send on each side
+    would wait forever for the other's receive. Messages between a pair of ranks
+    are matched in posting order, so the caller must post them in an order both
+    ends agree on (``timeline.match_messages`` checks the schedule tables for it).
+    Returns the received tensors in the order of ``receives``, after completion.
+    """
+    received = [torch.empty(shape, dtype=dtype, device=device) for _ in receives]
+    ops = [dist.P2POp(dist.isend, tensor.contiguous(), destination, group=group) for tensor, destination in sends]
+    ops += [dist.P2POp(dist.irecv, buffer, source, group=group) for buffer, source in zip(received, receives)]
+    for request in collectives.batch_isend_irecv(ops):
+        request.wait()
+    return received

@@ -1,0 +1,281 @@
+"""Forward and backward over the micro-batches of one iteration, pipelined across stages.
+
+The training loop calls ``get_forward_backward_func(parallel_state)`` once and
+then, every iteration, the function it returns (Megatron-Core's contract):
+
+    losses = forward_backward_func(forward_step_func=..., data_iterator=..., model=[chunks],
+                                   num_microbatches=m, seq_length=s, micro_batch_size=b,
+                                   hidden_size=h, parallel_state=ps)
+
+All three schedules are one executor running a different table from
+``schedule_table``: the table says what to do in which order, this module only
+says how to do each op. The data-parallel code is never imported; it reaches
+in through ``no_sync_func`` and ``finalize_model_grads_func``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from megatron_lite.config import ConfigError
+from megatron_lite.pipeline_parallel import p2p
+from megatron_lite.pipeline_parallel.schedule_table import (BACKWARD, FORWARD, RECV_BACKWARD, RECV_FORWARD,
+                                                            SEND_BACKWARD, SEND_FORWARD, ScheduleOp,
+                                                            check_interleaved_microbatches, is_first_virtual_stage,
+                                                            is_last_virtual_stage, rank_schedule, steps)
+
+
+def get_forward_backward_func(parallel_state) -> Callable:
+    """The schedule for this layout: no pipelining, 1F1B, or interleaved 1F1B."""
+    if parallel_state.pipeline_model_parallel_world_size == 1:
+        return forward_backward_no_pipelining
+    if (parallel_state.virtual_pipeline_model_parallel_size or 1) > 1:
+        return forward_backward_pipelining_with_interleaving
+    return forward_backward_pipelining_without_interleaving
+
+
+def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                                   micro_batch_size, hidden_size, parallel_state, forward_only=False,
+                                   sequence_parallel=False, dtype=torch.float32, no_sync_func=None,
+                                   finalize_model_grads_func=None, grad_scale_func=None) -> list[dict]:
+    """Gradient accumulation: forward then backward of each micro-batch on the whole model.
+
+    Args:
+        forward_step_func: ``(data_iterator, model_chunk) -> (output_tensor, loss_func)``, where
+            ``loss_func(output_tensor) -> (loss, {"lm loss": detached loss})``.
+        data_iterator: an iterator (or a list with one per model chunk) handed to ``forward_step_func``.
+        model: the model chunks of this rank (a single module is taken as one chunk).
+        num_microbatches: micro-batches in this iteration; each loss is divided by it before backward.
+        seq_length, micro_batch_size, hidden_size: give the shape sent between stages.
+        parallel_state: this rank's ``ParallelState``.
+        forward_only: evaluation; no backward, no gradients.
+        sequence_parallel: the tensors between stages are split along the sequence over tensor-parallel ranks.
+        dtype: dtype of the tensors between stages.
+        no_sync_func: returns a context manager that holds back data-parallel gradient reduction; it is left
+            before the last backward. A list gives one per model chunk, each left before that chunk's last
+            backward.
+        finalize_model_grads_func: called with the model chunks once all backwards are done.
+        grad_scale_func: scales the loss before backward (fp16 loss scaling).
+
+    Returns:
+        The loss dicts of the micro-batches, in order, on the last pipeline stage; ``[]`` elsewhere.
+    """
+    if parallel_state.pipeline_model_parallel_world_size != 1:
+        raise ConfigError("forward_backward_no_pipelining runs the whole model on one stage, but "
+                          "--pipeline-model-parallel-size is "
+                          f"{parallel_state.pipeline_model_parallel_world_size}; use get_forward_backward_func.")
+    return _run_schedule(**locals())
+
+
+def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_iterator, model, num_microbatches,
+                                                     seq_length, micro_batch_size, hidden_size, parallel_state,
+                                                     forward_only=False, sequence_parallel=False,
+                                                     dtype=torch.float32, no_sync_func=None,
+                                                     finalize_model_grads_func=None,
+                                                     grad_scale_func=None) -> list[dict]:
+    """1F1B: warm-up forwards, then one forward one backward, then the remaining backwards.
+
+    Arguments and return value as ``forward_backward_no_pipelining``; ``model`` holds one chunk.
+    """
+    return _run_schedule(**locals())
+
+
+def forward_backward_pipelining_with_interleaving(*, forward_step_func, data_iterator, model, num_microbatches,
+                                                  seq_length, micro_batch_size, hidden_size, parallel_state,
+                                                  forward_only=False, sequence_parallel=False,
+                                                  dtype=torch.float32, no_sync_func=None,
+                                                  finalize_model_grads_func=None,
+                                                  grad_scale_func=None) -> list[dict]:
+    """Interleaved 1F1B: each rank holds v model chunks (chunk c is virtual stage c * p + rank).
+
+    Arguments and return value as ``forward_backward_no_pipelining``; ``model`` and
+    ``data_iterator`` are lists of v, and ``num_microbatches`` must be a multiple of p.
+    """
+    arguments = dict(locals())
+    vpp = parallel_state.virtual_pipeline_model_parallel_size
+    if vpp is not None and len(_as_list(model)) != vpp:
+        raise ConfigError(f"--virtual-pipeline-model-parallel-size is {vpp} but this rank was given "
+                          f"{len(_as_list(model))} model chunks; build one chunk per virtual stage.")
+    check_interleaved_microbatches(num_microbatches, parallel_state.pipeline_model_parallel_world_size)
+    return _run_schedule(**arguments)
+
+
+def _as_list(x) -> list:
+    return x if isinstance(x, list) else [x]
+
+
+def _run_schedule(*, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
+                  hidden_size, parallel_state, forward_only, sequence_parallel, dtype, no_sync_func,
+                  finalize_model_grads_func, grad_scale_func) -> list[dict]:
+    """What all three entry points do once their own checks pass (they share one signature, Megatron's)."""
+    model, data_iterator = _as_list(model), _as_list(data_iterator)
+    if len(data_iterator) != len(model):
+        raise ConfigError(f"got {len(model)} model chunks but {len(data_iterator)} data iterators; "
+                          f"pass one data iterator per model chunk (None where a chunk reads no data).")
+    p = parallel_state.pipeline_model_parallel_world_size
+    rank = parallel_state.pipeline_model_parallel_rank
+    shape = p2p.tensor_shape(seq_length=seq_length, micro_batch_size=micro_batch_size, hidden_size=hidden_size,
+                             tensor_model_parallel_size=parallel_state.tensor_model_parallel_world_size,
+                             sequence_parallel=sequence_parallel)
+    ops = rank_schedule(p, rank, num_microbatches, len(model), forward_only)
+    executor = ScheduleExecutor(
+        forward_step_func=forward_step_func, data_iterators=data_iterator, model=model,
+        num_microbatches=num_microbatches, parallel_state=parallel_state, tensor_shape=shape, dtype=dtype,
+        forward_only=forward_only, grad_scale_func=grad_scale_func)
+    losses = executor.run(ops, no_sync_func=None if forward_only else no_sync_func)
+    if not forward_only and finalize_model_grads_func is not None:
+        finalize_model_grads_func(model)
+    return losses
+
+
+def deallocate_output_tensor(output: torch.Tensor) -> None:
+    """Free a sent activation's storage; keep the tensor object, whose ``grad_fn`` backward still needs.
+
+    Backward starts from the output's autograd node and the gradient received
+    from the next stage; the output's values are not needed any more once sent.
+    A view is left alone: its storage belongs to its base.
+    """
+    if output._base is None:
+        output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+
+
+def custom_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]) -> None:
+    """Backward from ``output`` with ``grad_output``, even when ``output``'s storage was freed.
+
+    ``torch.autograd.backward`` insists the gradient has the output's current
+    shape, which a freed output no longer has; the engine itself only checks
+    against the shape recorded in the graph, so it is called directly.
+    """
+    if grad_output is None:
+        if output.numel() != 1:
+            raise ValueError(f"the last stage's loss_func must return a scalar loss, got shape {list(output.shape)}")
+        grad_output = torch.ones_like(output)
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+class ScheduleExecutor:
+    """Runs one rank's schedule table: each op touches the tensors of one (micro-batch, chunk)."""
+
+    def __init__(self, *, forward_step_func, data_iterators: list, model: list, num_microbatches: int,
+                 parallel_state, tensor_shape: tuple, dtype: torch.dtype, forward_only: bool,
+                 grad_scale_func=None):
+        self.forward_step_func = forward_step_func
+        self.data_iterators = data_iterators
+        self.model = model
+        self.num_microbatches = num_microbatches
+        self.parallel_state = parallel_state
+        self.tensor_shape = tensor_shape
+        self.dtype = dtype
+        self.forward_only = forward_only
+        self.grad_scale_func = grad_scale_func
+        self.pipeline_rank = parallel_state.pipeline_model_parallel_rank
+        self.pipeline_size = parallel_state.pipeline_model_parallel_world_size
+        params = [p for chunk in model for p in chunk.parameters()]
+        self.device = params[0].device if params else torch.device("cpu")
+        # Keyed by (micro-batch, chunk); entries live from the op that makes them to the op that consumes them.
+        self.inputs: dict = {}  # received activation (absent on the first virtual stage)
+        self.outputs: dict = {}  # chunk output (the scaled loss on the last virtual stage)
+        self.output_grads: dict = {}  # received gradient of the output
+        self.input_grads: dict = {}  # gradient of the input, to send back
+        self.losses: list = []
+
+    def _is_first(self, chunk: int) -> bool:
+        return is_first_virtual_stage(self.pipeline_rank, chunk)
+
+    def _is_last(self, chunk: int) -> bool:
+        return is_last_virtual_stage(self.pipeline_rank, chunk, self.pipeline_size, len(self.model))
+
+    def run(self, ops: list[ScheduleOp], no_sync_func=None) -> list[dict]:
+        """Execute ``ops`` in order; returns the loss dicts (last stage only)."""
+        # Gradient reduction is held back until the last backward of each chunk (of the rank, for a
+        # single no_sync_func): reducing after every micro-batch would repeat it m times.
+        backwards = [op for op in ops if op.kind == BACKWARD]
+        if no_sync_func is None or not backwards:
+            release = {}
+        elif isinstance(no_sync_func, list):
+            if len(no_sync_func) != len(self.model):
+                raise ConfigError(f"no_sync_func has {len(no_sync_func)} entries for {len(self.model)} model chunks.")
+            last = {op.chunk: op for op in backwards}
+            release = {last[c]: func() for c, func in enumerate(no_sync_func) if c in last}
+        else:
+            release = {backwards[-1]: no_sync_func()}
+        for context in release.values():
+            context.__enter__()
+        with torch.set_grad_enabled(not self.forward_only):
+            for step in steps(ops):
+                if isinstance(step, tuple):
+                    self.communicate(step)
+                elif step.kind == FORWARD:
+                    self.forward(step)
+                else:
+                    if step in release:
+                        release.pop(step).__exit__(None, None, None)
+                    self.backward(step)
+        return self.losses
+
+    def forward(self, op: ScheduleOp) -> None:
+        key, chunk = (op.microbatch, op.chunk), self.model[op.chunk]
+        chunk.set_input_tensor(self.inputs.get(key))
+        output, loss_func = self.forward_step_func(self.data_iterators[op.chunk], chunk)
+        if self._is_last(op.chunk):
+            loss, loss_dict = loss_func(output)
+            self.losses.append(loss_dict)
+            # Each micro-batch's loss is a mean over its tokens; dividing by m makes the accumulated
+            # gradient that of the mean over the whole batch.
+            output = loss / self.num_microbatches
+            if self.forward_only:
+                return
+        else:
+            p2p.check_tensor(output, self.tensor_shape, self.dtype, f"stage output (micro-batch {op.microbatch}, "
+                                                                    f"model chunk {op.chunk})")
+        self.outputs[key] = output
+
+    def backward(self, op: ScheduleOp) -> None:
+        key = (op.microbatch, op.chunk)
+        input_tensor, output = self.inputs.pop(key, None), self.outputs.pop(key)
+        grad_output = self.output_grads.pop(key, None)
+        if grad_output is None and self.grad_scale_func is not None:
+            output = self.grad_scale_func(output)
+        custom_backward(output, grad_output)
+        if not self._is_first(op.chunk):
+            if input_tensor.grad is None:
+                raise RuntimeError(f"model chunk {op.chunk} did not use the tensor given to set_input_tensor, so "
+                                   f"no gradient flows back to the previous pipeline stage; start the chunk's "
+                                   f"forward from it when it is not the first stage.")
+            self.input_grads[key] = input_tensor.grad
+
+    def communicate(self, ops: tuple) -> None:
+        """One batched exchange: this step's sends and receives are posted together and waited on."""
+        ps = self.parallel_state
+        sends, receives = [], []
+        for op in ops:
+            key = (op.microbatch, op.chunk)
+            if op.kind == SEND_FORWARD:
+                sends.append((self.outputs[key], ps.pipeline_next_rank))
+            elif op.kind == SEND_BACKWARD:
+                gradient = self.input_grads.pop(key)
+                p2p.check_tensor(gradient, self.tensor_shape, self.dtype, "input gradient")
+                sends.append((gradient, ps.pipeline_prev_rank))
+            elif op.kind == RECV_FORWARD:
+                receives.append((op, ps.pipeline_prev_rank))
+            elif op.kind == RECV_BACKWARD:
+                receives.append((op, ps.pipeline_next_rank))
+        received = p2p.exchange(sends=sends, receives=[source for _, source in receives], shape=self.tensor_shape,
+                                dtype=self.dtype, device=self.device, group=ps.pipeline_model_parallel_group)
+        for (op, _), tensor in zip(receives, received):
+            key = (op.microbatch, op.chunk)
+            if op.kind == RECV_FORWARD:
+                self.inputs[key] = tensor.requires_grad_(not self.forward_only)
+            else:
+                self.output_grads[key] = tensor
+        # Sends have completed: an activation that was sent is only needed for its autograd graph now.
+        for op in ops:
+            if op.kind == SEND_FORWARD:
+                key = (op.microbatch, op.chunk)
+                if self.forward_only:
+                    del self.outputs[key]
+                else:
+                    deallocate_output_tensor(self.outputs[key])
