@@ -1,0 +1,59 @@
+"""Stop cleanly on a scheduler's signal, on the same iteration on every rank.
+
+SLURM sends SIGTERM shortly before a job's time limit (``#SBATCH --signal``) or
+on preemption. The signal reaches ranks at slightly different moments, so a rank
+that stopped on its own would leave the others waiting in a collective forever.
+The handler only records the signal; once per iteration the training loop asks
+``signals_received(group)``, which all-reduces the flag so every rank sees the
+same answer, saves a checkpoint and exits together.
+
+    with DistributedSignalHandler() as handler:
+        for iteration in ...:
+            train_step(...)
+            if handler.signals_received(torch.distributed.group.WORLD):
+                save_checkpoint(...)
+                break
+"""
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite import collectives
+
+
+class DistributedSignalHandler:
+    """Context manager that records ``sig`` instead of dying, and restores the old handler on exit."""
+
+    def __init__(self, sig: signal.Signals = signal.SIGTERM):
+        self.sig = sig
+        self._received = False
+        self._previous = None
+
+    def __enter__(self) -> "DistributedSignalHandler":
+        self._received = False
+        self._previous = signal.signal(self.sig, self._record)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        signal.signal(self.sig, self._previous)
+        self._previous = None
+
+    def _record(self, signum, frame) -> None:
+        self._received = True
+
+    def signals_received(self, group) -> bool:
+        """Whether any rank of ``group`` has received the signal; a collective, so call it on every rank.
+
+        Args:
+            group: the ranks that must stop together: ``torch.distributed.group.WORLD``
+                in training; ``None`` for a group of one (no communication).
+        """
+        device = "cpu"
+        if group is not None and dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())  # NCCL reduces GPU tensors only
+        flag = torch.tensor([int(self._received)], dtype=torch.int32, device=device)
+        collectives.all_reduce(flag, group, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

@@ -1,0 +1,87 @@
+"""Print which node, tensor, pipeline and data-parallel rank every process gets.
+
+The launch scripts call this for ``--dry-run``, so a layout is checked before a
+job waits in the queue: the training flags are parsed and validated exactly as
+``megatron_lite.pretrain_gpt`` would, and the rank arithmetic is
+``RankLayout``'s, not a copy.
+
+    python tools/print_rank_map.py --nnodes 2 --nproc-per-node 8 \\
+        --hostnames gpu001 gpu002 -- --tensor-model-parallel-size 4 ...
+
+Both torchrun and srun (block distribution) give each node a contiguous run of
+ranks, so global rank r lives on node r // nproc_per_node.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_lite.arguments import parse_args
+from megatron_lite.config import Config, ConfigError
+from megatron_lite.parallel_state import RankLayout
+
+
+def rank_map(nnodes: int, nproc_per_node: int, tensor_model_parallel_size: int,
+             pipeline_model_parallel_size: int) -> list[dict]:
+    """One row per global rank: rank, node, local_rank, tp, pp, dp."""
+    layout = RankLayout(nnodes * nproc_per_node, tensor_model_parallel_size, pipeline_model_parallel_size)
+    rows = []
+    for rank in range(layout.world_size):
+        coords = layout.coordinates(rank)
+        rows.append({"rank": rank, "node": rank // nproc_per_node, "local_rank": rank % nproc_per_node,
+                     "tp": coords["tensor"], "pp": coords["pipeline"], "dp": coords["data"]})
+    return rows
+
+
+def layout_warnings(nproc_per_node: int, tensor_model_parallel_size: int) -> list[str]:
+    """Layouts that run but run slowly."""
+    if tensor_model_parallel_size > nproc_per_node or nproc_per_node % tensor_model_parallel_size:
+        return [f"tensor-parallel groups of {tensor_model_parallel_size} cross node boundaries "
+                f"({nproc_per_node} processes per node): their all-reduces leave NVLink; keep "
+                f"--tensor-model-parallel-size a divisor of the GPUs per node."]
+    return []
+
+
+def format_rank_map(rows: list[dict], config: Config, hostnames: list[str]) -> str:
+    parallel = config.parallel
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    world = len(rows)
+    nnodes = rows[-1]["node"] + 1
+    dp = world // (tp * pp)
+    lines = [f"rank map: {world} processes on {nnodes} node(s) = tensor-parallel {tp} x pipeline-parallel {pp} "
+             f"x data-parallel {dp}; {config.training.num_microbatches(dp)} micro-batch(es) per iteration",
+             f"{'rank':>6}  {'node':<16} {'local_rank':>10} {'tp':>4} {'pp':>4} {'dp':>4}"]
+    for row in rows:
+        host = hostnames[row["node"]] if row["node"] < len(hostnames) else f"node{row['node']}"
+        lines.append(f"{row['rank']:>6}  {host:<16} {row['local_rank']:>10} {row['tp']:>4} {row['pp']:>4} "
+                     f"{row['dp']:>4}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, training = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--nnodes", type=int, required=True)
+    parser.add_argument("--nproc-per-node", type=int, required=True)
+    parser.add_argument("--hostnames", nargs="*", default=[], help="node names in node-rank order")
+    args = parser.parse_args(own)
+    try:
+        if args.nnodes < 1 or args.nproc_per_node < 1:
+            raise ConfigError(f"--nnodes ({args.nnodes}) and --nproc-per-node ({args.nproc_per_node}) must be >= 1.")
+        config = parse_args(training)
+        parallel = config.parallel
+        rows = rank_map(args.nnodes, args.nproc_per_node, parallel.tensor_model_parallel_size,
+                        parallel.pipeline_model_parallel_size)
+        text = format_rank_map(rows, config, args.hostnames)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(text)
+    for warning in layout_warnings(args.nproc_per_node, parallel.tensor_model_parallel_size):
+        print(f"warning: {warning}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
