@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRON_LITE_TEST_TIMEOUT", "180"))
 
 _context = mp.get_context("forkserver")
-_context.set_forkserver_preload(["torch", "torch.distributed", "megatron_lite"])
+# torch.optim's first step imports torch._dynamo (seconds per rank): preload it once.
+_context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "megatron_lite"])
 
 
 class DistributedTestError(AssertionError):
