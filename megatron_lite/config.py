@@ -178,6 +178,7 @@ class OptimizerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
     clip_grad: float = 1.0
     loss_scale: Optional[float] = None  # static loss scale for fp16; None = dynamic
     initial_loss_scale: float = 2.0 ** 32

@@ -1,0 +1,47 @@
+"""Everything that must happen to gradients between the last backward and the optimizer step.
+
+1. Finish the data-parallel reduction of every model chunk.
+2. Under sequence parallelism, norm weights and biases see only this rank's part of
+   the sequence: their gradients are summed over the tensor-parallel group.
+3. The tied word embedding lives on the first and the last pipeline stage: each
+   holds half of its gradient, summed over the embedding group.
+
+Steps 2 and 3 are element-wise sums, so under the distributed optimizer (where
+only this rank's shard of ``main_grad`` is meaningful after step 1) they stay
+correct: tensor-parallel peers have identical buffer layouts, and the shared
+embedding sits in a bucket of its own so both stages shard it identically.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_lite import collectives
+
+
+def _all_reduce_coalesced(grads: list, group) -> None:
+    """One collective for many small gradients."""
+    if not grads or group is None:
+        return
+    if len(grads) == 1:
+        collectives.all_reduce(grads[0], group)
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    collectives.all_reduce(flat, group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def finalize_model_grads(model_chunks: list, parallel_state) -> None:
+    """Make every ``param.main_grad`` of ``model_chunks`` (DistributedDataParallel) final."""
+    for chunk in model_chunks:
+        chunk.finish_grad_sync()
+
+    params = [p for chunk in model_chunks for p in chunk.module.parameters() if p.requires_grad]
+    sequence_parallel = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+    _all_reduce_coalesced(sequence_parallel, parallel_state.tensor_model_parallel_group)
+
+    if parallel_state.pipeline_model_parallel_world_size > 1 and parallel_state.is_in_embedding_group():
+        shared = [p.main_grad for p in params if getattr(p, "shared_embedding", False)]
+        _all_reduce_coalesced(shared, parallel_state.embedding_group)

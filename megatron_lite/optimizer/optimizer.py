@@ -1,0 +1,312 @@
+"""The optimizer step on fp32 main parameters, for any model precision.
+
+The model computes in its precision (fp32, bf16 or fp16); Adam updates fp32
+*main* parameters and the result is copied back into the model. One step:
+
+    model grads (DDP's main_grad) -> fp32 main grads
+    fp16: unscale, and skip the step on every rank if any rank saw inf/NaN
+    global grad norm -> clip -> Adam on the main params -> copy main params to the model
+
+Megatron-LM splits this into FP32Optimizer and Float16OptimizerWithFloat16Params;
+here an fp32 main parameter simply *aliases* its fp32 model parameter (and an fp32
+main grad aliases the fp32 gradient buffer), so one class covers both and the
+distributed optimizer only changes which slice of each parameter a rank owns.
+Main parameters are 1-D slices of the flattened model parameters, which is what
+lets the distributed optimizer hand each rank an arbitrary contiguous range.
+
+``--optimizer-cpu-offload`` keeps the main parameters, their gradients and the
+Adam state in host memory and runs the step there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite import collectives
+from megatron_lite.config import OptimizerConfig
+from megatron_lite.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32, get_grads_for_norm
+
+# Attributes the gradient norm and finalisation read; main params carry them too.
+_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
+                        "shared_embedding")
+# Adam keeps exp_avg and exp_avg_sq, SGD a momentum buffer: fp32 elements per parameter element.
+_STATE_TENSORS_PER_ELEMENT = {"adam": 2, "sgd": 1}
+
+
+@dataclass(eq=False)
+class ParamRange:
+    """Elements [start, end) of the flattened model parameter ``param`` (named ``name``)."""
+
+    name: str
+    param: torch.nn.Parameter
+    start: int
+    end: int
+
+    def model_data(self) -> torch.Tensor:
+        return self.param.detach().view(-1)[self.start:self.end]
+
+    def model_grad(self) -> torch.Tensor:
+        return self.param.main_grad.view(-1)[self.start:self.end]
+
+
+class MegatronOptimizer:
+    """Adam (or SGD) over fp32 main copies of whole model parameters, replicated on every
+    data-parallel rank.
+
+    Args:
+        config: --lr, --weight-decay, --adam-*, --clip-grad, --optimizer-cpu-offload.
+        model_chunks: DistributedDataParallel-wrapped chunks (their params have ``main_grad``).
+        parallel_state: this rank's groups (the norm and the overflow check reduce over them).
+        grad_scaler: a loss scaler for fp16 (None for fp32/bf16).
+    """
+
+    def __init__(self, config: OptimizerConfig, model_chunks: list, *, parallel_state, grad_scaler=None) -> None:
+        self.config = config
+        self.model_chunks = model_chunks
+        self.parallel_state = parallel_state
+        self.grad_scaler = grad_scaler
+        self.offload = config.optimizer_cpu_offload
+        self.num_skipped_iterations = 0
+        self.param_ranges = self._param_ranges(_named_parameters(model_chunks))
+        self.main_params = [self._make_main_param(r) for r in self.param_ranges]
+        # Biases and norm weights (1-D parameters) are not decayed.
+        groups = [{"params": [], "weight_decay": config.weight_decay, "wd_mult": 1.0, "lr_mult": 1.0},
+                  {"params": [], "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0}]
+        self._group_of = {}
+        for r, main in zip(self.param_ranges, self.main_params):
+            index = 1 if r.param.ndim == 1 else 0
+            groups[index]["params"].append(main)
+            self._group_of[r.name] = index
+        if config.optimizer == "adam":
+            self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                               eps=config.adam_eps, weight_decay=config.weight_decay)
+        else:
+            self.optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
+                                             weight_decay=config.weight_decay)
+
+    # What a subclass changes: which elements this rank owns, and what happens after the step.
+    def _param_ranges(self, named_params: list) -> list[ParamRange]:
+        return [ParamRange(name, p, 0, p.numel()) for name, p in named_params]
+
+    def _data_parallel_group_for_grads(self):
+        """The group over which ranks hold *different* gradients (None: they are replicated)."""
+        return None
+
+    def _after_main_params_copied(self) -> None:
+        """Hook for the distributed optimizer's all-gather."""
+
+    def _main_aliases_model(self, r: ParamRange) -> bool:
+        return r.param.dtype == torch.float32 and not self.offload
+
+    def _make_main_param(self, r: ParamRange) -> torch.nn.Parameter:
+        if self._main_aliases_model(r):
+            main = torch.nn.Parameter(r.model_data())  # shares storage: updating it updates the model
+        else:
+            device = torch.device("cpu") if self.offload else r.param.device
+            main = torch.nn.Parameter(r.model_data().to(device=device, dtype=torch.float32, copy=True))
+        for attribute in _PARALLEL_ATTRIBUTES:
+            if hasattr(r.param, attribute):
+                setattr(main, attribute, getattr(r.param, attribute))
+        grad = r.model_grad()
+        if grad.dtype == torch.float32 and main.device == grad.device:
+            main.grad_source = None  # the fp32 gradient buffer itself serves as main grad
+        else:
+            main.grad_source = torch.empty_like(main)  # persistent fp32 copy, filled every step
+        return main
+
+    # The step.
+    @property
+    def param_groups(self) -> list:
+        return self.optimizer.param_groups
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale.to(loss.device)
+
+    def get_loss_scale(self) -> float:
+        return 1.0 if self.grad_scaler is None else float(self.grad_scaler.scale)
+
+    def zero_grad(self) -> None:
+        """Drop gradients held outside the DDP buffers (zero those with ``zero_grad_buffer``)."""
+        for r, main in zip(self.param_ranges, self.main_params):
+            r.param.grad = None
+            main.grad = None
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for r, main in zip(self.param_ranges, self.main_params):
+            if main.grad_source is None:
+                main.grad = r.model_grad()
+            else:
+                main.grad_source.copy_(r.model_grad())
+                main.grad = main.grad_source
+
+    def _unscale_and_check_for_inf(self) -> bool:
+        """Unscale the main grads; True if any rank found inf/NaN, so all ranks skip together."""
+        inv_scale = self.grad_scaler.inv_scale
+        flags = []
+        for main in self.main_params:
+            main.grad.mul_(inv_scale.to(main.grad.device))
+            flags.append((~torch.isfinite(main.grad)).any())
+        found_inf = torch.stack(flags).any().float() if flags else torch.zeros(())
+        found_inf = found_inf.to(self._communication_device())
+        for group in (self.parallel_state.model_parallel_group, self._data_parallel_group_for_grads()):
+            collectives.all_reduce(found_inf, group, op=dist.ReduceOp.MAX)
+        return bool(found_inf.item())
+
+    def _communication_device(self) -> torch.device:
+        # Where the process groups' backend expects tensors: with the model, not the host.
+        return next(self.model_chunks[0].parameters()).device
+
+    def _clip_grads(self) -> Optional[float]:
+        if self.config.clip_grad <= 0:
+            return None
+        ps = self.parallel_state
+        grads_for_norm = get_grads_for_norm(self.main_params, tensor_model_parallel_rank=ps.tensor_model_parallel_rank,
+                                            is_pipeline_first_stage=ps.is_pipeline_first_stage())
+        grad_norm = get_grad_norm_fp32(grads_for_norm, model_parallel_group=ps.model_parallel_group,
+                                       data_parallel_group=self._data_parallel_group_for_grads())
+        clip_grad_by_total_norm_fp32([m.grad for m in self.main_params], self.config.clip_grad, grad_norm)
+        return grad_norm
+
+    @torch.no_grad()
+    def step(self) -> tuple:
+        """One update with the learning rate already in ``param_groups``.
+
+        Returns:
+            (update_successful, grad_norm, num_zeros_in_grad): update_successful is False when
+            an fp16 overflow skipped the step (on every rank); grad_norm is None when
+            --clip-grad is 0 or the step was skipped; num_zeros_in_grad is not computed (None).
+        """
+        self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check_for_inf()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self.num_skipped_iterations += 1
+                self.zero_grad()
+                return False, None, None
+        grad_norm = self._clip_grads()
+        self.optimizer.step()
+        for r, main in zip(self.param_ranges, self.main_params):
+            if not self._main_aliases_model(r):
+                r.model_data().copy_(main.detach())
+        self._after_main_params_copied()
+        self.zero_grad()
+        return True, grad_norm, None
+
+    # Accounting and checkpoints.
+    def memory_report(self) -> dict:
+        """Bytes this rank holds for model parameters, gradient buffers and optimizer state.
+
+        Optimizer state counts fp32 main parameters and main grads that are copies (not
+        aliases of the model's own fp32 tensors) and Adam's two fp32 moments (SGD: one
+        momentum buffer), whether or not the first step has created them yet.
+        """
+        param_bytes = grad_bytes = 0
+        for chunk in self.model_chunks:
+            for buffer in chunk.grad_buffers:
+                n_params = (buffer.param_data.numel() if buffer.param_data is not None
+                            else sum(e - s for s, e in buffer.param_index_map.values()))
+                param_bytes += n_params * buffer.param_dtype.itemsize
+                grad_bytes += buffer.grad_data.numel() * buffer.grad_data.element_size()
+        states = _STATE_TENSORS_PER_ELEMENT[self.config.optimizer] if (
+            self.config.optimizer == "adam" or self.config.sgd_momentum > 0) else 0
+        optimizer_bytes = 0
+        for r, main in zip(self.param_ranges, self.main_params):
+            copies = states + (0 if self._main_aliases_model(r) else 1) + (main.grad_source is not None)
+            optimizer_bytes += copies * main.numel() * 4
+        return {"parameter_bytes": param_bytes, "gradient_bytes": grad_bytes,
+                "optimizer_state_bytes": optimizer_bytes, "optimizer_state_on_host": self.offload}
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state, keyed by parameter name (the format is documented in
+        ``megatron_lite/optimizer/__init__.py``)."""
+        params = {}
+        for r, main in zip(self.param_ranges, self.main_params):
+            state = self.optimizer.state.get(main, {})
+            params[r.name] = {"shape": tuple(r.param.shape), "range": (r.start, r.end),
+                              "main_param": main.detach().clone(),
+                              "state": {k: v.detach().clone() for k, v in state.items()}}
+        dp = self._data_parallel_group_for_grads()
+        return {"params": params,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+                "num_skipped_iterations": self.num_skipped_iterations,
+                "data_parallel": {"sharded": dp is not None, "size": collectives.world_size(dp),
+                                  "rank": collectives.rank(dp)}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state saved by any data-parallel layout whose entries cover this rank's ranges
+        (the same layout, or shards merged with ``merge_optimizer_state_dicts``)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"optimizer checkpoint has {len(saved_groups)} param groups, this optimizer "
+                             f"{len(self.optimizer.param_groups)}: it was saved by a different optimizer.")
+        for group, saved in zip(self.optimizer.param_groups, saved_groups):
+            group.update(saved)
+        for r, main in zip(self.param_ranges, self.main_params):
+            entry = state_dict["params"].get(r.name)
+            if entry is None:
+                raise KeyError(f"optimizer checkpoint has no state for parameter {r.name!r}: it was saved "
+                               f"from a different model or pipeline layout.")
+            start, end = entry["range"]
+            if tuple(entry["shape"]) != tuple(r.param.shape) or not start <= r.start <= r.end <= end:
+                raise ValueError(
+                    f"optimizer checkpoint holds elements {start}:{end} of {r.name!r} (shape {tuple(entry['shape'])}), "
+                    f"this rank needs {r.start}:{r.end} (shape {tuple(r.param.shape)}): merge the data-parallel "
+                    f"shards with merge_optimizer_state_dicts before loading under a new layout.")
+            window = slice(r.start - start, r.end - start)
+            main.copy_(entry["main_param"][window])
+            self.optimizer.state[main] = {
+                k: (v[window] if v.dim() == 1 else v).to(main.device if v.dim() == 1 else v.device, copy=True)
+                for k, v in entry["state"].items()}
+        if self.grad_scaler is not None and state_dict["grad_scaler"] is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        self.num_skipped_iterations = state_dict["num_skipped_iterations"]
+
+
+def merge_optimizer_state_dicts(state_dicts: list) -> dict:
+    """Join the data-parallel ranks' state dicts into one holding whole parameters.
+
+    Each parameter's pieces are concatenated in range order; the result loads into
+    any data-parallel size, sharded or not.
+    """
+    merged = dict(state_dicts[0])
+    merged["data_parallel"] = {"sharded": False, "size": 1, "rank": 0}
+    names = {name for sd in state_dicts for name in sd["params"]}
+    merged["params"] = {}
+    for name in names:
+        pieces = sorted((sd["params"][name] for sd in state_dicts if name in sd["params"]),
+                        key=lambda e: e["range"][0])
+        numel = 1
+        for size in pieces[0]["shape"]:
+            numel *= size
+        covered = [e["range"] for e in pieces]
+        if covered[0][0] != 0 or covered[-1][1] != numel or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
+            raise ValueError(f"the shards of {name!r} cover {covered}, not 0:{numel} exactly once: "
+                             f"pass the state dicts of every data-parallel rank.")
+        keys = pieces[0]["state"].keys()
+        merged["params"][name] = {
+            "shape": pieces[0]["shape"], "range": (0, numel),
+            "main_param": torch.cat([e["main_param"] for e in pieces]),
+            "state": {k: (torch.cat([e["state"][k] for e in pieces]) if pieces[0]["state"][k].dim() == 1
+                          else pieces[0]["state"][k]) for k in keys}}
+    return merged
+
+
+def _named_parameters(model_chunks: list) -> list:
+    """(name, param) of every trainable parameter, names unique across chunks."""
+    named, seen = [], set()
+    for chunk in model_chunks:
+        for name, param in chunk.module.named_parameters():
+            if not param.requires_grad:
+                continue
+            if name in seen:
+                raise ValueError(f"parameter name {name!r} appears in two model chunks; names must be "
+                                 f"layout independent (global layer numbers) and unique.")
+            seen.add(name)
+            named.append((name, param))
+    return named
