@@ -257,14 +257,16 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
         config.model, global_batch, config.model.padded_vocab_size(parallel_state.tensor_model_parallel_world_size))
     peak = metrics.device_peak_tflops(logging.peak_tflops)
     world_size = parallel_state.world_size
-    interval_losses, interval_start = [], time.perf_counter()
+    interval_losses, interval_time = [], 0.0
     for chunk in model_chunks:
         chunk.train()
     signal_handler = (DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext())
     with signal_handler:
         while state.iteration < training.train_iters:
+            step_start = time.perf_counter()
             loss, update_successful, grad_norm = train_step(config, parallel_state, model_chunks, optimizer,
                                                             scheduler, train_iterator)
+            interval_time += time.perf_counter() - step_start
             state.iteration += 1
             state.consumed_train_samples += global_batch
             state.skipped_iterations += 0 if update_successful else 1
@@ -273,10 +275,10 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
                 state.losses.append(loss)
                 interval_losses.append(loss)
             if state.iteration % logging.log_interval == 0:
-                elapsed = (time.perf_counter() - interval_start) / logging.log_interval
-                _log_iteration(config, state, optimizer, grad_norm, interval_losses, elapsed,
-                               flops_per_iteration, peak, world_size, global_batch)
-                interval_losses, interval_start = [], time.perf_counter()
+                _log_iteration(config, state, optimizer, grad_norm, interval_losses,
+                               interval_time / logging.log_interval, flops_per_iteration, peak, world_size,
+                               global_batch)
+                interval_losses, interval_time = [], 0.0
             if valid_iterator is not None and state.iteration % training.eval_interval == 0:
                 valid_loss = evaluate(config, parallel_state, model_chunks, valid_iterator)
                 if valid_loss is not None:
