@@ -70,7 +70,10 @@ def build_pretraining_data_loader(dataset, *, consumed_samples: int, micro_batch
     sampler = MegatronPretrainingSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
                                          micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
                                          data_parallel_size=data_parallel_size)
+    # A private generator: creating the iterator draws a worker base seed, which must not advance the
+    # global torch RNG (a resumed run builds its loader after restoring that RNG, an uninterrupted one before).
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0,
+        generator=torch.Generator(),
         collate_fn=functools.partial(collate_gpt_batch, eod_token=eod_token, eod_mask_loss=eod_mask_loss))
     return iter(loader)
