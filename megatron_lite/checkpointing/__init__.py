@@ -1,0 +1,14 @@
+"""Distributed checkpoints that reshard, resume exactly and load safely.
+
+    save_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler, state)
+    load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) -> TrainingState | None
+
+``storage`` is the on-disk format (safetensors + JSON, atomic commit, checksums),
+``resharding`` maps global tensors to and from any layout's shards, ``rng`` the
+random states, ``save_load`` what the training loop calls, and ``offline`` writes
+checkpoints from global tensors (the converter and the Hugging Face import).
+"""
+from megatron_lite.checkpointing.save_load import load_checkpoint, save_checkpoint
+from megatron_lite.checkpointing.storage import CheckpointError
+
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]

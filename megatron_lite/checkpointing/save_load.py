@@ -1,0 +1,372 @@
+"""Saving and loading during training, by every rank of any layout.
+
+Save: each rank writes one safetensors file with what only it holds: its
+tensor-parallel shard of its stage's weights (data-parallel rank 0 only; the other
+replicas hold the same values), its optimizer state (rank 0 of the data-parallel
+group, or every rank's own slice under the distributed optimizer) and its RNG
+states. Replicated tensors are written by tensor-parallel rank 0 only, and the tied
+output layer of the last pipeline stage not at all (it is the word embedding).
+Rank 0 then merges the ranks' indexes into ``metadata.json`` and commits the
+directory (``storage.commit``).
+
+Load: each rank asks the checkpoint for the global tensors its parameters are cut
+from, by name, and keeps its own shard (``resharding``), so the saving and the
+loading layouts are independent. RNG states are restored only under the same
+layout; the data position is the global ``consumed_train_samples``, which every
+data-parallel size reads the same way.
+
+Every rank checks the files it reads; ranks agree on success (one all-reduce)
+before training continues, so a bad file is a clear error on every rank rather
+than one rank failing while the others wait in a collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite import collectives
+from megatron_lite.checkpointing import rng, storage
+from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTensor, add_to_index, has_vocab_rows,
+                                                    local_shard)
+from megatron_lite.checkpointing.storage import CheckpointError
+from megatron_lite.config import Config, ConfigError
+
+# Model fields a checkpoint's weights depend on, with the flag that sets each.
+_ARCHITECTURE_FLAGS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups", "ffn_hidden_size": "--ffn-hidden-size", "vocab_size": "--vocab-size",
+    "normalization": "--normalization", "position_embedding_type": "--position-embedding-type",
+    "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights"}
+TIED_WEIGHT = "embedding.word_embeddings.weight"
+OPTIMIZER_PREFIX = "optimizer."
+
+
+def layout_of(config: Config, parallel_state) -> dict:
+    return {"world_size": parallel_state.world_size,
+            "tensor_model_parallel_size": parallel_state.tensor_model_parallel_world_size,
+            "pipeline_model_parallel_size": parallel_state.pipeline_model_parallel_world_size,
+            "data_parallel_size": parallel_state.data_parallel_world_size,
+            "virtual_pipeline_model_parallel_size": config.parallel.virtual_pipeline_model_parallel_size,
+            "use_distributed_optimizer": config.parallel.use_distributed_optimizer}
+
+
+def checkpoint_name(model, name: str) -> str:
+    """The name a parameter is stored under: the last stage's copy of the tied embedding is the embedding."""
+    if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+        return TIED_WEIGHT
+    return name
+
+
+def optimizer_key(state: str, name: str) -> str:
+    return f"{OPTIMIZER_PREFIX}{state}.{name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Save
+
+
+def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, scheduler, state) -> None:
+    """Write ``SAVE/iter_{iteration:07d}/`` and point ``latest_checkpointed_iteration.txt`` at it (every rank)."""
+    root, iteration, rank = config.checkpoint.save, state.iteration, parallel_state.rank
+    for chunk in model_chunks:  # weights must be final: finish any overlapped all-gather first
+        chunk.finish_param_sync()
+    _collectively(lambda: storage.prepare_staging(root, iteration) if rank == 0 else None, "prepare", root)
+    staging = storage.staging_dir(root, iteration)
+
+    def write_rank_file():
+        pieces = _model_pieces(config, parallel_state, model_chunks)
+        optimizer_state = optimizer.state_dict() if optimizer is not None else None
+        if optimizer_state is not None:
+            pieces += _optimizer_pieces(config, parallel_state, model_chunks, optimizer_state)
+        rng_tensors, rng_scalars = rng.get_rng_state()
+        file_name = storage.rank_file_name(rank)
+        info = storage.write_tensor_file(os.path.join(staging, file_name),
+                                         {**{p.key: p.data for p in pieces}, **rng_tensors})
+        tensors: dict = {}
+        add_to_index(tensors, pieces, file_name)
+        layers = sorted(int(n) for chunk in model_chunks for n in chunk.module.decoder.layers.keys())
+        index = {"file": file_name, "info": {**info, "rank": rank, "layers": layers,
+                                             "tensor_model_parallel_rank": parallel_state.tensor_model_parallel_rank,
+                                             "pipeline_model_parallel_rank": parallel_state.pipeline_model_parallel_rank,
+                                             "data_parallel_rank": parallel_state.data_parallel_rank},
+                 "tensors": tensors, "rng": rng_scalars}
+        if rank == 0 and optimizer_state is not None:
+            index["optimizer"] = _encode({k: optimizer_state[k] for k in
+                                          ("param_groups", "grad_scaler", "num_skipped_iterations")})
+        storage.write_json(os.path.join(staging, f"rank_{rank:05d}.json"), index)
+
+    _collectively(write_rank_file, "write", root)
+
+    def commit():
+        if rank != 0:
+            return
+        metadata = {"format": storage.FORMAT_VERSION, "iteration": iteration,
+                    "training_state": dataclasses.asdict(state), "config": config.to_dict(),
+                    "layout": layout_of(config, parallel_state),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "optimizer": None, "tensors": {}, "files": {}, "rng": {}}
+        _merge_rank_indexes(staging, parallel_state.world_size, metadata)
+        storage.write_json(os.path.join(staging, storage.METADATA_FILE), metadata)
+        storage.commit(root, iteration)
+
+    _collectively(commit, "commit", root)
+    if rank == 0:
+        print(f" saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
+
+
+def _model_pieces(config, parallel_state, model_chunks) -> list[ShardedTensor]:
+    if parallel_state.data_parallel_rank != 0:
+        return []
+    tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
+    pieces = []
+    for chunk in model_chunks:
+        model = chunk.module
+        for name, param in model.named_parameters():
+            if checkpoint_name(model, name) != name:
+                continue  # the tied copy: stored once, as the embedding
+            if not getattr(param, "tensor_model_parallel", False) and tp_rank != 0:
+                continue  # replicated over tensor-parallel ranks: stored once
+            pieces.append(ShardedTensor.of_parameter(
+                name, param.detach(), param, tp_rank=tp_rank, tp_size=tp_size,
+                vocab_size=config.model.vocab_size if has_vocab_rows(name) else None))
+    return pieces
+
+
+def _optimizer_pieces(config, parallel_state, model_chunks, optimizer_state: dict) -> list[ShardedTensor]:
+    """Each parameter's optimizer state as flat slices of its tensor-parallel shard.
+
+    The whole shard without the distributed optimizer (data-parallel rank 0 writes it),
+    this rank's slice with it (every rank writes its own). fp32 main parameters are
+    not written for fp32 models: they are the model weights themselves.
+    """
+    sharded = optimizer_state["data_parallel"]["sharded"]
+    if not sharded and parallel_state.data_parallel_rank != 0:
+        return []
+    tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
+    params = {name: (chunk.module, p) for chunk in model_chunks for name, p in chunk.module.named_parameters()}
+    pieces = []
+    for name, entry in optimizer_state["params"].items():
+        model, param = params[name]
+        if checkpoint_name(model, name) != name:
+            continue
+        if not getattr(param, "tensor_model_parallel", False) and tp_rank != 0:
+            continue
+        start, end = entry["range"]
+        tensors = {k: v for k, v in entry["state"].items() if v.dim() == 1}
+        if param.dtype != torch.float32:
+            tensors["main_param"] = entry["main_param"]
+        vocab_size = config.model.vocab_size if has_vocab_rows(name) else None
+        for state_name, value in tensors.items():
+            pieces.append(ShardedTensor.of_parameter(optimizer_key(state_name, name), value, param, tp_rank=tp_rank,
+                                                     tp_size=tp_size, vocab_size=vocab_size, flat_range=(start, end)))
+        if start == 0:  # scalars (Adam's step) are the same in every slice: stored by the first
+            pieces += [ShardedTensor(optimizer_key(k, name), v, ()) for k, v in entry["state"].items()
+                       if v.dim() == 0]
+    return pieces
+
+
+def _merge_rank_indexes(staging: str, world_size: int, metadata: dict) -> None:
+    for rank in range(world_size):
+        path = os.path.join(staging, f"rank_{rank:05d}.json")
+        with open(path) as f:
+            index = json.load(f)
+        os.remove(path)
+        metadata["files"][index["file"]] = index["info"]
+        metadata["rng"][str(rank)] = index["rng"]
+        if "optimizer" in index:
+            metadata["optimizer"] = index["optimizer"]
+        for key, entry in index["tensors"].items():
+            merged = metadata["tensors"].setdefault(key, {**entry, "shards": []})
+            if {k: v for k, v in merged.items() if k != "shards"} != {k: v for k, v in entry.items() if k != "shards"}:
+                raise CheckpointError(f"ranks disagree on the shape or split of {key!r}.")
+            merged["shards"] += entry["shards"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Load
+
+
+def load_checkpoint(config: Config, parallel_state, model_chunks, optimizer, scheduler):
+    """Load ``--load``'s newest checkpoint into this rank's chunks, optimizer and scheduler.
+
+    Returns the saved TrainingState (iteration 0 with --finetune), or None when
+    ``--load`` holds no checkpoint. ``--no-load-optim`` skips the optimizer state
+    (main parameters restart from the loaded weights), ``--no-load-rng`` the RNG
+    states; ``--finetune`` loads the weights only and starts at iteration 0. A
+    weights-only checkpoint (converted or imported) loads like ``--finetune``.
+    """
+    from megatron_lite.training import TrainingState
+
+    root = config.checkpoint.load
+    iteration = _collectively(lambda: storage.read_latest_iteration(root), "open", root)
+    if iteration is None:
+        if parallel_state.rank == 0:
+            print(f" no checkpoint found in --load {root} ({storage.TRACKER_FILE} is missing): "
+                  f"starting from scratch", flush=True)
+        return None
+    directory = storage.checkpoint_dir(root, iteration)
+    result = _collectively(lambda: _load_local(config, parallel_state, model_chunks, optimizer, scheduler, directory),
+                           "load", directory)
+    if result["reseed"]:
+        _reseed(config, parallel_state, iteration)
+    if parallel_state.rank == 0:
+        print(f" loaded checkpoint {directory} (saved at iteration {iteration}, layout {result['saved_layout']})",
+              flush=True)
+    return TrainingState(**result["training_state"])
+
+
+def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, directory) -> dict:
+    """Everything a rank does to load, without communication (so failures can be agreed on first)."""
+    reader = CheckpointReader(directory)
+    metadata = reader.metadata
+    check_architecture(metadata["config"]["model"], config)
+    weights_only = config.checkpoint.finetune or metadata["optimizer"] is None
+    load_optimizer = optimizer is not None and not weights_only and not config.checkpoint.no_load_optim
+    same_layout = metadata["layout"] == layout_of(config, parallel_state) and "rng" in metadata
+    load_rng = same_layout and not weights_only and not config.checkpoint.no_load_rng
+    if not same_layout and not weights_only and not config.checkpoint.no_load_rng and parallel_state.rank == 0:
+        warnings.warn(f"the checkpoint was saved with layout {metadata['layout']}, this run has "
+                      f"{layout_of(config, parallel_state)}: random-number states are not restored, they are "
+                      f"reseeded from --seed and the iteration (dropout masks differ from the uninterrupted run).")
+
+    tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
+    params = [(chunk.module, name, p) for chunk in model_chunks for name, p in chunk.module.named_parameters()]
+    needed = [checkpoint_name(model, name) for model, name, _ in params]
+    optimizer_states = _optimizer_states(reader) if load_optimizer else {}
+    if load_optimizer:
+        needed += [stored for key in needed for stored in optimizer_states.get(key, {}).values()]
+    own_file = storage.rank_file_name(parallel_state.rank)
+    reader.verify(needed, extra_files=[own_file] if load_rng else [])
+
+    with torch.no_grad():
+        for model, name, param in params:
+            key = checkpoint_name(model, name)
+            param.data.copy_(local_shard(key, reader.entry(key), reader.read(key), param,
+                                         tp_rank=tp_rank, tp_size=tp_size))
+    if load_optimizer:
+        optimizer.load_state_dict(_optimizer_state_dict(reader, optimizer_states, params, tp_rank, tp_size))
+    elif optimizer is not None:
+        _main_params_from_weights(optimizer, {name: p for _, name, p in params})
+    if scheduler is not None and not weights_only and metadata["scheduler"] is not None:
+        scheduler.load_state_dict(metadata["scheduler"])
+    if load_rng:
+        tensors = {name: reader.read_stored(own_file, name) for name in reader.stored_names(own_file)
+                   if name.startswith("rng.")}
+        rng.set_rng_state(tensors, metadata["rng"][str(parallel_state.rank)])
+    training_state = {"iteration": 0} if weights_only else metadata["training_state"]
+    return {"training_state": training_state, "reseed": not load_rng and not weights_only,
+            "saved_layout": metadata["layout"]}
+
+
+def _optimizer_states(reader: CheckpointReader) -> dict:
+    """{parameter key: {state name: stored key}} for the optimizer tensors in the checkpoint."""
+    states: dict = {}
+    for stored in reader.tensors:
+        if stored.startswith(OPTIMIZER_PREFIX):
+            state, key = stored.removeprefix(OPTIMIZER_PREFIX).split(".", 1)
+            states.setdefault(key, {})[state] = stored
+    return states
+
+
+def _optimizer_state_dict(reader: CheckpointReader, optimizer_states: dict, params: list, tp_rank: int,
+                          tp_size: int) -> dict:
+    """The optimizer's own state-dict format, with whole tensor-parallel shards (it slices out its range)."""
+    entries = {}
+    for model, name, param in params:
+        stored = optimizer_states.get(checkpoint_name(model, name), {})
+
+        def shard(key):
+            full = reader.read(key)
+            if full.dim() == 0:
+                return full
+            return local_shard(key, reader.entry(key), full, param, tp_rank=tp_rank, tp_size=tp_size).reshape(-1)
+
+        main = shard(stored["main_param"]) if "main_param" in stored else param.detach().reshape(-1).float()
+        entries[name] = {"shape": tuple(param.shape), "range": (0, param.numel()), "main_param": main,
+                         "state": {state: shard(key) for state, key in stored.items() if state != "main_param"}}
+    return {"params": entries, **_decode(reader.metadata["optimizer"])}
+
+
+def _main_params_from_weights(optimizer, named_params: dict) -> None:
+    """Restart the optimizer from the loaded weights: its fp32 main parameters are copies
+    (for 16-bit models) made before the weights were loaded."""
+    state = optimizer.state_dict()
+    for name, entry in state["params"].items():
+        start, end = entry["range"]
+        entry["main_param"] = named_params[name].detach().reshape(-1)[start:end].float()
+    optimizer.load_state_dict(state)
+
+
+def check_architecture(saved_model: dict, config: Config) -> None:
+    """A clear error, naming the flag, when the run's model is not the checkpoint's."""
+    current = dataclasses.asdict(config.model)
+    for field, flag in _ARCHITECTURE_FLAGS.items():
+        if saved_model.get(field) != current[field]:
+            raise ConfigError(f"the checkpoint was trained with {field}={saved_model.get(field)!r} but this run has "
+                              f"{current[field]!r}: set {flag} to match the checkpoint.")
+
+
+def _reseed(config, parallel_state, iteration: int) -> None:
+    # Seeding with the iteration keeps a resumed run from replaying the first iterations' dropout masks.
+    from megatron_lite.training import set_random_seeds
+
+    set_random_seeds(config.training.seed + iteration, parallel_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Agreement across ranks
+
+
+def _collectively(fn, what: str, path: str):
+    """Run ``fn`` on every rank; if any rank fails, every rank raises (none is left waiting)."""
+    error, result = None, None
+    try:
+        result = fn()
+    except Exception as caught:  # noqa: BLE001 - re-raised below, after the ranks agree
+        error = caught
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        failed = torch.tensor([dist.get_rank() + 1 if error is not None else 0], device=device)
+        collectives.all_reduce(failed, dist.group.WORLD, op=dist.ReduceOp.MAX)
+        failed_rank = int(failed.item()) - 1
+    else:
+        failed_rank = -1 if error is None else 0
+    if error is not None:
+        raise error
+    if failed_rank >= 0:
+        raise CheckpointError(f"rank {failed_rank} failed to {what} the checkpoint at {path}; "
+                              f"its error message says why.")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Small non-tensor state (param groups, loss scaler) as JSON
+
+
+def _encode(value):
+    if torch.is_tensor(value):
+        return {"__tensor__": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(value):
+    if isinstance(value, dict) and "__tensor__" in value:
+        dtype = getattr(torch, value["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"unknown tensor dtype {value['dtype']!r} in the checkpoint metadata.")
+        return torch.tensor(value["__tensor__"], dtype=dtype)
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value

@@ -1,0 +1,211 @@
+"""The checkpoint on disk: safe file formats, durable atomic writes, and validation.
+
+    SAVE/latest_checkpointed_iteration.txt    "100": the newest complete checkpoint
+    SAVE/iter_0000100/metadata.json           layout, config, training state, every tensor's split
+    SAVE/iter_0000100/rank_00003.safetensors  one rank's shards (weights, optimizer state, RNG)
+
+Tensors are stored only as safetensors and everything else as JSON, so opening a
+checkpoint never unpickles anything: a pickle can run arbitrary code, and a
+checkpoint may come from someone else.
+
+A save is atomic: ranks write into ``SAVE/.iter_0000100.tmp``, every file is
+fsynced, the directory is renamed to ``iter_0000100`` and only then is the pointer
+file replaced (``os.replace``). A crash at any moment leaves the pointer naming the
+previous, complete checkpoint. The metadata records each file's size and SHA-256,
+so a truncated or corrupted file is reported instead of silently loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import safetensors
+import safetensors.torch
+import torch
+
+FORMAT_VERSION = "megatron_lite-checkpoint/1"
+METADATA_FILE = "metadata.json"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, unsafe or incompatible; the message says which and why."""
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def staging_dir(root: str, iteration: int) -> str:
+    """Where a save is written before it is renamed into place (hidden, so it is never mistaken for one)."""
+    return os.path.join(root, f".iter_{iteration:07d}.tmp")
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------
+# Durable writes
+
+
+def _fsync_dir(path: str) -> None:
+    # A rename is durable only once the directory holding it is synced.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: str, data: bytes) -> dict:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def write_tensor_file(path: str, tensors: dict) -> dict:
+    """Write ``tensors`` (name -> tensor) as safetensors; returns the file's size and SHA-256."""
+    # Cloned: safetensors refuses tensors sharing memory, e.g. views of one flat parameter buffer.
+    tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
+    return _write_bytes(path, safetensors.torch.save(tensors))
+
+
+def write_json(path: str, obj) -> dict:
+    return _write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+
+def prepare_staging(root: str, iteration: int) -> str:
+    """Create an empty staging directory (removing a crashed save's leftovers). Call on one rank."""
+    os.makedirs(root, exist_ok=True)
+    staging = staging_dir(root, iteration)
+    if os.path.exists(staging):
+        shutil.rmtree(staging)
+    os.makedirs(staging)
+    return staging
+
+
+def commit(root: str, iteration: int) -> str:
+    """Move a fully written staging directory into place, then point the tracker file at it.
+
+    Call on one rank, after every rank's files are written and fsynced.
+    """
+    staging, final = staging_dir(root, iteration), checkpoint_dir(root, iteration)
+    _fsync_dir(staging)
+    if os.path.exists(final):  # saving the same iteration again: the new save replaces it
+        stale = final + ".old"
+        shutil.rmtree(stale, ignore_errors=True)
+        os.rename(final, stale)
+        os.rename(staging, final)
+        shutil.rmtree(stale)
+    else:
+        os.rename(staging, final)
+    _fsync_dir(root)
+    write_latest_iteration(root, iteration)
+    return final
+
+
+def write_latest_iteration(root: str, iteration: int) -> None:
+    tmp = os.path.join(root, f".{TRACKER_FILE}.tmp")
+    _write_bytes(tmp, f"{iteration}\n".encode())
+    os.replace(tmp, os.path.join(root, TRACKER_FILE))  # atomic: readers see the old or the new number
+    _fsync_dir(root)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and validation
+
+
+def read_latest_iteration(root: str) -> int | None:
+    """The iteration the tracker file names, or None when ``root`` holds no checkpoint."""
+    path = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} should hold an iteration number but holds {text[:40]!r}; "
+                              f"write the iteration of a complete iter_* directory into it.")
+    return int(text)
+
+
+def read_metadata(directory: str) -> dict:
+    path = os.path.join(directory, METADATA_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{directory} has no {METADATA_FILE}: it is not a megatron_lite checkpoint, or its "
+                              f"save did not finish. Point --load at a checkpoint root holding "
+                              f"{TRACKER_FILE}, or fix that file to name a complete iteration.")
+    try:
+        with open(path) as f:
+            metadata = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error}): the checkpoint is corrupt.") from None
+    if metadata.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format {metadata.get('format')!r}; this megatron_lite reads "
+                              f"{FORMAT_VERSION!r}.")
+    return metadata
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_files(directory: str, metadata: dict, *, checksum: set | frozenset = frozenset()) -> None:
+    """Check that every file the metadata lists exists with its recorded size, and that the
+    files named in ``checksum`` have their recorded SHA-256."""
+    for name, entry in metadata["files"].items():
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing. Restore the file, "
+                                  f"or load an earlier iteration (edit {TRACKER_FILE}).")
+        size = os.path.getsize(path)
+        if size != entry["size"]:
+            raise CheckpointError(f"checkpoint {directory} is incomplete or corrupt: {name} has {size} bytes, "
+                                  f"the metadata records {entry['size']}. Load an earlier iteration.")
+        if name in checksum and sha256_file(path) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint {directory} is corrupt: {name} does not match its SHA-256 in "
+                                  f"{METADATA_FILE}. Load an earlier iteration.")
+
+
+# Leading bytes of what torch.save and pickle write: zip archives and pickle protocol 2-5 headers.
+_PICKLE_SIGNATURES = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+
+
+class TensorFileReader:
+    """Reads named tensors from a checkpoint's safetensors files, opening each file once."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._handles: dict = {}
+
+    def _handle(self, file_name: str):
+        if file_name not in self._handles:
+            self._handles[file_name] = open_safetensors(os.path.join(self.directory, file_name))
+        return self._handles[file_name]
+
+    def get(self, file_name: str, tensor_name: str) -> torch.Tensor:
+        return self._handle(file_name).get_tensor(tensor_name)
+
+    def names(self, file_name: str) -> list:
+        return list(self._handle(file_name).keys())
+
+
+def open_safetensors(path: str):
+    """``safe_open`` with a clear refusal for anything that is not safetensors (a pickle above all)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head.startswith(_PICKLE_SIGNATURES):
+        raise CheckpointError(f"{path} is a pickle (torch.save) file, not safetensors. Unpickling can run arbitrary "
+                              f"code, so megatron_lite refuses to open it; re-save its tensors with safetensors.")
+    try:
+        return safetensors.safe_open(path, framework="pt")
+    except Exception as error:  # safetensors raises its own error types for a malformed header
+        raise CheckpointError(f"{path} is not a valid safetensors file ({error}); the checkpoint is corrupt.") from None
