@@ -1,0 +1,148 @@
+import json
+
+import numpy as np
+import pytest
+
+from megatron_lite.tokenizer import build_tokenizer
+from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe
+from megatron_lite.tokenizer.gpt2_bpe import EOD_TOKEN, PRETOKENIZE_PATTERN, bpe_merge, bytes_to_unicode
+from tests.data.conftest import TRICKY_TEXT
+
+tokenizers = pytest.importorskip("tokenizers")
+
+
+def hf_byte_level_bpe(vocab_file, merge_file):
+    """The reference: Hugging Face's ByteLevel BPE on the same files, without a prefix space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def test_bytes_to_unicode_is_the_gpt2_map():
+    mapping = bytes_to_unicode()
+    assert sorted(mapping) == list(range(256)) and len(set(mapping.values())) == 256
+    for b in [*range(33, 127), *range(161, 173), *range(174, 256)]:
+        assert mapping[b] == chr(b)
+    others = [b for b in range(256) if mapping[b] != chr(b)]
+    assert [mapping[b] for b in others] == [chr(256 + n) for n in range(len(others))]
+    assert mapping[ord(" ")] == "Ġ" and mapping[ord("\n")] == "Ċ"
+
+
+def test_pretokenization_pattern():
+    assert PRETOKENIZE_PATTERN.findall("I'm 12 dogs!!  so\n\n x") == \
+        ["I", "'m", " 12", " dogs", "!!", " ", " so", "\n\n", " x"]
+    assert PRETOKENIZE_PATTERN.findall("héllo wörld's") == ["héllo", " wörld", "'s"]
+
+
+def test_bpe_merge_applies_lowest_rank_first_and_all_occurrences():
+    ranks = {("b", "c"): 0, ("a", "bc"): 1, ("a", "b"): 2}
+    assert bpe_merge(list("abc"), ranks) == ["abc"]  # (b, c) outranks (a, b)
+    assert bpe_merge(list("aaaa"), {("a", "a"): 0}) == ["aa", "aa"]
+    assert bpe_merge(list("aaa"), {("a", "a"): 0}) == ["aa", "a"]  # left to right, no overlap
+    assert bpe_merge(list("xyz"), ranks) == ["x", "y", "z"]
+
+
+def test_trainer_merges_the_most_frequent_pair_first_and_lays_out_the_vocab():
+    vocab, merges = train_byte_level_bpe(["low low low lower newest newest"], 256 + 4 + 1)
+    # ("l", "o") and ("o", "w") both occur 4 times (low, 2x " low", " lower"); ties go to the smaller pair.
+    assert merges[0] == ("l", "o") and merges[1] == ("lo", "w")
+    assert len(merges) == 4 and len(vocab) == 261
+    byte_encoder = bytes_to_unicode()
+    assert all(vocab[byte_encoder[b]] == b for b in range(256))
+    assert [vocab[a + b] for a, b in merges] == [256, 257, 258, 259]
+    assert vocab[EOD_TOKEN] == 260
+    assert train_byte_level_bpe(["low low low lower newest newest"], 261) == (vocab, merges)  # deterministic
+
+
+def test_gpt2_bpe_round_trips_real_text(bpe_files, demo_texts):
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_files[0], merge_file=bpe_files[1])
+    assert tokenizer.vocab_size == 4096 and tokenizer.eod == 4095 and tokenizer.pad == tokenizer.eod
+    for text in [TRICKY_TEXT, "", " ", "\n", "  \n\t ", "".join(demo_texts[:50])]:
+        assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
+    ids = tokenizer.tokenize("".join(demo_texts))
+    assert len(ids) < 0.3 * len("".join(demo_texts))  # the merges compress English about 4x
+
+
+def test_gpt2_bpe_matches_huggingface_ids(bpe_files, demo_texts):
+    """Same vocab.json/merges.txt, same ids, over the whole 460 KB corpus and tricky Unicode."""
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_files[0], merge_file=bpe_files[1])
+    reference = hf_byte_level_bpe(*bpe_files)
+    texts = demo_texts + [TRICKY_TEXT]
+    assert sum(len(t) for t in texts) > 400_000
+    for ours_ids, reference_encoding in zip([ours.tokenize(t) for t in texts], reference.encode_batch(texts)):
+        assert ours_ids == reference_encoding.ids
+
+
+def test_gpt2_bpe_matches_huggingface_on_a_vocab_trained_by_huggingface(tmp_path, demo_texts):
+    """Merges we did not learn ourselves, including Hugging Face's own tie-breaking."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.train_from_iterator(demo_texts, trainers.BpeTrainer(
+        vocab_size=3000, special_tokens=[EOD_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    hf.model.save(str(tmp_path))
+    vocab_file, merge_file = str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    reference = hf_byte_level_bpe(vocab_file, merge_file)
+    texts = demo_texts[::3] + [TRICKY_TEXT]
+    assert [ours.tokenize(t) for t in texts] == [e.ids for e in reference.encode_batch(texts)]
+
+
+def test_mismatched_vocab_and_merges_are_reported(tmp_path, bpe_files):
+    original = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_files[0], merge_file=bpe_files[1])
+    first_merged = original.decoder[256]
+    vocab = dict(original.encoder)
+    del vocab[first_merged]
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file=bpe_files[1])
+    with pytest.raises(ValueError, match="do not belong together"):
+        tokenizer.tokenize(original.detokenize([256]))
+
+
+def test_sentencepiece_round_trips_real_text(sentencepiece_model, demo_texts):
+    tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sentencepiece_model)
+    assert tokenizer.vocab_size == 2048 and tokenizer.eod == 2 and tokenizer.pad == 3
+    for text in [TRICKY_TEXT, " leading space", "trailing  ", "\n", "".join(demo_texts[:50])]:
+        assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
+
+
+def test_huggingface_tokenizer_json(tmp_path, bpe_files, demo_texts):
+    hf = hf_byte_level_bpe(*bpe_files)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))  # the directory works too
+    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_files[0], merge_file=bpe_files[1])
+    assert tokenizer.vocab_size == 4096 and tokenizer.eod == gpt2.eod
+    text = demo_texts[3] + TRICKY_TEXT
+    assert tokenizer.tokenize(text) == gpt2.tokenize(text)
+    assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
+
+
+def test_null_tokenizer():
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert tokenizer.vocab_size == 101 and tokenizer.eod == 100
+    assert tokenizer.tokenize("5 17  99\n0") == [5, 17, 99, 0]
+    assert tokenizer.detokenize(np.array([5, 17])) == "5 17"
+    with pytest.raises(ValueError, match="outside"):
+        tokenizer.tokenize("3 100")
+    with pytest.raises(ValueError, match="space-separated integers"):
+        tokenizer.tokenize("3 x")
+
+
+def test_build_tokenizer_errors_name_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="--tokenizer-type must be one of"):
+        build_tokenizer("GPT3Tokenizer")
+    with pytest.raises(FileNotFoundError, match="--vocab-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "missing.json"), merge_file=None)
+    with pytest.raises(FileNotFoundError, match="--tokenizer-model"):
+        build_tokenizer("SentencePieceTokenizer")
+    with pytest.raises(ValueError, match="--vocab-size"):
+        build_tokenizer("NullTokenizer")
+    save_gpt2_bpe_files({"a": 0}, [], str(tmp_path))
+    with pytest.raises(ValueError, match="endoftext"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                        merge_file=str(tmp_path / "merges.txt"))
