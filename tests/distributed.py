@@ -15,16 +15,20 @@ traceback is raised in the test report.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRON_LITE_TEST_TIMEOUT", "180"))
+GRACE_S = 1.0  # after one rank fails, how long the others get to report before they are killed
 
 _context = mp.get_context("forkserver")
 # torch.optim's first step imports torch._dynamo (seconds per rank): preload it once.
-_context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "megatron_lite"])
+# pytest too: every test module imports it, and each rank imports the test module to find fn.
+_context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pytest", "megatron_lite"])
 
 
 class DistributedTestError(AssertionError):
@@ -48,7 +52,8 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, results):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size)
         value = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, "ok", value))
+        # Plain pickle, not torch's shared-memory reduction: a tensor result must outlive this process.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -66,31 +71,38 @@ def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None =
     for p in procs:
         p.start()
     outcome, errors = {}, []
-    import time
-
     deadline = time.monotonic() + timeout
-    while len(outcome) + len(errors) < world_size and time.monotonic() < deadline:
+    stop_at = deadline  # moved up to GRACE_S after the first failure
+    while len(outcome) + len(errors) < world_size and time.monotonic() < stop_at:
         if results.empty():
-            if any(p.exitcode not in (None, 0) for p in procs) and results.empty():
-                time.sleep(0.5)  # let a crashed rank's siblings report, then stop waiting
-                if results.empty():
-                    break
+            if any(p.exitcode not in (None, 0) for p in procs):
+                stop_at = min(stop_at, time.monotonic() + GRACE_S)
             time.sleep(0.01)
             continue
         rank, status, value = results.get()
         if status == "ok":
-            outcome[rank] = value
+            outcome[rank] = pickle.loads(value)
         else:
+            # The others may be blocked in a collective: give them a moment to report
+            # (their errors help), then stop waiting.
             errors.append((rank, value))
-        if errors:
-            break  # one rank failed: the others may be blocked in a collective
+            stop_at = min(stop_at, time.monotonic() + GRACE_S)
+    # A rank that died without reporting (segfault, os._exit) is the likely root cause:
+    # its siblings' "connection reset" errors are only the consequence.
+    reported = set(outcome) | {rank for rank, _ in errors}
+    silent = {r: p.exitcode for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)}
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join(5)
+    if silent:
+        others = "".join(f"\nthen rank {rank} failed:\n{tb}" for rank, tb in errors)
+        raise DistributedTestError(f"ranks {sorted(silent)} of {world_size} exited without a result (exit codes "
+                                   f"{silent}): a crash outside Python, or fn or its module not importable.{others}")
     if errors:
         rank, tb = errors[0]
-        raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{tb}")
+        others = f" (ranks {[r for r, _ in errors[1:]]} failed after it)" if len(errors) > 1 else ""
+        raise DistributedTestError(f"rank {rank} of {world_size} failed{others}:\n{tb}")
     missing = sorted(set(range(world_size)) - set(outcome))
     if missing:
         codes = {r: procs[r].exitcode for r in missing}

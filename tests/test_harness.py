@@ -39,3 +39,25 @@ def test_failing_rank_traceback_is_reported():
 def test_deadlock_fails_fast():
     with pytest.raises(DistributedTestError, match="did not finish within 3s"):
         run_distributed(_deadlocks, world_size=2, timeout=3)
+
+
+def _tensor_result(rank, world_size):
+    return torch.full((1000,), float(rank))
+
+
+def _exits_without_reporting(rank, world_size):
+    import os
+
+    if rank == 1:
+        os._exit(3)  # like a segfault: no traceback, no result
+    dist.barrier()
+
+
+def test_tensor_results_outlive_their_rank():
+    results = run_distributed(_tensor_result, world_size=2)
+    assert [r.sum().item() for r in results] == [0.0, 1000.0]
+
+
+def test_rank_dying_silently_is_reported_as_such():
+    with pytest.raises(DistributedTestError, match=r"exited without a result \(exit codes \{.*1: 3"):
+        run_distributed(_exits_without_reporting, world_size=2, timeout=60)
