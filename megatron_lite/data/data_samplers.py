@@ -23,9 +23,9 @@ class MegatronPretrainingSampler:
             raise ValueError(f"need micro_batch_size >= 1 and 0 <= data_parallel_rank ({data_parallel_rank}) < "
                              f"data_parallel_size ({data_parallel_size}); got micro_batch_size {micro_batch_size}.")
         if not 0 <= consumed_samples <= total_samples:
-            raise ValueError(f"consumed samples ({consumed_samples}) is beyond the dataset's {total_samples} samples: "
-                             "the checkpoint was trained on more data than was built; raise --train-samples/--train-iters "
-                             "or check --data-path.")
+            raise ValueError(f"consumed samples ({consumed_samples}) is beyond the dataset's {total_samples} "
+                             "samples: the checkpoint was trained on more data than was built; raise "
+                             "--train-samples/--train-iters or check --data-path.")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size

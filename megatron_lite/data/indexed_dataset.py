@@ -164,7 +164,8 @@ class IndexedDataset:
         if idx_size != expected_idx_size:
             raise IndexedDatasetError(
                 f"{idx_path} is {idx_size} bytes but its header ({count} sequences, {doc_count} document "
-                f"indices) needs {expected_idx_size}: the index is truncated or corrupt. Rerun tools/preprocess_data.py.")
+                f"indices) needs {expected_idx_size}: the index is truncated or corrupt. "
+                "Rerun tools/preprocess_data.py.")
 
         index = np.memmap(idx_path, dtype=np.uint8, mode="r")
         self.sequence_lengths = np.frombuffer(index, dtype="<i4", count=count, offset=HEADER_SIZE)
@@ -190,7 +191,8 @@ class IndexedDataset:
         elif lengths.size and (pointers[0] != 0 or np.any(np.diff(pointers) != lengths[:-1].astype(np.int64)
                                                            * self.dtype.itemsize)):
             corrupt = "sequence pointers that do not follow the lengths"
-        elif documents.size == 0 or documents[0] != 0 or documents[-1] != len(lengths) or np.any(np.diff(documents) < 0):
+        elif (documents.size == 0 or documents[0] != 0 or documents[-1] != len(lengths)
+              or np.any(np.diff(documents) < 0)):
             corrupt = "document indices that are not 0 = d0 <= d1 <= ... = sequence count"
         if corrupt:
             raise IndexedDatasetError(f"{idx_path} is corrupt: it has {corrupt}. Rerun tools/preprocess_data.py.")

@@ -17,7 +17,8 @@ from typing import Optional, TextIO
 
 import numpy as np
 
-from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path
+from megatron_lite.data.indexed_dataset import (IndexedDatasetBuilder, best_fitting_dtype, data_file_path,
+                                                index_file_path)
 from megatron_lite.tokenizer import build_tokenizer
 
 
@@ -55,7 +56,7 @@ def encode_line(line: str, tokenizer, json_keys: tuple[str, ...], append_eod: bo
             return None, f"tokenizer rejected {key!r}: {error}"
         if append_eod:
             ids.append(tokenizer.eod)
-        encoded[key] = np.asarray(ids, dtype=np.int64)
+        encoded[key] = np.asarray(ids, dtype=np.int32)  # half the bytes of int64 between processes
     return encoded, None
 
 

@@ -13,11 +13,13 @@ import os
 from collections import Counter, defaultdict
 from typing import Iterable
 
-from megatron_lite.tokenizer.gpt2_bpe import EOD_TOKEN, PRETOKENIZE_PATTERN, bytes_to_unicode, merge_pair, to_byte_symbols
+from megatron_lite.tokenizer.gpt2_bpe import (EOD_TOKEN, PRETOKENIZE_PATTERN, bytes_to_unicode, merge_pair,
+                                             to_byte_symbols)
 
 
 def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2,
-                         special_tokens: tuple[str, ...] = (EOD_TOKEN,)) -> tuple[dict[str, int], list[tuple[str, str]]]:
+                         special_tokens: tuple[str, ...] = (EOD_TOKEN,)
+                         ) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Learns merges until the vocabulary (256 bytes + merges + special tokens) has ``vocab_size`` entries.
 
     Returns:

@@ -13,7 +13,8 @@ class SentencePieceTokenizer:
     def __init__(self, tokenizer_model: str):
         if not tokenizer_model or not os.path.isfile(tokenizer_model):
             raise FileNotFoundError(f"SentencePieceTokenizer needs --tokenizer-model: {tokenizer_model!r} is not a "
-                                    "file. Train one with tools/train_tokenizer.py --tokenizer-type SentencePieceTokenizer.")
+                                    "file. Train one with tools/train_tokenizer.py --tokenizer-type "
+                                    "SentencePieceTokenizer.")
         self._processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
         if self._processor.eos_id() < 0:
             raise ValueError(f"{tokenizer_model} has no eos piece; SentencePieceTokenizer uses it as end of document.")

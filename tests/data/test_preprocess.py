@@ -1,8 +1,6 @@
 import json
 import os
 
-import pytest
-
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.preprocess import preprocess_jsonl
 from megatron_lite.tokenizer import build_tokenizer
