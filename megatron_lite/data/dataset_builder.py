@@ -69,6 +69,8 @@ def build_train_valid_test_datasets(*, data_path: list[str], split: str, seq_len
     split_weights = parse_split(split)
     if seq_length < 1:
         raise ValueError(f"--seq-length must be positive, got {seq_length}.")
+    if len(train_valid_test_num_samples) != 3:
+        raise ValueError(f"train_valid_test_num_samples needs three counts, got {train_valid_test_num_samples}.")
     indexed = [IndexedDataset(prefix) for prefix in prefixes]
     boundaries = [split_document_boundaries(len(d), split_weights) for d in indexed]
 

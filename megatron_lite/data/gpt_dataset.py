@@ -106,12 +106,16 @@ class GPTDataset:
             "bin_bytes": os.path.getsize(data_file_path(prefix)), "idx_bytes": os.path.getsize(index_file_path(prefix)),
             "documents": [int(start), int(stop)], "num_samples": int(num_samples), "seq_length": int(seq_length),
             "seed": int(seed)}
-        arrays = index_cache.load_or_build(
-            index_cache.cache_prefix(cache_dir, f"GPTDataset-{split_name}", description), description,
-            ("document_index", "sample_index", "shuffle_index"),
-            lambda: build_gpt_indices(indexed_dataset.sequence_lengths, np.arange(start, stop), num_samples=num_samples,
-                                      seq_length=seq_length, seed=seed),
-            is_builder_rank=is_builder_rank, timeout_s=cache_wait_timeout_s)
+        try:
+            arrays = index_cache.load_or_build(
+                index_cache.cache_prefix(cache_dir, f"GPTDataset-{split_name}", description), description,
+                ("document_index", "sample_index", "shuffle_index"),
+                lambda: build_gpt_indices(indexed_dataset.sequence_lengths, np.arange(start, stop),
+                                          num_samples=num_samples, seq_length=seq_length, seed=seed),
+                is_builder_rank=is_builder_rank, timeout_s=cache_wait_timeout_s)
+        except ValueError as error:
+            raise ValueError(f"{prefix}, {split_name} split (documents {start} to {stop}): {error} "
+                             "Change --split or add data.") from None
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]

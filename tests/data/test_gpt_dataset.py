@@ -168,3 +168,10 @@ def test_data_path_parsing_errors():
                          (["x", "a", "y", "b"], "must be numbers"), (["-1", "a", "2", "b"], "non-negative")]:
         with pytest.raises(ValueError, match=message):
             parse_data_path(bad)
+
+
+def test_a_split_too_small_for_one_sample_is_reported(tmp_path):
+    prefix = write_corpus(tmp_path / "tiny", [5] * 99 + [1])
+    with pytest.raises(ValueError, match=r"test split \(documents 99 to 100\).*1 tokens.*--split"):
+        build_train_valid_test_datasets(data_path=[prefix], split="98,1,1", seq_length=4, seed=0,
+                                        train_valid_test_num_samples=(10, 10, 10))
