@@ -4,12 +4,13 @@ The model calls only these functions. Each runs our CUDA kernel when the extensi
 is built and the tensors are on CUDA, else apex's kernel when apex offers the op,
 else the PyTorch reference in ``reference.py`` (which defines the semantics).
 """
-from . import apex_ops, reference
-from .dispatch import configure, fused_enabled, choose
+from . import apex_ops, fused, reference
+from .dispatch import choose, configure, fused_enabled
 
 __all__ = [
     "configure",
     "fused_enabled",
+    "load_extension",
     "layer_norm",
     "rms_norm",
     "bias_gelu",
@@ -21,52 +22,61 @@ __all__ = [
 ]
 
 
+def load_extension():
+    """Finds, or builds, the CUDA extension now rather than at the first fused op.
+
+    Returns:
+        True when the extension is loaded; False without CUDA, or when fused
+        kernels are turned off (then nothing is built).
+    """
+    return fused_enabled() and fused.available()
+
+
 def layer_norm(x, weight, bias, eps):
     """LayerNorm over the last dim in float32; returns x's dtype. ``bias`` may be None."""
-    impl = choose("layer_norm", x, None, apex_ops.layer_norm_op, reference.layer_norm)
+    impl = choose("layer_norm", x, reference.layer_norm, apex_ops.layer_norm_op)
     return impl(x, weight, bias, eps)
 
 
 def rms_norm(x, weight, eps):
     """RMSNorm ``x * rsqrt(mean(x^2) + eps) * weight`` in float32; returns x's dtype."""
-    impl = choose("rms_norm", x, None, apex_ops.rms_norm_op, reference.rms_norm)
+    impl = choose("rms_norm", x, reference.rms_norm, apex_ops.rms_norm_op)
     return impl(x, weight, eps)
 
 
 def bias_gelu(x, bias):
     """GELU (tanh approximation) of ``x + bias``; ``bias`` may be None."""
-    impl = choose("bias_gelu", x, None, None, reference.bias_gelu)
+    impl = choose("bias_gelu", x, reference.bias_gelu)
     return impl(x, bias)
 
 
 def swiglu(x):
     """``silu(gate) * up`` where the last dim of ``x`` is [gate, up]."""
-    impl = choose("swiglu", x, None, None, reference.swiglu)
+    impl = choose("swiglu", x, reference.swiglu)
     return impl(x)
 
 
 def bias_dropout_add(x, bias, residual, prob, training):
     """``residual + dropout(x + bias, prob)``; ``bias`` may be None."""
-    impl = choose("bias_dropout_add", x, None, None, reference.bias_dropout_add)
+    impl = choose("bias_dropout_add", x, reference.bias_dropout_add)
     return impl(x, bias, residual, prob, training)
 
 
 def apply_rotary_pos_emb(t, freqs):
     """Rotary embedding of t [s, b, heads, d] by angles freqs [s, 1, 1, rot_dim]."""
-    impl = choose("apply_rotary_pos_emb", t, None, apex_ops.rotary_op, reference.apply_rotary_pos_emb)
+    impl = choose("apply_rotary_pos_emb", t, reference.apply_rotary_pos_emb, apex_ops.rotary_op)
     return impl(t, freqs)
 
 
 def scaled_upper_triang_masked_softmax(x, scale):
     """Causal softmax of ``x * scale``; x is [batch * heads, sq, sk]."""
     impl = choose(
-        "scaled_upper_triang_masked_softmax", x, None, None,
-        reference.scaled_upper_triang_masked_softmax,
+        "scaled_upper_triang_masked_softmax", x, reference.scaled_upper_triang_masked_softmax
     )
     return impl(x, scale)
 
 
 def scaled_masked_softmax(x, mask, scale):
     """Softmax of ``x * scale`` with bool ``mask`` (True = masked); fully masked rows are zero."""
-    impl = choose("scaled_masked_softmax", x, None, None, reference.scaled_masked_softmax)
+    impl = choose("scaled_masked_softmax", x, reference.scaled_masked_softmax)
     return impl(x, mask, scale)

@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from . import fused
+
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV_VAR = "MEGATRON_LITE_NO_FUSED_KERNELS"
@@ -33,26 +35,23 @@ def fused_enabled():
     return _use_fused and os.environ.get(DISABLE_ENV_VAR, "0") != "1"
 
 
-def choose(op, tensor, cuda_impl, apex_impl, reference_impl):
+def choose(op, tensor, reference_impl, apex_impl=None):
     """Returns the implementation of ``op`` to run on ``tensor``.
 
     Args:
-        op: op name, for the log line.
-        tensor: the op's main input; its device decides whether a CUDA path applies.
-        cuda_impl: zero-argument callable returning our extension's implementation
-            or None when the extension is unavailable (called only for CUDA tensors).
-        apex_impl: zero-argument callable returning apex's implementation or None.
+        op: op name: the function of that name in ``fused`` is our CUDA implementation.
+        tensor: the op's main input; only CUDA tensors take a fused path.
         reference_impl: the PyTorch reference.
+        apex_impl: zero-argument callable returning apex's implementation or None.
     """
     if torch.compiler.is_compiling():
         return reference_impl
     backend, impl = "pytorch", reference_impl
     if tensor.is_cuda and fused_enabled():
-        for name, get in (("cuda extension", cuda_impl), ("apex", apex_impl)):
-            candidate = get() if get is not None else None
-            if candidate is not None:
-                backend, impl = name, candidate
-                break
+        if fused.available():
+            backend, impl = "cuda extension", getattr(fused, op)
+        elif apex_impl is not None and (apex_op := apex_impl()) is not None:
+            backend, impl = "apex", apex_op
     if (op, backend) not in _logged:
         _logged.add((op, backend))
         logger.info("megatron_lite.kernels: %s uses the %s implementation", op, backend)
