@@ -89,3 +89,16 @@ def format_throughput_log(*, tokens_per_second: float, mfu: float | None, peak_m
 def format_validation_log(*, iteration: int, lm_loss: float, prefix: str = "validation") -> str:
     ppl = math.exp(min(20.0, lm_loss))  # as Megatron: cap the exponent so a diverged run prints
     return f" {prefix} loss at iteration {iteration} | lm loss value: {lm_loss:.6E} | lm loss PPL: {ppl:.6E} |"
+
+
+def tensorboard_writer(log_dir: str | None):
+    """A SummaryWriter when --tensorboard-dir is given and tensorboard is installed, else None."""
+    if log_dir is None:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warnings.warn("--tensorboard-dir is set but tensorboard is not installed (pip install tensorboard); "
+                      "logging to stdout only.", stacklevel=2)
+        return None
+    return SummaryWriter(log_dir=log_dir)

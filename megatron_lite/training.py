@@ -257,6 +257,7 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
         config.model, global_batch, config.model.padded_vocab_size(parallel_state.tensor_model_parallel_world_size))
     peak = metrics.device_peak_tflops(logging.peak_tflops)
     world_size = parallel_state.world_size
+    writer = metrics.tensorboard_writer(logging.tensorboard_dir) if is_last_rank() else None
     interval_losses, interval_time = [], 0.0
     for chunk in model_chunks:
         chunk.train()
@@ -277,12 +278,14 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
             if state.iteration % logging.log_interval == 0:
                 _log_iteration(config, state, optimizer, grad_norm, interval_losses,
                                interval_time / logging.log_interval, flops_per_iteration, peak, world_size,
-                               global_batch)
+                               global_batch, writer)
                 interval_losses, interval_time = [], 0.0
             if valid_iterator is not None and state.iteration % training.eval_interval == 0:
                 valid_loss = evaluate(config, parallel_state, model_chunks, valid_iterator)
                 if valid_loss is not None:
                     print_rank_last(metrics.format_validation_log(iteration=state.iteration, lm_loss=valid_loss))
+                    if writer is not None:
+                        writer.add_scalar("lm loss validation", valid_loss, state.iteration)
             save_now = (config.checkpoint.save_interval and state.iteration % config.checkpoint.save_interval == 0)
             stop_now = (training.exit_signal_handler
                         and signal_handler.signals_received(parallel_state)) or (
@@ -295,7 +298,7 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
 
 
 def _log_iteration(config, state, optimizer, grad_norm, interval_losses, elapsed_s, flops_per_iteration, peak,
-                   world_size, global_batch):
+                   world_size, global_batch, writer):
     if not is_last_rank():
         return
     tflops_per_gpu = flops_per_iteration / (elapsed_s * world_size) / 1e12
@@ -304,10 +307,16 @@ def _log_iteration(config, state, optimizer, grad_norm, interval_losses, elapsed
         iteration=state.iteration, train_iters=config.training.train_iters,
         consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed_s * 1000.0,
         tflops_per_gpu=tflops_per_gpu, learning_rate=optimizer.param_groups[0]["lr"],
-        global_batch_size=global_batch, lm_loss=lm_loss, loss_scale=optimizer.get_loss_scale(),
+        global_batch_size=global_batch, lm_loss=lm_loss, loss_scale=float(optimizer.get_loss_scale()),
         grad_norm=grad_norm, skipped_iterations=state.skipped_iterations,
         nan_iterations=state.nan_iterations), flush=True)
     tokens_per_second = global_batch * config.model.seq_length / elapsed_s
+    if writer is not None:
+        for name, value in [("lm loss", lm_loss), ("learning rate", optimizer.param_groups[0]["lr"]),
+                            ("grad norm", grad_norm), ("tokens per second", tokens_per_second),
+                            ("loss scale", float(optimizer.get_loss_scale()))]:
+            if value is not None:
+                writer.add_scalar(name, value, state.iteration)
     if config.logging.log_memory:
         print(metrics.format_throughput_log(
             tokens_per_second=tokens_per_second, mfu=metrics.model_flops_utilization(tflops_per_gpu, peak),
