@@ -1,0 +1,122 @@
+"""The GPT model under tensor (and sequence) parallelism against the single-process model.
+
+For tp in {2, 4}, with and without --sequence-parallel, for a GPT-2 and a Llama
+(GQA, RoPE, SwiGLU, RMSNorm, untied) config: the per-token loss, every
+parameter's gradient (gathered from the shards) and 5 training steps' losses
+match tp=1 from the same seed. The vocabulary is chosen so that its padding is
+the same at every tensor-parallel size (padded rows take part in the softmax).
+"""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_lite import collectives
+from megatron_lite.collectives import count_collectives
+from megatron_lite.config import ModelConfig
+from megatron_lite.model import GPTModel, initialize_weights
+from megatron_lite.parallel_state import initialize_model_parallel
+from megatron_lite.tensor_parallel import gather_shards, model_parallel_seed
+
+SEED, STEPS, BATCH = 7, 5, 2
+GPT2 = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=256,
+            make_vocab_size_divisible_by=64, hidden_dropout=0.0, attention_dropout=0.0)
+LLAMA = dict(GPT2, hidden_size=64, num_attention_heads=8, num_query_groups=4, normalization="RMSNorm",
+             position_embedding_type="rope", swiglu=True, ffn_hidden_size=96, add_bias_linear=False,
+             untie_embeddings_and_output_weights=True)
+ARCHS = {"gpt2": GPT2, "llama": LLAMA}
+
+
+def _batch(step, config):
+    generator = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, config.vocab_size, (BATCH, config.seq_length + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _train(arch, tensor_model_parallel_size, sequence_parallel):
+    """First step's per-token loss and full gradients, and STEPS losses; the same code at every tp."""
+    config = ModelConfig(**ARCHS[arch])
+    state = initialize_model_parallel(tensor_model_parallel_size)
+    model_parallel_seed(SEED, state.tensor_model_parallel_rank)
+    model = GPTModel(config, state, sequence_parallel=sequence_parallel)
+    initialize_weights([model], config, state, seed=SEED)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(STEPS):
+        tokens, labels = _batch(step, config)
+        per_token_loss = model(tokens, labels=labels)
+        loss = per_token_loss.mean()
+        optimizer.zero_grad()
+        loss.backward()
+        for param in model.parameters():  # finalize_model_grads' step 2, without DDP
+            if getattr(param, "sequence_parallel", False):
+                collectives.all_reduce(param.grad, state.tensor_model_parallel_group)
+        if step == 0:
+            first_loss = per_token_loss.detach()
+            grads = {name: _gather(param.grad, param, state) for name, param in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    return first_loss, grads, losses
+
+
+def _gather(shard, param, state):
+    if not getattr(param, "tensor_model_parallel", False) or state.tensor_model_parallel_group is None:
+        return shard.clone()
+    shards = [torch.empty_like(shard) for _ in range(state.tensor_model_parallel_world_size)]
+    dist.all_gather(shards, shard.contiguous(), group=state.tensor_model_parallel_group)
+    return gather_shards(shards, partition_dim=param.partition_dim, partition_stride=param.partition_stride)
+
+
+def _decoder_collectives(model, config, sequence_parallel, tp_group):
+    """Collectives issued by the transformer layers alone, forward and backward."""
+    tokens, _ = _batch(0, config)
+    hidden = model.embedding(tokens, torch.arange(config.seq_length).expand_as(tokens))
+    hidden = hidden.detach().requires_grad_()  # stop the backward at the layers' input
+    with count_collectives() as forward:
+        output = model.decoder(hidden)
+    with count_collectives() as backward:
+        output.backward(torch.ones_like(output))
+    return dict(forward.calls), dict(backward.calls)
+
+
+def _parallel_run(rank, world_size, arch, sequence_parallel):
+    first_loss, grads, losses = _train(arch, world_size, sequence_parallel)
+    config = ModelConfig(**ARCHS[arch])
+    state = initialize_model_parallel(world_size)
+    model = GPTModel(config, state, sequence_parallel=sequence_parallel)
+    initialize_weights([model], config, state, seed=SEED)
+    counts = _decoder_collectives(model, config, sequence_parallel, state.tensor_model_parallel_group)
+    return first_loss, grads, losses, counts
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(arch):
+    return _train(arch, 1, False)
+
+
+def _relative_error(actual, expected):
+    return ((actual - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_matches_single_process(run_distributed, arch, world_size, sequence_parallel):
+    expected_loss, expected_grads, expected_losses = _reference(arch)
+    results = run_distributed(_parallel_run, world_size, args=(arch, sequence_parallel))
+    for first_loss, grads, losses, counts in results:
+        torch.testing.assert_close(first_loss, expected_loss, rtol=1e-5, atol=0)
+        assert grads.keys() == expected_grads.keys()
+        for name, grad in grads.items():
+            assert grad.shape == expected_grads[name].shape, name
+            assert _relative_error(grad, expected_grads[name]) < 1e-5, name
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+
+        # Megatron's count per transformer layer (attention + MLP).
+        layers = ARCHS[arch]["num_layers"]
+        if sequence_parallel:
+            per_direction = {("all_gather", "tensor"): 2 * layers, ("reduce_scatter", "tensor"): 2 * layers}
+        else:
+            per_direction = {("all_reduce", "tensor"): 2 * layers}
+        assert counts == (per_direction, per_direction)
