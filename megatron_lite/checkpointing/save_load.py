@@ -106,11 +106,9 @@ def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
     def commit():
         if rank != 0:
             return
-        metadata = {"format": storage.FORMAT_VERSION, "iteration": iteration,
-                    "training_state": dataclasses.asdict(state), "config": config.to_dict(),
-                    "layout": layout_of(config, parallel_state),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "optimizer": None, "tensors": {}, "files": {}, "rng": {}}
+        metadata = new_metadata(config, iteration=iteration, training_state=dataclasses.asdict(state),
+                                layout=layout_of(config, parallel_state),
+                                scheduler=scheduler.state_dict() if scheduler is not None else None)
         _merge_rank_indexes(staging, parallel_state.world_size, metadata)
         storage.write_json(os.path.join(staging, storage.METADATA_FILE), metadata)
         storage.commit(root, iteration)
@@ -118,6 +116,18 @@ def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
     _collectively(commit, "commit", root)
     if rank == 0:
         print(f" saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
+
+
+def new_metadata(config: Config, *, iteration: int, training_state: dict, layout: dict, scheduler: dict | None,
+                 optimizer: dict | None = None) -> dict:
+    """metadata.json before the ranks' files are entered (``tensors``, ``files``, ``rng``).
+
+    ``optimizer`` holds the optimizer's non-tensor state (param groups, loss scaler); None
+    marks a weights-only checkpoint.
+    """
+    return {"format": storage.FORMAT_VERSION, "iteration": iteration, "training_state": training_state,
+            "config": config.to_dict(), "layout": layout, "scheduler": scheduler, "optimizer": optimizer,
+            "tensors": {}, "files": {}, "rng": {}}
 
 
 def _model_pieces(config, parallel_state, model_chunks) -> list[ShardedTensor]:
@@ -228,12 +238,14 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
     check_architecture(metadata["config"]["model"], config)
     weights_only = config.checkpoint.finetune or metadata["optimizer"] is None
     load_optimizer = optimizer is not None and not weights_only and not config.checkpoint.no_load_optim
-    same_layout = metadata["layout"] == layout_of(config, parallel_state) and "rng" in metadata
-    load_rng = same_layout and not weights_only and not config.checkpoint.no_load_rng
-    if not same_layout and not weights_only and not config.checkpoint.no_load_rng and parallel_state.rank == 0:
-        warnings.warn(f"the checkpoint was saved with layout {metadata['layout']}, this run has "
-                      f"{layout_of(config, parallel_state)}: random-number states are not restored, they are "
-                      f"reseeded from --seed and the iteration (dropout masks differ from the uninterrupted run).")
+    # RNG states belong to ranks: they mean something only under the layout that saved them.
+    has_rng = metadata["layout"] == layout_of(config, parallel_state) and bool(metadata["rng"])
+    load_rng = has_rng and not weights_only and not config.checkpoint.no_load_rng
+    if not has_rng and not weights_only and not config.checkpoint.no_load_rng and parallel_state.rank == 0:
+        warnings.warn(f"the checkpoint was saved with layout {metadata['layout']} (random-number states: "
+                      f"{'yes' if metadata['rng'] else 'none'}), this run has {layout_of(config, parallel_state)}: "
+                      f"random-number states are reseeded from --seed and the iteration, so dropout masks differ "
+                      f"from an uninterrupted run.")
 
     tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
     params = [(chunk.module, name, p) for chunk in model_chunks for name, p in chunk.module.named_parameters()]
