@@ -218,7 +218,7 @@ class ScheduleExecutor:
 
     def forward(self, op: ScheduleOp) -> None:
         key, chunk = (op.microbatch, op.chunk), self.model[op.chunk]
-        chunk.set_input_tensor(self.inputs.get(key))
+        _unwrap(chunk).set_input_tensor(self.inputs.get(key))
         output, loss_func = self.forward_step_func(self.data_iterators[op.chunk], chunk)
         if self._is_last(op.chunk):
             loss, loss_dict = loss_func(output)
@@ -279,3 +279,10 @@ class ScheduleExecutor:
                     del self.outputs[key]
                 else:
                     deallocate_output_tensor(self.outputs[key])
+
+
+def _unwrap(chunk):
+    """The model under data-parallel (or other) wrappers, which expose it as ``.module``."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
