@@ -29,7 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    group.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines")
+    group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
     group.add_argument("--strict", action="store_true", help="abort on the first bad line instead of skipping it")
     return parser.parse_args(argv)
 

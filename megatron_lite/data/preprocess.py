@@ -103,9 +103,11 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
             raise PreprocessError(f"--input {path} is not a file; give a JSONL file with one JSON object per line.")
     tokenizer = build_tokenizer(**tokenizer_kwargs)  # fails here, clearly, before any worker starts
     dtype = best_fitting_dtype(tokenizer.vocab_size)
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     builders = {}
     stats = PreprocessStats()
     start = time.monotonic()
+    # Forked workers start at once (no re-import of torch); they only run the tokenizer.
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
     try:
         for key in json_keys:
