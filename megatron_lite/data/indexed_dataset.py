@@ -197,6 +197,10 @@ class IndexedDataset:
         if corrupt:
             raise IndexedDatasetError(f"{idx_path} is corrupt: it has {corrupt}. Rerun tools/preprocess_data.py.")
 
+    def __reduce__(self):
+        # Loader workers reopen the memory map instead of receiving a pickled copy of the tokens.
+        return IndexedDataset, (self.path_prefix,)
+
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 

@@ -55,6 +55,14 @@ def test_loader_shapes_shift_and_stop():
                                          data_parallel_size=1) is None
 
 
+def test_worker_processes_give_the_same_batches():
+    def batches(num_workers):
+        return [b["tokens"] for b in build_pretraining_data_loader(
+            CountingDataset(20), consumed_samples=2, micro_batch_size=3, data_parallel_rank=0,
+            data_parallel_size=2, num_workers=num_workers)]
+    assert all(torch.equal(a, b) for a, b in zip(batches(0), batches(2), strict=True))
+
+
 def test_eod_mask_loss_masks_positions_whose_input_is_eod():
     batch = next(build_pretraining_data_loader(CountingDataset(4), consumed_samples=0, micro_batch_size=2,
                                                data_parallel_rank=0, data_parallel_size=1, eod_token=2,

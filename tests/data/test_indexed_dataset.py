@@ -1,4 +1,5 @@
 import os
+import pickle
 import struct
 
 import numpy as np
@@ -60,6 +61,12 @@ def test_round_trip_and_partial_reads(tmp_path):
     assert dataset.get(0, offset=1, length=1).tolist() == [2]
     with pytest.raises(IndexError):
         dataset[5]
+
+
+def test_pickles_as_its_path(tmp_path):
+    dataset = IndexedDataset(write(tmp_path / "d"))
+    payload = pickle.dumps(dataset)
+    assert len(payload) < 200 and pickle.loads(payload)[3].tolist() == SEQUENCES[3]
 
 
 def test_dtype_choice_and_overflow(tmp_path):
