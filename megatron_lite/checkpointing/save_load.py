@@ -95,7 +95,7 @@ def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
                                              "tensor_model_parallel_rank": parallel_state.tensor_model_parallel_rank,
                                              "pipeline_model_parallel_rank": parallel_state.pipeline_model_parallel_rank,
                                              "data_parallel_rank": parallel_state.data_parallel_rank},
-                 "tensors": tensors, "rng": rng_scalars}
+                 "tensors": tensors, "rng": rng_scalars, "training_state": dataclasses.asdict(state)}
         if rank == 0 and optimizer_state is not None:
             index["optimizer"] = _encode({k: optimizer_state[k] for k in
                                           ("param_groups", "grad_scaler", "num_skipped_iterations")})
@@ -106,7 +106,7 @@ def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
     def commit():
         if rank != 0:
             return
-        metadata = new_metadata(config, iteration=iteration, training_state=dataclasses.asdict(state),
+        metadata = new_metadata(config, iteration=iteration, training_state={},
                                 layout=layout_of(config, parallel_state),
                                 scheduler=scheduler.state_dict() if scheduler is not None else None)
         _merge_rank_indexes(staging, parallel_state.world_size, metadata)
@@ -189,6 +189,8 @@ def _merge_rank_indexes(staging: str, world_size: int, metadata: dict) -> None:
         os.remove(path)
         metadata["files"][index["file"]] = index["info"]
         metadata["rng"][str(rank)] = index["rng"]
+        if rank == world_size - 1:  # the last rank is on the last pipeline stage, which has the losses
+            metadata["training_state"] = index["training_state"]
         if "optimizer" in index:
             metadata["optimizer"] = index["optimizer"]
         for key, entry in index["tensors"].items():

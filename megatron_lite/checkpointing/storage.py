@@ -133,6 +133,17 @@ def read_latest_iteration(root: str) -> int | None:
     return int(text)
 
 
+def resolve_checkpoint_dir(path: str) -> str:
+    """A checkpoint root (newest iteration, via the tracker file) or one ``iter_*`` directory -> that directory."""
+    if os.path.isfile(os.path.join(path, METADATA_FILE)):
+        return path
+    iteration = read_latest_iteration(path)
+    if iteration is None:
+        raise CheckpointError(f"{path} is neither a checkpoint root (no {TRACKER_FILE}) nor a checkpoint "
+                              f"directory (no {METADATA_FILE}).")
+    return checkpoint_dir(path, iteration)
+
+
 def read_metadata(directory: str) -> dict:
     path = os.path.join(directory, METADATA_FILE)
     if not os.path.isfile(path):

@@ -1,0 +1,308 @@
+"""Hugging Face GPT-2 and Llama checkpoints <-> megatron_lite global tensors.
+
+A Hugging Face model directory is ``config.json`` plus safetensors weights
+(``model.safetensors``, or shards listed in ``model.safetensors.index.json``).
+Both are read as data, never unpickled, and transformers itself is not needed.
+
+What differs between the two naming schemes:
+
+- Attention: HF keeps separate (Llama) or concatenated [all q; all k; all v] (GPT-2)
+  projections; ours is one fused weight laid out per query group,
+  [q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...], so a
+  tensor-parallel shard holds whole groups. HF Llama's rotary embedding rotates
+  halves of each head (rotate-half), as ours does: no permutation of q/k rows.
+- GPT-2's ``Conv1D`` stores weights as [in, out]; ``nn.Linear`` (ours, Llama) as [out, in].
+- SwiGLU: ours is one fc1 = [gate; up]; Llama has gate_proj and up_proj.
+- Vocabulary: ours is padded (``ModelConfig.padded_vocab_size``): zero rows are added
+  on import and cut on export.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import safetensors
+import safetensors.torch
+import torch
+
+from megatron_lite.config import ConfigError, ModelConfig
+
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh approximation, which ours computes
+
+
+# ---------------------------------------------------------------------------------------------
+# Configurations
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """Our ModelConfig for a GPT-2 or Llama ``config.json``; unsupported variants are refused by name."""
+    model_type = hf.get("model_type")
+    if model_type == "gpt2":
+        _refuse(hf.get("activation_function", "gelu_new") not in GPT2_ACTIVATIONS,
+                f"activation_function {hf.get('activation_function')!r} (supported: {', '.join(GPT2_ACTIVATIONS)})")
+        _refuse(not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False),
+                "attention scaling other than 1/sqrt(head_dim)")
+        return ModelConfig(
+            num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
+            ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"], vocab_size=hf["vocab_size"],
+            seq_length=hf["n_positions"], max_position_embeddings=hf["n_positions"], normalization="LayerNorm",
+            norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), position_embedding_type="learned_absolute",
+            swiglu=False, add_bias_linear=True,
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
+            hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
+            init_method_std=hf.get("initializer_range", 0.02))
+    if model_type == "llama":
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        _refuse(rope_type != "default", f"rope scaling {rope_type!r} (only plain rotary embeddings are supported)")
+        _refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r} (SwiGLU needs silu)")
+        _refuse(hf.get("attention_bias", False) or hf.get("mlp_bias", False), "attention_bias / mlp_bias")
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        _refuse(head_dim * heads != hf["hidden_size"], f"head_dim {head_dim} x {heads} heads != hidden_size")
+        return ModelConfig(
+            num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
+            num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
+            vocab_size=hf["vocab_size"], seq_length=hf["max_position_embeddings"],
+            max_position_embeddings=hf["max_position_embeddings"], normalization="RMSNorm",
+            norm_epsilon=hf.get("rms_norm_eps", 1e-6), position_embedding_type="rope",
+            rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), swiglu=True,
+            add_bias_linear=False, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+            hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
+            init_method_std=hf.get("initializer_range", 0.02))
+    raise ConfigError(f"config.json has model_type {model_type!r}; megatron_lite imports gpt2 (GPT2LMHeadModel) "
+                      f"and llama (LlamaForCausalLM).")
+
+
+def _refuse(condition: bool, what: str) -> None:
+    if condition:
+        raise ConfigError(f"this Hugging Face model uses {what}, which megatron_lite's GPT does not implement.")
+
+
+def hf_architecture(config: ModelConfig) -> str:
+    """'gpt2' or 'llama': the Hugging Face family our model matches exactly, else a ConfigError."""
+    gpt2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
+                add_bias_linear=True, num_query_groups=config.num_attention_heads)
+    llama = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False)
+    for name, required in (("gpt2", gpt2), ("llama", llama)):
+        if all(getattr(config, k) == v for k, v in required.items()):
+            return name
+    raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA) nor Llama "
+                      "(RMSNorm, rope, SwiGLU, no biases): Hugging Face has no matching architecture to export to.")
+
+
+def hf_config_from_model_config(config: ModelConfig) -> dict:
+    """The ``config.json`` transformers needs to rebuild our model."""
+    common = {"vocab_size": config.vocab_size, "initializer_range": config.init_method_std, "dtype": "float32",
+              "tie_word_embeddings": not config.untie_embeddings_and_output_weights}
+    if hf_architecture(config) == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": config.num_layers,
+                "n_embd": config.hidden_size, "n_head": config.num_attention_heads,
+                "n_inner": config.ffn_hidden_size, "n_positions": config.max_position_embeddings,
+                "activation_function": "gelu_new", "layer_norm_epsilon": config.norm_epsilon,
+                "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
+                "attn_pdrop": config.attention_dropout, **common}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": config.num_layers,
+            "hidden_size": config.hidden_size, "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_query_groups, "head_dim": config.head_dim,
+            "intermediate_size": config.ffn_hidden_size, "max_position_embeddings": config.max_position_embeddings,
+            "rms_norm_eps": config.norm_epsilon, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "attention_dropout": config.attention_dropout,
+            "rope_theta": config.rotary_base,  # transformers < 5 reads this, 5 reads rope_parameters
+            "rope_parameters": {"rope_type": "default", "rope_theta": config.rotary_base}, **common}
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused QKV layout
+
+
+def pack_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """[heads*d, ...], [groups*d, ...], [groups*d, ...] -> our fused [groups*(heads/groups + 2)*d, ...]."""
+    groups, d = config.num_query_groups, config.head_dim
+    rest = query.shape[1:]
+    parts = [query.reshape(groups, -1, *rest), key.reshape(groups, d, *rest), value.reshape(groups, d, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def unpack_qkv(fused: torch.Tensor, config: ModelConfig) -> tuple:
+    """Inverse of ``pack_qkv``: (query, key, value)."""
+    groups, d = config.num_query_groups, config.head_dim
+    per_group = config.num_attention_heads // groups * d
+    rest = fused.shape[1:]
+    query, key, value = fused.reshape(groups, per_group + 2 * d, *rest).split([per_group, d, d], dim=1)
+    return tuple(t.reshape(-1, *rest) for t in (query, key, value))
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+
+
+def _vocab_padded(weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    padding = config.padded_vocab_size(1) - weight.shape[0]
+    return torch.cat([weight, weight.new_zeros(padding, weight.shape[1])])
+
+
+def weights_from_hf(tensors: dict, config: ModelConfig) -> dict:
+    """HF state dict -> our global tensors by name (vocabulary padded for tensor-parallel size 1)."""
+    # Checkpoints saved from the bare GPT2Model / LlamaModel lack the prefix.
+    prefix = "transformer." if hf_architecture(config) == "gpt2" else "model."
+    tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
+    ours = {}
+    take = tensors.pop
+    if hf_architecture(config) == "gpt2":
+        ours["embedding.word_embeddings.weight"] = _vocab_padded(take("wte.weight"), config)
+        ours["embedding.position_embeddings.weight"] = take("wpe.weight")
+        for i in range(config.num_layers):
+            hf, layer = f"h.{i}.", f"decoder.layers.{i}."
+            query, key, value = take(hf + "attn.c_attn.weight").t().chunk(3, dim=0)
+            ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(query, key, value, config)
+            ours[layer + "self_attention.linear_qkv.bias"] = pack_qkv(*take(hf + "attn.c_attn.bias").chunk(3), config)
+            ours[layer + "self_attention.linear_proj.weight"] = take(hf + "attn.c_proj.weight").t()
+            ours[layer + "self_attention.linear_proj.bias"] = take(hf + "attn.c_proj.bias")
+            ours[layer + "mlp.linear_fc1.weight"] = take(hf + "mlp.c_fc.weight").t()
+            ours[layer + "mlp.linear_fc1.bias"] = take(hf + "mlp.c_fc.bias")
+            ours[layer + "mlp.linear_fc2.weight"] = take(hf + "mlp.c_proj.weight").t()
+            ours[layer + "mlp.linear_fc2.bias"] = take(hf + "mlp.c_proj.bias")
+            for theirs, mine in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+                ours[layer + mine + ".weight"] = take(f"{hf}{theirs}.weight")
+                ours[layer + mine + ".bias"] = take(f"{hf}{theirs}.bias")
+            for buffer in (hf + "attn.bias", hf + "attn.masked_bias"):  # causal-mask buffers of older files
+                tensors.pop(buffer, None)
+        ours["final_layernorm.weight"] = take("ln_f.weight")
+        ours["final_layernorm.bias"] = take("ln_f.bias")
+    else:
+        ours["embedding.word_embeddings.weight"] = _vocab_padded(take("embed_tokens.weight"), config)
+        for i in range(config.num_layers):
+            hf, layer = f"layers.{i}.", f"decoder.layers.{i}."
+            ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
+                take(hf + "self_attn.q_proj.weight"), take(hf + "self_attn.k_proj.weight"),
+                take(hf + "self_attn.v_proj.weight"), config)
+            ours[layer + "self_attention.linear_proj.weight"] = take(hf + "self_attn.o_proj.weight")
+            ours[layer + "mlp.linear_fc1.weight"] = torch.cat([take(hf + "mlp.gate_proj.weight"),
+                                                               take(hf + "mlp.up_proj.weight")])
+            ours[layer + "mlp.linear_fc2.weight"] = take(hf + "mlp.down_proj.weight")
+            ours[layer + "input_layernorm.weight"] = take(hf + "input_layernorm.weight")
+            ours[layer + "pre_mlp_layernorm.weight"] = take(hf + "post_attention_layernorm.weight")
+        ours["final_layernorm.weight"] = take("norm.weight")
+    lm_head = tensors.pop("lm_head.weight", None)
+    if config.untie_embeddings_and_output_weights:
+        if lm_head is None:
+            raise ConfigError("config.json says tie_word_embeddings is false but the weights have no lm_head.weight.")
+        ours["output_layer.weight"] = _vocab_padded(lm_head, config)
+    leftover = sorted(k for k in tensors if not k.endswith("rotary_emb.inv_freq"))
+    if leftover:
+        raise ConfigError(f"Hugging Face weights not understood (a different architecture?): {leftover[:5]}")
+    return {name: t.contiguous() for name, t in ours.items()}
+
+
+def weights_to_hf(read, config: ModelConfig) -> dict:
+    """Our global tensors (``read(name)``) -> HF state dict (vocabulary padding cut)."""
+    vocab = config.vocab_size
+    hf = {}
+    if hf_architecture(config) == "gpt2":
+        hf["transformer.wte.weight"] = read("embedding.word_embeddings.weight")[:vocab]
+        hf["transformer.wpe.weight"] = read("embedding.position_embeddings.weight")
+        for i in range(config.num_layers):
+            theirs, layer = f"transformer.h.{i}.", f"decoder.layers.{i}."
+            query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
+            hf[theirs + "attn.c_attn.weight"] = torch.cat([query, key, value]).t()
+            hf[theirs + "attn.c_attn.bias"] = torch.cat(unpack_qkv(read(layer + "self_attention.linear_qkv.bias"),
+                                                                   config))
+            hf[theirs + "attn.c_proj.weight"] = read(layer + "self_attention.linear_proj.weight").t()
+            hf[theirs + "attn.c_proj.bias"] = read(layer + "self_attention.linear_proj.bias")
+            hf[theirs + "mlp.c_fc.weight"] = read(layer + "mlp.linear_fc1.weight").t()
+            hf[theirs + "mlp.c_fc.bias"] = read(layer + "mlp.linear_fc1.bias")
+            hf[theirs + "mlp.c_proj.weight"] = read(layer + "mlp.linear_fc2.weight").t()
+            hf[theirs + "mlp.c_proj.bias"] = read(layer + "mlp.linear_fc2.bias")
+            for name, mine in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+                hf[f"{theirs}{name}.weight"] = read(layer + mine + ".weight")
+                hf[f"{theirs}{name}.bias"] = read(layer + mine + ".bias")
+        hf["transformer.ln_f.weight"] = read("final_layernorm.weight")
+        hf["transformer.ln_f.bias"] = read("final_layernorm.bias")
+    else:
+        hf["model.embed_tokens.weight"] = read("embedding.word_embeddings.weight")[:vocab]
+        for i in range(config.num_layers):
+            theirs, layer = f"model.layers.{i}.", f"decoder.layers.{i}."
+            query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
+            hf[theirs + "self_attn.q_proj.weight"] = query
+            hf[theirs + "self_attn.k_proj.weight"] = key
+            hf[theirs + "self_attn.v_proj.weight"] = value
+            hf[theirs + "self_attn.o_proj.weight"] = read(layer + "self_attention.linear_proj.weight")
+            gate, up = read(layer + "mlp.linear_fc1.weight").chunk(2)
+            hf[theirs + "mlp.gate_proj.weight"] = gate
+            hf[theirs + "mlp.up_proj.weight"] = up
+            hf[theirs + "mlp.down_proj.weight"] = read(layer + "mlp.linear_fc2.weight")
+            hf[theirs + "input_layernorm.weight"] = read(layer + "input_layernorm.weight")
+            hf[theirs + "post_attention_layernorm.weight"] = read(layer + "pre_mlp_layernorm.weight")
+        hf["model.norm.weight"] = read("final_layernorm.weight")
+    if config.untie_embeddings_and_output_weights:
+        hf["lm_head.weight"] = read("output_layer.weight")[:vocab]
+    return {name: t.contiguous() for name, t in hf.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Directories
+
+
+def read_hf_directory(directory: str) -> tuple[dict, dict]:
+    """(config.json as a dict, every weight by name) from a local Hugging Face model directory."""
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{directory} has no config.json: pass a Hugging Face model directory to --load-dir.")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(directory, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"{directory} has no model.safetensors (or model.safetensors.index.json). megatron_lite reads only "
+            f"safetensors, never pickles (pytorch_model.bin can run code when loaded); convert it with "
+            f"transformers' save_pretrained(..., safe_serialization=True).")
+    tensors = {}
+    for name in files:
+        with safetensors.safe_open(os.path.join(directory, name), framework="pt") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys()})
+    return hf_config, tensors
+
+
+def write_hf_directory(directory: str, hf_config: dict, tensors: dict) -> None:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+    safetensors.torch.save_file({k: v.float().contiguous() for k, v in tensors.items()},
+                                os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole checkpoints
+
+
+def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1,
+                         pipeline_model_parallel_size: int = 1) -> str:
+    """A Hugging Face GPT-2/Llama directory -> a weights-only megatron_lite checkpoint (iteration 0)."""
+    from megatron_lite.checkpointing.offline import write_checkpoint
+    from megatron_lite.config import Config, ParallelConfig
+
+    hf_config, tensors = read_hf_directory(load_dir)
+    model_config = model_config_from_hf(hf_config)
+    weights = weights_from_hf(tensors, model_config)
+    config = Config(model=model_config, parallel=ParallelConfig(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size))
+    return write_checkpoint(save_dir, config, weights.__getitem__, iteration=0)
+
+
+def export_hf_checkpoint(load_dir: str, save_dir: str) -> None:
+    """A megatron_lite checkpoint (root or iter_* directory, any layout) -> a Hugging Face directory."""
+    from megatron_lite.checkpointing.resharding import CheckpointReader
+    from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
+
+    reader = CheckpointReader(resolve_checkpoint_dir(load_dir))
+    config = ModelConfig(**reader.metadata["config"]["model"])
+    hf_config = hf_config_from_model_config(config)
+    reader.verify([k for k in reader.tensors if not k.startswith("optimizer.")])
+    write_hf_directory(save_dir, hf_config, weights_to_hf(reader.read, config))
