@@ -146,3 +146,19 @@ def test_build_tokenizer_errors_name_the_flag(tmp_path):
     with pytest.raises(ValueError, match="endoftext"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
                         merge_file=str(tmp_path / "merges.txt"))
+
+
+def test_train_tokenizer_tool_reads_text_and_jsonl(tmp_path, demo_texts, load_tool, capsys):
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in demo_texts[:60]) + "\n{bad\n",
+                                      encoding="utf-8")
+    (tmp_path / "b.txt").write_text(demo_texts[60], encoding="utf-8")
+    inputs = ["--input", str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt"), "--vocab-size", "600"]
+    tool = load_tool("train_tokenizer")
+    assert tool.main([*inputs, "--tokenizer-type", "GPT2BPETokenizer", "--output-dir", str(tmp_path / "bpe")]) == 0
+    assert tool.main([*inputs, "--tokenizer-type", "SentencePieceTokenizer", "--output-dir", str(tmp_path / "sp")]) == 0
+    assert f"{tmp_path / 'a.jsonl'}:61: malformed JSON" in capsys.readouterr().err
+    for tokenizer in [build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "bpe/vocab.json"),
+                                      merge_file=str(tmp_path / "bpe/merges.txt")),
+                      build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "sp/tokenizer.model"))]:
+        assert tokenizer.vocab_size == 600
+        assert tokenizer.detokenize(tokenizer.tokenize(TRICKY_TEXT)) == TRICKY_TEXT
