@@ -85,7 +85,9 @@ def _from_torchrun(environ: Mapping[str, str]) -> LaunchEnv:
 
 def _from_slurm(environ: Mapping[str, str]) -> LaunchEnv:
     rank = _int(environ, "SLURM_PROCID")
-    world_size = _int(environ, "SLURM_NTASKS", _int(environ, "SLURM_NPROCS", None))
+    # SLURM_NPROCS is the older spelling of SLURM_NTASKS.
+    world_size = _int(environ, "SLURM_NPROCS" if "SLURM_NTASKS" not in environ and "SLURM_NPROCS" in environ
+                      else "SLURM_NTASKS")
     node_rank = _int(environ, "SLURM_NODEID", 0)
     local_rank = _int(environ, "SLURM_LOCALID")
     # The step's own task layout comes first: an srun inside a job may use fewer tasks than the job.
@@ -146,22 +148,27 @@ def first_hostname(nodelist: str) -> str:
 _MISSING = object()
 
 
+def _missing(name: str) -> ConfigError:
+    return ConfigError(f"{name} is not set, but the launcher's other variables are. Start the job with "
+                       f"torchrun or srun (launch_scripts/), or export {name} yourself.")
+
+
 def _str(environ: Mapping[str, str], name: str, default=_MISSING) -> str:
+    """``environ[name]``; ``default`` when unset, unless it is missing or None (then an error)."""
     value = environ.get(name)
     if value:
         return value
     if default is _MISSING or default is None:
-        raise ConfigError(f"{name} is not set, but the launcher's other variables are. Start the job with "
-                          f"torchrun or srun (launch_scripts/), or export {name} yourself.")
+        raise _missing(name)
     return default
 
 
 def _int(environ: Mapping[str, str], name: str, default=_MISSING) -> int:
+    """``int(environ[name])``; ``default`` when unset, unless it is missing or None (then an error)."""
     value = environ.get(name)
     if value is None or value == "":
         if default is _MISSING or default is None:
-            raise ConfigError(f"{name} is not set, but the launcher's other variables are. Start the job with "
-                              f"torchrun or srun (launch_scripts/), or export {name} yourself.")
+            raise _missing(name)
         return default
     try:
         return int(value)

@@ -4,13 +4,13 @@ SLURM sends SIGTERM shortly before a job's time limit (``#SBATCH --signal``) or
 on preemption. The signal reaches ranks at slightly different moments, so a rank
 that stopped on its own would leave the others waiting in a collective forever.
 The handler only records the signal; once per iteration the training loop asks
-``signals_received(group)``, which all-reduces the flag so every rank sees the
+``signals_received(parallel_state)``, which all-reduces the flag so every rank sees the
 same answer, saves a checkpoint and exits together.
 
     with DistributedSignalHandler() as handler:
         for iteration in ...:
             train_step(...)
-            if handler.signals_received(torch.distributed.group.WORLD):
+            if handler.signals_received(parallel_state):
                 save_checkpoint(...)
                 break
 """
@@ -44,13 +44,14 @@ class DistributedSignalHandler:
     def _record(self, signum, frame) -> None:
         self._received = True
 
-    def signals_received(self, group) -> bool:
-        """Whether any rank of ``group`` has received the signal; a collective, so call it on every rank.
+    def signals_received(self, parallel_state) -> bool:
+        """Whether any rank of the job has received the signal; a collective, so call it on every rank.
 
         Args:
-            group: the ranks that must stop together: ``torch.distributed.group.WORLD``
-                in training; ``None`` for a group of one (no communication).
+            parallel_state: this rank's ``ParallelState``; the flag is reduced over its
+                whole world (no communication for a single process).
         """
+        group = dist.group.WORLD if parallel_state.world_size > 1 else None
         device = "cpu"
         if group is not None and dist.get_backend(group) == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())  # NCCL reduces GPU tensors only
