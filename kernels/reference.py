@@ -37,9 +37,12 @@ def rms_norm(x, weight, eps):
 
 
 def bias_gelu(x, bias):
-    """GELU (tanh approximation, GPT-2's ``gelu_new``) of ``x + bias``; ``bias`` may be None."""
+    """GELU (tanh approximation, GPT-2's ``gelu_new``) of ``x + bias``; ``bias`` may be None.
+
+    The bias is added in x's dtype, so the result keeps x's dtype.
+    """
     if bias is not None:
-        x = x + bias
+        x = x + bias.to(x.dtype)
     return F.gelu(x, approximate="tanh")
 
 
@@ -50,9 +53,9 @@ def swiglu(x):
 
 
 def bias_dropout_add(x, bias, residual, prob, training):
-    """``residual + dropout(x + bias)``; ``bias`` may be None."""
+    """``residual + dropout(x + bias)``; ``bias`` (may be None) is added in x's dtype."""
     if bias is not None:
-        x = x + bias
+        x = x + bias.to(x.dtype)
     return residual + F.dropout(x, p=prob, training=training)
 
 
