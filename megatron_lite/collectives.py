@@ -12,9 +12,28 @@ import contextlib
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class MockGroup:
+    """Stands in for a ProcessGroup when layouts are checked in one process.
+
+    It answers ``world_size`` and ``rank`` (so layers can size their shards for any
+    rank of a large layout) but cannot communicate.
+    """
+
+    ranks: tuple
+    global_rank: Optional[int] = None  # this process's rank, needed only by rank()
+
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names now warn on every
+# call); older versions have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _group_names: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _active_counters: list["CollectiveCounter"] = []
@@ -30,8 +49,10 @@ def register_group_name(group, name: str) -> None:
 
 
 def group_name(group) -> str:
+    if group is None:  # torch.distributed's default group (point-to-point ops pass None)
+        return "world"
     try:
-        return _group_names.get(group, "world" if group is None else "group")
+        return _group_names.get(group, "group")
     except TypeError:
         return "group"
 
@@ -66,15 +87,26 @@ def count_collectives():
 
 
 def _record(op: str, group, tensor: torch.Tensor) -> None:
+    """Count a collective about to be issued (every wrapper calls this first)."""
+    if isinstance(group, MockGroup):
+        raise RuntimeError(f"{op} on a mocked process group {group.ranks}: mocked groups are for layout and "
+                           f"shape bookkeeping only; run communication on real ranks (tests/distributed.py).")
     for counter in _active_counters:
         counter.record(op, group, tensor)
 
 
 def world_size(group) -> int:
+    if isinstance(group, MockGroup):
+        return len(group.ranks)
     return 1 if group is None else dist.get_world_size(group)
 
 
 def rank(group) -> int:
+    """This process's rank within ``group``."""
+    if isinstance(group, MockGroup):
+        if group.global_rank is None:
+            raise ValueError("this MockGroup was built without global_rank, so it has no rank of its own.")
+        return group.ranks.index(group.global_rank)
     return 0 if group is None else dist.get_rank(group)
 
 
@@ -91,7 +123,7 @@ def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group, as
         output.copy_(tensor)
         return None
     _record("all_gather", group, tensor)
-    return dist.all_gather_into_tensor(output, tensor.contiguous(), group=group, async_op=async_op)
+    return _all_gather_single(output, tensor.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM,
@@ -101,7 +133,7 @@ def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, group, op=
         output.copy_(tensor)
         return None
     _record("reduce_scatter", group, tensor)
-    return dist.reduce_scatter_tensor(output, tensor.contiguous(), op=op, group=group, async_op=async_op)
+    return _reduce_scatter_single(output, tensor.contiguous(), op=op, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):

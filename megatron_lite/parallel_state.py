@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from megatron_lite import collectives
+from megatron_lite.collectives import MockGroup
 from megatron_lite.config import ConfigError
 
 
@@ -31,7 +32,11 @@ class RankLayout:
 
     def __post_init__(self) -> None:
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        if tp < 1 or pp < 1 or self.world_size % (tp * pp) != 0:
+        if tp < 1 or pp < 1 or self.world_size < 1:
+            raise ConfigError(
+                f"world size ({self.world_size}), --tensor-model-parallel-size ({tp}) and "
+                f"--pipeline-model-parallel-size ({pp}) must all be at least 1.")
+        if self.world_size % (tp * pp) != 0:
             raise ConfigError(
                 f"world size {self.world_size} is not tensor-parallel ({tp}) x pipeline-parallel ({pp}) "
                 f"x data-parallel: {self.world_size} / ({tp} x {pp}) = {self.world_size / (tp * pp):g} is not "
@@ -88,15 +93,9 @@ class RankLayout:
                 "embedding": self.embedding_groups()}
 
 
-@dataclass(frozen=True)
-class MockGroup:
-    """Stands in for a ProcessGroup when layouts are checked in one process."""
-
-    ranks: tuple
-
-
 def _group_with(groups: list[list[int]], rank: int) -> list[int]:
-    return next(g for g in groups if rank in g)
+    """The group holding ``rank``, or [] (a middle pipeline stage is in no embedding group)."""
+    return next((g for g in groups if rank in g), [])
 
 
 @dataclass
@@ -206,6 +205,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     state = ParallelState(layout=layout, rank=rank,
                           virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
     for name, groups in layout.all_groups().items():
+        state.groups[name], state.group_ranks[name] = None, _group_with(groups, rank)
         for ranks in groups:
             group = new_group(ranks) if len(ranks) > 1 else None
             if rank in ranks:
@@ -226,7 +226,7 @@ def mock_parallel_state(rank: int, world_size: int, tensor_model_parallel_size: 
     state = ParallelState(layout=layout, rank=rank)
     for name, groups in layout.all_groups().items():
         ranks = _group_with(groups, rank)
-        state.groups[name] = MockGroup(tuple(ranks)) if len(ranks) > 1 else None
+        state.groups[name] = MockGroup(tuple(ranks), global_rank=rank) if len(ranks) > 1 else None
         state.group_ranks[name] = ranks
     return state
 
