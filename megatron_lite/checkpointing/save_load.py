@@ -273,7 +273,9 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
         tensors = {name: reader.read_stored(own_file, name) for name in reader.stored_names(own_file)
                    if name.startswith("rng.")}
         rng.set_rng_state(tensors, metadata["rng"][str(parallel_state.rank)])
-    training_state = {"iteration": 0} if weights_only else metadata["training_state"]
+    training_state = {"iteration": 0} if weights_only else dict(metadata["training_state"])
+    if not parallel_state.is_pipeline_last_stage():
+        training_state["losses"] = []  # losses live on the last stage, as in training
     return {"training_state": training_state, "reseed": not load_rng and not weights_only,
             "saved_layout": metadata["layout"]}
 

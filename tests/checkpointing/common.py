@@ -1,0 +1,43 @@
+"""Tiny training configurations and rank bodies shared by the checkpoint tests."""
+from __future__ import annotations
+
+from megatron_lite.config import (CheckpointConfig, Config, LoggingConfig, ModelConfig, OptimizerConfig,
+                                  ParallelConfig, TrainingConfig)
+
+# Vocabulary 60 pads to 64 at tensor-parallel sizes 1, 2 and 4 (multiples of 16 x tp), so the
+# layouts compared here compute the same softmax.
+LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
+             untie_embeddings_and_output_weights=True, num_query_groups=4)
+GPT2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
+            add_bias_linear=True, untie_embeddings_and_output_weights=False)
+
+
+def tiny_config(tp: int = 1, pp: int = 1, *, arch: dict = LLAMA, vpp=None, dist_opt: bool = False,
+                iters: int = 4, global_batch: int = 8, dropout: float = 0.0, save=None, load=None,
+                save_interval=None, exit_interval=None, **checkpoint_flags) -> Config:
+    return Config(
+        model=ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=8, ffn_hidden_size=64, seq_length=16,
+                          vocab_size=60, make_vocab_size_divisible_by=16, hidden_dropout=dropout,
+                          attention_dropout=dropout, **arch),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                virtual_pipeline_model_parallel_size=vpp, use_distributed_optimizer=dist_opt),
+        training=TrainingConfig(micro_batch_size=1, global_batch_size=global_batch, train_iters=iters,
+                                exit_interval=exit_interval),
+        optimizer=OptimizerConfig(lr=1e-2, lr_warmup_iters=1, lr_decay_iters=10),
+        checkpoint=CheckpointConfig(save=save, load=load, save_interval=save_interval, **checkpoint_flags),
+        logging=LoggingConfig(log_interval=1000, log_memory=False))
+
+
+def train(rank, world_size, kwargs):
+    """Rank body: train as configured; the losses (last pipeline stage) or None."""
+    from megatron_lite.training import pretrain
+
+    state, _, _ = pretrain(tiny_config(**kwargs))
+    return state.losses or None
+
+
+def losses_of(results: list) -> list:
+    """The losses reported by the last pipeline stage (every data-parallel replica reports the same)."""
+    reported = [r for r in results if r is not None]
+    assert reported and all(r == reported[0] for r in reported), reported
+    return reported[0]
