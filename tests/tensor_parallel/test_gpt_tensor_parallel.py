@@ -68,7 +68,7 @@ def _gather(shard, param, state):
     return gather_shards(shards, partition_dim=param.partition_dim, partition_stride=param.partition_stride)
 
 
-def _decoder_collectives(model, config, sequence_parallel, tp_group):
+def _decoder_collectives(model, config):
     """Collectives issued by the transformer layers alone, forward and backward."""
     tokens, _ = _batch(0, config)
     hidden = model.embedding(tokens, torch.arange(config.seq_length).expand_as(tokens))
@@ -86,7 +86,7 @@ def _parallel_run(rank, world_size, arch, sequence_parallel):
     state = initialize_model_parallel(world_size)
     model = GPTModel(config, state, sequence_parallel=sequence_parallel)
     initialize_weights([model], config, state, seed=SEED)
-    counts = _decoder_collectives(model, config, sequence_parallel, state.tensor_model_parallel_group)
+    counts = _decoder_collectives(model, config)
     return first_loss, grads, losses, counts
 
 
