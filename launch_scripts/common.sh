@@ -12,11 +12,18 @@ ml_die() {
     exit 2
 }
 
-# A command as one line that can be pasted back into a shell.
+# A command as one line that can be pasted back into a shell: words with
+# special characters in single quotes, the rest bare.
 ml_quote() {
-    local quoted
-    printf -v quoted '%q ' "$@"
-    printf '%s\n' "${quoted% }"
+    local word words=() IFS=" "
+    for word in "$@"; do
+        if [[ "$word" =~ ^[[:alnum:]_./=:,+@%-]+$ ]]; then
+            words+=("$word")
+        else
+            words+=("'${word//\'/\'\\\'\'}'")
+        fi
+    done
+    printf '%s\n' "${words[*]}"
 }
 
 # --dry-run and --help are the scripts' own; everything else goes to the training.

@@ -94,7 +94,12 @@ def _from_slurm(environ: Mapping[str, str]) -> LaunchEnv:
     for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
         if name in environ:
             per_node = expand_tasks_per_node(environ[name], name)
-            local_world_size = per_node[node_rank] if node_rank < len(per_node) else per_node[-1]
+            if len(per_node) == 1:  # one count for every node (SLURM_NTASKS_PER_NODE's form)
+                per_node = per_node * (node_rank + 1)
+            if node_rank >= len(per_node):
+                raise ConfigError(f"{name}={environ[name]!r} lists {len(per_node)} nodes, but SLURM_NODEID is "
+                                  f"{node_rank}.")
+            local_world_size = per_node[node_rank]
             break
     else:
         local_world_size = world_size

@@ -4,8 +4,8 @@ SLURM sends SIGTERM shortly before a job's time limit (``#SBATCH --signal``) or
 on preemption. The signal reaches ranks at slightly different moments, so a rank
 that stopped on its own would leave the others waiting in a collective forever.
 The handler only records the signal; once per iteration the training loop asks
-``signals_received(parallel_state)``, which all-reduces the flag so every rank sees the
-same answer, saves a checkpoint and exits together.
+``signals_received(parallel_state)``, which all-reduces the flag over the world, so
+every rank gets the same answer, saves the same iteration and exits.
 
     with DistributedSignalHandler() as handler:
         for iteration in ...:

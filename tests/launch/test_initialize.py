@@ -62,6 +62,11 @@ def test_torchrun_under_srun_wins():
         "torchrun", 6, 8, 2, "node001")
 
 
+def test_one_count_for_every_node():
+    env = {k: v for k, v in SRUN_NODE1_TASK1.items() if "TASKS_PER_NODE" not in k}
+    assert resolve_launch_env(dict(env, SLURM_NTASKS_PER_NODE="2")).local_world_size == 2
+
+
 def test_no_launcher_is_one_process():
     assert resolve_launch_env({}) == LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1,
                                                master_addr="127.0.0.1", master_port=29500, node_rank=0)
@@ -80,6 +85,7 @@ def test_no_launcher_is_one_process():
     ({k: v for k, v in SRUN_NODE1_TASK1.items() if "NODELIST" not in k}, "export MASTER_ADDR"),
     (dict(SRUN_NODE1_TASK1, SLURM_LOCALID="2"), "local rank 2 is outside the 2 processes"),
     (dict(SRUN_NODE1_TASK1, SLURM_STEP_TASKS_PER_NODE="two"), "SLURM_STEP_TASKS_PER_NODE='two'"),
+    (dict(SRUN_NODE1_TASK1, SLURM_NODEID="2"), "lists 2 nodes, but SLURM_NODEID is 2"),
 ])
 def test_bad_environment_names_the_variable(environ, message):
     with pytest.raises(ConfigError, match=message):
