@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite import collectives, kernels
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint, get_rng_tracker
 
@@ -21,6 +21,9 @@ class SelfAttention(nn.Module):
                  recompute_core: bool = False):
         super().__init__()
         tp_size = collectives.world_size(tp_group)
+        if config.num_query_groups % tp_size:
+            raise ConfigError(f"--num-query-groups ({config.num_query_groups}) must be divisible by "
+                              f"--tensor-model-parallel-size ({tp_size}).")
         self.head_dim = config.head_dim
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_query_groups = config.num_query_groups // tp_size

@@ -7,6 +7,7 @@ final norm, the output layer and the loss) and the global layer numbers it runs.
 import torch
 from torch import nn
 
+from megatron_lite import collectives
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_freqs
 from megatron_lite.model.norm import Norm
@@ -51,6 +52,16 @@ class GPTModel(nn.Module):
             # are summed over the embedding group so the copies stay identical.
             self.shared_embedding_or_output_weight().shared_embedding = True
 
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Padding rows of the vocabulary are not tokens: keep them out of the softmax, which also
+        makes the loss independent of how much padding the tensor-parallel size added."""
+        local = logits.shape[-1]
+        first = collectives.rank(self.tp_group) * local
+        if first + local <= self.config.vocab_size:
+            return logits
+        padding = torch.arange(first, first + local, device=logits.device) >= self.config.vocab_size
+        return logits.masked_fill(padding, float("-inf"))
+
     def shared_embedding_or_output_weight(self) -> nn.Parameter:
         if self.pre_process:
             return self.embedding.word_embeddings.weight
@@ -62,8 +73,8 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Returns per-token loss [b, s] given labels on the last stage, full-vocabulary
-        logits [b, s, V] without them, and hidden states [s, b, h] on other stages."""
+        """Returns per-token loss [b, s] given labels on the last stage, logits over the
+        (unpadded) vocabulary [b, s, V] without them, and hidden states [s, b, h] on other stages."""
         if self.pre_process:
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
@@ -82,6 +93,6 @@ class GPTModel(nn.Module):
         logits, _ = self.output_layer(hidden_states, weight=output_weight)  # [s, b, V/tp]
         if labels is None:
             logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
-            return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous(), self.tp_group)
+            return logits[..., :self.config.vocab_size].transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(self._mask_padding(logits.float()), labels.t().contiguous(), self.tp_group)
         return loss.t().contiguous()

@@ -24,7 +24,7 @@ def build(arch: dict, seed: int = 1) -> GPTModel:
 def test_shapes(arch):
     model = build(arch)
     ids = torch.randint(0, 100, (3, 16))
-    assert model(ids).shape == (3, 16, 128)  # vocab padded to a multiple of 128
+    assert model(ids).shape == (3, 16, 100)  # padding rows of the vocabulary are not returned
     assert model(ids, labels=ids).shape == (3, 16)
     names = dict(model.named_parameters())
     qkv_rows = (4 + 2 * (arch.get("num_query_groups") or 4)) * 16
@@ -82,3 +82,13 @@ def test_tied_output_uses_embedding():
     model(ids, labels=ids).sum().backward()
     assert "output_layer.weight" not in dict(model.named_parameters())
     assert model.embedding.word_embeddings.weight.grad.abs().sum() > 0
+
+
+def test_loss_ignores_vocabulary_padding():
+    """tp changes how many padding rows the vocabulary gets; the loss must not see them."""
+    ids = torch.randint(0, 100, (2, 17))
+    losses = []
+    for divisible_by in (128, 512):
+        model = build(dict(GPT2, make_vocab_size_divisible_by=divisible_by))
+        losses.append(model(ids[:, :-1], labels=ids[:, 1:]))
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
