@@ -173,8 +173,8 @@ class ScheduleExecutor:
         self.grad_scale_func = grad_scale_func
         self.pipeline_rank = parallel_state.pipeline_model_parallel_rank
         self.pipeline_size = parallel_state.pipeline_model_parallel_world_size
-        params = [p for chunk in model for p in chunk.parameters()]
-        self.device = params[0].device if params else torch.device("cpu")
+        first_param = next((p for chunk in model for p in chunk.parameters()), None)
+        self.device = first_param.device if first_param is not None else torch.device("cpu")
         # Keyed by (micro-batch, chunk); entries live from the op that makes them to the op that consumes them.
         self.inputs: dict = {}  # received activation (absent on the first virtual stage)
         self.outputs: dict = {}  # chunk output (the scaled loss on the last virtual stage)
