@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,7 +20,7 @@ def script_env(state_dir: Path, **variables) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_")) and k not in _LAUNCHER_VARIABLES}
     state_dir.mkdir(parents=True, exist_ok=True)
     env.update(PATH=f"{FAKE_SLURM_BIN}{os.pathsep}{env['PATH']}", FAKE_SLURM_DIR=str(state_dir),
-               CUDA_VISIBLE_DEVICES="", PYTHON=os.environ.get("PYTHON", "python3"))
+               CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)  # the interpreter running the tests has megatron_lite
     env.update({k: str(v) for k, v in variables.items()})
     return env
 
