@@ -21,7 +21,7 @@ MICRO_BATCH, SEQ, HIDDEN = 2, 16, 32
 TIED = "embedding.word_embeddings.weight"
 
 
-def _config(tp=1, pp=1, vpp=None, global_batch=4, sequence_parallel=False, first=None) -> Config:
+def _config(tp=1, pp=1, vpp=None, global_batch=4, sequence_parallel=False, first=None, recompute=False) -> Config:
     return Config(
         model=ModelConfig(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ, vocab_size=256,
                           hidden_dropout=0.0, attention_dropout=0.0),
@@ -29,7 +29,8 @@ def _config(tp=1, pp=1, vpp=None, global_batch=4, sequence_parallel=False, first
                                 virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sequence_parallel,
                                 decoder_first_pipeline_num_layers=first),
         training=TrainingConfig(micro_batch_size=MICRO_BATCH, global_batch_size=global_batch, train_iters=1,
-                                eval_iters=1),
+                                eval_iters=1, recompute_granularity="full" if recompute else None,
+                                recompute_method="uniform" if recompute else None),
         data=DataConfig(mock_data=True), logging=LoggingConfig(log_memory=False))
 
 
@@ -89,7 +90,8 @@ def assert_relative_close(actual, expected, what):
 
 LAYOUTS = {
     2: [dict(pp=2, global_batch=2), dict(pp=2, global_batch=4), dict(pp=2, global_batch=10),
-        dict(pp=2, vpp=2, global_batch=8), dict(pp=2, first=1, global_batch=6)],
+        dict(pp=2, vpp=2, global_batch=8), dict(pp=2, first=1, global_batch=6),
+        dict(pp=2, vpp=2, recompute=True, global_batch=4)],  # backward from freed outputs through recomputation
     4: [dict(tp=2, pp=2, global_batch=6), dict(tp=2, pp=2, sequence_parallel=True, global_batch=6),
         dict(tp=2, pp=2, vpp=2, sequence_parallel=True, global_batch=4), dict(pp=4, global_batch=10),
         dict(pp=2, vpp=2, global_batch=8)],  # the last one with two data-parallel replicas
