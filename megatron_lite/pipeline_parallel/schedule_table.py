@@ -12,9 +12,11 @@ next chunk, so every rank holds every p-th slice of the model.
 
 Communication is placed next to the compute that needs it: a receive right
 before the forward/backward that consumes it, a send right after the one that
-produced it. Consecutive communication ops form one *step* that is posted
-together and waited on together (Megatron's batched ``send_forward_recv_backward``
-and friends), which is what keeps neighbours from each blocking on a send.
+produced it (the interleaved steady state treats a forward and the backward
+after it as one unit, see ``compute_order``). Consecutive communication ops form
+one *step* that is posted together and waited on together (Megatron's batched
+``send_forward_recv_backward`` and friends), which is what keeps neighbours
+from each blocking on a send.
 """
 from __future__ import annotations
 
@@ -31,7 +33,6 @@ RECV_BACKWARD = "recv_backward"  # gradient of our output, from the next virtual
 SEND_BACKWARD = "send_backward"  # gradient of our input, to the previous virtual stage
 
 COMPUTE_KINDS = (FORWARD, BACKWARD)
-COMMUNICATION_KINDS = (RECV_FORWARD, SEND_FORWARD, RECV_BACKWARD, SEND_BACKWARD)
 
 
 @dataclass(frozen=True)
