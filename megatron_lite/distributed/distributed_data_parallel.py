@@ -74,10 +74,12 @@ class DistributedDataParallel(torch.nn.Module):
                 needs_own_bucket=lambda p: config.use_distributed_optimizer and getattr(p, "shared_embedding", False)))
         self.param_to_bucket = {p: b for buf in self.grad_buffers for p, b in buf.param_to_bucket.items()}
 
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in params]
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._grad_hook)
         if config.overlap_param_gather:
-            self._hook_handles += [m.register_forward_pre_hook(self._param_gather_pre_hook)
-                                   for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
+            for submodule in module.modules():
+                if any(True for _ in submodule.parameters(recurse=False)):
+                    submodule.register_forward_pre_hook(self._param_gather_pre_hook)
 
     @property
     def buckets(self) -> list:

@@ -32,8 +32,6 @@ from megatron_lite.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get
 # Attributes the gradient norm and finalisation read; main params carry them too.
 _PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
                         "shared_embedding")
-# Adam keeps exp_avg and exp_avg_sq, SGD a momentum buffer: fp32 elements per parameter element.
-_STATE_TENSORS_PER_ELEMENT = {"adam": 2, "sgd": 1}
 
 
 @dataclass(eq=False)
@@ -53,8 +51,8 @@ class ParamRange:
 
 
 class MegatronOptimizer:
-    """Adam (or SGD) over fp32 main copies of whole model parameters, replicated on every
-    data-parallel rank.
+    """Adam (or SGD) over fp32 main parameters covering whole model parameters, the same on
+    every data-parallel rank (the distributed optimizer narrows them to this rank's shard).
 
     Args:
         config: --lr, --weight-decay, --adam-*, --clip-grad, --optimizer-cpu-offload.
@@ -75,11 +73,8 @@ class MegatronOptimizer:
         # Biases and norm weights (1-D parameters) are not decayed.
         groups = [{"params": [], "weight_decay": config.weight_decay, "wd_mult": 1.0, "lr_mult": 1.0},
                   {"params": [], "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0}]
-        self._group_of = {}
         for r, main in zip(self.param_ranges, self.main_params):
-            index = 1 if r.param.ndim == 1 else 0
-            groups[index]["params"].append(main)
-            self._group_of[r.name] = index
+            groups[1 if r.param.ndim == 1 else 0]["params"].append(main)
         if config.optimizer == "adam":
             self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                                eps=config.adam_eps, weight_decay=config.weight_decay)
@@ -112,9 +107,9 @@ class MegatronOptimizer:
                 setattr(main, attribute, getattr(r.param, attribute))
         grad = r.model_grad()
         if grad.dtype == torch.float32 and main.device == grad.device:
-            main.grad_source = None  # the fp32 gradient buffer itself serves as main grad
+            main.grad_copy = None  # the fp32 gradient buffer itself serves as main grad
         else:
-            main.grad_source = torch.empty_like(main)  # persistent fp32 copy, filled every step
+            main.grad_copy = torch.empty_like(main)  # persistent fp32 copy, filled every step
         return main
 
     # The step.
@@ -136,11 +131,11 @@ class MegatronOptimizer:
 
     def _copy_model_grads_to_main_grads(self) -> None:
         for r, main in zip(self.param_ranges, self.main_params):
-            if main.grad_source is None:
+            if main.grad_copy is None:
                 main.grad = r.model_grad()
             else:
-                main.grad_source.copy_(r.model_grad())
-                main.grad = main.grad_source
+                main.grad_copy.copy_(r.model_grad())
+                main.grad = main.grad_copy
 
     def _unscale_and_check_for_inf(self) -> bool:
         """Unscale the main grads; True if any rank found inf/NaN, so all ranks skip together."""
@@ -211,11 +206,11 @@ class MegatronOptimizer:
                             else sum(e - s for s, e in buffer.param_index_map.values()))
                 param_bytes += n_params * buffer.param_dtype.itemsize
                 grad_bytes += buffer.grad_data.numel() * buffer.grad_data.element_size()
-        states = _STATE_TENSORS_PER_ELEMENT[self.config.optimizer] if (
-            self.config.optimizer == "adam" or self.config.sgd_momentum > 0) else 0
+        # fp32 tensors per element: Adam's exp_avg and exp_avg_sq, SGD's momentum buffer.
+        states = 2 if self.config.optimizer == "adam" else int(self.config.sgd_momentum > 0)
         optimizer_bytes = 0
         for r, main in zip(self.param_ranges, self.main_params):
-            copies = states + (0 if self._main_aliases_model(r) else 1) + (main.grad_source is not None)
+            copies = states + (0 if self._main_aliases_model(r) else 1) + (main.grad_copy is not None)
             optimizer_bytes += copies * main.numel() * 4
         return {"parameter_bytes": param_bytes, "gradient_bytes": grad_bytes,
                 "optimizer_state_bytes": optimizer_bytes, "optimizer_state_on_host": self.offload}

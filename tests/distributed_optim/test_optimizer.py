@@ -97,8 +97,8 @@ def _memory(rank, world_size):
             for r, main in zip(optimizer.param_ranges, optimizer.main_params):
                 if main.data_ptr() != r.model_data().data_ptr():
                     real += main.numel() * 4
-                if main.grad_source is not None:
-                    real += main.grad_source.numel() * 4
+                if main.grad_copy is not None:
+                    real += main.grad_copy.numel() * 4
             assert report["optimizer_state_bytes"] == real, (dtype, sharded, report, real)
             padding = sum(b.padding for b in ddp.grad_buffers)
             reports[(str(dtype), sharded)] = (report, padding)
