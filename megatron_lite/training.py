@@ -286,7 +286,8 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
                     print_rank_last(metrics.format_validation_log(iteration=state.iteration, lm_loss=valid_loss))
                     if writer is not None:
                         writer.add_scalar("lm loss validation", valid_loss, state.iteration)
-            save_now = (config.checkpoint.save_interval and state.iteration % config.checkpoint.save_interval == 0)
+            save_now = ((config.checkpoint.save_interval and state.iteration % config.checkpoint.save_interval == 0)
+                        or state.iteration == training.train_iters)  # as Megatron: always save at the end
             stop_now = (training.exit_signal_handler
                         and signal_handler.signals_received(parallel_state)) or (
                 training.exit_interval and state.iteration % training.exit_interval == 0)
