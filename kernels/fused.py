@@ -20,8 +20,9 @@ def _ops():
     return extension.load()
 
 
-def _kernel_dtype(*tensors):
-    return all(t.dtype in _KERNEL_DTYPES for t in tensors)
+def _kernel_supports(x):
+    """Kernels take float32/float16/bfloat16; empty tensors are left to the reference."""
+    return x.dtype in _KERNEL_DTYPES and x.numel() > 0
 
 
 def _rows_view(grad):
@@ -48,14 +49,14 @@ class _Norm(torch.autograd.Function):
 
 
 def layer_norm(x, weight, bias, eps):
-    if not _kernel_dtype(x):
+    if not _kernel_supports(x):
         return reference.layer_norm(x, weight, bias, eps)
     bias = None if bias is None else bias.float().contiguous()
     return _Norm.apply(x.contiguous(), weight.float().contiguous(), bias, eps, False)
 
 
 def rms_norm(x, weight, eps):
-    if not _kernel_dtype(x):
+    if not _kernel_supports(x):
         return reference.rms_norm(x, weight, eps)
     return _Norm.apply(x.contiguous(), weight.float().contiguous(), None, eps, True)
 
@@ -75,7 +76,7 @@ class _BiasGelu(torch.autograd.Function):
 
 
 def bias_gelu(x, bias):
-    if not _kernel_dtype(x):
+    if not _kernel_supports(x):
         return reference.bias_gelu(x, bias)
     # The reference adds the bias in x's dtype; the kernel takes it in x's dtype too.
     bias = None if bias is None else bias.to(x.dtype).contiguous()
@@ -95,7 +96,7 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(x):
-    if not _kernel_dtype(x) or x.shape[-1] % 2:
+    if not _kernel_supports(x) or x.shape[-1] % 2:
         return reference.swiglu(x)
     return _SwiGLU.apply(x.contiguous())
 
@@ -125,7 +126,7 @@ class _BiasDropoutAdd(torch.autograd.Function):
 
 
 def bias_dropout_add(x, bias, residual, prob, training):
-    if not _kernel_dtype(x) or residual.dtype != x.dtype or residual.shape != x.shape:
+    if not _kernel_supports(x) or residual.dtype != x.dtype or residual.shape != x.shape:
         return reference.bias_dropout_add(x, bias, residual, prob, training)
     keep_prob = 1.0 - prob if training else 1.0
     bias = None if bias is None else bias.to(x.dtype).contiguous()
@@ -147,7 +148,7 @@ class _Rotary(torch.autograd.Function):
 def apply_rotary_pos_emb(t, freqs):
     rot_dim = freqs.shape[-1]
     if (
-        not _kernel_dtype(t)
+        not _kernel_supports(t)
         or t.dim() != 4
         or freqs.dim() != 4
         or freqs.shape[:3] != (t.shape[0], 1, 1)
@@ -174,13 +175,13 @@ class _Softmax(torch.autograd.Function):
 
 
 def scaled_upper_triang_masked_softmax(x, scale):
-    if not _kernel_dtype(x) or x.dim() != 3 or x.shape[-1] < x.shape[-2]:
+    if not _kernel_supports(x) or x.dim() != 3 or x.shape[-1] < x.shape[-2]:
         return reference.scaled_upper_triang_masked_softmax(x, scale)
     return _Softmax.apply(x.contiguous(), None, float(scale), True)
 
 
 def scaled_masked_softmax(x, mask, scale):
-    if not _kernel_dtype(x) or x.dim() != 4 or (mask is not None and mask.dtype != torch.bool):
+    if not _kernel_supports(x) or x.dim() != 4 or (mask is not None and mask.dtype != torch.bool):
         return reference.scaled_masked_softmax(x, mask, scale)
     if mask is not None:
         # Broadcast dims get stride 0, so the kernel reads a [b, 1, sq, sk] mask in place.
