@@ -11,22 +11,26 @@ from tests.distributed import run_distributed
 from tests.distributed_optim import toy
 
 
-def test_single_process_matches_torch_adamw_with_clipping():
-    losses, norms, weights = toy.train(toy.single_process_state(), 10)
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_single_process_matches_torch_optimizer_with_clipping(kind):
+    config = OptimizerConfig(optimizer=kind, lr=0.05, weight_decay=0.1, clip_grad=0.5)
+    losses, norms, weights = toy.train(toy.single_process_state(), 10, optimizer_config=config)
     model = toy.MLP()
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim == 1]
-    config = toy.OPTIMIZER
-    adamw = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=config.lr,
-                              betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    # Biases and norm weights (1-D) are not decayed.
+    groups = [{"params": [p for p in model.parameters() if p.ndim > 1], "weight_decay": config.weight_decay},
+              {"params": [p for p in model.parameters() if p.ndim == 1], "weight_decay": 0.0}]
+    if kind == "adam":
+        reference = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                      eps=config.adam_eps)
+    else:
+        reference = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
     for step in range(10):
-        adamw.zero_grad()
+        reference.zero_grad()
         x, y = toy.global_batch(step)
         loss = F.mse_loss(model(x), y)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad)
-        adamw.step()
+        reference.step()
         assert abs(loss.item() - losses[step]) <= 1e-5 * loss.item()
         assert abs(norm.item() - norms[step]) <= 1e-5 * norm.item()
     for name, param in model.named_parameters():
