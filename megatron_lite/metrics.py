@@ -86,6 +86,14 @@ def format_throughput_log(*, tokens_per_second: float, mfu: float | None, peak_m
             f" peak memory (MB): {peak_memory:.1f} |")
 
 
+def format_memory_report(report: dict) -> str:
+    """One rank's static memory: model-precision weights, gradient buffers, optimizer state."""
+    mb = {k: v / 2 ** 20 for k, v in report.items() if k.endswith("_bytes")}
+    where = " (host)" if report.get("optimizer_state_on_host") else ""
+    return (f" memory per rank (MB) | parameters: {mb['parameter_bytes']:.1f} | gradients: {mb['gradient_bytes']:.1f}"
+            f" | optimizer state{where}: {mb['optimizer_state_bytes']:.1f} |")
+
+
 def format_validation_log(*, iteration: int, lm_loss: float, prefix: str = "validation") -> str:
     ppl = math.exp(min(20.0, lm_loss))  # as Megatron: cap the exponent so a diverged run prints
     return f" {prefix} loss at iteration {iteration} | lm loss value: {lm_loss:.6E} | lm loss PPL: {ppl:.6E} |"

@@ -234,6 +234,8 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     set_random_seeds(config.training.seed, parallel_state)
     model_chunks = build_model(config, parallel_state)
     optimizer, scheduler = build_optimizer_and_scheduler(config, parallel_state, model_chunks)
+    if config.logging.log_memory:
+        print_rank_last(metrics.format_memory_report(optimizer.memory_report()))
     state = TrainingState()
     from megatron_lite import checkpointing
 
