@@ -50,6 +50,3 @@ def set_rng_state(tensors: dict, scalars: dict) -> None:
             tracker.setdefault(name, {})[device] = state
     get_rng_tracker().set_states(tracker)
 
-
-def rng_tensor_names(tensors: dict) -> list:
-    return [k for k in tensors if k.startswith(_PREFIX)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 from megatron_lite.config import (CheckpointConfig, Config, LoggingConfig, ModelConfig, OptimizerConfig,
                                   ParallelConfig, TrainingConfig)
 
-# Vocabulary 60 pads to 64 at tensor-parallel sizes 1, 2 and 4 (multiples of 16 x tp), so the
-# layouts compared here compute the same softmax.
+# Vocabulary 60 pads to 64 rows at tensor-parallel sizes 1 and 2 and to 128 at 4 (multiples of
+# 32 x tp): loading across those layouts resizes the padding.
 LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
              untie_embeddings_and_output_weights=True, num_query_groups=4)
 GPT2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
@@ -17,7 +17,7 @@ def tiny_config(tp: int = 1, pp: int = 1, *, arch: dict = LLAMA, vpp=None, dist_
                 save_interval=None, exit_interval=None, **checkpoint_flags) -> Config:
     return Config(
         model=ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=8, ffn_hidden_size=64, seq_length=16,
-                          vocab_size=60, make_vocab_size_divisible_by=16, hidden_dropout=dropout,
+                          vocab_size=60, make_vocab_size_divisible_by=32, hidden_dropout=dropout,
                           attention_dropout=dropout, **arch),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 virtual_pipeline_model_parallel_size=vpp, use_distributed_optimizer=dist_opt,

@@ -4,23 +4,30 @@ That needs every piece of state: weights, Adam moments and step, the LR schedule
 the data position (consumed samples) and every RNG stream (dropout is on here).
 """
 import pytest
+import torch
 
-from megatron_lite.checkpointing import storage
-from megatron_lite.training import pretrain
+from megatron_lite.checkpointing import load_checkpoint, storage
+from megatron_lite.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.training import build_model, build_optimizer_and_scheduler, pretrain
 from tests.checkpointing.common import GPT2, losses_of, tiny_config, train
 from tests.distributed import run_distributed
 
 
-def _losses(**kwargs):
-    state, _, _ = pretrain(tiny_config(**kwargs))
+def _losses(precision: str = "fp32", **kwargs):
+    config = tiny_config(**kwargs)
+    config.training.bf16, config.training.fp16 = precision == "bf16", precision == "fp16"
+    state, _, _ = pretrain(config)
     return state.losses
 
 
-def test_stop_and_resume_is_bitwise_exact(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_stop_and_resume_is_bitwise_exact(tmp_path, precision):
+    """bf16/fp16 add fp32 main parameters to the state; fp16 the dynamic loss scaler (which
+    skips and halves on this tiny model's overflows)."""
     root = str(tmp_path)
-    uninterrupted = _losses(iters=4, dropout=0.1)
-    stopped = _losses(iters=4, dropout=0.1, save=root, exit_interval=2)
-    resumed = _losses(iters=4, dropout=0.1, load=root)
+    uninterrupted = _losses(precision, iters=4, dropout=0.1)
+    stopped = _losses(precision, iters=4, dropout=0.1, save=root, exit_interval=2)
+    resumed = _losses(precision, iters=4, dropout=0.1, load=root)
     assert stopped == uninterrupted[:2]
     assert resumed == uninterrupted  # exact equality, not approx
 
@@ -42,11 +49,33 @@ def test_finetune_loads_weights_only(tmp_path):
     assert state.losses[0] != _losses(iters=1)[0]  # not the fresh model
 
 
-def test_tensor_pipeline_parallel_resume_is_bitwise_exact(tmp_path):
-    """tp=2 x pp=2 with sequence parallelism: the tensor-parallel tracker's stream and the
-    per-stage default streams are restored on each rank."""
+def test_no_load_optim_restarts_from_the_loaded_weights(tmp_path):
+    """bf16: the optimizer's fp32 main parameters are copies, remade from the loaded weights."""
     root = str(tmp_path)
-    layout = dict(tp=2, pp=2, sequence_parallel=True, dropout=0.1, arch=GPT2, iters=4)
+    _losses("bf16", iters=2, save=root, save_interval=2)
+    config = tiny_config(load=root, no_load_optim=True)
+    config.training.bf16 = True
+    parallel_state = initialize_model_parallel(1, 1)
+    try:
+        model_chunks = build_model(config, parallel_state)
+        initial = {n: p.detach().clone() for n, p in model_chunks[0].module.named_parameters()}
+        optimizer, scheduler = build_optimizer_and_scheduler(config, parallel_state, model_chunks)
+        state = load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler)
+    finally:
+        destroy_model_parallel(parallel_state)
+    assert state.iteration == 2 and scheduler.num_steps == 2
+    weights = dict(model_chunks[0].module.named_parameters())
+    for name, entry in optimizer.state_dict()["params"].items():
+        assert not torch.equal(weights[name], initial[name]) or "layernorm" in name
+        assert torch.equal(entry["main_param"], weights[name].detach().float().reshape(-1))
+        assert entry["state"] == {}  # fresh Adam moments
+
+
+def test_tensor_pipeline_parallel_resume_is_bitwise_exact(tmp_path):
+    """tp=2 x pp=2 with sequence parallelism and two virtual stages per rank: the tensor-parallel
+    tracker's stream and the per-stage default streams are restored on each rank."""
+    root = str(tmp_path)
+    layout = dict(tp=2, pp=2, vpp=2, sequence_parallel=True, dropout=0.1, arch=GPT2, iters=4)
     uninterrupted = losses_of(run_distributed(train, 4, args=(dict(save=root, save_interval=2, **layout),)))
     storage.write_latest_iteration(root, 2)
     resumed = losses_of(run_distributed(train, 4, args=(dict(load=root, **layout),)))
