@@ -10,6 +10,21 @@ namespace megatron_lite {
 namespace {
 
 constexpr int64_t kGroup = 4;
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 65536;  // grid-stride loops cover the rest
+
+unsigned blocks_for(int64_t groups) {
+  const int64_t blocks = ceil_div(groups, kThreads);
+  return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+__device__ __forceinline__ int64_t global_thread_index() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ int64_t grid_stride() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
 
 // Philox4x32-10: ten rounds of two 32x32->64 multiplies, key bumped by Weyl constants.
 __device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
@@ -52,11 +67,17 @@ __global__ void bias_dropout_add_kernel(const T* __restrict__ x, const T* __rest
   for (int64_t g = global_thread_index(); g < groups; g += grid_stride()) {
     const float4 u = dropout ? uniforms(key, g) : make_float4(0.f, 0.f, 0.f, 0.f);
     const float draws[kGroup] = {u.x, u.y, u.z, u.w};
+    // One division per group; the bias column then advances with the element.
+    int64_t col = bias != nullptr ? (g * kGroup) % cols : 0;
 #pragma unroll
     for (int k = 0; k < kGroup; ++k) {
       const int64_t i = g * kGroup + k;
       if (i >= n) break;
-      float v = to_float(x[i]) + (bias != nullptr ? to_float(bias[i % cols]) : 0.f);
+      float v = to_float(x[i]);
+      if (bias != nullptr) {
+        v += to_float(bias[col]);
+        col = col + 1 == cols ? 0 : col + 1;
+      }
       if (dropout) v = draws[k] < keep_prob ? v * inv_keep : 0.f;
       out[i] = from_float<T>(to_float(residual[i]) + v);
     }
@@ -95,7 +116,7 @@ cudaError_t bias_dropout_add_forward(DType dtype, const void* x, const void* bia
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     bias_dropout_add_kernel<T>
-        <<<elementwise_blocks(ceil_div(n, kGroup)), kElementwiseThreads, 0, stream>>>(
+        <<<blocks_for(ceil_div(n, kGroup)), kThreads, 0, stream>>>(
             static_cast<const T*>(x), static_cast<const T*>(bias),
             static_cast<const T*>(residual), static_cast<T*>(out), seed, keep_prob, n, cols);
   });
@@ -107,7 +128,7 @@ cudaError_t dropout_backward(DType dtype, const void* dy, void* dx, const int64_
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     dropout_backward_kernel<T>
-        <<<elementwise_blocks(ceil_div(n, kGroup)), kElementwiseThreads, 0, stream>>>(
+        <<<blocks_for(ceil_div(n, kGroup)), kThreads, 0, stream>>>(
             static_cast<const T*>(dy), static_cast<T*>(dx), seed, keep_prob, n);
   });
 }

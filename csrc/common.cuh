@@ -53,24 +53,6 @@ __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
-// Elementwise kernels use grid-stride loops over this many threads per block and at
-// most kMaxElementwiseBlocks blocks (enough to fill any current GPU several times).
-constexpr int kElementwiseThreads = 256;
-constexpr int64_t kMaxElementwiseBlocks = 65536;
-
-inline unsigned elementwise_blocks(int64_t n) {
-  const int64_t blocks = ceil_div(n, kElementwiseThreads);
-  return static_cast<unsigned>(blocks < kMaxElementwiseBlocks ? blocks : kMaxElementwiseBlocks);
-}
-
-__device__ __forceinline__ int64_t global_thread_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-
-__device__ __forceinline__ int64_t grid_stride() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
-
 // Calls launch(T{}) with T the element type named by dtype, then reports the launch.
 template <typename Launch>
 cudaError_t dispatch_dtype(DType dtype, Launch launch) {

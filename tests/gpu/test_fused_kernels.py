@@ -226,7 +226,8 @@ def masks(shape):
     b, heads, sq, sk = shape
     per_query = torch.rand(b, 1, sq, sk, device=DEVICE) < 0.3
     per_query[0, 0, sq // 2] = True
-    padding = torch.arange(sk, device=DEVICE).view(1, 1, 1, sk) >= torch.tensor([sk, sk // 2], device=DEVICE)[:b].view(-1, 1, 1, 1)
+    valid_keys = torch.tensor([sk, sk // 2], device=DEVICE)[:b]
+    padding = torch.arange(sk, device=DEVICE).view(1, 1, 1, sk) >= valid_keys.view(-1, 1, 1, 1)
     return {
         "per_query": per_query,
         "padding": padding,
