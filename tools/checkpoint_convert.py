@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_lite import hf_interop
+from megatron_lite.checkpointing import hf_interop
 from megatron_lite.checkpointing.offline import reshard_checkpoint
 from megatron_lite.checkpointing.storage import CheckpointError
 from megatron_lite.config import ConfigError
@@ -31,7 +31,8 @@ FORMATS = ("megatron_lite", "hf")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--load-dir", required=True, help="source checkpoint (root or iter_* directory) or HF directory")
+    parser.add_argument("--load-dir", required=True,
+                        help="source: a checkpoint root or iter_* directory, or a Hugging Face model directory")
     parser.add_argument("--save-dir", required=True, help="where to write the converted checkpoint")
     parser.add_argument("--source-format", choices=FORMATS, default="megatron_lite")
     parser.add_argument("--target-format", choices=FORMATS, default="megatron_lite")

@@ -5,8 +5,9 @@
 
 ``storage`` is the on-disk format (safetensors + JSON, atomic commit, checksums),
 ``resharding`` maps global tensors to and from any layout's shards, ``rng`` the
-random states, ``save_load`` what the training loop calls, and ``offline`` writes
-checkpoints from global tensors (the converter and the Hugging Face import).
+random states, ``save_load`` what the training loop calls, ``offline`` writes
+checkpoints from global tensors (``tools/checkpoint_convert.py``), and ``hf_interop``
+maps Hugging Face GPT-2 and Llama checkpoints to ours and back.
 """
 from megatron_lite.checkpointing.save_load import load_checkpoint, save_checkpoint
 from megatron_lite.checkpointing.storage import CheckpointError

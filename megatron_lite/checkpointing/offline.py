@@ -15,7 +15,8 @@ from typing import Callable, Optional
 import torch
 
 from megatron_lite.checkpointing import storage
-from megatron_lite.checkpointing.resharding import CheckpointReader, ShardedTensor, add_to_index, has_vocab_rows, resize_vocab
+from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTensor, has_vocab_rows, index_of,
+                                                    merge_index, resize_vocab)
 from megatron_lite.checkpointing.save_load import OPTIMIZER_PREFIX, checkpoint_name, new_metadata
 from megatron_lite.config import Config
 from megatron_lite.model import GPTModel
@@ -65,7 +66,7 @@ def write_checkpoint(root: str, config: Config, read: Callable[[str], torch.Tens
         scheduler=scheduler, optimizer=optimizer)
     states_of: dict = {}
     for key in optimizer_keys:
-        state, name = key.removeprefix(OPTIMIZER_PREFIX).split(".", 1)
+        name = key.removeprefix(OPTIMIZER_PREFIX).split(".", 1)[1]
         states_of.setdefault(name, []).append(key)
 
     for pipeline_rank in range(pp):
@@ -80,14 +81,16 @@ def write_checkpoint(root: str, config: Config, read: Callable[[str], torch.Tens
                     replicated = not getattr(param, "tensor_model_parallel", False) or cache[key].dim() == 0
                     if replicated and tp_rank != 0:
                         continue  # stored once
-                    pieces.append(_piece(key, cache[key], param, tp_rank=tp_rank, tp_size=tp, padded_vocab=padded_vocab,
-                                         vocab_size=config.model.vocab_size if has_vocab_rows(name) else None))
+                    vocab_size = config.model.vocab_size if has_vocab_rows(name) else None
+                    pieces.append(_piece(key, cache[key], param, tp_rank=tp_rank, tp_size=tp,
+                                         padded_vocab=padded_vocab, vocab_size=vocab_size))
             rank = layout.rank(tensor=tp_rank, data=0, pipeline=pipeline_rank)
             file_name = storage.rank_file_name(rank)
             info = storage.write_tensor_file(os.path.join(staging, file_name), {p.key: p.data for p in pieces})
-            metadata["files"][file_name] = {**info, "rank": rank, "layers": layers, "tensor_model_parallel_rank": tp_rank,
+            metadata["files"][file_name] = {**info, "rank": rank, "layers": layers,
+                                            "tensor_model_parallel_rank": tp_rank,
                                             "pipeline_model_parallel_rank": pipeline_rank, "data_parallel_rank": 0}
-            add_to_index(metadata["tensors"], pieces, file_name)
+            merge_index(metadata["tensors"], index_of(pieces, file_name))
     storage.write_json(os.path.join(staging, storage.METADATA_FILE), metadata)
     return storage.commit(root, iteration)
 

@@ -81,15 +81,21 @@ class ShardedTensor:
                 "flat_range": None if self.flat_range is None else list(self.flat_range)}
 
 
-def add_to_index(index: dict, pieces: list[ShardedTensor], file_name: str) -> None:
-    """Record ``pieces`` (stored in ``file_name`` under their keys) in the metadata's tensor index."""
+def index_of(pieces: list[ShardedTensor], file_name: str) -> dict:
+    """The metadata's tensor index for ``pieces`` stored in ``file_name`` under their keys."""
+    index: dict = {}
     for piece in pieces:
-        entry = index.setdefault(piece.key, piece.index_entry())
-        described = piece.index_entry()
-        del described["shards"]
-        if any(entry[k] != v for k, v in described.items()):
-            raise CheckpointError(f"ranks disagree on the shape or split of {piece.key!r}: {entry} vs {described}.")
-        entry["shards"].append(piece.shard_entry(file_name))
+        merge_index(index, {piece.key: {**piece.index_entry(), "shards": [piece.shard_entry(file_name)]}})
+    return index
+
+
+def merge_index(into: dict, index: dict) -> None:
+    """Add another file's tensor index; every piece of a tensor must describe the same global tensor."""
+    for key, entry in index.items():
+        merged = into.setdefault(key, {**entry, "shards": []})
+        if {k: v for k, v in merged.items() if k != "shards"} != {k: v for k, v in entry.items() if k != "shards"}:
+            raise CheckpointError(f"ranks disagree on the shape or split of {key!r}: {merged} vs {entry}.")
+        merged["shards"] = merged["shards"] + entry["shards"]
 
 
 def _local_shape(entry: dict, tp_size: int) -> list:

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from megatron_lite import collectives
 from megatron_lite.checkpointing import rng, storage
-from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTensor, add_to_index, has_vocab_rows,
-                                                    local_shard)
+from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTensor, has_vocab_rows, index_of,
+                                                    local_shard, merge_index)
 from megatron_lite.checkpointing.storage import CheckpointError
 from megatron_lite.config import Config, ConfigError
 
@@ -88,14 +88,13 @@ def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
         file_name = storage.rank_file_name(rank)
         info = storage.write_tensor_file(os.path.join(staging, file_name),
                                          {**{p.key: p.data for p in pieces}, **rng_tensors})
-        tensors: dict = {}
-        add_to_index(tensors, pieces, file_name)
-        layers = sorted(int(n) for chunk in model_chunks for n in chunk.module.decoder.layers.keys())
-        index = {"file": file_name, "info": {**info, "rank": rank, "layers": layers,
-                                             "tensor_model_parallel_rank": parallel_state.tensor_model_parallel_rank,
-                                             "pipeline_model_parallel_rank": parallel_state.pipeline_model_parallel_rank,
-                                             "data_parallel_rank": parallel_state.data_parallel_rank},
-                 "tensors": tensors, "rng": rng_scalars, "training_state": dataclasses.asdict(state)}
+        # Who wrote the file and which layers (pipeline range) it holds, for readers of the metadata.
+        holder = {"rank": rank, "layers": sorted(int(n) for c in model_chunks for n in c.module.decoder.layers),
+                  "tensor_model_parallel_rank": parallel_state.tensor_model_parallel_rank,
+                  "pipeline_model_parallel_rank": parallel_state.pipeline_model_parallel_rank,
+                  "data_parallel_rank": parallel_state.data_parallel_rank}
+        index = {"file": file_name, "info": {**info, **holder}, "tensors": index_of(pieces, file_name),
+                 "rng": rng_scalars, "training_state": dataclasses.asdict(state)}
         if rank == 0 and optimizer_state is not None:
             index["optimizer"] = _encode({k: optimizer_state[k] for k in
                                           ("param_groups", "grad_scaler", "num_skipped_iterations")})
@@ -193,11 +192,7 @@ def _merge_rank_indexes(staging: str, world_size: int, metadata: dict) -> None:
             metadata["training_state"] = index["training_state"]
         if "optimizer" in index:
             metadata["optimizer"] = index["optimizer"]
-        for key, entry in index["tensors"].items():
-            merged = metadata["tensors"].setdefault(key, {**entry, "shards": []})
-            if {k: v for k, v in merged.items() if k != "shards"} != {k: v for k, v in entry.items() if k != "shards"}:
-                raise CheckpointError(f"ranks disagree on the shape or split of {key!r}.")
-            merged["shards"] += entry["shards"]
+        merge_index(metadata["tensors"], index["tensors"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatron_lite import hf_interop  # noqa: E402
+from megatron_lite.checkpointing import hf_interop  # noqa: E402
 from megatron_lite.checkpointing import load_checkpoint  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402

@@ -25,7 +25,10 @@ import safetensors
 import safetensors.torch
 import torch
 
-from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.checkpointing.offline import write_checkpoint
+from megatron_lite.checkpointing.resharding import CheckpointReader
+from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
+from megatron_lite.config import Config, ConfigError, ModelConfig, ParallelConfig
 
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh approximation, which ours computes
 
@@ -284,9 +287,6 @@ def write_hf_directory(directory: str, hf_config: dict, tensors: dict) -> None:
 def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1,
                          pipeline_model_parallel_size: int = 1) -> str:
     """A Hugging Face GPT-2/Llama directory -> a weights-only megatron_lite checkpoint (iteration 0)."""
-    from megatron_lite.checkpointing.offline import write_checkpoint
-    from megatron_lite.config import Config, ParallelConfig
-
     hf_config, tensors = read_hf_directory(load_dir)
     model_config = model_config_from_hf(hf_config)
     weights = weights_from_hf(tensors, model_config)
@@ -298,9 +298,6 @@ def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_
 
 def export_hf_checkpoint(load_dir: str, save_dir: str) -> None:
     """A megatron_lite checkpoint (root or iter_* directory, any layout) -> a Hugging Face directory."""
-    from megatron_lite.checkpointing.resharding import CheckpointReader
-    from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
-
     reader = CheckpointReader(resolve_checkpoint_dir(load_dir))
     config = ModelConfig(**reader.metadata["config"]["model"])
     hf_config = hf_config_from_model_config(config)
