@@ -81,7 +81,9 @@ def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
 
     def write_rank_file():
         pieces = _model_pieces(config, parallel_state, model_chunks)
-        optimizer_state = optimizer.state_dict() if optimizer is not None else None
+        # Without the distributed optimizer the data-parallel replicas' states are identical: rank 0's is saved.
+        writes_optimizer = config.parallel.use_distributed_optimizer or parallel_state.data_parallel_rank == 0
+        optimizer_state = optimizer.state_dict() if optimizer is not None and writes_optimizer else None
         if optimizer_state is not None:
             pieces += _optimizer_pieces(config, parallel_state, model_chunks, optimizer_state)
         rng_tensors, rng_scalars = rng.get_rng_state()
@@ -150,13 +152,10 @@ def _model_pieces(config, parallel_state, model_chunks) -> list[ShardedTensor]:
 def _optimizer_pieces(config, parallel_state, model_chunks, optimizer_state: dict) -> list[ShardedTensor]:
     """Each parameter's optimizer state as flat slices of its tensor-parallel shard.
 
-    The whole shard without the distributed optimizer (data-parallel rank 0 writes it),
-    this rank's slice with it (every rank writes its own). fp32 main parameters are
-    not written for fp32 models: they are the model weights themselves.
+    The whole shard without the distributed optimizer, this rank's slice with it (the
+    ``range`` the optimizer reports). fp32 main parameters are not written for fp32
+    models: they are the model weights themselves.
     """
-    sharded = optimizer_state["data_parallel"]["sharded"]
-    if not sharded and parallel_state.data_parallel_rank != 0:
-        return []
     tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
     params = {name: (chunk.module, p) for chunk in model_chunks for name, p in chunk.module.named_parameters()}
     pieces = []

@@ -172,7 +172,14 @@ def sha256_file(path: str) -> str:
 def verify_files(directory: str, metadata: dict, *, checksum: set | frozenset = frozenset()) -> None:
     """Check that every file the metadata lists exists with its recorded size, and that the
     files named in ``checksum`` have their recorded SHA-256."""
+    unlisted = sorted(set(checksum) - set(metadata["files"]))
+    if unlisted:
+        raise CheckpointError(f"checkpoint {directory} refers to files its metadata does not list: {unlisted}; "
+                              f"the metadata is corrupt.")
     for name, entry in metadata["files"].items():
+        if os.path.basename(name) != name or name.startswith("."):  # a forged metadata file must not reach outside
+            raise CheckpointError(f"checkpoint {directory} lists the file {name!r}, which is not a plain file name "
+                                  f"inside the checkpoint directory; refusing to read it.")
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing. Restore the file, "

@@ -87,6 +87,21 @@ def test_missing_file_is_reported(saved):
         _load(saved)
 
 
+def test_truncated_metadata_is_reported(saved):
+    path = os.path.join(storage.checkpoint_dir(saved, 2), storage.METADATA_FILE)
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(CheckpointError, match="metadata.json is not valid JSON"):
+        _load(saved)
+
+
+def test_saving_an_iteration_again_replaces_it(saved):
+    before = storage.sha256_file(os.path.join(storage.checkpoint_dir(saved, 2), storage.METADATA_FILE))
+    pretrain(tiny_config(iters=2, save=saved, save_interval=1, dropout=0.1))  # a different run, same iterations
+    assert sorted(os.listdir(saved)) == ["iter_0000001", "iter_0000002", storage.TRACKER_FILE]
+    assert storage.sha256_file(os.path.join(storage.checkpoint_dir(saved, 2), storage.METADATA_FILE)) != before
+    assert _load(saved).iteration == 2
+
+
 def test_pointer_to_a_missing_iteration_is_reported(saved):
     storage.write_latest_iteration(saved, 7)
     with pytest.raises(CheckpointError, match="iter_0000007 has no metadata.json"):
