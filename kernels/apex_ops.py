@@ -7,6 +7,8 @@ uniform, not zero) and only accepts some sequence lengths and dtypes.
 import functools
 import importlib
 
+import torch
+
 
 @functools.lru_cache(maxsize=None)
 def _import(module, name):
@@ -23,8 +25,9 @@ def layer_norm_op():
         return None
 
     def layer_norm(x, weight, bias, eps):
-        # apex returns the weight's dtype for mixed inputs; the reference returns x's.
-        return fn(x, weight, bias, (x.shape[-1],), eps).to(x.dtype)
+        # apex's affine kernel reads weight and bias as x's dtype and needs a bias.
+        bias = torch.zeros_like(weight) if bias is None else bias
+        return fn(x, weight.to(x.dtype), bias.to(x.dtype), (x.shape[-1],), eps)
 
     return layer_norm
 
@@ -36,7 +39,7 @@ def rms_norm_op():
         return None
 
     def rms_norm(x, weight, eps):
-        return fn(x, weight, (x.shape[-1],), eps).to(x.dtype)
+        return fn(x, weight.to(x.dtype), (x.shape[-1],), eps)
 
     return rms_norm
 

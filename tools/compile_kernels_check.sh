@@ -45,7 +45,18 @@ if [[ "${1:-}" == "--bindings" ]]; then
   shim="$out/shim/c10/cuda/impl"
   mkdir -p "$shim"
   echo '#define C10_CUDA_BUILD_SHARED_LIBS' >"$shim/cuda_cmake_macros.h"
-  cuda_include="$(dirname "$(dirname "$nvcc_bin")")/include"
+  # nvcc may be a wrapper script outside the toolkit; look for the headers themselves.
+  cuda_include=""
+  for toolkit in "${CUDA_HOME:-}" "$(dirname "$(dirname "$(readlink -f "$nvcc_bin")")")" /usr/local/cuda; do
+    if [[ -n "$toolkit" && -f "$toolkit/include/cuda_runtime_api.h" ]]; then
+      cuda_include="$toolkit/include"
+      break
+    fi
+  done
+  if [[ -z "$cuda_include" ]]; then
+    echo "CUDA headers not found: set CUDA_HOME to the toolkit" >&2
+    exit 2
+  fi
   file_start=$SECONDS
   "${CXX:-g++}" -std=c++20 -fsyntax-only -Wall -Werror -DTORCH_EXTENSION_NAME=_fused_cuda \
     -isystem "$out/shim" "${torch_includes[@]/#-I/-isystem}" -isystem "$python_includes" \

@@ -109,12 +109,12 @@ def test_fused_on_and_off_give_identical_results_on_cpu(monkeypatch):
 
 def _install_fake_apex(monkeypatch, calls):
     def layer_norm_affine(x, weight, bias, normalized_shape, eps):
-        calls.append(("layer_norm", normalized_shape, eps))
-        return reference.layer_norm(x, weight, bias, eps).float()
+        calls.append(("layer_norm", normalized_shape, eps, weight.dtype, bias.dtype))
+        return reference.layer_norm(x, weight, bias, eps)
 
     def rms_norm_affine(x, weight, normalized_shape, eps):
-        calls.append(("rms_norm", normalized_shape, eps))
-        return reference.rms_norm(x, weight, eps).float()
+        calls.append(("rms_norm", normalized_shape, eps, weight.dtype))
+        return reference.rms_norm(x, weight, eps)
 
     def rotary(t, freqs):
         calls.append(("rotary", freqs.dtype))
@@ -136,20 +136,22 @@ def _install_fake_apex(monkeypatch, calls):
     apex_ops._import.cache_clear()
 
 
-def test_apex_wrappers_pass_shapes_and_keep_the_input_dtype(monkeypatch):
+def test_apex_wrappers_pass_shapes_and_x_dtype_parameters(monkeypatch):
     calls = []
     _install_fake_apex(monkeypatch, calls)
     try:
         x = torch.randn(3, 16, dtype=torch.bfloat16)
-        w = torch.ones(16)
-        assert apex_ops.layer_norm_op()(x, w, None, 1e-5).dtype == torch.bfloat16
-        assert apex_ops.rms_norm_op()(x, w, 1e-6).dtype == torch.bfloat16
+        w = torch.ones(16)  # float32 parameters, bfloat16 activations
+        torch.testing.assert_close(apex_ops.layer_norm_op()(x, w, None, 1e-5), reference.layer_norm(x, w, None, 1e-5))
+        torch.testing.assert_close(apex_ops.rms_norm_op()(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
         t = torch.randn(4, 1, 2, 8)
         freqs = torch.randn(4, 1, 1, 8, dtype=torch.float64)
         torch.testing.assert_close(
             apex_ops.rotary_op()(t, freqs), reference.apply_rotary_pos_emb(t, freqs.float())
         )
-        assert calls == [("layer_norm", (16,), 1e-5), ("rms_norm", (16,), 1e-6), ("rotary", torch.float32)]
+        bf16 = torch.bfloat16
+        assert calls == [("layer_norm", (16,), 1e-5, bf16, bf16), ("rms_norm", (16,), 1e-6, bf16),
+                         ("rotary", torch.float32)]
     finally:
         apex_ops._import.cache_clear()
 
