@@ -10,6 +10,7 @@ PYTHON="${PYTHON:-python3}"
 NPROC="${NPROC:-8}"            # 8 gloo processes: tensor 2 x pipeline 2 x data 2
 TRAIN_ITERS="${TRAIN_ITERS:-100}"
 DEMO_DIR="${DEMO_DIR:-demo_data}"
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 
 setup() {
   "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "megatron_lite needs Python 3.10 or newer")'
@@ -47,6 +48,7 @@ train() {
 
 case "${1:-}" in
   train) setup && train ;;
-  test) setup && "$PYTHON" -m pytest -q -p no:cacheprovider tests ;;
+  # --timeout: a last guard per test; distributed tests have their own, shorter ones.
+  test) setup && "$PYTHON" -m pytest -q -p no:cacheprovider --timeout 900 tests ;;
   *) echo "usage: bash tools/quickstart.sh train|test" >&2; exit 2 ;;
 esac
