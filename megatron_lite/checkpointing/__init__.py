@@ -2,6 +2,7 @@
 
     save_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler, state)
     load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) -> TrainingState | None
+    read_config(load_dir) -> Config      (the configuration a checkpoint was saved with)
 
 ``storage`` is the on-disk format (safetensors + JSON, atomic commit, checksums),
 ``resharding`` maps global tensors to and from any layout's shards, ``rng`` the
@@ -9,7 +10,7 @@ random states, ``save_load`` what the training loop calls, ``offline`` writes
 checkpoints from global tensors (``tools/checkpoint_convert.py``), and ``hf_interop``
 maps Hugging Face GPT-2 and Llama checkpoints to ours and back.
 """
-from megatron_lite.checkpointing.save_load import load_checkpoint, save_checkpoint
+from megatron_lite.checkpointing.save_load import load_checkpoint, read_config, save_checkpoint
 from megatron_lite.checkpointing.storage import CheckpointError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "read_config", "CheckpointError"]

@@ -33,7 +33,7 @@ from megatron_lite import collectives
 from megatron_lite.checkpointing import rng, storage
 from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTensor, has_vocab_rows, index_of,
                                                     local_shard, merge_index)
-from megatron_lite.checkpointing.storage import CheckpointError
+from megatron_lite.checkpointing.storage import CheckpointError, read_metadata, resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError
 
 # Model fields a checkpoint's weights depend on, with the flag that sets each.
@@ -56,6 +56,16 @@ def layout_of(config: Config, parallel_state) -> dict:
             "use_distributed_optimizer": config.parallel.use_distributed_optimizer}
 
 
+def _unwrap(model_chunks) -> list:
+    """The GPTModels inside DistributedDataParallel wrappers (bare models pass through)."""
+    return [getattr(chunk, "module", chunk) for chunk in model_chunks]
+
+
+def read_config(load_dir: str) -> Config:
+    """The configuration a checkpoint (root or ``iter_*`` directory) was saved with."""
+    return Config.from_dict(read_metadata(resolve_checkpoint_dir(load_dir))["config"])
+
+
 def checkpoint_name(model, name: str) -> str:
     """The name a parameter is stored under: the last stage's copy of the tied embedding is the embedding."""
     if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
@@ -75,23 +85,25 @@ def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
     """Write ``SAVE/iter_{iteration:07d}/`` and point ``latest_checkpointed_iteration.txt`` at it (every rank)."""
     root, iteration, rank = config.checkpoint.save, state.iteration, parallel_state.rank
     for chunk in model_chunks:  # weights must be final: finish any overlapped all-gather first
-        chunk.finish_param_sync()
+        if hasattr(chunk, "finish_param_sync"):
+            chunk.finish_param_sync()
+    models = _unwrap(model_chunks)
     _collectively(lambda: storage.prepare_staging(root, iteration) if rank == 0 else None, "prepare", root)
     staging = storage.staging_dir(root, iteration)
 
     def write_rank_file():
-        pieces = _model_pieces(config, parallel_state, model_chunks)
+        pieces = _model_pieces(config, parallel_state, models)
         # Without the distributed optimizer the data-parallel replicas' states are identical: rank 0's is saved.
         writes_optimizer = config.parallel.use_distributed_optimizer or parallel_state.data_parallel_rank == 0
         optimizer_state = optimizer.state_dict() if optimizer is not None and writes_optimizer else None
         if optimizer_state is not None:
-            pieces += _optimizer_pieces(config, parallel_state, model_chunks, optimizer_state)
+            pieces += _optimizer_pieces(config, parallel_state, models, optimizer_state)
         rng_tensors, rng_scalars = rng.get_rng_state()
         file_name = storage.rank_file_name(rank)
         info = storage.write_tensor_file(os.path.join(staging, file_name),
                                          {**{p.key: p.data for p in pieces}, **rng_tensors})
         # Who wrote the file and which layers (pipeline range) it holds, for readers of the metadata.
-        holder = {"rank": rank, "layers": sorted(int(n) for c in model_chunks for n in c.module.decoder.layers),
+        holder = {"rank": rank, "layers": sorted(int(n) for m in models for n in m.decoder.layers),
                   "tensor_model_parallel_rank": parallel_state.tensor_model_parallel_rank,
                   "pipeline_model_parallel_rank": parallel_state.pipeline_model_parallel_rank,
                   "data_parallel_rank": parallel_state.data_parallel_rank}
@@ -131,13 +143,12 @@ def new_metadata(config: Config, *, iteration: int, training_state: dict, layout
             "tensors": {}, "files": {}, "rng": {}}
 
 
-def _model_pieces(config, parallel_state, model_chunks) -> list[ShardedTensor]:
+def _model_pieces(config, parallel_state, models) -> list[ShardedTensor]:
     if parallel_state.data_parallel_rank != 0:
         return []
     tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
     pieces = []
-    for chunk in model_chunks:
-        model = chunk.module
+    for model in models:
         for name, param in model.named_parameters():
             if checkpoint_name(model, name) != name:
                 continue  # the tied copy: stored once, as the embedding
@@ -149,7 +160,7 @@ def _model_pieces(config, parallel_state, model_chunks) -> list[ShardedTensor]:
     return pieces
 
 
-def _optimizer_pieces(config, parallel_state, model_chunks, optimizer_state: dict) -> list[ShardedTensor]:
+def _optimizer_pieces(config, parallel_state, models, optimizer_state: dict) -> list[ShardedTensor]:
     """Each parameter's optimizer state as flat slices of its tensor-parallel shard.
 
     The whole shard without the distributed optimizer, this rank's slice with it (the
@@ -157,7 +168,7 @@ def _optimizer_pieces(config, parallel_state, model_chunks, optimizer_state: dic
     models: they are the model weights themselves.
     """
     tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
-    params = {name: (chunk.module, p) for chunk in model_chunks for name, p in chunk.module.named_parameters()}
+    params = {name: (model, p) for model in models for name, p in model.named_parameters()}
     pieces = []
     for name, entry in optimizer_state["params"].items():
         model, param = params[name]
@@ -200,6 +211,9 @@ def _merge_rank_indexes(staging: str, world_size: int, metadata: dict) -> None:
 
 def load_checkpoint(config: Config, parallel_state, model_chunks, optimizer, scheduler):
     """Load ``--load``'s newest checkpoint into this rank's chunks, optimizer and scheduler.
+
+    ``model_chunks`` may be DistributedDataParallel-wrapped or bare GPTModels;
+    ``optimizer`` and ``scheduler`` may be None (inference, export).
 
     Returns the saved TrainingState (iteration 0 with --finetune), or None when
     ``--load`` holds no checkpoint. ``--no-load-optim`` skips the optimizer state
@@ -244,7 +258,7 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
                       f"from an uninterrupted run.")
 
     tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
-    params = [(chunk.module, name, p) for chunk in model_chunks for name, p in chunk.module.named_parameters()]
+    params = [(model, name, p) for model in _unwrap(model_chunks) for name, p in model.named_parameters()]
     needed = [checkpoint_name(model, name) for model, name, _ in params]
     optimizer_states = _optimizer_states(reader) if load_optimizer else {}
     if load_optimizer:

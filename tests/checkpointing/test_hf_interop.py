@@ -13,10 +13,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from megatron_lite.checkpointing import hf_interop  # noqa: E402
-from megatron_lite.checkpointing import load_checkpoint  # noqa: E402
+from megatron_lite.checkpointing import load_checkpoint, read_config  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
-from megatron_lite.config import CheckpointConfig, Config, ConfigError  # noqa: E402
+from megatron_lite.config import CheckpointConfig, ConfigError  # noqa: E402
 from megatron_lite.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from megatron_lite.training import build_model  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
@@ -54,12 +54,12 @@ def hf_model(request, tmp_path_factory):
 
 def _our_logits(root: str, input_ids: torch.Tensor, tp: int = 1) -> torch.Tensor:
     """Load ``root`` into a model at tensor-parallel size ``tp`` (this process's world) and run it."""
-    config = Config.from_dict(CheckpointReader(resolve_checkpoint_dir(root)).metadata["config"])
+    config = read_config(root)
     config = dataclasses.replace(config, checkpoint=CheckpointConfig(load=root), parallel=dataclasses.replace(
         config.parallel, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1))
     parallel_state = initialize_model_parallel(tp, 1)
     try:
-        (model,) = build_model(config, parallel_state)
+        (model,) = build_model(config, parallel_state, wrap_with_ddp=False)
         load_checkpoint(config, parallel_state, [model], None, None)
         model.eval()
         with torch.no_grad():
