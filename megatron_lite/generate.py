@@ -14,10 +14,8 @@ import sys
 
 import torch
 
-from megatron_lite.checkpointing import load_checkpoint
-from megatron_lite.checkpointing.resharding import CheckpointReader
-from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
-from megatron_lite.config import CheckpointConfig, Config, ParallelConfig
+from megatron_lite.checkpointing import load_checkpoint, read_config
+from megatron_lite.config import CheckpointConfig, ParallelConfig
 from megatron_lite.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.text_generation import generate
 from megatron_lite.tokenizer import build_tokenizer
@@ -26,7 +24,7 @@ from megatron_lite.training import build_model
 
 def load_single_process_model(load_dir: str):
     """(model, config) with the checkpoint's weights, on one process."""
-    saved = Config.from_dict(CheckpointReader(resolve_checkpoint_dir(load_dir)).metadata["config"])
+    saved = read_config(load_dir)
     config = dataclasses.replace(saved, parallel=ParallelConfig(), checkpoint=CheckpointConfig(load=load_dir))
     parallel_state = initialize_model_parallel(1, 1)
     (model,) = build_model(config, parallel_state, wrap_with_ddp=False)
