@@ -15,12 +15,10 @@ import torch
 from megatron_lite.config import ConfigError
 
 
-class ConstantGradScaler:
-    """A fixed loss scale (``--loss-scale``)."""
+class MegatronGradScaler:
+    """What both scalers share: the current ``scale`` and its reciprocal ``inv_scale``."""
 
     def __init__(self, scale: float):
-        if not scale > 0:
-            raise ConfigError(f"--loss-scale must be positive, got {scale}.")
         self._scale = torch.tensor(float(scale), dtype=torch.float32)
 
     @property
@@ -31,6 +29,15 @@ class ConstantGradScaler:
     def inv_scale(self) -> torch.Tensor:
         # Reciprocal in float64 so 1/scale is the closest float32, not a twice-rounded one.
         return self._scale.double().reciprocal().float()
+
+
+class ConstantGradScaler(MegatronGradScaler):
+    """A fixed loss scale (``--loss-scale``)."""
+
+    def __init__(self, scale: float):
+        if not scale > 0:
+            raise ConfigError(f"--loss-scale must be positive, got {scale}.")
+        super().__init__(scale)
 
     def update(self, found_inf: bool) -> None:
         """A constant scale ignores overflows: the step is still skipped by the caller."""
@@ -43,7 +50,7 @@ class ConstantGradScaler:
         pass
 
 
-class DynamicGradScaler:
+class DynamicGradScaler(MegatronGradScaler):
     """Megatron-LM's dynamic loss scale (``--initial-loss-scale``, ``--min-loss-scale``,
     ``--loss-scale-window``, ``--hysteresis``).
 
@@ -70,7 +77,7 @@ class DynamicGradScaler:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        self._scale = torch.tensor(float(initial_scale), dtype=torch.float32)
+        super().__init__(initial_scale)
         self.min_scale = torch.tensor(float(min_scale), dtype=torch.float32)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -78,14 +85,6 @@ class DynamicGradScaler:
         self.hysteresis = hysteresis
         self._growth_tracker = 0
         self._hysteresis_tracker = hysteresis
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return self._scale
-
-    @property
-    def inv_scale(self) -> torch.Tensor:
-        return self._scale.double().reciprocal().float()
 
     def update(self, found_inf: bool) -> None:
         """Record one step: ``found_inf`` must already agree on every rank (all-reduced MAX)."""
