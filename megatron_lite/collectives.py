@@ -110,6 +110,13 @@ def rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def reduction_device(groups) -> torch.device:
+    """Where a tensor must live for ``groups`` to reduce it: NCCL reduces only GPU tensors."""
+    if any(group is not None and dist.get_backend(group) == "nccl" for group in groups):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
     if group is None:
         return None
@@ -144,8 +151,9 @@ def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
-def batch_isend_irecv(ops: list, group=None) -> list:
-    """Point-to-point sends and receives, issued together so neither side blocks first."""
+def batch_isend_irecv(ops: list) -> list:
+    """Point-to-point sends and receives (``dist.P2POp``s, each naming its group), issued together
+    so neither side blocks first."""
     if not ops:
         return []
     for op in ops:

@@ -52,9 +52,7 @@ class DistributedSignalHandler:
                 whole world (no communication for a single process).
         """
         group = dist.group.WORLD if parallel_state.world_size > 1 else None
-        device = "cpu"
-        if group is not None and dist.get_backend(group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())  # NCCL reduces GPU tensors only
-        flag = torch.tensor([int(self._received)], dtype=torch.int32, device=device)
+        flag = torch.tensor([int(self._received)], dtype=torch.int32,
+                            device=collectives.reduction_device([group]))
         collectives.all_reduce(flag, group, op=dist.ReduceOp.MAX)
         return bool(flag.item())

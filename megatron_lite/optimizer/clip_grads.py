@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite import collectives
+from megatron_lite.config import ConfigError
 
 
 def get_grads_for_norm(params, *, tensor_model_parallel_rank: int, is_pipeline_first_stage: bool) -> list:
@@ -53,11 +54,7 @@ def get_grads_for_norm(params, *, tensor_model_parallel_rank: int, is_pipeline_f
 
 def _reduction_device(grads: list, groups: list) -> torch.device:
     """Where the partial norm lives: with the gradients, or where the backend can reduce it."""
-    if grads:
-        return grads[0].device
-    if any(group is not None and dist.get_backend(group) == "nccl" for group in groups):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return grads[0].device if grads else collectives.reduction_device(groups)
 
 
 def _all_reduce(tensor: torch.Tensor, groups: list, op) -> None:
@@ -104,7 +101,7 @@ def clip_grad_by_total_norm_fp32(grads: list, max_norm: float, total_norm: float
     of a replicated gradient must be scaled alike, though only one was counted.
     """
     if not max_norm > 0:
-        raise ValueError(f"--clip-grad must be positive to clip (0 disables clipping), got {max_norm}.")
+        raise ConfigError(f"--clip-grad must be positive to clip (0 disables clipping), got {max_norm}.")
     # The 1e-6 keeps an all-zero gradient from dividing by zero (as torch's clip_grad_norm_).
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0:
