@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from megatron_lite import collectives
-from megatron_lite.config import ParallelConfig
+from megatron_lite.config import ConfigError, ParallelConfig
 from megatron_lite.distributed.param_and_grad_buffer import ParamAndGradBuffer
 
 
@@ -55,7 +55,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.config = config
         self.data_parallel_group = data_parallel_group
         if config.ddp_bucket_size is not None and config.ddp_bucket_size < 1:
-            raise ValueError(f"--ddp-bucket-size must be a positive number of elements, got {config.ddp_bucket_size}.")
+            raise ConfigError(f"--ddp-bucket-size must be a positive number of elements, got {config.ddp_bucket_size}.")
         self.bucket_size = default_bucket_size(config, collectives.world_size(data_parallel_group))
         self.is_last_microbatch = True
 
@@ -141,14 +141,6 @@ class DistributedDataParallel(torch.nn.Module):
         """Zero the gradient buffers; call before each iteration's first micro-batch."""
         for buffer in self.grad_buffers:
             buffer.zero_grad()
-
-    def broadcast_params(self) -> None:
-        """Copy data-parallel rank 0's parameters to the other replicas."""
-        if self.data_parallel_group is None:
-            return
-        src = torch.distributed.get_global_rank(self.data_parallel_group, 0)
-        for param in self.module.parameters():
-            collectives.broadcast(param.data, src, self.data_parallel_group)
 
     def state_dict(self, *args, **kwargs):
         # Checkpoint names stay the bare module's, identical with or without the wrapper.

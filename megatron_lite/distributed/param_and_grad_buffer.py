@@ -100,6 +100,23 @@ class ParamAndGradBucket:
             self.param_handle = None
 
 
+def _plan_buckets(ordered: list, bucket_size: Optional[int], pad_to: int,
+                  needs_own_bucket: Callable[[torch.nn.Parameter], bool]) -> list[tuple[int, int, int]]:
+    """Bucket boundaries over ``ordered``: (first param index, last param index + 1, padded numel)."""
+    plans, start, numel = [], 0, 0
+    for i, param in enumerate(ordered):
+        if needs_own_bucket(param) and i > start:
+            plans.append((start, i, numel))
+            start, numel = i, 0
+        numel += param.numel()
+        if (bucket_size is not None and numel >= bucket_size) or needs_own_bucket(param):
+            plans.append((start, i + 1, numel))
+            start, numel = i + 1, 0
+    if start < len(ordered):
+        plans.append((start, len(ordered), numel))
+    return [(a, b, -(-n // pad_to) * pad_to) for a, b, n in plans]
+
+
 class ParamAndGradBuffer:
     """One flat gradient buffer (and, when sharded, parameter buffer) for params of one dtype.
 
@@ -121,23 +138,9 @@ class ParamAndGradBuffer:
         self.grad_dtype = grad_dtype
         self.data_parallel_group = data_parallel_group
         self.sharded = sharded
-        dp = collectives.world_size(data_parallel_group)
-        pad_to = dp if sharded else 1
-
-        # Plan bucket boundaries: (first param index, last param index + 1, padded numel).
+        pad_to = collectives.world_size(data_parallel_group) if sharded else 1
         ordered = list(reversed(params))
-        plans, start, numel = [], 0, 0
-        for i, param in enumerate(ordered):
-            if needs_own_bucket(param) and i > start:
-                plans.append((start, i, numel))
-                start, numel = i, 0
-            numel += param.numel()
-            if (bucket_size is not None and numel >= bucket_size) or needs_own_bucket(param):
-                plans.append((start, i + 1, numel))
-                start, numel = i + 1, 0
-        if start < len(ordered):
-            plans.append((start, len(ordered), numel))
-        plans = [(a, b, -(-n // pad_to) * pad_to) for a, b, n in plans]
+        plans = _plan_buckets(ordered, bucket_size, pad_to, needs_own_bucket)
 
         total = sum(n for _, _, n in plans)
         device = params[0].device
