@@ -19,6 +19,7 @@ Adam state in host memory and runs the step there.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -276,9 +277,7 @@ def merge_optimizer_state_dicts(state_dicts: list) -> dict:
     for name in names:
         pieces = sorted((sd["params"][name] for sd in state_dicts if name in sd["params"]),
                         key=lambda e: e["range"][0])
-        numel = 1
-        for size in pieces[0]["shape"]:
-            numel *= size
+        numel = math.prod(pieces[0]["shape"])
         covered = [e["range"] for e in pieces]
         if covered[0][0] != 0 or covered[-1][1] != numel or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
             raise ValueError(f"the shards of {name!r} cover {covered}, not 0:{numel} exactly once: "
