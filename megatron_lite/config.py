@@ -156,9 +156,13 @@ class TrainingConfig:
                  "--recompute-method only applies with --recompute-granularity full.")
         _require(self.eval_interval >= 1, f"--eval-interval must be >= 1, got {self.eval_interval}.")
 
+    def global_batch(self, data_parallel_size: int) -> int:
+        """Sequences per iteration; without --global-batch-size, one micro-batch per replica."""
+        return self.global_batch_size or self.micro_batch_size * data_parallel_size
+
     def num_microbatches(self, data_parallel_size: int) -> int:
         """Gradient-accumulation steps: global batch = micro batch x steps x data-parallel size."""
-        global_batch = self.global_batch_size or self.micro_batch_size * data_parallel_size
+        global_batch = self.global_batch(data_parallel_size)
         per_step = self.micro_batch_size * data_parallel_size
         _require(global_batch % per_step == 0,
                  f"--global-batch-size ({global_batch}) must be divisible by --micro-batch-size "
@@ -217,6 +221,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         _require(self.mock_data or bool(self.data_path),
                  "no training data: give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data.")
+        _require(not self.eod_mask_loss or self.tokenizer_type is not None,
+                 "--eod-mask-loss needs --tokenizer-type (and its files) to know the end-of-document token.")
         parts = self.split.replace("/", ",").split(",")
         _require(all(p.strip().replace(".", "", 1).isdigit() for p in parts) and len(parts) <= 3,
                  f"--split must be up to three comma-separated weights like 969,30,1, got {self.split!r}.")

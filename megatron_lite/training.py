@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_lite import collectives, metrics
+from megatron_lite import collectives, kernels, metrics
 from megatron_lite.config import Config
 from megatron_lite.data import MockGPTDataset, build_pretraining_data_loader, build_train_valid_test_datasets
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
@@ -32,6 +32,7 @@ from megatron_lite.parallel_state import ParallelState, destroy_model_parallel, 
 from megatron_lite.pipeline_parallel.layer_split import get_layer_numbers
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
 from megatron_lite.tensor_parallel.random import model_parallel_seed
+from megatron_lite.tokenizer import build_tokenizer
 
 
 @dataclass
@@ -101,10 +102,13 @@ def forward_step(data_iterator, model):
 
 
 def build_data_iterators(config: Config, parallel_state: ParallelState, consumed_train_samples: int,
-                         consumed_valid_samples: int = 0):
-    """(train, valid) micro-batch iterators; a list of them, one per chunk, when interleaving."""
+                         iteration: int = 0):
+    """(train, valid) micro-batch iterators positioned where ``iteration`` iterations left them (so a
+    resumed run continues with the same samples); a list of them, one per chunk, when interleaving."""
     training, data = config.training, config.data
-    global_batch = training.global_batch_size or training.micro_batch_size * parallel_state.data_parallel_world_size
+    global_batch = training.global_batch(parallel_state.data_parallel_world_size)
+    consumed_valid_samples = (iteration // training.eval_interval) * training.eval_iters * global_batch
+    eod_token = _eod_token(data) if data.eod_mask_loss else None
     num_evaluations = training.train_iters // training.eval_interval + 1
     num_samples = (training.train_iters * global_batch, num_evaluations * training.eval_iters * global_batch,
                    training.eval_iters * global_batch)
@@ -118,10 +122,15 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, consumed
             dataset, consumed_samples=consumed, micro_batch_size=training.micro_batch_size,
             data_parallel_rank=parallel_state.data_parallel_rank,
             data_parallel_size=parallel_state.data_parallel_world_size,
-            eod_token=getattr(dataset, "eod", None), eod_mask_loss=data.eod_mask_loss) for _ in range(vpp)]
+            eod_token=eod_token, eod_mask_loss=data.eod_mask_loss) for _ in range(vpp)]
         return made if vpp > 1 else made[0]
 
     return loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples)
+
+
+def _eod_token(data) -> int:
+    return build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
+                           tokenizer_model=data.tokenizer_model).eod
 
 
 def _build_datasets(config: Config, num_samples: tuple):
@@ -232,6 +241,8 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                                                config.parallel.virtual_pipeline_model_parallel_size)
     config.training.num_microbatches(parallel_state.data_parallel_world_size)
     set_random_seeds(config.training.seed, parallel_state)
+    kernels.configure(config.model.use_fused_kernels)
+    kernels.load_extension()  # a JIT build, if one is needed, happens now rather than inside step 1
     model_chunks = build_model(config, parallel_state)
     optimizer, scheduler = build_optimizer_and_scheduler(config, parallel_state, model_chunks)
     if config.logging.log_memory:
@@ -241,7 +252,8 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
 
     if config.checkpoint.load:
         state = checkpointing.load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) or state
-    train_iterator, valid_iterator = build_data_iterators(config, parallel_state, state.consumed_train_samples)
+    train_iterator, valid_iterator = build_data_iterators(config, parallel_state, state.consumed_train_samples,
+                                                          state.iteration)
     train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state)
     if not keep_process_group:
         destroy_model_parallel(parallel_state)
@@ -254,7 +266,7 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
     from megatron_lite.signal_handler import DistributedSignalHandler
 
     training, logging = config.training, config.logging
-    global_batch = training.global_batch_size or training.micro_batch_size * parallel_state.data_parallel_world_size
+    global_batch = training.global_batch(parallel_state.data_parallel_world_size)
     flops_per_iteration = metrics.num_floating_point_operations(
         config.model, global_batch, config.model.padded_vocab_size(parallel_state.tensor_model_parallel_world_size))
     peak = metrics.device_peak_tflops(logging.peak_tflops)
