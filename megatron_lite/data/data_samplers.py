@@ -13,6 +13,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megatron_lite.config import ConfigError
+
 
 class MegatronPretrainingSampler:
     """Yields this rank's lists of sample indices, one list per micro-batch, dropping a partial last step."""
@@ -23,7 +25,7 @@ class MegatronPretrainingSampler:
             raise ValueError(f"need micro_batch_size >= 1 and 0 <= data_parallel_rank ({data_parallel_rank}) < "
                              f"data_parallel_size ({data_parallel_size}); got micro_batch_size {micro_batch_size}.")
         if not 0 <= consumed_samples <= total_samples:
-            raise ValueError(f"consumed samples ({consumed_samples}) is beyond the dataset's {total_samples} "
+            raise ConfigError(f"consumed samples ({consumed_samples}) is beyond the dataset's {total_samples} "
                              "samples: the checkpoint was trained on more data than was built; raise "
                              "--train-samples/--train-iters or check --data-path.")
         self.total_samples = total_samples
@@ -66,7 +68,7 @@ def build_pretraining_data_loader(dataset, *, consumed_samples: int, micro_batch
     if dataset is None:
         return None
     if eod_mask_loss and eod_token is None:
-        raise ValueError("--eod-mask-loss needs the tokenizer's EOD id (eod_token).")
+        raise ConfigError("--eod-mask-loss needs the tokenizer's EOD id (eod_token).")
     sampler = MegatronPretrainingSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
                                          micro_batch_size=micro_batch_size, data_parallel_rank=data_parallel_rank,
                                          data_parallel_size=data_parallel_size)

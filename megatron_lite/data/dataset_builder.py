@@ -5,6 +5,7 @@ import math
 import os
 from typing import Optional
 
+from megatron_lite.config import ConfigError
 from megatron_lite.data import index_cache
 from megatron_lite.data.blended_dataset import BlendedDataset
 from megatron_lite.data.gpt_dataset import GPTDataset
@@ -19,19 +20,19 @@ _BLEND_SAMPLE_MARGIN = 1.005
 def parse_data_path(data_path: list[str]) -> tuple[list[float], list[str]]:
     """``[prefix]`` or ``[w1, prefix1, w2, prefix2, ...]`` -> (normalised weights, prefixes)."""
     if not data_path:
-        raise ValueError("--data-path is empty: give PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
+        raise ConfigError("--data-path is empty: give PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
     if len(data_path) == 1:
         return [1.0], [str(data_path[0])]
     if len(data_path) % 2:
-        raise ValueError(f"--data-path with several corpora must alternate weight and prefix "
+        raise ConfigError(f"--data-path with several corpora must alternate weight and prefix "
                          f"(W1 PREFIX1 W2 PREFIX2 ...); got {len(data_path)} items: {data_path}.")
     try:
         weights = [float(w) for w in data_path[0::2]]
     except ValueError:
-        raise ValueError(f"--data-path weights must be numbers, got {data_path[0::2]}; the form is "
+        raise ConfigError(f"--data-path weights must be numbers, got {data_path[0::2]}; the form is "
                          "W1 PREFIX1 W2 PREFIX2 ...") from None
     if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--data-path weights must be non-negative with a positive sum, got {weights}.")
+        raise ConfigError(f"--data-path weights must be non-negative with a positive sum, got {weights}.")
     return [w / sum(weights) for w in weights], [str(p) for p in data_path[1::2]]
 
 
@@ -40,9 +41,9 @@ def parse_split(split: str) -> list[float]:
     try:
         weights = [float(s) for s in split.replace("/", ",").split(",")]
     except ValueError:
-        raise ValueError(f"--split must be comma-separated numbers like 969,30,1, got {split!r}.") from None
+        raise ConfigError(f"--split must be comma-separated numbers like 969,30,1, got {split!r}.") from None
     if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--split takes up to three non-negative weights with a positive sum, got {split!r}.")
+        raise ConfigError(f"--split takes up to three non-negative weights with a positive sum, got {split!r}.")
     weights += [0.0] * (3 - len(weights))
     return [w / sum(weights) for w in weights]
 
@@ -68,7 +69,7 @@ def build_train_valid_test_datasets(*, data_path: list[str], split: str, seq_len
     weights, prefixes = parse_data_path(data_path)
     split_weights = parse_split(split)
     if seq_length < 1:
-        raise ValueError(f"--seq-length must be positive, got {seq_length}.")
+        raise ConfigError(f"--seq-length must be positive, got {seq_length}.")
     if len(train_valid_test_num_samples) != 3:
         raise ValueError(f"train_valid_test_num_samples needs three counts, got {train_valid_test_num_samples}.")
     indexed = [IndexedDataset(prefix) for prefix in prefixes]

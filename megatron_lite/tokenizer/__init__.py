@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megatron_lite.config import ConfigError
 from megatron_lite.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron_lite.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
 from megatron_lite.tokenizer.null_tokenizer import NullTokenizer
@@ -26,7 +27,7 @@ def build_tokenizer(tokenizer_type: str, *, vocab_file: Optional[str] = None, me
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
-    raise ValueError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}; got {tokenizer_type!r}.")
+    raise ConfigError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}; got {tokenizer_type!r}.")
 
 
 __all__ = ["build_tokenizer", "TOKENIZER_TYPES", "GPT2BPETokenizer", "SentencePieceTokenizer",

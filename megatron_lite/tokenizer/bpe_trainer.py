@@ -13,6 +13,7 @@ import os
 from collections import Counter, defaultdict
 from typing import Iterable
 
+from megatron_lite.config import ConfigError
 from megatron_lite.tokenizer.gpt2_bpe import (EOD_TOKEN, PRETOKENIZE_PATTERN, bytes_to_unicode, merge_pair,
                                              to_byte_symbols)
 
@@ -28,7 +29,7 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, *, min_frequency
     """
     num_merges = vocab_size - 256 - len(special_tokens)
     if num_merges < 0:
-        raise ValueError(f"--vocab-size {vocab_size} is below the 256 byte tokens + {len(special_tokens)} special.")
+        raise ConfigError(f"--vocab-size {vocab_size} is below the 256 byte tokens + {len(special_tokens)} special.")
     byte_encoder = bytes_to_unicode()
     chunk_counts: Counter = Counter()
     for text in texts:

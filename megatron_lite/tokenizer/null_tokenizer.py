@@ -1,6 +1,8 @@
 """For data that is already token ids: text is space-separated integers."""
 from __future__ import annotations
 
+from megatron_lite.config import ConfigError
+
 
 class NullTokenizer:
     """Ids 0..``vocab_size``-1 are data and ``vocab_size`` itself is EOD, as in Megatron-LM.
@@ -10,7 +12,7 @@ class NullTokenizer:
 
     def __init__(self, vocab_size: int):
         if vocab_size is None or int(vocab_size) < 1:
-            raise ValueError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size!r}.")
+            raise ConfigError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size!r}.")
         self._data_vocab_size = int(vocab_size)
         self.eod = self._data_vocab_size
         self.pad = self.eod
