@@ -114,27 +114,9 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
             builders[key] = IndexedDatasetBuilder(data_file_path(output_prefix_for(output_prefix, key)), dtype)
         with context.Pool(workers, initializer=_init_worker,
                           initargs=(tokenizer_kwargs, tuple(json_keys), append_eod)) as pool:
-            for file_index, line_number, size, encoded, problem in pool.imap(
-                    _encode_item, _read_lines(input_paths), chunksize=64):
-                stats.input_bytes += size
-                if problem is not None:
-                    where = f"{input_paths[file_index]}:{line_number}"
-                    if strict:
-                        raise PreprocessError(f"{where}: {problem} (--strict: aborting, no output written)")
-                    stats.bad_lines += 1
-                    print(f"{where}: {problem}; skipped", file=log)
-                    continue
-                if any(ids.size == 0 for ids in encoded.values()):
-                    stats.empty_documents += 1
-                    continue
-                for key, ids in encoded.items():
-                    builders[key].add_document(ids)
-                stats.documents += 1
-                stats.tokens += sum(ids.size for ids in encoded.values())
-                if stats.documents % log_interval == 0:
-                    elapsed = time.monotonic() - start
-                    print(f"processed {stats.documents} documents ({stats.documents / elapsed:.1f} docs/s, "
-                          f"{stats.input_bytes / elapsed / 1e6:.2f} MB/s)", file=log)
+            results = pool.imap(_encode_item, _read_lines(input_paths), chunksize=64)
+            _write_documents(results, builders, stats, input_paths=input_paths, strict=strict, log=log,
+                             log_interval=log_interval, start=start)
         for key, builder in builders.items():
             builder.finalize(index_file_path(output_prefix_for(output_prefix, key)))
     except BaseException:
@@ -149,3 +131,28 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
         summary += f"; skipped {stats.empty_documents} empty documents"
     print(summary, file=log)
     return stats
+
+
+def _write_documents(results, builders: dict, stats: PreprocessStats, *, input_paths: list[str], strict: bool,
+                     log: TextIO, log_interval: int, start: float) -> None:
+    """Adds the workers' documents to the builders in input order, reporting (or, strict, raising on) bad lines."""
+    for file_index, line_number, size, encoded, problem in results:
+        stats.input_bytes += size
+        if problem is not None:
+            where = f"{input_paths[file_index]}:{line_number}"
+            if strict:
+                raise PreprocessError(f"{where}: {problem} (--strict: aborting, no output written)")
+            stats.bad_lines += 1
+            print(f"{where}: {problem}; skipped", file=log)
+            continue
+        if any(ids.size == 0 for ids in encoded.values()):
+            stats.empty_documents += 1
+            continue
+        for key, ids in encoded.items():
+            builders[key].add_document(ids)
+        stats.documents += 1
+        stats.tokens += sum(ids.size for ids in encoded.values())
+        if stats.documents % log_interval == 0:
+            elapsed = time.monotonic() - start
+            print(f"processed {stats.documents} documents ({stats.documents / elapsed:.1f} docs/s, "
+                  f"{stats.input_bytes / elapsed / 1e6:.2f} MB/s)", file=log)

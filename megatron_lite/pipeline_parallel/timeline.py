@@ -88,21 +88,23 @@ class Timeline:
         return self.makespan / self.ideal_time - 1.0
 
 
+def _steps_with_indices(ops: list[ScheduleOp]) -> list[tuple]:
+    """``steps(ops)``, each with the indices of its ops in ``ops`` (how ``match_messages`` names them)."""
+    index, plan = 0, []
+    for step in steps(ops):
+        size = 1 if isinstance(step, ScheduleOp) else len(step)
+        plan.append((step, list(range(index, index + size))))
+        index += size
+    return plan
+
+
 def simulate(table: list[list[ScheduleOp]], forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
     """Play all ranks' tables; a chunk's forward costs ``forward_time / v``, its backward ``backward_time / v``."""
     p = len(table)
     v = 1 + max((op.chunk for ops in table for op in ops), default=0)
     m = 1 + max((op.microbatch for ops in table for op in ops), default=0)
     message_of = match_messages(table)
-    # Steps with the op indices of their communication ops, so messages can be looked up.
-    rank_steps = []
-    for rank, ops in enumerate(table):
-        index, plan = 0, []
-        for step in steps(ops):
-            size = 1 if isinstance(step, ScheduleOp) else len(step)
-            plan.append((step, list(range(index, index + size))))
-            index += size
-        rank_steps.append(plan)
+    rank_steps = [_steps_with_indices(ops) for ops in table]
     cost = {FORWARD: forward_time / v, BACKWARD: backward_time / v}
     posted: dict = {}  # (message, 'send'|'recv') -> time the end was posted
     clock, position, entered = [0.0] * p, [0] * p, [False] * p
