@@ -62,7 +62,7 @@ def test_sample_index_matches_megatron_loop():
         np.testing.assert_array_equal(ours, reference_sample_index(lengths, document_index, seq_length, num_samples))
 
 
-def test_samples_are_consecutive_tokens_and_one_epoch_drops_or_repeats_none(corpus, tmp_path):
+def test_samples_are_consecutive_tokens_and_one_epoch_drops_or_repeats_none(corpus):
     prefix, lengths = corpus
     seq_length, total = 32, int(lengths.sum())
     num_samples = (total - 1) // seq_length  # everything one epoch can give
