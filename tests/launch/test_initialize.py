@@ -122,8 +122,15 @@ def test_initialize_distributed_keeps_an_existing_group(run_distributed):
     assert run_distributed(_keeps_existing_group, world_size=2) == [(0, 2, 0), (1, 2, 1)]
 
 
-def _joins_from_slurm_variables(rank, world_size, port):
+def _joins_from_slurm_variables(rank, world_size):
     """Build a fresh world from srun-style variables only (the harness's group is torn down first)."""
+    from tests.distributed import free_port
+
+    # Rank 0 picks the port while the harness's group can still share it, so no other
+    # process can take it between the pick and the bind on every rank.
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    port = port[0]
     dist.destroy_process_group()
     environ = {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
                "SLURM_NTASKS": str(world_size), "SLURM_STEP_TASKS_PER_NODE": str(world_size),
@@ -133,7 +140,5 @@ def _joins_from_slurm_variables(rank, world_size, port):
 
 
 def test_initialize_distributed_from_slurm_variables(run_distributed):
-    from tests.distributed import free_port
-
-    results = run_distributed(_joins_from_slurm_variables, world_size=2, args=(free_port(),))
+    results = run_distributed(_joins_from_slurm_variables, world_size=2)
     assert results == [("slurm", 0, 2, "gloo"), ("slurm", 1, 2, "gloo")]
