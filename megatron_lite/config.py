@@ -179,6 +179,9 @@ class OptimizerConfig:
     lr_warmup_iters: int = 0
     lr_decay_iters: Optional[int] = None  # default train_iters
     weight_decay: float = 0.01
+    start_weight_decay: Optional[float] = None  # with end_weight_decay: a weight-decay schedule
+    end_weight_decay: Optional[float] = None
+    weight_decay_incr_style: str = "constant"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8

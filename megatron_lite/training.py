@@ -217,7 +217,9 @@ def build_optimizer_and_scheduler(config: Config, parallel_state: ParallelState,
     opt = config.optimizer
     scheduler = OptimizerParamScheduler(optimizer, max_lr=opt.lr, min_lr=opt.min_lr,
                                         lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=opt.lr_decay_iters,
-                                        lr_decay_style=opt.lr_decay_style)
+                                        lr_decay_style=opt.lr_decay_style, start_wd=opt.start_weight_decay,
+                                        end_wd=opt.end_weight_decay, wd_incr_steps=config.training.train_iters,
+                                        wd_incr_style=opt.weight_decay_incr_style)
     return optimizer, scheduler
 
 
