@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from megatron_lite import collectives, kernels, metrics
+from megatron_lite import checkpointing, collectives, kernels, metrics
 from megatron_lite.config import Config
 from megatron_lite.data import MockGPTDataset, build_pretraining_data_loader, build_train_valid_test_datasets
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
@@ -31,6 +32,7 @@ from megatron_lite.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_lite.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from megatron_lite.pipeline_parallel.layer_split import get_layer_numbers
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
+from megatron_lite.signal_handler import DistributedSignalHandler
 from megatron_lite.tensor_parallel.random import model_parallel_seed
 from megatron_lite.tokenizer import build_tokenizer
 
@@ -215,10 +217,11 @@ def build_optimizer_and_scheduler(config: Config, parallel_state: ParallelState,
     optimizer = get_megatron_optimizer(config.optimizer, model_chunks, parallel_state=parallel_state,
                                        parallel_config=config.parallel, params_dtype=config.params_dtype)
     opt = config.optimizer
+    wd_incr_steps = None if opt.start_weight_decay is None else config.training.train_iters
     scheduler = OptimizerParamScheduler(optimizer, max_lr=opt.lr, min_lr=opt.min_lr,
                                         lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=opt.lr_decay_iters,
                                         lr_decay_style=opt.lr_decay_style, start_wd=opt.start_weight_decay,
-                                        end_wd=opt.end_weight_decay, wd_incr_steps=config.training.train_iters,
+                                        end_wd=opt.end_weight_decay, wd_incr_steps=wd_incr_steps,
                                         wd_incr_style=opt.weight_decay_incr_style)
     return optimizer, scheduler
 
@@ -250,8 +253,6 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     if config.logging.log_memory:
         print_rank_last(metrics.format_memory_report(optimizer.memory_report()))
     state = TrainingState()
-    from megatron_lite import checkpointing
-
     if config.checkpoint.load:
         state = checkpointing.load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) or state
     train_iterator, valid_iterator = build_data_iterators(config, parallel_state, state.consumed_train_samples,
@@ -264,77 +265,90 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
 
 def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
           valid_iterator, state: TrainingState) -> None:
-    from megatron_lite import checkpointing
-    from megatron_lite.signal_handler import DistributedSignalHandler
-
-    training, logging = config.training, config.logging
+    training = config.training
     global_batch = training.global_batch(parallel_state.data_parallel_world_size)
-    flops_per_iteration = metrics.num_floating_point_operations(
-        config.model, global_batch, config.model.padded_vocab_size(parallel_state.tensor_model_parallel_world_size))
-    peak = metrics.device_peak_tflops(logging.peak_tflops)
-    world_size = parallel_state.world_size
-    writer = metrics.tensorboard_writer(logging.tensorboard_dir) if is_last_rank() else None
-    interval_losses, interval_time = [], 0.0
+    logger = TrainingLogger(config, parallel_state, global_batch)
     for chunk in model_chunks:
         chunk.train()
-    signal_handler = (DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext())
+    signal_handler = DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext()
     with signal_handler:
         while state.iteration < training.train_iters:
             step_start = time.perf_counter()
             loss, update_successful, grad_norm = train_step(config, parallel_state, model_chunks, optimizer,
                                                             scheduler, train_iterator)
-            interval_time += time.perf_counter() - step_start
             state.iteration += 1
             state.consumed_train_samples += global_batch
             state.skipped_iterations += 0 if update_successful else 1
             if loss is not None:
-                state.nan_iterations += 0 if loss == loss and abs(loss) != float("inf") else 1
+                state.nan_iterations += 0 if math.isfinite(loss) else 1
                 state.losses.append(loss)
-                interval_losses.append(loss)
-            if state.iteration % logging.log_interval == 0:
-                _log_iteration(config, state, optimizer, grad_norm, interval_losses,
-                               interval_time / logging.log_interval, flops_per_iteration, peak, world_size,
-                               global_batch, writer)
-                interval_losses, interval_time = [], 0.0
+            logger.record(loss, time.perf_counter() - step_start)
+            if state.iteration % config.logging.log_interval == 0:
+                logger.log_interval(state, optimizer, grad_norm)
             if valid_iterator is not None and state.iteration % training.eval_interval == 0:
-                valid_loss = evaluate(config, parallel_state, model_chunks, valid_iterator)
-                if valid_loss is not None:
-                    print_rank_last(metrics.format_validation_log(iteration=state.iteration, lm_loss=valid_loss))
-                    if writer is not None:
-                        writer.add_scalar("lm loss validation", valid_loss, state.iteration)
-            save_now = ((config.checkpoint.save_interval and state.iteration % config.checkpoint.save_interval == 0)
-                        or state.iteration == training.train_iters)  # as Megatron: always save at the end
-            stop_now = (training.exit_signal_handler
-                        and signal_handler.signals_received(parallel_state)) or (
-                training.exit_interval and state.iteration % training.exit_interval == 0)
-            if config.checkpoint.save and (save_now or stop_now):
+                logger.log_validation(state.iteration, evaluate(config, parallel_state, model_chunks, valid_iterator))
+            exit_now = ((training.exit_signal_handler and signal_handler.signals_received(parallel_state))
+                        or (training.exit_interval and state.iteration % training.exit_interval == 0))
+            save_now = (exit_now or state.iteration == training.train_iters  # as Megatron: save at the end
+                        or (config.checkpoint.save_interval and state.iteration % config.checkpoint.save_interval == 0))
+            if config.checkpoint.save and save_now:
                 checkpointing.save_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler, state)
-            if stop_now:
+            if exit_now:
                 print_rank_last(f" exiting at iteration {state.iteration} (signal or --exit-interval)")
                 return
 
 
-def _log_iteration(config, state, optimizer, grad_norm, interval_losses, elapsed_s, flops_per_iteration, peak,
-                   world_size, global_batch, writer):
-    if not is_last_rank():
-        return
-    tflops_per_gpu = flops_per_iteration / (elapsed_s * world_size) / 1e12
-    lm_loss = sum(interval_losses) / max(len(interval_losses), 1)
-    print(metrics.format_iteration_log(
-        iteration=state.iteration, train_iters=config.training.train_iters,
-        consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed_s * 1000.0,
-        tflops_per_gpu=tflops_per_gpu, learning_rate=optimizer.param_groups[0]["lr"],
-        global_batch_size=global_batch, lm_loss=lm_loss, loss_scale=float(optimizer.get_loss_scale()),
-        grad_norm=grad_norm, skipped_iterations=state.skipped_iterations,
-        nan_iterations=state.nan_iterations), flush=True)
-    tokens_per_second = global_batch * config.model.seq_length / elapsed_s
-    if writer is not None:
-        for name, value in [("lm loss", lm_loss), ("learning rate", optimizer.param_groups[0]["lr"]),
-                            ("grad norm", grad_norm), ("tokens per second", tokens_per_second),
-                            ("loss scale", float(optimizer.get_loss_scale()))]:
+class TrainingLogger:
+    """Megatron's log line every --log-interval iterations, from the last rank (which has the loss),
+    plus throughput, MFU and TensorBoard scalars."""
+
+    def __init__(self, config: Config, parallel_state: ParallelState, global_batch: int):
+        self.config = config
+        self.global_batch = global_batch
+        self.world_size = parallel_state.world_size
+        self.flops_per_iteration = metrics.num_floating_point_operations(
+            config.model, global_batch, config.model.padded_vocab_size(parallel_state.tensor_model_parallel_world_size))
+        self.peak_tflops = metrics.device_peak_tflops(config.logging.peak_tflops)
+        self.writer = metrics.tensorboard_writer(config.logging.tensorboard_dir) if is_last_rank() else None
+        self.losses, self.seconds = [], 0.0
+
+    def record(self, loss: float | None, seconds: float) -> None:
+        if loss is not None:
+            self.losses.append(loss)
+        self.seconds += seconds
+
+    def log_interval(self, state: TrainingState, optimizer, grad_norm: float | None) -> None:
+        elapsed_s = self.seconds / self.config.logging.log_interval
+        lm_loss = sum(self.losses) / max(len(self.losses), 1)
+        self.losses, self.seconds = [], 0.0
+        if not is_last_rank():
+            return
+        tflops_per_gpu = self.flops_per_iteration / (elapsed_s * self.world_size) / 1e12
+        learning_rate, loss_scale = optimizer.param_groups[0]["lr"], float(optimizer.get_loss_scale())
+        print(metrics.format_iteration_log(
+            iteration=state.iteration, train_iters=self.config.training.train_iters,
+            consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed_s * 1000.0,
+            tflops_per_gpu=tflops_per_gpu, learning_rate=learning_rate, global_batch_size=self.global_batch,
+            lm_loss=lm_loss, loss_scale=loss_scale, grad_norm=grad_norm, skipped_iterations=state.skipped_iterations,
+            nan_iterations=state.nan_iterations), flush=True)
+        tokens_per_second = self.global_batch * self.config.model.seq_length / elapsed_s
+        if self.config.logging.log_memory:
+            print(metrics.format_throughput_log(
+                tokens_per_second=tokens_per_second,
+                mfu=metrics.model_flops_utilization(tflops_per_gpu, self.peak_tflops),
+                peak_memory=metrics.peak_memory_mb()), flush=True)
+        self._scalars(state.iteration, {"lm loss": lm_loss, "learning rate": learning_rate, "grad norm": grad_norm,
+                                        "tokens per second": tokens_per_second, "loss scale": loss_scale})
+
+    def log_validation(self, iteration: int, valid_loss: float | None) -> None:
+        if valid_loss is None:  # not the last pipeline stage
+            return
+        print_rank_last(metrics.format_validation_log(iteration=iteration, lm_loss=valid_loss))
+        self._scalars(iteration, {"lm loss validation": valid_loss})
+
+    def _scalars(self, iteration: int, values: dict) -> None:
+        if self.writer is None:
+            return
+        for name, value in values.items():
             if value is not None:
-                writer.add_scalar(name, value, state.iteration)
-    if config.logging.log_memory:
-        print(metrics.format_throughput_log(
-            tokens_per_second=tokens_per_second, mfu=metrics.model_flops_utilization(tflops_per_gpu, peak),
-            peak_memory=metrics.peak_memory_mb()), flush=True)
+                self.writer.add_scalar(name, value, iteration)

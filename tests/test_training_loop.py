@@ -1,0 +1,49 @@
+"""The loop's bookkeeping in one process: log lines, TensorBoard scalars, end and exit saves."""
+import os
+
+import pytest
+
+from megatron_lite import metrics, training
+from megatron_lite.arguments import parse_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+        "--vocab-size", "128", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--log-interval", "2", "--eval-interval", "2", "--eval-iters", "1", "--lr", "1e-3"]
+
+
+class _Recorder:
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, name, value, step):
+        self.scalars.append((name, step))
+
+
+def test_log_lines_tensorboard_and_final_save(tmp_path, monkeypatch, capsys):
+    recorder = _Recorder()
+    monkeypatch.setattr(metrics, "tensorboard_writer", lambda log_dir: recorder if log_dir else None)
+    config = parse_args(BASE + ["--train-iters", "5", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                                "--tensorboard-dir", str(tmp_path / "tb")])
+    state, _, _ = training.pretrain(config)
+    out = capsys.readouterr().out
+    assert state.iteration == 5 and state.consumed_train_samples == 20 and len(state.losses) == 5
+    assert sum(line.startswith(" iteration ") for line in out.splitlines()) == 2 and " iteration        4/       5 |" in out
+    assert out.count(" validation loss at iteration ") == 2 and "memory per rank (MB)" in out
+    assert ("lm loss", 2) in recorder.scalars and ("lm loss validation", 4) in recorder.scalars
+    # Saved every 2 iterations and once more at the end, as Megatron does.
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000002", "iter_0000004", "iter_0000005",
+                                                      "latest_checkpointed_iteration.txt"]
+
+
+def test_exit_interval_saves_and_stops(tmp_path):
+    config = parse_args(BASE + ["--train-iters", "6", "--exit-interval", "3", "--save", str(tmp_path / "ckpt")])
+    state, _, _ = training.pretrain(config)
+    assert state.iteration == 3
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_eod_mask_loss_needs_a_tokenizer():
+    from megatron_lite.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--eod-mask-loss needs --tokenizer-type"):
+        parse_args(BASE + ["--eod-mask-loss"])
