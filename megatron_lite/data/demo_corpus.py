@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+from megatron_lite.atomic_write import atomic_write
 from megatron_lite.data.indexed_dataset import data_file_path, index_file_path
 from megatron_lite.data.preprocess import output_prefix_for, preprocess_jsonl
 from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe
@@ -55,11 +56,9 @@ def build_demo_data(output_dir: str, *, vocab_size: int = DEMO_VOCAB_SIZE, worke
     data_prefix = output_prefix_for(output_prefix, "text")
     if not (os.path.isfile(data_file_path(data_prefix)) and os.path.isfile(index_file_path(data_prefix))):
         jsonl = os.path.join(output_dir, "demo_corpus.jsonl")
-        temporary = f"{jsonl}.tmp-{os.getpid()}"
-        with open(temporary, "w", encoding="utf-8") as f:
+        with atomic_write(jsonl) as f:
             for document in documents or demo_documents():
                 f.write(json.dumps({"text": document}) + "\n")
-        os.replace(temporary, jsonl)
         preprocess_jsonl([jsonl], output_prefix=output_prefix, append_eod=True, workers=workers, log=log,
                          tokenizer_kwargs=dict(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file,
                                                merge_file=merge_file))

@@ -15,6 +15,8 @@ from typing import Callable
 
 import numpy as np
 
+from megatron_lite.atomic_write import atomic_write
+
 DEFAULT_WAIT_TIMEOUT_S = 600.0
 _POLL_INTERVAL_S = 0.2
 
@@ -26,10 +28,8 @@ def cache_prefix(cache_dir: str, kind: str, description: dict) -> str:
 
 
 def _save_atomically(path: str, write: Callable) -> None:
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "wb") as f:
+    with atomic_write(path, "wb") as f:
         write(f)
-    os.replace(temporary, path)
 
 
 def load_or_build(prefix: str, description: dict, names: tuple[str, ...], build: Callable[[], dict],

@@ -13,6 +13,7 @@ import os
 from collections import Counter, defaultdict
 from typing import Iterable
 
+from megatron_lite.atomic_write import atomic_write
 from megatron_lite.config import ConfigError
 from megatron_lite.tokenizer.gpt2_bpe import (EOD_TOKEN, PRETOKENIZE_PATTERN, bytes_to_unicode, merge_pair,
                                              to_byte_symbols)
@@ -88,8 +89,6 @@ def save_gpt2_bpe_files(vocab: dict[str, int], merges: list[tuple[str, str]], ou
     contents = [(vocab_file, json.dumps(vocab, ensure_ascii=False)),
                 (merge_file, "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))]
     for path, text in contents:
-        temporary = f"{path}.tmp-{os.getpid()}"
-        with open(temporary, "w", encoding="utf-8") as f:
+        with atomic_write(path) as f:
             f.write(text)
-        os.replace(temporary, path)
     return vocab_file, merge_file
