@@ -204,7 +204,8 @@ class OptimizerConfig:
         for flag, beta in [("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)]:
             _require(0.0 <= beta < 1.0, f"{flag} must be in [0, 1), got {beta}.")
         _require(self.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}.")
-        _require(self.loss_scale is None or self.loss_scale > 0, f"--loss-scale must be positive, got {self.loss_scale}.")
+        _require(self.loss_scale is None or self.loss_scale > 0,
+                 f"--loss-scale must be positive, got {self.loss_scale}.")
         _require(self.hysteresis >= 1, f"--hysteresis must be >= 1, got {self.hysteresis}.")
 
 

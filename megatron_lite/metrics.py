@@ -24,14 +24,14 @@ def num_floating_point_operations(config: ModelConfig, batch_size: int, padded_v
     For multi-head attention and a 4h GELU MLP this is Megatron's
     72 B s l h^2 (1 + s/(6h) + V/(12 l h)); GQA and SwiGLU change the QKV and MLP terms.
     """
-    s, h, l = config.seq_length, config.hidden_size, config.num_layers
+    s, h, layers = config.seq_length, config.hidden_size, config.num_layers
     d = config.head_dim
     qkv = 2 * h * (config.num_attention_heads + 2 * config.num_query_groups) * d
     attention = 2 * 2 * s * config.num_attention_heads * d  # QK^T and attention x V
     projection = 2 * config.num_attention_heads * d * h
     mlp = 2 * h * config.ffn_hidden_size * (3 if config.swiglu else 2)
     logits = 2 * h * padded_vocab_size
-    per_token_forward = l * (qkv + attention + projection + mlp) + logits
+    per_token_forward = layers * (qkv + attention + projection + mlp) + logits
     return 3.0 * batch_size * s * per_token_forward
 
 

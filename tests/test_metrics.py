@@ -28,8 +28,8 @@ def test_validation_line():
 def test_flops_match_megatron_formula_for_gpt():
     config = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
                          vocab_size=50257)
-    B, s, l, h, V = 8, 2048, 24, 2048, 50304
-    expected = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+    B, s, layers, h, V = 8, 2048, 24, 2048, 50304
+    expected = 72 * B * s * layers * h * h * (1 + s / (6 * h) + V / (12 * layers * h))
     assert metrics.num_floating_point_operations(config, B, V) == pytest.approx(expected, rel=1e-12)
 
 

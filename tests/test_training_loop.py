@@ -27,7 +27,8 @@ def test_log_lines_tensorboard_and_final_save(tmp_path, monkeypatch, capsys):
     state, _, _ = training.pretrain(config)
     out = capsys.readouterr().out
     assert state.iteration == 5 and state.consumed_train_samples == 20 and len(state.losses) == 5
-    assert sum(line.startswith(" iteration ") for line in out.splitlines()) == 2 and " iteration        4/       5 |" in out
+    assert sum(line.startswith(" iteration ") for line in out.splitlines()) == 2
+    assert " iteration        4/       5 |" in out
     assert out.count(" validation loss at iteration ") == 2 and "memory per rank (MB)" in out
     assert ("lm loss", 2) in recorder.scalars and ("lm loss validation", 4) in recorder.scalars
     # Saved every 2 iterations and once more at the end, as Megatron does.
