@@ -144,10 +144,11 @@ def _build_datasets(config: Config, num_samples: tuple):
     is_builder = not dist.is_initialized() or dist.get_rank() == 0
     kwargs = dict(data_path=data.data_path, split=data.split, seq_length=model.seq_length, seed=training.seed,
                   train_valid_test_num_samples=num_samples, data_cache_path=data.data_cache_path)
-    if is_builder:  # one rank builds the sample indices and caches them; the others load the cache
-        datasets = build_train_valid_test_datasets(is_builder_rank=True, **kwargs)
-    if dist.is_initialized():
-        dist.barrier()
+    # One rank builds the sample indices and caches them; the others then load the cache. If the
+    # builder fails (a bad --data-path), every rank raises instead of waiting for its cache.
+    datasets = collectives.run_on_every_rank(
+        lambda: build_train_valid_test_datasets(is_builder_rank=True, **kwargs) if is_builder else None,
+        lambda failed_rank: RuntimeError(f"rank {failed_rank} failed to build the datasets; its error says why."))
     if not is_builder:
         datasets = build_train_valid_test_datasets(is_builder_rank=False, **kwargs)
     return datasets

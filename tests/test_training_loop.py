@@ -48,3 +48,24 @@ def test_eod_mask_loss_needs_a_tokenizer():
 
     with pytest.raises(ConfigError, match="--eod-mask-loss needs --tokenizer-type"):
         parse_args(BASE + ["--eod-mask-loss"])
+
+
+def _build_datasets_from_a_missing_prefix(rank, world_size, prefix):
+    config = parse_args(BASE + ["--data-path", prefix])
+    config.data.mock_data = False
+    try:
+        training._build_datasets(config, (8, 0, 0))
+    except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
+        return type(error).__name__, str(error)
+    return None
+
+
+def test_a_failing_dataset_builder_fails_every_rank(tmp_path):
+    """Rank 0 builds the indices while rank 1 waits for them: when rank 0 fails, rank 1 must raise
+    too rather than wait for a cache that will never come."""
+    from tests.distributed import run_distributed
+
+    results = run_distributed(_build_datasets_from_a_missing_prefix, 2, args=(str(tmp_path / "missing"),),
+                              timeout=60)
+    assert results[0] is not None and "missing" in results[0][1]
+    assert results[1] == ("RuntimeError", "rank 0 failed to build the datasets; its error says why.")

@@ -14,7 +14,7 @@ import torch
 
 from megatron_lite.tensor_parallel.random import get_rng_tracker
 
-_PREFIX = "rng."
+PREFIX = "rng."
 
 
 def get_rng_state() -> tuple[dict, dict]:
@@ -30,12 +30,12 @@ def get_rng_state() -> tuple[dict, dict]:
         for device, state in states.items():
             tensors[f"tracker.{name}.{device}"] = state
     scalars = {"python": [version, gauss_next], "numpy": [np_kind, int(np_pos), int(np_has_gauss), float(np_gauss)]}
-    return {_PREFIX + k: v for k, v in tensors.items()}, scalars
+    return {PREFIX + k: v for k, v in tensors.items()}, scalars
 
 
 def set_rng_state(tensors: dict, scalars: dict) -> None:
     """Inverse of ``get_rng_state``; ``tensors`` may hold other keys too (only ``rng.*`` are read)."""
-    tensors = {k.removeprefix(_PREFIX): v for k, v in tensors.items() if k.startswith(_PREFIX)}
+    tensors = {k.removeprefix(PREFIX): v for k, v in tensors.items() if k.startswith(PREFIX)}
     version, gauss_next = scalars["python"]
     random.setstate((version, tuple(tensors["python"].tolist()), gauss_next))
     np_kind, np_pos, np_has_gauss, np_gauss = scalars["numpy"]

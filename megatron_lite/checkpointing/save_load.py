@@ -27,7 +27,6 @@ import os
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from megatron_lite import collectives
 from megatron_lite.checkpointing import rng, storage
@@ -77,6 +76,14 @@ def optimizer_key(state: str, name: str) -> str:
     return f"{OPTIMIZER_PREFIX}{state}.{name}"
 
 
+def _stored_by_this_rank(model, name: str, param, tp_rank: int) -> bool:
+    """The tied output copy is stored once, as the embedding; a tensor replicated over
+    tensor-parallel ranks is stored once, by tensor-parallel rank 0."""
+    if checkpoint_name(model, name) != name:
+        return False
+    return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Save
 
@@ -112,7 +119,7 @@ def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
         if rank == 0 and optimizer_state is not None:
             index["optimizer"] = _encode({k: optimizer_state[k] for k in
                                           ("param_groups", "grad_scaler", "num_skipped_iterations")})
-        storage.write_json(os.path.join(staging, f"rank_{rank:05d}.json"), index)
+        storage.write_json(os.path.join(staging, storage.rank_index_name(rank)), index)
 
     _collectively(write_rank_file, "write", root)
 
@@ -150,10 +157,8 @@ def _model_pieces(config, parallel_state, models) -> list[ShardedTensor]:
     pieces = []
     for model in models:
         for name, param in model.named_parameters():
-            if checkpoint_name(model, name) != name:
-                continue  # the tied copy: stored once, as the embedding
-            if not getattr(param, "tensor_model_parallel", False) and tp_rank != 0:
-                continue  # replicated over tensor-parallel ranks: stored once
+            if not _stored_by_this_rank(model, name, param, tp_rank):
+                continue
             pieces.append(ShardedTensor.of_parameter(
                 name, param.detach(), param, tp_rank=tp_rank, tp_size=tp_size,
                 vocab_size=config.model.vocab_size if has_vocab_rows(name) else None))
@@ -172,9 +177,7 @@ def _optimizer_pieces(config, parallel_state, models, optimizer_state: dict) -> 
     pieces = []
     for name, entry in optimizer_state["params"].items():
         model, param = params[name]
-        if checkpoint_name(model, name) != name:
-            continue
-        if not getattr(param, "tensor_model_parallel", False) and tp_rank != 0:
+        if not _stored_by_this_rank(model, name, param, tp_rank):
             continue
         start, end = entry["range"]
         tensors = {k: v for k, v in entry["state"].items() if v.dim() == 1}
@@ -192,7 +195,7 @@ def _optimizer_pieces(config, parallel_state, models, optimizer_state: dict) -> 
 
 def _merge_rank_indexes(staging: str, world_size: int, metadata: dict) -> None:
     for rank in range(world_size):
-        path = os.path.join(staging, f"rank_{rank:05d}.json")
+        path = os.path.join(staging, storage.rank_index_name(rank))
         with open(path) as f:
             index = json.load(f)
         os.remove(path)
@@ -246,23 +249,13 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
     reader = CheckpointReader(directory)
     metadata = reader.metadata
     check_architecture(metadata["config"]["model"], config)
-    weights_only = config.checkpoint.finetune or metadata["optimizer"] is None
-    load_optimizer = optimizer is not None and not weights_only and not config.checkpoint.no_load_optim
-    # RNG states belong to ranks: they mean something only under the layout that saved them.
-    has_rng = metadata["layout"] == layout_of(config, parallel_state) and bool(metadata["rng"])
-    load_rng = has_rng and not weights_only and not config.checkpoint.no_load_rng
-    if not has_rng and not weights_only and not config.checkpoint.no_load_rng and parallel_state.rank == 0:
-        warnings.warn(f"the checkpoint was saved with layout {metadata['layout']} (random-number states: "
-                      f"{'yes' if metadata['rng'] else 'none'}), this run has {layout_of(config, parallel_state)}: "
-                      f"random-number states are reseeded from --seed and the iteration, so dropout masks differ "
-                      f"from an uninterrupted run.")
+    weights_only, load_optimizer, load_rng = _what_to_load(config, parallel_state, metadata, optimizer)
 
     tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
     params = [(model, name, p) for model in _unwrap(model_chunks) for name, p in model.named_parameters()]
     needed = [checkpoint_name(model, name) for model, name, _ in params]
     optimizer_states = _optimizer_states(reader) if load_optimizer else {}
-    if load_optimizer:
-        needed += [stored for key in needed for stored in optimizer_states.get(key, {}).values()]
+    needed += [stored for key in needed for stored in optimizer_states.get(key, {}).values()]
     own_file = storage.rank_file_name(parallel_state.rank)
     reader.verify(needed, extra_files=[own_file] if load_rng else [])
 
@@ -279,13 +272,28 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
         scheduler.load_state_dict(metadata["scheduler"])
     if load_rng:
         tensors = {name: reader.read_stored(own_file, name) for name in reader.stored_names(own_file)
-                   if name.startswith("rng.")}
+                   if name.startswith(rng.PREFIX)}
         rng.set_rng_state(tensors, metadata["rng"][str(parallel_state.rank)])
     training_state = {"iteration": 0} if weights_only else dict(metadata["training_state"])
     if not parallel_state.is_pipeline_last_stage():
         training_state["losses"] = []  # losses live on the last stage, as in training
     return {"training_state": training_state, "reseed": not load_rng and not weights_only,
             "saved_layout": metadata["layout"]}
+
+
+def _what_to_load(config, parallel_state, metadata: dict, optimizer) -> tuple[bool, bool, bool]:
+    """(weights_only, load_optimizer, load_rng) from the flags and what the checkpoint holds."""
+    weights_only = config.checkpoint.finetune or metadata["optimizer"] is None
+    load_optimizer = optimizer is not None and not weights_only and not config.checkpoint.no_load_optim
+    # RNG states belong to ranks: they mean something only under the layout that saved them.
+    has_rng = metadata["layout"] == layout_of(config, parallel_state) and bool(metadata["rng"])
+    wants_rng = not weights_only and not config.checkpoint.no_load_rng
+    if wants_rng and not has_rng and parallel_state.rank == 0:
+        warnings.warn(f"the checkpoint was saved with layout {metadata['layout']} (random-number states: "
+                      f"{'yes' if metadata['rng'] else 'none'}), this run has {layout_of(config, parallel_state)}: "
+                      f"random-number states are reseeded from --seed and the iteration, so dropout masks differ "
+                      f"from an uninterrupted run.")
+    return weights_only, load_optimizer, has_rng and wants_rng
 
 
 def _optimizer_states(reader: CheckpointReader) -> dict:
@@ -349,24 +357,8 @@ def _reseed(config, parallel_state, iteration: int) -> None:
 
 def _collectively(fn, what: str, path: str):
     """Run ``fn`` on every rank; if any rank fails, every rank raises (none is left waiting)."""
-    error, result = None, None
-    try:
-        result = fn()
-    except Exception as caught:  # noqa: BLE001 - re-raised below, after the ranks agree
-        error = caught
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        failed = torch.tensor([dist.get_rank() + 1 if error is not None else 0], device=device)
-        collectives.all_reduce(failed, dist.group.WORLD, op=dist.ReduceOp.MAX)
-        failed_rank = int(failed.item()) - 1
-    else:
-        failed_rank = -1 if error is None else 0
-    if error is not None:
-        raise error
-    if failed_rank >= 0:
-        raise CheckpointError(f"rank {failed_rank} failed to {what} the checkpoint at {path}; "
-                              f"its error message says why.")
-    return result
+    return collectives.run_on_every_rank(fn, lambda failed_rank: CheckpointError(
+        f"rank {failed_rank} failed to {what} the checkpoint at {path}; its error message says why."))
 
 
 # ---------------------------------------------------------------------------------------------

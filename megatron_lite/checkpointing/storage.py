@@ -47,6 +47,11 @@ def rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 
 
+def rank_index_name(rank: int) -> str:
+    """A rank's tensor index while a save is staged; rank 0 merges them into the metadata."""
+    return f"rank_{rank:05d}.json"
+
+
 # ---------------------------------------------------------------------------------------------
 # Durable writes
 

@@ -14,7 +14,8 @@ from megatron_lite.checkpointing import CheckpointError, storage
 from megatron_lite.config import ConfigError
 from megatron_lite.training import pretrain
 import tests.distributed  # noqa: F401 - configures the forkserver to preload torch
-from tests.checkpointing.common import tiny_config
+from tests.checkpointing.common import tiny_config, train
+from tests.distributed import run_distributed
 
 
 @pytest.fixture
@@ -189,3 +190,27 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, point):
     state = _load(root, iters=2, save=root, save_interval=1)
     assert state.iteration == 2 and storage.read_latest_iteration(root) == 2
     assert not os.path.exists(storage.staging_dir(root, 2))
+
+
+def _load_and_report(rank, world_size, root):
+    try:
+        _load(root)
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def test_a_bad_file_on_one_rank_fails_every_rank(tmp_path):
+    """Data-parallel rank 1 alone reads its own file (its RNG states): when only that file is
+    corrupt, rank 0 loads fine by itself but must raise too, not go on to train alone."""
+    root = str(tmp_path / "ckpt")
+    run_distributed(train, 2, args=(dict(iters=2, global_batch=2, save=root, save_interval=2),))
+    path = os.path.join(storage.checkpoint_dir(root, 2), "rank_00001.safetensors")
+    with open(path, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    own_error, other_error = run_distributed(_load_and_report, 2, args=(root,))[::-1]
+    assert "rank_00001.safetensors does not match its SHA-256" in own_error
+    assert other_error.startswith("rank 1 failed to load the checkpoint at ")
