@@ -1,0 +1,36 @@
+"""Run the parity ladder: one control layout and others, same flags; print how far each drifts.
+
+    python tools/loss_parity.py --layouts 1x1x1 2x1x1 2x2x2 -- --num-layers 4 --hidden-size 256 ... --mock-data
+
+The first layout is the control. Exits 1 if any layout's losses differ from the control's by
+more than --rtol (relative), so it can gate a cluster before a long run.
+"""
+import argparse
+import sys
+
+from megatron_lite.loss_parity import Layout, max_relative_difference, run_layout
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", nargs="+", type=Layout.parse, required=True, help="TPxPPxDP, control first")
+    parser.add_argument("--rtol", type=float, default=1e-5)
+    parser.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the training flags shared by every run")
+    args = parser.parse_args(argv)
+    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    control, *others = args.layouts
+    reference = run_layout(control, flags)
+    print(f"{'layout':>8} {'ranks':>5} {'iterations':>10} {'max rel diff':>12}  losses")
+    print(f"{str(control):>8} {control.world_size:5d} {len(reference):10d} {'control':>12}  {reference}")
+    worst = 0.0
+    for layout in others:
+        losses = run_layout(layout, flags)
+        difference = max_relative_difference(reference, losses)
+        worst = max(worst, difference)
+        print(f"{str(layout):>8} {layout.world_size:5d} {len(losses):10d} {difference:12.2e}  {losses}")
+    print(f"worst relative difference {worst:.2e} ({'within' if worst <= args.rtol else 'ABOVE'} rtol {args.rtol:g})")
+    return 0 if worst <= args.rtol else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
