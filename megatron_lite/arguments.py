@@ -11,12 +11,7 @@ import argparse
 import dataclasses
 import typing
 
-from megatron_lite.config import (CheckpointConfig, Config, ConfigError, DataConfig, LoggingConfig, ModelConfig,
-                                  OptimizerConfig, ParallelConfig, TrainingConfig)
-
-SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
-            "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-            "logging": LoggingConfig}
+from megatron_lite.config import SECTIONS, Config, ConfigError, ModelConfig
 
 # Fields that default to True are turned off by these flags (Megatron's spelling).
 NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "use_fused_kernels": "--no-fused-kernels",

@@ -310,10 +310,11 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
-        kinds = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
-                 "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-                 "logging": LoggingConfig}
-        assert set(sections) == set(kinds)
-        return cls(**{name: kinds[name](**d[name]) for name in kinds if name in d})
+        return cls(**{name: section(**d[name]) for name, section in SECTIONS.items() if name in d})
+
+
+# Config's sections by field name (``arguments.py`` makes one flag group of each).
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
+            "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+            "logging": LoggingConfig}
 

@@ -69,7 +69,10 @@ def test_world_size_arithmetic_is_shown():
 
 
 def test_config_round_trips_through_dict():
-    from megatron_lite.config import Config
+    import dataclasses
 
+    from megatron_lite.config import SECTIONS, Config
+
+    assert list(SECTIONS) == [f.name for f in dataclasses.fields(Config)]  # every section has a flag group
     config = parse_args(BASE + ["--swiglu"])
     assert Config.from_dict(config.to_dict()) == config
