@@ -27,6 +27,7 @@ import torch
 
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.resharding import CheckpointReader
+from megatron_lite.checkpointing.save_load import OPTIMIZER_PREFIX
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ModelConfig, ParallelConfig
 
@@ -145,6 +146,35 @@ def _vocab_padded(weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros(padding, weight.shape[1])])
 
 
+# (theirs, ours, transposed): tensors that only change name (and GPT-2's Conv1D weights orientation). One
+# table serves import and export, so the two directions cannot drift apart. Layer names are per layer.
+_GPT2_LAYER = (("attn.c_proj.weight", "self_attention.linear_proj.weight", True),
+               ("attn.c_proj.bias", "self_attention.linear_proj.bias", False),
+               ("mlp.c_fc.weight", "mlp.linear_fc1.weight", True),
+               ("mlp.c_fc.bias", "mlp.linear_fc1.bias", False),
+               ("mlp.c_proj.weight", "mlp.linear_fc2.weight", True),
+               ("mlp.c_proj.bias", "mlp.linear_fc2.bias", False),
+               ("ln_1.weight", "input_layernorm.weight", False), ("ln_1.bias", "input_layernorm.bias", False),
+               ("ln_2.weight", "pre_mlp_layernorm.weight", False), ("ln_2.bias", "pre_mlp_layernorm.bias", False))
+_GPT2_FINAL = (("wpe.weight", "embedding.position_embeddings.weight", False),
+               ("ln_f.weight", "final_layernorm.weight", False), ("ln_f.bias", "final_layernorm.bias", False))
+_LLAMA_LAYER = (("self_attn.o_proj.weight", "self_attention.linear_proj.weight", False),
+                ("mlp.down_proj.weight", "mlp.linear_fc2.weight", False),
+                ("input_layernorm.weight", "input_layernorm.weight", False),
+                ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", False))
+_LLAMA_FINAL = (("norm.weight", "final_layernorm.weight", False),)
+
+
+def _renamed_from_hf(take, table, theirs_prefix: str, ours_prefix: str) -> dict:
+    return {ours_prefix + mine: take(theirs_prefix + theirs).t() if transposed else take(theirs_prefix + theirs)
+            for theirs, mine, transposed in table}
+
+
+def _renamed_to_hf(read, table, theirs_prefix: str, ours_prefix: str) -> dict:
+    return {theirs_prefix + theirs: read(ours_prefix + mine).t() if transposed else read(ours_prefix + mine)
+            for theirs, mine, transposed in table}
+
+
 def weights_from_hf(tensors: dict, config: ModelConfig) -> dict:
     """HF state dict -> our global tensors by name (vocabulary padded for tensor-parallel size 1)."""
     # Checkpoints saved from the bare GPT2Model / LlamaModel lack the prefix.
@@ -154,25 +184,15 @@ def weights_from_hf(tensors: dict, config: ModelConfig) -> dict:
     take = tensors.pop
     if hf_architecture(config) == "gpt2":
         ours["embedding.word_embeddings.weight"] = _vocab_padded(take("wte.weight"), config)
-        ours["embedding.position_embeddings.weight"] = take("wpe.weight")
         for i in range(config.num_layers):
             hf, layer = f"h.{i}.", f"decoder.layers.{i}."
             query, key, value = take(hf + "attn.c_attn.weight").t().chunk(3, dim=0)
             ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(query, key, value, config)
             ours[layer + "self_attention.linear_qkv.bias"] = pack_qkv(*take(hf + "attn.c_attn.bias").chunk(3), config)
-            ours[layer + "self_attention.linear_proj.weight"] = take(hf + "attn.c_proj.weight").t()
-            ours[layer + "self_attention.linear_proj.bias"] = take(hf + "attn.c_proj.bias")
-            ours[layer + "mlp.linear_fc1.weight"] = take(hf + "mlp.c_fc.weight").t()
-            ours[layer + "mlp.linear_fc1.bias"] = take(hf + "mlp.c_fc.bias")
-            ours[layer + "mlp.linear_fc2.weight"] = take(hf + "mlp.c_proj.weight").t()
-            ours[layer + "mlp.linear_fc2.bias"] = take(hf + "mlp.c_proj.bias")
-            for theirs, mine in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
-                ours[layer + mine + ".weight"] = take(f"{hf}{theirs}.weight")
-                ours[layer + mine + ".bias"] = take(f"{hf}{theirs}.bias")
+            ours.update(_renamed_from_hf(take, _GPT2_LAYER, hf, layer))
             for buffer in (hf + "attn.bias", hf + "attn.masked_bias"):  # causal-mask buffers of older files
                 tensors.pop(buffer, None)
-        ours["final_layernorm.weight"] = take("ln_f.weight")
-        ours["final_layernorm.bias"] = take("ln_f.bias")
+        ours.update(_renamed_from_hf(take, _GPT2_FINAL, "", ""))
     else:
         ours["embedding.word_embeddings.weight"] = _vocab_padded(take("embed_tokens.weight"), config)
         for i in range(config.num_layers):
@@ -180,13 +200,10 @@ def weights_from_hf(tensors: dict, config: ModelConfig) -> dict:
             ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
                 take(hf + "self_attn.q_proj.weight"), take(hf + "self_attn.k_proj.weight"),
                 take(hf + "self_attn.v_proj.weight"), config)
-            ours[layer + "self_attention.linear_proj.weight"] = take(hf + "self_attn.o_proj.weight")
             ours[layer + "mlp.linear_fc1.weight"] = torch.cat([take(hf + "mlp.gate_proj.weight"),
                                                                take(hf + "mlp.up_proj.weight")])
-            ours[layer + "mlp.linear_fc2.weight"] = take(hf + "mlp.down_proj.weight")
-            ours[layer + "input_layernorm.weight"] = take(hf + "input_layernorm.weight")
-            ours[layer + "pre_mlp_layernorm.weight"] = take(hf + "post_attention_layernorm.weight")
-        ours["final_layernorm.weight"] = take("norm.weight")
+            ours.update(_renamed_from_hf(take, _LLAMA_LAYER, hf, layer))
+        ours.update(_renamed_from_hf(take, _LLAMA_FINAL, "", ""))
     lm_head = tensors.pop("lm_head.weight", None)
     if config.untie_embeddings_and_output_weights:
         if lm_head is None:
@@ -204,24 +221,14 @@ def weights_to_hf(read, config: ModelConfig) -> dict:
     hf = {}
     if hf_architecture(config) == "gpt2":
         hf["transformer.wte.weight"] = read("embedding.word_embeddings.weight")[:vocab]
-        hf["transformer.wpe.weight"] = read("embedding.position_embeddings.weight")
         for i in range(config.num_layers):
             theirs, layer = f"transformer.h.{i}.", f"decoder.layers.{i}."
             query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
             hf[theirs + "attn.c_attn.weight"] = torch.cat([query, key, value]).t()
             hf[theirs + "attn.c_attn.bias"] = torch.cat(unpack_qkv(read(layer + "self_attention.linear_qkv.bias"),
                                                                    config))
-            hf[theirs + "attn.c_proj.weight"] = read(layer + "self_attention.linear_proj.weight").t()
-            hf[theirs + "attn.c_proj.bias"] = read(layer + "self_attention.linear_proj.bias")
-            hf[theirs + "mlp.c_fc.weight"] = read(layer + "mlp.linear_fc1.weight").t()
-            hf[theirs + "mlp.c_fc.bias"] = read(layer + "mlp.linear_fc1.bias")
-            hf[theirs + "mlp.c_proj.weight"] = read(layer + "mlp.linear_fc2.weight").t()
-            hf[theirs + "mlp.c_proj.bias"] = read(layer + "mlp.linear_fc2.bias")
-            for name, mine in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
-                hf[f"{theirs}{name}.weight"] = read(layer + mine + ".weight")
-                hf[f"{theirs}{name}.bias"] = read(layer + mine + ".bias")
-        hf["transformer.ln_f.weight"] = read("final_layernorm.weight")
-        hf["transformer.ln_f.bias"] = read("final_layernorm.bias")
+            hf.update(_renamed_to_hf(read, _GPT2_LAYER, theirs, layer))
+        hf.update(_renamed_to_hf(read, _GPT2_FINAL, "transformer.", ""))
     else:
         hf["model.embed_tokens.weight"] = read("embedding.word_embeddings.weight")[:vocab]
         for i in range(config.num_layers):
@@ -230,14 +237,11 @@ def weights_to_hf(read, config: ModelConfig) -> dict:
             hf[theirs + "self_attn.q_proj.weight"] = query
             hf[theirs + "self_attn.k_proj.weight"] = key
             hf[theirs + "self_attn.v_proj.weight"] = value
-            hf[theirs + "self_attn.o_proj.weight"] = read(layer + "self_attention.linear_proj.weight")
             gate, up = read(layer + "mlp.linear_fc1.weight").chunk(2)
             hf[theirs + "mlp.gate_proj.weight"] = gate
             hf[theirs + "mlp.up_proj.weight"] = up
-            hf[theirs + "mlp.down_proj.weight"] = read(layer + "mlp.linear_fc2.weight")
-            hf[theirs + "input_layernorm.weight"] = read(layer + "input_layernorm.weight")
-            hf[theirs + "post_attention_layernorm.weight"] = read(layer + "pre_mlp_layernorm.weight")
-        hf["model.norm.weight"] = read("final_layernorm.weight")
+            hf.update(_renamed_to_hf(read, _LLAMA_LAYER, theirs, layer))
+        hf.update(_renamed_to_hf(read, _LLAMA_FINAL, "model.", ""))
     if config.untie_embeddings_and_output_weights:
         hf["lm_head.weight"] = read("output_layer.weight")[:vocab]
     return {name: t.contiguous() for name, t in hf.items()}
@@ -301,5 +305,5 @@ def export_hf_checkpoint(load_dir: str, save_dir: str) -> None:
     reader = CheckpointReader(resolve_checkpoint_dir(load_dir))
     config = ModelConfig(**reader.metadata["config"]["model"])
     hf_config = hf_config_from_model_config(config)
-    reader.verify([k for k in reader.tensors if not k.startswith("optimizer.")])
+    reader.verify([k for k in reader.tensors if not k.startswith(OPTIMIZER_PREFIX)])
     write_hf_directory(save_dir, hf_config, weights_to_hf(reader.read, config))
