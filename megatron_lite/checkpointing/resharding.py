@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_lite.checkpointing.storage import CheckpointError, TensorFileReader, read_metadata, verify_files
+from megatron_lite.model.weight_init import full_shape
 from megatron_lite.tensor_parallel import gather_shards, shard_tensor
 
 # Parameters whose dim 0 is the (padded) vocabulary.
@@ -63,9 +64,8 @@ class ShardedTensor:
                      vocab_size: Optional[int], flat_range: Optional[tuple] = None) -> "ShardedTensor":
         """``data`` is ``param``'s local value (or a flat slice of it); the split comes from the
         attributes the tensor-parallel layers set on ``param``."""
-        shape = list(param.shape)
+        shape = full_shape(param, tp_size)
         if getattr(param, "tensor_model_parallel", False):
-            shape[param.partition_dim] *= tp_size
             return cls(key, data, tuple(shape), param.partition_dim, param.partition_stride, tp_rank, tp_size,
                        flat_range, vocab_size)
         return cls(key, data, tuple(shape), flat_range=flat_range, vocab_size=vocab_size)
@@ -146,10 +146,8 @@ def resize_vocab(full: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
 def local_shard(key: str, entry: dict, full: torch.Tensor, param: torch.Tensor, *, tp_rank: int,
                 tp_size: int) -> torch.Tensor:
     """This rank's shard of ``full`` for ``param`` (whose attributes say how it is split here)."""
-    target = list(param.shape)
+    target = list(full_shape(param, tp_size))
     parallel = getattr(param, "tensor_model_parallel", False)
-    if parallel:
-        target[param.partition_dim] *= tp_size
     if entry["vocab_size"] is not None and list(full.shape[1:]) == target[1:]:
         full = resize_vocab(full, target[0])
     if list(full.shape) != target:

@@ -34,6 +34,7 @@ from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTen
                                                     local_shard, merge_index)
 from megatron_lite.checkpointing.storage import CheckpointError, read_metadata, resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.model.weight_init import TIED_WEIGHT_NAME
 
 # Model fields a checkpoint's weights depend on, with the flag that sets each.
 _ARCHITECTURE_FLAGS = {
@@ -42,7 +43,6 @@ _ARCHITECTURE_FLAGS = {
     "normalization": "--normalization", "position_embedding_type": "--position-embedding-type",
     "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights"}
-TIED_WEIGHT = "embedding.word_embeddings.weight"
 OPTIMIZER_PREFIX = "optimizer."
 
 
@@ -68,7 +68,7 @@ def read_config(load_dir: str) -> Config:
 def checkpoint_name(model, name: str) -> str:
     """The name a parameter is stored under: the last stage's copy of the tied embedding is the embedding."""
     if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
-        return TIED_WEIGHT
+        return TIED_WEIGHT_NAME
     return name
 
 

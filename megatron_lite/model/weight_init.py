@@ -15,7 +15,9 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.parallel_state import ParallelState
 from megatron_lite.tensor_parallel import shard_tensor
 
-_TIED_WEIGHT_NAME = "embedding.word_embeddings.weight"
+# Both copies of a tied embedding (first and last pipeline stage) are initialised, and checkpointed,
+# under the embedding's name.
+TIED_WEIGHT_NAME = "embedding.word_embeddings.weight"
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -36,6 +38,7 @@ def _init_full(name: str, shape: torch.Size, config: ModelConfig, seed: int) -> 
 
 
 def full_shape(param: nn.Parameter, tensor_model_parallel_size: int) -> torch.Size:
+    """The whole (unsharded) shape of this rank's shard ``param``, from its tensor-parallel attributes."""
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= tensor_model_parallel_size
@@ -49,7 +52,7 @@ def initialize_weights(model_chunks: list[nn.Module], config: ModelConfig, paral
     tp_rank = parallel_state.tensor_model_parallel_rank
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
-            init_name = _TIED_WEIGHT_NAME if getattr(param, "shared_embedding", False) else name
+            init_name = TIED_WEIGHT_NAME if getattr(param, "shared_embedding", False) else name
             full = _init_full(init_name, full_shape(param, tp_size), config, seed)
             if getattr(param, "tensor_model_parallel", False):
                 full = shard_tensor(full, partition_dim=param.partition_dim, partition_stride=param.partition_stride,
