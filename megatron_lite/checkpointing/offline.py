@@ -56,7 +56,6 @@ def write_checkpoint(root: str, config: Config, read: Callable[[str], torch.Tens
     """
     tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
     layout = RankLayout(tp * pp, tp, pp)
-    padded_vocab = config.model.padded_vocab_size(tp)
     staging = storage.prepare_staging(root, iteration)
     metadata = new_metadata(
         config, iteration=iteration, training_state=training_state or {"iteration": iteration},
@@ -73,17 +72,10 @@ def write_checkpoint(root: str, config: Config, read: Callable[[str], torch.Tens
         model = stage_model(config, pipeline_rank)
         named = [(name, p) for name, p in model.named_parameters() if checkpoint_name(model, name) == name]
         layers = sorted(int(n) for n in model.decoder.layers.keys())
-        cache = {key: read(key) for name, _ in named for key in [name, *states_of.get(name, [])]}
+        # Each stage's global tensors are read once and cut for every tensor-parallel rank.
+        full = {key: read(key) for name, _ in named for key in [name, *states_of.get(name, [])]}
         for tp_rank in range(tp):
-            pieces = []
-            for name, param in named:
-                for key in [name, *states_of.get(name, [])]:
-                    replicated = not getattr(param, "tensor_model_parallel", False) or cache[key].dim() == 0
-                    if replicated and tp_rank != 0:
-                        continue  # stored once
-                    vocab_size = config.model.vocab_size if has_vocab_rows(name) else None
-                    pieces.append(_piece(key, cache[key], param, tp_rank=tp_rank, tp_size=tp,
-                                         padded_vocab=padded_vocab, vocab_size=vocab_size))
+            pieces = _rank_pieces(config, named, full, states_of, tp_rank=tp_rank)
             rank = layout.rank(tensor=tp_rank, data=0, pipeline=pipeline_rank)
             file_name = storage.rank_file_name(rank)
             info = storage.write_tensor_file(os.path.join(staging, file_name), {p.key: p.data for p in pieces})
@@ -93,6 +85,23 @@ def write_checkpoint(root: str, config: Config, read: Callable[[str], torch.Tens
             merge_index(metadata["tensors"], index_of(pieces, file_name))
     storage.write_json(os.path.join(staging, storage.METADATA_FILE), metadata)
     return storage.commit(root, iteration)
+
+
+def _rank_pieces(config: Config, named: list, full: dict, states_of: dict, *, tp_rank: int) -> list[ShardedTensor]:
+    """What tensor-parallel rank ``tp_rank`` of a stage writes: its shard of every parameter and of
+    that parameter's optimizer states; replicated tensors and scalars only on rank 0."""
+    tp = config.parallel.tensor_model_parallel_size
+    padded_vocab = config.model.padded_vocab_size(tp)
+    pieces = []
+    for name, param in named:
+        vocab_size = config.model.vocab_size if has_vocab_rows(name) else None
+        for key in [name, *states_of.get(name, [])]:
+            replicated = not getattr(param, "tensor_model_parallel", False) or full[key].dim() == 0
+            if replicated and tp_rank != 0:
+                continue
+            pieces.append(_piece(key, full[key], param, tp_rank=tp_rank, tp_size=tp, padded_vocab=padded_vocab,
+                                 vocab_size=vocab_size))
+    return pieces
 
 
 def _piece(key: str, full: torch.Tensor, param, *, tp_rank: int, tp_size: int, padded_vocab: int,
