@@ -30,7 +30,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, generat
     if temperature <= 0:
         return int(logits.argmax())
     logits = logits / temperature
-    if top_k is not None and top_k < logits.numel():
+    if top_k and top_k < logits.numel():  # as Megatron, --top-k 0 samples from the whole vocabulary
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)

@@ -52,3 +52,12 @@ class _Counting:
 def test_greedy_generation_skips_padding_and_stops_at_eod():
     assert generate(_Counting(), [3], max_new_tokens=5, vocab_size=7, seq_length=4, temperature=0) == [4, 5, 6, 0, 1]
     assert generate(_Counting(), [3], max_new_tokens=5, vocab_size=7, seq_length=4, temperature=0, eod=5) == [4, 5]
+
+
+def test_top_k_zero_samples_from_the_whole_vocabulary():
+    import torch
+
+    kwargs = dict(max_new_tokens=3, vocab_size=7, seq_length=4, temperature=1.0)
+    top_0 = generate(_Counting(), [3], top_k=0, generator=torch.Generator().manual_seed(0), **kwargs)
+    top_none = generate(_Counting(), [3], top_k=None, generator=torch.Generator().manual_seed(0), **kwargs)
+    assert top_0 == top_none and len(top_0) == 3
