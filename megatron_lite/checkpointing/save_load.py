@@ -95,47 +95,49 @@ def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
     models = _unwrap(model_chunks)
-    _collectively(lambda: storage.prepare_staging(root, iteration) if rank == 0 else None, "prepare", root)
     staging = storage.staging_dir(root, iteration)
-
-    def write_rank_file():
-        pieces = _model_pieces(config, parallel_state, models)
-        # Without the distributed optimizer the data-parallel replicas' states are identical: rank 0's is saved.
-        writes_optimizer = config.parallel.use_distributed_optimizer or parallel_state.data_parallel_rank == 0
-        optimizer_state = optimizer.state_dict() if optimizer is not None and writes_optimizer else None
-        if optimizer_state is not None:
-            pieces += _optimizer_pieces(config, parallel_state, models, optimizer_state)
-        rng_tensors, rng_scalars = rng.get_rng_state()
-        file_name = storage.rank_file_name(rank)
-        info = storage.write_tensor_file(os.path.join(staging, file_name),
-                                         {**{p.key: p.data for p in pieces}, **rng_tensors})
-        # Who wrote the file and which layers (pipeline range) it holds, for readers of the metadata.
-        holder = {"rank": rank, "layers": sorted(int(n) for m in models for n in m.decoder.layers),
-                  "tensor_model_parallel_rank": parallel_state.tensor_model_parallel_rank,
-                  "pipeline_model_parallel_rank": parallel_state.pipeline_model_parallel_rank,
-                  "data_parallel_rank": parallel_state.data_parallel_rank}
-        index = {"file": file_name, "info": {**info, **holder}, "tensors": index_of(pieces, file_name),
-                 "rng": rng_scalars, "training_state": dataclasses.asdict(state)}
-        if rank == 0 and optimizer_state is not None:
-            index["optimizer"] = _encode({k: optimizer_state[k] for k in
-                                          ("param_groups", "grad_scaler", "num_skipped_iterations")})
-        storage.write_json(os.path.join(staging, storage.rank_index_name(rank)), index)
-
-    _collectively(write_rank_file, "write", root)
-
-    def commit():
-        if rank != 0:
-            return
-        metadata = new_metadata(config, iteration=iteration, training_state={},
-                                layout=layout_of(config, parallel_state),
-                                scheduler=scheduler.state_dict() if scheduler is not None else None)
-        _merge_rank_indexes(staging, parallel_state.world_size, metadata)
-        storage.write_json(os.path.join(staging, storage.METADATA_FILE), metadata)
-        storage.commit(root, iteration)
-
-    _collectively(commit, "commit", root)
+    _collectively(lambda: storage.prepare_staging(root, iteration) if rank == 0 else None, "prepare", root)
+    _collectively(lambda: _write_rank_file(config, parallel_state, models, optimizer, state, staging), "write", root)
+    _collectively(lambda: _commit(config, parallel_state, scheduler, iteration) if rank == 0 else None, "commit", root)
     if rank == 0:
         print(f" saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
+
+
+def _write_rank_file(config: Config, parallel_state, models: list, optimizer, state, staging: str) -> None:
+    """This rank's tensors (safetensors) and their index (JSON, merged by rank 0 at commit)."""
+    rank = parallel_state.rank
+    pieces = _model_pieces(config, parallel_state, models)
+    # Without the distributed optimizer the data-parallel replicas' states are identical: rank 0's is saved.
+    writes_optimizer = config.parallel.use_distributed_optimizer or parallel_state.data_parallel_rank == 0
+    optimizer_state = optimizer.state_dict() if optimizer is not None and writes_optimizer else None
+    if optimizer_state is not None:
+        pieces += _optimizer_pieces(config, parallel_state, models, optimizer_state)
+    rng_tensors, rng_scalars = rng.get_rng_state()
+    file_name = storage.rank_file_name(rank)
+    info = storage.write_tensor_file(os.path.join(staging, file_name),
+                                     {**{p.key: p.data for p in pieces}, **rng_tensors})
+    # Who wrote the file and which layers (pipeline range) it holds, for readers of the metadata.
+    holder = {"rank": rank, "layers": sorted(int(n) for m in models for n in m.decoder.layers),
+              "tensor_model_parallel_rank": parallel_state.tensor_model_parallel_rank,
+              "pipeline_model_parallel_rank": parallel_state.pipeline_model_parallel_rank,
+              "data_parallel_rank": parallel_state.data_parallel_rank}
+    index = {"file": file_name, "info": {**info, **holder}, "tensors": index_of(pieces, file_name),
+             "rng": rng_scalars, "training_state": dataclasses.asdict(state)}
+    if rank == 0 and optimizer_state is not None:
+        index["optimizer"] = _encode({k: optimizer_state[k] for k in
+                                      ("param_groups", "grad_scaler", "num_skipped_iterations")})
+    storage.write_json(os.path.join(staging, storage.rank_index_name(rank)), index)
+
+
+def _commit(config: Config, parallel_state, scheduler, iteration: int) -> None:
+    """Rank 0, once every rank's file is written: merge the indexes into metadata.json and commit."""
+    root = config.checkpoint.save
+    staging = storage.staging_dir(root, iteration)
+    metadata = new_metadata(config, iteration=iteration, training_state={}, layout=layout_of(config, parallel_state),
+                            scheduler=scheduler.state_dict() if scheduler is not None else None)
+    _merge_rank_indexes(staging, parallel_state.world_size, metadata)
+    storage.write_json(os.path.join(staging, storage.METADATA_FILE), metadata)
+    storage.commit(root, iteration)
 
 
 def new_metadata(config: Config, *, iteration: int, training_state: dict, layout: dict, scheduler: dict | None,
