@@ -80,8 +80,8 @@ def apply_rotary_pos_emb(t, freqs):
     rot_dim = freqs.shape[-1]
     if rot_dim > t.shape[-1] or rot_dim % 2:
         raise ValueError(
-            f"rotary dim {rot_dim} must be even and at most head_dim {t.shape[-1]}; "
-            "check --rotary-percent and --kv-channels"
+            f"rotary dim {rot_dim} must be even and at most head_dim {t.shape[-1]}; the model builds it as "
+            "--hidden-size / --num-attention-heads"
         )
     freqs = freqs.float()
     t_rot, t_pass = t[..., :rot_dim].float(), t[..., rot_dim:]

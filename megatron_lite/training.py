@@ -245,7 +245,7 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     parallel_state = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
                                                config.parallel.pipeline_model_parallel_size,
                                                config.parallel.virtual_pipeline_model_parallel_size)
-    config.training.num_microbatches(parallel_state.data_parallel_world_size)
+    config.training.num_microbatches(parallel_state.data_parallel_world_size)  # batch arithmetic fails here, early
     set_random_seeds(config.training.seed, parallel_state)
     kernels.configure(config.model.use_fused_kernels)
     kernels.load_extension()  # a JIT build, if one is needed, happens now rather than inside step 1
