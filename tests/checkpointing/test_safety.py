@@ -44,6 +44,15 @@ def _rewrite(root, file_name, data: bytes):
         json.dump(metadata, f)
 
 
+def _flip_a_byte(path):
+    """Corrupt a file without changing its size (only the checksum can tell)."""
+    with open(path, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def test_layout_on_disk(saved):
     assert sorted(os.listdir(saved)) == ["iter_0000001", "iter_0000002", storage.TRACKER_FILE]
     assert storage.read_latest_iteration(saved) == 2
@@ -73,11 +82,7 @@ def test_truncated_file_is_reported(saved):
 
 def test_flipped_byte_is_reported(saved):
     path = os.path.join(storage.checkpoint_dir(saved, 2), "rank_00000.safetensors")
-    with open(path, "r+b") as f:
-        f.seek(-3, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-3, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _flip_a_byte(path)
     with pytest.raises(CheckpointError, match="does not match its SHA-256"):
         _load(saved)
 
@@ -206,11 +211,7 @@ def test_a_bad_file_on_one_rank_fails_every_rank(tmp_path):
     root = str(tmp_path / "ckpt")
     run_distributed(train, 2, args=(dict(iters=2, global_batch=2, save=root, save_interval=2),))
     path = os.path.join(storage.checkpoint_dir(root, 2), "rank_00001.safetensors")
-    with open(path, "r+b") as f:
-        f.seek(-3, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-3, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _flip_a_byte(path)
     own_error, other_error = run_distributed(_load_and_report, 2, args=(root,))[::-1]
     assert "rank_00001.safetensors does not match its SHA-256" in own_error
     assert other_error.startswith("rank 1 failed to load the checkpoint at ")
