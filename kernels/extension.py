@@ -100,7 +100,8 @@ def _find_or_build():
 def _build_dir(sources, cuda_flags):
     """A directory keyed by everything the binary depends on, so no stale build is reused."""
     key = hashlib.sha256()
-    for path in sources + [CSRC_DIR / "fused_kernels.h", CSRC_DIR / "common.cuh"]:
+    headers = sorted(CSRC_DIR.glob("*.h")) + sorted(CSRC_DIR.glob("*.cuh"))  # a new header counts too
+    for path in sources + headers:
         key.update(path.name.encode())
         key.update(path.read_bytes())
     key.update(" ".join(cuda_flags + [torch.__version__, sys.version]).encode())
