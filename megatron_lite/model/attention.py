@@ -18,7 +18,7 @@ class SelfAttention(nn.Module):
     so a contiguous tensor-parallel shard holds whole groups with their keys and values."""
 
     def __init__(self, config: ModelConfig, *, tp_group, sequence_parallel: bool, params_dtype: torch.dtype,
-                 recompute_core: bool = False):
+                 checkpoint_core_attention: bool = False):
         super().__init__()
         tp_size = collectives.world_size(tp_group)
         if config.num_query_groups % tp_size:
@@ -28,7 +28,7 @@ class SelfAttention(nn.Module):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_query_groups = config.num_query_groups // tp_size
         self.attention_dropout = config.attention_dropout
-        self.recompute_core = recompute_core
+        self.checkpoint_core_attention = checkpoint_core_attention
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, tp_group=tp_group, bias=config.add_bias_linear,
@@ -49,7 +49,7 @@ class SelfAttention(nn.Module):
         if rotary_freqs is not None:
             query = kernels.apply_rotary_pos_emb(query, rotary_freqs)
             key = kernels.apply_rotary_pos_emb(key, rotary_freqs)
-        if self.recompute_core and self.training:
+        if self.checkpoint_core_attention and self.training:
             context = checkpoint(self._core_attention, query, key, value)
         else:
             context = self._core_attention(query, key, value)

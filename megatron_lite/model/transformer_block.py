@@ -24,7 +24,7 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleDict({
             str(n): TransformerLayer(config, layer_number=n, tp_group=tp_group, sequence_parallel=sequence_parallel,
                                      params_dtype=params_dtype,
-                                     recompute_attention_core=recompute_granularity == "selective")
+                                     checkpoint_core_attention=recompute_granularity == "selective")
             for n in layer_numbers})
         self.recompute_full = recompute_granularity == "full"
         self.recompute_method = recompute_method or "uniform"

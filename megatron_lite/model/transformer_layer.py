@@ -14,7 +14,7 @@ from megatron_lite.tensor_parallel.random import get_rng_tracker
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, *, layer_number: int, tp_group, sequence_parallel: bool,
-                 params_dtype: torch.dtype, recompute_attention_core: bool = False):
+                 params_dtype: torch.dtype, checkpoint_core_attention: bool = False):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init do not depend on the stage
         self.hidden_dropout = config.hidden_dropout
@@ -23,7 +23,8 @@ class TransformerLayer(nn.Module):
                     sequence_parallel=sequence_parallel, params_dtype=params_dtype)
         self.input_layernorm = Norm(config.hidden_size, **norm)
         self.self_attention = SelfAttention(config, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                            params_dtype=params_dtype, recompute_core=recompute_attention_core)
+                                            params_dtype=params_dtype,
+                                            checkpoint_core_attention=checkpoint_core_attention)
         self.pre_mlp_layernorm = Norm(config.hidden_size, **norm)
         self.mlp = MLP(config, tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype)
 
