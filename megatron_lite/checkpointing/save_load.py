@@ -340,7 +340,10 @@ def _main_params_from_weights(optimizer, named_params: dict) -> None:
 def check_architecture(saved_model: dict, config: Config) -> None:
     """A clear error, naming the flag, when the run's model is not the checkpoint's."""
     current = dataclasses.asdict(config.model)
-    for field, flag in _ARCHITECTURE_FLAGS.items():
+    flags = dict(_ARCHITECTURE_FLAGS)
+    if current["position_embedding_type"] == "learned_absolute":  # a weight only with learned positions
+        flags["max_position_embeddings"] = "--max-position-embeddings"
+    for field, flag in flags.items():
         if saved_model.get(field) != current[field]:
             raise ConfigError(f"the checkpoint was trained with {field}={saved_model.get(field)!r} but this run has "
                               f"{current[field]!r}: set {flag} to match the checkpoint.")
