@@ -143,6 +143,7 @@ class TrainingConfig:
     eval_iters: int = 10
     exit_signal_handler: bool = False
     exit_interval: Optional[int] = None
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = None
 
     def __post_init__(self) -> None:
         _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}.")
@@ -155,6 +156,9 @@ class TrainingConfig:
         _require(self.recompute_granularity == "full" or self.recompute_method is None,
                  "--recompute-method only applies with --recompute-granularity full.")
         _require(self.eval_interval >= 1, f"--eval-interval must be >= 1, got {self.eval_interval}.")
+        interval = self.check_weight_hash_across_dp_replicas_interval
+        _require(interval is None or interval >= 1,
+                 f"--check-weight-hash-across-dp-replicas-interval must be >= 1, got {interval}.")
 
     def global_batch(self, data_parallel_size: int) -> int:
         """Sequences per iteration; without --global-batch-size, one micro-batch per replica."""

@@ -25,6 +25,7 @@ from megatron_lite import checkpointing, collectives, kernels, metrics
 from megatron_lite.config import Config
 from megatron_lite.data import MockGPTDataset, build_pretraining_data_loader, build_train_valid_test_datasets
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
+from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
 from megatron_lite.initialize import initialize_distributed
 from megatron_lite.model import GPTModel, initialize_weights
 from megatron_lite.optimizer import get_megatron_optimizer
@@ -284,19 +285,25 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
                 state.nan_iterations += 0 if math.isfinite(loss) else 1
                 state.losses.append(loss)
             logger.record(loss, time.perf_counter() - step_start)
-            if state.iteration % config.logging.log_interval == 0:
+            if _every(state.iteration, training.check_weight_hash_across_dp_replicas_interval):
+                check_weight_hash_across_dp_replicas(model_chunks, parallel_state, state.iteration)
+            if _every(state.iteration, config.logging.log_interval):
                 logger.log_interval(state, optimizer, grad_norm)
-            if valid_iterator is not None and state.iteration % training.eval_interval == 0:
+            if valid_iterator is not None and _every(state.iteration, training.eval_interval):
                 logger.log_validation(state.iteration, evaluate(config, parallel_state, model_chunks, valid_iterator))
             exit_now = ((training.exit_signal_handler and signal_handler.signals_received(parallel_state))
-                        or (training.exit_interval and state.iteration % training.exit_interval == 0))
+                        or _every(state.iteration, training.exit_interval))
             save_now = (exit_now or state.iteration == training.train_iters  # as Megatron: save at the end
-                        or (config.checkpoint.save_interval and state.iteration % config.checkpoint.save_interval == 0))
+                        or _every(state.iteration, config.checkpoint.save_interval))
             if config.checkpoint.save and save_now:
                 checkpointing.save_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler, state)
             if exit_now:
                 print_rank_last(f" exiting at iteration {state.iteration} (signal or --exit-interval)")
                 return
+
+
+def _every(iteration: int, interval: int | None) -> bool:
+    return bool(interval) and iteration % interval == 0
 
 
 class TrainingLogger:
