@@ -284,7 +284,7 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
             if loss is not None:
                 state.nan_iterations += 0 if math.isfinite(loss) else 1
                 state.losses.append(loss)
-            logger.record(loss, time.perf_counter() - step_start)
+            logger.record(loss, time.perf_counter() - step_start, skipped=not update_successful)
             if _every(state.iteration, training.check_weight_hash_across_dp_replicas_interval):
                 check_weight_hash_across_dp_replicas(model_chunks, parallel_state, state.iteration)
             if _every(state.iteration, config.logging.log_interval):
@@ -318,17 +318,22 @@ class TrainingLogger:
             config.model, global_batch, config.model.padded_vocab_size(parallel_state.tensor_model_parallel_world_size))
         self.peak_tflops = metrics.device_peak_tflops(config.logging.peak_tflops)
         self.writer = metrics.tensorboard_writer(config.logging.tensorboard_dir) if is_last_rank() else None
-        self.losses, self.seconds = [], 0.0
+        self.losses, self.seconds, self.skipped, self.nan = [], 0.0, 0, 0
 
-    def record(self, loss: float | None, seconds: float) -> None:
-        if loss is not None:
-            self.losses.append(loss)
+    def record(self, loss: float | None, seconds: float, skipped: bool) -> None:
+        """As Megatron: the interval's loss averages the iterations that updated the weights."""
         self.seconds += seconds
+        self.skipped += int(skipped)
+        if loss is not None and not math.isfinite(loss):
+            self.nan += 1
+        elif loss is not None and not skipped:
+            self.losses.append(loss)
 
     def log_interval(self, state: TrainingState, optimizer, grad_norm: float | None) -> None:
         elapsed_s = self.seconds / self.config.logging.log_interval
         lm_loss = sum(self.losses) / max(len(self.losses), 1)
-        self.losses, self.seconds = [], 0.0
+        skipped, nan = self.skipped, self.nan  # counts for this interval, as in Megatron's line
+        self.losses, self.seconds, self.skipped, self.nan = [], 0.0, 0, 0
         if not is_last_rank():
             return
         tflops_per_gpu = self.flops_per_iteration / (elapsed_s * self.world_size) / 1e12
@@ -337,8 +342,8 @@ class TrainingLogger:
             iteration=state.iteration, train_iters=self.config.training.train_iters,
             consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed_s * 1000.0,
             tflops_per_gpu=tflops_per_gpu, learning_rate=learning_rate, global_batch_size=self.global_batch,
-            lm_loss=lm_loss, loss_scale=loss_scale, grad_norm=grad_norm, skipped_iterations=state.skipped_iterations,
-            nan_iterations=state.nan_iterations), flush=True)
+            lm_loss=lm_loss, loss_scale=loss_scale, grad_norm=grad_norm, skipped_iterations=skipped,
+            nan_iterations=nan), flush=True)
         tokens_per_second = self.global_batch * self.config.model.seq_length / elapsed_s
         if self.config.logging.log_memory:
             print(metrics.format_throughput_log(

@@ -69,3 +69,28 @@ def test_a_failing_dataset_builder_fails_every_rank(tmp_path):
                               timeout=60)
     assert results[0] is not None and "missing" in results[0][1]
     assert results[1] == ("RuntimeError", "rank 0 failed to build the datasets; its error says why.")
+
+
+class _Optimizer:
+    param_groups = [{"lr": 1e-3}]
+
+    def get_loss_scale(self):
+        return 1024.0
+
+
+def test_log_line_counts_the_interval_as_megatron_does(capsys):
+    """Skipped iterations do not enter the mean loss; skipped and NaN counts restart every interval."""
+    from megatron_lite.parallel_state import initialize_model_parallel
+
+    config = parse_args(BASE + ["--train-iters", "6", "--no-log-memory"])
+    logger = training.TrainingLogger(config, initialize_model_parallel(1, 1), global_batch=4)
+    state = training.TrainingState()
+    for iteration, (loss, skipped) in enumerate([(2.0, False), (9.0, True), (float("nan"), True), (4.0, False)], 1):
+        logger.record(loss, 0.1, skipped=skipped)
+        state.iteration = iteration
+        if iteration in (2, 4):
+            logger.log_interval(state, _Optimizer(), grad_norm=None)
+    first, second = [line for line in capsys.readouterr().out.splitlines() if line.startswith(" iteration")]
+    assert "lm loss: 2.000000E+00" in first and "skipped iterations:   1 |" in first and "nan iterations:   0" in first
+    assert "lm loss: 4.000000E+00" in second and "skipped iterations:   1 |" in second
+    assert "nan iterations:   1 |" in second and "loss scale: 1024.0" in second
