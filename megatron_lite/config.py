@@ -229,6 +229,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         _require(self.mock_data or bool(self.data_path),
                  "no training data: give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data.")
+        _require(not (self.mock_data and self.data_path),
+                 "--mock-data and --data-path both given: drop --mock-data to train on the data, or --data-path.")
         _require(not self.eod_mask_loss or self.tokenizer_type is not None,
                  "--eod-mask-loss needs --tokenizer-type (and its files) to know the end-of-document token.")
         parts = self.split.replace("/", ",").split(",")

@@ -50,6 +50,11 @@ def test_bad_combinations_name_the_flag(extra, match):
         parse_args(BASE + extra)
 
 
+def test_mock_and_real_data_are_exclusive():
+    with pytest.raises(ConfigError, match="--mock-data and --data-path both given"):
+        parse_args(BASE + ["--data-path", "corpus_text_document"])
+
+
 def test_no_data_is_an_error():
     with pytest.raises(ConfigError, match="--data-path"):
         parse_args([a for a in BASE if a != "--mock-data"])

@@ -51,8 +51,7 @@ def test_eod_mask_loss_needs_a_tokenizer():
 
 
 def _build_datasets_from_a_missing_prefix(rank, world_size, prefix):
-    config = parse_args(BASE + ["--data-path", prefix])
-    config.data.mock_data = False
+    config = parse_args([f for f in BASE if f != "--mock-data"] + ["--data-path", prefix])
     try:
         training._build_datasets(config, (8, 0, 0))
     except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
@@ -94,3 +93,12 @@ def test_log_line_counts_the_interval_as_megatron_does(capsys):
     assert "lm loss: 2.000000E+00" in first and "skipped iterations:   1 |" in first and "nan iterations:   0" in first
     assert "lm loss: 4.000000E+00" in second and "skipped iterations:   1 |" in second
     assert "nan iterations:   1 |" in second and "loss scale: 1024.0" in second
+
+
+def test_user_errors_print_the_fix_without_a_traceback(tmp_path, capsys):
+    from megatron_lite.pretrain_gpt import main
+
+    flags = [f for f in BASE if f != "--mock-data"] + ["--train-iters", "1", "--data-path", str(tmp_path / "none")]
+    assert main(flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--data-path takes the prefix" in err and "Traceback" not in err
