@@ -29,6 +29,13 @@ def _scalar_type(hint):
     return args[0] if args else hint
 
 
+def _default_text(f: dataclasses.Field) -> str | None:
+    """'(default: X)' for --help; required flags and derived defaults (None) say nothing."""
+    if f.default is dataclasses.MISSING or f.default is None or isinstance(f.default, bool):
+        return None
+    return f"(default: {f.default})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_lite.pretrain_gpt", allow_abbrev=False,
                                      description="Pretrain a GPT model with tensor, pipeline and data parallelism.")
@@ -37,15 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             kind = _scalar_type(hints[f.name])
+            common = dict(dest=f.name, default=argparse.SUPPRESS, help=_default_text(f))
             if f.name in LIST_FIELDS:
-                group.add_argument(_flag(f.name), dest=f.name, nargs="+", default=argparse.SUPPRESS)
+                group.add_argument(_flag(f.name), nargs="+", **common)
             elif kind is bool and f.default is True:
-                group.add_argument(NEGATIVE_FLAGS[f.name], dest=f.name, action="store_false",
-                                   default=argparse.SUPPRESS)
+                group.add_argument(NEGATIVE_FLAGS[f.name], action="store_false", **common)
             elif kind is bool:
-                group.add_argument(_flag(f.name), dest=f.name, action="store_true", default=argparse.SUPPRESS)
+                group.add_argument(_flag(f.name), action="store_true", **common)
             else:
-                group.add_argument(_flag(f.name), dest=f.name, type=kind, default=argparse.SUPPRESS)
+                group.add_argument(_flag(f.name), type=kind, **common)
     parser.add_argument("--group-query-attention", action="store_true",
                         help="use --num-query-groups key/value heads (grouped-query attention)")
     return parser
