@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.model import GPTModel, initialize_weights
 from megatron_lite.optimizer import get_megatron_optimizer
-from megatron_lite.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 
 MODEL = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1024,
                     hidden_dropout=0.0, attention_dropout=0.0)

@@ -12,7 +12,7 @@ import torch
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model import GPTModel, initialize_weights
-from megatron_lite.parallel_state import initialize_model_parallel
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 
 LAYERS, HIDDEN, HEADS, SEQ, MICRO_BATCH, VOCAB = 6, 512, 8, 256, 8, 8192
 

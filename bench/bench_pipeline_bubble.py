@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from megatron_lite import collectives
-from megatron_lite.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.pipeline_parallel import get_forward_backward_func
 from megatron_lite.pipeline_parallel.schedule_table import build_schedule
 from megatron_lite.pipeline_parallel.timeline import simulate

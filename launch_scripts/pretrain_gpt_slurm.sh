@@ -73,7 +73,7 @@ if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
     mapfile -t HOSTNAMES <<<"$hosts"
 fi
 # Rank 0 (the first node) hosts the rendezvous; the port is derived from the job
-# id, as megatron_lite.initialize does, so jobs sharing a node do not collide.
+# id, as megatron_lite.process_groups.initialize does, so jobs sharing a node do not collide.
 export MASTER_ADDR="${MASTER_ADDR:-${HOSTNAMES[0]:-localhost}}"
 export MASTER_PORT="${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 10000))}"
 

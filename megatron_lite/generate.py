@@ -16,10 +16,10 @@ import torch
 
 from megatron_lite.checkpointing import load_checkpoint, read_config
 from megatron_lite.config import CheckpointConfig, ParallelConfig
-from megatron_lite.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron_lite.text_generation import generate
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.inference.text_generation import generate
+from megatron_lite.model.builder import build_model
 from megatron_lite.tokenizer import build_tokenizer
-from megatron_lite.training import build_model
 
 
 def load_single_process_model(load_dir: str):
@@ -27,7 +27,7 @@ def load_single_process_model(load_dir: str):
     saved = read_config(load_dir)
     config = dataclasses.replace(saved, parallel=ParallelConfig(), checkpoint=CheckpointConfig(load=load_dir))
     parallel_state = initialize_model_parallel(1, 1)
-    (model,) = build_model(config, parallel_state, wrap_with_ddp=False)
+    (model,) = build_model(config, parallel_state)
     load_checkpoint(config, parallel_state, [model], None, None)
     destroy_model_parallel(parallel_state)
     return model, config

@@ -1,7 +1,7 @@
 """Flags parse into validated config; bad combinations fail naming the flag and the fix."""
 import pytest
 
-from megatron_lite.arguments import parse_args
+from megatron_lite.config.arguments import parse_args
 from megatron_lite.config import ConfigError
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from megatron_lite.text_generation import generate
+from megatron_lite.inference.text_generation import generate
 
 
 def test_generate_cli_from_a_tensor_parallel_checkpoint(tmp_path):

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from megatron_lite import metrics
+from megatron_lite.training import metrics
 from megatron_lite.config import ModelConfig
 
 

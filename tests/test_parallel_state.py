@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_lite import collectives
-from megatron_lite.collectives import MockGroup, count_collectives
+from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups.collectives import MockGroup, count_collectives
 from megatron_lite.config import ConfigError
-from megatron_lite.parallel_state import (RankLayout, destroy_model_parallel, initialize_model_parallel,
+from megatron_lite.process_groups.parallel_state import (RankLayout, destroy_model_parallel, initialize_model_parallel,
                                           mock_parallel_state)
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 

@@ -3,8 +3,10 @@ import os
 
 import pytest
 
-from megatron_lite import metrics, training
-from megatron_lite.arguments import parse_args
+from megatron_lite.training import data_iterators, loop, metrics
+from megatron_lite.training.logger import TrainingLogger
+from megatron_lite.checkpointing.training_state import TrainingState
+from megatron_lite.config.arguments import parse_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
         "--vocab-size", "128", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -24,7 +26,7 @@ def test_log_lines_tensorboard_and_final_save(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(metrics, "tensorboard_writer", lambda log_dir: recorder if log_dir else None)
     config = parse_args(BASE + ["--train-iters", "5", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
                                 "--tensorboard-dir", str(tmp_path / "tb")])
-    state, _, _ = training.pretrain(config)
+    state, _, _ = loop.pretrain(config)
     out = capsys.readouterr().out
     assert state.iteration == 5 and state.consumed_train_samples == 20 and len(state.losses) == 5
     assert sum(line.startswith(" iteration ") for line in out.splitlines()) == 2
@@ -38,7 +40,7 @@ def test_log_lines_tensorboard_and_final_save(tmp_path, monkeypatch, capsys):
 
 def test_exit_interval_saves_and_stops(tmp_path):
     config = parse_args(BASE + ["--train-iters", "6", "--exit-interval", "3", "--save", str(tmp_path / "ckpt")])
-    state, _, _ = training.pretrain(config)
+    state, _, _ = loop.pretrain(config)
     assert state.iteration == 3
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
@@ -53,7 +55,7 @@ def test_eod_mask_loss_needs_a_tokenizer():
 def _build_datasets_from_a_missing_prefix(rank, world_size, prefix):
     config = parse_args([f for f in BASE if f != "--mock-data"] + ["--data-path", prefix])
     try:
-        training._build_datasets(config, (8, 0, 0))
+        data_iterators._build_datasets(config, (8, 0, 0))
     except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
         return type(error).__name__, str(error)
     return None
@@ -79,11 +81,11 @@ class _Optimizer:
 
 def test_log_line_counts_the_interval_as_megatron_does(capsys):
     """Skipped iterations do not enter the mean loss; skipped and NaN counts restart every interval."""
-    from megatron_lite.parallel_state import initialize_model_parallel
+    from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 
     config = parse_args(BASE + ["--train-iters", "6", "--no-log-memory"])
-    logger = training.TrainingLogger(config, initialize_model_parallel(1, 1), global_batch=4)
-    state = training.TrainingState()
+    logger = TrainingLogger(config, initialize_model_parallel(1, 1), global_batch=4)
+    state = TrainingState()
     for iteration, (loss, skipped) in enumerate([(2.0, False), (9.0, True), (float("nan"), True), (4.0, False)], 1):
         logger.record(loss, 0.1, skipped=skipped)
         state.iteration = iteration

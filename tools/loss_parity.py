@@ -8,7 +8,7 @@ more than --rtol (relative), so it can gate a cluster before a long run.
 import argparse
 import sys
 
-from megatron_lite.loss_parity import Layout, max_relative_difference, run_layout
+from megatron_lite.training.loss_parity import Layout, max_relative_difference, run_layout
 
 
 def main(argv=None) -> int:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_lite.arguments import parse_args
+from megatron_lite.config.arguments import parse_args
 from megatron_lite.config import Config, ConfigError
-from megatron_lite.parallel_state import RankLayout
+from megatron_lite.process_groups.parallel_state import RankLayout
 
 
 def rank_map(nnodes: int, nproc_per_node: int, tensor_model_parallel_size: int,

@@ -8,7 +8,8 @@
 ``resharding`` maps global tensors to and from any layout's shards, ``rng`` the
 random states, ``save_load`` what the training loop calls, ``offline`` writes
 checkpoints from global tensors (``tools/checkpoint_convert.py``), and ``hf_interop``
-maps Hugging Face GPT-2 and Llama checkpoints to ours and back.
+maps Hugging Face GPT-2 and Llama checkpoints to ours and back; ``training_state`` is the
+loop's progress that a checkpoint restores.
 """
 from megatron_lite.checkpointing.save_load import load_checkpoint, read_config, save_checkpoint
 from megatron_lite.checkpointing.storage import CheckpointError

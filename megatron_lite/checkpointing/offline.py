@@ -20,22 +20,19 @@ from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTen
 from megatron_lite.checkpointing.save_load import OPTIMIZER_PREFIX, checkpoint_name, new_metadata
 from megatron_lite.config import Config
 from megatron_lite.model import GPTModel
-from megatron_lite.parallel_state import RankLayout, mock_parallel_state
-from megatron_lite.pipeline_parallel.layer_split import get_layer_numbers
+from megatron_lite.model.builder import build_model_chunk
+from megatron_lite.process_groups.parallel_state import RankLayout, mock_parallel_state
 from megatron_lite.tensor_parallel import shard_tensor
 
 
 def stage_model(config: Config, pipeline_rank: int) -> GPTModel:
     """Pipeline stage ``pipeline_rank``'s model at tensor-parallel size 1, on the meta device:
-    its parameter names, full shapes and split attributes."""
-    parallel = config.parallel
-    pp = parallel.pipeline_model_parallel_size
-    layers = get_layer_numbers(config.model.num_layers, pipeline_model_parallel_size=pp, pipeline_rank=pipeline_rank,
-                               decoder_first_pipeline_num_layers=parallel.decoder_first_pipeline_num_layers,
-                               decoder_last_pipeline_num_layers=parallel.decoder_last_pipeline_num_layers)
+    its parameter names, full shapes and split attributes. One chunk per stage: checkpoints
+    name layers globally, so virtual stages do not change what is stored."""
+    whole_stage = dataclasses.replace(config, parallel=dataclasses.replace(
+        config.parallel, virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None))
     with torch.device("meta"):
-        return GPTModel(config.model, mock_parallel_state(0, 1), layer_numbers=layers,
-                        pre_process=pipeline_rank == 0, post_process=pipeline_rank == pp - 1)
+        return build_model_chunk(whole_stage, mock_parallel_state(0, 1), pipeline_rank=pipeline_rank)
 
 
 def write_checkpoint(root: str, config: Config, read: Callable[[str], torch.Tensor], *, iteration: int,

@@ -28,13 +28,15 @@ import warnings
 
 import torch
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 from megatron_lite.checkpointing import rng, storage
 from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTensor, has_vocab_rows, index_of,
                                                     local_shard, merge_index)
 from megatron_lite.checkpointing.storage import CheckpointError, read_metadata, resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.model.weight_init import TIED_WEIGHT_NAME
+from megatron_lite.tensor_parallel.random import set_random_seeds
+from megatron_lite.checkpointing.training_state import TrainingState
 
 # Model fields a checkpoint's weights depend on, with the flag that sets each.
 _ARCHITECTURE_FLAGS = {
@@ -226,8 +228,6 @@ def load_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
     states; ``--finetune`` loads the weights only and starts at iteration 0. A
     weights-only checkpoint (converted or imported) loads like ``--finetune``.
     """
-    from megatron_lite.training import TrainingState
-
     root = config.checkpoint.load
     iteration = _collectively(lambda: storage.read_latest_iteration(root), "open", root)
     if iteration is None:
@@ -351,8 +351,6 @@ def check_architecture(saved_model: dict, config: Config) -> None:
 
 def _reseed(config, parallel_state, iteration: int) -> None:
     # Seeding with the iteration keeps a resumed run from replaying the first iterations' dropout masks.
-    from megatron_lite.training import set_random_seeds
-
     set_random_seeds(config.training.seed + iteration, parallel_state)
 
 

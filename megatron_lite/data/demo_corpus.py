@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from megatron_lite.atomic_write import atomic_write
+from megatron_lite.data.atomic_write import atomic_write
 from megatron_lite.data.indexed_dataset import data_file_path, index_file_path
 from megatron_lite.data.preprocess import output_prefix_for, preprocess_jsonl
 from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe

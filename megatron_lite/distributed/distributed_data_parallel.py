@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 from megatron_lite.config import ConfigError, ParallelConfig
 from megatron_lite.distributed.param_and_grad_buffer import ParamAndGradBuffer
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 
 
 def _all_reduce_coalesced(grads: list, group) -> None:

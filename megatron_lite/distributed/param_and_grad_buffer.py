@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 
 
 @dataclass(eq=False)

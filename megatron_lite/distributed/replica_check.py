@@ -10,8 +10,8 @@ import hashlib
 
 import torch
 
-from megatron_lite import collectives
-from megatron_lite.parallel_state import ParallelState
+from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups.parallel_state import ParallelState
 
 
 def weight_hash(model_chunks) -> int:

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite import collectives, kernels
+from megatron_lite import kernels
+from megatron_lite.process_groups import collectives
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint, get_rng_tracker

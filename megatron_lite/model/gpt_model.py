@@ -7,12 +7,12 @@ final norm, the output layer and the loss) and the global layer numbers it runs.
 import torch
 from torch import nn
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_freqs
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.transformer_block import TransformerBlock
-from megatron_lite.parallel_state import ParallelState
+from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.tensor_parallel import ColumnParallelLinear, gather_from_tensor_model_parallel_region
 from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.parallel_state import ParallelState
+from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.tensor_parallel import shard_tensor
 
 # Both copies of a tied embedding (first and last pipeline stage) are initialised, and checkpointed,

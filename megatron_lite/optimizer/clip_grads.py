@@ -20,7 +20,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 from megatron_lite.config import ConfigError
 
 

@@ -16,7 +16,7 @@ Adam is element-wise, so updating slices gives exactly the unsharded result.
 """
 from __future__ import annotations
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 from megatron_lite.optimizer.optimizer import MegatronOptimizer, ParamRange
 
 

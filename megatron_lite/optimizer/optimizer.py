@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 from megatron_lite.config import OptimizerConfig
 from megatron_lite.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32, get_grads_for_norm
 

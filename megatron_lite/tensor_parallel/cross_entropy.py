@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 from megatron_lite.config import ConfigError
 from megatron_lite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,

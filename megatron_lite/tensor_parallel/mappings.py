@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 from megatron_lite.config import ConfigError
 
 

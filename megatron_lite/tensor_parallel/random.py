@@ -151,3 +151,10 @@ def checkpoint(function, *args):
     # grad (frozen embeddings under LoRA), so always pass an anchor that does.
     graph_anchor = torch.empty(0, requires_grad=True)
     return _CheckpointFunction.apply(function, graph_anchor, *args)
+
+
+def set_random_seeds(seed: int, parallel_state) -> None:
+    """Pipeline stages get different default streams (Megatron's seed + 100 x stage); dropout
+    inside tensor-parallel regions uses the tracker's per-tensor-rank stream."""
+    torch.manual_seed(seed + 100 * parallel_state.pipeline_model_parallel_rank)
+    model_parallel_seed(seed, parallel_state.tensor_model_parallel_rank)

@@ -31,7 +31,7 @@ def tiny_config(tp: int = 1, pp: int = 1, *, arch: dict = LLAMA, vpp=None, dist_
 
 def train(rank, world_size, kwargs):
     """Rank body: train as configured; the losses (last pipeline stage) or None."""
-    from megatron_lite.training import pretrain
+    from megatron_lite.training.loop import pretrain
 
     state, _, _ = pretrain(tiny_config(**kwargs))
     return state.losses or None

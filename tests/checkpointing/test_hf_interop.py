@@ -17,8 +17,8 @@ from megatron_lite.checkpointing import load_checkpoint, read_config  # noqa: E4
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
 from megatron_lite.config import CheckpointConfig, ConfigError  # noqa: E402
-from megatron_lite.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
-from megatron_lite.training import build_model  # noqa: E402
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
+from megatron_lite.model.builder import build_model  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
 
@@ -59,7 +59,7 @@ def _our_logits(root: str, input_ids: torch.Tensor, tp: int = 1) -> torch.Tensor
         config.parallel, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1))
     parallel_state = initialize_model_parallel(tp, 1)
     try:
-        (model,) = build_model(config, parallel_state, wrap_with_ddp=False)
+        (model,) = build_model(config, parallel_state)
         load_checkpoint(config, parallel_state, [model], None, None)
         model.eval()
         with torch.no_grad():
@@ -115,7 +115,7 @@ def test_export_loads_in_transformers(hf_model, tmp_path):
 
 def test_export_of_a_trained_checkpoint(tmp_path):
     """A checkpoint written by training (tp=1, Llama-style) exports and matches our own forward pass."""
-    from megatron_lite.training import pretrain
+    from megatron_lite.training.loop import pretrain
     from tests.checkpointing.common import tiny_config
 
     root, exported = str(tmp_path / "ckpt"), str(tmp_path / "hf")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_lite.checkpointing import load_checkpoint, storage
-from megatron_lite.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron_lite.training import build_model, build_optimizer_and_scheduler, pretrain
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.training.loop import build_optimizer_and_scheduler, get_model, pretrain
 from tests.checkpointing.common import GPT2, losses_of, tiny_config, train
 from tests.distributed import run_distributed
 
@@ -57,7 +57,7 @@ def test_no_load_optim_restarts_from_the_loaded_weights(tmp_path):
     config.training.bf16 = True
     parallel_state = initialize_model_parallel(1, 1)
     try:
-        model_chunks = build_model(config, parallel_state)
+        model_chunks = get_model(config, parallel_state)
         initial = {n: p.detach().clone() for n, p in model_chunks[0].module.named_parameters()}
         optimizer, scheduler = build_optimizer_and_scheduler(config, parallel_state, model_chunks)
         state = load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler)

@@ -12,7 +12,7 @@ import torch.multiprocessing as multiprocessing
 
 from megatron_lite.checkpointing import CheckpointError, storage
 from megatron_lite.config import ConfigError
-from megatron_lite.training import pretrain
+from megatron_lite.training.loop import pretrain
 import tests.distributed  # noqa: F401 - configures the forkserver to preload torch
 from tests.checkpointing.common import tiny_config, train
 from tests.distributed import run_distributed
@@ -220,7 +220,7 @@ def test_a_bad_file_on_one_rank_fails_every_rank(tmp_path):
 def test_position_table_size_is_checked_only_for_learned_positions():
     import dataclasses
 
-    from megatron_lite.arguments import parse_args
+    from megatron_lite.config.arguments import parse_args
     from megatron_lite.checkpointing.save_load import check_architecture
 
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",

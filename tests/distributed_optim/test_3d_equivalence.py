@@ -42,7 +42,7 @@ def _config(tp: int, pp: int, sharded: bool, steps: int = STEPS, bf16: bool = Fa
 
 
 def _train(rank, world_size, layouts):
-    from megatron_lite.training import pretrain
+    from megatron_lite.training.loop import pretrain
 
     results = []
     for layout in layouts:

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 from megatron_lite.config import ParallelConfig
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.optimizer import get_megatron_optimizer
-from megatron_lite.parallel_state import initialize_model_parallel
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from tests.distributed import run_distributed
 from tests.distributed_optim import toy
 

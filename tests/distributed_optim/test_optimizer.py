@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from megatron_lite.config import OptimizerConfig
 from megatron_lite.optimizer import merge_optimizer_state_dicts
-from megatron_lite.parallel_state import initialize_model_parallel
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from tests.distributed import run_distributed
 from tests.distributed_optim import toy
 

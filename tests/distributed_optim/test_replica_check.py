@@ -3,8 +3,8 @@ when one replica drifts."""
 import pytest
 import torch
 
-from megatron_lite import training
-from megatron_lite.arguments import parse_args
+from megatron_lite.training.loop import pretrain
+from megatron_lite.config.arguments import parse_args
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
 from tests.distributed import run_distributed
 
@@ -14,7 +14,7 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2
 
 
 def _train_then_corrupt(rank, world_size, extra):
-    state, chunks, parallel_state = training.pretrain(parse_args(FLAGS + extra), keep_process_group=True)
+    state, chunks, parallel_state = pretrain(parse_args(FLAGS + extra), keep_process_group=True)
     assert state.iteration == 2  # the check ran after both iterations and passed
     if rank == 1:
         with torch.no_grad():

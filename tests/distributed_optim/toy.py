@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron_lite.config import OptimizerConfig, ParallelConfig
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.optimizer import get_megatron_optimizer
-from megatron_lite.parallel_state import initialize_model_parallel
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 
 IN, HIDDEN, OUT = 16, 32, 8
 GLOBAL_BATCH, MICRO_BATCH = 8, 2

@@ -3,8 +3,8 @@ import subprocess
 
 import pytest
 
-from megatron_lite.arguments import parse_args
-from megatron_lite.parallel_state import RankLayout
+from megatron_lite.config.arguments import parse_args
+from megatron_lite.process_groups.parallel_state import RankLayout
 from tests.launch.helpers import LAUNCH_SCRIPTS
 
 # Name -> parameters the name promises (within 10%).

@@ -3,8 +3,8 @@ import pytest
 import torch.distributed as dist
 
 from megatron_lite.config import ConfigError, ParallelConfig
-from megatron_lite.initialize import (LaunchEnv, expand_tasks_per_node, first_hostname, initialize_distributed,
-                                      resolve_launch_env)
+from megatron_lite.process_groups.initialize import (LaunchEnv, expand_tasks_per_node, first_hostname,
+                                                     initialize_distributed, resolve_launch_env)
 
 TORCHRUN_NODE1_WORKER2 = {  # what torchrun sets for the third worker of the second node of 2 x 4
     "RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",

@@ -2,8 +2,8 @@
 import os
 import signal
 
-from megatron_lite.parallel_state import initialize_model_parallel, mock_parallel_state
-from megatron_lite.signal_handler import DistributedSignalHandler
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel, mock_parallel_state
+from megatron_lite.training.signal_handler import DistributedSignalHandler
 
 SINGLE = mock_parallel_state(rank=0, world_size=1)
 

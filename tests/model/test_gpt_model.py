@@ -4,7 +4,7 @@ import torch
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model import GPTModel, initialize_weights
-from megatron_lite.parallel_state import initialize_model_parallel
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 
 GPT2 = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=100,
             hidden_dropout=0.0, attention_dropout=0.0)

@@ -4,7 +4,7 @@ import torch
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model import GPTModel, initialize_weights
-from megatron_lite.parallel_state import initialize_model_parallel
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tensor_parallel import gather_shards, get_rng_tracker, model_parallel_seed
 from tests.distributed import run_distributed
 

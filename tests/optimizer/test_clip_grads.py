@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from megatron_lite.collectives import count_collectives
+from megatron_lite.process_groups.collectives import count_collectives
 from megatron_lite.optimizer.clip_grads import (clip_grad_by_total_norm_fp32, count_zeros_fp32,
                                                 get_grad_norm_fp32, get_grads_for_norm)
 
@@ -179,7 +179,7 @@ def _local_params(ps, sharded_over_dp):
 
 
 def _norm_and_clip_body(rank, world_size, tp, pp, sharded_over_dp, max_norm_fraction):
-    from megatron_lite.parallel_state import initialize_model_parallel
+    from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 
     ps = initialize_model_parallel(tp, pp)
     dp_group = ps.data_parallel_group if sharded_over_dp else None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_lite.config import ConfigError
-from megatron_lite.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron_lite.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 
 
 def _optimizer(*groups):

@@ -1,6 +1,6 @@
 """The GPT model through the pipeline schedules: one iteration's losses and gradients vs one process.
 
-Each layout builds the real model chunks (``training.build_model``: layer split,
+Each layout builds the real model chunks (``training.loop.get_model``: layer split,
 tied embeddings, data-parallel wrappers), reads the real mock-data iterators,
 runs one forward-backward through ``get_forward_backward_func`` with the real
 ``finalize_model_grads``, and compares every parameter's final gradient,
@@ -35,9 +35,9 @@ def _config(tp=1, pp=1, vpp=None, global_batch=4, sequence_parallel=False, first
 
 
 def _one_iteration(rank, world_size, layouts):
-    from megatron_lite import training
+    from megatron_lite.training import data_iterators, loop
     from megatron_lite.distributed import finalize_model_grads
-    from megatron_lite.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_lite.pipeline_parallel import get_forward_backward_func
 
     results = []
@@ -46,10 +46,10 @@ def _one_iteration(rank, world_size, layouts):
         par = config.parallel
         ps = initialize_model_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                        par.virtual_pipeline_model_parallel_size)
-        chunks = training.build_model(config, ps)
-        data_iterator, _ = training.build_data_iterators(config, ps, consumed_train_samples=0)
+        chunks = loop.get_model(config, ps)
+        data_iterator, _ = data_iterators.build_data_iterators(config, ps, consumed_train_samples=0)
         losses = get_forward_backward_func(ps)(
-            forward_step_func=training.forward_step, data_iterator=data_iterator, model=chunks,
+            forward_step_func=loop.forward_step, data_iterator=data_iterator, model=chunks,
             num_microbatches=config.training.num_microbatches(ps.data_parallel_world_size), seq_length=SEQ,
             micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN, parallel_state=ps,
             sequence_parallel=par.sequence_parallel, no_sync_func=[chunk.no_sync for chunk in chunks],

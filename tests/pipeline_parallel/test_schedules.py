@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_lite.config import ConfigError
-from megatron_lite.parallel_state import initialize_model_parallel, mock_parallel_state
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel, mock_parallel_state
 from megatron_lite.pipeline_parallel import get_forward_backward_func, get_layer_numbers
 from megatron_lite.pipeline_parallel.schedule_table import BACKWARD, FORWARD, in_flight_bound, rank_schedule
 from megatron_lite.pipeline_parallel.schedules import (forward_backward_no_pipelining,

@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.collectives import count_collectives
-from megatron_lite.parallel_state import initialize_model_parallel
+from megatron_lite.process_groups.collectives import count_collectives
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tensor_parallel import vocab_parallel_cross_entropy
 
 S, B, V = 6, 3, 32

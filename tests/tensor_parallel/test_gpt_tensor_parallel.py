@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_lite import collectives
-from megatron_lite.collectives import count_collectives
+from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups.collectives import count_collectives
 from megatron_lite.config import ModelConfig
 from megatron_lite.model import GPTModel, initialize_weights
-from megatron_lite.parallel_state import initialize_model_parallel
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tensor_parallel import gather_shards, model_parallel_seed
 
 SEED, STEPS, BATCH = 7, 5, 2

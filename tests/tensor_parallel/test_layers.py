@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite import collectives
-from megatron_lite.collectives import count_collectives
-from megatron_lite.parallel_state import initialize_model_parallel
+from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups.collectives import count_collectives
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                            gather_shards, shard_tensor)
 

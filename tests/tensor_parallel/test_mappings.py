@@ -6,7 +6,7 @@ expected results of the collectives are computed locally and compared.
 import pytest
 import torch
 
-from megatron_lite.parallel_state import initialize_model_parallel
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tensor_parallel import mappings
 
 SHAPE = (8, 2, 12)  # [s, b, h]: s and h divisible by 2 and 4

@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.parallel_state import initialize_model_parallel
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tensor_parallel import checkpoint, get_rng_tracker, model_parallel_seed
 
 SEED = 1234

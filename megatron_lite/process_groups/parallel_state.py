@@ -17,8 +17,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from megatron_lite import collectives
-from megatron_lite.collectives import MockGroup
+from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups.collectives import MockGroup
 from megatron_lite.config import ConfigError
 
 

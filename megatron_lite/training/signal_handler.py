@@ -21,7 +21,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from megatron_lite import collectives
+from megatron_lite.process_groups import collectives
 
 
 class DistributedSignalHandler:

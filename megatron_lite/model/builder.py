@@ -1,0 +1,51 @@
+"""Building the model chunks a rank holds: training, generation and conversion all start here.
+
+Which layers a chunk holds comes from the pipeline split (``layer_split``); whether it
+has the embedding (``pre_process``) or the output layer (``post_process``) from its
+place in the pipeline. Initialisation does not depend on the layout, so any layout
+builds the same global model.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.config import Config
+from megatron_lite.model.gpt_model import GPTModel
+from megatron_lite.model.weight_init import initialize_weights
+from megatron_lite.pipeline_parallel.layer_split import get_layer_numbers
+from megatron_lite.process_groups.parallel_state import ParallelState
+
+
+def build_model_chunk(config: Config, parallel_state: ParallelState, *, pipeline_rank: int,
+                      virtual_rank: int = 0) -> GPTModel:
+    """Model chunk ``virtual_rank`` of pipeline stage ``pipeline_rank``, uninitialised."""
+    parallel, training = config.parallel, config.training
+    pp = parallel.pipeline_model_parallel_size
+    vpp = parallel.virtual_pipeline_model_parallel_size or 1
+    layers = get_layer_numbers(
+        config.model.num_layers, pipeline_model_parallel_size=pp, pipeline_rank=pipeline_rank,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        virtual_pipeline_rank=virtual_rank,
+        decoder_first_pipeline_num_layers=parallel.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=parallel.decoder_last_pipeline_num_layers)
+    return GPTModel(
+        config.model, parallel_state, layer_numbers=layers,
+        pre_process=pipeline_rank == 0 and virtual_rank == 0,
+        post_process=pipeline_rank == pp - 1 and virtual_rank == vpp - 1,
+        sequence_parallel=parallel.sequence_parallel, params_dtype=config.params_dtype,
+        recompute_granularity=training.recompute_granularity, recompute_method=training.recompute_method,
+        recompute_num_layers=training.recompute_num_layers)
+
+
+def build_model(config: Config, parallel_state: ParallelState) -> list[GPTModel]:
+    """The initialised model chunks this rank holds (one, or one per virtual stage), on its device."""
+    vpp = config.parallel.virtual_pipeline_model_parallel_size or 1
+    chunks = [build_model_chunk(config, parallel_state, pipeline_rank=parallel_state.pipeline_model_parallel_rank,
+                                virtual_rank=virtual_rank) for virtual_rank in range(vpp)]
+    initialize_weights(chunks, config.model, parallel_state, seed=config.training.seed)
+    return [chunk.to(current_device()) for chunk in chunks]
+
+
+def current_device() -> torch.device:
+    """This process's GPU when there is one (initialize_distributed set it), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

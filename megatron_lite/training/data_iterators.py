@@ -1,0 +1,61 @@
+"""The micro-batch iterators the loop reads: train and validation, positioned for a resume."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron_lite.config import Config
+from megatron_lite.data import MockGPTDataset, build_pretraining_data_loader, build_train_valid_test_datasets
+from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups.parallel_state import ParallelState
+from megatron_lite.tokenizer import build_tokenizer
+
+
+def build_data_iterators(config: Config, parallel_state: ParallelState, consumed_train_samples: int,
+                         iteration: int = 0):
+    """(train, valid) micro-batch iterators positioned where ``iteration`` iterations left them (so a
+    resumed run continues with the same samples); a list of them, one per chunk, when interleaving."""
+    training, data = config.training, config.data
+    global_batch = training.global_batch(parallel_state.data_parallel_world_size)
+    consumed_valid_samples = (iteration // training.eval_interval) * training.eval_iters * global_batch
+    eod_token = _eod_token(data) if data.eod_mask_loss else None
+    num_evaluations = training.train_iters // training.eval_interval + 1
+    num_samples = (training.train_iters * global_batch, num_evaluations * training.eval_iters * global_batch,
+                   training.eval_iters * global_batch)
+    train_ds, valid_ds = _build_datasets(config, num_samples)[:2]
+    vpp = config.parallel.virtual_pipeline_model_parallel_size or 1
+
+    def loaders(dataset, consumed):
+        if dataset is None:
+            return None
+        made = [build_pretraining_data_loader(
+            dataset, consumed_samples=consumed, micro_batch_size=training.micro_batch_size,
+            data_parallel_rank=parallel_state.data_parallel_rank,
+            data_parallel_size=parallel_state.data_parallel_world_size,
+            eod_token=eod_token, eod_mask_loss=data.eod_mask_loss) for _ in range(vpp)]
+        return made if vpp > 1 else made[0]
+
+    return loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples)
+
+
+def _eod_token(data) -> int:
+    return build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
+                           tokenizer_model=data.tokenizer_model).eod
+
+
+def _build_datasets(config: Config, num_samples: tuple):
+    model, training, data = config.model, config.training, config.data
+    if data.mock_data:
+        return tuple(MockGPTDataset(vocab_size=model.vocab_size, seq_length=model.seq_length,
+                                    seed=training.seed + split, num_samples=n) if n > 0 else None
+                     for split, n in enumerate(num_samples))
+    is_builder = not dist.is_initialized() or dist.get_rank() == 0
+    kwargs = dict(data_path=data.data_path, split=data.split, seq_length=model.seq_length, seed=training.seed,
+                  train_valid_test_num_samples=num_samples, data_cache_path=data.data_cache_path)
+    # One rank builds the sample indices and caches them; the others then load the cache. If the
+    # builder fails (a bad --data-path), every rank raises instead of waiting for its cache.
+    datasets = collectives.run_on_every_rank(
+        lambda: build_train_valid_test_datasets(is_builder_rank=True, **kwargs) if is_builder else None,
+        lambda failed_rank: RuntimeError(f"rank {failed_rank} failed to build the datasets; its error says why."))
+    if not is_builder:
+        datasets = build_train_valid_test_datasets(is_builder_rank=False, **kwargs)
+    return datasets

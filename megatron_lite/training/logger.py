@@ -1,0 +1,82 @@
+"""Megatron's log lines, printed by the last rank (it is on the last pipeline stage, which has the loss)."""
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+
+from megatron_lite.config import Config
+from megatron_lite.process_groups.parallel_state import ParallelState
+from megatron_lite.training import metrics
+from megatron_lite.checkpointing.training_state import TrainingState
+
+
+def is_last_rank() -> bool:
+    """Megatron prints from the last rank: it is on the last pipeline stage, which has the loss."""
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def print_rank_last(message: str) -> None:
+    if is_last_rank():
+        print(message, flush=True)
+
+
+class TrainingLogger:
+    """Megatron's log line every --log-interval iterations, from the last rank (which has the loss),
+    plus throughput, MFU and TensorBoard scalars."""
+
+    def __init__(self, config: Config, parallel_state: ParallelState, global_batch: int):
+        self.config = config
+        self.global_batch = global_batch
+        self.world_size = parallel_state.world_size
+        self.flops_per_iteration = metrics.num_floating_point_operations(
+            config.model, global_batch, config.model.padded_vocab_size(parallel_state.tensor_model_parallel_world_size))
+        self.peak_tflops = metrics.device_peak_tflops(config.logging.peak_tflops)
+        self.writer = metrics.tensorboard_writer(config.logging.tensorboard_dir) if is_last_rank() else None
+        self.losses, self.seconds, self.skipped, self.nan = [], 0.0, 0, 0
+
+    def record(self, loss: float | None, seconds: float, skipped: bool) -> None:
+        """As Megatron: the interval's loss averages the iterations that updated the weights."""
+        self.seconds += seconds
+        self.skipped += int(skipped)
+        if loss is not None and not math.isfinite(loss):
+            self.nan += 1
+        elif loss is not None and not skipped:
+            self.losses.append(loss)
+
+    def log_interval(self, state: TrainingState, optimizer, grad_norm: float | None) -> None:
+        elapsed_s = self.seconds / self.config.logging.log_interval
+        lm_loss = sum(self.losses) / max(len(self.losses), 1)
+        skipped, nan = self.skipped, self.nan  # counts for this interval, as in Megatron's line
+        self.losses, self.seconds, self.skipped, self.nan = [], 0.0, 0, 0
+        if not is_last_rank():
+            return
+        tflops_per_gpu = self.flops_per_iteration / (elapsed_s * self.world_size) / 1e12
+        learning_rate, loss_scale = optimizer.param_groups[0]["lr"], float(optimizer.get_loss_scale())
+        print(metrics.format_iteration_log(
+            iteration=state.iteration, train_iters=self.config.training.train_iters,
+            consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed_s * 1000.0,
+            tflops_per_gpu=tflops_per_gpu, learning_rate=learning_rate, global_batch_size=self.global_batch,
+            lm_loss=lm_loss, loss_scale=loss_scale, grad_norm=grad_norm, skipped_iterations=skipped,
+            nan_iterations=nan), flush=True)
+        tokens_per_second = self.global_batch * self.config.model.seq_length / elapsed_s
+        if self.config.logging.log_memory:
+            print(metrics.format_throughput_log(
+                tokens_per_second=tokens_per_second,
+                mfu=metrics.model_flops_utilization(tflops_per_gpu, self.peak_tflops),
+                peak_memory=metrics.peak_memory_mb()), flush=True)
+        self._scalars(state.iteration, {"lm loss": lm_loss, "learning rate": learning_rate, "grad norm": grad_norm,
+                                        "tokens per second": tokens_per_second, "loss scale": loss_scale})
+
+    def log_validation(self, iteration: int, valid_loss: float | None) -> None:
+        if valid_loss is None:  # not the last pipeline stage
+            return
+        print_rank_last(metrics.format_validation_log(iteration=iteration, lm_loss=valid_loss))
+        self._scalars(iteration, {"lm loss validation": valid_loss})
+
+    def _scalars(self, iteration: int, values: dict) -> None:
+        if self.writer is None:
+            return
+        for name, value in values.items():
+            if value is not None:
+                self.writer.add_scalar(name, value, iteration)

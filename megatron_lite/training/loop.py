@@ -1,0 +1,203 @@
+"""The pretraining loop, top to bottom.
+
+    pretrain(config)
+      initialise processes, groups and seeds
+      build the model chunks this rank holds, wrap them for data parallelism
+      build the optimizer and LR schedule, load a checkpoint
+      loop: train_step -> log -> evaluate -> save
+
+Parallelism shows up only where it acts: ``get_model`` asks the pipeline split
+which layers this rank holds, ``train_step`` hands the micro-batches to the
+pipeline schedule, and the optimizer hides data-parallel sharding.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite import checkpointing, kernels
+from megatron_lite.config import Config
+from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
+from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
+from megatron_lite.model.builder import build_model, current_device
+from megatron_lite.optimizer import get_megatron_optimizer
+from megatron_lite.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
+from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups.initialize import initialize_distributed
+from megatron_lite.process_groups.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
+from megatron_lite.tensor_parallel.random import set_random_seeds
+from megatron_lite.training import metrics
+from megatron_lite.training.data_iterators import build_data_iterators
+from megatron_lite.training.logger import TrainingLogger, print_rank_last
+from megatron_lite.training.signal_handler import DistributedSignalHandler
+from megatron_lite.checkpointing.training_state import TrainingState
+
+
+def get_model(config: Config, parallel_state: ParallelState) -> list[DistributedDataParallel]:
+    """This rank's model chunks wrapped for data-parallel gradient reduction (Megatron's get_model)."""
+    group = parallel_state.data_parallel_group
+    return [DistributedDataParallel(chunk, config=config.parallel, data_parallel_group=group)
+            for chunk in build_model(config, parallel_state)]
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Masked mean of the per-token loss of one micro-batch."""
+    loss_mask = loss_mask.float()
+    loss = torch.sum(output_tensor.float() * loss_mask) / loss_mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch through this rank's model chunk (Megatron's forward_step contract)."""
+    batch = {k: v.to(current_device(), non_blocking=True) for k, v in next(data_iterator).items()}
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def _no_sync_all(model_chunks):
+    """Suppress data-parallel gradient reduction in every chunk (non-final micro-batches)."""
+    stack = contextlib.ExitStack()
+    for chunk in model_chunks:
+        stack.enter_context(chunk.no_sync())
+    return stack
+
+
+def train_step(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, data_iterator):
+    """Forward and backward over every micro-batch of the global batch, then one optimizer step.
+
+    Returns (mean lm loss on the last stage or None, update_successful, grad_norm)."""
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = _forward_backward(config, parallel_state, model_chunks, data_iterator, forward_only=False,
+                               grad_scale_func=optimizer.scale_loss)
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=1)
+    return _average_loss(losses, parallel_state), update_successful, grad_norm
+
+
+def _forward_backward(config, parallel_state, model_chunks, data_iterator, *, forward_only, grad_scale_func=None):
+    model = config.model
+    num_microbatches = config.training.num_microbatches(parallel_state.data_parallel_world_size)
+    forward_backward = get_forward_backward_func(parallel_state)
+    return forward_backward(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=model_chunks,
+        num_microbatches=num_microbatches, seq_length=model.seq_length,
+        micro_batch_size=config.training.micro_batch_size, hidden_size=model.hidden_size,
+        parallel_state=parallel_state, forward_only=forward_only, sequence_parallel=config.parallel.sequence_parallel,
+        dtype=config.params_dtype, no_sync_func=functools.partial(_no_sync_all, model_chunks),
+        finalize_model_grads_func=functools.partial(finalize_model_grads, parallel_state=parallel_state),
+        grad_scale_func=grad_scale_func)
+
+
+def _average_loss(losses: list, parallel_state: ParallelState) -> float | None:
+    """Mean over micro-batches, then over data-parallel replicas (last stage only)."""
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    loss = torch.stack([entry["lm loss"].float() for entry in losses]).mean().reshape(1)
+    collectives.all_reduce(loss, parallel_state.data_parallel_group)
+    return loss.item() / parallel_state.data_parallel_world_size
+
+
+@torch.no_grad()
+def evaluate(config: Config, parallel_state: ParallelState, model_chunks, data_iterator) -> float | None:
+    """Mean validation loss over --eval-iters global batches, forward only."""
+    for chunk in model_chunks:
+        chunk.eval()
+    losses = []
+    for _ in range(config.training.eval_iters):
+        step_losses = _forward_backward(config, parallel_state, model_chunks, data_iterator, forward_only=True)
+        losses.append(_average_loss(step_losses, parallel_state))
+    for chunk in model_chunks:
+        chunk.train()
+    return None if losses[0] is None else sum(losses) / len(losses)
+
+
+def build_optimizer_and_scheduler(config: Config, parallel_state: ParallelState, model_chunks):
+    optimizer = get_megatron_optimizer(config.optimizer, model_chunks, parallel_state=parallel_state,
+                                       parallel_config=config.parallel, params_dtype=config.params_dtype)
+    opt = config.optimizer
+    wd_incr_steps = None if opt.start_weight_decay is None else config.training.train_iters
+    scheduler = OptimizerParamScheduler(optimizer, max_lr=opt.lr, min_lr=opt.min_lr,
+                                        lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=opt.lr_decay_iters,
+                                        lr_decay_style=opt.lr_decay_style, start_wd=opt.start_weight_decay,
+                                        end_wd=opt.end_weight_decay, wd_incr_steps=wd_incr_steps,
+                                        wd_incr_style=opt.weight_decay_incr_style)
+    return optimizer, scheduler
+
+
+def pretrain(config: Config, *, keep_process_group: bool = False):
+    """Train as configured; returns (TrainingState, model chunks, parallel state)."""
+    initialize_distributed(config.parallel)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    config.parallel.data_parallel_size(world_size)  # fails with the arithmetic before any group is built
+    parallel_state = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
+                                               config.parallel.pipeline_model_parallel_size,
+                                               config.parallel.virtual_pipeline_model_parallel_size)
+    config.training.num_microbatches(parallel_state.data_parallel_world_size)  # batch arithmetic fails here, early
+    set_random_seeds(config.training.seed, parallel_state)
+    kernels.configure(config.model.use_fused_kernels)
+    kernels.load_extension()  # a JIT build, if one is needed, happens now rather than inside step 1
+    model_chunks = get_model(config, parallel_state)
+    optimizer, scheduler = build_optimizer_and_scheduler(config, parallel_state, model_chunks)
+    if config.logging.log_memory:
+        print_rank_last(metrics.format_memory_report(optimizer.memory_report()))
+    state = TrainingState()
+    if config.checkpoint.load:
+        state = checkpointing.load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) or state
+    train_iterator, valid_iterator = build_data_iterators(config, parallel_state, state.consumed_train_samples,
+                                                          state.iteration)
+    train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state)
+    if not keep_process_group:
+        destroy_model_parallel(parallel_state)
+    return state, model_chunks, parallel_state
+
+
+def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
+          valid_iterator, state: TrainingState) -> None:
+    training = config.training
+    global_batch = training.global_batch(parallel_state.data_parallel_world_size)
+    logger = TrainingLogger(config, parallel_state, global_batch)
+    for chunk in model_chunks:
+        chunk.train()
+    signal_handler = DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext()
+    with signal_handler:
+        while state.iteration < training.train_iters:
+            step_start = time.perf_counter()
+            loss, update_successful, grad_norm = train_step(config, parallel_state, model_chunks, optimizer,
+                                                            scheduler, train_iterator)
+            state.iteration += 1
+            state.consumed_train_samples += global_batch
+            state.skipped_iterations += 0 if update_successful else 1
+            if loss is not None:
+                state.nan_iterations += 0 if math.isfinite(loss) else 1
+                state.losses.append(loss)
+            logger.record(loss, time.perf_counter() - step_start, skipped=not update_successful)
+            if _every(state.iteration, training.check_weight_hash_across_dp_replicas_interval):
+                check_weight_hash_across_dp_replicas(model_chunks, parallel_state, state.iteration)
+            if _every(state.iteration, config.logging.log_interval):
+                logger.log_interval(state, optimizer, grad_norm)
+            if valid_iterator is not None and _every(state.iteration, training.eval_interval):
+                logger.log_validation(state.iteration, evaluate(config, parallel_state, model_chunks, valid_iterator))
+            exit_now = ((training.exit_signal_handler and signal_handler.signals_received(parallel_state))
+                        or _every(state.iteration, training.exit_interval))
+            save_now = (exit_now or state.iteration == training.train_iters  # as Megatron: save at the end
+                        or _every(state.iteration, config.checkpoint.save_interval))
+            if config.checkpoint.save and save_now:
+                checkpointing.save_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler, state)
+            if exit_now:
+                print_rank_last(f" exiting at iteration {state.iteration} (signal or --exit-interval)")
+                return
+
+
+def _every(iteration: int, interval: int | None) -> bool:
+    return bool(interval) and iteration % interval == 0
+
+
