@@ -24,7 +24,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt")
     group.add_argument("--tokenizer-model", help="SentencePiece .model or Hugging Face tokenizer.json")
     group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids are 0..vocab-size-1, EOD = vocab-size")
-    group.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
+    group.add_argument("--append-eod", action="store_true",
+                       help="end every non-empty document with the EOD token (an empty one stays empty, as in "
+                            "Megatron-LM)")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     group = parser.add_argument_group("runtime")

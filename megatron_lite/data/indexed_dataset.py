@@ -73,8 +73,13 @@ class IndexedDatasetBuilder:
         self.document_indices.append(len(self.sequence_lengths))
 
     def add_document(self, tokens) -> None:
-        """One sequence that is also one document (no sentence splitting)."""
-        self.add_item(tokens)
+        """One sequence that is also one document (no sentence splitting).
+
+        An empty document adds no sequence but still ends a document (its two document indices
+        are equal), as Megatron-LM's builder records a document whose sentences are all empty.
+        """
+        if np.asarray(tokens).size:
+            self.add_item(tokens)
         self.end_document()
 
     def add_index(self, path_prefix: str) -> None:

@@ -4,6 +4,11 @@ Worker processes tokenize lines; the main process writes documents in input orde
 line (malformed JSON, a missing or non-string key, ids the tokenizer rejects) is reported
 as ``file:line`` and skipped, or aborts the run with ``strict``. Outputs go through
 ``IndexedDatasetBuilder``, so they appear only when complete.
+
+An empty document (``{"text": ""}``, or text that tokenizes to nothing) is kept as Megatron-LM's
+``tools/preprocess_data.py`` keeps it: no tokens and no EOD even with ``append_eod``, no sequence,
+but its own entry in the document indices. So the same JSONL gives the same ``.bin``/``.idx``
+bytes, and the same samples, in both projects.
 """
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ def encode_line(line: str, tokenizer, json_keys: tuple[str, ...], append_eod: bo
             ids = tokenizer.tokenize(record[key])
         except ValueError as error:
             return None, f"tokenizer rejected {key!r}: {error}"
-        if append_eod:
+        if append_eod and ids:  # an empty document gets no EOD either (Megatron-LM's rule)
             ids.append(tokenizer.eod)
         encoded[key] = np.asarray(ids, dtype=np.int32)  # half the bytes of int64 between processes
     return encoded, None
@@ -128,7 +133,7 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
     if stats.bad_lines:
         summary += f"; skipped {stats.bad_lines} bad lines (listed above)"
     if stats.empty_documents:
-        summary += f"; skipped {stats.empty_documents} empty documents"
+        summary += f"; {stats.empty_documents} empty documents kept without tokens"
     print(summary, file=log)
     return stats
 
@@ -147,7 +152,6 @@ def _write_documents(results, builders: dict, stats: PreprocessStats, *, input_p
             continue
         if any(ids.size == 0 for ids in encoded.values()):
             stats.empty_documents += 1
-            continue
         for key, ids in encoded.items():
             builders[key].add_document(ids)
         stats.documents += 1

@@ -1,5 +1,9 @@
 import json
 import os
+import struct
+
+import numpy as np
+import pytest
 
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.preprocess import preprocess_jsonl
@@ -41,8 +45,9 @@ def test_bad_lines_are_reported_with_file_and_line_and_skipped(tmp_path, bpe_fil
 
     tokenizer = build_tokenizer(**gpt2_kwargs(bpe_files))
     dataset = IndexedDataset(str(tmp_path / "out_text_document"))
-    expected = [tokenizer.tokenize(t) + [tokenizer.eod] for t in texts[:3] + [""] + texts[3:]]
+    expected = [tokenizer.tokenize(t) + [tokenizer.eod] for t in texts]  # the empty document has no sequence
     assert [dataset[i].tolist() for i in range(len(dataset))] == expected
+    assert dataset.document_indices.tolist() == [0, 1, 2, 3, 3, 4]
     assert dataset.dtype.name == "uint16"
 
 
@@ -86,6 +91,48 @@ def test_null_tokenizer_and_tokenizer_rejections(tmp_path, capsys):
     stats = preprocess_jsonl([path], output_prefix=str(tmp_path / "ids"),
                              tokenizer_kwargs=dict(tokenizer_type="NullTokenizer", vocab_size=10))
     assert f"{path}:2: tokenizer rejected 'text'" in capsys.readouterr().err
-    assert (stats.documents, stats.bad_lines, stats.empty_documents) == (2, 1, 1)
+    assert (stats.documents, stats.bad_lines, stats.empty_documents) == (3, 1, 1)
     dataset = IndexedDataset(str(tmp_path / "ids_text_document"))
     assert [dataset[i].tolist() for i in range(len(dataset))] == [[1, 2, 3], [5]]
+    assert dataset.document_indices.tolist() == [0, 1, 1, 2]
+
+
+def megatron_preprocess(texts, tokenizer, append_eod):
+    """Megatron-LM's Encoder.encode and IndexedDatasetBuilder.add_document, restated: returns the
+    .bin and .idx bytes. Empty sentences add no sequence, EOD goes after a non-empty document only,
+    and every document appends len(sequence_lengths) to the document indices."""
+    tokens, sequence_lengths, document_indices = [], [], [0]
+    for text in texts:
+        doc_ids, sentence_lens = [], []
+        ids = tokenizer.tokenize(text)
+        if ids:
+            doc_ids += ids
+            sentence_lens.append(len(ids))
+        if doc_ids and append_eod:
+            doc_ids.append(tokenizer.eod)
+            sentence_lens[-1] += 1
+        tokens += doc_ids
+        sequence_lengths += sentence_lens
+        document_indices.append(len(sequence_lengths))
+    n, d = len(sequence_lengths), len(document_indices)
+    pointers = np.concatenate([[0], np.cumsum(sequence_lengths)[:-1] * 2]).astype(np.int64) if n else []
+    index = (b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, n, d) + struct.pack(f"<{n}i", *sequence_lengths)
+             + struct.pack(f"<{n}q", *pointers) + struct.pack(f"<{d}q", *document_indices))
+    return np.asarray(tokens, dtype="<u2").tobytes(), index
+
+
+@pytest.mark.parametrize("append_eod", [True, False])
+def test_empty_documents_give_megatrons_bytes(tmp_path, bpe_files, append_eod):
+    """{"text": ""} writes no sequence (no lone EOD) but keeps its document-index entry, as in Megatron-LM."""
+    texts = ["", "first document", "", "", TRICKY_TEXT, "last", ""]
+    path = write_jsonl(tmp_path / "in.jsonl", [json.dumps({"text": t, "title": t[:5]}) for t in texts])
+    stats = preprocess_jsonl([path], output_prefix=str(tmp_path / "out"), tokenizer_kwargs=gpt2_kwargs(bpe_files),
+                             json_keys=("text", "title"), append_eod=append_eod, workers=2)
+    assert (stats.documents, stats.empty_documents) == (7, 4)
+    tokenizer = build_tokenizer(**gpt2_kwargs(bpe_files))
+    for key, key_texts in [("text", texts), ("title", [t[:5] for t in texts])]:
+        expected_bin, expected_idx = megatron_preprocess(key_texts, tokenizer, append_eod)
+        assert (tmp_path / f"out_{key}_document.bin").read_bytes() == expected_bin
+        assert (tmp_path / f"out_{key}_document.idx").read_bytes() == expected_idx
+    dataset = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert len(dataset) == 3 and dataset.document_indices.tolist() == [0, 0, 1, 1, 1, 2, 3, 3]
