@@ -11,6 +11,13 @@ import numpy as np
 from megatron_lite.data import index_cache
 
 
+def normalize(weights: list[float]) -> list[float]:
+    """Weights divided by their sum, in float64 with numpy's summation, so the shares, split
+    boundaries and blend match Megatron-LM's ``normalize`` bit for bit."""
+    array = np.asarray(weights, dtype=np.float64)
+    return (array / array.sum()).tolist()
+
+
 def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """(dataset_index, dataset_sample_index): which dataset, and which of its samples, each output sample is."""
     dataset_index = np.empty(size, dtype=np.int16)
@@ -33,8 +40,7 @@ class BlendedDataset:
                  is_builder_rank: bool = True, cache_wait_timeout_s: float = index_cache.DEFAULT_WAIT_TIMEOUT_S):
         if len(datasets) != len(weights) or not datasets:
             raise ValueError(f"BlendedDataset needs one weight per dataset, got {len(weights)} for {len(datasets)}.")
-        total = float(sum(weights))
-        self.weights = [float(w) / total for w in weights]
+        self.weights = normalize(weights)
         self.datasets = datasets
         self.size = size
         # The blending indices depend on nothing but the weights and the size.

@@ -7,14 +7,14 @@ from typing import Optional
 
 from megatron_lite.config import ConfigError
 from megatron_lite.data import index_cache
-from megatron_lite.data.blended_dataset import BlendedDataset
+from megatron_lite.data.blended_dataset import BlendedDataset, normalize
 from megatron_lite.data.gpt_dataset import GPTDataset
 from megatron_lite.data.indexed_dataset import IndexedDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
 # Each blended corpus builds slightly more samples than its share, so the greedy blend
-# (which can run one sample ahead of a share) never runs out (Megatron's margin).
-_BLEND_SAMPLE_MARGIN = 1.005
+# (which can run one sample ahead of a share) never runs out (Megatron's mid_level_dataset_surplus).
+_MID_LEVEL_DATASET_SURPLUS = 0.005
 
 
 def parse_data_path(data_path: list[str]) -> tuple[list[float], list[str]]:
@@ -33,7 +33,7 @@ def parse_data_path(data_path: list[str]) -> tuple[list[float], list[str]]:
                          "W1 PREFIX1 W2 PREFIX2 ...") from None
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ConfigError(f"--data-path weights must be non-negative with a positive sum, got {weights}.")
-    return [w / sum(weights) for w in weights], [str(p) for p in data_path[1::2]]
+    return normalize(weights), [str(p) for p in data_path[1::2]]
 
 
 def parse_split(split: str) -> list[float]:
@@ -45,16 +45,33 @@ def parse_split(split: str) -> list[float]:
     if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ConfigError(f"--split takes up to three non-negative weights with a positive sum, got {split!r}.")
     weights += [0.0] * (3 - len(weights))
-    return [w / sum(weights) for w in weights]
+    return normalize(weights)
 
 
 def split_document_boundaries(num_documents: int, split_weights: list[float]) -> list[int]:
-    """Document boundaries [0, b1, b2, num_documents] of train/valid/test, rounded as Megatron-LM does."""
-    boundaries = [0]
+    """Document boundaries [0, b1, b2, num_documents] of train/valid/test.
+
+    As Megatron-LM's builder, each boundary is the cumulative fraction (0.969, 0.999, 1.0 for
+    969,30,1) times the count, rounded (half to even); rounding each part instead would give
+    other boundaries (over 49 documents train [0, 48) instead of Megatron's [0, 47)). The count is
+    of sequences, which is of documents except that an empty document has no sequence.
+    """
+    boundaries, cumulative = [0], 0.0
     for weight in split_weights:
-        boundaries.append(boundaries[-1] + int(round(weight * float(num_documents))))
-    excess = boundaries[-1] - num_documents
-    return [boundaries[0]] + [b - excess for b in boundaries[1:]]
+        cumulative += weight
+        boundaries.append(int(round(cumulative * float(num_documents))))
+    return boundaries
+
+
+def blended_sample_counts(num_samples: int, weights: list[float]) -> tuple[list[int], list[int]]:
+    """(share, built) per blended dataset for a blend of ``num_samples``, as Megatron-LM sizes them.
+
+    Dataset k's share is ceil(N * w_k) and the blend's length is the sum of the shares, which
+    can pass N by up to one sample per dataset (1001 for N = 1000, w = [1/3, 2/3]); dataset k
+    builds ceil(share * 1.005) samples, the margin the greedy blend may overdraw.
+    """
+    shares = [int(math.ceil(num_samples * w)) for w in weights]
+    return shares, [int(math.ceil(share * (1 + _MID_LEVEL_DATASET_SURPLUS))) for share in shares]
 
 
 def build_train_valid_test_datasets(*, data_path: list[str], split: str, seq_length: int, seed: int,
@@ -89,17 +106,21 @@ def build_train_valid_test_datasets(*, data_path: list[str], split: str, seq_len
 
     datasets = []
     for split_index, num_samples in enumerate(train_valid_test_num_samples):
-        if len(prefixes) == 1:
+        if len(data_path) == 1:  # one prefix without a weight; "1.0 PREFIX" is a blend of one, as in Megatron-LM
             datasets.append(gpt_dataset(0, split_index, num_samples))
             continue
-        parts = [(gpt_dataset(k, split_index, int(math.ceil(num_samples * w * _BLEND_SAMPLE_MARGIN))), w)
-                 for k, w in enumerate(weights) if w > 0]
-        # A corpus too small to have documents in this split drops out of this split's blend.
-        parts = [(dataset, w) for dataset, w in parts if dataset is not None]
+        # A corpus with weight 0, or too small to have documents in this split, drops out of this
+        # split's blend and the others share its weight (where Megatron-LM would stop with an error).
+        parts = [k for k, w in enumerate(weights)
+                 if w > 0 and boundaries[k][split_index + 1] > boundaries[k][split_index]]
         if not parts or num_samples <= 0:
             datasets.append(None)
             continue
-        datasets.append(BlendedDataset([d for d, _ in parts], [w for _, w in parts], num_samples,
-                                       cache_dir=cache_dir(prefixes[0]), is_builder_rank=is_builder_rank,
-                                       cache_wait_timeout_s=cache_wait_timeout_s))
+        part_weights = [weights[k] for k in parts]
+        if len(parts) < len(weights):
+            part_weights = normalize(part_weights)
+        shares, built = blended_sample_counts(num_samples, part_weights)
+        datasets.append(BlendedDataset([gpt_dataset(k, split_index, n) for k, n in zip(parts, built)], part_weights,
+                                       sum(shares), cache_dir=cache_dir(prefixes[0]),
+                                       is_builder_rank=is_builder_rank, cache_wait_timeout_s=cache_wait_timeout_s))
     return tuple(datasets)

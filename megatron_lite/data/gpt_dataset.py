@@ -43,12 +43,15 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
     """Rows (document-index position, offset) of each sample start, plus the end of the last sample.
 
     Sample s starts at token s * seq_length of the concatenated documents; a sample that ends
-    exactly on a document's last token points at that token, not at the next document.
+    exactly on a document's last token points at that token, not at the next document. Empty
+    documents hold no token, so no boundary falls in one, except that sample 0 starts at row
+    (0, 0) even when the first documents are empty, as in Megatron-LM's ``build_sample_idx``.
     """
     lengths = sequence_lengths[document_index].astype(np.int64)
     ends = np.cumsum(lengths)
     starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
     position = np.searchsorted(ends, starts, side="right")  # first document ending after the token
+    position[0] = 0
     offset = starts - (ends[position] - lengths[position])
     return np.stack([position, offset], axis=1)
 

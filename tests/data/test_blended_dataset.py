@@ -1,9 +1,49 @@
+import math
+
 import numpy as np
 import pytest
 
 from megatron_lite.data import build_train_valid_test_datasets
 from megatron_lite.data.blended_dataset import build_blending_indices
+from megatron_lite.data.dataset_builder import blended_sample_counts
 from tests.data.test_gpt_dataset import write_corpus
+
+
+def megatron_size_per_dataset(weights, target_size, surplus):
+    """Megatron-LM's _get_size_per_split_per_dataset for one split."""
+    return [int(math.ceil(math.ceil(target_size * weight) * (1 + surplus))) for weight in weights]
+
+
+def test_blend_sizes_follow_megatron():
+    """Each dataset builds ceil(ceil(N * w) * 1.005) samples; the blend is the sum of ceil(N * w) long."""
+    assert blended_sample_counts(1000, [1 / 3, 2 / 3]) == ([334, 667], [336, 671])
+    for num_samples in [1, 7, 100, 1000, 12_345, 10**7]:
+        for weights in [[1 / 3, 2 / 3], [0.3, 0.7], [0.2, 0.3, 0.5], [0.01, 0.99], [1.0]]:
+            shares, built = blended_sample_counts(num_samples, weights)
+            assert shares == megatron_size_per_dataset(weights, num_samples, 0.0)
+            assert built == megatron_size_per_dataset(weights, num_samples, 0.005)
+
+
+def test_blended_length_is_the_sum_of_the_shares_and_the_margin_can_add_an_epoch(tmp_path):
+    # 1,341 tokens of 4-token samples: one epoch holds exactly 335 samples, and dataset a owes
+    # ceil(ceil(1000 / 3) * 1.005) = 336, so it needs a second epoch (ceil(1000 / 3 * 1.005) = 335 would not).
+    a = write_corpus(tmp_path / "a", [20] * 66 + [21])
+    b = write_corpus(tmp_path / "b", [30] * 300, first_token=1_000_000)
+    train, _, _ = build_train_valid_test_datasets(data_path=["1", a, "2", b], split="1", seq_length=4, seed=7,
+                                                  train_valid_test_num_samples=(1000, 0, 0))
+    assert len(train) == 1001 and len(train.dataset_index) == 1001
+    assert len(train.datasets[0].document_index) == 2 * 67
+    counts = np.bincount(train.dataset_index)
+    assert counts.tolist() == [334, 667]
+    np.testing.assert_array_equal((train.dataset_index, train.dataset_sample_index),
+                                  build_blending_indices([1 / 3, 2 / 3], 1001))
+    # One weighted prefix is a blend of one (as in Megatron-LM): its dataset builds ceil(N * 1.005) samples.
+    single, _, _ = build_train_valid_test_datasets(data_path=["1", a], split="1", seq_length=4, seed=7,
+                                                   train_valid_test_num_samples=(334, 0, 0))
+    plain, _, _ = build_train_valid_test_datasets(data_path=[a], split="1", seq_length=4, seed=7,
+                                                  train_valid_test_num_samples=(334, 0, 0))
+    assert len(single) == 334 and len(single.datasets[0].document_index) == 2 * 67
+    assert len(plain.document_index) == 67
 
 
 @pytest.mark.parametrize("weights", [[0.3, 0.7], [0.2, 0.3, 0.5], [0.01, 0.99]])

@@ -1,4 +1,6 @@
+import functools
 import os
+import re
 import threading
 import time
 
@@ -52,10 +54,15 @@ def test_num_epochs_is_the_smallest_sufficient():
         assert epochs == 1 or ((epochs - 1) * tokens - 1) // seq < samples
 
 
-def test_sample_index_matches_megatron_loop():
+@pytest.mark.parametrize("shortest", [1, 0])
+def test_sample_index_matches_megatron_loop(shortest):
+    """Also with empty sequences (a file another tool wrote), including at the start of the document index."""
     rng = np.random.default_rng(1)
-    lengths = rng.integers(1, 40, size=300)
+    lengths = rng.integers(shortest, 40, size=300)
     document_index = rng.permutation(np.tile(np.arange(300), 2))
+    if shortest == 0:  # empty documents drawn at random, and three more leading and two trailing
+        lengths[:5] = 0
+        document_index = np.concatenate([[0, 1, 2], document_index, [3, 4]])
     for seq_length in (1, 7, 39, 40, 128):
         num_samples = (int(lengths.sum()) * 2 - 1) // seq_length
         ours = build_sample_index(lengths, document_index, seq_length, num_samples)
@@ -110,12 +117,29 @@ def test_document_index_is_deterministic_in_the_seed():
     assert np.array_equal(first, expected)
 
 
+def megatron_split_bookends(num_elements, split):
+    """Megatron-LM's parse_and_normalize_split and convert_split_vector_to_split_matrix, then the
+    builder's round(bookend * num_elements) for each split's [begin, end)."""
+    vector = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    vector = (np.array(vector + [0.0] * (3 - len(vector))) / np.sum(vector)).tolist()
+    expansion = functools.reduce(lambda a, b: a + [a[-1] + b], [[0], *vector])
+    return [(int(round(begin * float(num_elements))), int(round(end * float(num_elements))))
+            for begin, end in zip(expansion[:-1], expansion[1:])]
+
+
 def test_split_boundaries():
     assert parse_split("969,30,1") == pytest.approx([0.969, 0.030, 0.001])
     assert parse_split("98/2") == [0.98, 0.02, 0.0]
     assert split_document_boundaries(1000, parse_split("969,30,1")) == [0, 969, 999, 1000]
-    assert split_document_boundaries(10, parse_split("45,45,10")) == [0, 5, 9, 10]  # rounding slack goes to train
+    # Megatron rounds the cumulative fractions: 0.969 * 49 = 47.48 -> train [0, 47) (rounding each part gave 48).
+    assert split_document_boundaries(49, parse_split("969,30,1")) == [0, 47, 49, 49]
+    assert split_document_boundaries(10, parse_split("45,45,10")) == [0, 4, 9, 10]  # 4.5 rounds half to even
     assert split_document_boundaries(7, parse_split("1")) == [0, 7, 7, 7]
+    for split in ["969,30,1", "98,2", "80,15,5", "1,1,1", "45,45,10", "90,5,5", "2,1", "0.7,0.2,0.1", "1,0,1"]:
+        for num_documents in range(1, 400):
+            ours = split_document_boundaries(num_documents, parse_split(split))
+            assert list(zip(ours[:-1], ours[1:])) == megatron_split_bookends(num_documents, split), (split,
+                                                                                                    num_documents)
     for bad in ["a,b", "1,2,3,4", "0,0,0", "-1,2"]:
         with pytest.raises(ValueError, match="--split"):
             parse_split(bad)
@@ -133,6 +157,20 @@ def test_splits_use_disjoint_document_ranges(corpus):
     train, valid, test = build_train_valid_test_datasets(data_path=[prefix], split="100,0,0", seq_length=8, seed=1,
                                                          train_valid_test_num_samples=(10, 10, 10))
     assert train is not None and valid is None and test is None
+
+
+def test_split_counts_sequences_so_empty_documents_take_no_share(tmp_path):
+    """49 non-empty documents and 3 empty ones (no sequence): --split 969,30,1 gives train the first 47."""
+    with IndexedDatasetBuilder(f"{tmp_path / 'c'}.bin", np.int32) as builder:
+        for document in range(52):
+            builder.add_document([] if document in (0, 20, 51) else np.full(10, document))
+        builder.finalize(f"{tmp_path / 'c'}.idx")
+    train, valid, test = build_train_valid_test_datasets(data_path=[str(tmp_path / "c")], split="969,30,1",
+                                                         seq_length=8, seed=1, train_valid_test_num_samples=(50, 2, 1))
+    assert sorted(set(train.document_index.tolist())) == list(range(47)) and test is None
+    assert sorted(set(valid.document_index.tolist())) == [47, 48]
+    assert sorted(set(np.concatenate([train[i]["tokens"] for i in range(len(train))]).tolist())) == sorted(
+        set(range(1, 49)) - {20})  # sequences 47 and 48 (valid) are documents 49 and 50
 
 
 def test_indices_are_cached_and_loaded_by_other_ranks(corpus, tmp_path):
