@@ -4,6 +4,14 @@ Text is split into chunks by GPT-2's pre-tokenisation pattern; each chunk's UTF-
 bytes are mapped to printable characters (so merges never see raw control bytes),
 then adjacent symbols are merged greedily by rank from ``merges.txt`` until no
 ranked pair is left, and the resulting strings are looked up in ``vocab.json``.
+
+Special tokens are never matched in the text: a literal ``<|endoftext|>`` written inside a
+document becomes ordinary BPE pieces (``<``, ``|``, ...), as in Megatron-LM's legacy GPT-2
+tokenizer (``megatron/training/tokenizer/gpt2_tokenization.py``, before Megatron-Core 0.17), so
+the only EOD ids are those ``--append-eod`` adds. A Hugging Face tokenizer that registers the
+token as special (transformers' ``GPT2TokenizerFast``, which Megatron-LM's ``GPT2BPETokenizer``
+wraps since 0.17, or a ``tokenizer.json`` used with ``--tokenizer-type HuggingFaceTokenizer``)
+turns the literal into the EOD id instead, so a corpus containing it tokenizes differently there.
 """
 from __future__ import annotations
 

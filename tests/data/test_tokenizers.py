@@ -93,6 +93,25 @@ def test_gpt2_bpe_matches_huggingface_on_a_vocab_trained_by_huggingface(tmp_path
     assert [ours.tokenize(t) for t in texts] == [e.ids for e in reference.encode_batch(texts)]
 
 
+def test_literal_endoftext_in_a_document_is_ordinary_pieces_not_eod(tmp_path, bpe_files):
+    """As Megatron-LM's legacy GPT-2 tokenizer: only --append-eod adds EOD. Hugging Face tokenizers
+    that register <|endoftext|> as special (transformers' GPT2TokenizerFast, a tokenizer.json) map it to EOD."""
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_files[0], merge_file=bpe_files[1])
+    text = f"first document{EOD_TOKEN}second"
+    ids = ours.tokenize(text)
+    assert ours.eod not in ids and ours.detokenize(ids) == text
+    assert ids == hf_byte_level_bpe(*bpe_files).encode(text).ids  # byte-level BPE with no special tokens
+    assert "".join(ours.decoder[i] for i in ids[len(ours.tokenize("first document")):]).startswith("<|")
+
+    as_eod = ours.tokenize("first document") + [ours.eod] + ours.tokenize("second")
+    with_special = hf_byte_level_bpe(*bpe_files)
+    with_special.add_special_tokens([EOD_TOKEN])
+    with_special.save(str(tmp_path / "tokenizer.json"))
+    assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path)).tokenize(text) == as_eod
+    transformers = pytest.importorskip("transformers")
+    assert transformers.GPT2TokenizerFast(*bpe_files)(text).input_ids == as_eod
+
+
 def test_mismatched_vocab_and_merges_are_reported(tmp_path, bpe_files):
     original = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_files[0], merge_file=bpe_files[1])
     first_merged = original.decoder[256]
