@@ -110,7 +110,8 @@ def build_train_valid_test_datasets(*, data_path: list[str], split: str, seq_len
             datasets.append(gpt_dataset(0, split_index, num_samples))
             continue
         # A corpus with weight 0, or too small to have documents in this split, drops out of this
-        # split's blend and the others share its weight (where Megatron-LM would stop with an error).
+        # split's blend and the others share its weight (Megatron-LM refuses a zero weight and cannot
+        # build a split without documents, so it has no rule to follow here).
         parts = [k for k, w in enumerate(weights)
                  if w > 0 and boundaries[k][split_index + 1] > boundaries[k][split_index]]
         if not parts or num_samples <= 0:
