@@ -26,9 +26,21 @@ def test_megatron_flags_parse():
     assert config.training.num_microbatches(data_parallel_size=2) == 4
 
 
-def test_unknown_flag_is_an_error():
-    with pytest.raises(SystemExit):
-        parse_args(BASE + ["--tensor-parallel-size", "2"])
+@pytest.mark.parametrize("flag, nearest", [("--tensor-parallel-size", "--tensor-model-parallel-size"),
+                                           ("--num-layer", "--num-layers"), ("--micro-batch", "--micro-batch-size")])
+def test_unknown_flag_names_the_nearest_known_one(flag, nearest):
+    with pytest.raises(ConfigError, match=f"unrecognized argument {flag} \\(did you mean {nearest}\\?\\)"):
+        parse_args(BASE + [flag, "2"])
+
+
+def test_unknown_flag_without_a_near_one_points_at_help():
+    with pytest.raises(ConfigError, match="unrecognized argument --colour-scheme; see --help"):
+        parse_args(BASE + ["--colour-scheme", "dark"])
+
+
+def test_a_missing_vocabulary_names_the_tokenizer_flags():
+    with pytest.raises(ConfigError, match="no vocabulary: give --tokenizer-type and its files"):
+        parse_args(BASE[:8] + BASE[10:])  # without --vocab-size 100
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -69,7 +69,7 @@ def test_a_failing_dataset_builder_fails_every_rank(tmp_path):
     results = run_distributed(_build_datasets_from_a_missing_prefix, 2, args=(str(tmp_path / "missing"),),
                               timeout=60)
     assert results[0] is not None and "missing" in results[0][1]
-    assert results[1] == ("RuntimeError", "rank 0 failed to build the datasets; its error says why.")
+    assert results[1] == ("FailedOnAnotherRank", "rank 0 failed to build the datasets; its error message says why.")
 
 
 class _Optimizer:

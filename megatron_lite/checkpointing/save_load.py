@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups import failures
 from megatron_lite.checkpointing import rng, storage
 from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTensor, has_vocab_rows, index_of,
                                                     local_shard, merge_index)
@@ -360,8 +360,7 @@ def _reseed(config, parallel_state, iteration: int) -> None:
 
 def _collectively(fn, what: str, path: str):
     """Run ``fn`` on every rank; if any rank fails, every rank raises (none is left waiting)."""
-    return collectives.run_on_every_rank(fn, lambda failed_rank: CheckpointError(
-        f"rank {failed_rank} failed to {what} the checkpoint at {path}; its error message says why."))
+    return failures.run_on_every_rank(fn, f"{what} the checkpoint at {path}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,12 +25,14 @@ import safetensors
 import safetensors.torch
 import torch
 
+from megatron_lite.config import UserError
+
 FORMAT_VERSION = "megatron_lite-checkpoint/1"
 METADATA_FILE = "metadata.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, unsafe or incompatible; the message says which and why."""
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import typing
 
 from megatron_lite.config import SECTIONS, Config, ConfigError, ModelConfig
@@ -36,9 +37,33 @@ def _default_text(f: dataclasses.Field) -> str | None:
     return f"(default: {f.default})"
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing the usage block and exiting.
+
+    Under torchrun every rank parses the flags; the usage block from each of them would
+    bury the one line that says what is wrong. An unknown flag names its nearest known one.
+    """
+
+    def error(self, message: str):
+        raise ConfigError(f"{message}; see --help.")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            raise ConfigError("; ".join(self._unknown_flag_message(flag) for flag in unknown
+                                        if flag.startswith("-")) or f"unexpected arguments: {' '.join(unknown)}")
+        return parsed
+
+    def _unknown_flag_message(self, flag: str) -> str:
+        name = flag.split("=", 1)[0]
+        nearest = difflib.get_close_matches(name, list(self._option_string_actions), n=1, cutoff=0.75)
+        hint = f" (did you mean {nearest[0]}?)" if nearest else "; see --help for the flags megatron_lite knows"
+        return f"unrecognized argument {name}{hint}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_lite.pretrain_gpt", allow_abbrev=False,
-                                     description="Pretrain a GPT model with tensor, pipeline and data parallelism.")
+    parser = ArgumentParser(prog="python -m megatron_lite.pretrain_gpt", allow_abbrev=False,
+                            description="Pretrain a GPT model with tensor, pipeline and data parallelism.")
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         hints = typing.get_type_hints(cls)
@@ -75,6 +100,10 @@ def config_from_dict(values: dict) -> Config:
         sections[section] = {k: v for k, v in values.items() if k in names}
     if "vocab_size" not in sections["model"] and values.get("tokenizer_type"):
         sections["model"]["vocab_size"] = _tokenizer_vocab_size(values)
+    if "vocab_size" not in sections["model"]:
+        raise ConfigError("no vocabulary: give --tokenizer-type and its files (e.g. --tokenizer-type GPT2BPETokenizer "
+                          "--vocab-file vocab.json --merge-file merges.txt, or SentencePieceTokenizer / "
+                          "HuggingFaceTokenizer with --tokenizer-model), or --vocab-size N for --mock-data.")
     missing = [_flag(f.name) for f in dataclasses.fields(ModelConfig)
                if f.default is dataclasses.MISSING and f.name not in sections["model"]]
     if missing:

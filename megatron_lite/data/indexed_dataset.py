@@ -14,6 +14,8 @@ import struct
 
 import numpy as np
 
+from megatron_lite.config import UserError
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 HEADER_SIZE = len(INDEX_MAGIC) + 8 + 1 + 8 + 8  # = 34
@@ -22,7 +24,7 @@ DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6
 _CODE_OF_DTYPE = {np.dtype(dtype): code for code, dtype in DTYPE_CODES.items()}
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(UserError, ValueError):
     """A ``.bin``/``.idx`` pair is missing, truncated, corrupt, or the two files do not belong together."""
 
 

@@ -22,12 +22,13 @@ from typing import Optional, TextIO
 
 import numpy as np
 
+from megatron_lite.config import UserError
 from megatron_lite.data.indexed_dataset import (IndexedDatasetBuilder, best_fitting_dtype, data_file_path,
                                                 index_file_path)
 from megatron_lite.tokenizer import build_tokenizer
 
 
-class PreprocessError(RuntimeError):
+class PreprocessError(UserError, RuntimeError):
     """The input cannot be preprocessed (with ``strict``, any bad line)."""
 
 

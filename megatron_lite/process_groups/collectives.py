@@ -159,28 +159,3 @@ def batch_isend_irecv(ops: list) -> list:
     for op in ops:
         _record("send" if op.op in (dist.isend, dist.send) else "recv", op.group, op.tensor)
     return dist.batch_isend_irecv(ops)
-
-
-def run_on_every_rank(fn, error_elsewhere):
-    """Run ``fn`` on every rank of the world; if any rank raises, every rank raises.
-
-    A rank that fails alone would leave the others waiting in their next collective
-    until a timeout. Here the failing rank re-raises its own error and the others raise
-    ``error_elsewhere(failed_rank)``. One all-reduce, also when nothing fails.
-    """
-    error, result = None, None
-    try:
-        result = fn()
-    except Exception as caught:  # noqa: BLE001 - re-raised below, after the ranks agree
-        error = caught
-    failed_rank = -1 if error is None else 0
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        failed = torch.tensor([dist.get_rank() + 1 if error is not None else 0],
-                              device=reduction_device([dist.group.WORLD]))
-        all_reduce(failed, dist.group.WORLD, op=dist.ReduceOp.MAX)
-        failed_rank = int(failed.item()) - 1
-    if error is not None:
-        raise error
-    if failed_rank >= 0:
-        raise error_elsewhere(failed_rank)
-    return result

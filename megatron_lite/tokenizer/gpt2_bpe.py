@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 
+from megatron_lite.config import ConfigError
+
 import regex
 
 EOD_TOKEN = "<|endoftext|>"
@@ -91,9 +93,12 @@ class GPT2BPETokenizer:
 
     def __init__(self, vocab_file: str, merge_file: str):
         for flag, path in [("--vocab-file", vocab_file), ("--merge-file", merge_file)]:
-            if not path or not os.path.isfile(path):
-                raise FileNotFoundError(f"GPT2BPETokenizer needs {flag}: {path!r} is not a file. "
-                                        "Train one with tools/train_tokenizer.py or run tools/build_demo_data.py.")
+            if not path:
+                raise ConfigError("--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file "
+                                  "(merges.txt); train them with tools/train_tokenizer.py.")
+            if not os.path.isfile(path):
+                raise ConfigError(f"{flag} {path}: no such file. Give the vocab.json / merges.txt of a GPT-2 BPE, "
+                                  "or train them with tools/train_tokenizer.py.")
         with open(vocab_file, encoding="utf-8") as f:
             self.encoder: dict[str, int] = json.load(f)
         self.decoder = {i: token for token, i in self.encoder.items()}
@@ -101,7 +106,8 @@ class GPT2BPETokenizer:
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
         if EOD_TOKEN not in self.encoder:
-            raise ValueError(f"{vocab_file} has no {EOD_TOKEN!r} token; GPT2BPETokenizer uses it as end of document.")
+            raise ConfigError(f"--vocab-file {vocab_file} has no {EOD_TOKEN!r} token; GPT2BPETokenizer uses it as "
+                              "end of document.")
         self.eod = self.encoder[EOD_TOKEN]
         self.pad = self.eod  # GPT-2 has no pad token; padded positions are masked out anyway
         self._cache: dict[str, list[int]] = {}

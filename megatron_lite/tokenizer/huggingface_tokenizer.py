@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+from megatron_lite.config import ConfigError
+
 # End-of-document markers used by common model families, in the order we look for them.
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 _PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>")
@@ -12,7 +14,7 @@ def _import_tokenizers():
     try:
         import tokenizers
     except ImportError:
-        raise ImportError("--tokenizer-type HuggingFaceTokenizer needs the `tokenizers` package: "
+        raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs the `tokenizers` package: "
                           "pip install tokenizers") from None
     return tokenizers
 
@@ -25,13 +27,13 @@ class HuggingFaceTokenizer:
         if path and os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
         if not path or not os.path.isfile(path):
-            raise FileNotFoundError(f"HuggingFaceTokenizer needs --tokenizer-model pointing at a tokenizer.json "
-                                    f"(or its directory); {tokenizer_model!r} has none.")
+            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model pointing at a "
+                              f"tokenizer.json (or its directory); {tokenizer_model!r} has none.")
         self._tokenizer = _import_tokenizers().Tokenizer.from_file(path)
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         eod = next((vocab[t] for t in _EOD_CANDIDATES if t in vocab), None)
         if eod is None:
-            raise ValueError(f"{path} has none of the end-of-document tokens {_EOD_CANDIDATES}; add one as a "
+            raise ConfigError(f"{path} has none of the end-of-document tokens {_EOD_CANDIDATES}; add one as a "
                              "special token.")
         self.eod = eod
         self.pad = next((vocab[t] for t in _PAD_CANDIDATES if t in vocab), eod)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
+from megatron_lite.config import ConfigError
+
 import sentencepiece
 
 
@@ -12,12 +14,12 @@ class SentencePieceTokenizer:
 
     def __init__(self, tokenizer_model: str):
         if not tokenizer_model or not os.path.isfile(tokenizer_model):
-            raise FileNotFoundError(f"SentencePieceTokenizer needs --tokenizer-model: {tokenizer_model!r} is not a "
-                                    "file. Train one with tools/train_tokenizer.py --tokenizer-type "
-                                    "SentencePieceTokenizer.")
+            raise ConfigError(f"--tokenizer-type SentencePieceTokenizer needs --tokenizer-model, a .model file; "
+                              f"{tokenizer_model!r} is not a file. Train one with tools/train_tokenizer.py "
+                              "--tokenizer-type SentencePieceTokenizer.")
         self._processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
         if self._processor.eos_id() < 0:
-            raise ValueError(f"{tokenizer_model} has no eos piece; SentencePieceTokenizer uses it as end of document.")
+            raise ConfigError(f"{tokenizer_model} has no eos piece; SentencePieceTokenizer uses it as end of document.")
         self.eod = self._processor.eos_id()
         self.pad = self._processor.pad_id() if self._processor.pad_id() >= 0 else self.eod
 

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from megatron_lite.config import Config
 from megatron_lite.data import MockGPTDataset, build_pretraining_data_loader, build_train_valid_test_datasets
-from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups import failures
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.tokenizer import build_tokenizer
 
@@ -53,9 +53,9 @@ def _build_datasets(config: Config, num_samples: tuple):
                   train_valid_test_num_samples=num_samples, data_cache_path=data.data_cache_path)
     # One rank builds the sample indices and caches them; the others then load the cache. If the
     # builder fails (a bad --data-path), every rank raises instead of waiting for its cache.
-    datasets = collectives.run_on_every_rank(
+    datasets = failures.run_on_every_rank(
         lambda: build_train_valid_test_datasets(is_builder_rank=True, **kwargs) if is_builder else None,
-        lambda failed_rank: RuntimeError(f"rank {failed_rank} failed to build the datasets; its error says why."))
+        "build the datasets")
     if not is_builder:
         datasets = build_train_valid_test_datasets(is_builder_rank=False, **kwargs)
     return datasets

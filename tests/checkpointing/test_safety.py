@@ -12,6 +12,7 @@ import torch.multiprocessing as multiprocessing
 
 from megatron_lite.checkpointing import CheckpointError, storage
 from megatron_lite.config import ConfigError
+from megatron_lite.process_groups.failures import FailedOnAnotherRank
 from megatron_lite.training.loop import pretrain
 import tests.distributed  # noqa: F401 - configures the forkserver to preload torch
 from tests.checkpointing.common import tiny_config, train
@@ -200,8 +201,8 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, point):
 def _load_and_report(rank, world_size, root):
     try:
         _load(root)
-    except CheckpointError as error:
-        return str(error)
+    except (CheckpointError, FailedOnAnotherRank) as error:
+        return type(error).__name__, str(error)
     return None
 
 
@@ -213,8 +214,9 @@ def test_a_bad_file_on_one_rank_fails_every_rank(tmp_path):
     path = os.path.join(storage.checkpoint_dir(root, 2), "rank_00001.safetensors")
     _flip_a_byte(path)
     own_error, other_error = run_distributed(_load_and_report, 2, args=(root,))[::-1]
-    assert "rank_00001.safetensors does not match its SHA-256" in own_error
-    assert other_error.startswith("rank 1 failed to load the checkpoint at ")
+    assert own_error[0] == "CheckpointError" and "rank_00001.safetensors does not match its SHA-256" in own_error[1]
+    assert other_error[0] == "FailedOnAnotherRank"
+    assert other_error[1].startswith("rank 1 failed to load the checkpoint at ")
 
 
 def test_position_table_size_is_checked_only_for_learned_positions():

@@ -3,6 +3,7 @@ import json
 import numpy as np
 import pytest
 
+from megatron_lite.config import ConfigError
 from megatron_lite.tokenizer import build_tokenizer
 from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe
 from megatron_lite.tokenizer.gpt2_bpe import EOD_TOKEN, PRETOKENIZE_PATTERN, bpe_merge, bytes_to_unicode
@@ -155,9 +156,9 @@ def test_null_tokenizer():
 def test_build_tokenizer_errors_name_the_flag(tmp_path):
     with pytest.raises(ValueError, match="--tokenizer-type must be one of"):
         build_tokenizer("GPT3Tokenizer")
-    with pytest.raises(FileNotFoundError, match="--vocab-file"):
+    with pytest.raises(ConfigError, match="--vocab-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "missing.json"), merge_file=None)
-    with pytest.raises(FileNotFoundError, match="--tokenizer-model"):
+    with pytest.raises(ConfigError, match="--tokenizer-model"):
         build_tokenizer("SentencePieceTokenizer")
     with pytest.raises(ValueError, match="--vocab-size"):
         build_tokenizer("NullTokenizer")
