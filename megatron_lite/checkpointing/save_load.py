@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import warnings
 
 import torch
@@ -231,9 +232,10 @@ def load_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
     root = config.checkpoint.load
     iteration = _collectively(lambda: storage.read_latest_iteration(root), "open", root)
     if iteration is None:
-        if parallel_state.rank == 0:
-            print(f" no checkpoint found in --load {root} ({storage.TRACKER_FILE} is missing): "
-                  f"starting from scratch", flush=True)
+        if parallel_state.rank == 0:  # Megatron's resume-or-start, which launch scripts rely on: say it loudly
+            print(f" WARNING: no checkpoint in --load {root} ({storage.TRACKER_FILE} is missing): TRAINING STARTS "
+                  "FROM RANDOM WEIGHTS. If you meant to resume or fine-tune, check the path (--finetune makes "
+                  "a missing checkpoint an error).", file=sys.stderr, flush=True)
         return None
     directory = storage.checkpoint_dir(root, iteration)
     result = _collectively(lambda: _load_local(config, parallel_state, model_chunks, optimizer, scheduler, directory),
@@ -271,7 +273,8 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
     elif optimizer is not None:
         _main_params_from_weights(optimizer, {name: p for _, name, p in params})
     if scheduler is not None and not weights_only and metadata["scheduler"] is not None:
-        scheduler.load_state_dict(metadata["scheduler"])
+        scheduler.load_state_dict(metadata["scheduler"], override=config.optimizer.override_opt_param_scheduler,
+                                  use_checkpoint=config.optimizer.use_checkpoint_opt_param_scheduler)
     if load_rng:
         tensors = {name: reader.read_stored(own_file, name) for name in reader.stored_names(own_file)
                    if name.startswith(rng.PREFIX)}

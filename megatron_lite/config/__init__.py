@@ -206,6 +206,8 @@ class OptimizerConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     optimizer_cpu_offload: bool = False
+    override_opt_param_scheduler: bool = False  # on resume, this run's LR schedule replaces the checkpoint's
+    use_checkpoint_opt_param_scheduler: bool = False  # on resume, the checkpoint's LR schedule replaces this run's
 
     def __post_init__(self) -> None:
         _require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, got {self.optimizer!r}.")

@@ -18,6 +18,9 @@ from megatron_lite.config import SECTIONS, Config, ConfigError, ModelConfig
 NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "use_fused_kernels": "--no-fused-kernels",
                   "log_memory": "--no-log-memory"}
 LIST_FIELDS = {"data_path"}
+# Megatron-LM spells these two with an underscore inside; both spellings are accepted.
+MEGATRON_SPELLINGS = {"override_opt_param_scheduler": "--override-opt_param-scheduler",
+                      "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler"}
 
 
 def _flag(name: str) -> str:
@@ -75,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
             elif kind is bool and f.default is True:
                 group.add_argument(NEGATIVE_FLAGS[f.name], action="store_false", **common)
             elif kind is bool:
-                group.add_argument(_flag(f.name), action="store_true", **common)
+                spellings = [MEGATRON_SPELLINGS[f.name]] if f.name in MEGATRON_SPELLINGS else []
+                group.add_argument(*spellings, _flag(f.name), action="store_true", **common)
             else:
                 group.add_argument(_flag(f.name), type=kind, **common)
     parser.add_argument("--group-query-attention", action="store_true",

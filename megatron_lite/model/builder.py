@@ -7,13 +7,15 @@ builds the same global model.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from megatron_lite.config import Config
+from megatron_lite.config import Config, ParallelConfig
 from megatron_lite.model.gpt_model import GPTModel
 from megatron_lite.model.weight_init import initialize_weights
 from megatron_lite.pipeline_parallel.layer_split import get_layer_numbers
-from megatron_lite.process_groups.parallel_state import ParallelState
+from megatron_lite.process_groups.parallel_state import ParallelState, mock_parallel_state
 
 
 def build_model_chunk(config: Config, parallel_state: ParallelState, *, pipeline_rank: int,
@@ -49,3 +51,12 @@ def build_model(config: Config, parallel_state: ParallelState) -> list[GPTModel]
 def current_device() -> torch.device:
     """This process's GPU when there is one (initialize_distributed set it), else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def count_parameters(config: Config) -> int:
+    """Parameters of the whole model (one stage, no tensor parallelism), built on the meta device
+    so nothing is allocated; a tied output layer counts once."""
+    whole = dataclasses.replace(config, parallel=ParallelConfig())
+    with torch.device("meta"):
+        model = build_model_chunk(whole, mock_parallel_state(0, 1), pipeline_rank=0)
+    return sum(p.numel() for p in model.parameters())

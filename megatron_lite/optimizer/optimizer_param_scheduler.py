@@ -134,13 +134,28 @@ class OptimizerParamScheduler:
         state["num_steps"] = self.num_steps
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Resume at the checkpoint's step; the schedule itself must be the one this run was given."""
-        for name, flag in _SCHEDULE_FIELDS.items():
-            if state_dict[name] != getattr(self, name):
-                raise ConfigError(
-                    f"the checkpoint's learning-rate schedule has {name}={state_dict[name]!r} but this run has "
-                    f"{getattr(self, name)!r}: resume with the checkpoint's {flag}, or start a new run.")
+    def load_state_dict(self, state_dict: dict, *, override: bool = False, use_checkpoint: bool = False) -> None:
+        """Resume at the checkpoint's step. As in Megatron-LM the schedule must be the one this run was
+        given, unless ``override`` (--override-opt_param-scheduler: keep this run's values, e.g. to
+        extend a run) or ``use_checkpoint`` (--use-checkpoint-opt_param-scheduler: take the checkpoint's)."""
+        if override and use_checkpoint:
+            raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
+                              "each other: keep this run's schedule or the checkpoint's, not both.")
+        if use_checkpoint:
+            for name in _SCHEDULE_FIELDS:
+                setattr(self, name, state_dict[name])
+        elif not override:
+            self._check_same_schedule(state_dict)
         self.num_steps = int(state_dict["num_steps"])
         self.step(increment=0)
+
+    def _check_same_schedule(self, state_dict: dict) -> None:
+        differences = [f"{flag} (checkpoint {state_dict[name]!r}, this run {getattr(self, name)!r})"
+                       for name, flag in _SCHEDULE_FIELDS.items() if state_dict[name] != getattr(self, name)]
+        if differences:
+            raise ConfigError(
+                f"the checkpoint's learning-rate schedule differs from this run's: {'; '.join(differences)}. "
+                "Add --override-opt_param-scheduler to continue with this run's schedule (e.g. to extend "
+                "--train-iters), --use-checkpoint-opt_param-scheduler to keep the checkpoint's, or give the "
+                "checkpoint's values.")
 

@@ -12,7 +12,9 @@ process with "terminate called without an active exception").
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ from megatron_lite.process_groups import collectives
 USER_ERROR_EXIT_CODE = 2
 BUG_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+QUIET_RANK_EXIT_DELAY_S = 1.0
 
 
 class FailedOnAnotherRank(RuntimeError):
@@ -83,7 +86,10 @@ def run_command(body, *args) -> int:
     try:
         body(*args)
         return 0
-    except FailedOnAnotherRank as error:  # the failing rank reports it
+    except FailedOnAnotherRank as error:
+        # The failing rank reports it. Leave after it, so that torchrun names that rank as the root cause
+        # rather than a quiet one, and its message is out before the launcher stops the job.
+        time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return USER_ERROR_EXIT_CODE if error.user_error else BUG_EXIT_CODE
     except UserError as error:
         # Raised alone (run_on_every_rank picked this rank), or by every rank alike: rank 0 speaks for them.
@@ -100,6 +106,16 @@ def run_command(body, *args) -> int:
 
 
 def destroy_process_groups() -> None:
-    """Tear down torch.distributed in order, so the interpreter never exits with a live group."""
-    if dist.is_available() and dist.is_initialized():
+    """Tear down torch.distributed in order, so the interpreter never exits with a live group.
+
+    A launcher stops the other ranks with SIGTERM as soon as one exits non-zero; a rank hit by it
+    in the middle of tearing down gloo's threads can abort ("terminate called without an active
+    exception"). The teardown is short, so SIGTERM waits for it.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
         dist.destroy_process_group()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

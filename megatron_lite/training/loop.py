@@ -24,11 +24,12 @@ from megatron_lite import checkpointing, kernels
 from megatron_lite.config import Config
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
-from megatron_lite.model.builder import build_model, current_device
+from megatron_lite.checkpointing.preflight import check_checkpoint_paths
+from megatron_lite.model.builder import build_model, count_parameters, current_device
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
-from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups import collectives, failures
 from megatron_lite.process_groups.initialize import initialize_distributed
 from megatron_lite.process_groups.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from megatron_lite.tensor_parallel.random import set_random_seeds
@@ -142,6 +143,8 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                                                config.parallel.pipeline_model_parallel_size,
                                                config.parallel.virtual_pipeline_model_parallel_size)
     config.training.num_microbatches(parallel_state.data_parallel_world_size)  # batch arithmetic fails here, early
+    failures.run_on_every_rank(lambda: check_checkpoint_paths(config, count_parameters(config)),
+                               "check the --save/--load directories")
     set_random_seeds(config.training.seed, parallel_state)
     kernels.configure(config.model.use_fused_kernels)
     kernels.load_extension()  # a JIT build, if one is needed, happens now rather than inside step 1

@@ -25,21 +25,26 @@ from megatron_lite.process_groups import collectives
 
 
 class DistributedSignalHandler:
-    """Context manager that records ``sig`` instead of dying, and restores the old handler on exit."""
+    """Context manager that records its signals instead of dying, and restores the old handlers on exit.
 
-    def __init__(self, sig: signal.Signals = signal.SIGTERM):
-        self.sig = sig
+    By default SIGTERM (the scheduler's) and SIGINT (Ctrl-C, which a terminal sends to every rank
+    of a torchrun job): both save the checkpoint and exit, as ``--exit-signal-handler`` promises.
+    """
+
+    def __init__(self, *signals: signal.Signals):
+        self.signals = signals or (signal.SIGTERM, signal.SIGINT)
         self._received = False
-        self._previous = None
+        self._previous = {}
 
     def __enter__(self) -> "DistributedSignalHandler":
         self._received = False
-        self._previous = signal.signal(self.sig, self._record)
+        self._previous = {sig: signal.signal(sig, self._record) for sig in self.signals}
         return self
 
     def __exit__(self, *exc_info) -> None:
-        signal.signal(self.sig, self._previous)
-        self._previous = None
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
     def _record(self, signum, frame) -> None:
         self._received = True

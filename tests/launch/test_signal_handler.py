@@ -2,6 +2,8 @@
 import os
 import signal
 
+import pytest
+
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel, mock_parallel_state
 from megatron_lite.training.signal_handler import DistributedSignalHandler
 
@@ -24,12 +26,13 @@ def test_records_the_signal_and_restores_the_previous_handler():
         signal.signal(signal.SIGUSR1, old)
 
 
-def test_default_signal_is_sigterm():
-    before = signal.getsignal(signal.SIGTERM)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_default_signals_are_sigterm_and_sigint(sig):
+    before = signal.getsignal(sig)
     with DistributedSignalHandler() as handler:
-        os.kill(os.getpid(), signal.SIGTERM)  # would end the test process without the handler
+        os.kill(os.getpid(), sig)  # would end the test process (or raise KeyboardInterrupt) without the handler
         assert handler.signals_received(SINGLE)
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(sig) is before
 
 
 def _one_rank_signalled(rank, world_size):

@@ -123,6 +123,22 @@ def test_loading_a_different_schedule_names_the_flag():
         _scheduler("cosine", max_lr=2.0).load_state_dict(state)
 
 
+def test_override_keeps_this_runs_schedule_and_use_checkpoint_takes_the_checkpoints():
+    saved = _scheduler("cosine")
+    saved.step(40)
+    longer = _scheduler("cosine", lr_decay_steps=200)
+    longer.load_state_dict(saved.state_dict(), override=True)
+    assert longer.num_steps == 40 and longer.lr_decay_steps == 200
+    fresh_longer = _scheduler("cosine", lr_decay_steps=200)
+    fresh_longer.step(40)
+    assert longer.get_lr() == fresh_longer.get_lr()
+    kept = _scheduler("cosine", lr_decay_steps=200)
+    kept.load_state_dict(saved.state_dict(), use_checkpoint=True)
+    assert kept.lr_decay_steps == saved.lr_decay_steps and kept.get_lr() == saved.get_lr()
+    with pytest.raises(ConfigError, match="contradict"):
+        kept.load_state_dict(saved.state_dict(), override=True, use_checkpoint=True)
+
+
 @pytest.mark.parametrize("overrides, flag", [
     (dict(lr_decay_style="inverse-square-root"), "--lr-decay-style"),
     (dict(min_lr=2.0), "--min-lr"),

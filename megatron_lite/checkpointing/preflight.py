@@ -1,0 +1,47 @@
+"""Checks on --save and --load made at start-up, before any compute is spent.
+
+Without them an unwritable --save fails at the first save, which without
+--save-interval is the end of the run: the whole run is lost. A --finetune whose
+--load holds nothing would quietly train from random weights.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from megatron_lite.checkpointing import storage
+from megatron_lite.checkpointing.storage import CheckpointError
+from megatron_lite.config import Config
+
+# Adam's fp32 main weight and two moments per parameter, saved beside the weights.
+OPTIMIZER_BYTES_PER_PARAMETER = 12
+
+
+def check_checkpoint_paths(config: Config, num_parameters: int) -> None:
+    """Raise CheckpointError naming the path and the fix; call on every rank (each writes its own file)."""
+    checkpoint = config.checkpoint
+    if checkpoint.save:
+        bytes_per_parameter = config.params_dtype.itemsize + OPTIMIZER_BYTES_PER_PARAMETER
+        check_save_dir(checkpoint.save, needed_bytes=num_parameters * bytes_per_parameter)
+    if checkpoint.load and checkpoint.finetune and storage.read_latest_iteration(checkpoint.load) is None:
+        raise CheckpointError(f"--finetune needs a checkpoint, but --load {checkpoint.load} holds none "
+                              f"({storage.TRACKER_FILE} is missing); point --load at the pretrained checkpoint.")
+
+
+def check_save_dir(root: str, *, needed_bytes: int) -> None:
+    """``root`` can be created and written, and its file system has room for one checkpoint."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"--save {root} is a file, not a directory; choose a directory for the checkpoints.")
+    try:
+        os.makedirs(root, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".write_test_"):
+            pass
+    except OSError as error:
+        raise CheckpointError(f"--save {root} is not writable ({error.strerror or error}); choose a directory "
+                              "this job can write, or fix its permissions.") from None
+    free = shutil.disk_usage(root).free
+    if needed_bytes > free:
+        raise CheckpointError(f"--save {root} has {free / 2**30:.1f} GiB free, but one checkpoint of this model needs "
+                              f"about {needed_bytes / 2**30:.1f} GiB (weights and optimizer state); free space or "
+                              "choose another directory.")

@@ -1,0 +1,151 @@
+"""A user's first day: every failure is one clean `error:` line, early, from one rank, and loses nothing.
+
+Each test runs the command as a user would (the CLI, under torchrun with 2 ranks where the
+ranks matter) and checks the exit code, the time to fail, that the message names the problem
+and the fix, that there is no traceback of ours and no copy of the message per rank.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
+        "--micro-batch-size", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1"]
+MOCK = TINY + ["--vocab-size", "64", "--mock-data"]
+OUR_FRAME = re.compile(r'File ".*megatron_lite/')
+
+
+def _run(args: list[str], *, ranks: int = 1, timeout: float = 120):
+    """(exit code, stdout + stderr, seconds) of pretrain_gpt run as a user would."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)] if ranks > 1
+                else [sys.executable])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    start = time.perf_counter()
+    result = subprocess.run([*launcher, "-m", "megatron_lite.pretrain_gpt", *args], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    return result.returncode, result.stdout + result.stderr, time.perf_counter() - start
+
+
+def _error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error:")]
+
+
+def _assert_one_clean_error(output: str, *fragments: str) -> None:
+    errors = _error_lines(output)
+    assert len(errors) == 1, output
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    assert not OUR_FRAME.search(output), output  # no traceback from our code, on any rank
+    assert "usage:" not in output and "failed to" not in output, output
+
+
+def test_a_mistyped_flag_under_torchrun_is_one_line_with_the_nearest_flag():
+    code, output, seconds = _run([*MOCK, "--num-layer", "2"], ranks=2)
+    assert code != 0
+    _assert_one_clean_error(output, "unrecognized argument --num-layer", "did you mean --num-layers?")
+    assert seconds < 60
+
+
+def test_missing_data_under_torchrun_is_reported_once_by_the_rank_that_found_it():
+    code, output, _ = _run([*TINY, "--vocab-size", "64", "--data-path", "/nonexistent/corpus_text_document"],
+                           ranks=2)
+    assert code != 0
+    _assert_one_clean_error(output, "/nonexistent/corpus_text_document.idx does not exist", "--data-path")
+    assert "Root Cause" in output and "rank      : 0" in output.split("Root Cause")[1]  # torchrun blames rank 0
+
+
+@pytest.mark.parametrize("save", ["/proc/megatron_lite_ckpt", "FILE/ckpt", "FILE"])
+def test_an_unwritable_save_fails_before_training(tmp_path, save):
+    (tmp_path / "FILE").write_text("a regular file")
+    save = save.replace("FILE", str(tmp_path / "FILE"))
+    code, output, seconds = _run([*MOCK, "--train-iters", "2", "--save", save])
+    assert code == 2
+    _assert_one_clean_error(output, f"--save {save}")
+    assert "iteration" not in output  # failed before the first step, not at the first save
+    assert (tmp_path / "FILE").read_text() == "a regular file"  # nothing already written is lost
+
+
+def test_a_save_that_cannot_hold_a_checkpoint_fails_before_training():
+    from megatron_lite.checkpointing.preflight import check_save_dir
+    from megatron_lite.checkpointing.storage import CheckpointError
+
+    with pytest.raises(CheckpointError, match="GiB free, but one checkpoint of this model needs"):
+        check_save_dir(REPO, needed_bytes=2**60)
+
+
+def test_finetune_from_a_missing_checkpoint_is_an_error(tmp_path):
+    missing = str(tmp_path / "no_such_ckpt")
+    code, output, _ = _run([*MOCK, "--train-iters", "1", "--load", missing, "--finetune"])
+    assert code == 2
+    _assert_one_clean_error(output, f"--load {missing} holds none", "--finetune")
+
+
+def test_load_without_a_checkpoint_starts_from_scratch_and_says_so(tmp_path):
+    code, output, _ = _run([*MOCK, "--train-iters", "1", "--load", str(tmp_path / "empty")])
+    assert code == 0, output
+    assert "TRAINING STARTS FROM RANDOM WEIGHTS" in output
+
+
+def test_missing_tokenizer_files_name_the_tokenizer_flags():
+    code, output, _ = _run([*TINY, "--mock-data", "--tokenizer-type", "GPT2BPETokenizer"])
+    assert code == 2
+    _assert_one_clean_error(output, "GPT2BPETokenizer needs --vocab-file", "--merge-file")
+    code, output, _ = _run([*TINY, "--mock-data"])
+    assert code == 2
+    _assert_one_clean_error(output, "--tokenizer-type")
+
+
+def _start(args: list[str], ranks: int):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m",
+                             "megatron_lite.pretrain_gpt", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _interrupt_after_first_iteration(process) -> str:
+    """Ctrl-C as a terminal sends it: SIGINT to every process of the job, once training runs."""
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if " iteration " in line:
+            os.killpg(process.pid, signal.SIGINT)
+            break
+    lines.extend(process.stdout)
+    process.wait(timeout=120)
+    return "".join(lines)
+
+
+def test_ctrl_c_prints_one_line_not_a_traceback_per_rank():
+    process = _start([*MOCK, "--train-iters", "100000"], ranks=2)
+    output = _interrupt_after_first_iteration(process)
+    assert output.count("interrupted (Ctrl-C)") == 1, output
+    assert "KeyboardInterrupt" not in output and not OUR_FRAME.search(output), output
+
+
+def test_ctrl_c_with_exit_signal_handler_saves_like_sigterm(tmp_path):
+    save = tmp_path / "ckpt"
+    process = _start([*MOCK, "--train-iters", "100000", "--exit-signal-handler", "--save", str(save)], ranks=2)
+    output = _interrupt_after_first_iteration(process)
+    # torchrun itself exits 1 on SIGINT whatever its workers do; the workers save and leave.
+    assert "exiting at iteration" in output and (save / "latest_checkpointed_iteration.txt").exists(), output
+    assert "KeyboardInterrupt" not in output and not OUR_FRAME.search(output), output
+
+
+def test_extending_a_run_names_the_scheduler_flags_and_they_work(tmp_path):
+    save = str(tmp_path / "ckpt")
+    code, output, _ = _run([*MOCK, "--train-iters", "2", "--lr", "1e-3", "--save", save])
+    assert code == 0, output
+    extend = [*MOCK, "--train-iters", "4", "--lr", "1e-3", "--load", save, "--save", save]
+    for attempt in range(2):  # the failing resume used to abort with SIGABRT about 1 run in 3
+        code, output, _ = _run(extend, ranks=2)
+        assert code == 1 and "terminate called" not in output and "exitcode  : -6" not in output, output
+        _assert_one_clean_error(output, "--lr-decay-iters (checkpoint 2, this run 4)",
+                                "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler")
+    code, output, _ = _run([*extend, "--override-opt_param-scheduler"])
+    assert code == 0 and "iteration        4/       4" in output, output
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "4"
