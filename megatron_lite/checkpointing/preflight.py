@@ -2,7 +2,8 @@
 
 Without them an unwritable --save fails at the first save, which without
 --save-interval is the end of the run: the whole run is lost. A --finetune whose
---load holds nothing would quietly train from random weights.
+--load holds nothing, or a --pretrained-checkpoint that holds nothing, would quietly
+train from random weights.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import shutil
 import tempfile
 
-from megatron_lite.checkpointing import storage
+from megatron_lite.checkpointing.save_load import checkpoint_to_load
 from megatron_lite.checkpointing.storage import CheckpointError
 from megatron_lite.config import Config
 
@@ -24,9 +25,7 @@ def check_checkpoint_paths(config: Config, num_parameters: int) -> None:
     if checkpoint.save:
         bytes_per_parameter = config.params_dtype.itemsize + OPTIMIZER_BYTES_PER_PARAMETER
         check_save_dir(checkpoint.save, needed_bytes=num_parameters * bytes_per_parameter)
-    if checkpoint.load and checkpoint.finetune and storage.read_latest_iteration(checkpoint.load) is None:
-        raise CheckpointError(f"--finetune needs a checkpoint, but --load {checkpoint.load} holds none "
-                              f"({storage.TRACKER_FILE} is missing); point --load at the pretrained checkpoint.")
+    checkpoint_to_load(checkpoint)  # fine-tuning from a missing checkpoint fails here, before the model is built
 
 
 def check_save_dir(root: str, *, needed_bytes: int) -> None:

@@ -31,21 +31,15 @@ import torch
 
 from megatron_lite.process_groups import failures
 from megatron_lite.checkpointing import rng, storage
+from megatron_lite.checkpointing.architecture import check_architecture
 from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTensor, has_vocab_rows, index_of,
                                                     local_shard, merge_index)
 from megatron_lite.checkpointing.storage import CheckpointError, read_metadata, resolve_checkpoint_dir
-from megatron_lite.config import Config, ConfigError
+from megatron_lite.config import CheckpointConfig, Config
 from megatron_lite.model.weight_init import TIED_WEIGHT_NAME
 from megatron_lite.tensor_parallel.random import set_random_seeds
 from megatron_lite.checkpointing.training_state import TrainingState
 
-# Model fields a checkpoint's weights depend on, with the flag that sets each.
-_ARCHITECTURE_FLAGS = {
-    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
-    "num_query_groups": "--num-query-groups", "ffn_hidden_size": "--ffn-hidden-size", "vocab_size": "--vocab-size",
-    "normalization": "--normalization", "position_embedding_type": "--position-embedding-type",
-    "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
-    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights"}
 OPTIMIZER_PREFIX = "optimizer."
 
 
@@ -218,28 +212,32 @@ def _merge_rank_indexes(staging: str, world_size: int, metadata: dict) -> None:
 
 
 def load_checkpoint(config: Config, parallel_state, model_chunks, optimizer, scheduler):
-    """Load ``--load``'s newest checkpoint into this rank's chunks, optimizer and scheduler.
+    """Load the newest checkpoint of ``--load`` (or ``--pretrained-checkpoint``) into this rank's
+    chunks, optimizer and scheduler.
 
     ``model_chunks`` may be DistributedDataParallel-wrapped or bare GPTModels;
     ``optimizer`` and ``scheduler`` may be None (inference, export).
 
     Returns the saved TrainingState (iteration 0 with --finetune), or None when
-    ``--load`` holds no checkpoint. ``--no-load-optim`` skips the optimizer state
-    (main parameters restart from the loaded weights), ``--no-load-rng`` the RNG
-    states; ``--finetune`` loads the weights only and starts at iteration 0. A
-    weights-only checkpoint (converted or imported) loads like ``--finetune``.
+    there is no checkpoint to load (``checkpoint_to_load``). ``--no-load-optim`` skips
+    the optimizer state (main parameters restart from the loaded weights),
+    ``--no-load-rng`` the RNG states; ``--finetune`` loads the weights only and starts
+    at iteration 0. A weights-only checkpoint (converted or imported) loads like
+    ``--finetune``, and so does ``--pretrained-checkpoint``.
     """
-    root = config.checkpoint.load
-    iteration = _collectively(lambda: storage.read_latest_iteration(root), "open", root)
-    if iteration is None:
+    checkpoint = config.checkpoint
+    source = _collectively(lambda: checkpoint_to_load(checkpoint), "open",
+                           checkpoint.load or checkpoint.pretrained_checkpoint)
+    if source is None:
         if parallel_state.rank == 0:  # Megatron's resume-or-start, which launch scripts rely on: say it loudly
-            print(f" WARNING: no checkpoint in --load {root} ({storage.TRACKER_FILE} is missing): TRAINING STARTS "
-                  "FROM RANDOM WEIGHTS. If you meant to resume or fine-tune, check the path (--finetune makes "
-                  "a missing checkpoint an error).", file=sys.stderr, flush=True)
+            print(f" WARNING: no checkpoint in --load {checkpoint.load} ({storage.TRACKER_FILE} is missing): "
+                  "TRAINING STARTS FROM RANDOM WEIGHTS. If you meant to resume or fine-tune, check the path "
+                  "(--finetune makes a missing checkpoint an error).", file=sys.stderr, flush=True)
         return None
+    root, iteration, finetune = source
     directory = storage.checkpoint_dir(root, iteration)
-    result = _collectively(lambda: _load_local(config, parallel_state, model_chunks, optimizer, scheduler, directory),
-                           "load", directory)
+    result = _collectively(lambda: _load_local(config, parallel_state, model_chunks, optimizer, scheduler, directory,
+                                               finetune), "load", directory)
     if result["reseed"]:
         _reseed(config, parallel_state, iteration)
     if parallel_state.rank == 0:
@@ -248,12 +246,37 @@ def load_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
     return TrainingState(**result["training_state"])
 
 
-def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, directory) -> dict:
+def checkpoint_to_load(checkpoint: CheckpointConfig) -> tuple[str, int, bool] | None:
+    """(root, iteration, finetune) of the checkpoint a run starts from, or None for a fresh start.
+
+    As Megatron-LM: ``--load`` wins when it holds a checkpoint, so a fine-tuning job
+    restarted with the same flags resumes from its own saves; otherwise
+    ``--pretrained-checkpoint`` is loaded like ``--finetune``. Fine-tuning from nothing is an
+    error: ``--pretrained-checkpoint``, or ``--finetune`` with ``--load``, must hold a checkpoint.
+    """
+    if checkpoint.load:
+        iteration = storage.read_latest_iteration(checkpoint.load)
+        if iteration is not None:
+            return checkpoint.load, iteration, checkpoint.finetune
+    if checkpoint.pretrained_checkpoint:
+        iteration = storage.read_latest_iteration(checkpoint.pretrained_checkpoint)
+        if iteration is None:
+            raise CheckpointError(f"--pretrained-checkpoint {checkpoint.pretrained_checkpoint} holds no checkpoint "
+                                  f"({storage.TRACKER_FILE} is missing): point it at a training run's --save "
+                                  f"directory or at tools/checkpoint_convert.py's --save-dir.")
+        return checkpoint.pretrained_checkpoint, iteration, True
+    if checkpoint.load and checkpoint.finetune:
+        raise CheckpointError(f"--finetune needs a checkpoint, but --load {checkpoint.load} holds none "
+                              f"({storage.TRACKER_FILE} is missing); point --load at the pretrained checkpoint.")
+    return None
+
+
+def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, directory, finetune: bool) -> dict:
     """Everything a rank does to load, without communication (so failures can be agreed on first)."""
     reader = CheckpointReader(directory)
     metadata = reader.metadata
-    check_architecture(metadata["config"]["model"], config)
-    weights_only, load_optimizer, load_rng = _what_to_load(config, parallel_state, metadata, optimizer)
+    check_architecture(metadata["config"]["model"], config.model, directory)
+    weights_only, load_optimizer, load_rng = _what_to_load(config, parallel_state, metadata, optimizer, finetune)
 
     tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
     params = [(model, name, p) for model in _unwrap(model_chunks) for name, p in model.named_parameters()]
@@ -286,9 +309,9 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
             "saved_layout": metadata["layout"]}
 
 
-def _what_to_load(config, parallel_state, metadata: dict, optimizer) -> tuple[bool, bool, bool]:
+def _what_to_load(config, parallel_state, metadata: dict, optimizer, finetune: bool) -> tuple[bool, bool, bool]:
     """(weights_only, load_optimizer, load_rng) from the flags and what the checkpoint holds."""
-    weights_only = config.checkpoint.finetune or metadata["optimizer"] is None
+    weights_only = finetune or metadata["optimizer"] is None
     load_optimizer = optimizer is not None and not weights_only and not config.checkpoint.no_load_optim
     # RNG states belong to ranks: they mean something only under the layout that saved them.
     has_rng = metadata["layout"] == layout_of(config, parallel_state) and bool(metadata["rng"])
@@ -338,18 +361,6 @@ def _main_params_from_weights(optimizer, named_params: dict) -> None:
         start, end = entry["range"]
         entry["main_param"] = named_params[name].detach().reshape(-1)[start:end].float()
     optimizer.load_state_dict(state)
-
-
-def check_architecture(saved_model: dict, config: Config) -> None:
-    """A clear error, naming the flag, when the run's model is not the checkpoint's."""
-    current = dataclasses.asdict(config.model)
-    flags = dict(_ARCHITECTURE_FLAGS)
-    if current["position_embedding_type"] == "learned_absolute":  # a weight only with learned positions
-        flags["max_position_embeddings"] = "--max-position-embeddings"
-    for field, flag in flags.items():
-        if saved_model.get(field) != current[field]:
-            raise ConfigError(f"the checkpoint was trained with {field}={saved_model.get(field)!r} but this run has "
-                              f"{current[field]!r}: set {flag} to match the checkpoint.")
 
 
 def _reseed(config, parallel_state, iteration: int) -> None:

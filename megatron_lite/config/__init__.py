@@ -29,6 +29,32 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# Fields that default to True are turned off by these flags (Megatron's spelling).
+NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "use_fused_kernels": "--no-fused-kernels",
+                  "log_memory": "--no-log-memory"}
+
+
+def flag_name(field_name: str) -> str:
+    """The command-line flag that sets a config field: ``norm_epsilon`` -> ``--norm-epsilon``."""
+    return NEGATIVE_FLAGS.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def flag_is_on(field_name: str, value: bool) -> bool:
+    """Whether a boolean field's flag is given: ``--disable-bias-linear`` is on when add_bias_linear is False."""
+    return value != (field_name in NEGATIVE_FLAGS)
+
+
+def as_flags(values: dict) -> str:
+    """Field values as the command line that sets them (switches only when on)."""
+    parts = []
+    for name, value in values.items():
+        if isinstance(value, bool):
+            parts += [flag_name(name)] if flag_is_on(name, value) else []
+        elif value is not None:
+            parts += [flag_name(name), str(value)]
+    return " ".join(parts)
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """The GPT architecture. GPT-2 and Llama are both points in this space."""
@@ -257,12 +283,23 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    pretrained_checkpoint: Optional[str] = field(default=None, metadata={"help": (
+        "checkpoint to fine-tune from, loaded like --finetune (weights only, iteration 0) when --load holds "
+        "no checkpoint of this run; a restarted job resumes from --load")})
+    use_checkpoint_args: bool = field(default=False, metadata={"help": (
+        "take the model's settings from the checkpoint to be loaded (--load, else --pretrained-checkpoint), "
+        "its vocabulary size included. Model flags given as well must agree with the checkpoint where they "
+        "change what its weights compute (an error lists those that do not; Megatron-LM overrides them "
+        "silently); --seq-length and the dropouts given override the checkpoint's; --no-fused-kernels stays "
+        "this machine's choice")})
 
     def __post_init__(self) -> None:
         _require(self.save_interval is None or self.save_interval >= 1,
                  f"--save-interval must be >= 1, got {self.save_interval}.")
         _require(self.save_interval is None or self.save is not None,
                  "--save-interval needs --save DIR to know where to write checkpoints.")
+        _require(not self.use_checkpoint_args or bool(self.load or self.pretrained_checkpoint),
+                 "--use-checkpoint-args needs --load or --pretrained-checkpoint: the checkpoint whose model to use.")
 
 
 @dataclass(kw_only=True)

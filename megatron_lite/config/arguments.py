@@ -4,6 +4,7 @@ Flags are generated from the config dataclasses' fields (``micro_batch_size`` ->
 ``--micro-batch-size``), so every option is reachable and named as in Megatron-LM.
 Booleans that default to True are switched off with Megatron's negative spelling
 (``--disable-bias-linear``, ``--no-fused-kernels``). Unknown flags are an error.
+``--use-checkpoint-args`` fills the model flags from the checkpoint to be loaded.
 """
 from __future__ import annotations
 
@@ -12,19 +13,16 @@ import dataclasses
 import difflib
 import typing
 
-from megatron_lite.config import SECTIONS, Config, ConfigError, ModelConfig
+from megatron_lite.checkpointing.architecture import model_args_from_checkpoint
+from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
+from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigError, ModelConfig, as_flags,
+                                  flag_name)
+from megatron_lite.process_groups.initialize import resolve_launch_env
 
-# Fields that default to True are turned off by these flags (Megatron's spelling).
-NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "use_fused_kernels": "--no-fused-kernels",
-                  "log_memory": "--no-log-memory"}
 LIST_FIELDS = {"data_path"}
 # Megatron-LM spells these two with an underscore inside; both spellings are accepted.
 MEGATRON_SPELLINGS = {"override_opt_param_scheduler": "--override-opt_param-scheduler",
                       "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler"}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _scalar_type(hint):
@@ -33,11 +31,12 @@ def _scalar_type(hint):
     return args[0] if args else hint
 
 
-def _default_text(f: dataclasses.Field) -> str | None:
-    """'(default: X)' for --help; required flags and derived defaults (None) say nothing."""
-    if f.default is dataclasses.MISSING or f.default is None or isinstance(f.default, bool):
-        return None
-    return f"(default: {f.default})"
+def _help_text(f: dataclasses.Field) -> str | None:
+    """The field's description and '(default: X)' for --help; required flags and derived defaults (None)
+    show no default."""
+    shown_default = not (f.default is dataclasses.MISSING or f.default is None or isinstance(f.default, bool))
+    parts = [f.metadata.get("help"), f"(default: {f.default})" if shown_default else None]
+    return " ".join(p for p in parts if p) or None
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -72,16 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             kind = _scalar_type(hints[f.name])
-            common = dict(dest=f.name, default=argparse.SUPPRESS, help=_default_text(f))
+            common = dict(dest=f.name, default=argparse.SUPPRESS, help=_help_text(f))
             if f.name in LIST_FIELDS:
-                group.add_argument(_flag(f.name), nargs="+", **common)
+                group.add_argument(flag_name(f.name), nargs="+", **common)
             elif kind is bool and f.default is True:
-                group.add_argument(NEGATIVE_FLAGS[f.name], action="store_false", **common)
+                group.add_argument(flag_name(f.name), action="store_false", **common)
             elif kind is bool:
                 spellings = [MEGATRON_SPELLINGS[f.name]] if f.name in MEGATRON_SPELLINGS else []
-                group.add_argument(*spellings, _flag(f.name), action="store_true", **common)
+                group.add_argument(*spellings, flag_name(f.name), action="store_true", **common)
             else:
-                group.add_argument(_flag(f.name), type=kind, **common)
+                group.add_argument(flag_name(f.name), type=kind, **common)
     parser.add_argument("--group-query-attention", action="store_true",
                         help="use --num-query-groups key/value heads (grouped-query attention)")
     return parser
@@ -93,23 +92,48 @@ def parse_args(argv: list[str] | None = None) -> Config:
     if "num_query_groups" in namespace and not namespace.pop("group_query_attention"):
         raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM); add the flag.")
     namespace.pop("group_query_attention", None)
+    if namespace.get("use_checkpoint_args"):
+        namespace.update(_model_args_from_checkpoint(namespace))
     return config_from_dict(namespace)
+
+
+def _model_args_from_checkpoint(values: dict) -> dict:
+    """--use-checkpoint-args: the model flags the command line leaves out, from the checkpoint the run loads.
+
+    Every rank reads the same metadata.json itself, before any process group exists, so
+    all ranks build the same model and a bad checkpoint fails before any compute.
+    """
+    source = checkpoint_to_load(CheckpointConfig(**_section(values, CheckpointConfig)))
+    if source is None:  # a first launch whose --load is still empty: the command line must give the model
+        missing = _missing_model_flags(values)
+        if missing:
+            raise ConfigError(f"--use-checkpoint-args found no checkpoint in --load {values['load']} to take the "
+                              f"model from, and {' '.join(missing)} are not given: add --pretrained-checkpoint DIR "
+                              f"(the checkpoint to start from), or give the model flags.")
+        return {}
+    root = source[0]
+    # The vocabulary size is the checkpoint's too (the tokenizer's is not consulted): it is the embedding's.
+    taken = model_args_from_checkpoint(values, read_config(root).model, root)
+    if resolve_launch_env().rank == 0:
+        print(f" --use-checkpoint-args: the model of {root}: {as_flags(taken)}", flush=True)
+    return taken
+
+
+def _section(values: dict, cls) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in values.items() if k in names}
 
 
 def config_from_dict(values: dict) -> Config:
     """Distribute flat field values into the config sections and validate them."""
-    sections = {}
-    for section, cls in SECTIONS.items():
-        names = {f.name for f in dataclasses.fields(cls)}
-        sections[section] = {k: v for k, v in values.items() if k in names}
+    sections = {section: _section(values, cls) for section, cls in SECTIONS.items()}
     if "vocab_size" not in sections["model"] and values.get("tokenizer_type"):
         sections["model"]["vocab_size"] = _tokenizer_vocab_size(values)
     if "vocab_size" not in sections["model"]:
         raise ConfigError("no vocabulary: give --tokenizer-type and its files (e.g. --tokenizer-type GPT2BPETokenizer "
                           "--vocab-file vocab.json --merge-file merges.txt, or SentencePieceTokenizer / "
                           "HuggingFaceTokenizer with --tokenizer-model), or --vocab-size N for --mock-data.")
-    missing = [_flag(f.name) for f in dataclasses.fields(ModelConfig)
-               if f.default is dataclasses.MISSING and f.name not in sections["model"]]
+    missing = _missing_model_flags(sections["model"])
     if missing:
         raise ConfigError(f"missing required model flags: {' '.join(missing)}.")
     try:
@@ -117,6 +141,11 @@ def config_from_dict(values: dict) -> Config:
     except TypeError as error:  # e.g. an unknown key in a programmatic dict
         raise ConfigError(str(error)) from None
     return Config(**built)
+
+
+def _missing_model_flags(values: dict) -> list[str]:
+    return [flag_name(f.name) for f in dataclasses.fields(ModelConfig)
+            if f.default is dataclasses.MISSING and f.name not in values]
 
 
 def _tokenizer_vocab_size(values: dict) -> int:

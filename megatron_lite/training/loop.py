@@ -153,7 +153,7 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     if config.logging.log_memory:
         print_rank_last(metrics.format_memory_report(optimizer.memory_report()))
     state = TrainingState()
-    if config.checkpoint.load:
+    if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
         state = checkpointing.load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) or state
     train_iterator, valid_iterator = build_data_iterators(config, parallel_state, state.consumed_train_samples,
                                                           state.iteration)

@@ -217,22 +217,3 @@ def test_a_bad_file_on_one_rank_fails_every_rank(tmp_path):
     assert own_error[0] == "CheckpointError" and "rank_00001.safetensors does not match its SHA-256" in own_error[1]
     assert other_error[0] == "FailedOnAnotherRank"
     assert other_error[1].startswith("rank 1 failed to load the checkpoint at ")
-
-
-def test_position_table_size_is_checked_only_for_learned_positions():
-    import dataclasses
-
-    from megatron_lite.config.arguments import parse_args
-    from megatron_lite.checkpointing.save_load import check_architecture
-
-    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-            "--vocab-size", "64", "--mock-data"]
-    saved = dataclasses.asdict(parse_args(base + ["--max-position-embeddings", "32"]).model)
-    check_architecture(saved, parse_args(base + ["--max-position-embeddings", "32"]))
-    with pytest.raises(ConfigError, match="--max-position-embeddings"):
-        check_architecture(saved, parse_args(base))
-    with pytest.raises(ConfigError, match="set --hidden-size to match"):
-        check_architecture(saved, parse_args(base + ["--max-position-embeddings", "32", "--hidden-size", "64"]))
-    rope = ["--position-embedding-type", "rope"]  # no position weights: the maximum may change
-    check_architecture(dataclasses.asdict(parse_args(base + rope + ["--max-position-embeddings", "32"]).model),
-                       parse_args(base + rope))

@@ -1,0 +1,127 @@
+"""Which model settings a checkpoint's weights depend on: the load-time check and ``--use-checkpoint-args``.
+
+Weights alone do not pin a model down. RMSNorm's epsilon or the rotary base change
+every logit without changing the shape of a single weight, so a checkpoint loaded
+into a model that differs in them trains a different model, silently (measured: an
+imported Llama fine-tuned without ``--norm-epsilon 1e-6`` starts 1e-5 relative off
+transformers' loss and drifts). So every ModelConfig field is classified once, in
+``ROLES``, and every field that changes what the weights compute must match the
+checkpoint. A field missing from ``ROLES`` counts as architecture: a wrong "checked"
+costs an error message, a wrong "not checked" a silently different model.
+
+``--use-checkpoint-args`` (Megatron-LM's flag, ``load_args_from_checkpoint``) takes
+the model from the checkpoint instead, so a fine-tuning run needs only training flags.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from megatron_lite.config import ConfigError, ModelConfig, flag_is_on, flag_name
+
+
+class Role(enum.Enum):
+    """What a ModelConfig field is to a checkpoint."""
+
+    ARCHITECTURE = "changes what the weights compute: must match the checkpoint"
+    TRAINING = "how this run trains the model: free to differ; --use-checkpoint-args takes it unless given"
+    MACHINE = "how this machine computes the same function: never taken from a checkpoint"
+
+
+ROLES = {
+    "num_layers": Role.ARCHITECTURE,
+    "hidden_size": Role.ARCHITECTURE,
+    "num_attention_heads": Role.ARCHITECTURE,
+    "num_query_groups": Role.ARCHITECTURE,
+    "ffn_hidden_size": Role.ARCHITECTURE,
+    "vocab_size": Role.ARCHITECTURE,  # the logits' width; the tokenizer must fit in it
+    "max_position_embeddings": Role.ARCHITECTURE,  # with learned positions only, see _ONLY_WITH
+    "normalization": Role.ARCHITECTURE,
+    "norm_epsilon": Role.ARCHITECTURE,
+    "position_embedding_type": Role.ARCHITECTURE,
+    "rotary_base": Role.ARCHITECTURE,  # with rope only, see _ONLY_WITH
+    "swiglu": Role.ARCHITECTURE,
+    "add_bias_linear": Role.ARCHITECTURE,
+    "untie_embeddings_and_output_weights": Role.ARCHITECTURE,
+    # Positions are bounded by max_position_embeddings; seq_length is only how long the samples are.
+    "seq_length": Role.TRAINING,
+    "hidden_dropout": Role.TRAINING,
+    "attention_dropout": Role.TRAINING,
+    "init_method_std": Role.TRAINING,  # the loaded weights replace the initial ones
+    # Padding rows are outside the logits and the loss, and loading resizes them to this run's padding.
+    "make_vocab_size_divisible_by": Role.TRAINING,
+    "use_fused_kernels": Role.MACHINE,
+}
+
+# Architecture in some models only: the position table exists with learned positions,
+# the rotary base matters with rotary ones. (field, the setting it depends on, its value)
+_ONLY_WITH = {"max_position_embeddings": ("position_embedding_type", "learned_absolute"),
+              "rotary_base": ("position_embedding_type", "rope")}
+
+
+def role(field: str) -> Role:
+    return ROLES.get(field, Role.ARCHITECTURE)
+
+
+def defines_function(field: str, model: ModelConfig) -> bool:
+    """Whether ``field`` changes what ``model``'s weights compute."""
+    if role(field) is not Role.ARCHITECTURE:
+        return False
+    if field not in _ONLY_WITH:
+        return True
+    setting, value = _ONLY_WITH[field]
+    return getattr(model, setting) == value
+
+
+def _shown(field: str, value) -> str:
+    """A value as the user sets it: booleans as whether their flag is on."""
+    if isinstance(value, bool):
+        return "on" if flag_is_on(field, value) else "off"
+    return str(value)
+
+
+def _difference(field: str, checkpoint_value, run_value) -> str:
+    return f"  {flag_name(field)}: checkpoint {_shown(field, checkpoint_value)}, this run {_shown(field, run_value)}"
+
+
+def check_architecture(saved_model: dict, model: ModelConfig, checkpoint: str) -> None:
+    """Raise one ConfigError listing every setting in which ``model`` computes something else than the
+    checkpoint's model (``saved_model``, the ``model`` section of its metadata)."""
+    saved = saved_model_config(saved_model, checkpoint)
+    differences = [_difference(f.name, getattr(saved, f.name), getattr(model, f.name))
+                   for f in dataclasses.fields(ModelConfig)
+                   if defines_function(f.name, saved) and getattr(saved, f.name) != getattr(model, f.name)]
+    if differences:
+        raise ConfigError(
+            f"this run's model differs from the checkpoint's ({checkpoint}) in {len(differences)} setting(s) "
+            f"that change what its weights compute:\n" + "\n".join(differences) +
+            "\nSet these flags to the checkpoint's values, or add --use-checkpoint-args to take the model "
+            "from the checkpoint.")
+
+
+def saved_model_config(saved_model: dict, checkpoint: str) -> ModelConfig:
+    """The checkpoint's ModelConfig; a field it predates gets its default, which is what computed it."""
+    unknown = sorted(set(saved_model) - {f.name for f in dataclasses.fields(ModelConfig)})
+    if unknown:
+        raise ConfigError(f"the checkpoint {checkpoint} was written with model settings this megatron_lite does "
+                          f"not know ({', '.join(unknown)}): it needs a newer megatron_lite.")
+    return ModelConfig(**saved_model)
+
+
+def model_args_from_checkpoint(given: dict, saved: ModelConfig, checkpoint: str) -> dict:
+    """The model fields of a ``--use-checkpoint-args`` run that the command line (``given``) leaves out.
+
+    As Megatron-LM's ``load_args_from_checkpoint``: every model setting comes from the
+    checkpoint, except machine settings (``--no-fused-kernels``) and what the command line
+    gives. Unlike Megatron-LM, a given flag that changes what the weights compute must
+    agree with the checkpoint (one error lists those that do not) rather than being
+    silently replaced; training settings given (``--seq-length``, dropouts) win.
+    """
+    fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    conflicts = [_difference(name, getattr(saved, name), given[name]) for name in fields
+                 if name in given and defines_function(name, saved) and given[name] != getattr(saved, name)]
+    if conflicts:
+        raise ConfigError(
+            f"--use-checkpoint-args takes the model from the checkpoint in {checkpoint}, but these flags "
+            f"contradict it:\n" + "\n".join(conflicts) + "\nDrop them: the checkpoint's values apply.")
+    return {name: getattr(saved, name) for name in fields if name not in given and role(name) is not Role.MACHINE}

@@ -1,0 +1,84 @@
+"""--use-checkpoint-args takes the model from the checkpoint; --pretrained-checkpoint is where fine-tuning starts."""
+import dataclasses
+
+import pytest
+
+from megatron_lite.checkpointing import CheckpointError, read_config, storage
+from megatron_lite.config import ConfigError
+from megatron_lite.config.arguments import parse_args
+from megatron_lite.training.loop import pretrain
+from tests.checkpointing.common import tiny_config
+
+# Training flags only: the model comes from the checkpoint.
+TRAINING = ["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-2",
+            "--lr-decay-iters", "10", "--no-log-memory", "--log-interval", "1000"]
+
+# The same model spelled out (tests/checkpointing/common.py's Llama-style tiny_config, epsilon and base changed).
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "8", "--group-query-attention",
+         "--num-query-groups", "4", "--ffn-hidden-size", "64", "--seq-length", "16", "--vocab-size", "60",
+         "--make-vocab-size-divisible-by", "32", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
+         "--position-embedding-type", "rope", "--rotary-base", "500", "--swiglu", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A Llama-style checkpoint whose epsilon, rotary base and dropout are not the flags' defaults."""
+    root = str(tmp_path_factory.mktemp("pretrained"))
+    config = tiny_config(iters=1, save=root)
+    config.model.norm_epsilon, config.model.rotary_base, config.model.use_fused_kernels = 1e-6, 500.0, False
+    pretrain(config)
+    return root
+
+
+def test_the_model_comes_from_the_checkpoint(pretrained, capsys):
+    config = parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", pretrained, *TRAINING])
+    saved = read_config(pretrained).model
+    # Everything but the machine's choice of kernels, which stays this run's (default: on).
+    assert config.model == dataclasses.replace(saved, use_fused_kernels=True)
+    assert config.model.norm_epsilon == 1e-6 and config.model.rotary_base == 500.0 and config.model.hidden_dropout == 0
+    printed = capsys.readouterr().out
+    assert f"--use-checkpoint-args: the model of {pretrained}: --num-layers 4 --hidden-size 32" in printed
+    assert "--norm-epsilon 1e-06" in printed and "--swiglu" in printed and "--disable-bias-linear" in printed
+
+
+def test_training_settings_given_override_the_checkpoint(pretrained):
+    config = parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", pretrained, *TRAINING,
+                         "--seq-length", "8", "--hidden-dropout", "0.1", "--num-layers", "4", "--norm-epsilon", "1e-6"])
+    assert config.model.seq_length == 8 and config.model.hidden_dropout == 0.1
+    assert config.model.num_layers == 4 and config.model.max_position_embeddings == 16  # the checkpoint's
+
+
+def test_contradicting_flags_are_listed_at_once(pretrained):
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", pretrained, *TRAINING, "--hidden-size", "64",
+                    "--num-layers", "4", "--norm-epsilon", "1e-5", "--normalization", "LayerNorm"])
+    assert str(error.value).splitlines()[1:] == ["  --hidden-size: checkpoint 32, this run 64",
+                                                 "  --normalization: checkpoint RMSNorm, this run LayerNorm",
+                                                 "  --norm-epsilon: checkpoint 1e-06, this run 1e-05",
+                                                 "Drop them: the checkpoint's values apply."]
+
+
+def test_a_checkpoint_is_needed(tmp_path):
+    with pytest.raises(ConfigError, match="--use-checkpoint-args needs --load or --pretrained-checkpoint"):
+        parse_args(["--use-checkpoint-args", *TRAINING])
+    # An empty --load (a first launch) gives nothing to take: the command line must describe the model.
+    with pytest.raises(ConfigError, match=f"found no checkpoint in --load {tmp_path} .* --num-layers --hidden-size"):
+        parse_args(["--use-checkpoint-args", "--load", str(tmp_path), *TRAINING])
+    with pytest.raises(CheckpointError, match=f"--pretrained-checkpoint {tmp_path} holds no checkpoint"):
+        parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", str(tmp_path), *TRAINING])
+
+
+def test_pretrained_checkpoint_is_loaded_like_finetune_then_the_run_resumes_from_load(pretrained, tmp_path):
+    """Megatron-LM's rule: --pretrained-checkpoint when --load holds nothing yet, --load once it does, so
+    a fine-tuning job restarted with the same flags continues instead of starting over."""
+    own = str(tmp_path / "finetuned")
+    flags = ["--use-checkpoint-args", "--pretrained-checkpoint", pretrained, "--load", own, "--save", own, *TRAINING]
+    state, _, _ = pretrain(parse_args(flags))
+    assert state.iteration == 2 and state.consumed_train_samples == 4  # started at iteration 0
+    control, _, _ = pretrain(parse_args(MODEL + ["--load", pretrained, "--finetune", *TRAINING]))
+    assert state.losses == control.losses  # the pretrained weights, weights only, as if spelled out
+    assert storage.read_latest_iteration(own) == 2
+
+    resumed, _, _ = pretrain(parse_args(flags + ["--train-iters", "3"]))
+    assert resumed.iteration == 3 and resumed.losses[:2] == state.losses
