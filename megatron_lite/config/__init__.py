@@ -284,8 +284,8 @@ class CheckpointConfig:
     no_load_rng: bool = False
     finetune: bool = False
     pretrained_checkpoint: Optional[str] = field(default=None, metadata={"help": (
-        "checkpoint to fine-tune from, loaded like --finetune (weights only, iteration 0) when --load holds "
-        "no checkpoint of this run; a restarted job resumes from --load")})
+        "checkpoint to fine-tune from, loaded like --finetune (weights only, iteration 0) while --load holds "
+        "no checkpoint; once it does, a restarted job resumes from --load")})
     use_checkpoint_args: bool = field(default=False, metadata={"help": (
         "take the model's settings from the checkpoint to be loaded (--load, else --pretrained-checkpoint), "
         "its vocabulary size included. Model flags given as well must agree with the checkpoint where they "
