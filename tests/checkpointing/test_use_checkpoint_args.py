@@ -67,6 +67,9 @@ def test_a_checkpoint_is_needed(tmp_path):
         parse_args(["--use-checkpoint-args", "--load", str(tmp_path), *TRAINING])
     with pytest.raises(CheckpointError, match=f"--pretrained-checkpoint {tmp_path} holds no checkpoint"):
         parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", str(tmp_path), *TRAINING])
+    # Without --use-checkpoint-args the start-up checks refuse it, before the model is built.
+    with pytest.raises(CheckpointError, match=f"--pretrained-checkpoint {tmp_path} holds no checkpoint"):
+        pretrain(parse_args(MODEL + ["--pretrained-checkpoint", str(tmp_path), *TRAINING]))
 
 
 def test_pretrained_checkpoint_is_loaded_like_finetune_then_the_run_resumes_from_load(pretrained, tmp_path):
