@@ -4,6 +4,7 @@ import dataclasses
 import pytest
 
 from megatron_lite.checkpointing import CheckpointError, read_config, storage
+from megatron_lite.checkpointing.offline import reshard_checkpoint
 from megatron_lite.config import ConfigError
 from megatron_lite.config.arguments import parse_args
 from megatron_lite.training.loop import pretrain
@@ -40,6 +41,16 @@ def test_the_model_comes_from_the_checkpoint(pretrained, capsys):
     printed = capsys.readouterr().out
     assert f"--use-checkpoint-args: the model of {pretrained}: --num-layers 4 --hidden-size 32" in printed
     assert "--norm-epsilon 1e-06" in printed and "--swiglu" in printed and "--disable-bias-linear" in printed
+
+
+def test_a_resharded_checkpoint_gives_the_same_model(pretrained, tmp_path):
+    resharded = reshard_checkpoint(pretrained, str(tmp_path), tensor_model_parallel_size=2,
+                                   pipeline_model_parallel_size=2)
+    from_resharded = parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", str(tmp_path), *TRAINING])
+    assert resharded.endswith("iter_0000001")
+    assert from_resharded.model == parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", pretrained,
+                                               *TRAINING]).model
+    assert from_resharded.parallel.tensor_model_parallel_size == 1  # the layout stays this run's
 
 
 def test_training_settings_given_override_the_checkpoint(pretrained):
