@@ -93,3 +93,19 @@ def test_config_round_trips_through_dict():
     assert list(SECTIONS) == [f.name for f in dataclasses.fields(Config)]  # every section has a flag group
     config = parse_args(BASE + ["--swiglu"])
     assert Config.from_dict(config.to_dict()) == config
+
+
+def test_every_flag_has_a_line_of_help():
+    from megatron_lite.config.arguments import build_parser
+
+    silent = [action.option_strings[0] for action in build_parser()._actions if not action.help]
+    assert silent == [], f"flags without --help text (add them to config/help_text.py): {silent}"
+
+
+def test_help_choices_are_the_ones_the_code_accepts():
+    from megatron_lite.config.help_text import CHOICES
+    from megatron_lite.optimizer.optimizer_param_scheduler import LR_DECAY_STYLES, WD_INCR_STYLES
+    from megatron_lite.tokenizer import TOKENIZER_TYPES
+
+    assert CHOICES["tokenizer_type"] == TOKENIZER_TYPES
+    assert CHOICES["lr_decay_style"] == LR_DECAY_STYLES and CHOICES["weight_decay_incr_style"] == WD_INCR_STYLES

@@ -283,15 +283,8 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
-    pretrained_checkpoint: Optional[str] = field(default=None, metadata={"help": (
-        "checkpoint to fine-tune from, loaded like --finetune (weights only, iteration 0) while --load holds "
-        "no checkpoint; once it does, a restarted job resumes from --load")})
-    use_checkpoint_args: bool = field(default=False, metadata={"help": (
-        "take the model's settings from the checkpoint to be loaded (--load, else --pretrained-checkpoint), "
-        "its vocabulary size included. Model flags given as well must agree with the checkpoint where they "
-        "change what its weights compute (an error lists those that do not; Megatron-LM overrides them "
-        "silently); --seq-length and the dropouts given override the checkpoint's; --no-fused-kernels stays "
-        "this machine's choice")})
+    pretrained_checkpoint: Optional[str] = None
+    use_checkpoint_args: bool = False
 
     def __post_init__(self) -> None:
         _require(self.save_interval is None or self.save_interval >= 1,

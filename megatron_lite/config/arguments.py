@@ -18,6 +18,7 @@ from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_confi
 from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigError, ModelConfig, as_flags,
                                   flag_name)
 from megatron_lite.process_groups.initialize import resolve_launch_env
+from megatron_lite.config.help_text import CHOICES, HELP
 
 LIST_FIELDS = {"data_path"}
 # Megatron-LM spells these two with an underscore inside; both spellings are accepted.
@@ -31,12 +32,12 @@ def _scalar_type(hint):
     return args[0] if args else hint
 
 
-def _help_text(f: dataclasses.Field) -> str | None:
-    """The field's description and '(default: X)' for --help; required flags and derived defaults (None)
-    show no default."""
-    shown_default = not (f.default is dataclasses.MISSING or f.default is None or isinstance(f.default, bool))
-    parts = [f.metadata.get("help"), f"(default: {f.default})" if shown_default else None]
-    return " ".join(p for p in parts if p) or None
+def _help(f: dataclasses.Field) -> str:
+    """The flag's line for --help, with its default where there is a plain one."""
+    text = HELP[f.name]
+    if f.default is dataclasses.MISSING or f.default is None or isinstance(f.default, bool):
+        return text
+    return f"{text} (default: {f.default})"
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             kind = _scalar_type(hints[f.name])
-            common = dict(dest=f.name, default=argparse.SUPPRESS, help=_help_text(f))
+            common = dict(dest=f.name, default=argparse.SUPPRESS, help=_help(f))
             if f.name in LIST_FIELDS:
                 group.add_argument(flag_name(f.name), nargs="+", **common)
             elif kind is bool and f.default is True:
@@ -80,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                 spellings = [MEGATRON_SPELLINGS[f.name]] if f.name in MEGATRON_SPELLINGS else []
                 group.add_argument(*spellings, flag_name(f.name), action="store_true", **common)
             else:
-                group.add_argument(flag_name(f.name), type=kind, **common)
-    parser.add_argument("--group-query-attention", action="store_true",
-                        help="use --num-query-groups key/value heads (grouped-query attention)")
+                group.add_argument(flag_name(f.name), type=kind, choices=CHOICES.get(f.name), **common)
+            if f.name == "num_query_groups":
+                group.add_argument("--group-query-attention", action="store_true",
+                                   help="use --num-query-groups key/value heads (grouped-query attention)")
     return parser
 
 
