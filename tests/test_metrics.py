@@ -37,3 +37,11 @@ def test_mfu_above_100_percent_warns():
     with pytest.warns(UserWarning, match="above 100%"):
         assert metrics.model_flops_utilization(500.0, 312.0) > 1
     assert metrics.model_flops_utilization(10.0, None) is None
+
+
+@pytest.mark.parametrize("tflops, text", [(152.14, "152.1"), (1.234, "1.23"), (0.000123456, "0.000123")])
+def test_throughput_keeps_enough_digits_for_a_cpu(tflops, text):
+    line = metrics.format_iteration_log(
+        iteration=1, train_iters=1, consumed_samples=1, elapsed_ms=1.0, tflops_per_gpu=tflops, learning_rate=1e-4,
+        global_batch_size=1, lm_loss=1.0, loss_scale=1.0, grad_norm=None, skipped_iterations=0, nan_iterations=0)
+    assert f"throughput per GPU (TFLOP/s/GPU): {text} |" in line

@@ -104,3 +104,22 @@ def test_user_errors_print_the_fix_without_a_traceback(tmp_path, capsys):
     assert main(flags) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "--data-path takes the prefix" in err and "Traceback" not in err
+
+
+def test_start_up_summary_counts_parameters_per_stage_and_the_batch():
+    from megatron_lite.model.builder import count_parameters, parameters_per_stage
+    from megatron_lite.process_groups.parallel_state import mock_parallel_state
+    from megatron_lite.training.logger import format_startup_summary
+
+    config = parse_args(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+                         "32", "--vocab-size", "1000", "--mock-data", "--pipeline-model-parallel-size", "2",
+                         "--micro-batch-size", "2", "--global-batch-size", "16", "--save", "/ckpt"])
+    total, stages = count_parameters(config), parameters_per_stage(config)
+    embedding = config.model.padded_vocab_size(1) * 64  # tied: held by the first and the last stage
+    assert sum(stages) == total + embedding and len(stages) == 2
+    summary = format_startup_summary(config, mock_parallel_state(rank=0, world_size=4, tensor_model_parallel_size=1,
+                                                                 pipeline_model_parallel_size=2), stages, total)
+    assert f"{total:,} parameters" in summary
+    assert "4 processes = tensor 1 x pipeline 2 x data 2" in summary
+    assert "16 sequences = micro-batch 2 x 4 micro-batches x data 2; 512 tokens per iteration" in summary
+    assert "to /ckpt at the end" in summary

@@ -149,3 +149,20 @@ def test_extending_a_run_names_the_scheduler_flags_and_they_work(tmp_path):
     code, output, _ = _run([*extend, "--override-opt_param-scheduler"])
     assert code == 0 and "iteration        4/       4" in output, output
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "4"
+
+
+def test_an_empty_train_split_fails_at_start_up_and_an_empty_validation_split_is_a_notice(tmp_path):
+    from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
+
+    prefix = str(tmp_path / "corpus_text_document")
+    builder = IndexedDatasetBuilder(data_file_path(prefix), dtype=__import__("numpy").uint16)
+    for document in range(4):
+        builder.add_document(__import__("numpy").arange(40, dtype="uint16") % 60)
+    builder.finalize(index_file_path(prefix))
+    data = [*TINY, "--vocab-size", "64", "--data-path", prefix, "--train-iters", "1", "--eval-interval", "1"]
+    code, output, _ = _run([*data, "--split", "0,100,0"])
+    assert code == 2
+    _assert_one_clean_error(output, "no training data: --split 0,100,0 gives the train split no documents")
+    code, output, _ = _run([*data, "--split", "100,0,0"])
+    assert code == 0, output
+    assert "notice: no validation data (--split 100,0,0" in output and " model: " in output

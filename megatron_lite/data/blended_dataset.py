@@ -61,6 +61,9 @@ class BlendedDataset:
     def __len__(self) -> int:
         return self.size
 
+    def describe(self) -> str:
+        return "blend of " + " + ".join(f"{w:.3g} x {d.describe()}" for w, d in zip(self.weights, self.datasets))
+
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < self.size:
             raise IndexError(f"sample {index} out of range for a BlendedDataset of {self.size} samples")

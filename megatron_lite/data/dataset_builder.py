@@ -99,6 +99,8 @@ def build_train_valid_test_datasets(*, data_path: list[str], split: str, seq_len
         start, stop = boundaries[k][split_index], boundaries[k][split_index + 1]
         if stop <= start or num_samples <= 0:
             return None
+        if int(indexed[k].sequence_lengths[start:stop].sum()) < 2:  # not one sample; known alike on every rank
+            return _too_few_tokens(prefixes[k], split_index, start, stop, split, notice=is_builder_rank)
         return GPTDataset(indexed[k], (start, stop), num_samples=num_samples, seq_length=seq_length, seed=seed,
                           split_name=SPLIT_NAMES[split_index], cache_dir=cache_dir(prefixes[k]),
                           is_builder_rank=is_builder_rank,
@@ -125,3 +127,14 @@ def build_train_valid_test_datasets(*, data_path: list[str], split: str, seq_len
                                        sum(shares), cache_dir=cache_dir(prefixes[0]),
                                        is_builder_rank=is_builder_rank, cache_wait_timeout_s=cache_wait_timeout_s))
     return tuple(datasets)
+
+
+def _too_few_tokens(prefix: str, split_index: int, start: int, stop: int, split: str, *, notice: bool) -> None:
+    """A train split without a sample is an error; a validation or test split is skipped, with a notice."""
+    message = (f"{prefix}: the {SPLIT_NAMES[split_index]} split (--split {split}, sequences {start} to {stop}) "
+               "holds fewer than 2 tokens, not one sample")
+    if split_index == 0:
+        raise ConfigError(f"{message}; give it more documents with --split or add data.")
+    if notice:
+        print(f" notice: {message}; it is skipped.", flush=True)
+    return None

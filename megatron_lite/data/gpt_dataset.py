@@ -101,6 +101,7 @@ class GPTDataset:
                  cache_wait_timeout_s: float = index_cache.DEFAULT_WAIT_TIMEOUT_S):
         self.indexed_dataset = indexed_dataset
         self.seq_length = seq_length
+        self.document_range = document_range
         start, stop = document_range
         prefix = indexed_dataset.path_prefix
         description = {
@@ -125,6 +126,11 @@ class GPTDataset:
 
     def __len__(self) -> int:
         return len(self.shuffle_index)
+
+    def describe(self) -> str:
+        start, stop = self.document_range
+        epochs = len(self.document_index) // max(1, stop - start)
+        return f"{self.indexed_dataset.path_prefix} ({stop - start} sequences, {len(self)} samples, {epochs} epochs)"
 
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < len(self):

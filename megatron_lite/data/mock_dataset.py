@@ -19,6 +19,9 @@ class MockGPTDataset:
                              f"{vocab_size}, {seq_length}, {num_samples}.")
         self.vocab_size, self.seq_length, self.seed, self.num_samples = vocab_size, seq_length, seed, num_samples
 
+    def describe(self) -> str:
+        return f"mock data ({self.num_samples} samples of synthetic tokens: the loss will not fall)"
+
     def __len__(self) -> int:
         return self.num_samples
 

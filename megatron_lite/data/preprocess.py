@@ -38,6 +38,7 @@ class PreprocessStats:
     tokens: int = 0
     bad_lines: int = 0
     empty_documents: int = 0
+    first_problem: str = ""  # "file:line: problem" of the first bad line
     input_bytes: int = 0
     seconds: float = 0.0
 
@@ -53,7 +54,7 @@ def encode_line(line: str, tokenizer, json_keys: tuple[str, ...], append_eod: bo
     encoded = {}
     for key in json_keys:
         if key not in record:
-            return None, f"missing key {key!r} (--json-keys)"
+            return None, f"missing key {key!r} (--json-keys); the line has keys {sorted(record)}"
         if not isinstance(record[key], str):
             return None, f"key {key!r} is {type(record[key]).__name__}, not a string"
         try:
@@ -123,6 +124,8 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
             results = pool.imap(_encode_item, _read_lines(input_paths), chunksize=64)
             _write_documents(results, builders, stats, input_paths=input_paths, strict=strict, log=log,
                              log_interval=log_interval, start=start)
+        if stats.documents == 0:  # an empty dataset would only fail later, inside training
+            raise PreprocessError(f"no documents written: {_why_no_documents(stats, input_paths)}")
         for key, builder in builders.items():
             builder.finalize(index_file_path(output_prefix_for(output_prefix, key)))
     except BaseException:
@@ -149,6 +152,7 @@ def _write_documents(results, builders: dict, stats: PreprocessStats, *, input_p
             if strict:
                 raise PreprocessError(f"{where}: {problem} (--strict: aborting, no output written)")
             stats.bad_lines += 1
+            stats.first_problem = stats.first_problem or f"{where}: {problem}"
             print(f"{where}: {problem}; skipped", file=log)
             continue
         if any(ids.size == 0 for ids in encoded.values()):
@@ -161,3 +165,10 @@ def _write_documents(results, builders: dict, stats: PreprocessStats, *, input_p
             elapsed = time.monotonic() - start
             print(f"processed {stats.documents} documents ({stats.documents / elapsed:.1f} docs/s, "
                   f"{stats.input_bytes / elapsed / 1e6:.2f} MB/s)", file=log)
+
+
+def _why_no_documents(stats: PreprocessStats, input_paths: list[str]) -> str:
+    if stats.bad_lines:
+        return (f"all {stats.bad_lines} lines were skipped, the first as {stats.first_problem}. "
+                "Fix --json-keys or the input.")
+    return f"{', '.join(input_paths)} holds no non-blank lines."

@@ -54,9 +54,18 @@ def current_device() -> torch.device:
 
 
 def count_parameters(config: Config) -> int:
-    """Parameters of the whole model (one stage, no tensor parallelism), built on the meta device
-    so nothing is allocated; a tied output layer counts once."""
-    whole = dataclasses.replace(config, parallel=ParallelConfig())
+    """Parameters of the whole model; a tied output layer counts once."""
+    return parameters_per_stage(dataclasses.replace(config, parallel=ParallelConfig()))[0]
+
+
+def parameters_per_stage(config: Config) -> list[int]:
+    """Parameters of each pipeline stage without tensor parallelism (virtual stages together), built on
+    the meta device so nothing is allocated. A tied embedding is held by the first and the last stage."""
+    whole_stages = dataclasses.replace(config, parallel=ParallelConfig(
+        pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
+        decoder_first_pipeline_num_layers=config.parallel.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=config.parallel.decoder_last_pipeline_num_layers))
     with torch.device("meta"):
-        model = build_model_chunk(whole, mock_parallel_state(0, 1), pipeline_rank=0)
-    return sum(p.numel() for p in model.parameters())
+        stages = [build_model_chunk(whole_stages, mock_parallel_state(0, 1), pipeline_rank=rank)
+                  for rank in range(config.parallel.pipeline_model_parallel_size)]
+    return [sum(p.numel() for p in stage.parameters()) for stage in stages]

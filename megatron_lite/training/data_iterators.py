@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megatron_lite.config import Config
+from megatron_lite.config import Config, ConfigError
 from megatron_lite.data import MockGPTDataset, build_pretraining_data_loader, build_train_valid_test_datasets
 from megatron_lite.process_groups import failures
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.tokenizer import build_tokenizer
+from megatron_lite.training.logger import print_rank_last
 
 
 def build_data_iterators(config: Config, parallel_state: ParallelState, consumed_train_samples: int,
@@ -22,6 +23,8 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, consumed
     num_samples = (training.train_iters * global_batch, num_evaluations * training.eval_iters * global_batch,
                    training.eval_iters * global_batch)
     train_ds, valid_ds = _build_datasets(config, num_samples)[:2]
+    print_rank_last(f" data: train {train_ds.describe() if train_ds else 'none'} | "
+                    f"validation {valid_ds.describe() if valid_ds else 'none'}")
     vpp = config.parallel.virtual_pipeline_model_parallel_size or 1
 
     def loaders(dataset, consumed):
@@ -58,4 +61,16 @@ def _build_datasets(config: Config, num_samples: tuple):
         "build the datasets")
     if not is_builder:
         datasets = build_train_valid_test_datasets(is_builder_rank=False, **kwargs)
+    _check_splits(config, datasets)
     return datasets
+
+
+def _check_splits(config: Config, datasets: tuple) -> None:
+    """An empty train split fails here, at start-up; a missing validation split is said, not silent."""
+    data, training = config.data, config.training
+    if datasets[0] is None and training.train_iters > 0:
+        raise ConfigError(f"no training data: --split {data.split} gives the train split no documents of "
+                          f"--data-path {' '.join(data.data_path)}; raise its first weight.")
+    if datasets[1] is None and training.eval_iters > 0 and training.eval_interval <= training.train_iters:
+        print_rank_last(f" notice: no validation data (--split {data.split} leaves the validation split empty); "
+                        "validation is skipped. Give it documents with --split to see a validation loss.")

@@ -21,6 +21,33 @@ def print_rank_last(message: str) -> None:
         print(message, flush=True)
 
 
+def format_startup_summary(config: Config, parallel_state: ParallelState, stage_parameters: list[int],
+                           total_parameters: int) -> str:
+    """What this run is, in a few lines: model size, layout, batch, checkpoints."""
+    parallel, training, checkpoint = config.parallel, config.training, config.checkpoint
+    dp = parallel_state.data_parallel_world_size
+    global_batch = training.global_batch(dp)
+    stages = ", ".join(_count(n) for n in stage_parameters)
+    saves = (f"to {checkpoint.save} every {checkpoint.save_interval} iterations and at the end"
+             if checkpoint.save_interval else f"to {checkpoint.save} at the end") if checkpoint.save else "not saved"
+    return "\n".join([
+        f" model: {_count(total_parameters)} parameters ({config.model.num_layers} layers, hidden "
+        f"{config.model.hidden_size}); per pipeline stage: {stages}",
+        f" layout: {parallel_state.world_size} processes = tensor {parallel.tensor_model_parallel_size} x pipeline "
+        f"{parallel.pipeline_model_parallel_size} x data {dp}"
+        + (f", {parallel.virtual_pipeline_model_parallel_size} virtual stages"
+           if parallel.virtual_pipeline_model_parallel_size else ""),
+        f" batch: {global_batch} sequences = micro-batch {training.micro_batch_size} x "
+        f"{training.num_microbatches(dp)} micro-batches x data {dp}; "
+        f"{global_batch * config.model.seq_length} tokens per iteration, {training.train_iters} iterations",
+        f" checkpoints: {saves}" + (f"; loading {checkpoint.load}" if checkpoint.load else ""),
+    ])
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
 class TrainingLogger:
     """Megatron's log line every --log-interval iterations, from the last rank (which has the loss),
     plus throughput, MFU and TensorBoard scalars."""

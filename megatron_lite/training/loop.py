@@ -25,7 +25,7 @@ from megatron_lite.config import Config
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
 from megatron_lite.checkpointing.preflight import check_checkpoint_paths
-from megatron_lite.model.builder import build_model, count_parameters, current_device
+from megatron_lite.model.builder import build_model, count_parameters, current_device, parameters_per_stage
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
@@ -35,7 +35,7 @@ from megatron_lite.process_groups.parallel_state import ParallelState, destroy_m
 from megatron_lite.tensor_parallel.random import set_random_seeds
 from megatron_lite.training import metrics
 from megatron_lite.training.data_iterators import build_data_iterators
-from megatron_lite.training.logger import TrainingLogger, print_rank_last
+from megatron_lite.training.logger import TrainingLogger, format_startup_summary, print_rank_last
 from megatron_lite.training.signal_handler import DistributedSignalHandler
 from megatron_lite.checkpointing.training_state import TrainingState
 
@@ -143,8 +143,10 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                                                config.parallel.pipeline_model_parallel_size,
                                                config.parallel.virtual_pipeline_model_parallel_size)
     config.training.num_microbatches(parallel_state.data_parallel_world_size)  # batch arithmetic fails here, early
-    failures.run_on_every_rank(lambda: check_checkpoint_paths(config, count_parameters(config)),
+    total_parameters = count_parameters(config)
+    failures.run_on_every_rank(lambda: check_checkpoint_paths(config, total_parameters),
                                "check the --save/--load directories")
+    print_rank_last(format_startup_summary(config, parallel_state, parameters_per_stage(config), total_parameters))
     set_random_seeds(config.training.seed, parallel_state)
     kernels.configure(config.model.use_fused_kernels)
     kernels.load_extension()  # a JIT build, if one is needed, happens now rather than inside step 1

@@ -69,7 +69,7 @@ def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: 
     line = (f" iteration {iteration:8d}/{train_iters:8d} |"
             f" consumed samples: {consumed_samples:12d} |"
             f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-            f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f} |"
+            f" throughput per GPU (TFLOP/s/GPU): {_tflops_text(tflops_per_gpu)} |"
             f" learning rate: {learning_rate:.6E} |"
             f" global batch size: {global_batch_size:5d} |"
             f" lm loss: {lm_loss:.6E} |"
@@ -78,6 +78,11 @@ def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: 
         line += f" grad norm: {grad_norm:.3f} |"
     return line + (f" number of skipped iterations: {skipped_iterations:3d} |"
                    f" number of nan iterations: {nan_iterations:3d} |")
+
+
+def _tflops_text(tflops: float) -> str:
+    """Megatron's one decimal on GPUs; three significant digits below 10 so a CPU run does not print 0.0."""
+    return f"{tflops:.1f}" if tflops >= 10 else f"{tflops:.3g}"
 
 
 def format_throughput_log(*, tokens_per_second: float, mfu: float | None, peak_memory: float) -> str:

@@ -136,3 +136,16 @@ def test_empty_documents_give_megatrons_bytes(tmp_path, bpe_files, append_eod):
         assert (tmp_path / f"out_{key}_document.idx").read_bytes() == expected_idx
     dataset = IndexedDataset(str(tmp_path / "out_text_document"))
     assert len(dataset) == 3 and dataset.document_indices.tolist() == [0, 0, 1, 1, 1, 2, 3, 3]
+
+
+def test_a_wrong_json_key_is_an_error_naming_the_keys_found(tmp_path, bpe_files, load_tool, capsys):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [json.dumps({"content": "some text", "id": 1})] * 3)
+    tool = load_tool("preprocess_data")
+    code = tool.main(["--input", corpus, "--json-keys", "text", "--output-prefix", str(tmp_path / "out"),
+                      "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", bpe_files[0], "--merge-file",
+                      bpe_files[1]])
+    captured = capsys.readouterr()
+    assert code == 1 and "--data-path" not in captured.out  # no prefix to train on is suggested
+    assert "error: no documents written: all 3 lines were skipped" in captured.err
+    assert "missing key 'text' (--json-keys); the line has keys ['content', 'id']" in captured.err
+    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]  # nothing half-written
