@@ -7,6 +7,10 @@ ml_log() {
     printf '[megatron_lite] %s\n' "$*"
 }
 
+ml_warn() {
+    printf '[megatron_lite] WARNING: %s\n' "$*" >&2
+}
+
 ml_die() {
     printf '[megatron_lite] error: %s\n' "$*" >&2
     exit 2
@@ -62,9 +66,19 @@ ml_count_gpus() {
     fi
 }
 
-# CONFIG is a name from launch_scripts/configs/ or a path to a file like them.
+# CONFIG is a name from launch_scripts/configs/ or a path to a file like them. The default
+# fits the machine: GPT-2 125M with GPUs, the toy config without (125M would take hours per
+# step on CPU); a chosen config meant for GPUs gets a warning on a machine without any.
 ml_load_config() {
-    local config="${CONFIG:-gpt2_125m}"
+    local num_gpus="$1"
+    local config="${CONFIG:-}"
+    if [[ -z "$config" ]]; then
+        config=gpt2_125m
+        ((num_gpus > 0)) || config=tiny
+        ml_log "CONFIG unset: $config fits this machine ($num_gpus GPU(s) visible); set CONFIG to choose"
+    elif ((num_gpus == 0)) && [[ "$config" != tiny ]]; then
+        ml_warn "CONFIG=$config is sized for GPUs and none is visible: on CPU it will be very slow or run out of memory (CONFIG=tiny fits a CPU)"
+    fi
     local file="$config"
     [[ -f "$file" ]] || file="$MEGATRON_LITE_DIR/launch_scripts/configs/$config.sh"
     if [[ ! -f "$file" ]]; then
@@ -105,6 +119,7 @@ ml_training_args() {
         [[ -z "${MERGE_FILE:-}" ]] || TRAINING_ARGS+=(--merge-file "$MERGE_FILE")
         [[ -z "${TOKENIZER_MODEL:-}" ]] || TRAINING_ARGS+=(--tokenizer-model "$TOKENIZER_MODEL")
     else
+        ml_warn "DATA_PATH is unset: training on --mock-data (random tokens, the loss stays flat). Set DATA_PATH to a prefix from tools/preprocess_data.py"
         TRAINING_ARGS+=(--mock-data --vocab-size "$VOCAB_SIZE")
     fi
 
@@ -128,6 +143,7 @@ ml_training_args() {
             ml_log "resuming from $SAVE (iteration $(<"$SAVE/latest_checkpointed_iteration.txt"))"
         fi
     fi
+    [[ -n "${SAVE:-}" ]] || ml_warn "SAVE is unset: no checkpoint will be written and the run cannot be resumed. Set SAVE=DIR"
     [[ -z "${LOAD:-}" ]] || TRAINING_ARGS+=(--load "$LOAD")
     TRAINING_ARGS+=("${EXTRA_ARGS[@]}")
 }

@@ -63,7 +63,7 @@ NUM_GPUS="$(ml_count_gpus)" # on this node; the allocation's nodes are assumed a
 NNODES="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-${NNODES:-1}}}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-${SLURM_NTASKS_PER_NODE:-$((NUM_GPUS > 0 ? NUM_GPUS : 1))}}"
 WORLD_SIZE=$((NNODES * NPROC_PER_NODE))
-ml_load_config
+ml_load_config "$NUM_GPUS"
 ml_training_args "$NUM_GPUS"
 ml_export_env "$NUM_GPUS" "$NPROC_PER_NODE"
 

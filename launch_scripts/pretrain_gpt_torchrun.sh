@@ -26,7 +26,7 @@ NUM_GPUS="$(ml_count_gpus)"
 NPROC_PER_NODE="${NPROC_PER_NODE:-$((NUM_GPUS > 0 ? NUM_GPUS : 1))}"
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
-ml_load_config
+ml_load_config "$NUM_GPUS"
 ml_training_args "$NUM_GPUS"
 ml_export_env "$NUM_GPUS" "$NPROC_PER_NODE"
 

@@ -93,3 +93,21 @@ def test_rank_map_keeps_tensor_parallel_groups_inside_nodes():
         assert [row["tp"] for row in rows[rank:rank + 8]] == list(range(8))
     assert layout_warnings(8, 8) == []
     assert layout_warnings(8, 16) and layout_warnings(6, 4)
+
+
+def test_torchrun_dry_run_warns_about_mock_data_no_save_and_a_gpu_config_on_cpu(tmp_path):
+    result = run_script("pretrain_gpt_torchrun.sh", script_env(tmp_path, CONFIG="llama_7b", NPROC_PER_NODE=8),
+                        "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "WARNING: DATA_PATH is unset: training on --mock-data (random tokens, the loss stays flat)" in result.stderr
+    assert "WARNING: SAVE is unset: no checkpoint will be written" in result.stderr
+    assert "WARNING: CONFIG=llama_7b is sized for GPUs and none is visible" in result.stderr
+
+
+def test_torchrun_default_config_fits_a_machine_without_gpus(tmp_path):
+    result = run_script("pretrain_gpt_torchrun.sh", script_env(tmp_path, SAVE=str(tmp_path / "ckpt"),
+                                                               DATA_PATH=str(tmp_path / "corpus")),
+                        "--dry-run", "--", "--vocab-size", "256")
+    assert result.returncode == 0, result.stderr
+    assert "CONFIG unset: tiny fits this machine (0 GPU(s) visible)" in result.stdout
+    assert "WARNING" not in result.stderr
