@@ -68,6 +68,6 @@ setup(
     cmdclass=cmdclass,
     install_requires=["torch>=2.3", "numpy", "sentencepiece", "regex"],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "transformers", "tokenizers", "safetensors", "ruff"],
+        "dev": ["pytest", "pytest-timeout", "transformers", "tokenizers", "safetensors", "ruff", "protobuf"],
     },
 )

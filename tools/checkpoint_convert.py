@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-format", choices=FORMATS, default="megatron_lite")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    group = parser.add_argument_group("tokenizer of an HF export (default: the one the checkpoint was trained with)")
+    group.add_argument("--tokenizer-type")
+    group.add_argument("--vocab-file")
+    group.add_argument("--merge-file")
+    group.add_argument("--tokenizer-model")
     return parser
 
 
@@ -54,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.source_format == "hf" and args.target_format == "megatron_lite":
             written = hf_interop.import_hf_checkpoint(args.load_dir, args.save_dir, **sizes)
         elif args.source_format == "megatron_lite" and args.target_format == "hf":
-            hf_interop.export_hf_checkpoint(args.load_dir, args.save_dir)
+            tokenizer = {k: getattr(args, k) for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")}
+            hf_interop.export_hf_checkpoint(args.load_dir, args.save_dir, tokenizer_flags=tokenizer)
             written = args.save_dir
         elif args.source_format == "megatron_lite":
             written = reshard_checkpoint(args.load_dir, args.save_dir, **sizes)

@@ -25,6 +25,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from megatron_lite.checkpointing.hf_tokenizer import export_tokenizer, tokenizer_flags_for_export, write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.resharding import CheckpointReader
 from megatron_lite.checkpointing.save_load import OPTIMIZER_PREFIX
@@ -276,12 +277,23 @@ def read_hf_directory(directory: str) -> tuple[dict, dict]:
     return hf_config, tensors
 
 
-def write_hf_directory(directory: str, hf_config: dict, tensors: dict) -> None:
+def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokenizer_flags: dict | None = None) -> None:
+    """config.json, model.safetensors and, when there is a tokenizer, its files and generation_config.json.
+
+    Every file is made readable by all (0644): an export is meant to be shared, and a umask
+    of 077, common on clusters, would leave it readable by its writer alone.
+    """
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
+    special_ids = export_tokenizer(tokenizer_flags or {}, directory,
+                                   model_max_length=hf_config.get("n_positions", hf_config.get(
+                                       "max_position_embeddings")))
+    write_json(os.path.join(directory, "config.json"), {**hf_config, **special_ids})
+    if special_ids:
+        write_json(os.path.join(directory, "generation_config.json"), {**special_ids, "do_sample": False})
     safetensors.torch.save_file({k: v.float().contiguous() for k, v in tensors.items()},
                                 os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), 0o644)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,10 +312,14 @@ def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_
     return write_checkpoint(save_dir, config, weights.__getitem__, iteration=0)
 
 
-def export_hf_checkpoint(load_dir: str, save_dir: str) -> None:
-    """A megatron_lite checkpoint (root or iter_* directory, any layout) -> a Hugging Face directory."""
+def export_hf_checkpoint(load_dir: str, save_dir: str, *, tokenizer_flags: dict | None = None) -> None:
+    """A megatron_lite checkpoint (root or iter_* directory, any layout) -> a Hugging Face directory.
+
+    The tokenizer is ``tokenizer_flags`` ({tokenizer_type, vocab_file, ...}) when given, else the
+    one the checkpoint was trained with."""
     reader = CheckpointReader(resolve_checkpoint_dir(load_dir))
     config = ModelConfig(**reader.metadata["config"]["model"])
     hf_config = hf_config_from_model_config(config)
     reader.verify([k for k in reader.tensors if not k.startswith(OPTIMIZER_PREFIX)])
-    write_hf_directory(save_dir, hf_config, weights_to_hf(reader.read, config))
+    tokenizer = tokenizer_flags_for_export(reader.metadata["config"].get("data", {}), tokenizer_flags or {})
+    write_hf_directory(save_dir, hf_config, weights_to_hf(reader.read, config), tokenizer_flags=tokenizer)

@@ -25,7 +25,7 @@ from megatron_lite.process_groups import collectives
 USER_ERROR_EXIT_CODE = 2
 BUG_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports Ctrl-C
-QUIET_RANK_EXIT_DELAY_S = 1.0
+QUIET_RANK_EXIT_DELAY_S = 10.0
 
 
 class FailedOnAnotherRank(RuntimeError):
@@ -87,14 +87,14 @@ def run_command(body, *args) -> int:
         body(*args)
         return 0
     except FailedOnAnotherRank as error:
-        # The failing rank reports it. Leave after it, so that torchrun names that rank as the root cause
-        # rather than a quiet one, and its message is out before the launcher stops the job.
-        time.sleep(QUIET_RANK_EXIT_DELAY_S)
+        _leave_after_the_reporting_rank()
         return USER_ERROR_EXIT_CODE if error.user_error else BUG_EXIT_CODE
     except UserError as error:
         # Raised alone (run_on_every_rank picked this rank), or by every rank alike: rank 0 speaks for them.
         if global_rank() == 0 or getattr(error, "reported_by_this_rank", False):
             print(f"error: {error}", file=sys.stderr, flush=True)
+        else:
+            _leave_after_the_reporting_rank()
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:
         if global_rank() == 0:
@@ -103,6 +103,14 @@ def run_command(body, *args) -> int:
         return INTERRUPTED_EXIT_CODE
     finally:
         destroy_process_groups()
+
+
+def _leave_after_the_reporting_rank() -> None:
+    """A launcher stops the whole job as soon as one rank exits with an error: a quiet rank that left
+    first would get the reporting rank killed before it printed, and be named the root cause. So a
+    quiet rank waits for the launcher to stop it (torchrun and ``srun --kill-on-bad-exit`` do, once the
+    reporting rank has exited), and leaves by itself only after a while."""
+    time.sleep(QUIET_RANK_EXIT_DELAY_S)
 
 
 def destroy_process_groups() -> None:

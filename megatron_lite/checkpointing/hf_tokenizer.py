@@ -1,0 +1,66 @@
+"""The tokenizer files of a Hugging Face export, so ``AutoTokenizer`` and ``pipeline(...)`` work on it.
+
+A checkpoint records the tokenizer flags it was trained with (its config's data section).
+The export copies those files under the names transformers looks for, writes a
+``tokenizer_config.json`` naming the tokenizer class, and returns the special-token ids
+that ``config.json`` and ``generation_config.json`` carry.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from megatron_lite.config import ConfigError
+from megatron_lite.tokenizer import build_tokenizer
+
+# (tokenizer class transformers builds, {our flag's field: the file name it expects})
+_HF_LAYOUT = {
+    "GPT2BPETokenizer": ("GPT2Tokenizer", {"vocab_file": "vocab.json", "merge_file": "merges.txt"}),
+    "SentencePieceTokenizer": ("LlamaTokenizer", {"tokenizer_model": "tokenizer.model"}),
+    "HuggingFaceTokenizer": ("PreTrainedTokenizerFast", {"tokenizer_model": "tokenizer.json"}),
+}
+
+
+def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: int) -> dict:
+    """Write the tokenizer files into ``save_dir``; returns {bos,eos,pad}_token_id (empty without a tokenizer)."""
+    tokenizer_type = tokenizer_flags.get("tokenizer_type")
+    if tokenizer_type not in _HF_LAYOUT:
+        return {}  # mock data or NullTokenizer: there is no tokenizer to export
+    tokenizer = build_tokenizer(tokenizer_type, vocab_file=tokenizer_flags.get("vocab_file"),
+                                merge_file=tokenizer_flags.get("merge_file"),
+                                tokenizer_model=tokenizer_flags.get("tokenizer_model"))
+    tokenizer_class, files = _HF_LAYOUT[tokenizer_type]
+    for field, name in files.items():
+        source = tokenizer_flags[field]
+        if os.path.isdir(source):  # HuggingFaceTokenizer also takes the directory of a tokenizer.json
+            source = os.path.join(source, name)
+        shutil.copyfile(source, os.path.join(save_dir, name))
+    eos = tokenizer.detokenize([tokenizer.eod]) if tokenizer_type != "SentencePieceTokenizer" else "</s>"
+    tokenizer_config = {"tokenizer_class": tokenizer_class, "model_max_length": model_max_length,
+                        "bos_token": eos, "eos_token": eos, "unk_token": eos,
+                        # ours adds no BOS; without this LlamaTokenizer would prepend one
+                        "add_bos_token": False, "add_eos_token": False}
+    if tokenizer_type == "SentencePieceTokenizer":
+        # transformers prepends "▁" to the text unless told not to; the model itself says whether it
+        # does (its add_dummy_prefix), and a leading space then tokenizes like none.
+        tokenizer_config["add_prefix_space"] = tokenizer.tokenize("a") == tokenizer.tokenize(" a")
+    write_json(os.path.join(save_dir, "tokenizer_config.json"), tokenizer_config)
+    return {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad}
+
+
+def tokenizer_flags_for_export(recorded: dict, given: dict) -> dict:
+    """The tokenizer flags given on the command line, else the ones the checkpoint recorded."""
+    flags = given if given.get("tokenizer_type") else recorded
+    missing = [f"--{field.replace('_', '-')} {flags[field]}" for field in ("vocab_file", "merge_file",
+                                                                            "tokenizer_model")
+               if flags.get(field) and not os.path.exists(flags[field])]
+    if missing:
+        raise ConfigError(f"the checkpoint's tokenizer files are gone ({', '.join(missing)}); pass "
+                          "--tokenizer-type and its files to export them.")
+    return flags
+
+
+def write_json(path: str, value: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
