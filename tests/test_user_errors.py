@@ -166,3 +166,24 @@ def test_an_empty_train_split_fails_at_start_up_and_an_empty_validation_split_is
     code, output, _ = _run([*data, "--split", "100,0,0"])
     assert code == 0, output
     assert "notice: no validation data (--split 100,0,0" in output and " model: " in output
+
+
+def test_a_failing_save_is_one_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from megatron_lite.checkpointing import storage
+    from megatron_lite.pretrain_gpt import main
+
+    save = str(tmp_path / "ckpt")
+    assert main([*MOCK, "--train-iters", "1", "--save", save]) == 0
+
+    def disk_full(path, tensors):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(storage, "write_tensor_file", disk_full)
+    capsys.readouterr()
+    assert main([*MOCK, "--train-iters", "2", "--load", save, "--save", save, "--override-opt_param-scheduler"]) == 2
+    err = capsys.readouterr().err
+    _assert_one_clean_error(err, f"could not write the checkpoint to --save {save}: No space left on device",
+                            "The previous checkpoint is untouched")
+    assert storage.read_latest_iteration(save) == 1

@@ -93,11 +93,27 @@ def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
             chunk.finish_param_sync()
     models = _unwrap(model_chunks)
     staging = storage.staging_dir(root, iteration)
-    _collectively(lambda: storage.prepare_staging(root, iteration) if rank == 0 else None, "prepare", root)
-    _collectively(lambda: _write_rank_file(config, parallel_state, models, optimizer, state, staging), "write", root)
-    _collectively(lambda: _commit(config, parallel_state, scheduler, iteration) if rank == 0 else None, "commit", root)
+    _collectively(_writing(lambda: storage.prepare_staging(root, iteration) if rank == 0 else None, root),
+                  "prepare", root)
+    _collectively(_writing(lambda: _write_rank_file(config, parallel_state, models, optimizer, state, staging), root),
+                  "write", root)
+    _collectively(_writing(lambda: _commit(config, parallel_state, scheduler, iteration) if rank == 0 else None, root),
+                  "commit", root)
     if rank == 0:
         print(f" saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
+
+
+def _writing(fn, root: str):
+    """``fn`` with a failed write (disk full, permissions) turned into an error the user can act on."""
+    def run():
+        try:
+            return fn()
+        except OSError as error:
+            raise CheckpointError(
+                f"could not write the checkpoint to --save {root}: {error.strerror or error} "
+                f"({error.filename or root}). The previous checkpoint is untouched; free space or fix the "
+                f"directory, then resume with --load {root}.") from None
+    return run
 
 
 def _write_rank_file(config: Config, parallel_state, models: list, optimizer, state, staging: str) -> None:
