@@ -1,4 +1,8 @@
-"""The distributed optimizer (ZeRO-1 state sharding with ZeRO-2 gradient reduce-scatter).
+"""The distributed optimizer: ZeRO-1, optimizer state (and fp32 main parameters) sharded.
+
+Gradients are reduce-scattered, but every rank still keeps the full gradient buffer
+(only its shard is meaningful afterwards), so gradient memory is not sharded: this is
+ZeRO-1, not ZeRO-2 (Megatron's ``--data-parallel-sharding-strategy optim``).
 
 Each bucket of the data-parallel gradient buffer is split into dp equal shards;
 rank r owns shard r of every bucket. It keeps fp32 main parameters and Adam
