@@ -42,3 +42,14 @@ def test_ladder_tool_reports_and_gates():
                              "--train-iters", "2"], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "control" in result.stdout and "within rtol" in result.stdout
+
+
+def test_ladder_tool_fails_when_no_loss_was_logged():
+    # --train-iters 0 exits cleanly without a log line: zero losses compared must not read as agreement.
+    result = subprocess.run([sys.executable, "tools/loss_parity.py", "--layouts", "1x1x1", "1x1x1", "--", *FLAGS,
+                             "--train-iters", "0", "--lr-decay-iters", "4"], capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "loss parity FAILED" in result.stderr and "printed no '| lm loss: ... |' line" in result.stderr
+    assert "within rtol" not in result.stdout
+    assert max_relative_difference([], []) == float("inf")

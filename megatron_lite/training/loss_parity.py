@@ -58,10 +58,17 @@ def run_layout(layout: Layout, flags: list[str], timeout: float = 1800) -> list[
     result = subprocess.run(command(layout, flags), capture_output=True, text=True, timeout=timeout, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"layout {layout} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    return [float(x) for x in LOSS_PATTERN.findall(result.stdout)]
+    losses = [float(x) for x in LOSS_PATTERN.findall(result.stdout)]
+    if not losses:
+        # Comparing nothing with nothing would "agree": a run that logs no loss proves nothing.
+        raise RuntimeError(f"layout {layout} exited 0 but printed no '| lm loss: ... |' line to compare (does "
+                           f"--train-iters leave any iteration to run?):\n{result.stdout[-3000:]}")
+    return losses
 
 
 def max_relative_difference(control: list[float], losses: list[float]) -> float:
-    if len(control) != len(losses):
+    """Largest relative difference per iteration; infinite when the runs logged different
+    numbers of iterations or nothing at all."""
+    if not control or len(control) != len(losses):
         return float("inf")
     return max((abs(a - b) / max(abs(a), 1e-12) for a, b in zip(control, losses)), default=0.0)
