@@ -3,7 +3,13 @@
 Each public function takes the reference's arguments. Inputs the kernels do not
 cover (other dtypes, layouts, broadcasting) go to the reference, so callers never
 need to know which inputs a kernel supports.
+
+Every backward calls raw extension ops, which autograd cannot see through, so each
+is marked ``_first_order_only``: a double backward raises instead of silently leaving out
+the kernel's second-order terms.
 """
+import functools
+
 import torch
 
 from . import extension, reference
@@ -25,8 +31,40 @@ def _kernel_supports(x):
     return x.dtype in _KERNEL_DTYPES and x.numel() > 0
 
 
+def _first_order_only(backward):
+    """Marks a backward once-differentiable: it raises when asked to build a graph (``create_graph=True``),
+    since its raw ops would record none.
+
+    torch's ``once_differentiable`` is not enough here. It raises only when a second backward
+    reaches its error node, which ``torch.autograd.grad(..., inputs=x)`` prunes (that node leads to
+    no input), and only when the incoming gradient itself needs a graph, while these gradients also
+    depend on saved activations. Both gaps would return a gradient silently missing the kernel's terms.
+    """
+    @functools.wraps(backward)
+    def checked_backward(ctx, *grad_outputs):
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"megatron_lite's fused kernels have no double backward ({type(ctx).__name__} was "
+                               f"asked for one by create_graph=True); run with --no-fused-kernels (or "
+                               f"MEGATRON_LITE_NO_FUSED_KERNELS=1) so the PyTorch implementations run.")
+        return backward(ctx, *grad_outputs)
+    return checked_backward
+
+
 def _rows_view(grad):
     return grad.reshape(-1, grad.shape[-1])
+
+
+def _fits_rows(param, x):
+    """Whether the kernels, which apply a weight or bias's h values to every row, compute what the
+    reference's broadcast does: h elements along the last dim, leading dims of size one, and no more
+    dims than ``x`` (more would add dims to the reference's output)."""
+    return param is None or (param.shape[-1:] == x.shape[-1:] and param.numel() == x.shape[-1]
+                              and param.dim() <= x.dim())
+
+
+def _as_param_grad(grad, shape):
+    """The kernels return an [h] gradient; autograd wants the parameter's own shape (e.g. [1, h])."""
+    return None if grad is None else grad.view(shape)
 
 
 class _Norm(torch.autograd.Function):
@@ -37,26 +75,30 @@ class _Norm(torch.autograd.Function):
         y, mean, rstd = _ops().norm_forward(x, weight, bias, eps, rms)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.rms, ctx.has_bias = rms, bias is not None
+        ctx.weight_shape, ctx.bias_shape = weight.shape, None if bias is None else bias.shape
         return y
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dweight, dbias = _ops().norm_backward(
             dy.contiguous(), x, weight, mean, rstd, ctx.rms, ctx.has_bias
         )
-        return dx, dweight, dbias, None, None
+        return dx, _as_param_grad(dweight, ctx.weight_shape), _as_param_grad(dbias, ctx.bias_shape), None, None
 
 
 def layer_norm(x, weight, bias, eps):
-    if not _kernel_supports(x):
+    # The reference (F.layer_norm) takes weight and bias of exactly [h] and says so for any other shape.
+    params_fit = weight.shape == x.shape[-1:] and (bias is None or bias.shape == x.shape[-1:])
+    if not _kernel_supports(x) or not params_fit:
         return reference.layer_norm(x, weight, bias, eps)
     bias = None if bias is None else bias.float().contiguous()
     return _Norm.apply(x.contiguous(), weight.float().contiguous(), bias, eps, False)
 
 
 def rms_norm(x, weight, eps):
-    if not _kernel_supports(x):
+    if not _kernel_supports(x) or not _fits_rows(weight, x):
         return reference.rms_norm(x, weight, eps)
     return _Norm.apply(x.contiguous(), weight.float().contiguous(), None, eps, True)
 
@@ -68,15 +110,18 @@ class _BiasGelu(torch.autograd.Function):
         return _ops().bias_gelu_forward(x, bias)
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, dy):
         x, bias = ctx.saved_tensors
         dx = _ops().bias_gelu_backward(dy.contiguous(), x, bias)
-        dbias = _rows_view(dx).sum(0) if bias is not None and ctx.needs_input_grad[1] else None
+        dbias = None
+        if bias is not None and ctx.needs_input_grad[1]:
+            dbias = _as_param_grad(_rows_view(dx).sum(0), bias.shape)
         return dx, dbias
 
 
 def bias_gelu(x, bias):
-    if not _kernel_supports(x):
+    if not _kernel_supports(x) or not _fits_rows(bias, x):
         return reference.bias_gelu(x, bias)
     # The reference adds the bias in x's dtype; the kernel takes it in x's dtype too.
     bias = None if bias is None else bias.to(x.dtype).contiguous()
@@ -90,6 +135,7 @@ class _SwiGLU(torch.autograd.Function):
         return _ops().swiglu_forward(x)
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         return _ops().swiglu_backward(dy.contiguous(), x)
@@ -112,21 +158,28 @@ class _BiasDropoutAdd(torch.autograd.Function):
             # dropout) and activation recomputation reproduce the same mask.
             seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=x.device)
         ctx.save_for_backward(seed)
-        ctx.keep_prob, ctx.has_bias = keep_prob, bias is not None
+        ctx.keep_prob, ctx.bias_shape = keep_prob, None if bias is None else bias.shape
         return _ops().bias_dropout_add_forward(x, bias, residual, seed, keep_prob)
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, dy):
         (seed,) = ctx.saved_tensors
         dx = dy
         if ctx.keep_prob < 1.0:
             dx = _ops().dropout_backward(dy.contiguous(), seed, ctx.keep_prob)
-        dbias = _rows_view(dx).sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
+        dbias = None
+        if ctx.bias_shape is not None and ctx.needs_input_grad[1]:
+            dbias = _as_param_grad(_rows_view(dx).sum(0), ctx.bias_shape)
         return dx, dbias, dy, None
 
 
 def bias_dropout_add(x, bias, residual, prob, training):
-    if not _kernel_supports(x) or residual.dtype != x.dtype or residual.shape != x.shape:
+    if not 0.0 <= prob <= 1.0:
+        # F.dropout's check and words: p > 1 would make keep_prob negative and drop every element.
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {prob}")
+    if (not _kernel_supports(x) or residual.dtype != x.dtype or residual.shape != x.shape
+            or not _fits_rows(bias, x)):
         return reference.bias_dropout_add(x, bias, residual, prob, training)
     keep_prob = 1.0 - prob if training else 1.0
     bias = None if bias is None else bias.to(x.dtype).contiguous()
@@ -140,6 +193,7 @@ class _Rotary(torch.autograd.Function):
         return _ops().rotary_forward(t, freqs)
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, dy):
         (freqs,) = ctx.saved_tensors
         return _ops().rotary_backward(dy.contiguous(), freqs), None
@@ -169,6 +223,7 @@ class _Softmax(torch.autograd.Function):
         return y
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
         return _ops().softmax_backward(dy.contiguous(), y, ctx.scale), None, None, None
