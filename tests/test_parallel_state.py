@@ -150,3 +150,13 @@ def test_counter_counts_calls_and_bytes_and_ignores_size_one_groups():
     assert dict(counter.calls) == {} and counter.total_bytes() == 0
     counter.record("all_reduce", None, torch.zeros(4, dtype=torch.float16))
     assert counter.count("all_reduce", "world") == 1 and counter.total_bytes("world") == 8
+
+
+def test_reduction_device_follows_the_backend_not_the_data(monkeypatch):
+    # The one rule for where a tensor to be communicated lives: the current GPU if any group is NCCL.
+    backends = {"nccl_group": "nccl", "gloo_group": "gloo"}
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backends[group])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collectives.reduction_device([None, "nccl_group"]) == torch.device("cuda", 3)
+    assert collectives.reduction_device(["gloo_group", None]) == torch.device("cpu")
+    assert collectives.reduction_device([None, None]) == torch.device("cpu")

@@ -52,11 +52,6 @@ def get_grads_for_norm(params, *, tensor_model_parallel_rank: int, is_pipeline_f
     return grads
 
 
-def _reduction_device(grads: list, groups: list) -> torch.device:
-    """Where the partial norm lives: with the gradients, or where the backend can reduce it."""
-    return grads[0].device if grads else collectives.reduction_device(groups)
-
-
 def _all_reduce(tensor: torch.Tensor, groups: list, op) -> None:
     for group in groups:
         collectives.all_reduce(tensor, group, op=op)
@@ -81,15 +76,17 @@ def get_grad_norm_fp32(grads_for_norm: list, *, model_parallel_group, data_paral
     if not norm_type > 0:
         raise ValueError(f"norm_type must be positive (2.0 for L2, math.inf for max), got {norm_type}.")
     groups = [model_parallel_group, data_parallel_group]
-    device = _reduction_device(grads_for_norm, groups)
+    # Each gradient's share is computed where the gradient lives (the host under
+    # --optimizer-cpu-offload) and summed where the groups communicate.
+    device = collectives.reduction_device(groups)
     total = torch.zeros((), dtype=torch.float32, device=device)
     if norm_type == math.inf:
         for grad in grads_for_norm:
-            total = torch.maximum(total, grad.detach().abs().max().to(torch.float32))
+            total = torch.maximum(total, grad.detach().abs().max().to(device=device, dtype=torch.float32))
         _all_reduce(total, groups, dist.ReduceOp.MAX)
         return total.item()
     for grad in grads_for_norm:
-        total += torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32) ** norm_type
+        total += (torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32) ** norm_type).to(device)
     _all_reduce(total, groups, dist.ReduceOp.SUM)
     return total.item() ** (1.0 / norm_type)
 
@@ -113,8 +110,9 @@ def count_zeros_fp32(grads_for_norm: list, *, model_parallel_group, data_paralle
     """How many gradient elements are exactly zero across the model (``--log-num-zeros-in-grad``)."""
     groups = [model_parallel_group, data_parallel_group]
     # Counted in int64: a float32 count stops being exact past 2**24 elements.
-    total = torch.zeros((), dtype=torch.int64, device=_reduction_device(grads_for_norm, groups))
+    device = collectives.reduction_device(groups)
+    total = torch.zeros((), dtype=torch.int64, device=device)
     for grad in grads_for_norm:
-        total += grad.numel() - torch.count_nonzero(grad)
+        total += (grad.numel() - torch.count_nonzero(grad)).to(device)
     _all_reduce(total, groups, dist.ReduceOp.SUM)
     return int(total.item())

@@ -106,8 +106,7 @@ class MegatronOptimizer:
         for attribute in _PARALLEL_ATTRIBUTES:
             if hasattr(r.param, attribute):
                 setattr(main, attribute, getattr(r.param, attribute))
-        grad = r.model_grad()
-        if grad.dtype == torch.float32 and main.device == grad.device:
+        if r.model_grad().dtype == torch.float32 and not self.offload:
             main.grad_copy = None  # the fp32 gradient buffer itself serves as main grad
         else:
             main.grad_copy = torch.empty_like(main)  # persistent fp32 copy, filled every step
@@ -145,15 +144,12 @@ class MegatronOptimizer:
         for main in self.main_params:
             main.grad.mul_(inv_scale.to(main.grad.device))
             flags.append((~torch.isfinite(main.grad)).any())
+        groups = (self.parallel_state.model_parallel_group, self._data_parallel_group_for_grads())
         found_inf = torch.stack(flags).any().float() if flags else torch.zeros(())
-        found_inf = found_inf.to(self._communication_device())
-        for group in (self.parallel_state.model_parallel_group, self._data_parallel_group_for_grads()):
+        found_inf = found_inf.to(collectives.reduction_device(groups))
+        for group in groups:
             collectives.all_reduce(found_inf, group, op=dist.ReduceOp.MAX)
         return bool(found_inf.item())
-
-    def _communication_device(self) -> torch.device:
-        # Where the process groups' backend expects tensors: with the model, not the host.
-        return next(self.model_chunks[0].parameters()).device
 
     def _clip_grads(self) -> Optional[float]:
         if self.config.clip_grad <= 0:

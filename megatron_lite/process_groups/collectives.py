@@ -111,10 +111,19 @@ def rank(group) -> int:
 
 
 def reduction_device(groups) -> torch.device:
-    """Where a tensor must live for ``groups`` to reduce it: NCCL reduces only GPU tensors."""
+    """Where a tensor built to be communicated over ``groups`` must live: the one rule for every caller.
+
+    NCCL communicates only tensors on this process's GPU; gloo takes host tensors. The data a
+    small result comes from (a gradient norm, an overflow flag) may live elsewhere, e.g. on the
+    host under --optimizer-cpu-offload: callers move the result here rather than keep it with the data.
+    """
     if any(group is not None and dist.get_backend(group) == "nccl" for group in groups):
-        return torch.device("cuda", torch.cuda.current_device())
+        return _nccl_device()
     return torch.device("cpu")
+
+
+def _nccl_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):

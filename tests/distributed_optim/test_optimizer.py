@@ -5,10 +5,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.config import OptimizerConfig
+from megatron_lite.distributed import finalize_model_grads
 from megatron_lite.optimizer import merge_optimizer_state_dicts
+from megatron_lite.process_groups import collectives
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from tests.distributed import run_distributed
 from tests.distributed_optim import toy
+from tests.nccl_stand_in import NcclDeviceError, StandInNcclGroup, nccl_stand_in
 
 
 @pytest.mark.parametrize("kind", ["adam", "sgd"])
@@ -132,24 +135,61 @@ def test_memory_report_matches_the_per_parameter_table():
         assert sum(shards) == optimizer_bytes * psi  # the shards partition the state exactly
 
 
+def _placement(ddp, optimizer) -> dict:
+    """Where the optimizer keeps each tensor, and whether the model holds its own copy of the update."""
+    ranges = list(zip(optimizer.param_ranges, optimizer.main_params))
+    state = [t for s in optimizer.optimizer.state.values() for k, t in s.items() if k != "step"]
+    return {
+        "main params": {(m.device.type, m.dtype) for _, m in ranges},
+        "main grads": {None if m.grad_copy is None else (m.grad_copy.device.type, m.grad_copy.dtype)
+                       for _, m in ranges},
+        "adam state": {(t.device.type, t.dtype) for t in state},
+        "adam state tensors": len(state),
+        # A main parameter sharing the model's storage is the model's own tensor, not a copy in host memory.
+        "aliased main params": sum(m.untyped_storage().data_ptr() == r.param.untyped_storage().data_ptr()
+                                   for r, m in ranges),
+        "model params": {(p.device.type, p.dtype) for p in ddp.parameters()},
+        # The step's result reached the model's parameters (a copy of the main parameters, on the model's device).
+        "model holds the update": all(torch.equal(r.model_data(), m.detach().to(r.param.dtype)) for r, m in ranges),
+        "on host": optimizer.memory_report()["optimizer_state_on_host"],
+    }
+
+
 def _offload(rank, world_size):
     parallel_state = initialize_model_parallel(1, 1)
     results = {}
-    for offload in (False, True):
-        config = OptimizerConfig(lr=0.05, weight_decay=0.1, clip_grad=0.5, optimizer_cpu_offload=offload)
-        ddp, optimizer = toy.build(parallel_state, dtype=torch.bfloat16, optimizer_config=config,
-                                   use_distributed_optimizer=True)
-        losses = [toy.train_step(ddp, optimizer, parallel_state, step)[0] for step in range(5)]
-        results[offload] = (losses, optimizer.memory_report()["optimizer_state_on_host"],
-                            {m.device.type for m in optimizer.main_params})
+    for dtype in (torch.float32, torch.bfloat16):
+        for offload in (False, True):
+            config = OptimizerConfig(lr=0.05, weight_decay=0.1, clip_grad=0.5, optimizer_cpu_offload=offload)
+            ddp, optimizer = toy.build(parallel_state, dtype=dtype, optimizer_config=config,
+                                       use_distributed_optimizer=True)
+            losses = [toy.train_step(ddp, optimizer, parallel_state, step)[0] for step in range(5)]
+            ddp.finish_param_sync()
+            results[(str(dtype), offload)] = (losses, _placement(ddp, optimizer), len(optimizer.main_params))
     return results
 
 
-def test_cpu_offload_gives_the_same_losses():
+def test_cpu_offload_gives_the_same_losses_with_state_in_host_memory():
     for results in run_distributed(_offload, 2):
-        assert results[True][0] == results[False][0]
-        assert results[True][1:] == (True, {"cpu"})
-        assert results[False][1] is False
+        for dtype, model_dtype in (("torch.float32", torch.float32), ("torch.bfloat16", torch.bfloat16)):
+            losses, resident, _ = results[(dtype, False)]
+            offloaded_losses, placement, n_main = results[(dtype, True)]
+            assert offloaded_losses == losses, dtype
+            # fp32 main parameters, their gradients and Adam's two moments all live on the host, as copies.
+            assert placement["main params"] == {("cpu", torch.float32)}, dtype
+            assert placement["main grads"] == {("cpu", torch.float32)}, dtype
+            assert placement["adam state"] == {("cpu", torch.float32)}, dtype
+            assert placement["adam state tensors"] == 2 * n_main, dtype
+            assert placement["aliased main params"] == 0, dtype
+            assert placement["on host"] is True
+            # The model keeps its parameters on its own device and dtype, updated from the host copies.
+            assert placement["model params"] == {("cpu", model_dtype)}, dtype
+            assert placement["model holds the update"], dtype
+            assert resident["on host"] is False
+            assert resident["model holds the update"], dtype
+        # Without offload an fp32 model's parameters are themselves the main parameters (no copy).
+        assert results[("torch.float32", False)][1]["aliased main params"] == results[("torch.float32", False)][2]
+        assert results[("torch.float32", False)][1]["main grads"] == {None}
 
 
 def _resume(rank, world_size):
@@ -190,3 +230,34 @@ def test_optimizer_state_resumes_on_same_and_merged_layouts():
     assert "fc1.bias" not in results[0][4]
     assert sorted(set(results[0][4]) | set(results[1][4])) == [
         "fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "norm.bias", "norm.weight"]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_offloaded_step_hands_nccl_only_gpu_tensors(dtype, sharded):
+    """Under --optimizer-cpu-offload the main gradients are on the host, but every collective of the step
+    (the gradient norm, and fp16's overflow check) goes over NCCL groups, which take only GPU tensors."""
+    parallel_state = toy.single_process_state()
+    config = OptimizerConfig(lr=0.05, clip_grad=0.5, optimizer_cpu_offload=True, initial_loss_scale=1024.0)
+    ddp, optimizer = toy.build(parallel_state, dtype=dtype, optimizer_config=config, use_distributed_optimizer=sharded)
+    x, y = toy.global_batch(0)
+    optimizer.scale_loss(F.mse_loss(ddp(x.to(dtype)).float(), y)).backward()
+    finalize_model_grads([ddp], parallel_state)
+    groups = {name: StandInNcclGroup(name) for name in ("model", "data")}
+    parallel_state.groups.update(groups)
+    before = {k: v.clone() for k, v in ddp.state_dict().items()}
+    with nccl_stand_in():
+        update_successful, grad_norm, _ = optimizer.step()
+    assert update_successful and grad_norm == 0.0  # a meta norm reads 0: no clipping, the step ran
+    assert all(not torch.equal(before[k], v) for k, v in ddp.state_dict().items())
+    collectives_per_group = 2 if dtype == torch.float16 else 1  # fp16: the overflow flag, then the norm
+    assert groups["model"].calls == [("all_reduce", "meta")] * collectives_per_group
+    # Sharded, each data-parallel rank holds different gradients: both also reduce over data parallelism.
+    assert groups["data"].calls == ([("all_reduce", "meta")] * collectives_per_group if sharded else [])
+
+
+def test_nccl_stand_in_refuses_host_tensors():
+    group = StandInNcclGroup("model")
+    with nccl_stand_in(), pytest.raises(NcclDeviceError, match="'model' was handed a tensor on cpu"):
+        collectives.all_reduce(torch.ones(1), group)
+    assert group.calls == [("all_reduce", "cpu")]
