@@ -66,8 +66,13 @@ setup(
     package_dir={"megatron_lite.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    install_requires=["torch>=2.3", "numpy", "sentencepiece", "regex"],
+    # Everything megatron_lite imports unconditionally; .ci/run installs exactly this into a bare
+    # environment and trains with --save, so a missing one fails CI rather than a user.
+    install_requires=["torch>=2.3", "numpy", "regex", "safetensors", "sentencepiece"],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "transformers", "tokenizers", "safetensors", "ruff", "protobuf"],
+        # Only --tokenizer-type HuggingFaceTokenizer imports it (and names this package if it is missing);
+        # it brings huggingface_hub and an HTTP stack that no other path needs.
+        "hf": ["tokenizers"],
+        "dev": ["pytest", "pytest-timeout", "transformers", "tokenizers", "ruff", "protobuf"],
     },
 )
