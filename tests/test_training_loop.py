@@ -123,3 +123,39 @@ def test_start_up_summary_counts_parameters_per_stage_and_the_batch():
     assert "4 processes = tensor 1 x pipeline 2 x data 2" in summary
     assert "16 sequences = micro-batch 2 x 4 micro-batches x data 2; 512 tokens per iteration" in summary
     assert "to /ckpt at the end" in summary
+
+
+def _bucket_reductions_at_finalize(rank, world_size):
+    """One trainer iteration (pretrain -> train_step -> the interleaved schedule) with --overlap-grad-reduce;
+    returns, per model chunk, whether each bucket's data-parallel reduction had been launched when the
+    schedule called finalize_model_grads."""
+    from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainingConfig
+
+    seen = []
+
+    def finalize(model_chunks, parallel_state):  # the trainer's finalize, observed as the schedule calls it
+        seen.append([[(bucket.grad_sync_started, bucket.grad_handle is not None) for bucket in chunk.buckets]
+                     for chunk in model_chunks])
+        finalize_model_grads(model_chunks, parallel_state=parallel_state)
+
+    finalize_model_grads, loop.finalize_model_grads = loop.finalize_model_grads, finalize
+    config = Config(
+        model=ModelConfig(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=128),
+        # pp 2 x vpp 2: each rank holds two one-layer chunks; 2000-element buckets give each chunk several.
+        parallel=ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                overlap_grad_reduce=True, ddp_bucket_size=2000),
+        training=TrainingConfig(micro_batch_size=1, global_batch_size=4, train_iters=1, eval_iters=1),
+        data=DataConfig(mock_data=True), logging=LoggingConfig(log_memory=False))
+    loop.pretrain(config)
+    return seen
+
+
+def test_interleaved_overlap_reduces_every_chunks_buckets_during_backward():
+    from tests.distributed import run_distributed
+
+    # pp 2 x dp 2: a bucket's reduction is a real all-reduce, launched by the last gradient that fills it.
+    for seen in run_distributed(_bucket_reductions_at_finalize, 4):
+        assert len(seen) == 1 and len(seen[0]) == 2  # one iteration, two chunks per rank
+        for chunk, buckets in enumerate(seen[0]):
+            assert len(buckets) > 1, buckets
+            assert buckets == [(True, True)] * len(buckets), f"chunk {chunk}: {buckets}"

@@ -61,14 +61,6 @@ def forward_step(data_iterator, model):
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 
-def _no_sync_all(model_chunks):
-    """Suppress data-parallel gradient reduction in every chunk (non-final micro-batches)."""
-    stack = contextlib.ExitStack()
-    for chunk in model_chunks:
-        stack.enter_context(chunk.no_sync())
-    return stack
-
-
 def train_step(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, data_iterator):
     """Forward and backward over every micro-batch of the global batch, then one optimizer step.
 
@@ -93,7 +85,10 @@ def _forward_backward(config, parallel_state, model_chunks, data_iterator, *, fo
         num_microbatches=num_microbatches, seq_length=model.seq_length,
         micro_batch_size=config.training.micro_batch_size, hidden_size=model.hidden_size,
         parallel_state=parallel_state, forward_only=forward_only, sequence_parallel=config.parallel.sequence_parallel,
-        dtype=config.params_dtype, no_sync_func=functools.partial(_no_sync_all, model_chunks),
+        # One no_sync per chunk, as Megatron: the schedule lets each chunk's gradient reduction start
+        # before that chunk's own last backward, so with --overlap-grad-reduce every chunk's buckets
+        # reduce behind the remaining backwards (interleaved chunks finish their backwards at different times).
+        dtype=config.params_dtype, no_sync_func=[chunk.no_sync for chunk in model_chunks],
         finalize_model_grads_func=functools.partial(finalize_model_grads, parallel_state=parallel_state),
         grad_scale_func=grad_scale_func)
 
