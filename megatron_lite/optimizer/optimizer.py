@@ -106,8 +106,10 @@ class MegatronOptimizer:
         for attribute in _PARALLEL_ATTRIBUTES:
             if hasattr(r.param, attribute):
                 setattr(main, attribute, getattr(r.param, attribute))
+        # The fp32 gradient buffer itself can serve as main grad, except under offload: the step then reads
+        # its gradients from host memory, like its parameters.
         if r.model_grad().dtype == torch.float32 and not self.offload:
-            main.grad_copy = None  # the fp32 gradient buffer itself serves as main grad
+            main.grad_copy = None
         else:
             main.grad_copy = torch.empty_like(main)  # persistent fp32 copy, filled every step
         return main
