@@ -68,11 +68,9 @@ setup(
     cmdclass=cmdclass,
     # Everything megatron_lite imports unconditionally; .ci/run installs exactly this into a bare
     # environment and trains with --save, so a missing one fails CI rather than a user.
-    install_requires=["torch>=2.3", "numpy", "regex", "safetensors", "sentencepiece"],
+    # Every package a command imports: a plain `pip install .` trains, saves and reads every tokenizer.
+    install_requires=["torch>=2.3", "numpy", "regex", "safetensors", "sentencepiece", "tokenizers"],
     extras_require={
-        # Only --tokenizer-type HuggingFaceTokenizer imports it (and names this package if it is missing);
-        # it brings huggingface_hub and an HTTP stack that no other path needs.
-        "hf": ["tokenizers"],
-        "dev": ["pytest", "pytest-timeout", "transformers", "tokenizers", "ruff", "protobuf"],
+        "dev": ["pytest", "pytest-timeout", "transformers", "ruff", "protobuf"],
     },
 )
