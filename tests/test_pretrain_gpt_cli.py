@@ -42,6 +42,8 @@ def test_ladder_tool_reports_and_gates():
                              "--train-iters", "2"], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "control" in result.stdout and "within rtol" in result.stdout
+    assert "[1/2] running layout 1x1x1 on 1 process(es) ..." in result.stderr  # progress while runs take minutes
+    assert "[2/2] layout 1x2x1: 2 iterations in " in result.stderr
 
 
 def test_ladder_tool_fails_when_no_loss_was_logged():

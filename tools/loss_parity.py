@@ -7,6 +7,7 @@ more than --rtol (relative), so it can gate a cluster before a long run.
 """
 import argparse
 import sys
+import time
 
 from megatron_lite.training.loss_parity import Layout, max_relative_difference, run_layout
 
@@ -27,17 +28,30 @@ def main(argv=None) -> int:
 
 
 def _compare(control: Layout, others: list[Layout], flags: list[str], rtol: float) -> int:
-    reference = run_layout(control, flags)
+    total = len(others) + 1
+    reference = _run_with_progress(control, flags, 1, total)
     print(f"{'layout':>8} {'ranks':>5} {'iterations':>10} {'max rel diff':>12}  losses")
     print(f"{str(control):>8} {control.world_size:5d} {len(reference):10d} {'control':>12}  {reference}")
     worst = 0.0
-    for layout in others:
-        losses = run_layout(layout, flags)
+    for number, layout in enumerate(others, start=2):
+        losses = _run_with_progress(layout, flags, number, total)
         difference = max_relative_difference(reference, losses)
         worst = max(worst, difference)
         print(f"{str(layout):>8} {layout.world_size:5d} {len(losses):10d} {difference:12.2e}  {losses}")
     print(f"worst relative difference {worst:.2e} ({'within' if worst <= rtol else 'ABOVE'} rtol {rtol:g})")
     return 0 if worst <= rtol else 1
+
+
+
+def _run_with_progress(layout: Layout, flags: list[str], number: int, total: int) -> list[float]:
+    """Each run can take minutes: say which is running, and how long it took (on stderr, beside the table)."""
+    print(f"[{number}/{total}] running layout {layout} on {layout.world_size} process(es) ...", file=sys.stderr,
+          flush=True)
+    start = time.perf_counter()
+    losses = run_layout(layout, flags)
+    print(f"[{number}/{total}] layout {layout}: {len(losses)} iterations in {time.perf_counter() - start:.1f} s",
+          file=sys.stderr, flush=True)
+    return losses
 
 
 if __name__ == "__main__":
