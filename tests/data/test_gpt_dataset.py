@@ -7,6 +7,8 @@ import time
 import numpy as np
 import pytest
 
+from megatron_lite.config import ConfigError
+
 from megatron_lite.data import build_train_valid_test_datasets, parse_data_path, parse_split
 from megatron_lite.data.dataset_builder import split_document_boundaries
 from megatron_lite.data.gpt_dataset import build_document_index, build_sample_index, num_epochs_needed
@@ -208,8 +210,13 @@ def test_data_path_parsing_errors():
             parse_data_path(bad)
 
 
-def test_a_split_too_small_for_one_sample_is_reported(tmp_path):
+def test_a_split_too_small_for_one_sample_is_reported(tmp_path, capsys):
+    """A test or validation split without one sample is skipped with a notice; a train split is an error."""
     prefix = write_corpus(tmp_path / "tiny", [5] * 99 + [1])
-    with pytest.raises(ValueError, match=r"test split \(documents 99 to 100\).*1 tokens.*--split"):
-        build_train_valid_test_datasets(data_path=[prefix], split="98,1,1", seq_length=4, seed=0,
+    datasets = build_train_valid_test_datasets(data_path=[prefix], split="98,1,1", seq_length=4, seed=0,
+                                               train_valid_test_num_samples=(10, 10, 10))
+    assert datasets[2] is None and "notice:" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"the train split .* holds fewer than 2 tokens.*--split"):
+        build_train_valid_test_datasets(data_path=[write_corpus(tmp_path / "short", [1] + [5] * 99)], split="1,0,99",
+                                        seq_length=4, seed=0,
                                         train_valid_test_num_samples=(10, 10, 10))
