@@ -3,8 +3,8 @@
 A rank's activations at their peak: every (micro-batch, chunk) its schedule table has
 forwarded and not yet backwarded (``pipeline.peak_activation_bytes``), each worth its
 chunk's layers plus the embedding on the first stage and the output layer's inputs and
-the loss's fp32 softmax on the last; plus, under full recomputation, one recomputed
-group's whole activations while its backward runs. On top: the cross entropy's
+the loss's fp32 softmax on the last; plus, under full recomputation, what a chunk's
+backward rebuilds while it runs. On top: the cross entropy's
 working copies of the logits on the last stage, and the cluster's allowance for the
 CUDA context, communication buffers and fragmentation.
 """
@@ -29,7 +29,7 @@ class MemoryEstimate:
 
     pipeline_rank: int
     static: StaticMemory
-    activation_bytes: float  # kept for backward at the schedule's peak, recomputation's working set included
+    activation_bytes: float  # kept for backward at the schedule's peak, recomputation's rebuilt layers included
     loss_transient_bytes: float
     allowance_bytes: float
 
@@ -55,33 +55,38 @@ def activation_setting(layout: Layout, device: str) -> ActivationSetting:
 
 
 def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: ChunkShape) -> tuple[float, float]:
-    """(bytes kept per micro-batch, bytes of a recomputation working set) of one chunk.
+    """(bytes kept per micro-batch, bytes added on top while its backward recomputes) of one chunk.
 
     Full recomputation keeps each recomputed group's input (``uniform``: groups of
     --recompute-num-layers; ``block``: the first --recompute-num-layers layers one by one)
-    and, during the backward of a group, rebuilds that group's activations.
+    and rebuilds a group's activations when its backward comes. By then the backward has
+    freed what it passed: the loss and output layer's tensors (``uniform`` recomputes the
+    last group first), and also the layers kept whole (``block`` recomputes the first layers
+    last); the group's input is shared with its rebuilt first layer.
     """
     model, training = layout.config.model, layout.config.training
     tokens = model.seq_length * layout.micro_batch_size
     layer = activations.layer_bytes_per_token(model, setting)
     layers, group = len(chunk.layer_numbers), training.recompute_num_layers or 1
-    kept, working_set = layers * layer, 0.0
-    if training.recompute_granularity == "full" and layers:
-        recomputed_input = activations.recomputed_input_bytes_per_token(model, setting)
-        if training.recompute_method == "block":
-            recomputed = min(group, layers)
-            kept = recomputed * recomputed_input + (layers - recomputed) * layer
-            working_set = layer if recomputed else 0.0
-        else:
-            kept = math.ceil(layers / group) * recomputed_input
-            working_set = min(group, layers) * layer
+    ends = 0.0
     if chunk.pre_process:
-        kept += activations.embedding_bytes_per_token(model, setting)
+        ends += activations.embedding_bytes_per_token(model, setting)
+    output = 0.0
     if chunk.post_process:
         vocab = model.padded_vocab_size(setting.tensor_model_parallel_size)
-        kept += activations.output_bytes_per_token(model, setting, vocab)
-    return kept * tokens, working_set * tokens
-
+        output = activations.output_bytes_per_token(model, setting, vocab)
+    if training.recompute_granularity != "full" or not layers:
+        return (layers * layer + ends + output) * tokens, 0.0
+    recomputed_input = activations.recomputed_input_bytes_per_token(model, setting)
+    if training.recompute_method == "block":
+        recomputed = min(group, layers)
+        whole = (layers - recomputed) * layer
+        kept = recomputed * recomputed_input + whole
+        rebuilt, freed = (layer - recomputed_input if recomputed else 0.0), whole + output
+    else:
+        kept = math.ceil(layers / group) * recomputed_input
+        rebuilt, freed = min(group, layers) * layer - recomputed_input, output
+    return (kept + ends + output) * tokens, max(0.0, rebuilt - freed) * tokens
 
 
 def rank_memory(layout: Layout, *, device: str, pipeline_rank: int, data_parallel_rank: int = 0,
@@ -91,7 +96,7 @@ def rank_memory(layout: Layout, *, device: str, pipeline_rank: int, data_paralle
     setting = activation_setting(layout, device)
     chunks = [chunk_activation_bytes(layout, setting, shape) for shape in rank_chunk_shapes(config, pipeline_rank)]
     peak = peak_activation_bytes(layout.pipeline_model_parallel_size, pipeline_rank, layout.num_microbatches,
-                                 tuple(kept for kept, _ in chunks))
+                                 tuple(kept for kept, _ in chunks), tuple(extra for _, extra in chunks))
     last = pipeline_rank == layout.pipeline_model_parallel_size - 1
     tokens = model.seq_length * layout.micro_batch_size
     transient = tokens * activations.loss_transient_bytes_per_token(
@@ -99,7 +104,7 @@ def rank_memory(layout: Layout, *, device: str, pipeline_rank: int, data_paralle
     static = static_memory(config, layout.sharding_strategy, pipeline_rank=pipeline_rank,
                            data_parallel_size=layout.data_parallel_size, data_parallel_rank=data_parallel_rank)
     return MemoryEstimate(pipeline_rank=pipeline_rank, static=static,
-                          activation_bytes=peak + max(ws for _, ws in chunks), loss_transient_bytes=transient,
+                          activation_bytes=peak, loss_transient_bytes=transient,
                           allowance_bytes=allowance_gb * GB)
 
 

@@ -45,12 +45,18 @@ def _compute_ops(p: int, rank: int, m: int, v: int) -> tuple:
 
 
 def peak_activation_bytes(pipeline_model_parallel_size: int, pipeline_rank: int, num_microbatches: int,
-                          chunk_bytes: tuple) -> float:
+                          chunk_bytes: tuple, backward_extra: tuple | None = None) -> float:
     """Most activation bytes the rank holds at once: every (micro-batch, chunk) forwarded and not
-    yet backwarded, each worth ``chunk_bytes[chunk]``."""
+    yet backwarded, each worth ``chunk_bytes[chunk]``, plus ``backward_extra[chunk]`` while that
+    chunk's backward runs (what recomputation rebuilds)."""
     p, v = pipeline_model_parallel_size, len(chunk_bytes)
+    extra = backward_extra or (0.0,) * v
     alive = peak = 0.0
     for kind, chunk in _compute_ops(p, pipeline_rank, table_microbatches(num_microbatches, p), v):
-        alive += chunk_bytes[chunk] if kind == FORWARD else -chunk_bytes[chunk]
-        peak = max(peak, alive)
+        if kind == FORWARD:
+            alive += chunk_bytes[chunk]
+            peak = max(peak, alive)
+        else:
+            peak = max(peak, alive + extra[chunk])
+            alive -= chunk_bytes[chunk]
     return peak
