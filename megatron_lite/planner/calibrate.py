@@ -1,7 +1,10 @@
 """``--cluster local``: measure this machine as a cluster of N processes over gloo.
 
 Every process measures at the same time (they share the cores, caches and memory
-bus as training ranks do), taking the best of a few repeats of each:
+bus as training ranks do), taking the best of a few repeats of each. Compute is
+timed in the process's own CPU time, so other jobs sharing the machine do not count
+as slowness of the machine; communication, which waits on the other process, in
+wall-clock time:
 
 - the matmul rate: a 1024 x 1024 x 1024 matmul in the training dtype (the "peak");
 - the matmul efficiency: forward + backward of one transformer layer of the planned
@@ -29,7 +32,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.planner.cluster import Cluster, Link
 from megatron_lite.training import metrics
 
-REPEATS = 5
+REPEATS = 3
 PROBE_MAX_HIDDEN = 1024
 PROBE_MAX_TOKENS = 2048
 MESSAGE_BYTES = (1 << 18, 1 << 23)  # two sizes: the line through them gives latency and bandwidth
@@ -58,13 +61,13 @@ class Measurements:
         return Measurements(**fields)
 
 
-def _best_time(fn, repeats: int = REPEATS) -> float:
+def _best_time(fn, repeats: int = REPEATS, clock=time.thread_time) -> float:
     fn()  # warm-up: first-call allocation and kernel selection
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
@@ -73,7 +76,7 @@ def matmul_rate(dtype: torch.dtype, size: int = 1024) -> float:
     return 2 * size ** 3 / _best_time(lambda: a @ b)
 
 
-def memory_bandwidth(elements: int = 1 << 25) -> float:
+def memory_bandwidth(elements: int = 1 << 24) -> float:
     source = torch.ones(elements)
     target = torch.empty_like(source)
     return 2 * source.nbytes / _best_time(lambda: target.copy_(source))
@@ -145,8 +148,8 @@ def collective_rates(group=None) -> tuple[float, float, float, float]:
                 dist.recv(buffer, 0)
                 dist.send(buffer, 0)
 
-        all_reduce.append(_best_time(reduce))
-        p2p.append(_best_time(ping_pong) / 2)
+        all_reduce.append(_best_time(reduce, clock=time.perf_counter))
+        p2p.append(_best_time(ping_pong, clock=time.perf_counter) / 2)
     fixed, per_byte = _fit(*all_reduce)
     p2p_fixed, p2p_per_byte = _fit(*p2p)
     # A ring all-reduce: 2(k-1) steps, 2(k-1)/k of the message over the bus.

@@ -63,11 +63,19 @@ class SavedActivationPeak:
         self._hooks.__exit__(*exc)
 
 
+def _scheduler_seconds() -> tuple[float, float]:
+    """(CPU time, time runnable but waiting for a CPU) of this thread so far, from Linux's schedstat."""
+    with open("/proc/thread-self/schedstat") as f:
+        running, waiting, _ = f.read().split()
+    return int(running) / 1e9, int(waiting) / 1e9
+
+
 def run_layout(config, *, timed_steps: int = 0) -> dict:
     """One training step of ``config`` on this rank (the loop's own ``train_step``), measured.
 
     Returns the rank's coordinates, ``optimizer.memory_report()``, the peak saved activation
-    bytes of the step, and (with ``timed_steps``) the fastest of that many further steps.
+    bytes of the step, and (with ``timed_steps``) the wall, CPU and CPU-wait seconds of that
+    many further steps.
     """
     from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_lite.tensor_parallel.random import set_random_seeds
@@ -84,16 +92,17 @@ def run_layout(config, *, timed_steps: int = 0) -> dict:
     parameters = [p for chunk in chunks for p in chunk.module.parameters()]
     with SavedActivationPeak(parameters) as tracker:
         train_step(config, state, chunks, optimizer, scheduler, data)
-    step_seconds = []
+    steps = []  # (wall seconds, CPU seconds, seconds waiting for a CPU) of each timed step
     for _ in range(timed_steps):
         torch.distributed.barrier()
-        start = time.perf_counter()
+        start, (running, waiting) = time.perf_counter(), _scheduler_seconds()
         train_step(config, state, chunks, optimizer, scheduler, data)
         torch.distributed.barrier()
-        step_seconds.append(time.perf_counter() - start)
+        end, (running_end, waiting_end) = time.perf_counter(), _scheduler_seconds()
+        steps.append((end - start, running_end - running, waiting_end - waiting))
     result = {"pipeline_rank": state.pipeline_model_parallel_rank, "data_parallel_rank": state.data_parallel_rank,
               "memory_report": optimizer.memory_report(), "activation_peak": tracker.peak,
-              "step_seconds": min(step_seconds, default=None)}
+              "steps": steps}
     destroy_model_parallel(state)
     return result
 
