@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -36,11 +37,12 @@ REPEATS = 3
 PROBE_MAX_HIDDEN = 1024
 PROBE_MAX_TOKENS = 2048
 MESSAGE_BYTES = (1 << 18, 1 << 23)  # two sizes: the line through them gives latency and bandwidth
+COMMUNICATION_FIELDS = ("all_reduce_latency_s", "all_reduce_bus_bytes", "p2p_latency_s", "p2p_bytes")
 
 
 @dataclass(frozen=True)
 class Measurements:
-    """One process's numbers; ``best`` keeps the least disturbed of several calibrations."""
+    """One process's numbers."""
 
     matmul_flops: float  # per second
     layer_flops: float  # per second, one transformer layer's forward + backward
@@ -50,10 +52,17 @@ class Measurements:
     p2p_latency_s: float
     p2p_bytes: float  # per second
 
-    def best(self, other: "Measurements") -> "Measurements":
-        fields = {f.name: (min if f.name.endswith("latency_s") else max)(getattr(self, f.name), getattr(other, f.name))
-                  for f in dataclasses.fields(self)}
-        return Measurements(**fields)
+    @staticmethod
+    def typical(calibrations: list) -> "Measurements":
+        """One process's numbers over several calibrations (e.g. before and after each of several runs):
+        the median compute rates (CPU time already leaves other jobs out) and the fastest communication
+        (wall-clock time, which other jobs only ever make slower)."""
+        def combine(name: str):
+            values = [getattr(c, name) for c in calibrations]
+            if name in COMMUNICATION_FIELDS:
+                return (min if name.endswith("latency_s") else max)(values)
+            return statistics.median(values)
+        return Measurements(**{f.name: combine(f.name) for f in dataclasses.fields(Measurements)})
 
     def slowest(self, other: "Measurements") -> "Measurements":
         fields = {f.name: (max if f.name.endswith("latency_s") else min)(getattr(self, f.name), getattr(other, f.name))

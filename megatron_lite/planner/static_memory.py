@@ -161,7 +161,8 @@ def _static_memory(sizing: _Sizing, shapes: tuple, strategy: str, data_parallel_
         first_layer += layers
     plan = [b for chunk in chunks for b in buckets(chunk, config, strategy, d)]
     real, padded = sum(b.real for b in plan), sum(b.padded for b in plan)
-    param_b, grad_b, opt_b = dtype_bytes(config), gradient_dtype_bytes(config), optimizer_bytes_per_element(config, device)
+    param_b, grad_b = dtype_bytes(config), gradient_dtype_bytes(config)
+    opt_b = optimizer_bytes_per_element(config, device)
     owned = real if strategy == "no_shard" else sum(_owned(b, d, r) for b in plan)
     parameters, gradients = padded, padded
     if strategy in ("optim_grads", "optim_grads_params"):

@@ -106,8 +106,8 @@ def test_an_explicit_layout_may_cross_nodes_at_network_speed(capsys):
 
 
 def test_tools_script_runs_the_cli():
-    result = subprocess.run([sys.executable, "tools/plan.py", *MODEL, "--num-gpus", "8", "--micro-batch-size", "1",
-                             "--json"], cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    argv = [sys.executable, "tools/plan.py", *MODEL, "--num-gpus", "8", "--micro-batch-size", "1", "--json"]
+    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     assert result.returncode == 0, result.stderr
     assert KEYS <= set(json.loads(result.stdout))
 

@@ -36,7 +36,8 @@ def _built(config, rank):
     state.virtual_pipeline_model_parallel_size = parallel.virtual_pipeline_model_parallel_size
     chunks = [build_model_chunk(config, state, pipeline_rank=state.pipeline_model_parallel_rank, virtual_rank=v)
               for v in range(parallel.virtual_pipeline_model_parallel_size or 1)]
-    wrapped = [DistributedDataParallel(c, config=parallel, data_parallel_group=state.data_parallel_group) for c in chunks]
+    group = state.data_parallel_group
+    wrapped = [DistributedDataParallel(c, config=parallel, data_parallel_group=group) for c in chunks]
     optimizer = get_megatron_optimizer(config.optimizer, wrapped, parallel_state=state, parallel_config=parallel,
                                        params_dtype=config.params_dtype)
     return state, chunks, optimizer
@@ -51,7 +52,8 @@ def test_parameter_list_is_the_chunks_named_parameters(arch, tp, pp, vpp):
     config = _config(arch, tp, pp, vpp)
     for rank in range(0, WORLD, tp):  # tensor-parallel ranks hold the same shapes
         state, chunks, _ = _built(config, rank)
-        planned = [[(s.name, s.elements) for s in chunk] for chunk in rank_chunks(config, state.pipeline_model_parallel_rank)]
+        planned = [[(s.name, s.elements) for s in chunk]
+                   for chunk in rank_chunks(config, state.pipeline_model_parallel_rank)]
         assert planned == [[(n, p.numel()) for n, p in chunk.named_parameters()] for chunk in chunks]
 
 
