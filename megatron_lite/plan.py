@@ -20,13 +20,14 @@ import json
 import os
 import sys
 
-from megatron_lite.config import ConfigError, ModelConfig
-from megatron_lite.config.arguments import build_parser, config_from_dict
+from megatron_lite.config import ConfigError
+from megatron_lite.config.arguments import build_parser, config_from_namespace
 from megatron_lite.planner.cluster import PRESETS, customise
 from megatron_lite.planner.estimate import estimate, sharding_strategy_of
 from megatron_lite.planner.layouts import Layout, check_layout, enumerate_layouts
 from megatron_lite.planner.report import format_estimate, format_ranking, rank, ranking_dict
 from megatron_lite.planner.static_memory import SHARDING_STRATEGIES
+from megatron_lite.process_groups.failures import run_command
 
 # Flags that choose a layout: any of them means "estimate this one".
 LAYOUT_FIELDS = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -36,7 +37,7 @@ LAYOUT_FIELDS = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "
 CLUSTER_FIELDS = ("num_gpus", "gpus_per_node", "gpu_memory_gb", "gpu_peak_tflops", "intra_node_bandwidth_gbps",
                   "inter_node_bandwidth_gbps", "matmul_efficiency", "memory_allowance_gb")
 PLANNER_FIELDS = set(CLUSTER_FIELDS) | {"cluster", "data_parallel_sharding_strategy", "tensor_parallel_across_nodes",
-                                        "use_checkpoint_args", "hf_config", "top", "json"}
+                                        "hf_config", "top", "json"}
 
 
 def build_plan_parser() -> argparse.ArgumentParser:
@@ -62,8 +63,6 @@ def build_plan_parser() -> argparse.ArgumentParser:
                        help="no_shard, optim (= --use-distributed-optimizer), optim_grads, optim_grads_params")
     group.add_argument("--tensor-parallel-across-nodes", action="store_true",
                        help="also consider tensor-parallel groups larger than a node")
-    group.add_argument("--use-checkpoint-args", action="store_true",
-                       help="take the model from the checkpoint in --load (it overrides model flags, as in Megatron)")
     group.add_argument("--hf-config", help="take the model from a Hugging Face config.json (or its directory); "
                                            "model flags given override it")
     group.add_argument("--top", type=int, default=20, help="layouts to list when ranking (default: 20)")
@@ -71,86 +70,70 @@ def build_plan_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_values(values: dict, planner: dict) -> dict:
-    """Model fields from a checkpoint or a Hugging Face config, merged with the command line."""
-    if planner["use_checkpoint_args"]:
-        if not values.get("load"):
-            raise ConfigError("--use-checkpoint-args needs --load DIR (the checkpoint to read the model from).")
-        from megatron_lite.checkpointing import read_config
-        return {**values, **dataclasses.asdict(read_config(values["load"]).model)}
-    if planner["hf_config"]:
-        from megatron_lite.checkpointing.hf_interop import model_config_from_hf
-        path = planner["hf_config"]
-        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if not os.path.isfile(path):
-            raise ConfigError(f"--hf-config {planner['hf_config']}: no config.json there.")
-        with open(path) as f:
-            hf_model = model_config_from_hf(json.load(f))
-        return {**dataclasses.asdict(hf_model), **values}
-    return values
+def _with_hf_model(namespace: dict, path: str) -> dict:
+    """The model of a Hugging Face config.json, for the model flags the command line leaves out."""
+    from megatron_lite.checkpointing.hf_interop import model_config_from_hf
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ConfigError(f"--hf-config {path}: no config.json there.")
+    with open(file) as f:
+        model = dataclasses.asdict(model_config_from_hf(json.load(f)))
+    merged = {**model, **namespace}
+    merged["group_query_attention"] = namespace["group_query_attention"] or "num_query_groups" not in namespace
+    return merged
 
 
 def parse_plan_args(argv: list[str] | None = None):
     """-> (config, planner options dict, whether a layout was given)."""
     namespace = vars(build_plan_parser().parse_args(argv))
     planner = {k: namespace.pop(k) for k in PLANNER_FIELDS}
-    layout_given = bool(LAYOUT_FIELDS & (set(namespace) | {k for k in ("data_parallel_sharding_strategy",)
-                                                           if planner[k] is not None}))
-    if "num_query_groups" in namespace and not namespace.pop("group_query_attention"):
-        raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM); add the flag.")
-    namespace.pop("group_query_attention", None)
-    values = _model_values(namespace, planner)
-    if not values.get("data_path"):
-        values["mock_data"] = True  # the planner reads no data; pretraining's check wants a source
-    return config_from_dict(values), planner, layout_given
+    layout_given = bool(LAYOUT_FIELDS & set(namespace)) or planner["data_parallel_sharding_strategy"] is not None
+    if planner["hf_config"]:
+        namespace = _with_hf_model(namespace, planner["hf_config"])
+    if not namespace.get("data_path"):
+        namespace["mock_data"] = True  # the planner reads no data; pretraining's check wants a source
+    return config_from_namespace(namespace), planner, layout_given
 
 
 def _cluster(config, planner: dict):
     dtype = "bf16" if config.training.bf16 else "fp16" if config.training.fp16 else "fp32"
     options = {k: planner[k] for k in CLUSTER_FIELDS}
     if planner["cluster"] == "local":
-        import torch
-
         from megatron_lite.planner.calibrate import calibrate_local
         base = calibrate_local(config.model, config.params_dtype, config.training.micro_batch_size,
                                num_processes=planner["num_gpus"] or 2)
-        torch.set_num_threads(1)
     else:
         base = PRESETS[planner["cluster"]]
     return customise(base, dtype=dtype, **options)
 
 
+def plan(argv: list[str] | None = None) -> None:
+    config, planner, layout_given = parse_plan_args(argv)
+    cluster = _cluster(config, planner)
+    model = dataclasses.asdict(config.model)
+    if layout_given:
+        strategy = planner["data_parallel_sharding_strategy"] or sharding_strategy_of(config)
+        layout = Layout(config, cluster.num_gpus, strategy)
+        check_layout(layout, cluster, tensor_parallel_across_nodes=True)  # asked for: estimated as asked
+        result = estimate(layout, cluster)
+        print(json.dumps({**result.as_dict(), "cluster": cluster.name, "model": model}, indent=2)
+              if planner["json"] else format_estimate(result))
+        return
+    strategies = ([planner["data_parallel_sharding_strategy"]] if planner["data_parallel_sharding_strategy"]
+                  else SHARDING_STRATEGIES)
+    layouts = enumerate_layouts(config, cluster, strategies=strategies,
+                                tensor_parallel_across_nodes=planner["tensor_parallel_across_nodes"])
+    ranked = rank([estimate(layout, cluster) for layout in layouts])
+    if not ranked:
+        raise ConfigError(f"no valid layout of this model and --global-batch-size on {cluster.num_gpus} GPUs: "
+                          f"check that the batch divides over the data-parallel sizes.")
+    print(json.dumps({**ranking_dict(ranked, planner["top"]), "model": model}, indent=2)
+          if planner["json"] else format_ranking(ranked, planner["top"]))
+
+
 def main(argv: list[str] | None = None) -> int:
-    try:
-        config, planner, layout_given = parse_plan_args(argv)
-        cluster = _cluster(config, planner)
-        if layout_given:
-            strategy = planner["data_parallel_sharding_strategy"] or sharding_strategy_of(config)
-            layout = Layout(config, cluster.num_gpus, strategy)
-            check_layout(layout, cluster, tensor_parallel_across_nodes=True)
-            result = estimate(layout, cluster)
-            output = json.dumps({**result.as_dict(), "cluster": cluster.name, "model": _model_dict(config.model)},
-                                indent=2) if planner["json"] else format_estimate(result)
-        else:
-            strategies = ([planner["data_parallel_sharding_strategy"]] if planner["data_parallel_sharding_strategy"]
-                          else SHARDING_STRATEGIES)
-            ranked = rank([estimate(layout, cluster) for layout in enumerate_layouts(
-                config, cluster, strategies=strategies,
-                tensor_parallel_across_nodes=planner["tensor_parallel_across_nodes"])])
-            if not ranked:
-                raise ConfigError(f"no valid layout of this model and --global-batch-size on {cluster.num_gpus} GPUs: "
-                                  f"check that the batch divides over the data-parallel sizes.")
-            output = (json.dumps({**ranking_dict(ranked, planner["top"]), "model": _model_dict(config.model)},
-                                 indent=2) if planner["json"] else format_ranking(ranked, planner["top"]))
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(output)
-    return 0
-
-
-def _model_dict(model: ModelConfig) -> dict:
-    return dataclasses.asdict(model)
+    return run_command(plan, argv)
 
 
 if __name__ == "__main__":

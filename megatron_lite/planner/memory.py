@@ -102,8 +102,7 @@ def rank_memory(layout: Layout, *, device: str, pipeline_rank: int, data_paralle
     transient = tokens * activations.loss_transient_bytes_per_token(
         setting, model.padded_vocab_size(layout.tensor_model_parallel_size)) if last else 0.0
     static = static_memory(config, layout.sharding_strategy, pipeline_rank=pipeline_rank,
-                           data_parallel_size=layout.data_parallel_size, data_parallel_rank=data_parallel_rank,
-                           device=device)
+                           data_parallel_size=layout.data_parallel_size, data_parallel_rank=data_parallel_rank)
     return MemoryEstimate(pipeline_rank=pipeline_rank, static=static,
                           activation_bytes=peak, loss_transient_bytes=transient,
                           allowance_bytes=allowance_gb * GB)

@@ -116,10 +116,3 @@ def rank_chunks(config: Config, pipeline_rank: int) -> list[list[ParamSpec]]:
     return [chunk_parameters(config.model, tensor_model_parallel_size=t, layer_numbers=shape.layer_numbers,
                              pre_process=shape.pre_process, post_process=shape.post_process)
             for shape in rank_chunk_shapes(config, pipeline_rank)]
-
-
-def total_parameters(model: ModelConfig) -> int:
-    """Parameters of the whole model (one copy of a tied embedding), at tensor-parallel size 1."""
-    return sum(s.elements for s in chunk_parameters(model, tensor_model_parallel_size=1,
-                                                    layer_numbers=range(model.num_layers),
-                                                    pre_process=True, post_process=True))

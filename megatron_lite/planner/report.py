@@ -1,11 +1,11 @@
 """What the planner prints: one layout in detail, or layouts ranked by throughput; or the same as JSON."""
 from __future__ import annotations
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import Config, ModelConfig
+from megatron_lite.model.builder import count_parameters
 from megatron_lite.planner.cluster import Cluster
 from megatron_lite.planner.estimate import Estimate
 from megatron_lite.planner.memory import GB
-from megatron_lite.planner.parameters import total_parameters
 from megatron_lite.planner.step_time import training_dtype
 
 TIME_PARTS = {"compute": "compute (recomputation included)", "tensor_parallel": "tensor-parallel communication",
@@ -18,7 +18,7 @@ def describe_model(model: ModelConfig) -> str:
     groups = f", {model.num_query_groups} query groups" if model.num_query_groups != model.num_attention_heads else ""
     return (f"{kind} model: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads"
             f"{groups}, ffn {model.ffn_hidden_size}, sequence {model.seq_length}, vocabulary {model.vocab_size}, "
-            f"{total_parameters(model) / 1e9:.2f} B parameters")
+            f"{count_parameters(Config(model=model)) / 1e9:.2f} B parameters")
 
 
 def describe_cluster(cluster: Cluster, dtype: str) -> str:

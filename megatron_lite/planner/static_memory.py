@@ -74,16 +74,12 @@ def gradient_dtype_bytes(config: Config) -> int:
     return 4 if fp32 else dtype_bytes(config)
 
 
-def optimizer_bytes_per_element(config: Config, device: str = "cuda") -> int:
-    """fp32 bytes the optimizer keeps per element it owns (see the module docstring).
-
-    Offloaded main parameters are always a copy; their gradients only when the model is
-    not itself on the host (``device``), else the fp32 gradient buffer serves as they are.
-    """
+def optimizer_bytes_per_element(config: Config) -> int:
+    """fp32 bytes the optimizer keeps per element it owns (see the module docstring)."""
     opt = config.optimizer
     states = 2 if opt.optimizer == "adam" else int(opt.sgd_momentum > 0)
     main_copy = dtype_bytes(config) != 4 or opt.optimizer_cpu_offload
-    grad_copy = gradient_dtype_bytes(config) != 4 or (opt.optimizer_cpu_offload and device != "cpu")
+    grad_copy = gradient_dtype_bytes(config) != 4 or opt.optimizer_cpu_offload
     return 4 * (states + main_copy + grad_copy)
 
 
@@ -122,12 +118,12 @@ def _gathered_units(chunks: list[list[ParamSpec]]) -> list[int]:
 
 
 def static_memory(config: Config, strategy: str, *, pipeline_rank: int, data_parallel_size: int,
-                  data_parallel_rank: int = 0, device: str = "cuda") -> StaticMemory:
-    """What one rank holds: rank (pipeline_rank, data_parallel_rank) of the layout in ``config``, on ``device``."""
+                  data_parallel_rank: int = 0) -> StaticMemory:
+    """What one rank holds: rank (pipeline_rank, data_parallel_rank) of the layout in ``config``."""
     check_strategy(strategy)
     shapes = tuple((len(s.layer_numbers), s.pre_process, s.post_process)
                    for s in rank_chunk_shapes(config, pipeline_rank))
-    return _static_memory(_Sizing.of(config), shapes, strategy, data_parallel_size, data_parallel_rank, device)
+    return _static_memory(_Sizing.of(config), shapes, strategy, data_parallel_size, data_parallel_rank)
 
 
 @dataclass(frozen=True)
@@ -150,7 +146,7 @@ class _Sizing:
 
 @functools.lru_cache(maxsize=4096)
 def _static_memory(sizing: _Sizing, shapes: tuple, strategy: str, data_parallel_size: int,
-                   data_parallel_rank: int, device: str) -> StaticMemory:
+                   data_parallel_rank: int) -> StaticMemory:
     config, d, r = sizing.config, data_parallel_size, data_parallel_rank
     t = config.parallel.tensor_model_parallel_size
     chunks, first_layer = [], 0
@@ -162,7 +158,7 @@ def _static_memory(sizing: _Sizing, shapes: tuple, strategy: str, data_parallel_
     plan = [b for chunk in chunks for b in buckets(chunk, config, strategy, d)]
     real, padded = sum(b.real for b in plan), sum(b.padded for b in plan)
     param_b, grad_b = dtype_bytes(config), gradient_dtype_bytes(config)
-    opt_b = optimizer_bytes_per_element(config, device)
+    opt_b = optimizer_bytes_per_element(config)
     owned = real if strategy == "no_shard" else sum(_owned(b, d, r) for b in plan)
     parameters, gradients = padded, padded
     if strategy in ("optim_grads", "optim_grads_params"):

@@ -168,7 +168,7 @@ def step_time(layout: Layout, cluster: Cluster) -> StepTime:
         forward = sum(c.forward_compute for c in chunks)
         backward = sum(c.backward_compute for c in chunks)
         memory = static_memory(layout.config, layout.sharding_strategy, pipeline_rank=ranks[0],
-                               data_parallel_size=layout.data_parallel_size, device=cluster.device)
+                               data_parallel_size=layout.data_parallel_size)
         stages.append((chunks, _data_parallel_s(layout, cluster, memory, forward, backward),
                        _optimizer_s(layout, cluster, memory)))
     chunks = max((chunks for chunks, _, _ in stages), key=lambda cs: sum(c.total for c in cs))

@@ -87,7 +87,7 @@ def test_model_from_a_hugging_face_config(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--tensor-model-parallel-size", "3"], "--num-attention-heads (16) must be divisible"),
-    (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
+    (["--use-checkpoint-args"], "--use-checkpoint-args needs --load or --pretrained-checkpoint"),
     (["--micro-batch-size", "3"], "--global-batch-size (64) must be divisible by --micro-batch-size (3)"),
 ])
 def test_user_errors_name_the_flag(capsys, argv, message):
@@ -126,3 +126,14 @@ def test_estimate_for_a_pretraining_config_and_its_log_line():
     assert "(measured 1.0)" in line and "(measured 2.0)" in line and "(measured 3.0)" in line
     assert f"total: {last.total_bytes / 2 ** 20:.1f} |" in line
     assert last.total_bytes < 1 * GB
+
+
+def test_local_cluster_is_this_machine_measured(capsys):
+    """--cluster local starts 2 gloo processes, measures them, and plans on what it found."""
+    code, out, err = _run(capsys, "--cluster", "local", "--num-layers", "2", "--hidden-size", "128",
+                          "--num-attention-heads", "4", "--seq-length", "64", "--vocab-size", "512",
+                          "--global-batch-size", "4", "--micro-batch-size", "2", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["cluster"] == "local" and result["layout"]["data_parallel_size"] == 2
+    assert 0 < result["mfu"] <= 1 and result["time_breakdown_s"]["data_parallel"] > 0

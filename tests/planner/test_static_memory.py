@@ -10,7 +10,8 @@ from megatron_lite.config import Config, ModelConfig, OptimizerConfig, ParallelC
 from megatron_lite.distributed import DistributedDataParallel
 from megatron_lite.model.builder import build_model_chunk
 from megatron_lite.optimizer import get_megatron_optimizer
-from megatron_lite.planner.parameters import rank_chunks, total_parameters
+from megatron_lite.model.builder import count_parameters
+from megatron_lite.planner.parameters import rank_chunks
 from megatron_lite.planner.static_memory import SHARDING_STRATEGIES, static_memory
 from megatron_lite.process_groups.parallel_state import mock_parallel_state
 
@@ -57,13 +58,6 @@ def test_parameter_list_is_the_chunks_named_parameters(arch, tp, pp, vpp):
         assert planned == [[(n, p.numel()) for n, p in chunk.named_parameters()] for chunk in chunks]
 
 
-def test_total_parameters_counts_a_tied_embedding_once():
-    state, chunks, _ = _built(_config(GPT, 1, 1), 0)
-    assert total_parameters(ModelConfig(**GPT)) == sum(p.numel() for p in chunks[0].parameters())
-    untied = dict(GPT, untie_embeddings_and_output_weights=True)
-    assert total_parameters(ModelConfig(**untied)) - total_parameters(ModelConfig(**GPT)) == 1024 * 64
-
-
 CASES = [dict(), dict(sharded=True), dict(bf16=True), dict(bf16=True, sharded=True), dict(fp16=True, sharded=True),
          dict(sharded=True, bucket=3000), dict(bf16=True, sharded=True, bucket=5000), dict(sharded=True, offload=True),
          dict(optimizer="sgd", bf16=True)]
@@ -79,7 +73,7 @@ def test_every_rank_holds_what_the_planner_says(case, tp, pp, vpp):
         report = optimizer.memory_report()
         planned = static_memory(config, strategy, pipeline_rank=state.pipeline_model_parallel_rank,
                                 data_parallel_size=state.data_parallel_world_size,
-                                data_parallel_rank=state.data_parallel_rank, device="cpu")
+                                data_parallel_rank=state.data_parallel_rank)
         assert (planned.parameter_bytes, planned.gradient_bytes, planned.optimizer_state_bytes,
                 planned.optimizer_state_on_host) == (report["parameter_bytes"], report["gradient_bytes"],
                                                      report["optimizer_state_bytes"], report["optimizer_state_on_host"])
@@ -92,7 +86,7 @@ def test_bytes_per_parameter_follow_the_reference_table(bf16, fp16, unsharded, s
     fixed + sharded/d with the distributed optimizer."""
     arch = dict(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=16, vocab_size=50000)
     config = _config(arch, 1, 1, bf16=bf16, fp16=fp16)
-    elements = total_parameters(config.model)
+    elements = count_parameters(config)
     d = 8
     for strategy, expected in [("no_shard", unsharded), ("optim", sharded[0] + sharded[1] / d)]:
         memory = static_memory(config, strategy, pipeline_rank=0, data_parallel_size=d)
@@ -106,7 +100,7 @@ def test_zero_stages_shard_more_and_more():
     config = _config(arch, 1, 1, bf16=True, bucket=1)  # one bucket per parameter: the largest is the embedding
     d = 64
     by = {s: static_memory(config, s, pipeline_rank=0, data_parallel_size=d) for s in SHARDING_STRATEGIES}
-    psi = total_parameters(config.model)
+    psi = count_parameters(config)
     embedding, layer = 32000 * 1024, 12 * 1024 ** 2 + 13 * 1024
     assert by["no_shard"].gradient_bytes == 4 * psi
     assert by["optim"].gradient_bytes == pytest.approx(4 * psi, rel=1e-3)
