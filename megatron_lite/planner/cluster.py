@@ -13,8 +13,10 @@ Presets hold vendors' documented numbers (every one can be overridden by its fla
 bus bandwidth a ring collective reaches; NCCL gets close to them on large messages, so
 communication estimates are on the optimistic side. Latency per hop: 5 us in a node,
 10 us across nodes. The matmul efficiency (the fraction of the dense peak a
-transformer layer's matmuls sustain, non-matmul work included) defaults to 0.65 on
-A100 and 0.55 on H100/H200, whose larger peak is harder to feed. The memory
+transformer layer's compute sustains, non-matmul work included) defaults to 0.60 on
+A100 and 0.50 on H100/H200, whose larger peak is harder to feed; with them a GPT-3
+175B layout on 1,024 A100s comes out near the published 44-52% MFU (REFERENCE.md
+section 7). The memory
 allowance (3 GB) covers the CUDA context and library workspaces, communication
 buffers and allocator fragmentation.
 
@@ -95,10 +97,10 @@ def _gpu(name: str, memory_gb: float, bf16: float, hbm: float, nvlink_gbytes: fl
 
 
 PRESETS = {
-    "a100-40g": _gpu("a100-40g", 40, 312.0, 1555.0, 300.0, 200.0, 0.65),
-    "a100-80g": _gpu("a100-80g", 80, 312.0, 2039.0, 300.0, 200.0, 0.65),
-    "h100-80g": _gpu("h100-80g", 80, 989.0, 3350.0, 450.0, 400.0, 0.55),
-    "h200-141g": _gpu("h200-141g", 141, 989.0, 4800.0, 450.0, 400.0, 0.55),
+    "a100-40g": _gpu("a100-40g", 40, 312.0, 1555.0, 300.0, 200.0, 0.60),
+    "a100-80g": _gpu("a100-80g", 80, 312.0, 2039.0, 300.0, 200.0, 0.60),
+    "h100-80g": _gpu("h100-80g", 80, 989.0, 3350.0, 450.0, 400.0, 0.50),
+    "h200-141g": _gpu("h200-141g", 141, 989.0, 4800.0, 450.0, 400.0, 0.50),
 }
 
 
