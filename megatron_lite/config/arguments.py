@@ -90,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse Megatron-style flags; raises ConfigError (naming the flag) on bad values."""
-    namespace = vars(build_parser().parse_args(argv))
+    return config_from_namespace(vars(build_parser().parse_args(argv)))
+
+
+def config_from_namespace(namespace: dict) -> Config:
+    """Parsed flags (by field name, as ``build_parser`` leaves them) -> Config, with
+    --group-query-attention checked and --use-checkpoint-args applied."""
     if "num_query_groups" in namespace and not namespace.pop("group_query_attention"):
         raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM); add the flag.")
     namespace.pop("group_query_attention", None)

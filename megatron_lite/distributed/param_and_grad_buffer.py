@@ -100,7 +100,7 @@ class ParamAndGradBucket:
             self.param_handle = None
 
 
-def _plan_buckets(ordered: list, bucket_size: Optional[int], pad_to: int,
+def plan_buckets(ordered: list, bucket_size: Optional[int], pad_to: int,
                   needs_own_bucket: Callable[[torch.nn.Parameter], bool]) -> list[tuple[int, int, int]]:
     """Bucket boundaries over ``ordered``: (first param index, last param index + 1, padded numel)."""
     plans, start, numel = [], 0, 0
@@ -140,7 +140,7 @@ class ParamAndGradBuffer:
         self.sharded = sharded
         pad_to = collectives.world_size(data_parallel_group) if sharded else 1
         ordered = list(reversed(params))
-        plans = _plan_buckets(ordered, bucket_size, pad_to, needs_own_bucket)
+        plans = plan_buckets(ordered, bucket_size, pad_to, needs_own_bucket)
 
         total = sum(n for _, _, n in plans)
         device = params[0].device

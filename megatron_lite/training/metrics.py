@@ -18,21 +18,33 @@ from megatron_lite.config import ModelConfig
 PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800": 312.0, "L40S": 362.0}
 
 
+def attention_core_flops_per_token(config: ModelConfig) -> float:
+    """Forward FLOPs of QK^T and attention x V for one token (counted without the causal half)."""
+    return 2 * 2 * config.seq_length * config.num_attention_heads * config.head_dim
+
+
+def transformer_layer_flops_per_token(config: ModelConfig) -> float:
+    """Forward FLOPs of one transformer layer for one token, counting every matmul (GQA and SwiGLU included)."""
+    h, d = config.hidden_size, config.head_dim
+    qkv = 2 * h * (config.num_attention_heads + 2 * config.num_query_groups) * d
+    projection = 2 * config.num_attention_heads * d * h
+    mlp = 2 * h * config.ffn_hidden_size * (3 if config.swiglu else 2)
+    return qkv + attention_core_flops_per_token(config) + projection + mlp
+
+
+def output_layer_flops_per_token(config: ModelConfig, padded_vocab_size: int) -> float:
+    return 2 * config.hidden_size * padded_vocab_size
+
+
 def num_floating_point_operations(config: ModelConfig, batch_size: int, padded_vocab_size: int) -> float:
     """Model FLOPs of one iteration (forward + backward = 3 x forward), counting every matmul.
 
     For multi-head attention and a 4h GELU MLP this is Megatron's
     72 B s l h^2 (1 + s/(6h) + V/(12 l h)); GQA and SwiGLU change the QKV and MLP terms.
     """
-    s, h, layers = config.seq_length, config.hidden_size, config.num_layers
-    d = config.head_dim
-    qkv = 2 * h * (config.num_attention_heads + 2 * config.num_query_groups) * d
-    attention = 2 * 2 * s * config.num_attention_heads * d  # QK^T and attention x V
-    projection = 2 * config.num_attention_heads * d * h
-    mlp = 2 * h * config.ffn_hidden_size * (3 if config.swiglu else 2)
-    logits = 2 * h * padded_vocab_size
-    per_token_forward = layers * (qkv + attention + projection + mlp) + logits
-    return 3.0 * batch_size * s * per_token_forward
+    per_token_forward = (config.num_layers * transformer_layer_flops_per_token(config)
+                         + output_layer_flops_per_token(config, padded_vocab_size))
+    return 3.0 * batch_size * config.seq_length * per_token_forward
 
 
 def device_peak_tflops(peak_tflops: float | None) -> float | None:

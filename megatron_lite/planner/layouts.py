@@ -1,0 +1,182 @@
+"""A layout to estimate, and every valid layout of a model on a cluster.
+
+A layout is a full training ``Config`` (so every check pretraining makes applies to it
+too) plus the data-parallel sharding strategy. Enumeration varies the sizes of tensor,
+pipeline and virtual pipeline parallelism, the micro-batch size, recomputation and the
+sharding strategy; everything else (precision, global batch, overlap flags) stays as the
+user gave it. Sequence parallelism is on whenever tensor parallelism is: it only saves
+memory, for the same communication volume.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator
+
+from megatron_lite.config import Config, ConfigError
+from megatron_lite.pipeline_parallel.layer_split import get_layer_numbers
+from megatron_lite.pipeline_parallel.schedule_table import check_interleaved_microbatches
+from megatron_lite.planner.cluster import Cluster
+from megatron_lite.planner.static_memory import SHARDING_STRATEGIES, check_strategy
+from megatron_lite.process_groups.parallel_state import RankLayout
+
+RECOMPUTE_CHOICES = ((None, None), ("selective", None), ("full", "uniform"))
+MAX_MICRO_BATCH_SIZE = 16  # larger ones gain little matmul efficiency and cost activation memory
+
+
+@dataclass(frozen=True)
+class Layout:
+    config: Config
+    world_size: int
+    sharding_strategy: str
+
+    @property
+    def tensor_model_parallel_size(self) -> int:
+        return self.config.parallel.tensor_model_parallel_size
+
+    @property
+    def pipeline_model_parallel_size(self) -> int:
+        return self.config.parallel.pipeline_model_parallel_size
+
+    @property
+    def virtual_pipeline_model_parallel_size(self) -> int:
+        return self.config.parallel.virtual_pipeline_model_parallel_size or 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return RankLayout(self.world_size, self.tensor_model_parallel_size,
+                          self.pipeline_model_parallel_size).data_parallel_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.config.training.micro_batch_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.config.training.num_microbatches(self.data_parallel_size)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.config.training.global_batch(self.data_parallel_size)
+
+    @property
+    def recompute(self) -> str:
+        training = self.config.training
+        if training.recompute_granularity == "full":
+            return f"full/{training.recompute_method or 'uniform'}/{training.recompute_num_layers or 1}"
+        return training.recompute_granularity or "none"
+
+    def as_dict(self) -> dict:
+        return {"tensor_model_parallel_size": self.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+                "virtual_pipeline_model_parallel_size": self.virtual_pipeline_model_parallel_size,
+                "data_parallel_size": self.data_parallel_size, "micro_batch_size": self.micro_batch_size,
+                "num_microbatches": self.num_microbatches, "global_batch_size": self.global_batch_size,
+                "sequence_parallel": self.config.parallel.sequence_parallel, "recompute": self.recompute,
+                "data_parallel_sharding_strategy": self.sharding_strategy}
+
+    def flags(self) -> str:
+        """The pretraining flags that select this layout."""
+        parts = [f"--tensor-model-parallel-size {self.tensor_model_parallel_size}",
+                 f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size}"]
+        if self.virtual_pipeline_model_parallel_size > 1:
+            parts.append(f"--virtual-pipeline-model-parallel-size {self.virtual_pipeline_model_parallel_size}")
+        parts.append(f"--micro-batch-size {self.micro_batch_size}")
+        if self.config.parallel.sequence_parallel:
+            parts.append("--sequence-parallel")
+        training = self.config.training
+        if training.recompute_granularity:
+            parts.append(f"--recompute-granularity {training.recompute_granularity}")
+        if training.recompute_method:
+            parts.append(f"--recompute-method {training.recompute_method}")
+        parts.append(f"--data-parallel-sharding-strategy {self.sharding_strategy}")
+        return " ".join(parts)
+
+
+def check_layout(layout: Layout, cluster: Cluster, *, tensor_parallel_across_nodes: bool = False) -> None:
+    """Raise ConfigError unless pretraining would accept ``layout`` on ``cluster``."""
+    check_strategy(layout.sharding_strategy)
+    config, t, p = layout.config, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    if layout.world_size != cluster.num_gpus:
+        raise ConfigError(f"the layout is for {layout.world_size} GPUs but the cluster has {cluster.num_gpus}.")
+    dp = layout.data_parallel_size  # raises when tp x pp does not divide the world
+    config.training.num_microbatches(dp)
+    if layout.virtual_pipeline_model_parallel_size > 1:
+        check_interleaved_microbatches(layout.num_microbatches, p)
+    for rank in range(p):
+        for virtual_rank in range(layout.virtual_pipeline_model_parallel_size):
+            get_layer_numbers(config.model.num_layers, pipeline_model_parallel_size=p, pipeline_rank=rank,
+                              virtual_pipeline_model_parallel_size=config.parallel.virtual_pipeline_model_parallel_size,
+                              virtual_pipeline_rank=virtual_rank,
+                              decoder_first_pipeline_num_layers=config.parallel.decoder_first_pipeline_num_layers,
+                              decoder_last_pipeline_num_layers=config.parallel.decoder_last_pipeline_num_layers)
+    if not tensor_parallel_across_nodes and cluster.spans_nodes(1, t):
+        raise ConfigError(f"--tensor-model-parallel-size {t} does not fit in a node of {cluster.gpus_per_node} GPUs: "
+                          f"its all-reduces would cross the network. Lower it, or pass "
+                          f"--tensor-parallel-across-nodes to plan it anyway.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _micro_batch_sizes(global_batch: int, data_parallel_size: int) -> list[int]:
+    if global_batch % data_parallel_size:
+        return []
+    return [b for b in _divisors(global_batch // data_parallel_size) if b <= MAX_MICRO_BATCH_SIZE]
+
+
+def _candidate(base: Config, *, tp: int, pp: int, vpp: int, micro_batch_size: int, recompute: tuple) -> Config:
+    parallel = dataclasses.replace(base.parallel, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                   virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                   num_layers_per_virtual_pipeline_stage=None, sequence_parallel=tp > 1,
+                                   use_distributed_optimizer=False, overlap_param_gather=False)
+    training = dataclasses.replace(base.training, micro_batch_size=micro_batch_size,
+                                   recompute_granularity=recompute[0], recompute_method=recompute[1],
+                                   recompute_num_layers=None)
+    return Config(model=base.model, parallel=parallel, training=training, optimizer=base.optimizer, data=base.data,
+                  checkpoint=base.checkpoint, logging=base.logging)
+
+
+def with_strategy(config: Config, strategy: str) -> Config:
+    """``config`` with the flags pretraining reads for ``strategy`` (ours knows ZeRO-1 as the distributed optimizer)."""
+    sharded = strategy != "no_shard"
+    overlap_param = config.parallel.overlap_grad_reduce and sharded
+    parallel = dataclasses.replace(config.parallel, use_distributed_optimizer=sharded,
+                                   overlap_param_gather=overlap_param)
+    return dataclasses.replace(config, parallel=parallel)
+
+
+def enumerate_layouts(base: Config, cluster: Cluster, *, strategies=SHARDING_STRATEGIES,
+                      tensor_parallel_across_nodes: bool = False) -> Iterator[Layout]:
+    """Every layout of ``base``'s model and global batch on ``cluster`` that pretraining accepts.
+
+    ``--overlap-grad-reduce`` in ``base`` also turns on ``--overlap-param-gather`` for the
+    sharded strategies (Megatron's recommended pair).
+    """
+    n, layers = cluster.num_gpus, base.model.num_layers
+    global_batch = base.training.global_batch_size
+    if global_batch is None:
+        raise ConfigError("enumerating layouts needs --global-batch-size (the micro-batch count depends on it).")
+    for tp in _divisors(n):
+        if not tensor_parallel_across_nodes and cluster.spans_nodes(1, tp):
+            continue
+        for pp in _divisors(n // tp):
+            if layers % pp:
+                continue
+            dp = n // (tp * pp)
+            for vpp in [v for v in _divisors(layers // pp) if v == 1 or pp > 1]:
+                for micro_batch_size in _micro_batch_sizes(global_batch, dp):
+                    for recompute in RECOMPUTE_CHOICES:
+                        try:
+                            config = _candidate(base, tp=tp, pp=pp, vpp=vpp, micro_batch_size=micro_batch_size,
+                                                recompute=recompute)
+                        except ConfigError:
+                            continue  # e.g. heads not divisible by tp
+                        for strategy in strategies:
+                            layout = Layout(with_strategy(config, strategy), n, strategy)
+                            try:
+                                check_layout(layout, cluster, tensor_parallel_across_nodes=tensor_parallel_across_nodes)
+                            except ConfigError:
+                                continue
+                            yield layout

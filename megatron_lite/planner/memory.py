@@ -1,0 +1,120 @@
+"""Memory per GPU: static state, activations times the schedule's in-flight micro-batches, allowances.
+
+A rank's activations at their peak: every (micro-batch, chunk) its schedule table has
+forwarded and not yet backwarded (``pipeline.peak_activation_bytes``), each worth its
+chunk's layers plus the embedding on the first stage and the output layer's inputs and
+the loss's fp32 softmax on the last; plus, under full recomputation, what a chunk's
+backward rebuilds while it runs. On top: the cross entropy's
+working copies of the logits on the last stage, and the cluster's allowance for the
+CUDA context, communication buffers and fragmentation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_lite.planner import activations
+from megatron_lite.planner.activations import ActivationSetting
+from megatron_lite.planner.layouts import Layout
+from megatron_lite.planner.parameters import ChunkShape, distinct_stages, rank_chunk_shapes
+from megatron_lite.planner.pipeline import peak_activation_bytes
+from megatron_lite.planner.static_memory import StaticMemory, dtype_bytes, static_memory
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One rank's memory, bytes."""
+
+    pipeline_rank: int
+    static: StaticMemory
+    activation_bytes: float  # kept for backward at the schedule's peak, recomputation's rebuilt layers included
+    loss_transient_bytes: float
+    allowance_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.static.device_bytes + self.activation_bytes + self.loss_transient_bytes + self.allowance_bytes
+
+    def as_dict(self) -> dict:
+        return {"pipeline_rank": self.pipeline_rank, "parameters_gb": self.static.parameter_bytes / GB,
+                "gradients_gb": self.static.gradient_bytes / GB,
+                "optimizer_state_gb": self.static.optimizer_state_bytes / GB,
+                "optimizer_state_on_host": self.static.optimizer_state_on_host,
+                "activations_gb": self.activation_bytes / GB, "loss_working_memory_gb": self.loss_transient_bytes / GB,
+                "allowance_gb": self.allowance_bytes / GB, "total_gb": self.total_bytes / GB}
+
+
+def activation_setting(layout: Layout, device: str) -> ActivationSetting:
+    config = layout.config
+    return ActivationSetting(tensor_model_parallel_size=layout.tensor_model_parallel_size,
+                             sequence_parallel=config.parallel.sequence_parallel, dtype_bytes=dtype_bytes(config),
+                             selective_recompute=config.training.recompute_granularity == "selective",
+                             traits=activations.TRAITS[device])
+
+
+def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: ChunkShape) -> tuple[float, float]:
+    """(bytes kept per micro-batch, bytes added on top while its backward recomputes) of one chunk.
+
+    Full recomputation keeps each recomputed group's input (``uniform``: groups of
+    --recompute-num-layers; ``block``: the first --recompute-num-layers layers one by one)
+    and rebuilds a group's activations when its backward comes. By then the backward has
+    freed what it passed: the loss and output layer's tensors (``uniform`` recomputes the
+    last group first), and also the layers kept whole (``block`` recomputes the first layers
+    last); the group's input is shared with its rebuilt first layer.
+    """
+    model, training = layout.config.model, layout.config.training
+    tokens = model.seq_length * layout.micro_batch_size
+    layer = activations.layer_bytes_per_token(model, setting)
+    layers, group = len(chunk.layer_numbers), training.recompute_num_layers or 1
+    ends = 0.0
+    if chunk.pre_process:
+        ends += activations.embedding_bytes_per_token(model, setting)
+    output = 0.0
+    if chunk.post_process:
+        vocab = model.padded_vocab_size(setting.tensor_model_parallel_size)
+        output = activations.output_bytes_per_token(model, setting, vocab)
+    if training.recompute_granularity != "full" or not layers:
+        return (layers * layer + ends + output) * tokens, 0.0
+    recomputed_input = activations.recomputed_input_bytes_per_token(model, setting)
+    if training.recompute_method == "block":
+        recomputed = min(group, layers)
+        whole = (layers - recomputed) * layer
+        kept = recomputed * recomputed_input + whole
+        rebuilt, freed = (layer - recomputed_input if recomputed else 0.0), whole + output
+    else:
+        kept = math.ceil(layers / group) * recomputed_input
+        rebuilt, freed = min(group, layers) * layer - recomputed_input, output
+    return (kept + ends + output) * tokens, max(0.0, rebuilt - freed) * tokens
+
+
+def rank_memory(layout: Layout, *, device: str, pipeline_rank: int, data_parallel_rank: int = 0,
+                allowance_gb: float = 0.0) -> MemoryEstimate:
+    """Memory of rank (pipeline_rank, data_parallel_rank) of ``layout``; ``device`` picks the kernels' accounting."""
+    config, model = layout.config, layout.config.model
+    setting = activation_setting(layout, device)
+    chunks = [chunk_activation_bytes(layout, setting, shape) for shape in rank_chunk_shapes(config, pipeline_rank)]
+    peak = peak_activation_bytes(layout.pipeline_model_parallel_size, pipeline_rank, layout.num_microbatches,
+                                 tuple(kept for kept, _ in chunks), tuple(extra for _, extra in chunks))
+    last = pipeline_rank == layout.pipeline_model_parallel_size - 1
+    tokens = model.seq_length * layout.micro_batch_size
+    transient = tokens * activations.loss_transient_bytes_per_token(
+        setting, model.padded_vocab_size(layout.tensor_model_parallel_size)) if last else 0.0
+    static = static_memory(config, layout.sharding_strategy, pipeline_rank=pipeline_rank,
+                           data_parallel_size=layout.data_parallel_size, data_parallel_rank=data_parallel_rank)
+    return MemoryEstimate(pipeline_rank=pipeline_rank, static=static,
+                          activation_bytes=peak, loss_transient_bytes=transient,
+                          allowance_bytes=allowance_gb * GB)
+
+
+def peak_memory(layout: Layout, *, device: str, allowance_gb: float = 0.0) -> MemoryEstimate:
+    """The fullest rank, at data-parallel rank 0 (which owns the least padding).
+
+    Of stages holding the same sizes the earliest is the fullest: the schedules' warm-up,
+    and so the micro-batches in flight, shrinks with the pipeline rank.
+    """
+    estimates = []
+    for ranks in distinct_stages(layout.config).values():
+        estimates.append(rank_memory(layout, device=device, pipeline_rank=ranks[0], allowance_gb=allowance_gb))
+    return max(estimates, key=lambda e: e.total_bytes)

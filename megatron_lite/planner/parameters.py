@@ -1,0 +1,118 @@
+"""The parameters one model chunk holds, by name and size, without building it.
+
+The list mirrors ``model/gpt_model.py`` in ``module.parameters()`` order, because
+that order decides the data-parallel buckets (``distributed/param_and_grad_buffer``)
+and so the padding a sharded optimizer adds. A test checks it against real chunks
+of every kind (GPT-2 and Llama, tensor/pipeline/virtual splits, tied or not).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lite.config import Config, ModelConfig
+from megatron_lite.pipeline_parallel.layer_split import get_layer_numbers
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its name in the chunk, its element count on this rank, and whether it is the
+    word embedding that the first and last pipeline stages both hold (it gets its own bucket)."""
+
+    name: str
+    elements: int
+    shared_embedding: bool = False
+
+    def numel(self) -> int:  # what the bucket planner asks of a parameter
+        return self.elements
+
+
+def _norm(prefix: str, model: ModelConfig) -> list[ParamSpec]:
+    names = ["weight", "bias"] if model.normalization == "LayerNorm" else ["weight"]
+    return [ParamSpec(f"{prefix}.{n}", model.hidden_size) for n in names]
+
+
+def _linear(prefix: str, rows: int, columns: int, bias: int | None) -> list[ParamSpec]:
+    """A [rows, columns] weight and, when the layer has one, a bias of ``bias`` elements."""
+    specs = [ParamSpec(f"{prefix}.weight", rows * columns)]
+    return specs + ([ParamSpec(f"{prefix}.bias", bias)] if bias is not None else [])
+
+
+def layer_parameters(model: ModelConfig, layer_number: int, tensor_model_parallel_size: int) -> list[ParamSpec]:
+    """One transformer layer's shards: column-parallel weights and biases are split over the rows,
+    row-parallel weights over the columns, row-parallel biases and norms are replicated."""
+    t, h = tensor_model_parallel_size, model.hidden_size
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim // t
+    fc1 = model.ffn_hidden_size * (2 if model.swiglu else 1) // t
+    bias = model.add_bias_linear
+    prefix = f"decoder.layers.{layer_number}"
+    return (_norm(f"{prefix}.input_layernorm", model)
+            + _linear(f"{prefix}.self_attention.linear_qkv", qkv, h, qkv if bias else None)
+            + _linear(f"{prefix}.self_attention.linear_proj", h, model.num_attention_heads * model.head_dim // t,
+                      h if bias else None)
+            + _norm(f"{prefix}.pre_mlp_layernorm", model)
+            + _linear(f"{prefix}.mlp.linear_fc1", fc1, h, fc1 if bias else None)
+            + _linear(f"{prefix}.mlp.linear_fc2", h, model.ffn_hidden_size // t, h if bias else None))
+
+
+def chunk_parameters(model: ModelConfig, *, tensor_model_parallel_size: int, layer_numbers: range,
+                     pre_process: bool, post_process: bool) -> list[ParamSpec]:
+    """Every parameter of one model chunk, in ``module.parameters()`` order."""
+    t, h = tensor_model_parallel_size, model.hidden_size
+    vocab = model.padded_vocab_size(t) // t
+    tied = not model.untie_embeddings_and_output_weights
+    shared = tied and pre_process != post_process  # both end stages hold a copy of the word embedding
+    specs = []
+    if pre_process:
+        specs.append(ParamSpec("embedding.word_embeddings.weight", vocab * h, shared_embedding=shared))
+        if model.position_embedding_type == "learned_absolute":
+            specs.append(ParamSpec("embedding.position_embeddings.weight", model.max_position_embeddings * h))
+    for n in layer_numbers:
+        specs += layer_parameters(model, n, t)
+    if post_process:
+        specs += _norm("final_layernorm", model)
+        if not (tied and pre_process):  # a tied output layer on the first stage reuses the embedding
+            specs.append(ParamSpec("output_layer.weight", vocab * h, shared_embedding=shared))
+    return specs
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """What one model chunk holds: which layers, and whether the embedding and the output layer."""
+
+    layer_numbers: range
+    pre_process: bool
+    post_process: bool
+
+
+def rank_chunk_shapes(config: Config, pipeline_rank: int) -> list[ChunkShape]:
+    """The chunks pipeline stage ``pipeline_rank`` holds, one per virtual stage (``model/builder.py``'s split)."""
+    parallel = config.parallel
+    p, v = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size or 1
+    return [ChunkShape(get_layer_numbers(
+                config.model.num_layers, pipeline_model_parallel_size=p, pipeline_rank=pipeline_rank,
+                virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+                virtual_pipeline_rank=virtual_rank,
+                decoder_first_pipeline_num_layers=parallel.decoder_first_pipeline_num_layers,
+                decoder_last_pipeline_num_layers=parallel.decoder_last_pipeline_num_layers),
+            pre_process=pipeline_rank == 0 and virtual_rank == 0,
+            post_process=pipeline_rank == p - 1 and virtual_rank == v - 1)
+            for virtual_rank in range(v)]
+
+
+def distinct_stages(config: Config) -> dict[tuple, list[int]]:
+    """Pipeline ranks grouped by what they hold: ranks with the same layer counts and the same
+    end pieces (embedding, output layer) hold parameters of the same sizes and cost the same."""
+    groups: dict[tuple, list[int]] = {}
+    for rank in range(config.parallel.pipeline_model_parallel_size):
+        shapes = rank_chunk_shapes(config, rank)
+        key = tuple((len(s.layer_numbers), s.pre_process, s.post_process) for s in shapes)
+        groups.setdefault(key, []).append(rank)
+    return groups
+
+
+def rank_chunks(config: Config, pipeline_rank: int) -> list[list[ParamSpec]]:
+    """The parameter lists of the model chunks pipeline stage ``pipeline_rank`` holds."""
+    t = config.parallel.tensor_model_parallel_size
+    return [chunk_parameters(config.model, tensor_model_parallel_size=t, layer_numbers=shape.layer_numbers,
+                             pre_process=shape.pre_process, post_process=shape.post_process)
+            for shape in rank_chunk_shapes(config, pipeline_rank)]

@@ -1,0 +1,110 @@
+"""What the planner prints: one layout in detail, or layouts ranked by throughput; or the same as JSON."""
+from __future__ import annotations
+
+from megatron_lite.config import Config, ModelConfig
+from megatron_lite.model.builder import count_parameters
+from megatron_lite.planner.cluster import Cluster
+from megatron_lite.planner.estimate import Estimate
+from megatron_lite.planner.memory import GB
+from megatron_lite.planner.step_time import training_dtype
+
+TIME_PARTS = {"compute": "compute (recomputation included)", "tensor_parallel": "tensor-parallel communication",
+              "pipeline_p2p": "pipeline send/receive", "pipeline_bubble": "pipeline bubble",
+              "data_parallel": "data-parallel communication, exposed", "optimizer": "optimizer step"}
+
+
+def describe_model(model: ModelConfig) -> str:
+    kind = "Llama-style" if model.swiglu else "GPT"
+    groups = f", {model.num_query_groups} query groups" if model.num_query_groups != model.num_attention_heads else ""
+    return (f"{kind} model: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads"
+            f"{groups}, ffn {model.ffn_hidden_size}, sequence {model.seq_length}, vocabulary {model.vocab_size}, "
+            f"{count_parameters(Config(model=model)) / 1e9:.2f} B parameters")
+
+
+def describe_cluster(cluster: Cluster, dtype: str) -> str:
+    return (f"cluster {cluster.name}: {cluster.num_gpus} GPUs, {cluster.gpus_per_node} per node, "
+            f"{cluster.gpu_memory_gb:g} GB each, {cluster.peak(dtype):g} TFLOP/s {dtype} peak at matmul efficiency "
+            f"{cluster.matmul_efficiency:.2f}, in-node {cluster.intra_node.bandwidth_gbps:g} Gb/s, "
+            f"between nodes {cluster.inter_node.bandwidth_gbps:g} Gb/s")
+
+
+def format_estimate(estimate: Estimate) -> str:
+    layout, memory, time = estimate.layout, estimate.memory, estimate.time
+    static = memory.static
+    d = layout.as_dict()
+    host = " (in host memory)" if static.optimizer_state_on_host else ""
+    fits = "fits" if estimate.fits else "does NOT fit"
+    lines = [describe_model(layout.config.model), describe_cluster(estimate.cluster, training_dtype(layout)),
+             f"layout: tensor {d['tensor_model_parallel_size']} x pipeline {d['pipeline_model_parallel_size']} "
+             f"(virtual {d['virtual_pipeline_model_parallel_size']}) x data {d['data_parallel_size']}; micro-batch "
+             f"{d['micro_batch_size']} x {d['num_microbatches']} per step, global batch {d['global_batch_size']}; "
+             f"sequence parallel {'on' if d['sequence_parallel'] else 'off'}; recompute {d['recompute']}; "
+             f"sharding {d['data_parallel_sharding_strategy']}",
+             f"  flags: {layout.flags()}", "",
+             f"memory per GPU, GB (fullest rank: pipeline stage {memory.pipeline_rank})",
+             f"  parameters                         {static.parameter_bytes / GB:9.2f}",
+             f"  gradients                          {static.gradient_bytes / GB:9.2f}",
+             f"  optimizer state                    {static.optimizer_state_bytes / GB:9.2f}{host}",
+             f"  activations at the schedule's peak {memory.activation_bytes / GB:9.2f}",
+             f"  loss working memory                {memory.loss_transient_bytes / GB:9.2f}",
+             f"  allowance (context, buffers)       {memory.allowance_bytes / GB:9.2f}",
+             f"  total                              {memory.total_bytes / GB:9.2f} of "
+             f"{estimate.cluster.gpu_memory_gb:g}: {fits}", "",
+             "step time, s"]
+    lines += [f"  {TIME_PARTS[k]:<35}{v:9.3f}" for k, v in time.breakdown.items()]
+    lines += [f"  total                              {time.step_time_s:9.3f}  (bubble fraction "
+              f"{time.bubble_fraction:.3f}, from the schedule tables)", "",
+              f"throughput: {estimate.tokens_per_second:,.0f} tokens/s, {estimate.tflops_per_gpu:.1f} TFLOP/s per GPU, "
+              f"MFU {100 * estimate.mfu:.1f}%"]
+    return "\n".join(lines)
+
+
+_HEADER = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>5} {'mbs':>3} {'m':>5} {'recompute':<10} {'sharding':<18} "
+           f"{'step s':>8} {'tokens/s':>10} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6} {'GB/GPU':>7}  fits")
+
+
+def _row(index: int, estimate: Estimate) -> str:
+    d = estimate.layout.as_dict()
+    recompute = d["recompute"].split("/")[0]
+    return (f"{index:>3} {d['tensor_model_parallel_size']:>3} {d['pipeline_model_parallel_size']:>3} "
+            f"{d['virtual_pipeline_model_parallel_size']:>3} {d['data_parallel_size']:>5} {d['micro_batch_size']:>3} "
+            f"{d['num_microbatches']:>5} {recompute:<10} {d['data_parallel_sharding_strategy']:<18} "
+            f"{estimate.time.step_time_s:>8.3f} {estimate.tokens_per_second:>10,.0f} {estimate.tflops_per_gpu:>7.1f} "
+            f"{100 * estimate.mfu:>5.1f}% {estimate.time.bubble_fraction:>6.3f} "
+            f"{estimate.memory.total_bytes / GB:>7.1f}  {'yes' if estimate.fits else 'NO'}")
+
+
+def rank(estimates: list[Estimate]) -> list[Estimate]:
+    """Fastest first; among equally fast layouts the one needing less memory."""
+    return sorted(estimates, key=lambda e: (-e.tokens_per_second, e.memory.total_bytes))
+
+
+MISFITS_SHOWN = 5
+
+
+def shown(ranked: list[Estimate], top: int) -> list[Estimate]:
+    """The ``top`` fastest layouts that fit, and the (at most five) fastest that do not, if faster."""
+    fitting = [e for e in ranked if e.fits][:top]
+    slowest_shown = fitting[-1].tokens_per_second if fitting else float("-inf")
+    faster_misfits = [e for e in ranked if not e.fits and e.tokens_per_second >= slowest_shown][:MISFITS_SHOWN]
+    return rank(fitting + faster_misfits)
+
+
+def format_ranking(ranked: list[Estimate], top: int) -> str:
+    first = ranked[0]
+    dtype = training_dtype(first.layout)
+    fitting = sum(e.fits for e in ranked)
+    lines = [describe_model(first.layout.config.model), describe_cluster(first.cluster, dtype),
+             f"{len(ranked)} valid layouts, {fitting} fit in memory; the {min(top, fitting)} fastest that fit, and "
+             f"up to {MISFITS_SHOWN} faster ones that do not:", "", _HEADER]
+    lines += [_row(i + 1, e) for i, e in enumerate(shown(ranked, top))]
+    best = next((e for e in ranked if e.fits), None)
+    lines += ["", f"best that fits: {best.layout.flags()}" if best else "no layout fits: add GPUs or memory"]
+    return "\n".join(lines)
+
+
+def ranking_dict(ranked: list[Estimate], top: int) -> dict:
+    first = ranked[0]
+    return {"num_layouts": len(ranked), "num_fitting": sum(e.fits for e in ranked),
+            "cluster": first.cluster.name, "num_gpus": first.cluster.num_gpus,
+            "layouts": [e.as_dict() for e in shown(ranked, top)]}

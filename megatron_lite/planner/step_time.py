@@ -1,0 +1,182 @@
+"""Time of one training step: compute, communication, the pipeline bubble and the optimizer.
+
+Per pipeline stage and micro-batch, a model chunk's forward and backward take
+
+- compute: its FLOPs (``training.metrics``' count; backward twice the forward, plus the
+  recomputed forward under full recomputation or the attention core under selective) at
+  ``peak x matmul efficiency``;
+- tensor parallelism: per layer two all-reduces of the [s, b, h] activation forward and
+  two backward (or as many all-gather + reduce-scatter pairs under sequence parallelism:
+  the same bytes), plus the embedding's and the output layer's, over NVLink when the
+  group fits in a node; none of it overlapped (ours is not);
+- pipeline parallelism: one activation or gradient exchange with each neighbour per
+  forward and per backward.
+
+The slowest stage paces the pipeline: ``m x (its forward + backward) x (1 + bubble)``,
+the bubble read off our schedule tables. Then data-parallel communication (ring
+collectives; ZeRO-2/3 reduce-scatter every micro-batch's gradients and ZeRO-3 gathers
+parameters for every forward and backward), exposed past the backward (or forward) it
+overlaps with under ``--overlap-grad-reduce`` / ``--overlap-param-gather``, but never
+less than one bucket's worth; and the optimizer step, bound by memory bandwidth.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megatron_lite.planner.cluster import Cluster, Link
+from megatron_lite.planner.layouts import Layout
+from megatron_lite.planner.parameters import ChunkShape, distinct_stages, rank_chunk_shapes
+from megatron_lite.planner.pipeline import bubble_fraction
+from megatron_lite.planner.static_memory import StaticMemory, dtype_bytes, gradient_dtype_bytes, static_memory
+from megatron_lite.training import metrics
+
+# Bytes of memory traffic per fp32 element the optimizer owns, per step. torch.optim.AdamW
+# (foreach) makes about ten read-write passes: the two moments' updates, the denominator's
+# sqrt/div/add, the parameter update and the decoupled weight decay; gradient clipping
+# reads once for the norm and scales once. SGD with momentum: three passes.
+OPTIMIZER_TRAFFIC_BYTES = {"adam": 76 + 12, "sgd": 36 + 12}
+
+
+def all_reduce_s(message_bytes: float, group_size: int, link: Link) -> float:
+    """Ring all-reduce: 2(k-1) steps, each moving 1/k of the message."""
+    if group_size == 1:
+        return 0.0
+    k = group_size
+    return 2 * (k - 1) * link.latency_s + 2 * (k - 1) / k * message_bytes / link.bytes_per_second
+
+
+def gather_or_scatter_s(message_bytes: float, group_size: int, link: Link) -> float:
+    """Ring all-gather or reduce-scatter of a ``message_bytes`` whole: half an all-reduce."""
+    if group_size == 1:
+        return 0.0
+    k = group_size
+    return (k - 1) * link.latency_s + (k - 1) / k * message_bytes / link.bytes_per_second
+
+
+def p2p_s(message_bytes: float, link: Link) -> float:
+    return link.p2p_latency_s + message_bytes / link.p2p_bytes_per_second
+
+
+@dataclass
+class ChunkTime:
+    """One micro-batch through one model chunk, seconds."""
+
+    forward_compute: float = 0.0
+    backward_compute: float = 0.0
+    tensor_parallel: float = 0.0
+    pipeline_p2p: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.forward_compute + self.backward_compute + self.tensor_parallel + self.pipeline_p2p
+
+
+@dataclass
+class StepTime:
+    step_time_s: float
+    bubble_fraction: float
+    breakdown: dict = field(default_factory=dict)  # seconds per component, summing to step_time_s
+
+
+def _recomputed_layers(layout: Layout, layers: int) -> int:
+    training = layout.config.training
+    if training.recompute_granularity != "full":
+        return 0
+    if training.recompute_method == "block":
+        return min(layers, training.recompute_num_layers or 1)
+    return layers
+
+
+def chunk_time(layout: Layout, cluster: Cluster, chunk: ChunkShape) -> ChunkTime:
+    config, model = layout.config, layout.config.model
+    layers, pre_process, post_process = len(chunk.layer_numbers), chunk.pre_process, chunk.post_process
+    t, p, d = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
+    sp = config.parallel.sequence_parallel
+    tokens = model.seq_length * layout.micro_batch_size
+    rate = cluster.peak(training_dtype(layout)) * 1e12 * cluster.matmul_efficiency
+    layer_flops = metrics.transformer_layer_flops_per_token(model)
+    forward = tokens * (layers * layer_flops + (metrics.output_layer_flops_per_token(
+        model, model.padded_vocab_size(t)) if post_process else 0)) / t
+    recomputed_layers = _recomputed_layers(layout, layers)
+    recompute = tokens * recomputed_layers * layer_flops / t
+    if config.training.recompute_granularity == "selective":
+        recompute = tokens * layers * metrics.attention_core_flops_per_token(model) / t
+    time = ChunkTime(forward_compute=forward / rate, backward_compute=(2 * forward + recompute) / rate)
+
+    activation = tokens * model.hidden_size * dtype_bytes(config)
+    tp_link = cluster.link(1, t)
+    one_all_reduce = all_reduce_s(activation, t, tp_link)
+    tp = (2 * layers + 2 * layers + 2 * recomputed_layers) * one_all_reduce  # forward, backward, recomputation
+    tp += one_all_reduce if pre_process else 0
+    if post_process:  # the output layer's input gradient, and the loss's three [s, b] all-reduces
+        tp += one_all_reduce + 3 * all_reduce_s(tokens * 4, t, tp_link)
+    time.tensor_parallel = tp
+    if p > 1:
+        time.pipeline_p2p = 2 * p2p_s(activation / (t if sp else 1), cluster.link(t * d, p))
+    return time
+
+
+def training_dtype(layout: Layout) -> str:
+    training = layout.config.training
+    return "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
+
+
+def _data_parallel_s(layout: Layout, cluster: Cluster, memory: StaticMemory, stage_forward: float,
+                     stage_backward: float) -> float:
+    """Exposed data-parallel communication of one stage per step."""
+    config, strategy = layout.config, layout.sharding_strategy
+    t, d, m = layout.tensor_model_parallel_size, layout.data_parallel_size, layout.num_microbatches
+    if d == 1:
+        return 0.0
+    link = cluster.link(t, d)
+    padded = sum(memory.bucket_elements)
+    last_bucket = max(memory.bucket_elements) / padded  # the share no overlap can hide
+    grads, params = padded * gradient_dtype_bytes(config), padded * dtype_bytes(config)
+
+    def exposed(seconds: float, window: float, overlapped: bool) -> float:
+        return max(seconds - window, seconds * last_bucket) if overlapped else seconds
+
+    overlap_grads, overlap_params = config.parallel.overlap_grad_reduce, config.parallel.overlap_param_gather
+    if strategy == "no_shard":
+        return exposed(all_reduce_s(grads, d, link), stage_backward, overlap_grads)
+    gather = gather_or_scatter_s(params, d, link)
+    scatter = gather_or_scatter_s(grads, d, link)
+    if strategy == "optim":
+        return exposed(scatter, stage_backward, overlap_grads) + exposed(gather, stage_forward, overlap_params)
+    if strategy == "optim_grads":  # no full gradient buffer to accumulate into: every micro-batch scatters
+        return m * exposed(scatter, stage_backward, overlap_grads) + exposed(gather, stage_forward, overlap_params)
+    # ZeRO-3 prefetches the next layer's parameters while this one computes, every forward and backward.
+    return m * (exposed(gather, stage_forward, True) + exposed(gather + scatter, stage_backward, True))
+
+
+def _optimizer_s(layout: Layout, cluster: Cluster, memory: StaticMemory) -> float:
+    """The optimizer step and the gradient buffer's zeroing, at the device's memory bandwidth."""
+    config = layout.config
+    elements = memory.optimizer_elements
+    traffic = elements * OPTIMIZER_TRAFFIC_BYTES[config.optimizer.optimizer] + memory.gradient_bytes
+    if dtype_bytes(config) != 4:  # main grads copied in, main params copied back
+        traffic += elements * (gradient_dtype_bytes(config) + 4 + 4 + dtype_bytes(config))
+    return traffic / (cluster.memory_bandwidth_gbs * 1e9)
+
+
+def step_time(layout: Layout, cluster: Cluster) -> StepTime:
+    m = layout.num_microbatches
+    stages = []  # per group of alike stages: (chunk times, exposed data-parallel time, optimizer time)
+    for ranks in distinct_stages(layout.config).values():
+        chunks = [chunk_time(layout, cluster, shape) for shape in rank_chunk_shapes(layout.config, ranks[0])]
+        forward = sum(c.forward_compute for c in chunks)
+        backward = sum(c.backward_compute for c in chunks)
+        memory = static_memory(layout.config, layout.sharding_strategy, pipeline_rank=ranks[0],
+                               data_parallel_size=layout.data_parallel_size)
+        stages.append((chunks, _data_parallel_s(layout, cluster, memory, forward, backward),
+                       _optimizer_s(layout, cluster, memory)))
+    chunks = max((chunks for chunks, _, _ in stages), key=lambda cs: sum(c.total for c in cs))
+    bubble = bubble_fraction(layout.pipeline_model_parallel_size, m, layout.virtual_pipeline_model_parallel_size)
+    data_parallel, optimizer = max(((dp, opt) for _, dp, opt in stages), key=sum)
+    breakdown = {"compute": m * sum(c.forward_compute + c.backward_compute for c in chunks),
+                 "tensor_parallel": m * sum(c.tensor_parallel for c in chunks),
+                 "pipeline_p2p": m * sum(c.pipeline_p2p for c in chunks),
+                 "pipeline_bubble": m * sum(c.total for c in chunks) * bubble,
+                 "data_parallel": data_parallel, "optimizer": optimizer}
+    return StepTime(step_time_s=math.fsum(breakdown.values()), bubble_fraction=bubble, breakdown=breakdown)
