@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import OptimizerConfig
+from megatron_lite.distributed.param_and_grad_buffer import ParamSlice
 from megatron_lite.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32, get_grads_for_norm
 
 # Attributes the gradient norm and finalisation read; main params carry them too.
@@ -37,18 +38,33 @@ _PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_str
 
 @dataclass(eq=False)
 class ParamRange:
-    """Elements [start, end) of the flattened model parameter ``param`` (named ``name``)."""
+    """The elements of the model parameter named ``name`` that this rank updates: a ``ParamSlice``
+    of its data-parallel wrapper, which says where their weights and averaged gradients live."""
 
     name: str
-    param: torch.nn.Parameter
-    start: int
-    end: int
+    slice: ParamSlice
+
+    @property
+    def param(self) -> torch.nn.Parameter:
+        return self.slice.param
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.slice.shape
+
+    @property
+    def start(self) -> int:
+        return self.slice.start
+
+    @property
+    def end(self) -> int:
+        return self.slice.end
 
     def model_data(self) -> torch.Tensor:
-        return self.param.detach().view(-1)[self.start:self.end]
+        return self.slice.data
 
     def model_grad(self) -> torch.Tensor:
-        return self.param.main_grad.view(-1)[self.start:self.end]
+        return self.slice.grad
 
 
 class MegatronOptimizer:
@@ -75,7 +91,7 @@ class MegatronOptimizer:
         groups = [{"params": [], "weight_decay": config.weight_decay, "wd_mult": 1.0, "lr_mult": 1.0},
                   {"params": [], "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0}]
         for r, main in zip(self.param_ranges, self.main_params):
-            groups[1 if r.param.ndim == 1 else 0]["params"].append(main)
+            groups[1 if len(r.shape) == 1 else 0]["params"].append(main)
         if config.optimizer == "adam":
             self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                                eps=config.adam_eps, weight_decay=config.weight_decay)
@@ -83,9 +99,12 @@ class MegatronOptimizer:
             self.optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
                                              weight_decay=config.weight_decay)
 
-    # What a subclass changes: which elements this rank owns, and what happens after the step.
+    # What a subclass changes: over which group gradients differ, and what happens after the step.
     def _param_ranges(self, named_params: list) -> list[ParamRange]:
-        return [ParamRange(name, p, 0, p.numel()) for name, p in named_params]
+        """The elements this rank updates: all of each parameter, or its shards under a sharding
+        strategy (the data-parallel wrapper knows which)."""
+        names = {param: name for name, param in named_params}
+        return [ParamRange(names[s.param], s) for chunk in self.model_chunks for s in chunk.param_slices()]
 
     def _data_parallel_group_for_grads(self):
         """The group over which ranks hold *different* gradients (None: they are replicated)."""
@@ -95,13 +114,13 @@ class MegatronOptimizer:
         """Hook for the distributed optimizer's all-gather."""
 
     def _main_aliases_model(self, r: ParamRange) -> bool:
-        return r.param.dtype == torch.float32 and not self.offload
+        return r.model_data().dtype == torch.float32 and not self.offload
 
     def _make_main_param(self, r: ParamRange) -> torch.nn.Parameter:
         if self._main_aliases_model(r):
             main = torch.nn.Parameter(r.model_data())  # shares storage: updating it updates the model
         else:
-            device = torch.device("cpu") if self.offload else r.param.device
+            device = torch.device("cpu") if self.offload else r.model_data().device
             main = torch.nn.Parameter(r.model_data().to(device=device, dtype=torch.float32, copy=True))
         for attribute in _PARALLEL_ATTRIBUTES:
             if hasattr(r.param, attribute):
@@ -220,7 +239,7 @@ class MegatronOptimizer:
         params = {}
         for r, main in zip(self.param_ranges, self.main_params):
             state = self.optimizer.state.get(main, {})
-            params[r.name] = {"shape": tuple(r.param.shape), "range": (r.start, r.end),
+            params[r.name] = {"shape": tuple(r.shape), "range": (r.start, r.end),
                               "main_param": main.detach().clone(),
                               "state": {k: v.detach().clone() for k, v in state.items()}}
         dp = self._data_parallel_group_for_grads()
@@ -243,14 +262,18 @@ class MegatronOptimizer:
             group.update(saved)
         for r, main in zip(self.param_ranges, self.main_params):
             entry = state_dict["params"].get(r.name)
+            if entry is None and state_dict["data_parallel"]["sharded"]:
+                raise ValueError(f"this rank's optimizer checkpoint shard holds nothing of {r.name!r}: merge the "
+                                 f"data-parallel shards with merge_optimizer_state_dicts before loading under a "
+                                 f"new layout.")
             if entry is None:
                 raise KeyError(f"optimizer checkpoint has no state for parameter {r.name!r}: it was saved "
                                f"from a different model or pipeline layout.")
             start, end = entry["range"]
-            if tuple(entry["shape"]) != tuple(r.param.shape) or not start <= r.start <= r.end <= end:
+            if tuple(entry["shape"]) != tuple(r.shape) or not start <= r.start <= r.end <= end:
                 raise ValueError(
                     f"optimizer checkpoint holds elements {start}:{end} of {r.name!r} (shape {tuple(entry['shape'])}), "
-                    f"this rank needs {r.start}:{r.end} (shape {tuple(r.param.shape)}): merge the data-parallel "
+                    f"this rank needs {r.start}:{r.end} (shape {tuple(r.shape)}): merge the data-parallel "
                     f"shards with merge_optimizer_state_dicts before loading under a new layout.")
             window = slice(r.start - start, r.end - start)
             main.copy_(entry["main_param"][window])

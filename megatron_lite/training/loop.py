@@ -25,7 +25,8 @@ from megatron_lite.config import Config
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
 from megatron_lite.checkpointing.preflight import check_checkpoint_paths
-from megatron_lite.model.builder import build_model, count_parameters, current_device, parameters_per_stage
+from megatron_lite.model.builder import (FSDP_UNIT_MODULES, build_model, count_parameters, current_device,
+                                         parameters_per_stage)
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
@@ -43,7 +44,8 @@ from megatron_lite.checkpointing.training_state import TrainingState
 def get_model(config: Config, parallel_state: ParallelState) -> list[DistributedDataParallel]:
     """This rank's model chunks wrapped for data-parallel gradient reduction (Megatron's get_model)."""
     group = parallel_state.data_parallel_group
-    return [DistributedDataParallel(chunk, config=config.parallel, data_parallel_group=group)
+    return [DistributedDataParallel(chunk, config=config.parallel, data_parallel_group=group,
+                                    fsdp_unit_modules=FSDP_UNIT_MODULES)
             for chunk in build_model(config, parallel_state)]
 
 

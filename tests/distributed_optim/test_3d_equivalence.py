@@ -3,7 +3,9 @@
 A 4-layer GPT trains 10 steps through ``megatron_lite.training.pretrain`` on mock
 data, once with plain data parallelism and once with the distributed optimizer,
 --overlap-grad-reduce, --overlap-param-gather (and --sequence-parallel where
-tp > 1). Losses and the final weights, reassembled from every rank's shards,
+tp > 1); then under ZeRO-2 and ZeRO-3 (--data-parallel-sharding-strategy optim_grads,
+optim_grads_params) with and without overlap, pipelined, interleaved and recomputed.
+Losses and the final weights, reassembled from every rank's shards,
 must match the single-process run within 1e-5 relative (float32); data-parallel
 replicas of every shard must agree exactly.
 """
@@ -20,17 +22,24 @@ from tests.distributed_optim.toy import assert_relative_close
 STEPS = 10
 
 
-def _config(tp: int, pp: int, sharded: bool, steps: int = STEPS, bf16: bool = False,
-            offload: bool = False) -> Config:
+def _config(tp: int, pp: int, sharded: bool = False, steps: int = STEPS, bf16: bool = False,
+            offload: bool = False, strategy: str | None = None, overlap: bool | None = None, vpp: bool = False,
+            recompute: str | None = None) -> Config:
+    """``sharded`` is the distributed optimizer with every overlap; ``strategy`` and ``overlap`` choose."""
+    strategy = strategy or ("optim" if sharded else "no_shard")
+    overlap = sharded if overlap is None else overlap
     return Config(
         # vocab 256 is already a multiple of 128 x tp for tp <= 2: no layout-dependent padding rows.
         model=ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=256,
                           hidden_dropout=0.0, attention_dropout=0.0),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                use_distributed_optimizer=sharded, overlap_grad_reduce=sharded,
-                                overlap_param_gather=sharded, sequence_parallel=sharded and tp > 1,
+                                num_layers_per_virtual_pipeline_stage=1 if vpp else None,
+                                data_parallel_sharding_strategy=strategy, overlap_grad_reduce=overlap,
+                                overlap_param_gather=overlap and strategy != "no_shard",
+                                sequence_parallel=strategy != "no_shard" and tp > 1,
                                 ddp_bucket_size=5000),  # several buckets per stage
-        training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=steps, eval_iters=1, bf16=bf16),
+        training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=steps, eval_iters=1, bf16=bf16,
+                                recompute_granularity=recompute),
         # The key bias's gradient is zero in exact arithmetic (softmax ignores a constant shift of
         # the scores), so it is pure rounding noise; with Adam's eps at 1e-8 that noise becomes
         # lr-sized steps that differ with summation order. eps 1e-6 sits above the noise and far
@@ -47,11 +56,13 @@ def _train(rank, world_size, layouts):
     results = []
     for layout in layouts:
         state, model_chunks, parallel_state = pretrain(_config(**layout), keep_process_group=True)
+        shards = {}
         for chunk in model_chunks:
             chunk.finish_param_sync()
-        shards = {name: (p.detach().float().numpy().copy(), getattr(p, "tensor_model_parallel", False),
-                         getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1))
-                  for chunk in model_chunks for name, p in chunk.module.named_parameters()}
+            with chunk.gathered_parameters():  # whole parameters under ZeRO-3
+                shards.update({name: (p.detach().float().numpy().copy(), getattr(p, "tensor_model_parallel", False),
+                                      getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1))
+                               for name, p in chunk.module.named_parameters()})
         results.append({"losses": state.losses, "shards": shards,
                         "tp_rank": parallel_state.tensor_model_parallel_rank,
                         "dp_rank": parallel_state.data_parallel_rank})
@@ -90,12 +101,30 @@ GRID = {2: [(1, 1)], 4: [(1, 1), (2, 1), (1, 2)], 8: [(2, 2)]}
 
 @pytest.mark.parametrize("world_size", sorted(GRID))
 def test_layouts_match_single_process(single_process, world_size):
-    reference_losses, reference_weights = single_process
     layouts = [{"tp": tp, "pp": pp, "sharded": sharded} for tp, pp in GRID[world_size] for sharded in (False, True)]
+    _check_layouts(single_process, world_size, layouts)
+
+
+# ZeRO-2 and ZeRO-3 at dp 2 (with recomputation) and, in a world of 4, at dp 4, tp2 x dp2 (sequence
+# parallel), pp2 x dp2 and interleaved pp2 x dp2; each with and without overlap.
+ZERO_GRID = {2: [{"tp": 1, "pp": 1}, {"tp": 1, "pp": 1, "recompute": "full"}],
+             4: [{"tp": 1, "pp": 1}, {"tp": 2, "pp": 1}, {"tp": 1, "pp": 2}, {"tp": 1, "pp": 2, "vpp": True}]}
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+@pytest.mark.parametrize("world_size", sorted(ZERO_GRID))
+def test_zero_stages_match_single_process(single_process, world_size, strategy):
+    layouts = [{**layout, "strategy": strategy, "overlap": overlap}
+               for layout in ZERO_GRID[world_size] for overlap in (False, True)]
+    _check_layouts(single_process, world_size, layouts)
+
+
+def _check_layouts(single_process, world_size: int, layouts: list) -> None:
+    reference_losses, reference_weights = single_process
     per_rank = run_distributed(_train, world_size, args=(layouts,), timeout=600)
     for index, layout in enumerate(layouts):
         tp, pp = layout["tp"], layout["pp"]
-        what = f"tp={tp} pp={pp} dp={world_size // (tp * pp)} sharded+overlap={layout['sharded']}"
+        what = f"dp={world_size // (tp * pp)} {layout}"
         results = [r[index] for r in per_rank]
         losses = [r["losses"] for r in results if r["losses"]]
         assert losses, what
