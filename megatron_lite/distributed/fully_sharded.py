@@ -115,8 +115,12 @@ class FullyShardedUnits:
             bucket.gather_params(async_op=False)
         for bucket in buckets:
             bucket.wait_params()
+        self._measure()
+
+    def _measure(self) -> None:
+        """Add up the whole-parameter buffers alive now (gathered or being gathered)."""
         live = sum(b.gathered.numel() * b.gathered.element_size()
-                   for bs in self.buckets_of.values() for b in bs if b.gathered is not None)
+                   for buckets in self.buckets_of.values() for b in buckets if b.gathered is not None)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, live)
 
     def _prefetch(self, unit, step: int) -> None:
@@ -127,6 +131,7 @@ class FullyShardedUnits:
         if 0 <= position + step < len(self.order):
             for bucket in self.buckets_of[self.order[position + step]]:
                 bucket.gather_params(async_op=True)
+            self._measure()
 
     def _unit_pre_forward(self, unit: nn.Module, args) -> None:
         self._gather(self.buckets_of[unit])

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.process_groups import collectives
-from megatron_lite.config import ParallelConfig
+from megatron_lite.config import OptimizerConfig, ParallelConfig
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
@@ -185,6 +185,41 @@ def test_zero2_reduce_scatters_each_bucket_every_micro_batch_into_a_shard(overla
     # One bucket-sized staging buffer, reused; with overlap one more, for the bucket in flight.
     assert result["staging numel"] == max(buckets)
     assert result["staging buffers"] == (2 if overlap else 1)
+
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
+def _offload_every_strategy(rank, world_size):
+    parallel_state = initialize_model_parallel(1, 1)
+    results = {}
+    for strategy in STRATEGIES:
+        offloads = [(False, False), (True, False)] + [(True, True)] * (strategy.startswith("optim_grads"))
+        for optimizer_offload, grad_offload in offloads:
+            config = OptimizerConfig(lr=0.05, weight_decay=0.1, clip_grad=0.5, optimizer_cpu_offload=optimizer_offload)
+            ddp, optimizer = toy.build(parallel_state, dtype=torch.bfloat16, optimizer_config=config,
+                                       data_parallel_sharding_strategy=strategy, grad_cpu_offload=grad_offload,
+                                       overlap_grad_reduce=True)
+            losses = [toy.train_step(ddp, optimizer, parallel_state, step)[0] for step in range(4)]
+            shards = [b.grad_shard_data for b in ddp.grad_buffers if b.grad_shard_data is not None]
+            results[(strategy, optimizer_offload, grad_offload)] = {
+                "losses": losses, "main params": {m.device.type for m in optimizer.main_params},
+                "grad shards": {s.device.type for s in shards},
+                # Under --grad-cpu-offload the optimizer steps on the host shards themselves.
+                "main grads alias the shards": all(m.grad_copy is None for m in optimizer.main_params)}
+    return results
+
+
+def test_cpu_offload_under_every_strategy():
+    """bf16 weights: --optimizer-cpu-offload (and, for ZeRO-2/3, --grad-cpu-offload) change where the
+    step runs, not what it computes."""
+    for results in run_distributed(_offload_every_strategy, 2):
+        for (strategy, optimizer_offload, grad_offload), result in results.items():
+            assert result["losses"] == results[(strategy, False, False)]["losses"], strategy
+            if optimizer_offload:
+                assert result["main params"] == {"cpu"}
+            if grad_offload:
+                assert result["grad shards"] == {"cpu"} and result["main grads alias the shards"]
 
 
 def test_gradient_buffer_dtypes():

@@ -58,15 +58,15 @@ def test_bf16_tracks_fp32():
         assert max(relative) > 0  # it really ran in bf16
 
 
-def _inject_inf(rank, world_size, sharded):
+def _inject_inf(rank, world_size, strategy):
     parallel_state = initialize_model_parallel(1, 1)
     config = OptimizerConfig(lr=0.05, clip_grad=0.5, initial_loss_scale=1024.0, hysteresis=1)
     ddp, optimizer = toy.build(parallel_state, dtype=torch.float16, optimizer_config=config,
-                               use_distributed_optimizer=sharded)
+                               data_parallel_sharding_strategy=strategy)
 
-    def poison(model):  # one element of one rank's local gradient
+    def poison(model):  # one element of one rank's gradient (its shard only, under ZeRO-2/3)
         if rank == 0:
-            model.module.fc1.weight.main_grad[3, 5] = float("inf")
+            model.param_slices()[0].grad[3] = float("inf")
 
     log = []
     for step in range(4):
@@ -78,9 +78,9 @@ def _inject_inf(rank, world_size, sharded):
     return log, optimizer.num_skipped_iterations
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(sharded):
-    for log, skipped in run_distributed(_inject_inf, 2, args=(sharded,)):
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(strategy):
+    for log, skipped in run_distributed(_inject_inf, 2, args=(strategy,)):
         assert [entry[0] for entry in log] == [True, True, False, True]
         assert log[2][1:] == (True, True, 512.0)  # no norm, weights untouched, scale halved
         assert not log[1][2] and not log[3][2]  # the other steps did update
