@@ -110,6 +110,28 @@ class DistributedDataParallel(torch.nn.Module):
         weights and averaged gradients live (its shards when sharded, whole parameters otherwise)."""
         return [s for buffer in self.grad_buffers for s in buffer.param_slices()]
 
+    def parameter_tensors(self) -> list:
+        """The tensors holding this chunk's parameters (for measuring memory): the parameters themselves
+        (views of the flat buffer under optim and optim_grads) or, under ZeRO-3, the shards and
+        whatever is gathered right now."""
+        tensors = list(self.module.parameters())
+        tensors += [b.param_shard_data for b in self.grad_buffers if b.param_shard_data is not None]
+        return tensors + [b.gathered for b in self.buckets if b.gathered is not None]
+
+    def gradient_tensors(self) -> list:
+        """The gradient buffers: full, or ZeRO-2/3's shards and bucket-sized staging buffers."""
+        tensors = [t for b in self.grad_buffers for t in (b.grad_data, b.grad_shard_data) if t is not None]
+        return tensors + [t for b in self.grad_buffers if b.staging_pool is not None for t in b.staging_pool.buffers]
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """ZeRO-3: the most whole-parameter bytes alive at once since ``reset_peak_memory()``."""
+        return 0 if self.fully_sharded is None else self.fully_sharded.peak_gathered_bytes
+
+    def reset_peak_memory(self) -> None:
+        if self.fully_sharded is not None:
+            self.fully_sharded.peak_gathered_bytes = 0
+
     def forward(self, *args, **kwargs):
         if self.fully_sharded is None:
             return self.module(*args, **kwargs)

@@ -63,8 +63,9 @@ class StagingPool:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, max_in_flight: int) -> None:
         self.numel, self.dtype, self.device = numel, dtype, device
         self.max_in_flight = max_in_flight
-        self.buffers: list[torch.Tensor] = []  # every buffer allocated, free or not
-        self.free: list[torch.Tensor] = []
+        # Allocated up front (one filling, max_in_flight reducing), so memory is measured at start-up.
+        self.buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(1 + max_in_flight)]
+        self.free = list(self.buffers)
         self.in_flight: list["ParamAndGradBucket"] = []  # oldest first
 
     def acquire(self) -> torch.Tensor:

@@ -98,6 +98,17 @@ class MegatronOptimizer:
         else:
             self.optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
                                              weight_decay=config.weight_decay)
+        self._allocate_state()
+
+    def _allocate_state(self) -> None:
+        """Create the state now, as torch's first step would (zeros, step 0), so the memory report at
+        start-up measures it. SGD's momentum starting at zero gives its first step's exact value too."""
+        for main in self.main_params:
+            if self.config.optimizer == "adam":
+                self.optimizer.state[main] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(main),
+                                              "exp_avg_sq": torch.zeros_like(main)}
+            elif self.config.sgd_momentum > 0:
+                self.optimizer.state[main] = {"momentum_buffer": torch.zeros_like(main)}
 
     # What a subclass changes: over which group gradients differ, and what happens after the step.
     def _param_ranges(self, named_params: list) -> list[ParamRange]:
@@ -211,27 +222,32 @@ class MegatronOptimizer:
 
     # Accounting and checkpoints.
     def memory_report(self) -> dict:
-        """Bytes this rank holds for model parameters, gradient buffers and optimizer state.
+        """Bytes this rank holds, measured from the live tensors, each storage counted once, in the
+        first of these that holds it:
 
-        Optimizer state counts fp32 main parameters and main grads that are copies (not
-        aliases of the model's own fp32 tensors) and Adam's two fp32 moments (SGD: one
-        momentum buffer), whether or not the first step has created them yet.
+        - parameters: the model's parameter storage (flat buffers under optim and optim_grads, the
+          shards under optim_grads_params, plus whatever of them is gathered right now);
+        - gradients: the data-parallel gradient buffers (full, or shards and staging buffers);
+        - optimizer state: main parameters and main grads that are copies (an alias of an fp32 model
+          parameter or gradient buffer was counted above), Adam's moments and step, SGD's momentum.
+
+        ``peak_parameter_bytes`` adds the most whole parameters ZeRO-3 held at once since the
+        chunks' ``reset_peak_memory()`` (measured at every gather). On CUDA, ``allocated_bytes`` and
+        ``peak_allocated_bytes`` are the caching allocator's own counts (everything, activations too).
         """
-        param_bytes = grad_bytes = 0
-        for chunk in self.model_chunks:
-            for buffer in chunk.grad_buffers:
-                n_params = (buffer.param_data.numel() if buffer.param_data is not None
-                            else sum(e - s for s, e in buffer.param_index_map.values()))
-                param_bytes += n_params * buffer.param_dtype.itemsize
-                grad_bytes += buffer.grad_data.numel() * buffer.grad_data.element_size()
-        # fp32 tensors per element: Adam's exp_avg and exp_avg_sq, SGD's momentum buffer.
-        states = 2 if self.config.optimizer == "adam" else int(self.config.sgd_momentum > 0)
-        optimizer_bytes = 0
-        for r, main in zip(self.param_ranges, self.main_params):
-            copies = states + (0 if self._main_aliases_model(r) else 1) + (main.grad_copy is not None)
-            optimizer_bytes += copies * main.numel() * 4
-        return {"parameter_bytes": param_bytes, "gradient_bytes": grad_bytes,
-                "optimizer_state_bytes": optimizer_bytes, "optimizer_state_on_host": self.offload}
+        counted: set = set()
+        parameter_bytes = storage_bytes([t for c in self.model_chunks for t in c.parameter_tensors()], counted)
+        gradient_bytes = storage_bytes([t for c in self.model_chunks for t in c.gradient_tensors()], counted)
+        state = [t for main in self.main_params for t in (main, main.grad_copy) if t is not None]
+        state += [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        report = {"parameter_bytes": parameter_bytes, "gradient_bytes": gradient_bytes,
+                  "optimizer_state_bytes": storage_bytes(state, counted),
+                  "peak_parameter_bytes": parameter_bytes + sum(c.peak_gathered_bytes for c in self.model_chunks),
+                  "optimizer_state_on_host": self.offload}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            report["allocated_bytes"] = torch.cuda.memory_allocated()
+            report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        return report
 
     def state_dict(self) -> dict:
         """This rank's optimizer state, keyed by parameter name (the format is documented in
@@ -310,6 +326,19 @@ def merge_optimizer_state_dicts(state_dicts: list) -> dict:
             "state": {k: (torch.cat([e["state"][k] for e in pieces]) if pieces[0]["state"][k].dim() == 1
                           else pieces[0]["state"][k]) for k in keys}}
     return merged
+
+
+def storage_bytes(tensors: list, counted: set) -> int:
+    """Bytes of the storages under ``tensors`` that are not in ``counted`` (they join it): a view, or
+    a tensor aliasing another's storage, costs nothing more."""
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
+        if storage.nbytes() > 0 and key not in counted:
+            counted.add(key)
+            total += storage.nbytes()
+    return total
 
 
 def _named_parameters(model_chunks: list) -> list:

@@ -169,6 +169,10 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
     logger = TrainingLogger(config, parallel_state, global_batch)
     for chunk in model_chunks:
         chunk.train()
+        chunk.reset_peak_memory()  # the first iteration's peak is reported
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+    first_iteration = state.iteration + 1
     signal_handler = DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext()
     with signal_handler:
         while state.iteration < training.train_iters:
@@ -176,6 +180,8 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
             loss, update_successful, grad_norm = train_step(config, parallel_state, model_chunks, optimizer,
                                                             scheduler, train_iterator)
             state.iteration += 1
+            if config.logging.log_memory and state.iteration == first_iteration:
+                print_rank_last(metrics.format_memory_report(optimizer.memory_report(), state.iteration))
             state.consumed_train_samples += global_batch
             state.skipped_iterations += 0 if update_successful else 1
             if loss is not None:
