@@ -1,7 +1,8 @@
 """Data parallelism: average gradients over replicas, bucket by bucket.
 
-Each parameter gets ``param.main_grad``, a view into a flat buffer, and a hook
-that adds every freshly computed ``param.grad`` into it (then drops ``.grad``),
+Each parameter gets ``param.main_grad``, a view into a flat buffer (ZeRO-2/3 below
+keep no full buffer), and a hook that adds every freshly computed ``param.grad`` into it
+(then drops ``.grad``),
 so gradient accumulation over micro-batches happens in the buffer's dtype (fp32
 for mixed precision). Reductions happen only on the last micro-batch: inside
 ``no_sync()`` nothing is communicated. With ``--overlap-grad-reduce`` a bucket is
@@ -39,10 +40,11 @@ from megatron_lite.distributed.param_and_grad_buffer import ParamAndGradBuffer
 
 def default_bucket_size(config: ParallelConfig, data_parallel_size: int) -> Optional[int]:
     """Megatron's rule: explicit --ddp-bucket-size, else 40M elements (at least 1M per rank)
-    when overlapping, else one bucket (nothing to overlap with)."""
+    when overlapping, else one bucket (nothing to overlap with). ZeRO-2/3 always bucket: their
+    staging buffer is a bucket, and one bucket would be the whole model's gradients again."""
     if config.ddp_bucket_size is not None:
         return config.ddp_bucket_size
-    if config.overlap_grad_reduce or config.overlap_param_gather:
+    if config.overlap_grad_reduce or config.overlap_param_gather or config.shards_gradients:
         return max(40_000_000, 1_000_000 * data_parallel_size)
     return None
 
@@ -57,6 +59,7 @@ class DistributedDataParallel(torch.nn.Module):
         grad_reduce_in_fp32: keep and reduce gradients in fp32. Default: on for bf16 parameters
             (Megatron always accumulates bf16 gradients in fp32) or with
             --accumulate-allreduce-grads-in-fp32; off otherwise (fp16 gradients stay fp16).
+        fsdp_unit_modules: module classes ZeRO-3 gathers one instance at a time (``fully_sharded.py``).
     """
 
     def __init__(self, module: torch.nn.Module, *, config: ParallelConfig, data_parallel_group,

@@ -1,6 +1,8 @@
 """Tiny training configurations and rank bodies shared by the checkpoint tests."""
 from __future__ import annotations
 
+import pytest
+
 from megatron_lite.config import (CheckpointConfig, Config, LoggingConfig, ModelConfig, OptimizerConfig,
                                   ParallelConfig, TrainingConfig)
 
@@ -44,3 +46,10 @@ def losses_of(results: list) -> list:
     reported = [r for r in results if r is not None]
     assert reported and all(r == reported[0] for r in reported), reported
     return reported[0]
+
+
+def assert_continues(resumed: list, reference: list, rtol: float = 1e-5) -> None:
+    """A run resumed at iteration 2 of 4: the saved history as saved, then the reference's losses."""
+    assert len(resumed) == 4
+    assert resumed[:2] == reference[:2]
+    assert resumed[2:] == pytest.approx(reference[2:], rel=rtol)

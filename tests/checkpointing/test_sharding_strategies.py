@@ -8,10 +8,9 @@ optimizer state. GPT-2 style: biases, learned positions and a tied embedding.
 import pytest
 
 from megatron_lite.checkpointing import storage
-from tests.checkpointing.common import GPT2, losses_of, train
+from tests.checkpointing.common import GPT2, assert_continues, losses_of, train
 from tests.distributed import run_distributed
 
-RTOL = 1e-5
 ZERO3_DP4 = dict(tp=1, pp=1, strategy="optim_grads_params")
 ZERO1_TP2_DP2 = dict(tp=2, pp=1, strategy="optim", sequence_parallel=True)
 
@@ -37,12 +36,6 @@ def zero1(tmp_path_factory):
     return _source(tmp_path_factory, "zero1", ZERO1_TP2_DP2)
 
 
-def _assert_continues(resumed, reference):
-    assert len(resumed) == 4
-    assert resumed[:2] == reference[:2]  # the saved history comes back as saved
-    assert resumed[2:] == pytest.approx(reference[2:], rel=RTOL)
-
-
 def test_zero3_resumes_bitwise_under_zero3(zero3):
     root, reference = zero3
     assert _run(4, load=root, **ZERO3_DP4) == reference
@@ -50,11 +43,11 @@ def test_zero3_resumes_bitwise_under_zero3(zero3):
 
 def test_zero3_resumes_at_tp2_dp2_under_zero1(zero3):
     root, reference = zero3
-    _assert_continues(_run(4, load=root, **ZERO1_TP2_DP2), reference)
+    assert_continues(_run(4, load=root, **ZERO1_TP2_DP2), reference)
 
 
 @pytest.mark.parametrize("layout", [ZERO3_DP4, dict(tp=1, pp=2, strategy="optim_grads")], ids=["zero3-dp4",
                                                                                                "zero2-pp2dp2"])
 def test_zero1_resumes_under_zero2_and_zero3(zero1, layout):
     root, reference = zero1
-    _assert_continues(_run(4, load=root, **layout), reference)
+    assert_continues(_run(4, load=root, **layout), reference)

@@ -22,9 +22,9 @@ from tests.distributed_optim.toy import assert_relative_close
 STEPS = 10
 
 
-def _config(tp: int, pp: int, sharded: bool = False, steps: int = STEPS, bf16: bool = False,
-            offload: bool = False, strategy: str | None = None, overlap: bool | None = None, vpp: bool = False,
-            recompute: str | None = None) -> Config:
+def _config(tp: int, pp: int, sharded: bool = False, steps: int = STEPS, bf16: bool = False, fp16: bool = False,
+            offload: bool = False, grad_offload: bool = False, strategy: str | None = None,
+            overlap: bool | None = None, vpp: bool = False, recompute: str | None = None) -> Config:
     """``sharded`` is the distributed optimizer with every overlap; ``strategy`` and ``overlap`` choose."""
     strategy = strategy or ("optim" if sharded else "no_shard")
     overlap = sharded if overlap is None else overlap
@@ -37,9 +37,9 @@ def _config(tp: int, pp: int, sharded: bool = False, steps: int = STEPS, bf16: b
                                 data_parallel_sharding_strategy=strategy, overlap_grad_reduce=overlap,
                                 overlap_param_gather=overlap and strategy != "no_shard",
                                 sequence_parallel=strategy != "no_shard" and tp > 1,
-                                ddp_bucket_size=5000),  # several buckets per stage
+                                grad_cpu_offload=grad_offload, ddp_bucket_size=5000),  # several buckets per stage
         training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=steps, eval_iters=1, bf16=bf16,
-                                recompute_granularity=recompute),
+                                fp16=fp16, recompute_granularity=recompute),
         # The key bias's gradient is zero in exact arithmetic (softmax ignores a constant shift of
         # the scores), so it is pure rounding noise; with Adam's eps at 1e-8 that noise becomes
         # lr-sized steps that differ with summation order. eps 1e-6 sits above the noise and far
@@ -63,7 +63,7 @@ def _train(rank, world_size, layouts):
                 shards.update({name: (p.detach().float().numpy().copy(), getattr(p, "tensor_model_parallel", False),
                                       getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1))
                                for name, p in chunk.module.named_parameters()})
-        results.append({"losses": state.losses, "shards": shards,
+        results.append({"losses": state.losses, "shards": shards, "skipped": state.skipped_iterations,
                         "tp_rank": parallel_state.tensor_model_parallel_rank,
                         "dp_rank": parallel_state.data_parallel_rank})
     return results
@@ -163,3 +163,21 @@ def test_bf16_with_offload_on_the_full_grid_tracks_fp32():
         # a misplaced shard or a missed update would be off by the whole tensor.
         expected = reference_weights[name]
         assert (value - expected).norm() <= 0.05 * expected.norm(), name
+
+
+def test_zero3_in_mixed_precision_with_offload():
+    """ZeRO-3 at tp2 (sequence parallel) x dp2: bf16 with the optimizer and the gradient shards in host
+    memory stays within bf16 tolerance of fp32 over 20 steps; fp16 with the dynamic loss scaler skips
+    the same steps as plain data parallelism and tracks its losses."""
+    (reference,) = run_distributed(_train, 1, args=([{"tp": 1, "pp": 1, "steps": 20}],))
+    zero3 = {"tp": 2, "pp": 1, "strategy": "optim_grads_params", "overlap": True}
+    layouts = [{**zero3, "steps": 20, "bf16": True, "offload": True, "grad_offload": True},
+               {**zero3, "fp16": True}, {"tp": 2, "pp": 1, "fp16": True}]
+    per_rank = run_distributed(_train, 4, args=(layouts,), timeout=600)
+    bf16, fp16_zero3, fp16_plain = ([r[i] for r in per_rank if r[i]["losses"]] for i in range(3))
+    for result in bf16:
+        relative = [abs(a - b) / b for a, b in zip(result["losses"], reference[0]["losses"])]
+        assert len(relative) == 20 and 0 < max(relative) < 2e-3, relative
+    for zero3_result, plain in zip(fp16_zero3, fp16_plain):
+        assert zero3_result["skipped"] == plain["skipped"] > 0  # the scaler started too high and backed off
+        assert_relative_close(zero3_result["losses"], plain["losses"], rel=1e-3, what="fp16 ZeRO-3 losses")

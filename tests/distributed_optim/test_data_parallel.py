@@ -106,19 +106,26 @@ def test_bucket_layout_and_shards():
         assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
 
 
-def _count_communication(rank, world_size, sharded, overlap):
-    parallel_state = initialize_model_parallel(1, 1)
-    ddp, optimizer = toy.build(parallel_state, use_distributed_optimizer=sharded, overlap_grad_reduce=overlap,
-                               overlap_param_gather=sharded and overlap)
-    reduce_op = "reduce_scatter" if sharded else "all_reduce"
-    counts = {}
-    batches = toy.micro_batches(0, parallel_state.data_parallel_rank, world_size)
+def _count_micro_batches(ddp, parallel_state) -> list:
+    """The collectives of each micro-batch's forward and backward (all but the last inside no_sync())."""
+    counters = []
+    batches = toy.micro_batches(0, parallel_state.data_parallel_rank, parallel_state.data_parallel_world_size)
     ddp.zero_grad_buffer()
     for i, (x, y) in enumerate(batches):
         with collectives.count_collectives() as counter:
             with ddp.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
                 F.mse_loss(ddp(x), y).backward()
-        counts[f"backward {i}"] = counter.count(reduce_op, "data")
+        counters.append(counter)
+    return counters
+
+
+def _count_communication(rank, world_size, sharded, overlap):
+    parallel_state = initialize_model_parallel(1, 1)
+    ddp, optimizer = toy.build(parallel_state, use_distributed_optimizer=sharded, overlap_grad_reduce=overlap,
+                               overlap_param_gather=sharded and overlap)
+    reduce_op = "reduce_scatter" if sharded else "all_reduce"
+    counts = {f"backward {i}": counter.count(reduce_op, "data")
+              for i, counter in enumerate(_count_micro_batches(ddp, parallel_state))}
     with collectives.count_collectives() as counter:
         finalize_model_grads([ddp], parallel_state)
     counts["finalize"] = counter.count(reduce_op, "data")
@@ -126,7 +133,7 @@ def _count_communication(rank, world_size, sharded, overlap):
         optimizer.step()
     counts["step all_gather"] = counter.count("all_gather", "data")
     counts["gathers pending after step"] = sum(b.param_handle is not None for b in ddp.buckets)
-    ddp(batches[0][0])  # the forward pre-hooks wait for every bucket's gather
+    ddp(toy.micro_batches(0, parallel_state.data_parallel_rank, world_size)[0][0])  # pre-hooks wait for the gathers
     counts["gathers pending after forward"] = sum(b.param_handle is not None for b in ddp.buckets)
     return counts
 
@@ -151,14 +158,7 @@ def _zero2_communication(rank, world_size, overlap):
     ddp, optimizer = toy.build(parallel_state, data_parallel_sharding_strategy="optim_grads",
                                overlap_grad_reduce=overlap)
     (buffer,) = ddp.grad_buffers
-    counts = []
-    batches = toy.micro_batches(0, parallel_state.data_parallel_rank, world_size)
-    ddp.zero_grad_buffer()
-    for i, (x, y) in enumerate(batches):
-        with collectives.count_collectives() as counter:
-            with ddp.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
-                F.mse_loss(ddp(x), y).backward()
-        counts.append(dict(counter.calls))
+    counts = [dict(counter.calls) for counter in _count_micro_batches(ddp, parallel_state)]
     with collectives.count_collectives() as counter:
         finalize_model_grads([ddp], parallel_state)
         optimizer.step()
