@@ -1,13 +1,12 @@
 """The parity ladder: every (tensor, pipeline, data) layout trains like one process.
 
 A 4-layer GPT trains 10 steps through ``megatron_lite.training.pretrain`` on mock
-data, once with plain data parallelism and once with the distributed optimizer,
---overlap-grad-reduce, --overlap-param-gather (and --sequence-parallel where
-tp > 1); then under ZeRO-2 and ZeRO-3 (--data-parallel-sharding-strategy optim_grads,
-optim_grads_params) with and without overlap, pipelined, interleaved and recomputed.
-Losses and the final weights, reassembled from every rank's shards,
-must match the single-process run within 1e-5 relative (float32); data-parallel
-replicas of every shard must agree exactly.
+data under every --data-parallel-sharding-strategy (no_shard, optim, optim_grads,
+optim_grads_params: ZeRO 0 to 3), with and without --overlap-grad-reduce and
+--overlap-param-gather, at dp 2 (recomputed too), dp 4, tp2 x dp2 (sequence parallel
+when sharded), pp2 x dp2 and interleaved pp2 x dp2, and tp2 x pp2 x dp2. Losses and the
+final weights, reassembled from every rank's shards, must match the single-process run
+within 1e-5 relative (float32); data-parallel replicas of every shard must agree exactly.
 """
 import numpy as np
 import pytest
@@ -95,27 +94,21 @@ def single_process():
     return result[0]["losses"], _full_weights(result)
 
 
-# World size -> the (tp, pp) layouts run in that world; each with and without sharding and overlap.
-GRID = {2: [(1, 1)], 4: [(1, 1), (2, 1), (1, 2)], 8: [(2, 2)]}
+def test_tp2_pp2_dp2_matches_single_process(single_process):
+    _check_layouts(single_process, 8, [{"tp": 2, "pp": 2, "sharded": sharded} for sharded in (False, True)])
 
 
+# Every strategy at dp 2 (with recomputation) and, in a world of 4, at dp 4, tp2 x dp2 (sequence
+# parallel under the sharding strategies), pp2 x dp2 and interleaved pp2 x dp2; with and without overlap.
+GRID = {2: [{"tp": 1, "pp": 1}, {"tp": 1, "pp": 1, "recompute": "full"}],
+        4: [{"tp": 1, "pp": 1}, {"tp": 2, "pp": 1}, {"tp": 1, "pp": 2}, {"tp": 1, "pp": 2, "vpp": True}]}
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 @pytest.mark.parametrize("world_size", sorted(GRID))
-def test_layouts_match_single_process(single_process, world_size):
-    layouts = [{"tp": tp, "pp": pp, "sharded": sharded} for tp, pp in GRID[world_size] for sharded in (False, True)]
-    _check_layouts(single_process, world_size, layouts)
-
-
-# ZeRO-2 and ZeRO-3 at dp 2 (with recomputation) and, in a world of 4, at dp 4, tp2 x dp2 (sequence
-# parallel), pp2 x dp2 and interleaved pp2 x dp2; each with and without overlap.
-ZERO_GRID = {2: [{"tp": 1, "pp": 1}, {"tp": 1, "pp": 1, "recompute": "full"}],
-             4: [{"tp": 1, "pp": 1}, {"tp": 2, "pp": 1}, {"tp": 1, "pp": 2}, {"tp": 1, "pp": 2, "vpp": True}]}
-
-
-@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
-@pytest.mark.parametrize("world_size", sorted(ZERO_GRID))
-def test_zero_stages_match_single_process(single_process, world_size, strategy):
+def test_every_strategy_matches_single_process(single_process, world_size, strategy):
     layouts = [{**layout, "strategy": strategy, "overlap": overlap}
-               for layout in ZERO_GRID[world_size] for overlap in (False, True)]
+               for layout in GRID[world_size] for overlap in (False, True)]
     _check_layouts(single_process, world_size, layouts)
 
 
