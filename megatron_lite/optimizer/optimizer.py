@@ -84,6 +84,7 @@ class MegatronOptimizer:
         self.parallel_state = parallel_state
         self.grad_scaler = grad_scaler
         self.offload = config.optimizer_cpu_offload
+        self._grads_on_host = any(chunk.config.grad_cpu_offload for chunk in model_chunks)
         self.num_skipped_iterations = 0
         self.param_ranges = self._param_ranges(_named_parameters(model_chunks))
         self.main_params = [self._make_main_param(r) for r in self.param_ranges]
@@ -137,8 +138,8 @@ class MegatronOptimizer:
             if hasattr(r.param, attribute):
                 setattr(main, attribute, getattr(r.param, attribute))
         # The fp32 gradient buffer itself can serve as main grad, except under offload: the step then reads
-        # its gradients from host memory, like its parameters.
-        if r.model_grad().dtype == torch.float32 and not self.offload:
+        # its gradients from host memory, like its parameters (where --grad-cpu-offload already keeps them).
+        if r.model_grad().dtype == torch.float32 and (not self.offload or self._grads_on_host):
             main.grad_copy = None
         else:
             main.grad_copy = torch.empty_like(main)  # persistent fp32 copy, filled every step

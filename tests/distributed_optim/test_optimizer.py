@@ -241,14 +241,18 @@ def test_optimizer_state_resumes_on_same_and_merged_layouts():
         "fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "norm.bias", "norm.weight"]
 
 
-@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("strategy, grad_offload", [("no_shard", False), ("optim", False), ("optim_grads", False),
+                                                    ("optim_grads", True), ("optim_grads_params", True)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_offloaded_step_hands_nccl_only_gpu_tensors(dtype, sharded):
-    """Under --optimizer-cpu-offload the main gradients are on the host, but every collective of the step
-    (the gradient norm, and fp16's overflow check) goes over NCCL groups, which take only GPU tensors."""
+def test_offloaded_step_hands_nccl_only_gpu_tensors(dtype, strategy, grad_offload):
+    """Under --optimizer-cpu-offload the main gradients are on the host (under --grad-cpu-offload the
+    gradient shards themselves), but every collective of the step (the gradient norm, and fp16's
+    overflow check) goes over NCCL groups, which take only GPU tensors."""
     parallel_state = toy.single_process_state()
+    sharded = strategy != "no_shard"
     config = OptimizerConfig(lr=0.05, clip_grad=0.5, optimizer_cpu_offload=True, initial_loss_scale=1024.0)
-    ddp, optimizer = toy.build(parallel_state, dtype=dtype, optimizer_config=config, use_distributed_optimizer=sharded)
+    ddp, optimizer = toy.build(parallel_state, dtype=dtype, optimizer_config=config,
+                               data_parallel_sharding_strategy=strategy, grad_cpu_offload=grad_offload)
     x, y = toy.global_batch(0)
     optimizer.scale_loss(F.mse_loss(ddp(x.to(dtype)).float(), y)).backward()
     finalize_model_grads([ddp], parallel_state)
