@@ -53,6 +53,12 @@ def test_a_missing_vocabulary_names_the_tokenizer_flags():
     (["--seq-length", "64", "--max-position-embeddings", "32"], "--max-position-embeddings"),
     (["--save-interval", "10"], "needs --save"),
     (["--overlap-param-gather"], "needs --use-distributed-optimizer"),
+    (["--data-parallel-sharding-strategy", "zero2"], "invalid choice: 'zero2'"),
+    (["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "no_shard"], "drop one of them"),
+    (["--grad-cpu-offload"], "needs sharded gradients"),
+    (["--data-parallel-sharding-strategy", "optim_grads", "--grad-cpu-offload"], "add --optimizer-cpu-offload"),
+    (["--data-parallel-sharding-strategy", "optim_grads_params", "--check-weight-hash-across-dp-replicas-interval",
+      "5"], "keeps no replicas"),
     (["--lr", "1e-4", "--min-lr", "1e-3"], "--min-lr"),
     (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33",
       "--max-position-embeddings", "64"], r"--seq-length \(33\) must be divisible"),
@@ -60,6 +66,17 @@ def test_a_missing_vocabulary_names_the_tokenizer_flags():
 def test_bad_combinations_name_the_flag(extra, match):
     with pytest.raises(ConfigError, match=match):
         parse_args(BASE + extra)
+
+
+@pytest.mark.parametrize("flags, strategy", [
+    ([], "no_shard"), (["--use-distributed-optimizer"], "optim"),
+    (["--data-parallel-sharding-strategy", "optim_grads"], "optim_grads"),
+    (["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads_params"], "optim_grads_params"),
+])
+def test_sharding_strategy_and_distributed_optimizer_agree(flags, strategy):
+    parallel = parse_args(BASE + flags).parallel
+    assert parallel.data_parallel_sharding_strategy == strategy
+    assert parallel.use_distributed_optimizer == (strategy != "no_shard")  # every ZeRO stage >= 1 shards state
 
 
 def test_mock_and_real_data_are_exclusive():

@@ -32,6 +32,7 @@ def test_log_lines_tensorboard_and_final_save(tmp_path, monkeypatch, capsys):
     assert sum(line.startswith(" iteration ") for line in out.splitlines()) == 2
     assert " iteration        4/       5 |" in out
     assert out.count(" validation loss at iteration ") == 2 and "memory per rank (MB)" in out
+    assert out.count(" memory per rank in iteration 1 (MB) | parameters (peak): ") == 1  # once, after the first
     assert ("lm loss", 2) in recorder.scalars and ("lm loss validation", 4) in recorder.scalars
     # Saved every 2 iterations and once more at the end, as Megatron does.
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000002", "iter_0000004", "iter_0000005",

@@ -7,11 +7,13 @@ group, or every rank's own slice under the distributed optimizer) and its RNG
 states. Replicated tensors are written by tensor-parallel rank 0 only, and the tied
 output layer of the last pipeline stage not at all (it is the word embedding).
 Rank 0 then merges the ranks' indexes into ``metadata.json`` and commits the
-directory (``storage.commit``).
+directory (``storage.commit``). Every sharding strategy writes the same format:
+optimizer state as each rank's flat ranges, weights whole (ZeRO-3 gathers them first).
 
 Load: each rank asks the checkpoint for the global tensors its parameters are cut
 from, by name, and keeps its own shard (``resharding``), so the saving and the
-loading layouts are independent. RNG states are restored only under the same
+loading layouts are independent (and so are the strategies: a ZeRO-3 rank gathers
+its parameters, loads into them and keeps its shard). RNG states are restored only under the same
 layout; the data position is the global ``consumed_train_samples``, which every
 data-parallel size reads the same way.
 
@@ -21,6 +23,7 @@ than one rank failing while the others wait in a collective.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -50,6 +53,16 @@ def layout_of(config: Config, parallel_state) -> dict:
             "data_parallel_size": parallel_state.data_parallel_world_size,
             "virtual_pipeline_model_parallel_size": config.parallel.virtual_pipeline_model_parallel_size,
             "use_distributed_optimizer": config.parallel.use_distributed_optimizer}
+
+
+def _whole_parameters(model_chunks, write_back: bool = False) -> contextlib.ExitStack:
+    """Every parameter whole while the checkpoint reads or writes it: ZeRO-3 chunks gather theirs (all
+    at once: the whole model is briefly on each rank) and, with ``write_back``, keep what was loaded."""
+    stack = contextlib.ExitStack()
+    for chunk in model_chunks:
+        if hasattr(chunk, "gathered_parameters"):
+            stack.enter_context(chunk.gathered_parameters(write_back=write_back))
+    return stack
 
 
 def _unwrap(model_chunks) -> list:
@@ -95,8 +108,9 @@ def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
     staging = storage.staging_dir(root, iteration)
     _collectively(_writing(lambda: storage.prepare_staging(root, iteration) if rank == 0 else None, root),
                   "prepare", root)
-    _collectively(_writing(lambda: _write_rank_file(config, parallel_state, models, optimizer, state, staging), root),
-                  "write", root)
+    with _whole_parameters(model_chunks):
+        _collectively(_writing(lambda: _write_rank_file(config, parallel_state, models, optimizer, state, staging),
+                               root), "write", root)
     _collectively(_writing(lambda: _commit(config, parallel_state, scheduler, iteration) if rank == 0 else None, root),
                   "commit", root)
     if rank == 0:
@@ -252,8 +266,9 @@ def load_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
         return None
     root, iteration, finetune = source
     directory = storage.checkpoint_dir(root, iteration)
-    result = _collectively(lambda: _load_local(config, parallel_state, model_chunks, optimizer, scheduler, directory,
-                                               finetune), "load", directory)
+    with _whole_parameters(model_chunks, write_back=True):
+        result = _collectively(lambda: _load_local(config, parallel_state, model_chunks, optimizer, scheduler,
+                                                   directory, finetune), "load", directory)
     if result["reseed"]:
         _reseed(config, parallel_state, iteration)
     if parallel_state.rank == 0:

@@ -123,6 +123,10 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
 
+# Megatron-LM's names for ZeRO stages 0 to 3: nothing, optimizer state, + gradients, + parameters sharded.
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     """How the world is cut: tensor x data x pipeline (tensor-parallel ranks adjacent)."""
@@ -134,7 +138,11 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
     sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool = False  # the same as data_parallel_sharding_strategy "optim"
+    # What data-parallel ranks shard (ZeRO stages 0-3); None = "optim" with --use-distributed-optimizer,
+    # else "no_shard". See megatron_lite/distributed/distributed_data_parallel.py.
+    data_parallel_sharding_strategy: Optional[str] = None
+    grad_cpu_offload: bool = False  # ZeRO-2/3: the fp32 gradient shards live in host memory
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     ddp_bucket_size: Optional[int] = None  # elements; None = Megatron's default (max(40M, 1M * dp))
@@ -142,6 +150,20 @@ class ParallelConfig:
     distributed_backend: Optional[str] = None  # None = nccl on CUDA, gloo otherwise
 
     def __post_init__(self) -> None:
+        strategy = self.data_parallel_sharding_strategy
+        _require(strategy in (None,) + SHARDING_STRATEGIES,
+                 f"--data-parallel-sharding-strategy must be one of {', '.join(SHARDING_STRATEGIES)}, "
+                 f"got {strategy!r}.")
+        _require(not (strategy == "no_shard" and self.use_distributed_optimizer),
+                 "--use-distributed-optimizer shards the optimizer state, but --data-parallel-sharding-strategy is "
+                 "no_shard: drop one of them (--use-distributed-optimizer is the same as the strategy optim).")
+        if strategy is None:
+            self.data_parallel_sharding_strategy = "optim" if self.use_distributed_optimizer else "no_shard"
+        # Every strategy but no_shard shards the optimizer state: it is the distributed optimizer.
+        self.use_distributed_optimizer = self.data_parallel_sharding_strategy != "no_shard"
+        _require(not self.grad_cpu_offload or self.shards_gradients,
+                 "--grad-cpu-offload keeps gradient shards in host memory, which needs sharded gradients: add "
+                 "--data-parallel-sharding-strategy optim_grads (or optim_grads_params).")
         _require(self.tensor_model_parallel_size >= 1,
                  f"--tensor-model-parallel-size must be >= 1, got {self.tensor_model_parallel_size}.")
         _require(self.pipeline_model_parallel_size >= 1,
@@ -152,6 +174,16 @@ class ParallelConfig:
         _require(vpp is None or vpp >= 1, f"--virtual-pipeline-model-parallel-size must be >= 1, got {vpp}.")
         _require(vpp is None or vpp == 1 or self.pipeline_model_parallel_size > 1,
                  "--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1.")
+
+    @property
+    def shards_gradients(self) -> bool:
+        """ZeRO-2 and 3: each rank keeps only its shard of the averaged gradients."""
+        return self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+
+    @property
+    def shards_parameters(self) -> bool:
+        """ZeRO-3: each rank keeps only its shard of the parameters between uses."""
+        return self.data_parallel_sharding_strategy == "optim_grads_params"
 
     def data_parallel_size(self, world_size: int) -> int:
         model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
@@ -340,6 +372,13 @@ class Config:
                      f"must divide the layers per pipeline stage ({model.num_layers} / {pp} = {per_stage}).")
             parallel.virtual_pipeline_model_parallel_size = (
                 per_stage // parallel.num_layers_per_virtual_pipeline_stage)
+        _require(not parallel.grad_cpu_offload or self.optimizer.optimizer_cpu_offload,
+                 "--grad-cpu-offload hands host-memory gradient shards to the optimizer, which then must step on "
+                 "the host too: add --optimizer-cpu-offload.")
+        _require(not parallel.shards_parameters or self.training.check_weight_hash_across_dp_replicas_interval is None,
+                 "--check-weight-hash-across-dp-replicas-interval compares the data-parallel replicas' weights, but "
+                 "--data-parallel-sharding-strategy optim_grads_params keeps no replicas (each rank holds a "
+                 "different shard): drop the flag or pick a strategy that keeps whole parameters.")
         if self.optimizer.lr_decay_iters is None:
             self.optimizer.lr_decay_iters = self.training.train_iters
 

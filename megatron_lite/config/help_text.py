@@ -3,6 +3,7 @@
 Kept beside the dataclasses rather than in them so the config reads as a list of
 fields; ``tests/test_config.py`` fails when a field has no line here.
 """
+from megatron_lite.config import SHARDING_STRATEGIES
 
 CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
@@ -14,6 +15,7 @@ CHOICES = {
     "weight_decay_incr_style": ("constant", "linear", "cosine"),
     "tokenizer_type": ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"),
     "distributed_backend": ("nccl", "gloo"),
+    "data_parallel_sharding_strategy": SHARDING_STRATEGIES,
 }
 
 HELP = {
@@ -46,10 +48,17 @@ HELP = {
     "decoder_first_pipeline_num_layers": "layers on the first pipeline stage (uneven split)",
     "decoder_last_pipeline_num_layers": "layers on the last pipeline stage (uneven split)",
     "sequence_parallel": "split norms and dropout along the sequence over the tensor-parallel ranks",
-    "use_distributed_optimizer": "shard optimizer state and fp32 main weights over data-parallel ranks (ZeRO-1)",
+    "use_distributed_optimizer": "shard optimizer state and fp32 main weights over data-parallel ranks (ZeRO-1); "
+                                 "the same as --data-parallel-sharding-strategy optim",
+    "data_parallel_sharding_strategy": "what data-parallel ranks shard: optimizer state (optim, ZeRO-1), + gradients "
+                                       "(optim_grads, ZeRO-2), + parameters (optim_grads_params, ZeRO-3) "
+                                       "(default no_shard; optim with --use-distributed-optimizer)",
+    "grad_cpu_offload": "with optim_grads(_params) and --optimizer-cpu-offload: keep the fp32 gradient shards "
+                        "in CPU memory too",
     "overlap_grad_reduce": "reduce gradient buckets during backward instead of after it",
-    "overlap_param_gather": "all-gather updated parameters during the next forward (distributed optimizer)",
-    "ddp_bucket_size": "elements per gradient bucket (default max(40M, 1M x data-parallel size))",
+    "overlap_param_gather": "all-gather updated parameters during the next forward (distributed optimizer); "
+                            "ZeRO-3: prefetch the next layer's parameters",
+    "ddp_bucket_size": "elements per gradient bucket (default max(40M, 1M x data-parallel size); ZeRO-3: a layer)",
     "accumulate_allreduce_grads_in_fp32": "keep and reduce gradients in fp32 under bf16/fp16",
     "distributed_backend": "torch.distributed backend (default nccl with CUDA, gloo without)",
     # training

@@ -1,7 +1,8 @@
 """Data parallelism: average gradients over replicas, bucket by bucket.
 
-Each parameter gets ``param.main_grad``, a view into a flat buffer, and a hook
-that adds every freshly computed ``param.grad`` into it (then drops ``.grad``),
+Each parameter gets ``param.main_grad``, a view into a flat buffer (ZeRO-2/3 below
+keep no full buffer), and a hook that adds every freshly computed ``param.grad`` into it
+(then drops ``.grad``),
 so gradient accumulation over micro-batches happens in the buffer's dtype (fp32
 for mixed precision). Reductions happen only on the last micro-batch: inside
 ``no_sync()`` nothing is communicated. With ``--overlap-grad-reduce`` a bucket is
@@ -13,6 +14,16 @@ keeps the averaged gradient of its own shard only) and, after the optimizer
 step, ``start_param_sync()`` all-gathers the updated shards; with
 ``--overlap-param-gather`` that gather is asynchronous and each module's forward
 pre-hook waits only for the buckets holding its own parameters.
+
+--data-parallel-sharding-strategy (ZeRO stage in brackets) says what is sharded:
+
+    no_shard (0)            nothing: gradients all-reduced
+    optim (1)               optimizer state (--use-distributed-optimizer)
+    optim_grads (2)         + gradients: there is no full gradient buffer, so a bucket is reduce-scattered
+                            in *every* micro-batch, as soon as its last gradient arrives (``no_sync``
+                            defers nothing); asynchronously with --overlap-grad-reduce, else at once
+    optim_grads_params (3)  + parameters: ``fully_sharded.py`` gathers each unit's parameters for its
+                            forward and backward; ``state_dict()`` gathers (every rank must call it)
 """
 from __future__ import annotations
 
@@ -23,15 +34,17 @@ import torch
 
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ConfigError, ParallelConfig
+from megatron_lite.distributed.fully_sharded import FullyShardedUnits
 from megatron_lite.distributed.param_and_grad_buffer import ParamAndGradBuffer
 
 
 def default_bucket_size(config: ParallelConfig, data_parallel_size: int) -> Optional[int]:
     """Megatron's rule: explicit --ddp-bucket-size, else 40M elements (at least 1M per rank)
-    when overlapping, else one bucket (nothing to overlap with)."""
+    when overlapping, else one bucket (nothing to overlap with). ZeRO-2/3 always bucket: their
+    staging buffer is a bucket, and one bucket would be the whole model's gradients again."""
     if config.ddp_bucket_size is not None:
         return config.ddp_bucket_size
-    if config.overlap_grad_reduce or config.overlap_param_gather:
+    if config.overlap_grad_reduce or config.overlap_param_gather or config.shards_gradients:
         return max(40_000_000, 1_000_000 * data_parallel_size)
     return None
 
@@ -46,10 +59,11 @@ class DistributedDataParallel(torch.nn.Module):
         grad_reduce_in_fp32: keep and reduce gradients in fp32. Default: on for bf16 parameters
             (Megatron always accumulates bf16 gradients in fp32) or with
             --accumulate-allreduce-grads-in-fp32; off otherwise (fp16 gradients stay fp16).
+        fsdp_unit_modules: module classes ZeRO-3 gathers one instance at a time (``fully_sharded.py``).
     """
 
     def __init__(self, module: torch.nn.Module, *, config: ParallelConfig, data_parallel_group,
-                 grad_reduce_in_fp32: Optional[bool] = None) -> None:
+                 grad_reduce_in_fp32: Optional[bool] = None, fsdp_unit_modules: tuple = ()) -> None:
         super().__init__()
         self.module = module
         self.config = config
@@ -60,6 +74,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.is_last_microbatch = True
 
         params = [p for p in module.parameters() if p.requires_grad]
+        units = FullyShardedUnits.units_of(module, fsdp_unit_modules) if config.shards_parameters else {}
         by_dtype: dict = {}
         for param in params:
             by_dtype.setdefault(param.dtype, []).append(param)
@@ -69,14 +84,22 @@ class DistributedDataParallel(torch.nn.Module):
             if fp32_grads is None:
                 fp32_grads = config.accumulate_allreduce_grads_in_fp32 or dtype == torch.bfloat16
             self.grad_buffers.append(ParamAndGradBuffer(
-                group, grad_dtype=torch.float32 if fp32_grads else dtype, bucket_size=self.bucket_size,
-                data_parallel_group=data_parallel_group, sharded=config.use_distributed_optimizer,
-                needs_own_bucket=lambda p: config.use_distributed_optimizer and getattr(p, "shared_embedding", False)))
+                group, grad_dtype=torch.float32 if fp32_grads else dtype,
+                # ZeRO-3 gathers a bucket at a time: a bucket is a unit (the bucket size does not apply).
+                bucket_size=None if config.shards_parameters else self.bucket_size,
+                data_parallel_group=data_parallel_group, strategy=config.data_parallel_sharding_strategy,
+                overlap_grad_reduce=config.overlap_grad_reduce,
+                needs_own_bucket=lambda p: config.use_distributed_optimizer and getattr(p, "shared_embedding", False),
+                unit_of=lambda p: units.get(p),
+                grad_device=torch.device("cpu") if config.grad_cpu_offload else None))
         self.param_to_bucket = {p: b for buf in self.grad_buffers for p, b in buf.param_to_bucket.items()}
 
         for param in params:
             param.register_post_accumulate_grad_hook(self._grad_hook)
-        if config.overlap_param_gather:
+        self.fully_sharded = (FullyShardedUnits(module, units, self.param_to_bucket,
+                                                prefetch=config.overlap_param_gather)
+                              if config.shards_parameters else None)
+        if config.overlap_param_gather and not config.shards_parameters:
             for submodule in module.modules():
                 if any(True for _ in submodule.parameters(recurse=False)):
                     submodule.register_forward_pre_hook(self._param_gather_pre_hook)
@@ -85,16 +108,52 @@ class DistributedDataParallel(torch.nn.Module):
     def buckets(self) -> list:
         return [bucket for buffer in self.grad_buffers for bucket in buffer.buckets]
 
+    def param_slices(self) -> list:
+        """This rank's ``ParamSlice``s: the elements of each parameter it updates, and where their
+        weights and averaged gradients live (its shards when sharded, whole parameters otherwise)."""
+        return [s for buffer in self.grad_buffers for s in buffer.param_slices()]
+
+    def parameter_tensors(self) -> list:
+        """The tensors holding this chunk's parameters (for measuring memory): the parameters themselves
+        (views of the flat buffer under optim and optim_grads) or, under ZeRO-3, the shards and
+        whatever is gathered right now."""
+        tensors = list(self.module.parameters())
+        tensors += [b.param_shard_data for b in self.grad_buffers if b.param_shard_data is not None]
+        return tensors + [b.gathered for b in self.buckets if b.gathered is not None]
+
+    def gradient_tensors(self) -> list:
+        """The gradient buffers: full, or ZeRO-2/3's shards and bucket-sized staging buffers."""
+        tensors = [t for b in self.grad_buffers for t in (b.grad_data, b.grad_shard_data) if t is not None]
+        return tensors + [t for b in self.grad_buffers if b.staging_pool is not None for t in b.staging_pool.buffers]
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """ZeRO-3: the most whole-parameter bytes alive at once since ``reset_peak_memory()``."""
+        return 0 if self.fully_sharded is None else self.fully_sharded.peak_gathered_bytes
+
+    def reset_peak_memory(self) -> None:
+        if self.fully_sharded is not None:
+            self.fully_sharded.peak_gathered_bytes = 0
+
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        if self.fully_sharded is None:
+            return self.module(*args, **kwargs)
+        return self.fully_sharded.forward(*args, **kwargs)
 
     def _grad_hook(self, param: torch.nn.Parameter) -> None:
-        # Accumulate into the buffer (fp32 for mixed precision) and free the
-        # model-precision gradient right away.
-        param.main_grad.add_(param.grad)
+        # Accumulate into the buffer (fp32 for mixed precision), or stage it for ZeRO-2/3's
+        # reduce-scatter, and free the model-precision gradient right away.
+        bucket = self.param_to_bucket[param]
+        bucket.add_grad(param, param.grad)
         param.grad = None
-        if self.config.overlap_grad_reduce and self.is_last_microbatch:
-            bucket = self.param_to_bucket[param]
+        if self.config.shards_gradients:
+            if bucket.register_grad_ready(param):
+                bucket.start_grad_sync(async_op=self.config.overlap_grad_reduce)
+                if not self.config.overlap_grad_reduce:
+                    bucket.finish_grad_sync()
+                if self.fully_sharded is not None:
+                    bucket.release_params()  # its backward is done: every gradient has arrived
+        elif self.config.overlap_grad_reduce and self.is_last_microbatch:
             if bucket.register_grad_ready(param):
                 bucket.start_grad_sync(async_op=True)
 
@@ -105,7 +164,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients without communicating (all micro-batches but the last)."""
+        """Accumulate gradients without communicating (all micro-batches but the last); ZeRO-2/3,
+        which keep no full gradients to accumulate in, reduce-scatter every micro-batch regardless."""
         self.is_last_microbatch = False
         try:
             yield
@@ -119,15 +179,20 @@ class DistributedDataParallel(torch.nn.Module):
                 bucket.start_grad_sync(async_op=self.config.overlap_grad_reduce)
 
     def finish_grad_sync(self) -> None:
-        """Complete every bucket's reduction: afterwards ``main_grad`` holds the dp-averaged
-        gradient (only this rank's shard of it under the distributed optimizer)."""
+        """Complete every bucket's reduction: afterwards each ``ParamSlice.grad`` holds the dp-averaged
+        gradient (``main_grad`` for no_shard and optim, where only this rank's shard is averaged
+        under optim)."""
         self.start_grad_sync()
         for bucket in self.buckets:
             bucket.finish_grad_sync()
+            if self.fully_sharded is not None and bucket.gathered is not None:
+                bucket.release_params()  # a parameter that got no gradient kept its bucket gathered
 
     def start_param_sync(self) -> None:
-        """All-gather the updated parameter shards (distributed optimizer only); asynchronous
-        under --overlap-param-gather, the next forward waiting bucket by bucket."""
+        """All-gather the updated parameter shards (optim, optim_grads); asynchronous under
+        --overlap-param-gather, the next forward waiting bucket by bucket. ZeRO-3 gathers on use."""
+        if self.fully_sharded is not None:
+            return
         # Last bucket first: it holds the first layers, which the next forward needs first.
         for bucket in reversed(self.buckets):
             bucket.start_param_sync(async_op=self.config.overlap_param_gather)
@@ -137,6 +202,26 @@ class DistributedDataParallel(torch.nn.Module):
         for bucket in self.buckets:
             bucket.finish_param_sync()
 
+    @contextlib.contextmanager
+    def gathered_parameters(self, write_back: bool = False):
+        """ZeRO-3: every parameter whole inside the block (a collective: every data-parallel rank
+        enters it), e.g. to save or load weights; with ``write_back`` the values it leaves are kept
+        (each rank copies its own shard, no communication). Other strategies hold whole parameters
+        already: nothing happens."""
+        if self.fully_sharded is None:
+            yield
+            return
+        for bucket in self.buckets:
+            bucket.gather_params(async_op=False)
+            bucket.wait_params()
+        try:
+            yield
+        finally:
+            for bucket in self.buckets:
+                if write_back:
+                    bucket.write_back_params()
+                bucket.release_params()
+
     def zero_grad_buffer(self) -> None:
         """Zero the gradient buffers; call before each iteration's first micro-batch."""
         for buffer in self.grad_buffers:
@@ -144,7 +229,12 @@ class DistributedDataParallel(torch.nn.Module):
 
     def state_dict(self, *args, **kwargs):
         # Checkpoint names stay the bare module's, identical with or without the wrapper.
-        return self.module.state_dict(*args, **kwargs)
+        with self.gathered_parameters():
+            state = self.module.state_dict(*args, **kwargs)
+            if self.fully_sharded is not None:  # the gathered storage is released on the way out
+                state = {name: value.clone() for name, value in state.items()}
+        return state
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        return self.module.load_state_dict(state_dict, strict=strict)
+        with self.gathered_parameters(write_back=True):
+            return self.module.load_state_dict(state_dict, strict=strict)

@@ -6,10 +6,10 @@
 3. The tied word embedding lives on the first and the last pipeline stage: each
    holds half of its gradient, summed over the embedding group.
 
-Steps 2 and 3 are element-wise sums, so under the distributed optimizer (where
-only this rank's shard of ``main_grad`` is meaningful after step 1) they stay
-correct: tensor-parallel peers have identical buffer layouts, and the shared
-embedding sits in a bucket of its own so both stages shard it identically.
+Steps 2 and 3 are element-wise sums, so they act on each rank's ``param_slices()``
+only: its shards under a sharding strategy (where only those hold averaged
+gradients after step 1). Tensor-parallel peers have identical buffer layouts, and
+the shared embedding sits in a bucket of its own so both stages shard it identically.
 """
 from __future__ import annotations
 
@@ -19,13 +19,15 @@ from megatron_lite.process_groups import collectives
 
 
 def _all_reduce_coalesced(grads: list, group) -> None:
-    """One collective for many small gradients."""
+    """One collective for many small gradients, on a device the group can reduce (gradient
+    shards may live in host memory under --grad-cpu-offload)."""
     if not grads or group is None:
         return
-    if len(grads) == 1:
+    device = collectives.reduction_device([group])
+    if len(grads) == 1 and grads[0].device == device:
         collectives.all_reduce(grads[0], group)
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = torch.cat([g.reshape(-1).to(device) for g in grads])
     collectives.all_reduce(flat, group)
     offset = 0
     for g in grads:
@@ -34,14 +36,14 @@ def _all_reduce_coalesced(grads: list, group) -> None:
 
 
 def finalize_model_grads(model_chunks: list, parallel_state) -> None:
-    """Make every ``param.main_grad`` of ``model_chunks`` (DistributedDataParallel) final."""
+    """Make the gradient of every ``param_slices()`` entry of ``model_chunks`` (DistributedDataParallel) final."""
     for chunk in model_chunks:
         chunk.finish_grad_sync()
 
-    params = [p for chunk in model_chunks for p in chunk.module.parameters() if p.requires_grad]
-    sequence_parallel = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+    slices = [s for chunk in model_chunks for s in chunk.param_slices()]
+    sequence_parallel = [s.grad for s in slices if getattr(s.param, "sequence_parallel", False)]
     _all_reduce_coalesced(sequence_parallel, parallel_state.tensor_model_parallel_group)
 
     if parallel_state.pipeline_model_parallel_world_size > 1 and parallel_state.is_in_embedding_group():
-        shared = [p.main_grad for p in params if getattr(p, "shared_embedding", False)]
+        shared = [s.grad for s in slices if getattr(s.param, "shared_embedding", False)]
         _all_reduce_coalesced(shared, parallel_state.embedding_group)

@@ -12,10 +12,17 @@ import dataclasses
 import torch
 
 from megatron_lite.config import Config, ParallelConfig
+from megatron_lite.model.embedding import LanguageModelEmbedding
 from megatron_lite.model.gpt_model import GPTModel
+from megatron_lite.model.transformer_layer import TransformerLayer
 from megatron_lite.model.weight_init import initialize_weights
 from megatron_lite.pipeline_parallel.layer_split import get_layer_numbers
 from megatron_lite.process_groups.parallel_state import ParallelState, mock_parallel_state
+
+
+# What ZeRO-3 (--data-parallel-sharding-strategy optim_grads_params) gathers one at a time: the
+# embedding and each transformer layer; the final norm and output layer form the remaining unit.
+FSDP_UNIT_MODULES = (LanguageModelEmbedding, TransformerLayer)
 
 
 def build_model_chunk(config: Config, parallel_state: ParallelState, *, pipeline_rank: int,

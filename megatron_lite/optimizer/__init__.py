@@ -43,9 +43,11 @@ def get_megatron_optimizer(optimizer_config: OptimizerConfig, model_chunks: list
         if not isinstance(chunk, DistributedDataParallel):
             raise TypeError("get_megatron_optimizer needs model chunks wrapped in "
                             "megatron_lite.distributed.DistributedDataParallel (it owns the gradient buffers).")
-        if chunk.config.use_distributed_optimizer != parallel_config.use_distributed_optimizer:
-            raise ConfigError("the model chunks were wrapped with a different --use-distributed-optimizer "
-                              "setting than the optimizer's; build both from the same ParallelConfig.")
+        if chunk.config.data_parallel_sharding_strategy != parallel_config.data_parallel_sharding_strategy:
+            raise ConfigError("the model chunks were wrapped with a different --data-parallel-sharding-strategy "
+                              f"({chunk.config.data_parallel_sharding_strategy}; --use-distributed-optimizer is "
+                              f"optim) than the optimizer's ({parallel_config.data_parallel_sharding_strategy}); "
+                              "build both from the same ParallelConfig.")
     grad_scaler = None
     if optimizer_config.loss_scale is not None:
         grad_scaler = ConstantGradScaler(optimizer_config.loss_scale)

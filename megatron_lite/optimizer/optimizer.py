@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import OptimizerConfig
+from megatron_lite.distributed.param_and_grad_buffer import ParamSlice
 from megatron_lite.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32, get_grads_for_norm
 
 # Attributes the gradient norm and finalisation read; main params carry them too.
@@ -37,18 +38,33 @@ _PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_str
 
 @dataclass(eq=False)
 class ParamRange:
-    """Elements [start, end) of the flattened model parameter ``param`` (named ``name``)."""
+    """The elements of the model parameter named ``name`` that this rank updates: a ``ParamSlice``
+    of its data-parallel wrapper, which says where their weights and averaged gradients live."""
 
     name: str
-    param: torch.nn.Parameter
-    start: int
-    end: int
+    slice: ParamSlice
+
+    @property
+    def param(self) -> torch.nn.Parameter:
+        return self.slice.param
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.slice.shape
+
+    @property
+    def start(self) -> int:
+        return self.slice.start
+
+    @property
+    def end(self) -> int:
+        return self.slice.end
 
     def model_data(self) -> torch.Tensor:
-        return self.param.detach().view(-1)[self.start:self.end]
+        return self.slice.data
 
     def model_grad(self) -> torch.Tensor:
-        return self.param.main_grad.view(-1)[self.start:self.end]
+        return self.slice.grad
 
 
 class MegatronOptimizer:
@@ -68,6 +84,7 @@ class MegatronOptimizer:
         self.parallel_state = parallel_state
         self.grad_scaler = grad_scaler
         self.offload = config.optimizer_cpu_offload
+        self._grads_on_host = any(chunk.config.grad_cpu_offload for chunk in model_chunks)
         self.num_skipped_iterations = 0
         self.param_ranges = self._param_ranges(_named_parameters(model_chunks))
         self.main_params = [self._make_main_param(r) for r in self.param_ranges]
@@ -75,17 +92,31 @@ class MegatronOptimizer:
         groups = [{"params": [], "weight_decay": config.weight_decay, "wd_mult": 1.0, "lr_mult": 1.0},
                   {"params": [], "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0}]
         for r, main in zip(self.param_ranges, self.main_params):
-            groups[1 if r.param.ndim == 1 else 0]["params"].append(main)
+            groups[1 if len(r.shape) == 1 else 0]["params"].append(main)
         if config.optimizer == "adam":
             self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                                eps=config.adam_eps, weight_decay=config.weight_decay)
         else:
             self.optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
                                              weight_decay=config.weight_decay)
+        self._allocate_state()
 
-    # What a subclass changes: which elements this rank owns, and what happens after the step.
+    def _allocate_state(self) -> None:
+        """Create the state now, as torch's first step would (zeros, step 0), so the memory report at
+        start-up measures it. SGD's momentum starting at zero gives its first step's exact value too."""
+        for main in self.main_params:
+            if self.config.optimizer == "adam":
+                self.optimizer.state[main] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(main),
+                                              "exp_avg_sq": torch.zeros_like(main)}
+            elif self.config.sgd_momentum > 0:
+                self.optimizer.state[main] = {"momentum_buffer": torch.zeros_like(main)}
+
+    # What a subclass changes: over which group gradients differ, and what happens after the step.
     def _param_ranges(self, named_params: list) -> list[ParamRange]:
-        return [ParamRange(name, p, 0, p.numel()) for name, p in named_params]
+        """The elements this rank updates: all of each parameter, or its shards under a sharding
+        strategy (the data-parallel wrapper knows which)."""
+        names = {param: name for name, param in named_params}
+        return [ParamRange(names[s.param], s) for chunk in self.model_chunks for s in chunk.param_slices()]
 
     def _data_parallel_group_for_grads(self):
         """The group over which ranks hold *different* gradients (None: they are replicated)."""
@@ -95,20 +126,20 @@ class MegatronOptimizer:
         """Hook for the distributed optimizer's all-gather."""
 
     def _main_aliases_model(self, r: ParamRange) -> bool:
-        return r.param.dtype == torch.float32 and not self.offload
+        return r.model_data().dtype == torch.float32 and not self.offload
 
     def _make_main_param(self, r: ParamRange) -> torch.nn.Parameter:
         if self._main_aliases_model(r):
             main = torch.nn.Parameter(r.model_data())  # shares storage: updating it updates the model
         else:
-            device = torch.device("cpu") if self.offload else r.param.device
+            device = torch.device("cpu") if self.offload else r.model_data().device
             main = torch.nn.Parameter(r.model_data().to(device=device, dtype=torch.float32, copy=True))
         for attribute in _PARALLEL_ATTRIBUTES:
             if hasattr(r.param, attribute):
                 setattr(main, attribute, getattr(r.param, attribute))
         # The fp32 gradient buffer itself can serve as main grad, except under offload: the step then reads
-        # its gradients from host memory, like its parameters.
-        if r.model_grad().dtype == torch.float32 and not self.offload:
+        # its gradients from host memory, like its parameters (where --grad-cpu-offload already keeps them).
+        if r.model_grad().dtype == torch.float32 and (not self.offload or self._grads_on_host):
             main.grad_copy = None
         else:
             main.grad_copy = torch.empty_like(main)  # persistent fp32 copy, filled every step
@@ -192,27 +223,32 @@ class MegatronOptimizer:
 
     # Accounting and checkpoints.
     def memory_report(self) -> dict:
-        """Bytes this rank holds for model parameters, gradient buffers and optimizer state.
+        """Bytes this rank holds, measured from the live tensors, each storage counted once, in the
+        first of these that holds it:
 
-        Optimizer state counts fp32 main parameters and main grads that are copies (not
-        aliases of the model's own fp32 tensors) and Adam's two fp32 moments (SGD: one
-        momentum buffer), whether or not the first step has created them yet.
+        - parameters: the model's parameter storage (flat buffers under optim and optim_grads, the
+          shards under optim_grads_params, plus whatever of them is gathered right now);
+        - gradients: the data-parallel gradient buffers (full, or shards and staging buffers);
+        - optimizer state: main parameters and main grads that are copies (an alias of an fp32 model
+          parameter or gradient buffer was counted above), Adam's moments and step, SGD's momentum.
+
+        ``peak_parameter_bytes`` adds the most whole parameters ZeRO-3 held at once since the
+        chunks' ``reset_peak_memory()`` (measured at every gather). On CUDA, ``allocated_bytes`` and
+        ``peak_allocated_bytes`` are the caching allocator's own counts (everything, activations too).
         """
-        param_bytes = grad_bytes = 0
-        for chunk in self.model_chunks:
-            for buffer in chunk.grad_buffers:
-                n_params = (buffer.param_data.numel() if buffer.param_data is not None
-                            else sum(e - s for s, e in buffer.param_index_map.values()))
-                param_bytes += n_params * buffer.param_dtype.itemsize
-                grad_bytes += buffer.grad_data.numel() * buffer.grad_data.element_size()
-        # fp32 tensors per element: Adam's exp_avg and exp_avg_sq, SGD's momentum buffer.
-        states = 2 if self.config.optimizer == "adam" else int(self.config.sgd_momentum > 0)
-        optimizer_bytes = 0
-        for r, main in zip(self.param_ranges, self.main_params):
-            copies = states + (0 if self._main_aliases_model(r) else 1) + (main.grad_copy is not None)
-            optimizer_bytes += copies * main.numel() * 4
-        return {"parameter_bytes": param_bytes, "gradient_bytes": grad_bytes,
-                "optimizer_state_bytes": optimizer_bytes, "optimizer_state_on_host": self.offload}
+        counted: set = set()
+        parameter_bytes = storage_bytes([t for c in self.model_chunks for t in c.parameter_tensors()], counted)
+        gradient_bytes = storage_bytes([t for c in self.model_chunks for t in c.gradient_tensors()], counted)
+        state = [t for main in self.main_params for t in (main, main.grad_copy) if t is not None]
+        state += [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        report = {"parameter_bytes": parameter_bytes, "gradient_bytes": gradient_bytes,
+                  "optimizer_state_bytes": storage_bytes(state, counted),
+                  "peak_parameter_bytes": parameter_bytes + sum(c.peak_gathered_bytes for c in self.model_chunks),
+                  "optimizer_state_on_host": self.offload}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            report["allocated_bytes"] = torch.cuda.memory_allocated()
+            report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        return report
 
     def state_dict(self) -> dict:
         """This rank's optimizer state, keyed by parameter name (the format is documented in
@@ -220,7 +256,7 @@ class MegatronOptimizer:
         params = {}
         for r, main in zip(self.param_ranges, self.main_params):
             state = self.optimizer.state.get(main, {})
-            params[r.name] = {"shape": tuple(r.param.shape), "range": (r.start, r.end),
+            params[r.name] = {"shape": tuple(r.shape), "range": (r.start, r.end),
                               "main_param": main.detach().clone(),
                               "state": {k: v.detach().clone() for k, v in state.items()}}
         dp = self._data_parallel_group_for_grads()
@@ -243,14 +279,18 @@ class MegatronOptimizer:
             group.update(saved)
         for r, main in zip(self.param_ranges, self.main_params):
             entry = state_dict["params"].get(r.name)
+            if entry is None and state_dict["data_parallel"]["sharded"]:
+                raise ValueError(f"this rank's optimizer checkpoint shard holds nothing of {r.name!r}: merge the "
+                                 f"data-parallel shards with merge_optimizer_state_dicts before loading under a "
+                                 f"new layout.")
             if entry is None:
                 raise KeyError(f"optimizer checkpoint has no state for parameter {r.name!r}: it was saved "
                                f"from a different model or pipeline layout.")
             start, end = entry["range"]
-            if tuple(entry["shape"]) != tuple(r.param.shape) or not start <= r.start <= r.end <= end:
+            if tuple(entry["shape"]) != tuple(r.shape) or not start <= r.start <= r.end <= end:
                 raise ValueError(
                     f"optimizer checkpoint holds elements {start}:{end} of {r.name!r} (shape {tuple(entry['shape'])}), "
-                    f"this rank needs {r.start}:{r.end} (shape {tuple(r.param.shape)}): merge the data-parallel "
+                    f"this rank needs {r.start}:{r.end} (shape {tuple(r.shape)}): merge the data-parallel "
                     f"shards with merge_optimizer_state_dicts before loading under a new layout.")
             window = slice(r.start - start, r.end - start)
             main.copy_(entry["main_param"][window])
@@ -287,6 +327,19 @@ def merge_optimizer_state_dicts(state_dicts: list) -> dict:
             "state": {k: (torch.cat([e["state"][k] for e in pieces]) if pieces[0]["state"][k].dim() == 1
                           else pieces[0]["state"][k]) for k in keys}}
     return merged
+
+
+def storage_bytes(tensors: list, counted: set) -> int:
+    """Bytes of the storages under ``tensors`` that are not in ``counted`` (they join it): a view, or
+    a tensor aliasing another's storage, costs nothing more."""
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
+        if storage.nbytes() > 0 and key not in counted:
+            counted.add(key)
+            total += storage.nbytes()
+    return total
 
 
 def _named_parameters(model_chunks: list) -> list:

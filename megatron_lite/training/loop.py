@@ -25,7 +25,8 @@ from megatron_lite.config import Config
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
 from megatron_lite.checkpointing.preflight import check_checkpoint_paths
-from megatron_lite.model.builder import build_model, count_parameters, current_device, parameters_per_stage
+from megatron_lite.model.builder import (FSDP_UNIT_MODULES, build_model, count_parameters, current_device,
+                                         parameters_per_stage)
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
@@ -43,7 +44,8 @@ from megatron_lite.checkpointing.training_state import TrainingState
 def get_model(config: Config, parallel_state: ParallelState) -> list[DistributedDataParallel]:
     """This rank's model chunks wrapped for data-parallel gradient reduction (Megatron's get_model)."""
     group = parallel_state.data_parallel_group
-    return [DistributedDataParallel(chunk, config=config.parallel, data_parallel_group=group)
+    return [DistributedDataParallel(chunk, config=config.parallel, data_parallel_group=group,
+                                    fsdp_unit_modules=FSDP_UNIT_MODULES)
             for chunk in build_model(config, parallel_state)]
 
 
@@ -167,6 +169,10 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
     logger = TrainingLogger(config, parallel_state, global_batch)
     for chunk in model_chunks:
         chunk.train()
+        chunk.reset_peak_memory()  # the first iteration's peak is reported
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+    first_iteration = state.iteration + 1
     signal_handler = DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext()
     with signal_handler:
         while state.iteration < training.train_iters:
@@ -174,6 +180,8 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
             loss, update_successful, grad_norm = train_step(config, parallel_state, model_chunks, optimizer,
                                                             scheduler, train_iterator)
             state.iteration += 1
+            if config.logging.log_memory and state.iteration == first_iteration:
+                print_rank_last(metrics.format_memory_report(optimizer.memory_report(), state.iteration))
             state.consumed_train_samples += global_batch
             state.skipped_iterations += 0 if update_successful else 1
             if loss is not None:

@@ -103,12 +103,21 @@ def format_throughput_log(*, tokens_per_second: float, mfu: float | None, peak_m
             f" peak memory (MB): {peak_memory:.1f} |")
 
 
-def format_memory_report(report: dict) -> str:
-    """One rank's static memory: model-precision weights, gradient buffers, optimizer state."""
+def format_memory_report(report: dict, iteration: int | None = None) -> str:
+    """One rank's memory, measured (``MegatronOptimizer.memory_report``): at start-up, or during
+    ``iteration`` (parameters at their peak, which ZeRO-3's gathers raise above the shard; the
+    caching allocator's peak on CUDA, activations included)."""
     mb = {k: v / 2 ** 20 for k, v in report.items() if k.endswith("_bytes")}
     where = " (host)" if report.get("optimizer_state_on_host") else ""
-    return (f" memory per rank (MB) | parameters: {mb['parameter_bytes']:.1f} | gradients: {mb['gradient_bytes']:.1f}"
-            f" | optimizer state{where}: {mb['optimizer_state_bytes']:.1f} |")
+    if iteration is None:
+        line = f" memory per rank (MB) | parameters: {mb['parameter_bytes']:.1f}"
+    else:
+        line = f" memory per rank in iteration {iteration} (MB) | parameters (peak): {mb['peak_parameter_bytes']:.1f}"
+    line += f" | gradients: {mb['gradient_bytes']:.1f} | optimizer state{where}: {mb['optimizer_state_bytes']:.1f} |"
+    if "allocated_bytes" in mb:
+        allocated = mb["allocated_bytes"] if iteration is None else mb["peak_allocated_bytes"]
+        line += f" {'allocated' if iteration is None else 'peak allocated'} (CUDA): {allocated:.1f} |"
+    return line
 
 
 def format_validation_log(*, iteration: int, lm_loss: float, prefix: str = "validation") -> str:

@@ -1,6 +1,8 @@
 """Tiny training configurations and rank bodies shared by the checkpoint tests."""
 from __future__ import annotations
 
+import pytest
+
 from megatron_lite.config import (CheckpointConfig, Config, LoggingConfig, ModelConfig, OptimizerConfig,
                                   ParallelConfig, TrainingConfig)
 
@@ -13,14 +15,16 @@ GPT2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute
 
 
 def tiny_config(tp: int = 1, pp: int = 1, *, arch: dict = LLAMA, vpp=None, dist_opt: bool = False,
-                sequence_parallel: bool = False, iters: int = 4, global_batch: int = 8, dropout: float = 0.0,
-                save=None, load=None, save_interval=None, exit_interval=None, **checkpoint_flags) -> Config:
+                strategy: str | None = None, sequence_parallel: bool = False, iters: int = 4, global_batch: int = 8,
+                dropout: float = 0.0, save=None, load=None, save_interval=None, exit_interval=None,
+                **checkpoint_flags) -> Config:
     return Config(
         model=ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=8, ffn_hidden_size=64, seq_length=16,
                           vocab_size=60, make_vocab_size_divisible_by=32, hidden_dropout=dropout,
                           attention_dropout=dropout, **arch),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 virtual_pipeline_model_parallel_size=vpp, use_distributed_optimizer=dist_opt,
+                                data_parallel_sharding_strategy=strategy,
                                 sequence_parallel=sequence_parallel),
         training=TrainingConfig(micro_batch_size=1, global_batch_size=global_batch, train_iters=iters,
                                 exit_interval=exit_interval),
@@ -42,3 +46,10 @@ def losses_of(results: list) -> list:
     reported = [r for r in results if r is not None]
     assert reported and all(r == reported[0] for r in reported), reported
     return reported[0]
+
+
+def assert_continues(resumed: list, reference: list, rtol: float = 1e-5) -> None:
+    """A run resumed at iteration 2 of 4: the saved history as saved, then the reference's losses."""
+    assert len(resumed) == 4
+    assert resumed[:2] == reference[:2]
+    assert resumed[2:] == pytest.approx(reference[2:], rel=rtol)

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_lite.checkpointing import storage
 from megatron_lite.checkpointing.offline import reshard_checkpoint
-from tests.checkpointing.common import GPT2, LLAMA, losses_of, train
+from tests.checkpointing.common import GPT2, LLAMA, assert_continues, losses_of, train
 from tests.distributed import run_distributed
 
 RTOL = 1e-5
@@ -38,12 +38,6 @@ def gpt2_plain(tmp_path_factory):
 
 def _resume(root, world_size, **kwargs):
     return losses_of(run_distributed(train, world_size, args=(dict(load=root, **kwargs),)))
-
-
-def _assert_continues(resumed, reference):
-    assert len(resumed) == 4
-    assert resumed[:2] == reference[:2]  # the saved history comes back as saved
-    assert resumed[2:] == pytest.approx(reference[2:], rel=RTOL)
 
 
 def test_metadata_describes_every_split(llama_distopt):
@@ -73,7 +67,7 @@ def test_metadata_describes_every_split(llama_distopt):
 ], ids=["tp1pp1dp1", "tp4pp1dp2-distopt", "tp1pp2dp4-vpp2"])
 def test_distributed_optimizer_checkpoint_reshards(llama_distopt, world_size, layout):
     root, reference = llama_distopt
-    _assert_continues(_resume(root, world_size, arch=LLAMA, **layout), reference)
+    assert_continues(_resume(root, world_size, arch=LLAMA, **layout), reference)
 
 
 @pytest.mark.parametrize("world_size,layout", [
@@ -82,7 +76,7 @@ def test_distributed_optimizer_checkpoint_reshards(llama_distopt, world_size, la
 ], ids=["tp1pp2dp4-distopt", "tp4pp1dp2"])
 def test_plain_optimizer_checkpoint_reshards(gpt2_plain, world_size, layout):
     root, reference = gpt2_plain
-    _assert_continues(_resume(root, world_size, arch=GPT2, **layout), reference)
+    assert_continues(_resume(root, world_size, arch=GPT2, **layout), reference)
 
 
 def test_offline_conversion_then_load(llama_distopt, tmp_path):
@@ -91,7 +85,7 @@ def test_offline_conversion_then_load(llama_distopt, tmp_path):
     with open(os.path.join(storage.checkpoint_dir(str(tmp_path), 2), storage.METADATA_FILE)) as f:
         files = json.load(f)["files"]
     assert len(files) == 8  # one file per (tp, pp) rank of the target layout
-    _assert_continues(_resume(str(tmp_path), 2, arch=LLAMA, tp=2, pp=1), reference)
+    assert_continues(_resume(str(tmp_path), 2, arch=LLAMA, tp=2, pp=1), reference)
 
 
 def test_optimizer_state_matters(llama_distopt):

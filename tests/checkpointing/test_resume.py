@@ -68,7 +68,8 @@ def test_no_load_optim_restarts_from_the_loaded_weights(tmp_path):
     for name, entry in optimizer.state_dict()["params"].items():
         assert not torch.equal(weights[name], initial[name]) or "layernorm" in name
         assert torch.equal(entry["main_param"], weights[name].detach().float().reshape(-1))
-        assert entry["state"] == {}  # fresh Adam moments
+        assert set(entry["state"]) == {"step", "exp_avg", "exp_avg_sq"}  # fresh Adam: zero moments, step 0
+        assert all(not value.any() for value in entry["state"].values())
 
 
 def test_tensor_pipeline_parallel_resume_is_bitwise_exact(tmp_path):

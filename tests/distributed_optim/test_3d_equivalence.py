@@ -1,11 +1,12 @@
 """The parity ladder: every (tensor, pipeline, data) layout trains like one process.
 
 A 4-layer GPT trains 10 steps through ``megatron_lite.training.pretrain`` on mock
-data, once with plain data parallelism and once with the distributed optimizer,
---overlap-grad-reduce, --overlap-param-gather (and --sequence-parallel where
-tp > 1). Losses and the final weights, reassembled from every rank's shards,
-must match the single-process run within 1e-5 relative (float32); data-parallel
-replicas of every shard must agree exactly.
+data under every --data-parallel-sharding-strategy (no_shard, optim, optim_grads,
+optim_grads_params: ZeRO 0 to 3), with and without --overlap-grad-reduce and
+--overlap-param-gather, at dp 2 (recomputed too), dp 4, tp2 x dp2 (sequence parallel
+when sharded), pp2 x dp2 and interleaved pp2 x dp2, and tp2 x pp2 x dp2. Losses and the
+final weights, reassembled from every rank's shards, must match the single-process run
+within 1e-5 relative (float32); data-parallel replicas of every shard must agree exactly.
 """
 import numpy as np
 import pytest
@@ -20,17 +21,24 @@ from tests.distributed_optim.toy import assert_relative_close
 STEPS = 10
 
 
-def _config(tp: int, pp: int, sharded: bool, steps: int = STEPS, bf16: bool = False,
-            offload: bool = False) -> Config:
+def _config(tp: int, pp: int, sharded: bool = False, steps: int = STEPS, bf16: bool = False, fp16: bool = False,
+            offload: bool = False, grad_offload: bool = False, strategy: str | None = None,
+            overlap: bool | None = None, vpp: bool = False, recompute: str | None = None) -> Config:
+    """``sharded`` is the distributed optimizer with every overlap; ``strategy`` and ``overlap`` choose."""
+    strategy = strategy or ("optim" if sharded else "no_shard")
+    overlap = sharded if overlap is None else overlap
     return Config(
         # vocab 256 is already a multiple of 128 x tp for tp <= 2: no layout-dependent padding rows.
         model=ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=256,
                           hidden_dropout=0.0, attention_dropout=0.0),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                use_distributed_optimizer=sharded, overlap_grad_reduce=sharded,
-                                overlap_param_gather=sharded, sequence_parallel=sharded and tp > 1,
-                                ddp_bucket_size=5000),  # several buckets per stage
-        training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=steps, eval_iters=1, bf16=bf16),
+                                num_layers_per_virtual_pipeline_stage=1 if vpp else None,
+                                data_parallel_sharding_strategy=strategy, overlap_grad_reduce=overlap,
+                                overlap_param_gather=overlap and strategy != "no_shard",
+                                sequence_parallel=strategy != "no_shard" and tp > 1,
+                                grad_cpu_offload=grad_offload, ddp_bucket_size=5000),  # several buckets per stage
+        training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=steps, eval_iters=1, bf16=bf16,
+                                fp16=fp16, recompute_granularity=recompute),
         # The key bias's gradient is zero in exact arithmetic (softmax ignores a constant shift of
         # the scores), so it is pure rounding noise; with Adam's eps at 1e-8 that noise becomes
         # lr-sized steps that differ with summation order. eps 1e-6 sits above the noise and far
@@ -47,12 +55,14 @@ def _train(rank, world_size, layouts):
     results = []
     for layout in layouts:
         state, model_chunks, parallel_state = pretrain(_config(**layout), keep_process_group=True)
+        shards = {}
         for chunk in model_chunks:
             chunk.finish_param_sync()
-        shards = {name: (p.detach().float().numpy().copy(), getattr(p, "tensor_model_parallel", False),
-                         getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1))
-                  for chunk in model_chunks for name, p in chunk.module.named_parameters()}
-        results.append({"losses": state.losses, "shards": shards,
+            with chunk.gathered_parameters():  # whole parameters under ZeRO-3
+                shards.update({name: (p.detach().float().numpy().copy(), getattr(p, "tensor_model_parallel", False),
+                                      getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1))
+                               for name, p in chunk.module.named_parameters()})
+        results.append({"losses": state.losses, "shards": shards, "skipped": state.skipped_iterations,
                         "tp_rank": parallel_state.tensor_model_parallel_rank,
                         "dp_rank": parallel_state.data_parallel_rank})
     return results
@@ -84,18 +94,30 @@ def single_process():
     return result[0]["losses"], _full_weights(result)
 
 
-# World size -> the (tp, pp) layouts run in that world; each with and without sharding and overlap.
-GRID = {2: [(1, 1)], 4: [(1, 1), (2, 1), (1, 2)], 8: [(2, 2)]}
+def test_tp2_pp2_dp2_matches_single_process(single_process):
+    _check_layouts(single_process, 8, [{"tp": 2, "pp": 2, "sharded": sharded} for sharded in (False, True)])
 
 
+# Every strategy at dp 2 (with recomputation) and, in a world of 4, at dp 4, tp2 x dp2 (sequence
+# parallel under the sharding strategies), pp2 x dp2 and interleaved pp2 x dp2; with and without overlap.
+GRID = {2: [{"tp": 1, "pp": 1}, {"tp": 1, "pp": 1, "recompute": "full"}],
+        4: [{"tp": 1, "pp": 1}, {"tp": 2, "pp": 1}, {"tp": 1, "pp": 2}, {"tp": 1, "pp": 2, "vpp": True}]}
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 @pytest.mark.parametrize("world_size", sorted(GRID))
-def test_layouts_match_single_process(single_process, world_size):
+def test_every_strategy_matches_single_process(single_process, world_size, strategy):
+    layouts = [{**layout, "strategy": strategy, "overlap": overlap}
+               for layout in GRID[world_size] for overlap in (False, True)]
+    _check_layouts(single_process, world_size, layouts)
+
+
+def _check_layouts(single_process, world_size: int, layouts: list) -> None:
     reference_losses, reference_weights = single_process
-    layouts = [{"tp": tp, "pp": pp, "sharded": sharded} for tp, pp in GRID[world_size] for sharded in (False, True)]
     per_rank = run_distributed(_train, world_size, args=(layouts,), timeout=600)
     for index, layout in enumerate(layouts):
         tp, pp = layout["tp"], layout["pp"]
-        what = f"tp={tp} pp={pp} dp={world_size // (tp * pp)} sharded+overlap={layout['sharded']}"
+        what = f"dp={world_size // (tp * pp)} {layout}"
         results = [r[index] for r in per_rank]
         losses = [r["losses"] for r in results if r["losses"]]
         assert losses, what
@@ -134,3 +156,21 @@ def test_bf16_with_offload_on_the_full_grid_tracks_fp32():
         # a misplaced shard or a missed update would be off by the whole tensor.
         expected = reference_weights[name]
         assert (value - expected).norm() <= 0.05 * expected.norm(), name
+
+
+def test_zero3_in_mixed_precision_with_offload():
+    """ZeRO-3 at tp2 (sequence parallel) x dp2: bf16 with the optimizer and the gradient shards in host
+    memory stays within bf16 tolerance of fp32 over 20 steps; fp16 with the dynamic loss scaler skips
+    the same steps as plain data parallelism and tracks its losses."""
+    (reference,) = run_distributed(_train, 1, args=([{"tp": 1, "pp": 1, "steps": 20}],))
+    zero3 = {"tp": 2, "pp": 1, "strategy": "optim_grads_params", "overlap": True}
+    layouts = [{**zero3, "steps": 20, "bf16": True, "offload": True, "grad_offload": True},
+               {**zero3, "fp16": True}, {"tp": 2, "pp": 1, "fp16": True}]
+    per_rank = run_distributed(_train, 4, args=(layouts,), timeout=600)
+    bf16, fp16_zero3, fp16_plain = ([r[i] for r in per_rank if r[i]["losses"]] for i in range(3))
+    for result in bf16:
+        relative = [abs(a - b) / b for a, b in zip(result["losses"], reference[0]["losses"])]
+        assert len(relative) == 20 and 0 < max(relative) < 2e-3, relative
+    for zero3_result, plain in zip(fp16_zero3, fp16_plain):
+        assert zero3_result["skipped"] == plain["skipped"] > 0  # the scaler started too high and backed off
+        assert_relative_close(zero3_result["losses"], plain["losses"], rel=1e-3, what="fp16 ZeRO-3 losses")

@@ -1,4 +1,4 @@
-"""Data parallelism and the distributed optimizer reproduce the single-process run.
+"""Data parallelism and every sharding strategy reproduce the single-process run.
 
 The toy MLP trains 10 steps with 2 micro-batches per rank and gradient clipping;
 every layout must match one process on the whole global batch (losses, grad
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.process_groups import collectives
-from megatron_lite.config import ParallelConfig
+from megatron_lite.config import OptimizerConfig, ParallelConfig
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
@@ -25,6 +25,11 @@ LAYOUTS = [
     {"use_distributed_optimizer": True, "overlap_grad_reduce": True},
     {"use_distributed_optimizer": True, "overlap_param_gather": True},
     {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True},
+    {"data_parallel_sharding_strategy": "optim_grads"},
+    {"data_parallel_sharding_strategy": "optim_grads", "overlap_grad_reduce": True, "overlap_param_gather": True},
+    {"data_parallel_sharding_strategy": "optim_grads_params"},
+    {"data_parallel_sharding_strategy": "optim_grads_params", "overlap_grad_reduce": True,
+     "overlap_param_gather": True},
 ]
 
 
@@ -86,7 +91,7 @@ def test_bucket_layout_and_shards():
     results = run_distributed(_bucket_layout, 4)
     # Reverse parameter order; a bucket closes once it holds >= 10 elements; params never split.
     assert results[0][False]["buckets"] == [(["b"], 0, 11), (["embedding", "a"], 11, 12)]
-    assert results[0][False]["ranges"] == [("a", 0, 5), ("embedding", 0, 7), ("b", 0, 11)]
+    assert results[0][False]["ranges"] == [("b", 0, 11), ("embedding", 0, 7), ("a", 0, 5)]  # bucket order
     # Sharded: the shared embedding gets a bucket of its own (so first and last pipeline
     # stages shard it alike), and every bucket is padded to a multiple of dp = 4.
     assert results[0][True]["buckets"] == [(["b"], 0, 12), (["embedding"], 12, 8), (["a"], 20, 8)]
@@ -101,19 +106,26 @@ def test_bucket_layout_and_shards():
         assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
 
 
-def _count_communication(rank, world_size, sharded, overlap):
-    parallel_state = initialize_model_parallel(1, 1)
-    ddp, optimizer = toy.build(parallel_state, use_distributed_optimizer=sharded, overlap_grad_reduce=overlap,
-                               overlap_param_gather=sharded and overlap)
-    reduce_op = "reduce_scatter" if sharded else "all_reduce"
-    counts = {}
-    batches = toy.micro_batches(0, parallel_state.data_parallel_rank, world_size)
+def _count_micro_batches(ddp, parallel_state) -> list:
+    """The collectives of each micro-batch's forward and backward (all but the last inside no_sync())."""
+    counters = []
+    batches = toy.micro_batches(0, parallel_state.data_parallel_rank, parallel_state.data_parallel_world_size)
     ddp.zero_grad_buffer()
     for i, (x, y) in enumerate(batches):
         with collectives.count_collectives() as counter:
             with ddp.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
                 F.mse_loss(ddp(x), y).backward()
-        counts[f"backward {i}"] = counter.count(reduce_op, "data")
+        counters.append(counter)
+    return counters
+
+
+def _count_communication(rank, world_size, sharded, overlap):
+    parallel_state = initialize_model_parallel(1, 1)
+    ddp, optimizer = toy.build(parallel_state, use_distributed_optimizer=sharded, overlap_grad_reduce=overlap,
+                               overlap_param_gather=sharded and overlap)
+    reduce_op = "reduce_scatter" if sharded else "all_reduce"
+    counts = {f"backward {i}": counter.count(reduce_op, "data")
+              for i, counter in enumerate(_count_micro_batches(ddp, parallel_state))}
     with collectives.count_collectives() as counter:
         finalize_model_grads([ddp], parallel_state)
     counts["finalize"] = counter.count(reduce_op, "data")
@@ -121,7 +133,7 @@ def _count_communication(rank, world_size, sharded, overlap):
         optimizer.step()
     counts["step all_gather"] = counter.count("all_gather", "data")
     counts["gathers pending after step"] = sum(b.param_handle is not None for b in ddp.buckets)
-    ddp(batches[0][0])  # the forward pre-hooks wait for every bucket's gather
+    ddp(toy.micro_batches(0, parallel_state.data_parallel_rank, world_size)[0][0])  # pre-hooks wait for the gathers
     counts["gathers pending after forward"] = sum(b.param_handle is not None for b in ddp.buckets)
     return counts
 
@@ -139,6 +151,75 @@ def test_reductions_only_on_last_microbatch(sharded, overlap):
     assert counts["step all_gather"] == (buckets if sharded else 0)
     assert counts["gathers pending after step"] == (buckets if sharded and overlap else 0)
     assert counts["gathers pending after forward"] == 0
+
+
+def _zero2_communication(rank, world_size, overlap):
+    parallel_state = initialize_model_parallel(1, 1)
+    ddp, optimizer = toy.build(parallel_state, data_parallel_sharding_strategy="optim_grads",
+                               overlap_grad_reduce=overlap)
+    (buffer,) = ddp.grad_buffers
+    counts = [dict(counter.calls) for counter in _count_micro_batches(ddp, parallel_state)]
+    with collectives.count_collectives() as counter:
+        finalize_model_grads([ddp], parallel_state)
+        optimizer.step()
+    counts.append(dict(counter.calls))
+    return {"counts": counts, "staging buffers": len(buffer.staging_pool.buffers),
+            "staging numel": buffer.staging_pool.numel, "grad shard numel": buffer.grad_shard_data.numel(),
+            "full gradients": buffer.grad_data, "main_grad": hasattr(ddp.module.fc1.weight, "main_grad"),
+            "buckets": [b.numel for b in buffer.buckets]}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_zero2_reduce_scatters_each_bucket_every_micro_batch_into_a_shard(overlap):
+    result = run_distributed(_zero2_communication, 2, args=(overlap,))[0]
+    buckets = result["buckets"]
+    assert len(buckets) == 2
+    # No full gradient buffer: each micro-batch's bucket is reduce-scattered as soon as it is complete,
+    # inside no_sync() too (there is nothing to accumulate full gradients in); only that, nothing else.
+    for micro_batch in result["counts"][:2]:
+        assert micro_batch == {("reduce_scatter", "data"): 2}
+    # Finalisation waits for what is in flight; the step gathers the updated parameters.
+    assert result["counts"][2] == {("all_gather", "data"): 2, ("all_reduce", "data"): 1}  # + the grad norm
+    assert result["full gradients"] is None and not result["main_grad"]
+    assert result["grad shard numel"] == sum(buckets) // 2
+    # One bucket-sized staging buffer, reused; with overlap one more, for the bucket in flight.
+    assert result["staging numel"] == max(buckets)
+    assert result["staging buffers"] == (2 if overlap else 1)
+
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
+def _offload_every_strategy(rank, world_size):
+    parallel_state = initialize_model_parallel(1, 1)
+    results = {}
+    for strategy in STRATEGIES:
+        offloads = [(False, False), (True, False)] + [(True, True)] * (strategy.startswith("optim_grads"))
+        for optimizer_offload, grad_offload in offloads:
+            config = OptimizerConfig(lr=0.05, weight_decay=0.1, clip_grad=0.5, optimizer_cpu_offload=optimizer_offload)
+            ddp, optimizer = toy.build(parallel_state, dtype=torch.bfloat16, optimizer_config=config,
+                                       data_parallel_sharding_strategy=strategy, grad_cpu_offload=grad_offload,
+                                       overlap_grad_reduce=True)
+            losses = [toy.train_step(ddp, optimizer, parallel_state, step)[0] for step in range(4)]
+            shards = [b.grad_shard_data for b in ddp.grad_buffers if b.grad_shard_data is not None]
+            results[(strategy, optimizer_offload, grad_offload)] = {
+                "losses": losses, "main params": {m.device.type for m in optimizer.main_params},
+                "grad shards": {s.device.type for s in shards},
+                # Under --grad-cpu-offload the optimizer steps on the host shards themselves.
+                "main grads alias the shards": all(m.grad_copy is None for m in optimizer.main_params)}
+    return results
+
+
+def test_cpu_offload_under_every_strategy():
+    """bf16 weights: --optimizer-cpu-offload (and, for ZeRO-2/3, --grad-cpu-offload) change where the
+    step runs, not what it computes."""
+    for results in run_distributed(_offload_every_strategy, 2):
+        for (strategy, optimizer_offload, grad_offload), result in results.items():
+            assert result["losses"] == results[(strategy, False, False)]["losses"], strategy
+            if optimizer_offload:
+                assert result["main params"] == {"cpu"}
+            if grad_offload:
+                assert result["grad shards"] == {"cpu"} and result["main grads alias the shards"]
 
 
 def test_gradient_buffer_dtypes():

@@ -58,15 +58,15 @@ def test_bf16_tracks_fp32():
         assert max(relative) > 0  # it really ran in bf16
 
 
-def _inject_inf(rank, world_size, sharded):
+def _inject_inf(rank, world_size, strategy):
     parallel_state = initialize_model_parallel(1, 1)
     config = OptimizerConfig(lr=0.05, clip_grad=0.5, initial_loss_scale=1024.0, hysteresis=1)
     ddp, optimizer = toy.build(parallel_state, dtype=torch.float16, optimizer_config=config,
-                               use_distributed_optimizer=sharded)
+                               data_parallel_sharding_strategy=strategy)
 
-    def poison(model):  # one element of one rank's local gradient
+    def poison(model):  # one element of one rank's gradient (its shard only, under ZeRO-2/3)
         if rank == 0:
-            model.module.fc1.weight.main_grad[3, 5] = float("inf")
+            model.param_slices()[0].grad[3] = float("inf")
 
     log = []
     for step in range(4):
@@ -78,9 +78,9 @@ def _inject_inf(rank, world_size, sharded):
     return log, optimizer.num_skipped_iterations
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(sharded):
-    for log, skipped in run_distributed(_inject_inf, 2, args=(sharded,)):
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(strategy):
+    for log, skipped in run_distributed(_inject_inf, 2, args=(strategy,)):
         assert [entry[0] for entry in log] == [True, True, False, True]
         assert log[2][1:] == (True, True, 512.0)  # no norm, weights untouched, scale halved
         assert not log[1][2] and not log[3][2]  # the other steps did update
@@ -88,51 +88,60 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(sharded):
         assert skipped == 1
 
 
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
 def _memory(rank, world_size):
     parallel_state = initialize_model_parallel(1, 1)
     reports = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         config = OptimizerConfig(lr=0.01, initial_loss_scale=1024.0)
-        for sharded in (False, True):
+        for strategy in STRATEGIES:
             ddp, optimizer = toy.build(parallel_state, dtype=dtype, optimizer_config=config,
-                                       use_distributed_optimizer=sharded)
+                                       data_parallel_sharding_strategy=strategy)
+            at_start = optimizer.memory_report()
             toy.train_step(ddp, optimizer, parallel_state, 0)
-            report = optimizer.memory_report()
-            # The report counts the tensors that really exist once Adam has stepped.
-            real = sum(t.numel() * t.element_size() for s in optimizer.optimizer.state.values()
-                       for t in s.values() if t.dim() == 1)
-            for r, main in zip(optimizer.param_ranges, optimizer.main_params):
-                if main.data_ptr() != r.model_data().data_ptr():
-                    real += main.numel() * 4
-                if main.grad_copy is not None:
-                    real += main.grad_copy.numel() * 4
-            assert report["optimizer_state_bytes"] == real, (dtype, sharded, report, real)
-            padding = sum(b.padding for b in ddp.grad_buffers)
-            reports[(str(dtype), sharded)] = (report, padding)
+            (buffer,) = ddp.grad_buffers
+            reports[(str(dtype), strategy)] = {
+                "start": at_start, "after a step": optimizer.memory_report(), "padding": buffer.padding,
+                "elements": sum(r.end - r.start for r in optimizer.param_ranges), "ranges": len(optimizer.param_ranges),
+                "staging": 0 if buffer.staging_pool is None else buffer.staging_pool.numel}
     return reports
 
 
-def test_memory_report_matches_the_per_parameter_table():
+def test_memory_report_is_measured_and_matches_the_per_parameter_table():
+    """Measured from the live tensors, per rank at dp 3 (the second bucket needs padding): the bytes per
+    parameter of REFERENCE.md section 6, sharded as each strategy says."""
     psi = sum(p.numel() for p in toy.MLP().parameters())
-    dp = 3  # 312- and 512-element buckets: the second needs padding to a multiple of 3
+    dp = 3
     results = run_distributed(_memory, dp)
-    assert results[0][("torch.float32", True)][1] == 1
-    # Bytes per parameter (REFERENCE.md section 6): (weights + grads, optimizer state).
-    table = {"torch.float32": (8, 8), "torch.bfloat16": (6, 12), "torch.float16": (4, 16)}
-    unsharded_per_param = {"torch.float32": 16, "torch.bfloat16": 18, "torch.float16": 20}
-    for dtype, (model_bytes, optimizer_bytes) in table.items():
-        unsharded = results[0][(dtype, False)][0]
-        assert sum(v for k, v in unsharded.items() if k.endswith("_bytes")) == unsharded_per_param[dtype] * psi
-        shards = []
-        for reports in results:
-            report, padding = reports[(dtype, True)]
-            bytes_per_element = optimizer_bytes
-            # Optimizer state = unsharded total / dp, give or take this rank's share of the padding.
-            assert abs(report["optimizer_state_bytes"] - unsharded["optimizer_state_bytes"] / dp) \
-                <= padding * bytes_per_element, (dtype, report)
-            assert report["parameter_bytes"] + report["gradient_bytes"] == model_bytes * (psi + padding)
-            shards.append(report["optimizer_state_bytes"])
-        assert sum(shards) == optimizer_bytes * psi  # the shards partition the state exactly
+    # Bytes per element: (weights, gradients, optimizer state: fp32 main copy + Adam's two moments + main grad copy).
+    table = {"torch.float32": (4, 4, 8), "torch.bfloat16": (2, 4, 12), "torch.float16": (2, 2, 16)}
+    for dtype, (weight, grad, state) in table.items():
+        unsharded = results[0][(dtype, "no_shard")]["start"]
+        # 16, 18 and 20 bytes per parameter, plus Adam's 4-byte step counter per parameter.
+        assert unsharded["parameter_bytes"] + unsharded["gradient_bytes"] + unsharded["optimizer_state_bytes"] \
+            == (weight + grad + state) * psi + 4 * results[0][(dtype, "no_shard")]["ranges"]
+        for strategy in STRATEGIES[1:]:
+            shards = []
+            for reports in results:
+                entry = reports[(dtype, strategy)]
+                report = entry["start"]
+                total = psi + entry["padding"]
+                per_rank = total // dp
+                step = entry["after a step"]
+                for key in ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes"):
+                    assert step[key] == report[key], (dtype, strategy, key)  # nothing appears later
+                # ZeRO-3 gathers the toy's one unit (the whole model) for its forward and backward.
+                whole = weight * total if strategy == "optim_grads_params" else 0
+                assert step["peak_parameter_bytes"] == report["parameter_bytes"] + whole
+                assert report["parameter_bytes"] == weight * (per_rank if strategy == "optim_grads_params" else total)
+                # ZeRO-2/3: the gradient shard plus one bucket-sized staging buffer.
+                expected_grads = grad * (per_rank + entry["staging"]) if strategy != "optim" else grad * total
+                assert report["gradient_bytes"] == expected_grads, (dtype, strategy)
+                assert report["optimizer_state_bytes"] == state * entry["elements"] + 4 * entry["ranges"]
+                shards.append(entry["elements"])
+            assert sum(shards) == psi  # the shards partition the state exactly
 
 
 def _placement(ddp, optimizer) -> dict:
@@ -232,14 +241,18 @@ def test_optimizer_state_resumes_on_same_and_merged_layouts():
         "fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "norm.bias", "norm.weight"]
 
 
-@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("strategy, grad_offload", [("no_shard", False), ("optim", False), ("optim_grads", False),
+                                                    ("optim_grads", True), ("optim_grads_params", True)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_offloaded_step_hands_nccl_only_gpu_tensors(dtype, sharded):
-    """Under --optimizer-cpu-offload the main gradients are on the host, but every collective of the step
-    (the gradient norm, and fp16's overflow check) goes over NCCL groups, which take only GPU tensors."""
+def test_offloaded_step_hands_nccl_only_gpu_tensors(dtype, strategy, grad_offload):
+    """Under --optimizer-cpu-offload the main gradients are on the host (under --grad-cpu-offload the
+    gradient shards themselves), but every collective of the step (the gradient norm, and fp16's
+    overflow check) goes over NCCL groups, which take only GPU tensors."""
     parallel_state = toy.single_process_state()
+    sharded = strategy != "no_shard"
     config = OptimizerConfig(lr=0.05, clip_grad=0.5, optimizer_cpu_offload=True, initial_loss_scale=1024.0)
-    ddp, optimizer = toy.build(parallel_state, dtype=dtype, optimizer_config=config, use_distributed_optimizer=sharded)
+    ddp, optimizer = toy.build(parallel_state, dtype=dtype, optimizer_config=config,
+                               data_parallel_sharding_strategy=strategy, grad_cpu_offload=grad_offload)
     x, y = toy.global_batch(0)
     optimizer.scale_loss(F.mse_loss(ddp(x.to(dtype)).float(), y)).backward()
     finalize_model_grads([ddp], parallel_state)
