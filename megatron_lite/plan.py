@@ -59,8 +59,6 @@ def build_plan_parser() -> argparse.ArgumentParser:
                        help="fraction of the peak a transformer layer sustains (default per preset, measured locally)")
     group.add_argument("--memory-allowance-gb", type=float,
                        help="memory beyond the model's: CUDA context, communication buffers, fragmentation")
-    group.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES,
-                       help="no_shard, optim (= --use-distributed-optimizer), optim_grads, optim_grads_params")
     group.add_argument("--tensor-parallel-across-nodes", action="store_true",
                        help="also consider tensor-parallel groups larger than a node")
     group.add_argument("--hf-config", help="take the model from a Hugging Face config.json (or its directory); "
@@ -87,7 +85,8 @@ def _with_hf_model(namespace: dict, path: str) -> dict:
 def parse_plan_args(argv: list[str] | None = None):
     """-> (config, planner options dict, whether a layout was given)."""
     namespace = vars(build_plan_parser().parse_args(argv))
-    planner = {k: namespace.pop(k) for k in PLANNER_FIELDS}
+    # --data-parallel-sharding-strategy is pretraining's own flag; absent, the planner ranks every strategy.
+    planner = {k: namespace.pop(k, None) for k in PLANNER_FIELDS}
     layout_given = bool(LAYOUT_FIELDS & set(namespace)) or planner["data_parallel_sharding_strategy"] is not None
     if planner["hf_config"]:
         namespace = _with_hf_model(namespace, planner["hf_config"])

@@ -56,8 +56,8 @@ def estimate(layout: Layout, cluster: Cluster) -> Estimate:
 
 
 def sharding_strategy_of(config: Config) -> str:
-    """The strategy pretraining runs with this config (ours offers ZeRO-1 as the distributed optimizer)."""
-    return "optim" if config.parallel.use_distributed_optimizer else "no_shard"
+    """The strategy pretraining runs with this config (--data-parallel-sharding-strategy)."""
+    return config.parallel.data_parallel_sharding_strategy
 
 
 def estimate_for_config(config: Config, world_size: int, *, rank: int = 0, device: str | None = None) -> MemoryEstimate:

@@ -139,11 +139,11 @@ def _candidate(base: Config, *, tp: int, pp: int, vpp: int, micro_batch_size: in
 
 
 def with_strategy(config: Config, strategy: str) -> Config:
-    """``config`` with the flags pretraining reads for ``strategy`` (ours knows ZeRO-1 as the distributed optimizer)."""
+    """``config`` with the flags pretraining reads for ``strategy``."""
     sharded = strategy != "no_shard"
     overlap_param = config.parallel.overlap_grad_reduce and sharded
     parallel = dataclasses.replace(config.parallel, use_distributed_optimizer=sharded,
-                                   overlap_param_gather=overlap_param)
+                                   data_parallel_sharding_strategy=strategy, overlap_param_gather=overlap_param)
     return dataclasses.replace(config, parallel=parallel)
 
 
