@@ -39,7 +39,8 @@ ACCEPTED_FLAGS = {
 _NO_FP8 = "megatron_lite has no FP8 path (needs Transformer Engine on Hopper)"
 _NO_FP4 = "megatron_lite has no FP4 path (needs Transformer Engine on Blackwell)"
 _NO_MOE = "megatron_lite builds dense GPT models only (no mixture of experts)"
-_NO_TE = "megatron_lite's layers are its own PyTorch modules (Megatron's 'local' implementation), not Transformer Engine"
+_NO_TE = ("megatron_lite's layers are its own PyTorch modules (Megatron's 'local' implementation), "
+          "not Transformer Engine")
 _NO_CUDA_GRAPHS = "megatron_lite does not capture CUDA graphs"
 
 

@@ -60,9 +60,11 @@ class TikTokenizer:
                                     f"{tokenizer_model!r} is not a file.")
         pattern = pattern or "v2"
         vocab_size = vocab_size or DEFAULT_VOCAB_SIZE
-        if not len(SPECIAL_TOKENS) <= num_special_tokens < vocab_size:
+        if not len(SPECIAL_TOKENS) <= num_special_tokens <= vocab_size - 256:
+            # Fewer than the 256 single bytes would leave text that cannot be encoded (tiktoken aborts on it).
             raise ConfigError(f"--tiktoken-num-special-tokens ({num_special_tokens}) must be at least "
-                              f"{len(SPECIAL_TOKENS)} and below --vocab-size ({vocab_size}).")
+                              f"{len(SPECIAL_TOKENS)}, and --vocab-size ({vocab_size}) must leave room for it and "
+                              f"the 256 single bytes.")
         ranks = load_mergeable_ranks(tokenizer_model, vocab_size - num_special_tokens)
         if len(ranks) != vocab_size - num_special_tokens:
             raise ConfigError(f"--tokenizer-model {tokenizer_model} holds {len(ranks)} tokens, but --vocab-size "
