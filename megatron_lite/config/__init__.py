@@ -104,12 +104,13 @@ class ModelConfig:
                             ("--ffn-hidden-size", self.ffn_hidden_size),
                             ("--num-query-groups", self.num_query_groups)]:
             _require(value > 0, f"{flag} must be positive, got {value}.")
-        _require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
-                 f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
-                 f"({self.num_attention_heads}); pick a head count that divides the hidden size, or set the "
-                 f"head width with --kv-channels.")
-        _require(self.kv_channels is None or self.kv_channels > 0,
-                 f"--kv-channels must be positive, got {self.kv_channels}.")
+        if self.kv_channels is None:
+            _require(self.hidden_size % self.num_attention_heads == 0,
+                     f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                     f"({self.num_attention_heads}); pick a head count that divides the hidden size, or set the "
+                     f"head width with --kv-channels.")
+            self.kv_channels = self.hidden_size // self.num_attention_heads  # as Megatron-LM
+        _require(self.kv_channels > 0, f"--kv-channels must be positive, got {self.kv_channels}.")
         _require(self.num_attention_heads % self.num_query_groups == 0,
                  f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                  f"--num-query-groups ({self.num_query_groups}): each query group shares one key/value head.")
@@ -134,7 +135,7 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         """Megatron's kv_channels: query/key/value projections are heads x head_dim wide, not always hidden."""
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
+        return self.kv_channels
 
     @property
     def rotary_dim(self) -> int:

@@ -29,7 +29,7 @@ def _import_tiktoken():
     try:
         import tiktoken
     except ImportError:
-        raise ImportError("--tokenizer-type TikTokenizer needs the `tiktoken` package: pip install tiktoken") from None
+        raise ConfigError("--tokenizer-type TikTokenizer needs the `tiktoken` package: pip install tiktoken") from None
     return tiktoken
 
 
@@ -56,8 +56,8 @@ class TikTokenizer:
     def __init__(self, tokenizer_model: str, *, pattern: str | None = None, vocab_size: int | None = None,
                  num_special_tokens: int = 1000):
         if not tokenizer_model or not os.path.isfile(tokenizer_model):
-            raise FileNotFoundError(f"TikTokenizer needs --tokenizer-model pointing at its JSON vocabulary; "
-                                    f"{tokenizer_model!r} is not a file.")
+            raise ConfigError(f"--tokenizer-type TikTokenizer needs --tokenizer-model pointing at its JSON "
+                              f"vocabulary; {tokenizer_model!r} is not a file.")
         pattern = pattern or "v2"
         vocab_size = vocab_size or DEFAULT_VOCAB_SIZE
         if not len(SPECIAL_TOKENS) <= num_special_tokens <= vocab_size - 256:
