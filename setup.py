@@ -69,7 +69,7 @@ setup(
     # Everything megatron_lite imports unconditionally; .ci/run installs exactly this into a bare
     # environment and trains with --save, so a missing one fails CI rather than a user.
     # Every package a command imports: a plain `pip install .` trains, saves and reads every tokenizer.
-    install_requires=["torch>=2.3", "numpy", "regex", "safetensors", "sentencepiece", "tokenizers"],
+    install_requires=["torch>=2.3", "numpy", "regex", "safetensors", "sentencepiece", "tiktoken", "tokenizers"],
     extras_require={
         "dev": ["pytest", "pytest-timeout", "transformers", "ruff", "protobuf"],
     },

@@ -3,6 +3,8 @@ import pytest
 
 from megatron_lite.config.arguments import parse_args
 from megatron_lite.config import ConfigError
+from megatron_lite.config.megatron_compat import ACCEPTED_FLAGS, REFUSED_FLAGS
+from megatron_lite.pretrain_gpt import main
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--vocab-size", "100", "--mock-data"]
@@ -126,3 +128,63 @@ def test_help_choices_are_the_ones_the_code_accepts():
 
     assert CHOICES["tokenizer_type"] == TOKENIZER_TYPES
     assert CHOICES["lr_decay_style"] == LR_DECAY_STYLES and CHOICES["weight_decay_incr_style"] == WD_INCR_STYLES
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-LM flags without a setting of ours (megatron_compat): accepted no-ops and refusals by name.
+
+def _refused_argv(flag):
+    refusal = REFUSED_FLAGS[flag]
+    return [flag, "2" if "size" in flag else "x"] if refusal.takes_value else [flag]
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED_FLAGS))
+def test_refused_flags_exit_2_naming_the_flag_without_traceback(flag, capsys):
+    assert main(BASE + _refused_argv(flag)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag}") and f"is not supported: {REFUSED_FLAGS[flag].reason}; remove it" in err
+    assert "Traceback" not in err and "unrecognized" not in err
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--moe-router-topk", "2"], "no mixture of experts"),
+    (["--moe-grouped-gemm"], "no mixture of experts"),
+    (["--cuda-graph-scope", "full"], "does not capture CUDA graphs"),
+    (["--fp8-wgrad-extra=1"], "no FP8 path"),
+    (["--te-precision-config-file", "p.yaml"], "not Transformer Engine"),
+])
+def test_refused_families_name_each_flag(argv, reason, capsys):
+    assert main(BASE + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {argv[0].split('=')[0]} is not supported: ") and reason in err
+
+
+def test_harmless_values_and_no_op_flags_change_nothing(capsys):
+    harmless = [arg for flag, refusal in REFUSED_FLAGS.items() for arg in (flag, *refusal.harmless[:1])
+                if refusal.harmless]
+    assert parse_args(BASE + harmless + list(ACCEPTED_FLAGS)) == parse_args(BASE)
+    assert "note: --ckpt-format torch_dist: saving megatron_lite's own reshardable format" in capsys.readouterr().out
+
+
+def test_refusal_wins_over_an_unknown_flag_and_unknown_flags_still_fail():
+    with pytest.raises(ConfigError, match="--fp8-format is not supported"):
+        parse_args(BASE + ["--no-such-flag", "--fp8-format", "hybrid"])
+    with pytest.raises(ConfigError, match="unrecognized argument --no-such-flag"):
+        parse_args(BASE + ["--no-such-flag"])
+
+
+def test_sequence_parallel_without_tensor_parallelism_warns_and_turns_off():
+    with pytest.warns(UserWarning, match="--sequence-parallel has no effect at --tensor-model-parallel-size 1"):
+        assert not parse_args(BASE + ["--sequence-parallel"]).parallel.sequence_parallel
+    assert parse_args(BASE + ["--sequence-parallel", "--tensor-model-parallel-size", "2"]).parallel.sequence_parallel
+
+
+def test_megatron_data_flag_spellings():
+    config = parse_args(BASE + ["--split", "'99,1,0'", "--no-mmap-bin-files", "--num-workers", "2",
+                                "--tiktoken-pattern", "v1", "--data-cache-path", "/tmp/c"])
+    data = config.data
+    assert (data.split, data.mmap_bin_files, data.num_workers, data.tiktoken_pattern) == ("99,1,0", False, 2, "v1")
+    with pytest.raises(ConfigError, match="--tiktoken-pattern: invalid choice: 'v3'"):
+        parse_args(BASE + ["--tiktoken-pattern", "v3"])
+    with pytest.raises(ConfigError, match="need --tokenizer-type .*GPT2BPETokenizer"):
+        parse_args(BASE + ["--vocab-file", "vocab.json", "--merge-file", "merges.txt"])

@@ -22,8 +22,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json")
     group.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt")
-    group.add_argument("--tokenizer-model", help="SentencePiece .model or Hugging Face tokenizer.json")
-    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids are 0..vocab-size-1, EOD = vocab-size")
+    group.add_argument("--tokenizer-model", help="SentencePiece .model, Hugging Face tokenizer.json or "
+                                                 "TikTokenizer JSON vocabulary")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids are 0..vocab-size-1, EOD = vocab-size; "
+                                                      "TikTokenizer: special plus BPE tokens (default 131072)")
+    group.add_argument("--tiktoken-pattern", choices=("v1", "v2"), help="TikTokenizer pre-tokenisation (default v2)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer special ids")
     group.add_argument("--append-eod", action="store_true",
                        help="end every non-empty document with the EOD token (an empty one stays empty, as in "
                             "Megatron-LM)")
@@ -40,7 +44,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     tokenizer_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                             merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
-                            vocab_size=args.vocab_size)
+                            vocab_size=args.vocab_size, tiktoken_pattern=args.tiktoken_pattern,
+                            tiktoken_num_special_tokens=args.tiktoken_num_special_tokens)
     try:
         preprocess_jsonl(args.input, output_prefix=args.output_prefix, tokenizer_kwargs=tokenizer_kwargs,
                          json_keys=tuple(args.json_keys), append_eod=args.append_eod, workers=args.workers,

@@ -34,12 +34,15 @@ ROLES = {
     "num_attention_heads": Role.ARCHITECTURE,
     "num_query_groups": Role.ARCHITECTURE,
     "ffn_hidden_size": Role.ARCHITECTURE,
+    "kv_channels": Role.ARCHITECTURE,
     "vocab_size": Role.ARCHITECTURE,  # the logits' width; the tokenizer must fit in it
     "max_position_embeddings": Role.ARCHITECTURE,  # with learned positions only, see _ONLY_WITH
     "normalization": Role.ARCHITECTURE,
     "norm_epsilon": Role.ARCHITECTURE,
+    "apply_layernorm_1p": Role.ARCHITECTURE,  # the same stored weights scale by w or by 1 + w
     "position_embedding_type": Role.ARCHITECTURE,
     "rotary_base": Role.ARCHITECTURE,  # with rope only, see _ONLY_WITH
+    "rotary_percent": Role.ARCHITECTURE,  # with rope only
     "swiglu": Role.ARCHITECTURE,
     "add_bias_linear": Role.ARCHITECTURE,
     "untie_embeddings_and_output_weights": Role.ARCHITECTURE,
@@ -51,12 +54,14 @@ ROLES = {
     # Padding rows are outside the logits and the loss, and loading resizes them to this run's padding.
     "make_vocab_size_divisible_by": Role.TRAINING,
     "use_fused_kernels": Role.MACHINE,
+    "attention_backend": Role.MACHINE,  # SDPA or the unfused path: the same attention, rounded differently
 }
 
 # Architecture in some models only: the position table exists with learned positions,
 # the rotary base matters with rotary ones. (field, the setting it depends on, its value)
 _ONLY_WITH = {"max_position_embeddings": ("position_embedding_type", "learned_absolute"),
-              "rotary_base": ("position_embedding_type", "rope")}
+              "rotary_base": ("position_embedding_type", "rope"),
+              "rotary_percent": ("position_embedding_type", "rope")}
 
 
 def role(field: str) -> Role:

@@ -63,10 +63,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         _refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r} (SwiGLU needs silu)")
         _refuse(hf.get("attention_bias", False) or hf.get("mlp_bias", False), "attention_bias / mlp_bias")
         heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        _refuse(head_dim * heads != hf["hidden_size"], f"head_dim {head_dim} x {heads} heads != hidden_size")
         return ModelConfig(
             num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
+            kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
             num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
             vocab_size=hf["vocab_size"], seq_length=hf["max_position_embeddings"],
             max_position_embeddings=hf["max_position_embeddings"], normalization="RMSNorm",
@@ -87,13 +86,16 @@ def _refuse(condition: bool, what: str) -> None:
 def hf_architecture(config: ModelConfig) -> str:
     """'gpt2' or 'llama': the Hugging Face family our model matches exactly, else a ConfigError."""
     gpt2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
-                add_bias_linear=True, num_query_groups=config.num_attention_heads)
-    llama = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False)
+                add_bias_linear=True, num_query_groups=config.num_attention_heads,
+                head_dim=config.hidden_size // config.num_attention_heads)
+    llama = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
+                 rotary_percent=1.0)
     for name, required in (("gpt2", gpt2), ("llama", llama)):
         if all(getattr(config, k) == v for k, v in required.items()):
             return name
-    raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA) nor Llama "
-                      "(RMSNorm, rope, SwiGLU, no biases): Hugging Face has no matching architecture to export to.")
+    raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA, head width "
+                      "hidden / heads) nor Llama (RMSNorm, rope on every channel, SwiGLU, no biases): Hugging Face "
+                      "has no matching architecture to export to.")
 
 
 def hf_config_from_model_config(config: ModelConfig) -> dict:
@@ -219,6 +221,8 @@ def weights_from_hf(tensors: dict, config: ModelConfig) -> dict:
 def weights_to_hf(read, config: ModelConfig) -> dict:
     """Our global tensors (``read(name)``) -> HF state dict (vocabulary padding cut)."""
     vocab = config.vocab_size
+    if config.apply_layernorm_1p:
+        read = _with_unit_norm_scale(read)
     hf = {}
     if hf_architecture(config) == "gpt2":
         hf["transformer.wte.weight"] = read("embedding.word_embeddings.weight")[:vocab]
@@ -246,6 +250,13 @@ def weights_to_hf(read, config: ModelConfig) -> dict:
     if config.untie_embeddings_and_output_weights:
         hf["lm_head.weight"] = read("output_layer.weight")[:vocab]
     return {name: t.contiguous() for name, t in hf.items()}
+
+
+def _with_unit_norm_scale(read):
+    """``read`` for an --apply-layernorm-1p model: norm weights hold scale - 1, Hugging Face's the scale."""
+    def read_scale(name: str) -> torch.Tensor:
+        return read(name) + 1 if name.endswith("layernorm.weight") else read(name)
+    return read_scale
 
 
 # ---------------------------------------------------------------------------------------------

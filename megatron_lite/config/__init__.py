@@ -7,6 +7,7 @@ built. ``arguments.py`` maps Megatron-LM's flags onto these dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -31,7 +32,7 @@ def _require(condition: bool, message: str) -> None:
 
 # Fields that default to True are turned off by these flags (Megatron's spelling).
 NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "use_fused_kernels": "--no-fused-kernels",
-                  "log_memory": "--no-log-memory"}
+                  "log_memory": "--no-log-memory", "mmap_bin_files": "--no-mmap-bin-files"}
 
 
 def flag_name(field_name: str) -> str:
@@ -55,6 +56,12 @@ def as_flags(values: dict) -> str:
     return " ".join(parts)
 
 
+# Megatron's --attention-backend values. flash and fused name Transformer Engine kernels; here they,
+# and auto, run torch's scaled_dot_product_attention (which picks a flash or memory-efficient kernel
+# itself). unfused and local run the explicit QK^T -> masked softmax -> V path.
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """The GPT architecture. GPT-2 and Llama are both points in this space."""
@@ -67,10 +74,14 @@ class ModelConfig:
     ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size
     num_query_groups: Optional[int] = None  # grouped-query attention; default = heads
     max_position_embeddings: Optional[int] = None  # default seq_length
+    kv_channels: Optional[int] = None  # width of each head; default hidden_size / num_attention_heads
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False  # norm weights hold scale - 1 (Megatron's zero-centred gamma)
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # fraction of each head's channels that rotary embeddings rotate
+    attention_backend: str = "auto"  # see ATTENTION_BACKENDS
     swiglu: bool = False
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
@@ -93,9 +104,13 @@ class ModelConfig:
                             ("--ffn-hidden-size", self.ffn_hidden_size),
                             ("--num-query-groups", self.num_query_groups)]:
             _require(value > 0, f"{flag} must be positive, got {value}.")
-        _require(self.hidden_size % self.num_attention_heads == 0,
-                 f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
-                 f"({self.num_attention_heads}); pick a head count that divides the hidden size.")
+        if self.kv_channels is None:
+            _require(self.hidden_size % self.num_attention_heads == 0,
+                     f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                     f"({self.num_attention_heads}); pick a head count that divides the hidden size, or set the "
+                     f"head width with --kv-channels.")
+            self.kv_channels = self.hidden_size // self.num_attention_heads  # as Megatron-LM
+        _require(self.kv_channels > 0, f"--kv-channels must be positive, got {self.kv_channels}.")
         _require(self.num_attention_heads % self.num_query_groups == 0,
                  f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                  f"--num-query-groups ({self.num_query_groups}): each query group shares one key/value head.")
@@ -104,8 +119,12 @@ class ModelConfig:
         _require(self.position_embedding_type in ("learned_absolute", "rope"),
                  f"--position-embedding-type must be learned_absolute or rope, got "
                  f"{self.position_embedding_type!r}.")
-        _require(self.position_embedding_type != "rope" or self.head_dim % 2 == 0,
-                 f"--position-embedding-type rope needs an even head dimension; hidden size / heads = {self.head_dim}.")
+        _require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}.")
+        _require(self.position_embedding_type != "rope" or (self.rotary_dim > 0 and self.rotary_dim % 2 == 0),
+                 f"--position-embedding-type rope rotates pairs of channels: head dimension {self.head_dim} x "
+                 f"--rotary-percent {self.rotary_percent} = {self.rotary_dim} channels must be even and positive.")
+        _require(self.attention_backend in ATTENTION_BACKENDS,
+                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}.")
         _require(self.seq_length <= self.max_position_embeddings,
                  f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                  f"({self.max_position_embeddings}); raise --max-position-embeddings.")
@@ -115,7 +134,13 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Megatron's kv_channels: query/key/value projections are heads x head_dim wide, not always hidden."""
+        return self.kv_channels
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that rotary embeddings rotate (the first ones); the rest pass through."""
+        return int(self.head_dim * self.rotary_percent)
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
         """Megatron pads the vocabulary so every tensor-parallel shard is a multiple of 128."""
@@ -168,6 +193,10 @@ class ParallelConfig:
                  f"--tensor-model-parallel-size must be >= 1, got {self.tensor_model_parallel_size}.")
         _require(self.pipeline_model_parallel_size >= 1,
                  f"--pipeline-model-parallel-size must be >= 1, got {self.pipeline_model_parallel_size}.")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            # As Megatron-LM: with one tensor-parallel rank there is no sequence to split.
+            warnings.warn("--sequence-parallel has no effect at --tensor-model-parallel-size 1; turning it off.")
+            self.sequence_parallel = False
         _require(not self.overlap_param_gather or self.use_distributed_optimizer,
                  "--overlap-param-gather needs --use-distributed-optimizer (only sharded parameters are gathered).")
         vpp = self.virtual_pipeline_model_parallel_size
@@ -291,17 +320,29 @@ class DataConfig:
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
     tokenizer_model: Optional[str] = None
+    tiktoken_pattern: Optional[str] = None  # v1 or v2 pre-tokenisation; only TikTokenizer reads it
+    tiktoken_num_special_tokens: int = 1000
     data_cache_path: Optional[str] = None
+    mmap_bin_files: bool = True  # --no-mmap-bin-files reads .bin with file reads (for filesystems mmap is slow on)
     eod_mask_loss: bool = False
-    num_workers: int = 0
+    num_workers: int = 0  # data-loader worker processes per rank (Megatron's default is 2)
 
     def __post_init__(self) -> None:
+        # Megatron reads only the numbers in --split, so a launcher's literal quotes ('99,1,0', as
+        # Megatron-LM's Llama 3 example passes them) are harmless there; strip them here too.
+        self.split = self.split.strip("'\"")
         _require(self.mock_data or bool(self.data_path),
                  "no training data: give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data.")
         _require(not (self.mock_data and self.data_path),
                  "--mock-data and --data-path both given: drop --mock-data to train on the data, or --data-path.")
+        _require(self.tokenizer_type is not None or not (self.vocab_file or self.merge_file or self.tokenizer_model),
+                 "--vocab-file/--merge-file/--tokenizer-model need --tokenizer-type to say how to read them "
+                 "(GPT2BPETokenizer for GPT-2's vocab.json and merges.txt).")
         _require(not self.eod_mask_loss or self.tokenizer_type is not None,
                  "--eod-mask-loss needs --tokenizer-type (and its files) to know the end-of-document token.")
+        _require(self.tiktoken_pattern in (None, "v1", "v2"),
+                 f"--tiktoken-pattern must be v1 or v2, got {self.tiktoken_pattern!r}.")
+        _require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}.")
         parts = self.split.replace("/", ",").split(",")
         _require(all(p.strip().replace(".", "", 1).isdigit() for p in parts) and len(parts) <= 3,
                  f"--split must be up to three comma-separated weights like 969,30,1, got {self.split!r}.")

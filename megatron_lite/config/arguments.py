@@ -3,8 +3,9 @@
 Flags are generated from the config dataclasses' fields (``micro_batch_size`` ->
 ``--micro-batch-size``), so every option is reachable and named as in Megatron-LM.
 Booleans that default to True are switched off with Megatron's negative spelling
-(``--disable-bias-linear``, ``--no-fused-kernels``). Unknown flags are an error.
-``--use-checkpoint-args`` fills the model flags from the checkpoint to be loaded.
+(``--disable-bias-linear``, ``--no-fused-kernels``). ``--use-checkpoint-args`` fills the
+model flags from the checkpoint to be loaded. Megatron-LM flags with no setting here are
+accepted as no-ops or refused by name (``megatron_compat``); any other unknown flag is an error.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import typing
 from megatron_lite.checkpointing.architecture import model_args_from_checkpoint
 from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
 from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigError, ModelConfig, as_flags,
-                                  flag_name)
+                                  flag_name, megatron_compat)
 from megatron_lite.process_groups.initialize import resolve_launch_env
 from megatron_lite.config.help_text import CHOICES, HELP
 
@@ -52,10 +53,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         parsed, unknown = self.parse_known_args(args, namespace)
+        self.refuse_unknown(unknown)
+        return parsed
+
+    def refuse_unknown(self, unknown: list[str]) -> None:
         if unknown:
             raise ConfigError("; ".join(self._unknown_flag_message(flag) for flag in unknown
                                         if flag.startswith("-")) or f"unexpected arguments: {' '.join(unknown)}")
-        return parsed
 
     def _unknown_flag_message(self, flag: str) -> str:
         name = flag.split("=", 1)[0]
@@ -85,12 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
             if f.name == "num_query_groups":
                 group.add_argument("--group-query-attention", action="store_true",
                                    help="use --num-query-groups key/value heads (grouped-query attention)")
+    megatron_compat.add_megatron_only_flags(parser)
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse Megatron-style flags; raises ConfigError (naming the flag) on bad values."""
-    return config_from_namespace(vars(build_parser().parse_args(argv)))
+    parser = build_parser()
+    namespace, unknown = parser.parse_known_args(argv)
+    # Refusals first: they say why a flag cannot work, which "unrecognized" does not.
+    megatron_compat.check_unknown_flags(unknown)
+    namespace = vars(namespace)
+    notices = megatron_compat.check_megatron_only_flags(namespace)
+    parser.refuse_unknown(unknown)
+    if resolve_launch_env().rank == 0:  # once per job under torchrun, not once per rank
+        for notice in notices:
+            print(f"note: {notice}", flush=True)
+    return config_from_namespace(namespace)
 
 
 def config_from_namespace(namespace: dict) -> Config:
@@ -159,6 +174,6 @@ def _tokenizer_vocab_size(values: dict) -> int:
     """Megatron takes the vocabulary size from the tokenizer when --vocab-size is absent."""
     from megatron_lite.tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer(values["tokenizer_type"], vocab_file=values.get("vocab_file"),
-                                merge_file=values.get("merge_file"), tokenizer_model=values.get("tokenizer_model"))
-    return tokenizer.vocab_size
+    files = {k: values[k] for k in ("vocab_file", "merge_file", "tokenizer_model", "tiktoken_pattern",
+                                    "tiktoken_num_special_tokens") if k in values}
+    return build_tokenizer(values["tokenizer_type"], **files).vocab_size

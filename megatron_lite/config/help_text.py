@@ -5,15 +5,20 @@ fields; ``tests/test_config.py`` fails when a field has no line here.
 """
 from megatron_lite.config import SHARDING_STRATEGIES
 
+from megatron_lite.config import ATTENTION_BACKENDS
+
 CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
+    "attention_backend": ATTENTION_BACKENDS,
+    "tiktoken_pattern": ("v1", "v2"),
     "position_embedding_type": ("learned_absolute", "rope"),
     "recompute_granularity": ("full", "selective"),
     "recompute_method": ("uniform", "block"),
     "optimizer": ("adam", "sgd"),
     "lr_decay_style": ("constant", "linear", "cosine"),
     "weight_decay_incr_style": ("constant", "linear", "cosine"),
-    "tokenizer_type": ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"),
+    "tokenizer_type": ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer",
+                       "NullTokenizer"),
     "distributed_backend": ("nccl", "gloo"),
     "data_parallel_sharding_strategy": SHARDING_STRATEGIES,
 }
@@ -28,10 +33,15 @@ HELP = {
     "ffn_hidden_size": "MLP inner width (default 4 x --hidden-size)",
     "num_query_groups": "key/value heads with --group-query-attention (default: one per attention head)",
     "max_position_embeddings": "rows of the learned position table (default --seq-length)",
+    "kv_channels": "width of each attention head; query/key/value are heads x this wide (default hidden / heads)",
     "normalization": "norm before attention and MLP: LayerNorm (GPT-2) or RMSNorm (Llama)",
     "norm_epsilon": "epsilon inside the norms (Llama checkpoints often use 1e-6 or 1e-5)",
+    "apply_layernorm_1p": "norm weights hold scale - 1, zero at init (Megatron's zero-centred gamma; both norms)",
     "position_embedding_type": "learned_absolute (GPT-2) or rope (rotary, Llama)",
     "rotary_base": "RoPE base frequency theta (Llama 3: 500000)",
+    "rotary_percent": "fraction of each head's channels that RoPE rotates (the first ones; GPT-NeoX: 0.25)",
+    "attention_backend": ("auto, flash, fused: torch's scaled_dot_product_attention; unfused, local: explicit "
+                          "QK^T, the fused causal masked softmax, then V"),
     "swiglu": "SwiGLU MLP (gated SiLU, Llama) instead of GELU",
     "add_bias_linear": "drop the biases of every linear layer (Llama)",
     "untie_embeddings_and_output_weights": "give the output layer its own weight instead of the input embedding's",
@@ -107,10 +117,14 @@ HELP = {
     "tokenizer_type": "which tokenizer the data was made with",
     "vocab_file": "GPT2BPETokenizer's vocab.json",
     "merge_file": "GPT2BPETokenizer's merges.txt",
-    "tokenizer_model": "SentencePiece .model file, or Hugging Face tokenizer.json (or its directory)",
+    "tokenizer_model": ("SentencePiece .model file, Hugging Face tokenizer.json (or its directory), or "
+                        "TikTokenizer's JSON vocabulary"),
+    "tiktoken_pattern": "TikTokenizer's pre-tokenisation regex, v1 or v2 (default v2); other tokenizers ignore it",
+    "tiktoken_num_special_tokens": "TikTokenizer's special-token ids, which come before the BPE tokens",
     "data_cache_path": "where the sample-index cache goes (default: beside the data)",
     "eod_mask_loss": "no loss on positions whose input is the end-of-document token",
-    "num_workers": "DataLoader worker processes",
+    "num_workers": "DataLoader worker processes per rank (Megatron-LM's default is 2)",
+    "mmap_bin_files": "read .bin files with one file read per sample instead of memory-mapping them",
     # checkpoint
     "save": "directory for checkpoints (checked for writability at start-up)",
     "load": "resume from this directory's newest checkpoint; starts from scratch if it holds none",

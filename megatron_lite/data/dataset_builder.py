@@ -77,7 +77,8 @@ def blended_sample_counts(num_samples: int, weights: list[float]) -> tuple[list[
 def build_train_valid_test_datasets(*, data_path: list[str], split: str, seq_length: int, seed: int,
                                     train_valid_test_num_samples: tuple[int, int, int],
                                     data_cache_path: Optional[str] = None, is_builder_rank: bool = True,
-                                    cache_wait_timeout_s: float = index_cache.DEFAULT_WAIT_TIMEOUT_S):
+                                    cache_wait_timeout_s: float = index_cache.DEFAULT_WAIT_TIMEOUT_S,
+                                    mmap_bin_files: bool = True):
     """(train, valid, test) datasets; None for a split with no documents or no requested samples.
 
     The builder rank builds (or loads) the cached indices; the other ranks wait for its files,
@@ -89,7 +90,7 @@ def build_train_valid_test_datasets(*, data_path: list[str], split: str, seq_len
         raise ConfigError(f"--seq-length must be positive, got {seq_length}.")
     if len(train_valid_test_num_samples) != 3:
         raise ValueError(f"train_valid_test_num_samples needs three counts, got {train_valid_test_num_samples}.")
-    indexed = [IndexedDataset(prefix) for prefix in prefixes]
+    indexed = [IndexedDataset(prefix, mmap=mmap_bin_files) for prefix in prefixes]
     boundaries = [split_document_boundaries(len(d), split_weights) for d in indexed]
 
     def cache_dir(prefix: str) -> str:

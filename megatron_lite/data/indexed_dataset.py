@@ -138,13 +138,16 @@ class IndexedDatasetBuilder:
 
 
 class IndexedDataset:
-    """Read-only, memory-mapped view of ``{path_prefix}.bin``/``.idx``, validated on open.
+    """Read-only view of ``{path_prefix}.bin``/``.idx``, validated on open.
 
-    ``dataset[i]`` is sequence i's tokens; ``get(i, offset, length)`` reads part of one.
+    ``dataset[i]`` is sequence i's tokens; ``get(i, offset, length)`` reads part of one. The
+    ``.bin`` is memory-mapped, or with ``mmap=False`` (``--no-mmap-bin-files``) read with one
+    file read per call, as Megatron-LM does for filesystems where mapping large files is slow.
     """
 
-    def __init__(self, path_prefix: str):
+    def __init__(self, path_prefix: str, mmap: bool = True):
         self.path_prefix = path_prefix
+        self.mmap = mmap
         idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
@@ -187,7 +190,8 @@ class IndexedDataset:
                 f"{bin_path} is {bin_size} bytes but {idx_path} describes {expected_bin_size} "
                 f"({self.sequence_lengths.sum(dtype=np.int64)} tokens x {self.dtype.itemsize} bytes): the .bin is "
                 "truncated or the pair does not belong together. Rerun tools/preprocess_data.py.")
-        self._tokens = (np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_size
+        self._bin_path, self._num_tokens = bin_path, bin_size // self.dtype.itemsize
+        self._tokens = (np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_size and mmap
                         else np.empty(0, dtype=self.dtype))
 
     def _check_index(self, idx_path: str) -> None:
@@ -206,7 +210,7 @@ class IndexedDataset:
 
     def __reduce__(self):
         # Loader workers reopen the memory map instead of receiving a pickled copy of the tokens.
-        return IndexedDataset, (self.path_prefix,)
+        return IndexedDataset, (self.path_prefix, self.mmap)
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -222,4 +226,7 @@ class IndexedDataset:
         if length is None:
             length = sequence_length - offset
         start = int(self.sequence_pointers[index]) // self.dtype.itemsize + offset
-        return self._tokens[start:start + length]
+        if self.mmap:
+            return self._tokens[start:start + length]
+        count = max(0, min(length, self._num_tokens - start))  # clipped at the file's end, as the slice is
+        return np.fromfile(self._bin_path, dtype=self.dtype, count=count, offset=start * self.dtype.itemsize)

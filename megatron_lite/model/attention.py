@@ -1,7 +1,13 @@
 """Causal self-attention with heads (and grouped-query key/value groups) split over
 tensor-parallel ranks: QKV is column-parallel, the output projection row-parallel, so
-each rank attends with its own heads and one all-reduce (or reduce-scatter) joins them."""
+each rank attends with its own heads and one all-reduce (or reduce-scatter) joins them.
+
+The core attention is torch's ``scaled_dot_product_attention`` (``--attention-backend``
+auto, flash, fused), or with unfused/local the explicit path Megatron-LM's local
+DotProductAttention takes: scaled QK^T, the fused causal masked softmax, dropout, then V.
+"""
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +35,7 @@ class SelfAttention(nn.Module):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_query_groups = config.num_query_groups // tp_size
         self.attention_dropout = config.attention_dropout
+        self.unfused = config.attention_backend in ("unfused", "local")
         self.checkpoint_core_attention = checkpoint_core_attention
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
@@ -69,5 +76,24 @@ class SelfAttention(nn.Module):
         # Heads differ across tensor-parallel ranks, so their dropout masks must too.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with rng:
-            context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True)
+            if self.unfused:
+                context = _unfused_attention(query, key, value, dropout)
+            else:
+                context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True)
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+def _unfused_attention(query, key, value, dropout: float):
+    """softmax(QK^T / sqrt(d)) V with the probabilities materialised; [b, n, s, d] in and out.
+
+    As Megatron-LM, the 1/sqrt(d) scale goes into the QK^T matmul (so fp16 scores stay in range)
+    and the softmax kernel, which takes [b * n, sq, sk], applies the causal mask.
+    """
+    batch, heads, sq, d = query.shape
+    sk = key.shape[2]
+    scores = torch.baddbmm(query.new_empty(batch * heads, sq, sk), query.reshape(-1, sq, d),
+                           key.reshape(-1, sk, d).transpose(1, 2), beta=0.0, alpha=1.0 / math.sqrt(d))
+    probs = kernels.scaled_upper_triang_masked_softmax(scores, 1.0)
+    if dropout > 0:
+        probs = F.dropout(probs, p=dropout)
+    return torch.bmm(probs, value.reshape(-1, sk, d)).view(batch, heads, sq, d)

@@ -36,8 +36,12 @@ class LanguageModelEmbedding(nn.Module):
         return self.dropout(embeddings)
 
 
-def rotary_freqs(seq_length: int, head_dim: int, base: float, device=None) -> torch.Tensor:
-    """Angles position * base^(-2i/d), laid out [s, 1, 1, d] as cat(freqs, freqs) (rotate-half RoPE)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+def rotary_freqs(seq_length: int, rotary_dim: int, base: float, device=None) -> torch.Tensor:
+    """Angles position * base^(-2i/d), laid out [s, 1, 1, d] as cat(freqs, freqs) (rotate-half RoPE).
+
+    ``d`` is the rotated width: the head dimension, or its first ``--rotary-percent`` (then the
+    frequencies span that width, as in Megatron-LM and GPT-NeoX, and the other channels pass through).
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
     freqs = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)
     return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]

@@ -41,8 +41,8 @@ class GPTModel(nn.Module):
                                         recompute_num_layers=recompute_num_layers, **parallel)
         if post_process:
             self.final_layernorm = Norm(config.hidden_size, normalization=config.normalization,
-                                        eps=config.norm_epsilon, sequence_parallel=sequence_parallel,
-                                        params_dtype=params_dtype)
+                                        eps=config.norm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,
+                                        sequence_parallel=sequence_parallel, params_dtype=params_dtype)
             tied_here = self.share_embeddings_and_output_weights and pre_process
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
@@ -83,7 +83,7 @@ class GPTModel(nn.Module):
             hidden_states = self.input_tensor
         freqs = None
         if self.config.position_embedding_type == "rope":
-            freqs = rotary_freqs(input_ids.shape[1], self.config.head_dim, self.config.rotary_base,
+            freqs = rotary_freqs(input_ids.shape[1], self.config.rotary_dim, self.config.rotary_base,
                                  device=hidden_states.device)
         hidden_states = self.decoder(hidden_states, freqs)
         if not self.post_process:

@@ -20,7 +20,8 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sequence_parallel
         norm = dict(normalization=config.normalization, eps=config.norm_epsilon,
-                    sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+                    apply_layernorm_1p=config.apply_layernorm_1p, sequence_parallel=sequence_parallel,
+                    params_dtype=params_dtype)
         self.input_layernorm = Norm(config.hidden_size, **norm)
         self.self_attention = SelfAttention(config, tp_group=tp_group, sequence_parallel=sequence_parallel,
                                             params_dtype=params_dtype,

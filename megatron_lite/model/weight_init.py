@@ -27,7 +27,8 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 def _init_full(name: str, shape: torch.Size, config: ModelConfig, seed: int) -> torch.Tensor:
     if name.endswith("layernorm.weight"):
-        return torch.ones(shape)
+        # --apply-layernorm-1p stores scale - 1: a scale of one either way.
+        return torch.zeros(shape) if config.apply_layernorm_1p else torch.ones(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)
     std = config.init_method_std

@@ -12,12 +12,15 @@ from megatron_lite.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron_lite.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
 from megatron_lite.tokenizer.null_tokenizer import NullTokenizer
 from megatron_lite.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+from megatron_lite.tokenizer.tiktoken_tokenizer import TikTokenizer
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer",
+                   "NullTokenizer")
 
 
 def build_tokenizer(tokenizer_type: str, *, vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-                    tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None):
+                    tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None,
+                    tiktoken_pattern: Optional[str] = None, tiktoken_num_special_tokens: int = 1000):
     """Builds the tokenizer named by ``--tokenizer-type`` from the files its flags point at."""
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
@@ -25,10 +28,13 @@ def build_tokenizer(tokenizer_type: str, *, vocab_file: Optional[str] = None, me
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "TikTokenizer":
+        return TikTokenizer(tokenizer_model, pattern=tiktoken_pattern, vocab_size=vocab_size,
+                            num_special_tokens=tiktoken_num_special_tokens)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise ConfigError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}; got {tokenizer_type!r}.")
 
 
 __all__ = ["build_tokenizer", "TOKENIZER_TYPES", "GPT2BPETokenizer", "SentencePieceTokenizer",
-           "HuggingFaceTokenizer", "NullTokenizer"]
+           "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer"]

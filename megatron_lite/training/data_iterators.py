@@ -18,7 +18,7 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, consumed
     training, data = config.training, config.data
     global_batch = training.global_batch(parallel_state.data_parallel_world_size)
     consumed_valid_samples = (iteration // training.eval_interval) * training.eval_iters * global_batch
-    eod_token = _eod_token(data) if data.eod_mask_loss else None
+    eod_token = _eod_token(data, config.model.vocab_size) if data.eod_mask_loss else None
     num_evaluations = training.train_iters // training.eval_interval + 1
     num_samples = (training.train_iters * global_batch, num_evaluations * training.eval_iters * global_batch,
                    training.eval_iters * global_batch)
@@ -34,15 +34,18 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, consumed
             dataset, consumed_samples=consumed, micro_batch_size=training.micro_batch_size,
             data_parallel_rank=parallel_state.data_parallel_rank,
             data_parallel_size=parallel_state.data_parallel_world_size,
-            eod_token=eod_token, eod_mask_loss=data.eod_mask_loss) for _ in range(vpp)]
+            eod_token=eod_token, eod_mask_loss=data.eod_mask_loss, num_workers=data.num_workers)
+            for _ in range(vpp)]
         return made if vpp > 1 else made[0]
 
     return loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples)
 
 
-def _eod_token(data) -> int:
+def _eod_token(data, vocab_size: int) -> int:
     return build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
-                           tokenizer_model=data.tokenizer_model).eod
+                           tokenizer_model=data.tokenizer_model, vocab_size=vocab_size,
+                           tiktoken_pattern=data.tiktoken_pattern,
+                           tiktoken_num_special_tokens=data.tiktoken_num_special_tokens).eod
 
 
 def _build_datasets(config: Config, num_samples: tuple):
@@ -53,7 +56,8 @@ def _build_datasets(config: Config, num_samples: tuple):
                      for split, n in enumerate(num_samples))
     is_builder = not dist.is_initialized() or dist.get_rank() == 0
     kwargs = dict(data_path=data.data_path, split=data.split, seq_length=model.seq_length, seed=training.seed,
-                  train_valid_test_num_samples=num_samples, data_cache_path=data.data_cache_path)
+                  train_valid_test_num_samples=num_samples, data_cache_path=data.data_cache_path,
+                  mmap_bin_files=data.mmap_bin_files)
     # One rank builds the sample indices and caches them; the others then load the cache. If the
     # builder fails (a bad --data-path), every rank raises instead of waiting for its cache.
     datasets = failures.run_on_every_rank(

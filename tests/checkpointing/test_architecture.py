@@ -84,9 +84,24 @@ def test_settings_not_checked_do_not_change_the_function(tmp_path, arch):
     if arch is LLAMA:
         unchecked["max_position_embeddings"] = 64  # no position table with rope
     else:
-        unchecked["rotary_base"] = 123.0  # no rotary embedding with learned positions
-    assert {name for name, r in ROLES.items() if r is not Role.ARCHITECTURE} <= set(unchecked)
+        unchecked.update(rotary_base=123.0, rotary_percent=0.5)  # no rotary embedding with learned positions
+    assert {name for name, r in ROLES.items() if r is not Role.ARCHITECTURE} - {"attention_backend"} <= set(unchecked)
     changed = dataclasses.replace(saved, model=dataclasses.replace(saved.model, **unchecked),
                                   checkpoint=CheckpointConfig(load=root))
     input_ids = torch.randint(0, 60, (2, 8))
     torch.testing.assert_close(_logits(changed, input_ids), _logits(saved, input_ids), rtol=0, atol=0)
+    # The unfused attention path computes the same function, in another rounding order.
+    unfused = dataclasses.replace(changed, model=dataclasses.replace(changed.model, attention_backend="unfused"))
+    torch.testing.assert_close(_logits(unfused, input_ids), _logits(saved, input_ids), rtol=0, atol=1e-5)
+
+
+def test_megatron_script_model_fields_are_checked():
+    rope = BASE + ["--position-embedding-type", "rope"]
+    saved = dataclasses.asdict(parse_args(rope + ["--kv-channels", "16", "--attention-backend", "unfused"]).model)
+    check_architecture(saved, parse_args(rope).model, "ckpt")  # 16 = hidden / heads, the default head width
+    with pytest.raises(ConfigError) as error:
+        check_architecture(saved, parse_args(rope + ["--kv-channels", "8", "--apply-layernorm-1p",
+                                                     "--rotary-percent", "0.5"]).model, "ckpt")
+    assert str(error.value).splitlines()[1:4] == ["  --kv-channels: checkpoint 16, this run 8",
+                                                  "  --apply-layernorm-1p: checkpoint off, this run on",
+                                                  "  --rotary-percent: checkpoint 1.0, this run 0.5"]

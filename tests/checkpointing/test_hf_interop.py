@@ -38,20 +38,25 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
-def _llama():
+def _llama(**head_dim):
     """Grouped-query attention (4 heads, 2 key/value groups), an untied output layer, and an epsilon and
     rotary base that are not our flags' defaults (1e-5, 10000)."""
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                       rms_norm_eps=1e-6, rope_theta=500.0, tie_word_embeddings=False,
-                                      bos_token_id=0, eos_token_id=0)
+                                      bos_token_id=0, eos_token_id=0, **head_dim)
     return transformers.LlamaForCausalLM(config)
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def _llama_head_dim():
+    """Heads of 12 channels with a hidden size of 32 (Megatron's --kv-channels; Llama's head_dim)."""
+    return _llama(head_dim=12)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama", "llama-head-dim"])
 def hf_model(request, tmp_path_factory):
     torch.manual_seed(0)
-    model = {"gpt2": _gpt2, "llama": _llama}[request.param]().eval()
+    model = {"gpt2": _gpt2, "llama": _llama, "llama-head-dim": _llama_head_dim}[request.param]().eval()
     directory = str(tmp_path_factory.mktemp(request.param))
     model.save_pretrained(directory)
     input_ids = torch.randint(0, VOCAB, (2, 16))
@@ -109,7 +114,7 @@ def test_export_loads_in_transformers(hf_model, tmp_path):
     hf_interop.import_hf_checkpoint(directory, root, tensor_model_parallel_size=2)
     assert convert(["--source-format", "megatron_lite", "--target-format", "hf", "--load-dir", root,
                     "--save-dir", exported]) == 0
-    model_class = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}[name]
+    model_class = transformers.GPT2LMHeadModel if name == "gpt2" else transformers.LlamaForCausalLM
     model = model_class.from_pretrained(exported).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids).logits, reference, atol=ATOL, rtol=0)
@@ -121,13 +126,15 @@ def test_export_loads_in_transformers(hf_model, tmp_path):
         assert torch.equal(original[key], round_trip[key]), key
 
 
-def test_export_of_a_trained_checkpoint(tmp_path):
-    """A checkpoint written by training (tp=1, Llama-style) exports and matches our own forward pass."""
+@pytest.mark.parametrize("layernorm_1p", [False, True], ids=["plain", "layernorm-1p"])
+def test_export_of_a_trained_checkpoint(tmp_path, layernorm_1p):
+    """A checkpoint written by training (tp=1, Llama-style) exports and matches our own forward pass;
+    with --apply-layernorm-1p the exported norm weights are the scales (stored weight + 1)."""
     from megatron_lite.training.loop import pretrain
-    from tests.checkpointing.common import tiny_config
+    from tests.checkpointing.common import LLAMA, tiny_config
 
     root, exported = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    pretrain(tiny_config(iters=1, save=root, save_interval=1))
+    pretrain(tiny_config(iters=1, save=root, save_interval=1, arch=dict(LLAMA, apply_layernorm_1p=layernorm_1p)))
     hf_interop.export_hf_checkpoint(root, exported)
     with open(os.path.join(exported, "config.json")) as f:
         assert json.load(f)["num_key_value_heads"] == 4
@@ -144,6 +151,12 @@ def test_unsupported_variants_are_refused_by_name():
         hf_interop.model_config_from_hf(config)
     with pytest.raises(ConfigError, match="model_type 'bert'"):
         hf_interop.model_config_from_hf({"model_type": "bert"})
+
+
+def test_head_dim_is_kv_channels():
+    config = hf_interop.model_config_from_hf(_llama_head_dim().config.to_dict())
+    assert (config.kv_channels, config.head_dim, config.hidden_size) == (12, 12, 32)
+    assert hf_interop.hf_config_from_model_config(config)["head_dim"] == 12
 
 
 def test_qkv_packing_is_per_query_group():

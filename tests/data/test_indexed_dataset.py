@@ -63,6 +63,19 @@ def test_round_trip_and_partial_reads(tmp_path):
         dataset[5]
 
 
+def test_file_reads_equal_the_memory_map(tmp_path):
+    """--no-mmap-bin-files: the same tokens from one file read per call, and loader workers keep the mode."""
+    prefix = write(tmp_path / "d")
+    mapped, read = IndexedDataset(prefix), IndexedDataset(prefix, mmap=False)
+    assert not isinstance(read[3], np.memmap) and read._tokens.size == 0
+    for i in range(len(SEQUENCES)):
+        for offset, length in [(0, None), (1, 1), (0, 2), (2, None)]:
+            offset = min(offset, len(SEQUENCES[i]))
+            assert read.get(i, offset, length).tolist() == mapped.get(i, offset, length).tolist(), (i, offset)
+    assert read.get(4, offset=1, length=5).tolist() == mapped.get(4, offset=1, length=5).tolist() == [5]
+    assert pickle.loads(pickle.dumps(read)).mmap is False
+
+
 def test_pickles_as_its_path(tmp_path):
     dataset = IndexedDataset(write(tmp_path / "d"))
     payload = pickle.dumps(dataset)

@@ -1,7 +1,9 @@
+import base64
 import json
 
 import numpy as np
 import pytest
+import regex
 
 from megatron_lite.config import ConfigError
 from megatron_lite.tokenizer import build_tokenizer
@@ -151,6 +153,50 @@ def test_null_tokenizer():
         tokenizer.tokenize("3 100")
     with pytest.raises(ValueError, match="space-separated integers"):
         tokenizer.tokenize("3 x")
+
+
+def write_tiktoken_vocab(path, merged: list[bytes]) -> str:
+    """Megatron-LM's TikTokenizer JSON: the 256 single bytes, then ``merged`` in rank order."""
+    tokens = [bytes([b]) for b in range(256)] + merged
+    entries = [{"rank": rank, "token_bytes": base64.b64encode(token).decode(), "token_str": token.decode("latin-1")}
+               for rank, token in enumerate(tokens)]
+    path.write_text(json.dumps(entries))
+    return str(path)
+
+
+def test_tiktokenizer_merges_as_gpt2_bpe_with_the_same_merges(tmp_path, bpe_files, demo_texts):
+    """tiktoken's rank-ordered merging gives our GPT-2 BPE's tokens on text both patterns chunk alike."""
+    pytest.importorskip("tiktoken")
+    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_files[0], merge_file=bpe_files[1])
+    to_bytes = {i: bytes(gpt2.byte_decoder[c] for c in token) for token, i in gpt2.encoder.items()}
+    merged = [to_bytes[gpt2.encoder[a + b]] for a, b in sorted(gpt2.bpe_ranks, key=gpt2.bpe_ranks.get)]
+    vocab = write_tiktoken_vocab(tmp_path / "tiktoken.json", merged)
+    tiktok = build_tokenizer("TikTokenizer", tokenizer_model=vocab, vocab_size=1000 + 256 + len(merged),
+                             tiktoken_pattern="v1")
+    rank = {token: r for r, token in enumerate([bytes([b]) for b in range(256)] + merged)}
+    words = regex.findall(r"\b[a-z]+\b", " ".join(demo_texts[:40]))
+    text = " ".join(words)  # lowercase words and single spaces: GPT-2's and v1's chunks coincide
+    assert tiktok.tokenize(text) == [1000 + rank[to_bytes[i]] for i in gpt2.tokenize(text)]
+    assert tiktok.detokenize(tiktok.tokenize(TRICKY_TEXT)) == TRICKY_TEXT
+
+
+def test_tiktokenizer_ids_patterns_and_specials(tmp_path):
+    pytest.importorskip("tiktoken")
+    vocab = write_tiktoken_vocab(tmp_path / "v.json", [b"ab", b"oW"])
+    tokenizer = build_tokenizer("TikTokenizer", tokenizer_model=vocab, vocab_size=1258)
+    assert tokenizer.vocab_size == 1258 and (tokenizer.eod, tokenizer.pad) == (2, 4)  # </s> and <pad>
+    assert tokenizer.tokenize("a") == [1000 + ord("a")] and tokenizer.tokenize("ab") == [1256]
+    assert tokenizer.tokenize("x</s>") == [1000 + ord("x"), 2]  # special text is the special token, as Megatron
+    # v2 (the default) splits camel case, so the "oW" merge across the boundary never applies; v1 keeps one chunk.
+    assert 1257 not in tokenizer.tokenize("HelloWorld")
+    v1 = build_tokenizer("TikTokenizer", tokenizer_model=vocab, vocab_size=1258, tiktoken_pattern="v1")
+    assert 1257 in v1.tokenize("HelloWorld")
+    small = build_tokenizer("TikTokenizer", tokenizer_model=vocab, vocab_size=266, tiktoken_num_special_tokens=10)
+    assert small.tokenize("ab") == [10 + ord("a"), 10 + ord("b")]  # the merges were cut off by --vocab-size
+    with pytest.raises(ValueError, match="the 256 single bytes"):
+        build_tokenizer("TikTokenizer", tokenizer_model=vocab, vocab_size=1100)
+    with pytest.raises(ValueError, match=r"holds 258 tokens.*pass --vocab-size 1258"):
+        build_tokenizer("TikTokenizer", tokenizer_model=vocab)  # Megatron's default of 131072
 
 
 def test_build_tokenizer_errors_name_the_flag(tmp_path):
