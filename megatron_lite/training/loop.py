@@ -36,7 +36,8 @@ from megatron_lite.process_groups.parallel_state import ParallelState, destroy_m
 from megatron_lite.tensor_parallel.random import set_random_seeds
 from megatron_lite.training import metrics
 from megatron_lite.training.data_iterators import build_data_iterators
-from megatron_lite.training.logger import TrainingLogger, format_startup_summary, print_rank_last
+from megatron_lite.planner import estimate_for_config, format_memory_estimate
+from megatron_lite.training.logger import TrainingLogger, format_startup_summary, is_last_rank, print_rank_last
 from megatron_lite.training.signal_handler import DistributedSignalHandler
 from megatron_lite.checkpointing.training_state import TrainingState
 
@@ -150,7 +151,12 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     model_chunks = get_model(config, parallel_state)
     optimizer, scheduler = build_optimizer_and_scheduler(config, parallel_state, model_chunks)
     if config.logging.log_memory:
-        print_rank_last(metrics.format_memory_report(optimizer.memory_report()))
+        report = optimizer.memory_report()
+        print_rank_last(metrics.format_memory_report(report))
+        if is_last_rank():  # the planner's estimate for this rank, beside what it measured
+            last = parallel_state.world_size - 1
+            print(format_memory_estimate(estimate_for_config(config, parallel_state.world_size, rank=last), report),
+                  flush=True)
     state = TrainingState()
     if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
         state = checkpointing.load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) or state
