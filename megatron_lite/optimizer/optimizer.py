@@ -240,7 +240,8 @@ class MegatronOptimizer:
         parameter_bytes = storage_bytes([t for c in self.model_chunks for t in c.parameter_tensors()], counted)
         gradient_bytes = storage_bytes([t for c in self.model_chunks for t in c.gradient_tensors()], counted)
         state = [t for main in self.main_params for t in (main, main.grad_copy) if t is not None]
-        state += [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        # Adam's 0-d step counters are left out: per-parameter bytes follow REFERENCE section 6's accounting.
+        state += [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         report = {"parameter_bytes": parameter_bytes, "gradient_bytes": gradient_bytes,
                   "optimizer_state_bytes": storage_bytes(state, counted),
                   "peak_parameter_bytes": parameter_bytes + sum(c.peak_gathered_bytes for c in self.model_chunks),
