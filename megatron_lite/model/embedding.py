@@ -36,12 +36,14 @@ class LanguageModelEmbedding(nn.Module):
         return self.dropout(embeddings)
 
 
-def rotary_freqs(seq_length: int, rotary_dim: int, base: float, device=None) -> torch.Tensor:
-    """Angles position * base^(-2i/d), laid out [s, 1, 1, d] as cat(freqs, freqs) (rotate-half RoPE).
+def rotary_freqs(position_ids: torch.Tensor, rotary_dim: int, base: float) -> torch.Tensor:
+    """Angles position * base^(-2i/d) of every token, laid out [s, b, 1, d] as cat(freqs, freqs)
+    (rotate-half RoPE); position_ids is [b, s], so packed sequences can restart positions per example.
 
     ``d`` is the rotated width: the head dimension, or its first ``--rotary-percent`` (then the
     frequencies span that width, as in Megatron-LM and GPT-NeoX, and the other channels pass through).
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
-    freqs = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)
-    return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=position_ids.device)
+                               / rotary_dim))
+    freqs = position_ids.t().float()[..., None] * inv_freq  # [s, b, d/2]
+    return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]

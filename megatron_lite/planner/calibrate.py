@@ -122,7 +122,7 @@ def layer_rate(model: ModelConfig, dtype: torch.dtype, micro_batch_size: int) ->
     freqs = None
     if probe.position_embedding_type == "rope":
         from megatron_lite.model.embedding import rotary_freqs
-        freqs = rotary_freqs(probe.seq_length, probe.head_dim, probe.rotary_base)
+        freqs = rotary_freqs(torch.arange(probe.seq_length)[None], probe.rotary_dim, probe.rotary_base)
 
     def step():
         layer(x, freqs).backward(grad)
