@@ -1,37 +1,166 @@
-"""Sampling text from a trained GPT, one process.
+"""Generating text from a GPT with a key/value cache, under tensor and pipeline parallelism.
 
-No key/value cache: each new token reruns the (short) context, which keeps this
-file small; it is for demos and checks, not serving.
+    new_tokens = generate(model, [prompt_ids, ...], max_new_tokens=64, eod=tokenizer.eod, greedy=True)
+
+The first forward pass runs the whole prompts and fills every layer's key/value cache
+(``StaticInferenceContext``); each step after it runs only the newest token, whose keys
+and values join the cache. The model computes logits for the last position only.
+
+A batch of prompts of different lengths is left-padded to the longest, so every
+sequence's newest token is in the same column. Padding is masked out of attention, and
+each prompt's positions count from 0 at its first real token, so a prompt gives the same
+tokens in a batch as alone. A sequence that has produced EOD is finished: its later
+tokens are dropped, and the batch stops when all are finished.
+
+Every rank of a tensor x pipeline layout runs this same loop. Tensor-parallel ranks
+attend with, and cache, their own heads. Pipeline stages pass the hidden states of each
+forward pass on with point-to-point sends. The last stage gathers the logits and samples;
+one broadcast over the model-parallel group gives every rank the tokens (the first stage
+embeds them next, and all ranks must agree when to stop). The sampling generator is
+seeded alike on every rank, so the tokens do not depend on the layout.
 """
 from __future__ import annotations
 
 import torch
 
+from megatron_lite.config import ConfigError
+from megatron_lite.inference.inference_context import StaticInferenceContext
+from megatron_lite.pipeline_parallel import p2p
+from megatron_lite.process_groups import collectives
 
-@torch.no_grad()
-def generate(model, token_ids: list[int], *, max_new_tokens: int, vocab_size: int, seq_length: int,
-             temperature: float = 0.8, top_k: int | None = 40, eod: int | None = None,
-             generator: torch.Generator | None = None) -> list[int]:
-    """Continue ``token_ids``; ``vocab_size`` is the unpadded size, so padding ids are never sampled."""
+
+@torch.inference_mode()
+def generate(model, prompts: list[list[int]], *, max_new_tokens: int, eod: int | None = None, greedy: bool = False,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 0.0, generator: torch.Generator | None = None,
+             parallel_state=None) -> list[list[int]]:
+    """The new tokens of each prompt: ``max_new_tokens`` of them, or fewer ending with ``eod``.
+
+    Args:
+        model: this rank's GPTModel (its stage, its tensor-parallel shard).
+        prompts: token ids, one non-empty list per sequence of the batch.
+        greedy: take the most likely token (so does ``temperature`` 0); else sample from the
+            softmax of logits / ``temperature``, restricted to the ``top_k`` most likely tokens
+            (0: all) and to the smallest set whose probability reaches ``top_p`` (0: all).
+        generator: the random source of sampling; seed it alike on every rank.
+        parallel_state: the layout the model is cut by; None for one process.
+    """
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    greedy = greedy or temperature == 0
     model.eval()
     device = next(model.parameters()).device
-    tokens = list(token_ids)
+    tokens, padding = _left_padded(prompts, device)
+    _check_length(model.config, tokens.shape[1], max_new_tokens)
+    context = StaticInferenceContext(tokens.shape[1] + max_new_tokens)
+    position_ids = ((~padding).cumsum(dim=1) - 1).clamp(min=0)
+    attention_mask = _prompt_mask(padding) if padding.any() else None
+    new_tokens = []
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
-        context = torch.tensor([tokens[-seq_length:]], device=device)
-        logits = model(context)[0, -1, :vocab_size].float()
-        next_token = _sample(logits, temperature, top_k, generator)
-        tokens.append(next_token)
-        if next_token == eod:
+        logits = _forward(model, tokens, position_ids, attention_mask, context, parallel_state)
+        next_tokens = torch.empty(len(prompts), dtype=torch.long, device=device)
+        if logits is not None:
+            next_tokens.copy_(sample(logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     generator=generator))
+        _broadcast_from_last_stage(next_tokens, parallel_state)
+        new_tokens.append(next_tokens)
+        if eod is not None:
+            finished |= next_tokens == eod
+        if bool(finished.all()):
             break
-    return tokens[len(token_ids):]
+        tokens, position_ids = next_tokens[:, None], position_ids[:, -1:] + 1
+        if attention_mask is not None:  # the new token sees every real token before it
+            padding = torch.nn.functional.pad(padding, (0, 1), value=False)
+            attention_mask = padding[:, None, None, :]
+    return [_until_eod(row, eod) for row in torch.stack(new_tokens, dim=1).tolist()]
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> int:
-    if temperature <= 0:
-        return int(logits.argmax())
-    logits = logits / temperature
-    if top_k and top_k < logits.numel():  # as Megatron, --top-k 0 samples from the whole vocabulary
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+def check_sampling(*, temperature: float, top_k: int, top_p: float) -> None:
+    if temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0 (0 is --greedy), got {temperature}.")
+    if top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 keeps every token), got {top_k}.")
+    if not 0.0 <= top_p <= 1.0:
+        raise ConfigError(f"--top-p must be in [0, 1] (0 keeps every token), got {top_p}.")
+
+
+def sample(logits: torch.Tensor, *, greedy: bool, temperature: float = 1.0, top_k: int = 0, top_p: float = 0.0,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``logits`` [b, V]: the argmax, or a draw after temperature, top-k and top-p."""
+    if greedy:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if 0 < top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token while the tokens more likely than it hold less than top_p: the most likely always stays.
+        outside = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
     probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    # Drawn on the CPU: a CPU generator gives the same numbers whatever the device.
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
+
+
+def _left_padded(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [b, longest] with padding on the left, and where the padding is (True)."""
+    if not prompts or not all(prompts):
+        raise ValueError("generate needs at least one prompt, and no prompt may be empty (start one with EOD).")
+    longest = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), longest, dtype=torch.long)
+    padding = torch.ones(len(prompts), longest, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        tokens[row, longest - len(prompt):] = torch.tensor(prompt)
+        padding[row, longest - len(prompt):] = False
+    return tokens.to(device), padding.to(device)
+
+
+def _check_length(config, prompt_length: int, max_new_tokens: int) -> None:
+    if prompt_length + max_new_tokens > config.max_position_embeddings:
+        raise ConfigError(f"a prompt of {prompt_length} tokens and --max-new-tokens {max_new_tokens} exceed the "
+                          f"{config.max_position_embeddings} positions the model has (--max-position-embeddings): "
+                          f"lower --max-new-tokens or shorten the prompt.")
+
+
+def _prompt_mask(padding: torch.Tensor) -> torch.Tensor:
+    """[b, 1, s, s], True where a prompt token may not attend: the future and the padding.
+
+    A padding position still sees itself: a row with nothing to attend to is NaN, and that
+    NaN would reach the real tokens through the next layer's keys and values (0 x NaN = NaN).
+    """
+    length = padding.shape[1]
+    future = torch.ones(length, length, dtype=torch.bool, device=padding.device).triu(1)
+    itself = torch.eye(length, dtype=torch.bool, device=padding.device)
+    return (future | padding[:, None, None, :]) & ~itself
+
+
+def _forward(model, tokens, position_ids, attention_mask, context, parallel_state) -> torch.Tensor | None:
+    """One forward pass through every pipeline stage: the last stage's logits [b, V], None elsewhere."""
+    pipelined = parallel_state is not None and parallel_state.pipeline_model_parallel_world_size > 1
+    if pipelined:
+        parameter = next(model.parameters())
+        exchange = dict(shape=(tokens.shape[1], tokens.shape[0], model.config.hidden_size), dtype=parameter.dtype,
+                        device=parameter.device, group=parallel_state.pipeline_model_parallel_group)
+        if not parallel_state.is_pipeline_first_stage():
+            (received,) = p2p.exchange(sends=[], receives=[parallel_state.pipeline_prev_rank], **exchange)
+            model.set_input_tensor(received)
+    output = model(tokens, position_ids, attention_mask, inference_context=context)
+    context.increment_sequence_len_offset(tokens.shape[1])
+    if pipelined and not parallel_state.is_pipeline_last_stage():
+        p2p.exchange(sends=[(output, parallel_state.pipeline_next_rank)], receives=[], **exchange)
+        return None
+    return output[:, -1]
+
+
+def _broadcast_from_last_stage(next_tokens: torch.Tensor, parallel_state) -> None:
+    """Every rank of the model-parallel group takes the tokens of the last stage's tensor-parallel rank 0."""
+    if parallel_state is None:
+        return
+    source = parallel_state.layout.rank(tensor=0, data=parallel_state.data_parallel_rank,
+                                        pipeline=parallel_state.pipeline_model_parallel_world_size - 1)
+    collectives.broadcast(next_tokens, source, parallel_state.model_parallel_group)
+
+
+def _until_eod(tokens: list[int], eod: int | None) -> list[int]:
+    return tokens[:tokens.index(eod) + 1] if eod in tokens else tokens

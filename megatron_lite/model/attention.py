@@ -24,9 +24,10 @@ class SelfAttention(nn.Module):
     """The fused QKV weight is laid out per query group, ``[q heads of the group, k, v]``,
     so a contiguous tensor-parallel shard holds whole groups with their keys and values."""
 
-    def __init__(self, config: ModelConfig, *, tp_group, sequence_parallel: bool, params_dtype: torch.dtype,
-                 checkpoint_core_attention: bool = False):
+    def __init__(self, config: ModelConfig, *, layer_number: int, tp_group, sequence_parallel: bool,
+                 params_dtype: torch.dtype, checkpoint_core_attention: bool = False):
         super().__init__()
+        self.layer_number = layer_number  # names this layer's entry in a generation's key/value cache
         tp_size = collectives.world_size(tp_group)
         if config.num_query_groups % tp_size:
             raise ConfigError(f"--num-query-groups ({config.num_query_groups}) must be divisible by "
@@ -47,11 +48,13 @@ class SelfAttention(nn.Module):
             skip_bias_add=True, params_dtype=params_dtype)
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None,
-                attention_mask: torch.Tensor | None = None):
+                attention_mask: torch.Tensor | None = None, inference_context=None):
         """[s, b, h] (or [s/tp, b, h] under sequence parallelism) -> (output, bias) before the residual.
 
         ``attention_mask``: None for causal attention, else bool [b, 1, s, s], True where a query may not
-        attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split)."""
+        attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split).
+        With an ``inference_context`` (generation) the new tokens attend to the cached earlier ones too:
+        the mask is then [b, 1, s, cached + s]."""
         qkv, _ = self.linear_qkv(hidden_states)
         seq, batch = qkv.shape[:2]
         qkv = qkv.view(seq, batch, self.local_query_groups, (self.heads_per_group + 2) * self.head_dim)
@@ -61,6 +64,9 @@ class SelfAttention(nn.Module):
         if rotary_freqs is not None:
             query = kernels.apply_rotary_pos_emb(query, rotary_freqs)
             key = kernels.apply_rotary_pos_emb(key, rotary_freqs)
+        if inference_context is not None:
+            # Keys are cached after their rotation: a position's angle never changes.
+            key, value = inference_context.append_key_value(self.layer_number, key, value)
         if self.checkpoint_core_attention and self.training:
             context = checkpoint(self._core_attention, query, key, value, attention_mask)
         else:
@@ -79,6 +85,7 @@ class SelfAttention(nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         # Heads differ across tensor-parallel ranks, so their dropout masks must too.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
+        attention_mask = _mask_after_cache(attention_mask, query.shape[2], key.shape[2], query.device)
         with rng:
             if self.unfused:
                 context = _unfused_attention(query, key, value, dropout, attention_mask)
@@ -108,3 +115,12 @@ def _unfused_attention(query, key, value, dropout: float, attention_mask=None):
     if dropout > 0:
         probs = F.dropout(probs, p=dropout)
     return torch.bmm(probs, value.reshape(-1, sk, d)).view(batch, heads, sq, d)
+
+
+def _mask_after_cache(attention_mask, query_length: int, key_length: int, device):
+    """The mask (True = may not attend) of queries that follow cached keys (generation): they are the
+    last ``query_length`` of ``key_length`` positions, each seeing the keys up to its own, so one new
+    token sees them all. A given mask, or no cache (None: causal), is left as it is."""
+    if attention_mask is not None or query_length == key_length:
+        return attention_mask
+    return torch.ones(query_length, key_length, dtype=torch.bool, device=device).triu(key_length - query_length + 1)

@@ -72,15 +72,21 @@ class GPTModel(nn.Module):
         self.input_tensor = input_tensor
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                inference_context=None) -> torch.Tensor:
         """Returns per-token loss [b, s] given labels on the last stage, logits over the
         (unpadded) vocabulary [b, s, V] without them, and hidden states [s, b, h] on other stages.
 
         ``attention_mask`` (bool [b, 1, s, s], True = may not attend, Megatron's convention) replaces the
         causal mask; packed sequences pass a block-diagonal causal one so examples cannot see each other.
-        Every pipeline stage is given it, with the position ids."""
+        Every pipeline stage is given it, with the position ids.
+
+        With an ``inference_context`` (generation, ``inference/text_generation.py``) the tokens follow the
+        ones it has cached: positions count on from its offset, and only the last token's logits [b, 1, V]
+        are computed, the only ones sampled from."""
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            first = inference_context.sequence_len_offset if inference_context is not None else 0
+            position_ids = torch.arange(first, first + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if self.pre_process:
             hidden_states = self.embedding(input_ids, position_ids)
         else:
@@ -88,9 +94,11 @@ class GPTModel(nn.Module):
         freqs = None
         if self.config.position_embedding_type == "rope":
             freqs = rotary_freqs(position_ids.to(hidden_states.device), self.config.rotary_dim, self.config.rotary_base)
-        hidden_states = self.decoder(hidden_states, freqs, attention_mask)
+        hidden_states = self.decoder(hidden_states, freqs, attention_mask, inference_context)
         if not self.post_process:
             return hidden_states
+        if inference_context is not None:
+            hidden_states = hidden_states[-1:]
         hidden_states = self.final_layernorm(hidden_states)
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=output_weight)  # [s, b, V/tp]

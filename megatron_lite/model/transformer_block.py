@@ -31,11 +31,11 @@ class TransformerBlock(nn.Module):
         self.recompute_num_layers = recompute_num_layers or 1
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:
         layers = list(self.layers.values())
         if not (self.recompute_full and self.training):
             for layer in layers:
-                hidden_states = layer(hidden_states, rotary_freqs, attention_mask)
+                hidden_states = layer(hidden_states, rotary_freqs, attention_mask, inference_context)
             return hidden_states
         if self.recompute_method == "uniform":
             for start in range(0, len(layers), self.recompute_num_layers):

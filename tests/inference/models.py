@@ -1,0 +1,35 @@
+"""Tiny GPTs for the generation tests: learned positions or RoPE, full or grouped-query attention.
+
+A wider initialisation than training's makes a random model's next-token choice depend on
+the whole context (at std 0.02 a tied GPT-2 mostly repeats its last token), so a token that
+differs anywhere shows up as different continuations.
+"""
+from __future__ import annotations
+
+from megatron_lite.config import Config, ModelConfig, ParallelConfig, TrainingConfig
+
+VOCAB = 100
+BASE = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=48, vocab_size=VOCAB,
+            hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2, make_vocab_size_divisible_by=32)
+ARCHS = {
+    "learned_mha": dict(BASE),
+    "rope_gqa": dict(BASE, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
+                     add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=96),
+    "rope_mha": dict(BASE, position_embedding_type="rope"),
+}
+
+
+def config_of(arch: str, tp: int = 1, pp: int = 1) -> Config:
+    return Config(model=ModelConfig(**ARCHS[arch]),
+                  parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+                  training=TrainingConfig(seed=7))
+
+
+def build(arch: str, tp: int = 1, pp: int = 1):
+    """(model chunk of this rank, parallel state); the global weights do not depend on the layout."""
+    from megatron_lite.model.builder import build_model
+    from megatron_lite.process_groups.parallel_state import initialize_model_parallel
+
+    parallel_state = initialize_model_parallel(tp, pp)
+    (model,) = build_model(config_of(arch, tp, pp), parallel_state)
+    return model.eval(), parallel_state
