@@ -1,60 +1,134 @@
-"""Sample text from a checkpoint in one process, whatever layout trained it.
+"""Generate text from a checkpoint, in one process or under torchrun with tensor and pipeline parallelism.
 
-    python -m megatron_lite.generate --load CKPT --tokenizer-type GPT2BPETokenizer \
-        --vocab-file vocab.json --merge-file merges.txt --prompt "Once upon a time"
+    # one prompt, sampled; the tokenizer is the one the checkpoint was trained with
+    python -m megatron_lite.generate --load CKPT --prompt "Once upon a time"
 
-The checkpoint's own config gives the architecture; its weights are resharded to
-tensor = pipeline = 1 on load.
+    # a file of prompts, greedy, 8 per batch, on 4 processes (tp 2 x pp 2)
+    torchrun --nproc-per-node 4 -m megatron_lite.generate --load CKPT --tensor-model-parallel-size 2 \\
+        --pipeline-model-parallel-size 2 --prompts-file prompts.jsonl --output-file answers.jsonl --greedy
+
+``--prompts-file`` lines are ``{"prompt": "..."}``; ``--output-file`` gets one
+``{"prompt": ..., "response": ...}`` line per prompt, in order, the response being the
+generated text only (up to EOD). The checkpoint's config gives the architecture and its
+weights are resharded to the layout asked for; the tokens do not depend on the layout.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
+import json
 import sys
 
 import torch
 
-from megatron_lite.checkpointing import load_checkpoint, read_config
-from megatron_lite.config import CheckpointConfig, ParallelConfig
-from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron_lite.inference.text_generation import generate
-from megatron_lite.model.builder import build_model
-from megatron_lite.tokenizer import build_tokenizer
+from megatron_lite.config import ConfigError, ParallelConfig
+from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.inference.loading import TOKENIZER_FLAGS, checkpoint_tokenizer, load_model, read_checkpoint_config
+from megatron_lite.inference.text_generation import check_sampling, generate
+from megatron_lite.process_groups.failures import run_command
+from megatron_lite.process_groups.initialize import initialize_distributed
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel
+from megatron_lite.tokenizer import TOKENIZER_TYPES
 
 
-def load_single_process_model(load_dir: str):
-    """(model, config) with the checkpoint's weights, on one process."""
-    saved = read_config(load_dir)
-    config = dataclasses.replace(saved, parallel=ParallelConfig(), checkpoint=CheckpointConfig(load=load_dir))
-    parallel_state = initialize_model_parallel(1, 1)
-    (model,) = build_model(config, parallel_state)
-    load_checkpoint(config, parallel_state, [model], None, None)
-    destroy_model_parallel(parallel_state)
-    return model, config
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m megatron_lite.generate", allow_abbrev=False,
+                            description="Generate text from a megatron_lite checkpoint.")
+    parser.add_argument("--load", required=True, help="checkpoint directory (the --save of a training run)")
+    prompts = parser.add_argument_group("prompts and output")
+    prompts.add_argument("--prompt", help="one prompt (default: none, the model starts from EOD)")
+    prompts.add_argument("--prompts-file", help='JSONL, one {"prompt": "..."} per line')
+    prompts.add_argument("--output-file", help='JSONL, one {"prompt": ..., "response": ...} per prompt '
+                                               "(default: print the samples)")
+    prompts.add_argument("--micro-batch-size", type=int, default=8, help="prompts generated together (default: 8)")
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-new-tokens", type=int, default=64,
+                          help="tokens generated per prompt at most; EOD ends a sequence early (default: 64)")
+    sampling.add_argument("--greedy", action="store_true", help="take the most likely token at every step")
+    sampling.add_argument("--temperature", type=float, default=0.8,
+                          help="divides the logits before sampling; 0 is --greedy (default: 0.8)")
+    sampling.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens; 0: all "
+                                                                "(default: 40)")
+    sampling.add_argument("--top-p", type=float, default=0.0,
+                          help="sample among the most likely tokens holding probability p; 0: all (default: 0)")
+    sampling.add_argument("--seed", type=int, default=1234, help="seed of the sampling generator (default: 1234)")
+    parallel = parser.add_argument_group("parallelism (launch tensor x pipeline processes with torchrun)")
+    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    tokenizer = parser.add_argument_group("tokenizer (default: the one the checkpoint was trained with)")
+    tokenizer.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
+    for name, flag in list(TOKENIZER_FLAGS.items())[1:]:
+        tokenizer.add_argument(flag, dest=name)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_lite.generate", allow_abbrev=False)
-    parser.add_argument("--load", required=True, help="checkpoint directory (--save of the training run)")
-    parser.add_argument("--tokenizer-type", required=True)
-    parser.add_argument("--vocab-file")
-    parser.add_argument("--merge-file")
-    parser.add_argument("--tokenizer-model")
-    parser.add_argument("--prompt", default="")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-k", type=int, default=40)
-    parser.add_argument("--seed", type=int, default=1234)
-    args = parser.parse_args(argv)
-    tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-                                tokenizer_model=args.tokenizer_model)
-    model, config = load_single_process_model(args.load)
-    prompt_ids = tokenizer.tokenize(args.prompt) or [tokenizer.eod]
-    new_ids = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, vocab_size=config.model.vocab_size,
-                       seq_length=config.model.seq_length, temperature=args.temperature, top_k=args.top_k,
-                       eod=tokenizer.eod, generator=torch.Generator().manual_seed(args.seed))
-    print(f"--- sample ({len(new_ids)} tokens) ---\n{args.prompt}{tokenizer.detokenize(new_ids)}", flush=True)
-    return 0
+    return run_command(lambda: generate_from_checkpoint(build_parser().parse_args(argv)))
+
+
+def generate_from_checkpoint(args) -> None:
+    check_sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.micro_batch_size < 1:
+        raise ConfigError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}.")
+    if args.prompt is not None and args.prompts_file is not None:
+        raise ConfigError("--prompt and --prompts-file both given: pass one.")
+    parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                              pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    config = read_checkpoint_config(args.load, parallel)
+    tokenizer = checkpoint_tokenizer(config, **{name: getattr(args, name) for name in TOKENIZER_FLAGS})
+    prompts = _read_prompts(args.prompts_file) if args.prompts_file else [args.prompt or ""]
+    env = initialize_distributed(parallel)
+    if parallel.data_parallel_size(env.world_size) != 1:
+        raise ConfigError(f"generate runs one copy of the model: launch --tensor-model-parallel-size x "
+                          f"--pipeline-model-parallel-size = {parallel.tensor_model_parallel_size} x "
+                          f"{parallel.pipeline_model_parallel_size} processes, not {env.world_size}.")
+    parallel_state = initialize_model_parallel(parallel.tensor_model_parallel_size,
+                                               parallel.pipeline_model_parallel_size)
+    model = load_model(config, parallel_state)
+    generator = torch.Generator().manual_seed(args.seed)  # alike on every rank: the tokens do not depend on it
+    results = []
+    for start in range(0, len(prompts), args.micro_batch_size):
+        batch = prompts[start:start + args.micro_batch_size]
+        new_tokens = generate(model, [tokenizer.tokenize(p) or [tokenizer.eod] for p in batch],
+                              max_new_tokens=args.max_new_tokens, eod=tokenizer.eod, greedy=args.greedy,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              generator=generator, parallel_state=parallel_state)
+        results += [{"prompt": p, "response": tokenizer.detokenize([t for t in ids if t != tokenizer.eod])}
+                    for p, ids in zip(batch, new_tokens)]
+    if parallel_state.rank == 0:
+        _write_results(results, args)
+
+
+def _read_prompts(path: str) -> list[str]:
+    """The prompts of a JSONL file; a bad line is named ``file:line``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(number, line) for number, line in enumerate(f, start=1) if line.strip()]
+    except OSError as error:
+        raise ConfigError(f"--prompts-file {path}: {error.strerror}.") from None
+    prompts = []
+    for number, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path}:{number}: malformed JSON ({error.msg} at column {error.colno}).") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ConfigError(f'{path}:{number}: expected {{"prompt": "..."}}, got {line.strip()[:80]}')
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise ConfigError(f"--prompts-file {path} holds no prompts.")
+    return prompts
+
+
+def _write_results(results: list[dict], args) -> None:
+    if args.output_file:
+        with open(args.output_file, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(result, ensure_ascii=False) + "\n" for result in results)
+        print(f"wrote {len(results)} responses to {args.output_file}", flush=True)
+    elif args.prompts_file:
+        for result in results:
+            print(json.dumps(result, ensure_ascii=False), flush=True)
+    else:
+        (result,) = results
+        print(f"--- sample ---\n{result['prompt']}{result['response']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,17 @@ ARCHS = {
 }
 
 
-def config_of(arch: str, tp: int = 1, pp: int = 1) -> Config:
-    return Config(model=ModelConfig(**ARCHS[arch]),
+def config_of(arch: str, tp: int = 1, pp: int = 1, **model_fields) -> Config:
+    return Config(model=ModelConfig(**{**ARCHS[arch], **model_fields}),
                   parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
                   training=TrainingConfig(seed=7))
 
 
-def build(arch: str, tp: int = 1, pp: int = 1):
+def build(arch: str, tp: int = 1, pp: int = 1, **model_fields):
     """(model chunk of this rank, parallel state); the global weights do not depend on the layout."""
     from megatron_lite.model.builder import build_model
     from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 
     parallel_state = initialize_model_parallel(tp, pp)
-    (model,) = build_model(config_of(arch, tp, pp), parallel_state)
+    (model,) = build_model(config_of(arch, tp, pp, **model_fields), parallel_state)
     return model.eval(), parallel_state

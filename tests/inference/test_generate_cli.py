@@ -1,0 +1,141 @@
+"""``python -m megatron_lite.generate`` as a user runs it: a prompts file in, a responses file out,
+the same under torchrun at tp=2 and pp=2 as in one process; the checkpoint's own tokenizer
+when no tokenizer flag is given; one clean ``error:`` line for a bad --load, tokenizer or prompt.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megatron_lite.checkpointing.offline import write_checkpoint
+from megatron_lite.config import DataConfig
+from megatron_lite.generate import main
+from megatron_lite.inference.text_generation import generate
+from megatron_lite.tokenizer.gpt2_bpe import EOD_TOKEN, GPT2BPETokenizer, bytes_to_unicode
+from tests.inference.models import build, config_of
+from tests.test_user_errors import _assert_one_clean_error
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPTS = ["The cat", "Once upon a time there was", "x", "def main():\n    return"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A checkpoint saved at tp=2 whose config records a byte-level GPT-2 tokenizer (no merges:
+    257 ids, one per byte and EOD), and the model it holds, built in this process."""
+    root = tmp_path_factory.mktemp("generate")
+    tokenizer_dir = root / "tokenizer"
+    tokenizer_dir.mkdir()
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()} | {EOD_TOKEN: 256}
+    (tokenizer_dir / "vocab.json").write_text(json.dumps(vocab))
+    (tokenizer_dir / "merges.txt").write_text("#version: 0.2\n")
+    config = config_of("rope_gqa", tp=2, vocab_size=257)
+    config.data = DataConfig(data_path=["corpus_text_document"], tokenizer_type="GPT2BPETokenizer",
+                             vocab_file=str(tokenizer_dir / "vocab.json"), merge_file=str(tokenizer_dir / "merges.txt"))
+    model, _ = build("rope_gqa", vocab_size=257)
+    weights = dict(model.named_parameters())
+    write_checkpoint(str(root / "ckpt"), config, lambda name: weights[name].detach(), iteration=0)
+    return str(root / "ckpt"), model, GPT2BPETokenizer(config.data.vocab_file, config.data.merge_file)
+
+
+def _prompts_file(tmp_path, prompts=PROMPTS) -> str:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return str(path)
+
+
+def _responses(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _torchrun(args: list[str], ranks: int = 2) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m",
+                           "megatron_lite.generate", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_prompts_file_gives_one_response_per_prompt_with_the_checkpoints_tokenizer(checkpoint, tmp_path):
+    load, model, tokenizer = checkpoint
+    output = tmp_path / "responses.jsonl"
+    assert main(["--load", load, "--prompts-file", _prompts_file(tmp_path), "--output-file", str(output),
+                 "--greedy", "--max-new-tokens", "12", "--micro-batch-size", "3"]) == 0
+    expected = [generate(model, [tokenizer.tokenize(p)], max_new_tokens=12, eod=tokenizer.eod, greedy=True)[0]
+                for p in PROMPTS]
+    responses = _responses(output)
+    assert [r["prompt"] for r in responses] == PROMPTS
+    assert [r["response"] for r in responses] == [tokenizer.detokenize([t for t in ids if t != tokenizer.eod])
+                                                  for ids in expected]
+    assert len({r["response"] for r in responses}) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]],
+                         ids=["tp2", "pp2"])
+def test_torchrun_gives_the_responses_of_one_process(checkpoint, tmp_path, layout):
+    load = checkpoint[0]
+    sampling = ["--prompts-file", _prompts_file(tmp_path), "--max-new-tokens", "10", "--micro-batch-size", "2",
+                "--temperature", "0.9", "--top-p", "0.9", "--seed", "11"]
+    assert main(["--load", load, *sampling, "--output-file", str(tmp_path / "one.jsonl")]) == 0
+    result = _torchrun(["--load", load, *sampling, "--output-file", str(tmp_path / "two.jsonl"), *layout])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _responses(tmp_path / "two.jsonl") == _responses(tmp_path / "one.jsonl")
+    assert result.stdout.count("wrote 4 responses") == 1  # rank 0 writes and reports
+
+
+def test_one_prompt_prints_a_sample(checkpoint, capsys):
+    assert main(["--load", checkpoint[0], "--prompt", "The cat", "--max-new-tokens", "5", "--top-k", "0"]) == 0
+    assert "\n--- sample ---\nThe cat" in capsys.readouterr().out
+
+
+def test_a_missing_load_under_torchrun_is_one_clean_error(tmp_path):
+    result = _torchrun(["--load", str(tmp_path / "nowhere"), "--prompt", "hi"])
+    assert result.returncode != 0  # torchrun's own code: its workers exited with 2
+    _assert_one_clean_error(result.stdout + result.stderr, "--load", "no such directory")
+
+
+@pytest.mark.parametrize("load", ["", "empty"])
+def test_an_empty_load_is_a_clean_error(tmp_path, capsys, load):
+    (tmp_path / "empty").mkdir()
+    assert main(["--load", str(tmp_path / load) if load else "", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --load") and "checkpoint" in err and "Traceback" not in err
+
+
+def test_a_moved_tokenizer_names_the_flags_to_pass(checkpoint, tmp_path, capsys):
+    load = checkpoint[0]
+    moved = tmp_path / "ckpt"
+    shutil.copytree(load, moved)
+    tokenizer_dir = os.path.join(os.path.dirname(load), "tokenizer")
+    shutil.move(tokenizer_dir, tmp_path / "tokenizer")
+    try:
+        assert main(["--load", str(moved), "--prompt", "hi"]) == 2
+        err = capsys.readouterr().err
+        assert "--vocab-file" in err and "--merge-file" in err and "no longer exist" in err
+        assert main(["--load", str(moved), "--prompt", "hi", "--max-new-tokens", "2",
+                     "--vocab-file", str(tmp_path / "tokenizer/vocab.json"),
+                     "--merge-file", str(tmp_path / "tokenizer/merges.txt")]) == 0
+    finally:
+        shutil.move(tmp_path / "tokenizer", tokenizer_dir)
+
+
+def test_a_bad_prompt_line_is_named(checkpoint, tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n{"text": "no prompt"}\n')
+    assert main(["--load", checkpoint[0], "--prompts-file", str(path)]) == 2
+    assert f"{path}:3:" in capsys.readouterr().err
+
+
+def test_a_prompt_too_long_for_the_model_is_a_clean_error(checkpoint, capsys):
+    assert main(["--load", checkpoint[0], "--prompt", "hi", "--max-new-tokens", "100"]) == 2
+    assert "--max-new-tokens 100" in capsys.readouterr().err
+
+
+def test_flags_are_checked(checkpoint, capsys):
+    assert main(["--load", checkpoint[0], "--top-p", "2"]) == 2
+    assert "--top-p" in capsys.readouterr().err
+    assert main(["--load", checkpoint[0], "--greedy", "--max-new-token", "3"]) == 2
+    assert "did you mean --max-new-tokens" in capsys.readouterr().err
