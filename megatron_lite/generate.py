@@ -21,12 +21,14 @@ import torch
 
 from megatron_lite.config import ConfigError, ParallelConfig
 from megatron_lite.config.arguments import ArgumentParser
-from megatron_lite.inference.loading import TOKENIZER_FLAGS, checkpoint_tokenizer, load_model, read_checkpoint_config
+from megatron_lite.inference.loading import checkpoint_tokenizer, load_model, read_checkpoint_config
 from megatron_lite.inference.text_generation import check_sampling, generate
 from megatron_lite.process_groups.failures import run_command
 from megatron_lite.process_groups.initialize import initialize_distributed
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tokenizer import TOKENIZER_TYPES
+
+TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
 
 def build_parser() -> ArgumentParser:
@@ -55,8 +57,10 @@ def build_parser() -> ArgumentParser:
     parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     tokenizer = parser.add_argument_group("tokenizer (default: the one the checkpoint was trained with)")
     tokenizer.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
-    for name, flag in list(TOKENIZER_FLAGS.items())[1:]:
-        tokenizer.add_argument(flag, dest=name)
+    tokenizer.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json")
+    tokenizer.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt")
+    tokenizer.add_argument("--tokenizer-model", help="SentencePieceTokenizer's .model, HuggingFaceTokenizer's "
+                                                     "tokenizer.json (or its directory)")
     return parser
 
 
@@ -73,7 +77,7 @@ def generate_from_checkpoint(args) -> None:
     parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size)
     config = read_checkpoint_config(args.load, parallel)
-    tokenizer = checkpoint_tokenizer(config, **{name: getattr(args, name) for name in TOKENIZER_FLAGS})
+    tokenizer = checkpoint_tokenizer(config, {name: getattr(args, name) for name in TOKENIZER_FIELDS})
     prompts = _read_prompts(args.prompts_file) if args.prompts_file else [args.prompt or ""]
     env = initialize_distributed(parallel)
     if parallel.data_parallel_size(env.world_size) != 1:

@@ -25,12 +25,13 @@ import safetensors
 import safetensors.torch
 import torch
 
-from megatron_lite.checkpointing.hf_tokenizer import export_tokenizer, tokenizer_flags_for_export, write_json
+from megatron_lite.checkpointing.hf_tokenizer import export_tokenizer, write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.resharding import CheckpointReader
 from megatron_lite.checkpointing.save_load import OPTIMIZER_PREFIX
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ModelConfig, ParallelConfig
+from megatron_lite.tokenizer import checkpoint_tokenizer_flags
 
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh approximation, which ours computes
 
@@ -332,5 +333,5 @@ def export_hf_checkpoint(load_dir: str, save_dir: str, *, tokenizer_flags: dict 
     config = ModelConfig(**reader.metadata["config"]["model"])
     hf_config = hf_config_from_model_config(config)
     reader.verify([k for k in reader.tensors if not k.startswith(OPTIMIZER_PREFIX)])
-    tokenizer = tokenizer_flags_for_export(reader.metadata["config"].get("data", {}), tokenizer_flags or {})
+    tokenizer = checkpoint_tokenizer_flags(reader.metadata["config"].get("data", {}), tokenizer_flags or {})
     write_hf_directory(save_dir, hf_config, weights_to_hf(reader.read, config), tokenizer_flags=tokenizer)

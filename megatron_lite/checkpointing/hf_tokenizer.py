@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 
-from megatron_lite.config import ConfigError
 from megatron_lite.tokenizer import build_tokenizer
 
 # (tokenizer class transformers builds, {our flag's field: the file name it expects})
@@ -47,18 +46,6 @@ def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: 
         tokenizer_config["add_prefix_space"] = tokenizer.tokenize("a") == tokenizer.tokenize(" a")
     write_json(os.path.join(save_dir, "tokenizer_config.json"), tokenizer_config)
     return {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad}
-
-
-def tokenizer_flags_for_export(recorded: dict, given: dict) -> dict:
-    """The tokenizer flags given on the command line, else the ones the checkpoint recorded."""
-    flags = given if given.get("tokenizer_type") else recorded
-    missing = [f"--{field.replace('_', '-')} {flags[field]}" for field in ("vocab_file", "merge_file",
-                                                                            "tokenizer_model")
-               if flags.get(field) and not os.path.exists(flags[field])]
-    if missing:
-        raise ConfigError(f"the checkpoint's tokenizer files are gone ({', '.join(missing)}); pass "
-                          "--tokenizer-type and its files to export them.")
-    return flags
 
 
 def write_json(path: str, value: dict) -> None:

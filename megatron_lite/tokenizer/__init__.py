@@ -5,6 +5,7 @@ tokenizers report the true size.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from megatron_lite.config import ConfigError
@@ -36,5 +37,19 @@ def build_tokenizer(tokenizer_type: str, *, vocab_file: Optional[str] = None, me
     raise ConfigError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}; got {tokenizer_type!r}.")
 
 
-__all__ = ["build_tokenizer", "TOKENIZER_TYPES", "GPT2BPETokenizer", "SentencePieceTokenizer",
-           "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer"]
+def checkpoint_tokenizer_flags(recorded: dict, given: dict) -> dict:
+    """The ``--tokenizer-*`` flags given on the command line if they name a tokenizer type, else the ones a
+    checkpoint recorded (its config's data section), so a tool needs no tokenizer flags of its own."""
+    flags = given if given.get("tokenizer_type") else recorded
+    missing = [f"--{field.replace('_', '-')} {flags[field]}" for field in ("vocab_file", "merge_file",
+                                                                            "tokenizer_model")
+               if flags.get(field) and not os.path.exists(flags[field])]
+    if missing:
+        raise ConfigError(f"the checkpoint's tokenizer files are gone ({', '.join(missing)}); pass "
+                          "--tokenizer-type and its files (--vocab-file and --merge-file, or --tokenizer-model) "
+                          "where they are now.")
+    return flags
+
+
+__all__ = ["build_tokenizer", "checkpoint_tokenizer_flags", "TOKENIZER_TYPES", "GPT2BPETokenizer",
+           "SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer"]

@@ -114,8 +114,9 @@ def test_a_moved_tokenizer_names_the_flags_to_pass(checkpoint, tmp_path, capsys)
     try:
         assert main(["--load", str(moved), "--prompt", "hi"]) == 2
         err = capsys.readouterr().err
-        assert "--vocab-file" in err and "--merge-file" in err and "no longer exist" in err
-        assert main(["--load", str(moved), "--prompt", "hi", "--max-new-tokens", "2",
+        assert "--vocab-file" in err and "--merge-file" in err and "are gone" in err and "--tokenizer-type" in err
+        assert main(["--load", str(moved), "--prompt", "hi", "--max-new-tokens", "2", "--tokenizer-type",
+                     "GPT2BPETokenizer",
                      "--vocab-file", str(tmp_path / "tokenizer/vocab.json"),
                      "--merge-file", str(tmp_path / "tokenizer/merges.txt")]) == 0
     finally:
