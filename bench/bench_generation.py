@@ -1,13 +1,18 @@
 """Generation throughput with the key/value cache vs transformers' ``generate``, same model, one process.
 
-A random GPT-2-shaped model is built with transformers, saved, and imported into
-megatron_lite (``checkpointing/hf_interop``), so both generate from the same weights.
+A random GPT-2-shaped (or, with ``--model llama``, Llama-shaped) model is built with
+transformers, saved, and imported into megatron_lite (``checkpointing/hf_interop``), so both
+generate from the same weights.
 Both decode greedily for exactly ``--new-tokens`` tokens (no EOS) after a random prompt
 of ``--prompt-length`` tokens; runs alternate between the two so both see the same
 machine state, and the best of ``--repeats`` counts. The ratio of tokens/s is the
 number to watch (goal: >= 1.0). The generated tokens are checked to be the same.
 
-    python bench/bench_generation.py [--layers 8 --hidden 512 --heads 8 --vocab 50257]
+On CPU, transformers' GPT-2 keeps its weights as [in, out] (``Conv1D``), ours and Llama's
+``nn.Linear`` as [out, in]; MKL multiplies a few rows by a transposed weight up to 2x more
+slowly, which shows at batch 8 on the wider GPT-2 shapes (``--model llama`` has no such gap).
+
+    python bench/bench_generation.py [--model gpt2|llama] [--layers 8 --hidden 512 --heads 8 --vocab 50257]
         [--batch-sizes 1 8] [--new-tokens 64] [--threads 2]
 """
 import argparse
@@ -24,13 +29,19 @@ from megatron_lite.process_groups.parallel_state import initialize_model_paralle
 
 
 def build_models(args):
-    """(transformers' GPT2LMHeadModel, ours imported from it), fp32, eval mode."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """(transformers' GPT2LMHeadModel or LlamaForCausalLM, ours imported from it), fp32, eval mode."""
+    import transformers
 
-    config = GPT2Config(vocab_size=args.vocab, n_positions=args.prompt_length + args.new_tokens, n_embd=args.hidden,
-                        n_layer=args.layers, n_head=args.heads, bos_token_id=0, eos_token_id=0,
-                        attn_implementation="sdpa")
-    hf_model = GPT2LMHeadModel(config).eval()
+    positions = args.prompt_length + args.new_tokens
+    if args.model == "gpt2":
+        hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=args.vocab, n_positions=positions, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
+            bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")).eval()
+    else:
+        hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+            num_hidden_layers=args.layers, num_attention_heads=args.heads, max_position_embeddings=positions,
+            bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")).eval()
     hf_model.generation_config.eos_token_id = None  # always generate exactly --new-tokens
     hf_model.generation_config.pad_token_id = 0
     with tempfile.TemporaryDirectory() as directory:
@@ -49,6 +60,7 @@ def timed(fn):
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=("gpt2", "llama"), default="gpt2")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
@@ -63,7 +75,7 @@ def main():
     torch.manual_seed(0)
     hf_model, model = build_models(args)
     parameters = sum(p.numel() for p in hf_model.parameters())
-    print(f"GPT-2 shape: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab} "
+    print(f"{args.model} shape: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab} "
           f"({parameters / 1e6:.1f}M parameters), fp32, CPU, {args.threads} threads; prompt {args.prompt_length} "
           f"tokens, {args.new_tokens} new tokens, greedy, best of {args.repeats}")
     for batch_size in args.batch_sizes:
