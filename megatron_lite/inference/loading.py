@@ -47,8 +47,11 @@ def checkpoint_tokenizer(config: Config, given: dict):
     if flags.get("tokenizer_type") is None:
         raise ConfigError("the checkpoint records no tokenizer (it was trained on --mock-data, or imported): pass "
                           "--tokenizer-type and its files (--vocab-file and --merge-file, or --tokenizer-model).")
-    # A NullTokenizer's ids are data below its EOD, the model vocabulary's last id.
-    vocab_size = config.model.vocab_size - 1 if flags["tokenizer_type"] == "NullTokenizer" else None
+    # A NullTokenizer's ids are data below its EOD, the model vocabulary's last id; a TikTokenizer
+    # fills the model's vocabulary with its special tokens.
+    null = flags["tokenizer_type"] == "NullTokenizer"
     return build_tokenizer(flags["tokenizer_type"], vocab_file=flags.get("vocab_file"),
                            merge_file=flags.get("merge_file"), tokenizer_model=flags.get("tokenizer_model"),
-                           vocab_size=vocab_size)
+                           vocab_size=config.model.vocab_size - 1 if null else config.model.vocab_size,
+                           tiktoken_pattern=flags.get("tiktoken_pattern"),
+                           tiktoken_num_special_tokens=flags.get("tiktoken_num_special_tokens", 1000))

@@ -1,4 +1,5 @@
-"""Tiny GPTs for the generation tests: learned positions or RoPE, full or grouped-query attention.
+"""Tiny GPTs for the generation tests: learned positions or RoPE, full or grouped-query attention,
+torch's fused attention or the unfused one.
 
 A wider initialisation than training's makes a random model's next-token choice depend on
 the whole context (at std 0.02 a tied GPT-2 mostly repeats its last token), so a token that
@@ -16,6 +17,8 @@ ARCHS = {
     "rope_gqa": dict(BASE, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
                      add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=96),
     "rope_mha": dict(BASE, position_embedding_type="rope"),
+    # Megatron-LM's local attention: scaled QK^T and the masked softmax kernel instead of SDPA.
+    "learned_mha_unfused": dict(BASE, attention_backend="unfused"),
 }
 
 

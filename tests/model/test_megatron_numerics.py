@@ -59,7 +59,8 @@ def test_rotary_percent_rotates_only_the_first_channels():
     config = ModelConfig(**dict(LLAMA, rotary_percent=0.5))
     assert config.rotary_dim == 8  # of a head dimension of 16
     query = torch.randn(16, 2, 4, 16)
-    rotated = kernels.apply_rotary_pos_emb(query, rotary_freqs(torch.arange(16)[None], config.rotary_dim, config.rotary_base))
+    freqs = rotary_freqs(torch.arange(16)[None], config.rotary_dim, config.rotary_base)
+    rotated = kernels.apply_rotary_pos_emb(query, freqs)
     assert torch.equal(rotated[..., 8:], query[..., 8:])
     assert not torch.allclose(rotated[1:, ..., :8], query[1:, ..., :8])  # position 0 has angle 0
     with pytest.raises(ConfigError, match=r"head dimension 16 x --rotary-percent 0.1 = 1 channels must be even"):
