@@ -368,6 +368,41 @@ class CheckpointConfig:
                  "--use-checkpoint-args needs --load or --pretrained-checkpoint: the checkpoint whose model to use.")
 
 
+# --peft methods, and the linear layers --lora-target-modules may name (Megatron-Core's module names).
+PEFT_METHODS = ("lora", "adapter", "prefix")
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass(kw_only=True)
+class PeftConfig:
+    """Parameter-efficient fine-tuning: train small added weights, keep the base model frozen."""
+
+    peft: Optional[str] = None  # None: train every weight
+    lora_rank: int = 8
+    lora_alpha: float = 8.0  # the update is scaled by alpha / rank
+    lora_dropout: float = 0.0
+    lora_target_modules: list = field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    adapter_dim: int = 32
+    prefix_length: int = 16
+    prefix_projection_hidden_size: Optional[int] = None  # None: learn the prefixes directly
+
+    def __post_init__(self) -> None:
+        _require(self.peft in (None, *PEFT_METHODS),
+                 f"--peft must be one of {', '.join(PEFT_METHODS)}, got {self.peft!r}.")
+        _require(self.lora_rank >= 1, f"--lora-rank must be >= 1, got {self.lora_rank}.")
+        _require(self.lora_alpha > 0, f"--lora-alpha must be positive, got {self.lora_alpha}.")
+        _require(0.0 <= self.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}.")
+        unknown = sorted(set(self.lora_target_modules) - set(LORA_TARGET_MODULES))
+        _require(not unknown, f"--lora-target-modules: unknown module(s) {', '.join(map(str, unknown))}; "
+                              f"choose from {' '.join(LORA_TARGET_MODULES)}.")
+        _require(len(self.lora_target_modules) == len(set(self.lora_target_modules)) > 0,
+                 f"--lora-target-modules must name each module once, got {self.lora_target_modules}.")
+        _require(self.adapter_dim >= 1, f"--adapter-dim must be >= 1, got {self.adapter_dim}.")
+        _require(self.prefix_length >= 1, f"--prefix-length must be >= 1, got {self.prefix_length}.")
+        hidden = self.prefix_projection_hidden_size
+        _require(hidden is None or hidden >= 1, f"--prefix-projection-hidden-size must be >= 1, got {hidden}.")
+
+
 @dataclass(kw_only=True)
 class LoggingConfig:
     log_interval: int = 100
@@ -390,6 +425,7 @@ class Config:
     data: DataConfig = field(default_factory=lambda: DataConfig(mock_data=True))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
     def __post_init__(self) -> None:
         model, parallel = self.model, self.parallel
@@ -443,5 +479,5 @@ class Config:
 # Config's sections by field name (``arguments.py`` makes one flag group of each).
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
             "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-            "logging": LoggingConfig}
+            "logging": LoggingConfig, "peft": PeftConfig}
 

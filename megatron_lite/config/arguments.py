@@ -21,7 +21,7 @@ from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigErro
 from megatron_lite.process_groups.initialize import resolve_launch_env
 from megatron_lite.config.help_text import CHOICES, HELP
 
-LIST_FIELDS = {"data_path"}
+LIST_FIELDS = {"data_path", "lora_target_modules"}
 # Megatron-LM spells these two with an underscore inside; both spellings are accepted.
 MEGATRON_SPELLINGS = {"override_opt_param_scheduler": "--override-opt_param-scheduler",
                       "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler"}
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
             kind = _scalar_type(hints[f.name])
             common = dict(dest=f.name, default=argparse.SUPPRESS, help=_help(f))
             if f.name in LIST_FIELDS:
-                group.add_argument(flag_name(f.name), nargs="+", **common)
+                group.add_argument(flag_name(f.name), nargs="+", choices=CHOICES.get(f.name), **common)
             elif kind is bool and f.default is True:
                 group.add_argument(flag_name(f.name), action="store_false", **common)
             elif kind is bool:

@@ -3,7 +3,7 @@
 Kept beside the dataclasses rather than in them so the config reads as a list of
 fields; ``tests/test_config.py`` fails when a field has no line here.
 """
-from megatron_lite.config import SHARDING_STRATEGIES
+from megatron_lite.config import LORA_TARGET_MODULES, PEFT_METHODS, SHARDING_STRATEGIES
 
 from megatron_lite.config import ATTENTION_BACKENDS
 
@@ -21,6 +21,8 @@ CHOICES = {
                        "NullTokenizer"),
     "distributed_backend": ("nccl", "gloo"),
     "data_parallel_sharding_strategy": SHARDING_STRATEGIES,
+    "peft": PEFT_METHODS,
+    "lora_target_modules": LORA_TARGET_MODULES,
 }
 
 HELP = {
@@ -144,4 +146,16 @@ HELP = {
     "tensorboard_dir": "write TensorBoard scalars here",
     "peak_tflops": "peak TFLOP/s of one device, for MFU (default: looked up for known GPUs)",
     "log_memory": "no memory report and throughput line",
+    # peft
+    "peft": ("parameter-efficient fine-tuning: lora (low-rank updates of linear layers), adapter (bottleneck "
+             "adapters after attention and MLP) or prefix (learned key/value prefixes); the base weights are frozen "
+             "and checkpoints hold only the added weights"),
+    "lora_rank": "rank r of the LoRA update B A",
+    "lora_alpha": "LoRA scale: the update is multiplied by alpha / r",
+    "lora_dropout": "dropout on the input of the LoRA branch",
+    "lora_target_modules": "the linear layers LoRA adapts, any of linear_qkv linear_proj linear_fc1 linear_fc2",
+    "adapter_dim": "bottleneck width of the adapters (--peft adapter)",
+    "prefix_length": "learned key/value vectors prepended in every layer (--peft prefix)",
+    "prefix_projection_hidden_size": ("produce the prefixes during training through a two-layer MLP of this width "
+                                      "(Li and Liang's reparametrisation; default: learn them directly)"),
 }

@@ -46,6 +46,8 @@ class SelfAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, tp_group=tp_group,
             bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=sequence_parallel,
             skip_bias_add=True, params_dtype=params_dtype)
+        # Keys and values to put before the sequence's own (prefix tuning, megatron_lite/peft/prefix_tuning.py).
+        self.prefix = None
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None,
                 attention_mask: torch.Tensor | None = None, inference_context=None):
@@ -67,6 +69,8 @@ class SelfAttention(nn.Module):
         if inference_context is not None:
             # Keys are cached after their rotation: a position's angle never changes.
             key, value = inference_context.append_key_value(self.layer_number, key, value)
+        if self.prefix is not None:  # after the cache, which holds the sequence's own keys only
+            key, value, attention_mask = self.prefix(key, value, attention_mask)
         if self.checkpoint_core_attention and self.training:
             context = checkpoint(self._core_attention, query, key, value, attention_mask)
         else:
@@ -118,9 +122,9 @@ def _unfused_attention(query, key, value, dropout: float, attention_mask=None):
 
 
 def _mask_after_cache(attention_mask, query_length: int, key_length: int, device):
-    """The mask (True = may not attend) of queries that follow cached keys (generation): they are the
-    last ``query_length`` of ``key_length`` positions, each seeing the keys up to its own, so one new
-    token sees them all. A given mask, or no cache (None: causal), is left as it is."""
+    """The mask (True = may not attend) of queries that follow cached keys (generation) or a prefix: they
+    are the last ``query_length`` of ``key_length`` positions, each seeing the keys up to its own, so one
+    new token sees them all. A given mask, or no earlier keys (None: causal), is left as it is."""
     if attention_mask is not None or query_length == key_length:
         return attention_mask
     return torch.ones(query_length, key_length, dtype=torch.bool, device=device).triu(key_length - query_length + 1)

@@ -16,6 +16,7 @@ from megatron_lite.model.embedding import LanguageModelEmbedding
 from megatron_lite.model.gpt_model import GPTModel
 from megatron_lite.model.transformer_layer import TransformerLayer
 from megatron_lite.model.weight_init import initialize_weights
+from megatron_lite.peft import apply_peft
 from megatron_lite.pipeline_parallel.layer_split import get_layer_numbers
 from megatron_lite.process_groups.parallel_state import ParallelState, mock_parallel_state
 
@@ -27,7 +28,8 @@ FSDP_UNIT_MODULES = (LanguageModelEmbedding, TransformerLayer)
 
 def build_model_chunk(config: Config, parallel_state: ParallelState, *, pipeline_rank: int,
                       virtual_rank: int = 0) -> GPTModel:
-    """Model chunk ``virtual_rank`` of pipeline stage ``pipeline_rank``, uninitialised."""
+    """Model chunk ``virtual_rank`` of pipeline stage ``pipeline_rank``, uninitialised; with --peft, its base
+    frozen and the PEFT weights added."""
     parallel, training = config.parallel, config.training
     pp = parallel.pipeline_model_parallel_size
     vpp = parallel.virtual_pipeline_model_parallel_size or 1
@@ -37,13 +39,15 @@ def build_model_chunk(config: Config, parallel_state: ParallelState, *, pipeline
         virtual_pipeline_rank=virtual_rank,
         decoder_first_pipeline_num_layers=parallel.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=parallel.decoder_last_pipeline_num_layers)
-    return GPTModel(
+    model = GPTModel(
         config.model, parallel_state, layer_numbers=layers,
         pre_process=pipeline_rank == 0 and virtual_rank == 0,
         post_process=pipeline_rank == pp - 1 and virtual_rank == vpp - 1,
         sequence_parallel=parallel.sequence_parallel, params_dtype=config.params_dtype,
         recompute_granularity=training.recompute_granularity, recompute_method=training.recompute_method,
         recompute_num_layers=training.recompute_num_layers)
+    apply_peft(model, config)
+    return model
 
 
 def build_model(config: Config, parallel_state: ParallelState) -> list[GPTModel]:
@@ -60,12 +64,14 @@ def current_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def count_parameters(config: Config) -> int:
-    """Parameters of the whole model; a tied output layer counts once."""
-    return parameters_per_stage(dataclasses.replace(config, parallel=ParallelConfig()))[0]
+def count_parameters(config: Config, *, trainable_only: bool = False) -> int:
+    """Parameters of the whole model (PEFT weights included), or only those that train; a tied output
+    layer counts once."""
+    return parameters_per_stage(dataclasses.replace(config, parallel=ParallelConfig()),
+                                trainable_only=trainable_only)[0]
 
 
-def parameters_per_stage(config: Config) -> list[int]:
+def parameters_per_stage(config: Config, *, trainable_only: bool = False) -> list[int]:
     """Parameters of each pipeline stage without tensor parallelism (virtual stages together), built on
     the meta device so nothing is allocated. A tied embedding is held by the first and the last stage."""
     whole_stages = dataclasses.replace(config, parallel=ParallelConfig(
@@ -75,4 +81,4 @@ def parameters_per_stage(config: Config) -> list[int]:
     with torch.device("meta"):
         stages = [build_model_chunk(whole_stages, mock_parallel_state(0, 1), pipeline_rank=rank)
                   for rank in range(config.parallel.pipeline_model_parallel_size)]
-    return [sum(p.numel() for p in stage.parameters()) for stage in stages]
+    return [sum(p.numel() for p in stage.parameters() if p.requires_grad or not trainable_only) for stage in stages]

@@ -1,7 +1,8 @@
 """Layout-independent weight initialisation.
 
 Every FULL parameter is drawn from its own generator, seeded by (seed, parameter
-name), and each rank keeps its tensor-parallel shard. Names are global (layers keyed
+name), and each rank keeps its tensor-parallel shard. A parameter with a
+``full_init(shape, generator)`` attribute is drawn by it (the PEFT weights). Names are global (layers keyed
 by global number), so the same seed gives the same full weights under any
 tensor/pipeline layout, which is what lets equivalence tests compare layouts at all.
 """
@@ -25,7 +26,9 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def _init_full(name: str, shape: torch.Size, config: ModelConfig, seed: int) -> torch.Tensor:
+def _init_full(name: str, param: nn.Parameter, shape: torch.Size, config: ModelConfig, seed: int) -> torch.Tensor:
+    if hasattr(param, "full_init"):  # a parameter added on top of the model (PEFT) brings its own init
+        return param.full_init(shape, _generator(seed, name))
     if name.endswith("layernorm.weight"):
         # --apply-layernorm-1p stores scale - 1: a scale of one either way.
         return torch.zeros(shape) if config.apply_layernorm_1p else torch.ones(shape)
@@ -54,7 +57,7 @@ def initialize_weights(model_chunks: list[nn.Module], config: ModelConfig, paral
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             init_name = TIED_WEIGHT_NAME if getattr(param, "shared_embedding", False) else name
-            full = _init_full(init_name, full_shape(param, tp_size), config, seed)
+            full = _init_full(init_name, param, full_shape(param, tp_size), config, seed)
             if getattr(param, "tensor_model_parallel", False):
                 full = shard_tensor(full, partition_dim=param.partition_dim, partition_stride=param.partition_stride,
                                     rank=tp_rank, world_size=tp_size)

@@ -1,0 +1,98 @@
+"""LoRA (Hu et al. 2021) on a column- or row-parallel linear: y = W x + (alpha / r) B A dropout(x).
+
+W stays frozen; A (r x in) starts Kaiming-uniform as in Hugging Face PEFT and B
+(out x r) at zero, so the adapted model starts as the base model. Under tensor
+parallelism the factors follow the layer they adapt (REFERENCE.md section 9):
+
+    column-parallel W (output split):  A replicated,            B split by output rows
+    row-parallel W (input split):      A split by input columns, B replicated
+
+which is a column-parallel B after a replicated A, and a row-parallel A before a
+replicated B: the r-wide activation between the two is what is communicated
+(copy / all-reduce, or all-gather / reduce-scatter under sequence parallelism),
+never anything hidden-sized. The column case all-reduces the r-wide gradient in
+backward, so A's gradient is complete on every rank; the replicated factor's
+gradient is partial only under sequence parallelism, where ``finalize_model_grads``
+sums it over the tensor-parallel group like a norm weight's.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.peft.replicated_linear import ReplicatedLinear
+from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.tensor_parallel.random import get_rng_tracker
+
+
+def kaiming_uniform(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """PEFT's (and nn.Linear's) default: Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))."""
+    return nn.init.kaiming_uniform_(torch.empty(shape), a=math.sqrt(5), generator=generator)
+
+
+def zeros(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    return torch.zeros(shape)
+
+
+class LoRA(nn.Module):
+    """The low-rank branch of one base linear; ``forward(x)`` is what gets added to the base's output.
+
+    Args:
+        base: the ColumnParallelLinear or RowParallelLinear it adapts (its input and output sizes,
+            tensor-parallel group, sequence parallelism, dtype and, for fused weights, stride).
+        rank, alpha, dropout: --lora-rank, --lora-alpha, --lora-dropout.
+    """
+
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, *, rank: int, alpha: float, dropout: float):
+        super().__init__()
+        self.scaling = alpha / rank
+        self.dropout = dropout
+        self.row_parallel = isinstance(base, RowParallelLinear)
+        self.sequence_parallel = base.sequence_parallel
+        parallel = dict(tp_group=base.tp_group, sequence_parallel=base.sequence_parallel,
+                        params_dtype=base.weight.dtype)
+        if self.row_parallel:
+            self.lora_A = RowParallelLinear(base.input_size, rank, bias=False,
+                                            input_is_parallel=base.input_is_parallel, **parallel)
+            self.lora_B = ReplicatedLinear(rank, base.output_size, bias=False,
+                                           sequence_parallel=base.sequence_parallel, params_dtype=base.weight.dtype)
+        else:
+            self.lora_A = ReplicatedLinear(base.input_size, rank, bias=False,
+                                           sequence_parallel=base.sequence_parallel, params_dtype=base.weight.dtype)
+            # A fused [gate; up] weight is split with stride 2; B's rows must be split the same way.
+            self.lora_B = ColumnParallelLinear(rank, base.output_size, bias=False,
+                                               partition_stride=base.weight.partition_stride, **parallel)
+        self.lora_A.weight.full_init = kaiming_uniform
+        self.lora_B.weight.full_init = zeros
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._dropout(x)
+        if self.row_parallel:
+            hidden, _ = self.lora_A(x)
+            return self.lora_B(hidden) * self.scaling
+        output, _ = self.lora_B(self.lora_A(x))
+        return output * self.scaling
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and self.dropout > 0):
+            return x
+        # A row-parallel input holds this rank's features, a sequence-parallel one its tokens: own masks.
+        # Otherwise every tensor-parallel rank holds the same input and must drop the same elements.
+        forked = self.row_parallel or self.sequence_parallel
+        with get_rng_tracker().fork() if forked else contextlib.nullcontext():
+            return F.dropout(x, p=self.dropout)
+
+
+def add_lora_output(module: nn.Module, args: tuple, output: tuple) -> tuple:
+    """Forward hook of an adapted linear: its (output, bias) with the LoRA branch added to the output."""
+    result, bias = output
+    return result + module.lora(args[0]), bias
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + (alpha / r) B A on whole (unsplit) tensors, computed in fp32 and returned in W's dtype."""
+    return (weight.float() + scaling * lora_b.float() @ lora_a.float()).to(weight.dtype)

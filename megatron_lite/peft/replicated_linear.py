@@ -1,0 +1,31 @@
+"""A small linear layer every tensor-parallel rank holds whole.
+
+PEFT's added weights are tiny next to the layers they adapt, so some of them are
+simply replicated over the tensor-parallel ranks instead of split: each rank
+computes the same product and nothing is communicated for them. Their gradients
+are then identical on every rank, except under sequence parallelism, where each
+rank sees only its slice of the sequence and the gradient is a partial sum:
+``sequence_parallel`` marks them for ``finalize_model_grads`` to sum over the
+tensor-parallel group, exactly as for the norm weights.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_lite.tensor_parallel import set_tensor_model_parallel_attributes
+
+
+class ReplicatedLinear(nn.Linear):
+    """``nn.Linear`` marked as replicated over tensor-parallel ranks (for init, checkpoints and the grad norm).
+
+    Args:
+        sequence_parallel: its input is this rank's slice of the sequence, so its gradients are partial.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, sequence_parallel: bool,
+                 params_dtype: torch.dtype):
+        super().__init__(input_size, output_size, bias=bias, dtype=params_dtype)
+        for param in self.parameters():
+            set_tensor_model_parallel_attributes(param, is_parallel=False)
+            param.sequence_parallel = sequence_parallel
