@@ -67,7 +67,9 @@ def write_checkpoint(root: str, config: Config, read: Callable[[str], torch.Tens
 
     for pipeline_rank in range(pp):
         model = stage_model(config, pipeline_rank)
-        named = [(name, p) for name, p in model.named_parameters() if checkpoint_name(model, name) == name]
+        # As in training: the tied output copy is the embedding, and a PEFT base is its own checkpoint.
+        named = [(name, p) for name, p in model.named_parameters()
+                 if checkpoint_name(model, name) == name and p.requires_grad]
         layers = sorted(int(n) for n in model.decoder.layers.keys())
         # Each stage's global tensors are read once and cut for every tensor-parallel rank.
         full = {key: read(key) for name, _ in named for key in [name, *states_of.get(name, [])]}

@@ -6,6 +6,8 @@ replicas hold the same values), its optimizer state (rank 0 of the data-parallel
 group, or every rank's own slice under the distributed optimizer) and its RNG
 states. Replicated tensors are written by tensor-parallel rank 0 only, and the tied
 output layer of the last pipeline stage not at all (it is the word embedding).
+Frozen weights are not written: a PEFT run's checkpoint holds its adapters and
+points at the base they were trained on (``peft_base``).
 Rank 0 then merges the ranks' indexes into ``metadata.json`` and commits the
 directory (``storage.commit``). Every sharding strategy writes the same format:
 optimizer state as each rank's flat ranges, weights whole (ZeRO-3 gathers them first).
@@ -33,7 +35,7 @@ import warnings
 import torch
 
 from megatron_lite.process_groups import failures
-from megatron_lite.checkpointing import rng, storage
+from megatron_lite.checkpointing import peft_base, rng, storage
 from megatron_lite.checkpointing.architecture import check_architecture
 from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTensor, has_vocab_rows, index_of,
                                                     local_shard, merge_index)
@@ -87,9 +89,10 @@ def optimizer_key(state: str, name: str) -> str:
 
 
 def _stored_by_this_rank(model, name: str, param, tp_rank: int) -> bool:
-    """The tied output copy is stored once, as the embedding; a tensor replicated over
-    tensor-parallel ranks is stored once, by tensor-parallel rank 0."""
-    if checkpoint_name(model, name) != name:
+    """Trainable parameters only (a frozen base is the base checkpoint's). The tied output copy is
+    stored once, as the embedding; a tensor replicated over tensor-parallel ranks is stored once,
+    by tensor-parallel rank 0."""
+    if checkpoint_name(model, name) != name or not param.requires_grad:
         return False
     return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
 
@@ -148,8 +151,11 @@ def _write_rank_file(config: Config, parallel_state, models: list, optimizer, st
               "tensor_model_parallel_rank": parallel_state.tensor_model_parallel_rank,
               "pipeline_model_parallel_rank": parallel_state.pipeline_model_parallel_rank,
               "data_parallel_rank": parallel_state.data_parallel_rank}
+    training_state = dataclasses.asdict(state)
+    if config.peft.peft is not None and state.peft_base is None:  # no base checkpoint was loaded
+        training_state["peft_base"] = peft_base.pointer_to_initialisation(config)
     index = {"file": file_name, "info": {**info, **holder}, "tensors": index_of(pieces, file_name),
-             "rng": rng_scalars, "training_state": dataclasses.asdict(state)}
+             "rng": rng_scalars, "training_state": training_state}
     if rank == 0 and optimizer_state is not None:
         index["optimizer"] = _encode({k: optimizer_state[k] for k in
                                       ("param_groups", "grad_scaler", "num_skipped_iterations")})
@@ -253,7 +259,9 @@ def load_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
     the optimizer state (main parameters restart from the loaded weights),
     ``--no-load-rng`` the RNG states; ``--finetune`` loads the weights only and starts
     at iteration 0. A weights-only checkpoint (converted or imported) loads like
-    ``--finetune``, and so does ``--pretrained-checkpoint``.
+    ``--finetune``, and so does ``--pretrained-checkpoint``. Under --peft a full checkpoint
+    is the frozen base (weights only), and an adapter checkpoint brings its base along
+    (``peft_base``).
     """
     checkpoint = config.checkpoint
     source = _collectively(lambda: checkpoint_to_load(checkpoint), "open",
@@ -272,9 +280,19 @@ def load_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
     if result["reseed"]:
         _reseed(config, parallel_state, iteration)
     if parallel_state.rank == 0:
-        print(f" loaded checkpoint {directory} (saved at iteration {iteration}, layout {result['saved_layout']})",
-              flush=True)
+        print(f" loaded checkpoint {directory} (saved at iteration {iteration}, layout {result['saved_layout']})"
+              + _base_note(result["training_state"]["peft_base"], directory), flush=True)
     return TrainingState(**result["training_state"])
+
+
+def _base_note(base: dict | None, directory: str) -> str:
+    if base is None:
+        return ""
+    if "init_seed" in base:
+        return f"; frozen base: initialised with --seed {base['init_seed']}"
+    if base["directory"] == os.path.abspath(directory):
+        return "; it is the frozen base of the PEFT weights, which start from their initial values"
+    return f"; frozen base: {base['directory']} (checksum verified)"
 
 
 def checkpoint_to_load(checkpoint: CheckpointConfig) -> tuple[str, int, bool] | None:
@@ -307,33 +325,45 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
     reader = CheckpointReader(directory)
     metadata = reader.metadata
     check_architecture(metadata["config"]["model"], config.model, directory)
-    weights_only, load_optimizer, load_rng = _what_to_load(config, parallel_state, metadata, optimizer, finetune)
+    frozen_source, trainable_source, base = peft_base.weight_sources(config, reader)
+    if frozen_source not in (None, reader):
+        check_architecture(frozen_source.metadata["config"]["model"], config.model, frozen_source.directory)
+    weights_only, load_optimizer, load_rng = _what_to_load(config, parallel_state, metadata, optimizer,
+                                                           finetune or trainable_source is None)
 
     tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
     params = [(model, name, p) for model in _unwrap(model_chunks) for name, p in model.named_parameters()]
-    needed = [checkpoint_name(model, name) for model, name, _ in params]
+    trainable = [(model, name, p) for model, name, p in params if p.requires_grad]
+    sources = {source: [(model, name, p) for model, name, p in params if p.requires_grad == is_trainable]
+               for source, is_trainable in ((frozen_source, False), (trainable_source, True)) if source is not None}
     optimizer_states = _optimizer_states(reader) if load_optimizer else {}
-    needed += [stored for key in needed for stored in optimizer_states.get(key, {}).values()]
-    own_file = storage.rank_file_name(parallel_state.rank)
-    reader.verify(needed, extra_files=[own_file] if load_rng else [])
+    for source, loaded in sources.items():
+        needed = [checkpoint_name(model, name) for model, name, _ in loaded]
+        if source is reader:
+            needed += [stored for key in needed for stored in optimizer_states.get(key, {}).values()]
+        own_file = [storage.rank_file_name(parallel_state.rank)] if load_rng and source is reader else []
+        source.verify(needed, extra_files=own_file)
 
     with torch.no_grad():
-        for model, name, param in params:
-            key = checkpoint_name(model, name)
-            param.data.copy_(local_shard(key, reader.entry(key), reader.read(key), param,
-                                         tp_rank=tp_rank, tp_size=tp_size))
+        for source, loaded in sources.items():
+            for model, name, param in loaded:
+                key = checkpoint_name(model, name)
+                param.data.copy_(local_shard(key, source.entry(key), source.read(key), param,
+                                             tp_rank=tp_rank, tp_size=tp_size))
     if load_optimizer:
-        optimizer.load_state_dict(_optimizer_state_dict(reader, optimizer_states, params, tp_rank, tp_size))
+        optimizer.load_state_dict(_optimizer_state_dict(reader, optimizer_states, trainable, tp_rank, tp_size))
     elif optimizer is not None:
-        _main_params_from_weights(optimizer, {name: p for _, name, p in params})
+        _main_params_from_weights(optimizer, {name: p for _, name, p in trainable})
     if scheduler is not None and not weights_only and metadata["scheduler"] is not None:
         scheduler.load_state_dict(metadata["scheduler"], override=config.optimizer.override_opt_param_scheduler,
                                   use_checkpoint=config.optimizer.use_checkpoint_opt_param_scheduler)
     if load_rng:
+        own_file = storage.rank_file_name(parallel_state.rank)
         tensors = {name: reader.read_stored(own_file, name) for name in reader.stored_names(own_file)
                    if name.startswith(rng.PREFIX)}
         rng.set_rng_state(tensors, metadata["rng"][str(parallel_state.rank)])
     training_state = {"iteration": 0} if weights_only else dict(metadata["training_state"])
+    training_state["peft_base"] = base
     if not parallel_state.is_pipeline_last_stage():
         training_state["losses"] = []  # losses live on the last stage, as in training
     return {"training_state": training_state, "reseed": not load_rng and not weights_only,

@@ -4,6 +4,7 @@ It lives here, below the loop, because checkpointing restores it and the loop im
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -15,3 +16,4 @@ class TrainingState:
     skipped_iterations: int = 0
     nan_iterations: int = 0
     losses: list = field(default_factory=list)  # lm loss per iteration, on the last pipeline stage
+    peft_base: Optional[dict] = None  # with --peft: the base model the adapters train on (checkpointing/peft_base)

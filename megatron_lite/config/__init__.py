@@ -51,6 +51,8 @@ def as_flags(values: dict) -> str:
     for name, value in values.items():
         if isinstance(value, bool):
             parts += [flag_name(name)] if flag_is_on(name, value) else []
+        elif isinstance(value, list):
+            parts += [flag_name(name), *map(str, value)]
         elif value is not None:
             parts += [flag_name(name), str(value)]
     return " ".join(parts)

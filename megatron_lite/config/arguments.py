@@ -15,6 +15,7 @@ import difflib
 import typing
 
 from megatron_lite.checkpointing.architecture import model_args_from_checkpoint
+from megatron_lite.checkpointing.peft_base import peft_fields_from_checkpoint
 from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
 from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigError, ModelConfig, as_flags,
                                   flag_name, megatron_compat)
@@ -134,8 +135,10 @@ def _model_args_from_checkpoint(values: dict) -> dict:
                               f"(the checkpoint to start from), or give the model flags.")
         return {}
     root = source[0]
+    saved = read_config(root)
     # The vocabulary size is the checkpoint's too (the tokenizer's is not consulted): it is the embedding's.
-    taken = model_args_from_checkpoint(values, read_config(root).model, root)
+    taken = model_args_from_checkpoint(values, saved.model, root)
+    taken.update(peft_fields_from_checkpoint(values, saved.peft))  # an adapter checkpoint's LoRA rank and so on
     if resolve_launch_env().rank == 0:
         print(f" --use-checkpoint-args: the model of {root}: {as_flags(taken)}", flush=True)
     return taken

@@ -22,7 +22,7 @@ def print_rank_last(message: str) -> None:
 
 
 def format_startup_summary(config: Config, parallel_state: ParallelState, stage_parameters: list[int],
-                           total_parameters: int) -> str:
+                           total_parameters: int, trainable_parameters: int | None = None) -> str:
     """What this run is, in a few lines: model size, layout, batch, checkpoints."""
     parallel, training, checkpoint = config.parallel, config.training, config.checkpoint
     dp = parallel_state.data_parallel_world_size
@@ -30,8 +30,11 @@ def format_startup_summary(config: Config, parallel_state: ParallelState, stage_
     stages = ", ".join(_count(n) for n in stage_parameters)
     saves = (f"to {checkpoint.save} every {checkpoint.save_interval} iterations and at the end"
              if checkpoint.save_interval else f"to {checkpoint.save} at the end") if checkpoint.save else "not saved"
+    trainable = "" if trainable_parameters is None else (
+        f", {_count(trainable_parameters)} of them trainable ({100 * trainable_parameters / total_parameters:.2f}%, "
+        f"--peft {config.peft.peft}; the base is frozen)")
     return "\n".join([
-        f" model: {_count(total_parameters)} parameters ({config.model.num_layers} layers, hidden "
+        f" model: {_count(total_parameters)} parameters{trainable} ({config.model.num_layers} layers, hidden "
         f"{config.model.hidden_size}); per pipeline stage: {stages}",
         f" layout: {parallel_state.world_size} processes = tensor {parallel.tensor_model_parallel_size} x pipeline "
         f"{parallel.pipeline_model_parallel_size} x data {dp}"

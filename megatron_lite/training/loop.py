@@ -144,7 +144,9 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     total_parameters = count_parameters(config)
     failures.run_on_every_rank(lambda: check_checkpoint_paths(config, total_parameters),
                                "check the --save/--load directories")
-    print_rank_last(format_startup_summary(config, parallel_state, parameters_per_stage(config), total_parameters))
+    trainable_parameters = count_parameters(config, trainable_only=True) if config.peft.peft else None
+    print_rank_last(format_startup_summary(config, parallel_state, parameters_per_stage(config), total_parameters,
+                                           trainable_parameters))
     set_random_seeds(config.training.seed, parallel_state)
     kernels.configure(config.model.use_fused_kernels)
     kernels.load_extension()  # a JIT build, if one is needed, happens now rather than inside step 1
