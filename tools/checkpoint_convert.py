@@ -12,6 +12,14 @@
     python tools/checkpoint_convert.py --source-format megatron_lite --target-format hf \\
         --load-dir ckpt --save-dir hf-dir
 
+    # a LoRA adapter checkpoint merged into its base (W + alpha/r B A), then any target format
+    python tools/checkpoint_convert.py --merge-lora --target-format hf --load-dir lora-ckpt --save-dir hf-dir
+
+    # LoRA adapters <-> a Hugging Face PEFT directory (adapter_config.json, adapter_model.safetensors)
+    python tools/checkpoint_convert.py --target-format peft --load-dir lora-ckpt --save-dir peft-dir
+    python tools/checkpoint_convert.py --source-format peft --load-dir peft-dir --save-dir lora-ckpt \\
+        --base-checkpoint ckpt
+
 One process is enough: checkpoints name tensors by global name, so resharding is
 reading whole tensors and cutting them again. ``--load-dir`` may be a checkpoint
 root (its newest iteration) or one ``iter_*`` directory.
@@ -19,14 +27,16 @@ root (its newest iteration) or one ``iter_*`` directory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from megatron_lite.checkpointing import hf_interop
-from megatron_lite.checkpointing.offline import reshard_checkpoint
-from megatron_lite.checkpointing.storage import CheckpointError
-from megatron_lite.config import ConfigError
+from megatron_lite.checkpointing import hf_interop, hf_peft
+from megatron_lite.checkpointing.offline import reshard_checkpoint, write_checkpoint
+from megatron_lite.checkpointing.peft_base import merged_lora
+from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
+from megatron_lite.config import ConfigError, ParallelConfig
 
-FORMATS = ("megatron_lite", "hf")
+FORMATS = ("megatron_lite", "hf", "peft")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-format", choices=FORMATS, default="megatron_lite")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    lora = parser.add_argument_group("LoRA adapter checkpoints (--peft lora)")
+    lora.add_argument("--merge-lora", action="store_true",
+                      help="merge the adapters of a LoRA checkpoint into its base and write the merged model")
+    lora.add_argument("--base-checkpoint",
+                      help="with --source-format peft: the megatron_lite checkpoint of the adapters' base model")
+    lora.add_argument("--base-model-name-or-path",
+                      help="with --target-format peft: recorded in adapter_config.json (the Hugging Face base)")
     group = parser.add_argument_group("tokenizer of an HF export (default: the one the checkpoint was trained with)")
     group.add_argument("--tokenizer-type")
     group.add_argument("--vocab-file")
@@ -56,22 +73,46 @@ def main(argv: list[str] | None = None) -> int:
     sizes = dict(tensor_model_parallel_size=args.target_tensor_parallel_size,
                  pipeline_model_parallel_size=args.target_pipeline_parallel_size)
     try:
-        if args.source_format == "hf" and args.target_format == "megatron_lite":
-            written = hf_interop.import_hf_checkpoint(args.load_dir, args.save_dir, **sizes)
-        elif args.source_format == "megatron_lite" and args.target_format == "hf":
-            tokenizer = {k: getattr(args, k) for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")}
-            hf_interop.export_hf_checkpoint(args.load_dir, args.save_dir, tokenizer_flags=tokenizer)
-            written = args.save_dir
-        elif args.source_format == "megatron_lite":
-            written = reshard_checkpoint(args.load_dir, args.save_dir, **sizes)
-        else:
-            print("error: --source-format hf needs --target-format megatron_lite.", file=sys.stderr)
-            return 2
+        written = _convert(args, sizes)
     except (CheckpointError, ConfigError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"wrote {written}")
     return 0
+
+
+def _convert(args, sizes: dict) -> str:
+    source, target = args.source_format, args.target_format
+    tokenizer = {k: getattr(args, k) for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")}
+    if args.merge_lora and (source != "megatron_lite" or target == "peft"):
+        raise ConfigError("--merge-lora reads a megatron_lite LoRA checkpoint and writes --target-format "
+                          "megatron_lite or hf.")
+    if source == "hf" and target == "megatron_lite":
+        return hf_interop.import_hf_checkpoint(args.load_dir, args.save_dir, **sizes)
+    if source == "peft" and target == "megatron_lite":
+        if not args.base_checkpoint:
+            raise ConfigError("--source-format peft needs --base-checkpoint: the megatron_lite checkpoint of the "
+                              "base model (import it with --source-format hf first).")
+        return hf_peft.import_peft_adapters(args.load_dir, args.save_dir, base_checkpoint=args.base_checkpoint,
+                                            **sizes)
+    if source == "megatron_lite" and target == "peft":
+        hf_peft.export_peft_adapters(args.load_dir, args.save_dir,
+                                     base_model_name_or_path=args.base_model_name_or_path)
+        return args.save_dir
+    if source == "megatron_lite" and args.merge_lora:
+        config, read = merged_lora(resolve_checkpoint_dir(args.load_dir))
+        if target == "hf":
+            hf_interop.export_hf_weights(config, read, args.save_dir, tokenizer_flags=tokenizer)
+            return args.save_dir
+        config = dataclasses.replace(config, parallel=ParallelConfig(**sizes))
+        return write_checkpoint(args.save_dir, config, read, iteration=0)
+    if source == "megatron_lite" and target == "hf":
+        hf_interop.export_hf_checkpoint(args.load_dir, args.save_dir, tokenizer_flags=tokenizer)
+        return args.save_dir
+    if source == "megatron_lite" and target == "megatron_lite":
+        return reshard_checkpoint(args.load_dir, args.save_dir, **sizes)
+    raise ConfigError(f"no conversion from --source-format {source} to --target-format {target}: hf and peft "
+                      f"convert to and from megatron_lite.")
 
 
 if __name__ == "__main__":

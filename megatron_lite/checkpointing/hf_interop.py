@@ -18,6 +18,7 @@ What differs between the two naming schemes:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -330,8 +331,17 @@ def export_hf_checkpoint(load_dir: str, save_dir: str, *, tokenizer_flags: dict 
     The tokenizer is ``tokenizer_flags`` ({tokenizer_type, vocab_file, ...}) when given, else the
     one the checkpoint was trained with."""
     reader = CheckpointReader(resolve_checkpoint_dir(load_dir))
-    config = ModelConfig(**reader.metadata["config"]["model"])
-    hf_config = hf_config_from_model_config(config)
+    config = Config.from_dict(reader.metadata["config"])
+    if config.peft.peft is not None:
+        raise ConfigError(f"{load_dir} is an adapter checkpoint (--peft {config.peft.peft}), which holds no base "
+                          f"weights: add --merge-lora to export the base with the LoRA update merged in, or use "
+                          f"--target-format peft to export the adapters alone.")
     reader.verify([k for k in reader.tensors if not k.startswith(OPTIMIZER_PREFIX)])
-    tokenizer = checkpoint_tokenizer_flags(reader.metadata["config"].get("data", {}), tokenizer_flags or {})
-    write_hf_directory(save_dir, hf_config, weights_to_hf(reader.read, config), tokenizer_flags=tokenizer)
+    export_hf_weights(config, reader.read, save_dir, tokenizer_flags=tokenizer_flags)
+
+
+def export_hf_weights(config: Config, read, save_dir: str, *, tokenizer_flags: dict | None = None) -> None:
+    """A Hugging Face directory of the model ``config`` describes, from its global tensors ``read(name)``."""
+    hf_config = hf_config_from_model_config(config.model)
+    tokenizer = checkpoint_tokenizer_flags(dataclasses.asdict(config.data), tokenizer_flags or {})
+    write_hf_directory(save_dir, hf_config, weights_to_hf(read, config.model), tokenizer_flags=tokenizer)

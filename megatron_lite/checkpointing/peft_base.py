@@ -12,16 +12,22 @@ pointer to the base in ``training_state.peft_base``:
 
 Loading an adapter checkpoint loads the base from the pointer first (checking the
 checksum), then the adapters; loading a full checkpoint into a PEFT run makes it
-the base (weights only) and the pointer of every later save.
+the base (weights only) and the pointer of every later save. ``merged_lora`` folds a
+LoRA checkpoint into its base, for the converter to write in any format.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 
+from typing import Callable
+
+import torch
+
 from megatron_lite.checkpointing.resharding import CheckpointReader
 from megatron_lite.checkpointing.storage import METADATA_FILE, CheckpointError, sha256_file
 from megatron_lite.config import Config, ConfigError, PeftConfig, flag_name
+from megatron_lite.peft.lora import factor_names, merged_weight
 
 # PEFT settings that change what the adapted model computes (dropout only changes training).
 _FUNCTION_FIELDS = {"lora": ("lora_rank", "lora_alpha", "lora_target_modules"),
@@ -109,3 +115,35 @@ def peft_fields_from_checkpoint(given: dict, saved: PeftConfig) -> dict:
     if saved.peft is None:
         return {}
     return {f.name: getattr(saved, f.name) for f in dataclasses.fields(PeftConfig) if f.name not in given}
+
+
+def adapter_reader(directory: str, method: str) -> tuple[CheckpointReader, Config]:
+    """The checkpoint in ``directory`` (verified) and its config, which must be a --peft ``method`` one."""
+    reader = CheckpointReader(directory)
+    config = Config.from_dict(reader.metadata["config"])
+    if config.peft.peft != method:
+        what = "a full checkpoint" if config.peft.peft is None else f"a --peft {config.peft.peft} checkpoint"
+        raise ConfigError(f"{directory} is {what}, not a LoRA adapter checkpoint: only LoRA's low-rank updates "
+                          f"can be merged into the base weights or exported to Hugging Face PEFT.")
+    reader.verify([k for k in reader.tensors if not k.startswith("optimizer.")])
+    return reader, config
+
+
+def merged_lora(directory: str) -> tuple[Config, Callable[[str], torch.Tensor]]:
+    """(the base model's config, ``read(name)``: its global tensors with W + (alpha / r) B A merged in)."""
+    reader, config = adapter_reader(directory, "lora")
+    pointer = reader.metadata["training_state"].get("peft_base") or {}
+    if "directory" not in pointer:
+        raise ConfigError(f"the adapters in {directory} were trained on a randomly initialised base, which no "
+                          f"checkpoint holds: there are no base weights to merge them into.")
+    base = open_base(pointer, config, directory)
+    base.verify([k for k in base.tensors if not k.startswith("optimizer.")])
+    scaling = config.peft.lora_alpha / config.peft.lora_rank
+
+    def read(name: str) -> torch.Tensor:
+        lora_a, lora_b = factor_names(name.removesuffix(".weight"))
+        if lora_a not in reader.tensors:
+            return base.read(name)
+        return merged_weight(base.read(name), reader.read(lora_a), reader.read(lora_b), scaling)
+
+    return dataclasses.replace(config, peft=PeftConfig()), read

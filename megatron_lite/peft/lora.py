@@ -93,6 +93,11 @@ def add_lora_output(module: nn.Module, args: tuple, output: tuple) -> tuple:
     return result + module.lora(args[0]), bias
 
 
+def factor_names(module: str) -> tuple[str, str]:
+    """The names of A and B of the LoRA on ``module`` (``decoder.layers.0.mlp.linear_fc1``)."""
+    return f"{module}.lora.lora_A.weight", f"{module}.lora.lora_B.weight"
+
+
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
     """W + (alpha / r) B A on whole (unsplit) tensors, computed in fp32 and returned in W's dtype."""
     return (weight.float() + scaling * lora_b.float() @ lora_a.float()).to(weight.dtype)

@@ -1,0 +1,257 @@
+"""LoRA adapter checkpoints <-> Hugging Face PEFT adapter directories.
+
+A PEFT directory is ``adapter_config.json`` (r, lora_alpha, target_modules, ...) and
+``adapter_model.safetensors`` with ``base_model.model.<module>.lora_A.weight`` (r x in)
+and ``lora_B.weight`` (out x r) for every adapted Hugging Face module. PEFT adapts one
+module with one A; our fused layers are several Hugging Face modules at once:
+
+    linear_qkv  GPT-2: attn.c_attn (its rows [q; k; v])   Llama: self_attn.q_proj, k_proj, v_proj
+    linear_fc1  GPT-2: mlp.c_fc                           Llama: mlp.gate_proj, mlp.up_proj (SwiGLU)
+
+Export: each of those modules gets a copy of our shared A and its rows of our B
+(``hf_interop``'s q/k/v and gate/up split), so PEFT computes exactly our update.
+Import: PEFT trains a separate A for q, k and v (and may adapt only some of them,
+scale modules differently or use rsLoRA), which one shared A of the same rank cannot
+hold. The modules' updates are stacked instead, A = [A_q; A_k; A_v] and B
+block-diagonal in our row layout, each block already scaled: exact, at rank
+r x (modules per fused layer), padded with zeros to the largest such rank, and
+alpha = that rank (scale 1). Adapters that share A, rank and scale (ours, exported)
+come back unchanged.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import safetensors
+import safetensors.torch
+import torch
+
+from megatron_lite.checkpointing.hf_interop import hf_architecture, pack_qkv, unpack_qkv
+from megatron_lite.checkpointing.hf_tokenizer import write_json
+from megatron_lite.checkpointing.offline import write_checkpoint
+from megatron_lite.checkpointing.peft_base import adapter_reader, pointer_to
+from megatron_lite.checkpointing.resharding import CheckpointReader
+from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
+from megatron_lite.config import Config, ConfigError, ModelConfig, ParallelConfig, PeftConfig
+from megatron_lite.peft.lora import factor_names
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+# Our LoRA target -> the Hugging Face modules it is, each with the row blocks of our B it holds (None: all rows).
+_MODULES = {
+    "gpt2": {"linear_qkv": [("attn.c_attn", ("q", "k", "v"))], "linear_proj": [("attn.c_proj", None)],
+             "linear_fc1": [("mlp.c_fc", None)], "linear_fc2": [("mlp.c_proj", None)]},
+    "llama": {"linear_qkv": [("self_attn.q_proj", ("q",)), ("self_attn.k_proj", ("k",)),
+                             ("self_attn.v_proj", ("v",))],
+              "linear_proj": [("self_attn.o_proj", None)],
+              "linear_fc1": [("mlp.gate_proj", ("gate",)), ("mlp.up_proj", ("up",))],
+              "linear_fc2": [("mlp.down_proj", None)]},
+}
+_OUR_MODULE = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
+               "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
+_LAYERS = {"gpt2": "base_model.model.transformer.h.", "llama": "base_model.model.model.layers."}
+
+
+def _row_blocks(target: str, rows: torch.Tensor, config: ModelConfig) -> dict:
+    """Our fused rows (of B, or of the weight) as named blocks: q/k/v, gate/up."""
+    if target == "linear_qkv":
+        return dict(zip(("q", "k", "v"), unpack_qkv(rows, config)))
+    if target == "linear_fc1" and config.swiglu:
+        return dict(zip(("gate", "up"), rows.chunk(2)))
+    return {}
+
+
+def _join_blocks(target: str, blocks: dict, config: ModelConfig) -> torch.Tensor:
+    if target == "linear_qkv":
+        return pack_qkv(blocks["q"], blocks["k"], blocks["v"], config)
+    return torch.cat([blocks["gate"], blocks["up"]])
+
+
+def _block_rows(target: str, config: ModelConfig) -> dict:
+    """How many rows each block of ``target`` has."""
+    sizes = {"q": config.num_attention_heads * config.head_dim, "k": config.num_query_groups * config.head_dim,
+             "v": config.num_query_groups * config.head_dim, "gate": config.ffn_hidden_size,
+             "up": config.ffn_hidden_size}
+    return {block: sizes[block] for block in ("q", "k", "v")} if target == "linear_qkv" else {
+        "gate": sizes["gate"], "up": sizes["up"]}
+
+
+def _full_rows(target: str, config: ModelConfig) -> int:
+    return {"linear_qkv": (config.num_attention_heads + 2 * config.num_query_groups) * config.head_dim,
+            "linear_proj": config.hidden_size, "linear_fc2": config.hidden_size,
+            "linear_fc1": config.ffn_hidden_size * (2 if config.swiglu else 1)}[target]
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+
+def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_path: str | None = None) -> None:
+    """A LoRA adapter checkpoint (any layout) -> a PEFT directory for the Hugging Face export of its base."""
+    reader, config = adapter_reader(resolve_checkpoint_dir(load_dir), "lora")
+    model, peft = config.model, config.peft
+    architecture = hf_architecture(model)
+    tensors, targets = {}, set()
+    for layer in range(model.num_layers):
+        for target in peft.lora_target_modules:
+            lora_a, lora_b = (reader.read(n) for n in factor_names(f"decoder.layers.{layer}.{_OUR_MODULE[target]}"))
+            blocks = _row_blocks(target, lora_b, model)
+            for hf_module, covered in _MODULES[architecture][target]:
+                prefix = f"{_LAYERS[architecture]}{layer}.{hf_module}"
+                tensors[f"{prefix}.lora_A.weight"] = lora_a.clone()  # one file entry per module
+                tensors[f"{prefix}.lora_B.weight"] = lora_b if covered is None else torch.cat(
+                    [blocks[b] for b in covered])
+                targets.add(hf_module)
+    os.makedirs(save_dir, exist_ok=True)
+    write_json(os.path.join(save_dir, CONFIG_FILE), {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "r": peft.lora_rank, "lora_alpha": peft.lora_alpha, "lora_dropout": peft.lora_dropout,
+        "target_modules": sorted(targets), "fan_in_fan_out": architecture == "gpt2",  # GPT-2's Conv1D is [in, out]
+        "bias": "none", "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": None})
+    safetensors.torch.save_file({k: v.float().contiguous() for k, v in tensors.items()},
+                                os.path.join(save_dir, WEIGHTS_FILE), metadata={"format": "pt"})
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        os.chmod(os.path.join(save_dir, name), 0o644)
+
+
+# ---------------------------------------------------------------------------------------------
+# Import
+
+
+def import_peft_adapters(load_dir: str, save_dir: str, *, base_checkpoint: str, tensor_model_parallel_size: int = 1,
+                         pipeline_model_parallel_size: int = 1) -> str:
+    """A PEFT LoRA directory -> a LoRA adapter checkpoint on ``base_checkpoint`` (the megatron_lite
+    checkpoint of the Hugging Face base model, e.g. imported by this converter)."""
+    peft_config, tensors = _read_peft_directory(load_dir)
+    base_dir = resolve_checkpoint_dir(base_checkpoint)
+    base = CheckpointReader(base_dir)
+    config = Config.from_dict(base.metadata["config"])
+    if config.peft.peft is not None:
+        raise ConfigError(f"--base-checkpoint {base_checkpoint} is itself an adapter checkpoint; give the full "
+                          f"checkpoint of the base model.")
+    model = config.model
+    architecture = hf_architecture(model)
+    updates = _updates_by_target(peft_config, tensors, architecture, model)
+    shared = _shared_factors(updates, peft_config, architecture)
+    rank = (peft_config["r"] if shared else
+            max(sum(a.shape[0] for a, _, _ in members.values()) for members in updates.values()))
+    weights = {}
+    for (layer, target), members in updates.items():
+        module = f"decoder.layers.{layer}.{_OUR_MODULE[target]}"
+        lora_a, lora_b = (_shared(target, members, model) if shared else _stacked(target, members, model, rank))
+        weights.update(zip(factor_names(module), (lora_a, lora_b)))
+    targets = sorted({target for _, target in updates}, key=list(_OUR_MODULE).index)
+    for layer in range(model.num_layers):  # a layer PEFT left alone (layers_to_transform): a zero update
+        for target in targets:
+            if (layer, target) not in updates:
+                names = factor_names(f"decoder.layers.{layer}.{_OUR_MODULE[target]}")
+                weights.update({names[0]: torch.zeros(rank, model.hidden_size if target != "linear_fc2"
+                                                      else model.ffn_hidden_size),
+                                names[1]: torch.zeros(_full_rows(target, model), rank)})
+    peft = PeftConfig(peft="lora", lora_rank=rank, lora_alpha=float(peft_config["lora_alpha"] if shared else rank),
+                      lora_dropout=float(peft_config.get("lora_dropout", 0.0)), lora_target_modules=targets)
+    config = Config(model=model, data=config.data, peft=peft, parallel=ParallelConfig(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size))
+    return write_checkpoint(save_dir, config, weights.__getitem__, iteration=0,
+                            training_state={"iteration": 0, "peft_base": pointer_to(base_dir, base.metadata)})
+
+
+def _read_peft_directory(directory: str) -> tuple[dict, dict]:
+    config_path, weights_path = os.path.join(directory, CONFIG_FILE), os.path.join(directory, WEIGHTS_FILE)
+    if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
+        raise FileNotFoundError(f"{directory} is not a PEFT adapter directory: it needs {CONFIG_FILE} and "
+                                f"{WEIGHTS_FILE} (save_pretrained with safetensors; pickles are not read).")
+    with open(config_path) as f:
+        config = json.load(f)
+    unsupported = [what for what, used in (
+        (f"peft_type {config.get('peft_type')}", config.get("peft_type") != "LORA"),
+        ("DoRA (use_dora)", config.get("use_dora")),
+        (f"bias {config.get('bias')!r}", config.get("bias", "none") != "none"),
+        ("modules_to_save", config.get("modules_to_save")), ("lora_bias", config.get("lora_bias"))) if used]
+    if unsupported:
+        raise ConfigError(f"the PEFT adapter in {directory} uses {', '.join(unsupported)}; megatron_lite imports "
+                          f"plain LoRA on the attention and MLP projections.")
+    with safetensors.safe_open(weights_path, framework="pt") as f:
+        tensors = {key: f.get_tensor(key).float() for key in f.keys()}
+    return config, tensors
+
+
+def _scale(peft_config: dict, hf_module_key: str, rank: int) -> float:
+    """PEFT's scale of one module: lora_alpha (or its alpha_pattern entry) over r, or over sqrt(r) with rsLoRA."""
+    alpha = next((a for pattern, a in peft_config.get("alpha_pattern", {}).items()
+                  if hf_module_key == pattern or hf_module_key.endswith("." + pattern)), peft_config["lora_alpha"])
+    return alpha / (math.sqrt(rank) if peft_config.get("use_rslora") else rank)
+
+
+def _updates_by_target(peft_config: dict, tensors: dict, architecture: str, model: ModelConfig) -> dict:
+    """{(layer, our target): {covered blocks: (A, B, scale)}} for every adapted module; leftovers are refused."""
+    updates: dict = {}
+    used = set()
+    for layer in range(model.num_layers):
+        for target, modules in _MODULES[architecture].items():
+            for hf_module, covered in modules:
+                key = f"{_LAYERS[architecture]}{layer}.{hf_module}"
+                names = (f"{key}.lora_A.weight", f"{key}.lora_B.weight")
+                if names[0] not in tensors:
+                    continue
+                lora_a, lora_b = tensors[names[0]], tensors[names[1]]
+                updates.setdefault((layer, target), {})[covered] = (
+                    lora_a, lora_b, _scale(peft_config, key.removeprefix("base_model.model."), lora_a.shape[0]))
+                used.update(names)
+    leftover = sorted(set(tensors) - used)
+    if leftover or not updates:
+        raise ConfigError(f"PEFT weights not understood for a {architecture} model of {model.num_layers} layers: "
+                          f"{leftover[:4] or 'no LoRA on attention or MLP projections'}; megatron_lite imports "
+                          f"LoRA on {', '.join(m for ms in _MODULES[architecture].values() for m, _ in ms)}.")
+    return updates
+
+
+def _shared_factors(updates: dict, peft_config: dict, architecture: str) -> bool:
+    """Whether our shape holds the adapter as is: one rank and scale throughout, each fused layer's
+    modules all present and sharing one A (as our export writes them)."""
+    scales = {(a.shape[0], scale) for members in updates.values() for a, _, scale in members.values()}
+    if len(scales) != 1 or next(iter(scales)) != (peft_config["r"], peft_config["lora_alpha"] / peft_config["r"]):
+        return False
+    for (_, target), members in updates.items():
+        factors = [a for a, _, _ in members.values()]
+        if len(members) != len(_MODULES[architecture][target]) or any(not torch.equal(a, factors[0]) for a in factors):
+            return False
+    return True
+
+
+
+def _shared(target: str, members: dict, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    lora_a = next(iter(members.values()))[0]
+    if None in members:
+        return lora_a, members[None][1]
+    blocks = {}
+    for covered, (_, lora_b, _) in members.items():
+        sizes = _block_rows(target, model)
+        blocks.update(zip(covered, lora_b.split([sizes[b] for b in covered])))
+    return lora_a, _join_blocks(target, blocks, model)
+
+
+def _stacked(target: str, members: dict, model: ModelConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A = [A_1; A_2; ...; 0], B with each module's scaled B_m in its rows and its A_m's columns."""
+    inputs = next(iter(members.values()))[0].shape[1]
+    lora_a = torch.zeros(rank, inputs)
+    if None in members:
+        lora_b = torch.zeros(_full_rows(target, model), rank)
+    else:
+        sizes = _block_rows(target, model)
+        blocks = {b: torch.zeros(n, rank) for b, n in sizes.items()}
+    column = 0
+    for covered, (a, b, scale) in members.items():
+        r = a.shape[0]
+        lora_a[column:column + r] = a
+        if covered is None:
+            lora_b[:, column:column + r] = scale * b
+        else:
+            for name, rows in zip(covered, (scale * b).split([sizes[n] for n in covered])):
+                blocks[name][:, column:column + r] = rows
+        column += r
+    return lora_a, (lora_b if None in members else _join_blocks(target, blocks, model))
