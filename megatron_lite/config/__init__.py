@@ -399,6 +399,7 @@ class PeftConfig:
                               f"choose from {' '.join(LORA_TARGET_MODULES)}.")
         _require(len(self.lora_target_modules) == len(set(self.lora_target_modules)) > 0,
                  f"--lora-target-modules must name each module once, got {self.lora_target_modules}.")
+        self.lora_target_modules = [m for m in LORA_TARGET_MODULES if m in self.lora_target_modules]  # one order
         _require(self.adapter_dim >= 1, f"--adapter-dim must be >= 1, got {self.adapter_dim}.")
         _require(self.prefix_length >= 1, f"--prefix-length must be >= 1, got {self.prefix_length}.")
         hidden = self.prefix_projection_hidden_size

@@ -94,7 +94,12 @@ def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: 
 
 def _tflops_text(tflops: float) -> str:
     """Megatron's one decimal on GPUs; three significant digits below 10 so a CPU run does not print 0.0."""
-    return f"{tflops:.1f}" if tflops >= 10 else f"{tflops:.3g}"
+    return _significant(tflops)
+
+
+def _significant(value: float) -> str:
+    """One decimal from 10 up, three significant digits below."""
+    return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
 
 
 def format_throughput_log(*, tokens_per_second: float, mfu: float | None, peak_memory: float) -> str:
@@ -107,16 +112,17 @@ def format_memory_report(report: dict, iteration: int | None = None) -> str:
     """One rank's memory, measured (``MegatronOptimizer.memory_report``): at start-up, or during
     ``iteration`` (parameters at their peak, which ZeRO-3's gathers raise above the shard; the
     caching allocator's peak on CUDA, activations included)."""
-    mb = {k: v / 2 ** 20 for k, v in report.items() if k.endswith("_bytes")}
+    # Three significant digits below 10 MB, so a PEFT run's few adapter bytes do not print as 0.0.
+    mb = {k: _significant(v / 2 ** 20) for k, v in report.items() if k.endswith("_bytes")}
     where = " (host)" if report.get("optimizer_state_on_host") else ""
     if iteration is None:
-        line = f" memory per rank (MB) | parameters: {mb['parameter_bytes']:.1f}"
+        line = f" memory per rank (MB) | parameters: {mb['parameter_bytes']}"
     else:
-        line = f" memory per rank in iteration {iteration} (MB) | parameters (peak): {mb['peak_parameter_bytes']:.1f}"
-    line += f" | gradients: {mb['gradient_bytes']:.1f} | optimizer state{where}: {mb['optimizer_state_bytes']:.1f} |"
+        line = f" memory per rank in iteration {iteration} (MB) | parameters (peak): {mb['peak_parameter_bytes']}"
+    line += f" | gradients: {mb['gradient_bytes']} | optimizer state{where}: {mb['optimizer_state_bytes']} |"
     if "allocated_bytes" in mb:
         allocated = mb["allocated_bytes"] if iteration is None else mb["peak_allocated_bytes"]
-        line += f" {'allocated' if iteration is None else 'peak allocated'} (CUDA): {allocated:.1f} |"
+        line += f" {'allocated' if iteration is None else 'peak allocated'} (CUDA): {allocated} |"
     return line
 
 
