@@ -15,6 +15,9 @@
     # a LoRA adapter checkpoint merged into its base (W + alpha/r B A), then any target format
     python tools/checkpoint_convert.py --merge-lora --target-format hf --load-dir lora-ckpt --save-dir hf-dir
 
+    # prefix tuning's reparametrising MLP replaced by the prefixes it computes
+    python tools/checkpoint_convert.py --fold-prefix-projection --load-dir prefix-ckpt --save-dir prefix-folded
+
     # LoRA adapters <-> a Hugging Face PEFT directory (adapter_config.json, adapter_model.safetensors)
     python tools/checkpoint_convert.py --target-format peft --load-dir lora-ckpt --save-dir peft-dir
     python tools/checkpoint_convert.py --source-format peft --load-dir peft-dir --save-dir lora-ckpt \\
@@ -32,7 +35,7 @@ import sys
 
 from megatron_lite.checkpointing import hf_interop, hf_peft
 from megatron_lite.checkpointing.offline import reshard_checkpoint, write_checkpoint
-from megatron_lite.checkpointing.peft_base import merged_lora
+from megatron_lite.checkpointing.peft_base import folded_prefix, merged_lora
 from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
 from megatron_lite.config import ConfigError, ParallelConfig
 
@@ -48,9 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-format", choices=FORMATS, default="megatron_lite")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
-    lora = parser.add_argument_group("LoRA adapter checkpoints (--peft lora)")
+    lora = parser.add_argument_group("adapter checkpoints (--peft)")
     lora.add_argument("--merge-lora", action="store_true",
                       help="merge the adapters of a LoRA checkpoint into its base and write the merged model")
+    lora.add_argument("--fold-prefix-projection", action="store_true",
+                      help="replace a prefix-tuning checkpoint's reparametrising MLP by the prefixes it computes")
     lora.add_argument("--base-checkpoint",
                       help="with --source-format peft: the megatron_lite checkpoint of the adapters' base model")
     lora.add_argument("--base-model-name-or-path",
@@ -87,6 +92,8 @@ def _convert(args, sizes: dict) -> str:
     if args.merge_lora and (source != "megatron_lite" or target == "peft"):
         raise ConfigError("--merge-lora reads a megatron_lite LoRA checkpoint and writes --target-format "
                           "megatron_lite or hf.")
+    if args.fold_prefix_projection and (source, target) != ("megatron_lite", "megatron_lite"):
+        raise ConfigError("--fold-prefix-projection rewrites a megatron_lite prefix-tuning checkpoint as one.")
     if source == "hf" and target == "megatron_lite":
         return hf_interop.import_hf_checkpoint(args.load_dir, args.save_dir, **sizes)
     if source == "peft" and target == "megatron_lite":
@@ -99,6 +106,10 @@ def _convert(args, sizes: dict) -> str:
         hf_peft.export_peft_adapters(args.load_dir, args.save_dir,
                                      base_model_name_or_path=args.base_model_name_or_path)
         return args.save_dir
+    if source == "megatron_lite" and args.fold_prefix_projection:
+        config, read, training_state = folded_prefix(resolve_checkpoint_dir(args.load_dir))
+        config = dataclasses.replace(config, parallel=ParallelConfig(**sizes))
+        return write_checkpoint(args.save_dir, config, read, iteration=0, training_state=training_state)
     if source == "megatron_lite" and args.merge_lora:
         config, read = merged_lora(resolve_checkpoint_dir(args.load_dir))
         if target == "hf":

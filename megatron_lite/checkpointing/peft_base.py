@@ -13,7 +13,8 @@ pointer to the base in ``training_state.peft_base``:
 Loading an adapter checkpoint loads the base from the pointer first (checking the
 checksum), then the adapters; loading a full checkpoint into a PEFT run makes it
 the base (weights only) and the pointer of every later save. ``merged_lora`` folds a
-LoRA checkpoint into its base, for the converter to write in any format.
+LoRA checkpoint into its base, for the converter to write in any format, and
+``folded_prefix`` replaces prefix tuning's reparametrising MLP by the prefixes it computes.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from megatron_lite.checkpointing.resharding import CheckpointReader
 from megatron_lite.checkpointing.storage import METADATA_FILE, CheckpointError, sha256_file
 from megatron_lite.config import Config, ConfigError, PeftConfig, flag_name
 from megatron_lite.peft.lora import factor_names, merged_weight
+from megatron_lite.peft.prefix_tuning import fold_projection
 
 # PEFT settings that change what the adapted model computes (dropout only changes training).
 _FUNCTION_FIELDS = {"lora": ("lora_rank", "lora_alpha", "lora_target_modules"),
@@ -147,3 +149,21 @@ def merged_lora(directory: str) -> tuple[Config, Callable[[str], torch.Tensor]]:
         return merged_weight(base.read(name), reader.read(lora_a), reader.read(lora_b), scaling)
 
     return dataclasses.replace(config, peft=PeftConfig()), read
+
+
+def folded_prefix(directory: str) -> tuple[Config, Callable[[str], torch.Tensor], dict]:
+    """(config without the prefix MLP, ``read(name)`` of the plain prefixes, training state with the base
+    pointer) of a --peft prefix checkpoint trained with --prefix-projection-hidden-size."""
+    reader, config = adapter_reader(directory, "prefix")
+    if config.peft.prefix_projection_hidden_size is None:
+        raise ConfigError(f"{directory} learned its prefixes directly (no --prefix-projection-hidden-size): "
+                          f"there is no projection to fold.")
+
+    def read(name: str) -> torch.Tensor:
+        prefix = name.removesuffix("key_value")
+        return fold_projection(reader.read(prefix + "embedding"),
+                               *[(reader.read(f"{prefix}{linear}.weight"), reader.read(f"{prefix}{linear}.bias"))
+                                 for linear in ("linear_in", "linear_out")])
+
+    folded = dataclasses.replace(config, peft=dataclasses.replace(config.peft, prefix_projection_hidden_size=None))
+    return folded, read, {"iteration": 0, "peft_base": reader.metadata["training_state"].get("peft_base")}

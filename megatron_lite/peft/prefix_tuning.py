@@ -5,7 +5,9 @@ token attends to all of them and, causally, to the real tokens before it. The
 real tokens keep their positions (the prefixes are added after the rotary
 embedding, and carry none). Directly learned prefixes can train unstably, so with
 ``--prefix-projection-hidden-size`` they are produced during training by a
-two-layer MLP from a learned p x hidden embedding (the reparametrisation).
+two-layer MLP from a learned p x hidden embedding (the reparametrisation);
+``tools/checkpoint_convert.py --fold-prefix-projection`` replaces the MLP by the
+prefix it computes, for inference.
 
 Under tensor parallelism the prefixes are split by key/value head (query group)
 like the attention they join: the prefix tensor is laid out [p, groups, 2 (key,
@@ -82,3 +84,9 @@ class KeyValuePrefix(nn.Module):
             attention_mask = F.pad(attention_mask, (prefix.shape[0], 0), value=False)
         return torch.cat([prefix[..., 0, :], key]), torch.cat([prefix[..., 1, :], value]), attention_mask
 
+
+
+def fold_projection(embedding: torch.Tensor, linear_in: tuple, linear_out: tuple) -> torch.Tensor:
+    """The prefix the reparametrising MLP computes, from whole tensors: ``linear_*`` are (weight, bias)."""
+    hidden = torch.tanh(embedding.float() @ linear_in[0].float().t() + linear_in[1].float())
+    return (hidden @ linear_out[0].float().t() + linear_out[1].float()).to(embedding.dtype)

@@ -1,0 +1,73 @@
+"""Each method's starting point and its inference forms.
+
+LoRA (B = 0) and adapters (U = 0) start as the base model bit for bit; a prefix changes
+attention from the start. A prefix-tuning checkpoint's reparametrising MLP folds into plain
+prefixes with the same logits, and an adapter checkpoint loads for generation onto its base.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_lite.checkpointing import read_config
+from megatron_lite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
+                                  PeftConfig, TrainingConfig)
+from megatron_lite.generate import load_single_process_model
+from megatron_lite.model.builder import build_model
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.training.loop import pretrain
+from tools.checkpoint_convert import main as convert
+
+INPUT = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _config(peft: PeftConfig, **checkpoint) -> Config:
+    return Config(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                    seq_length=16, vocab_size=128, normalization="RMSNorm",
+                                    position_embedding_type="rope", swiglu=True, add_bias_linear=False,
+                                    hidden_dropout=0.0, attention_dropout=0.0),
+                  training=TrainingConfig(micro_batch_size=2, train_iters=3), optimizer=OptimizerConfig(lr=1e-2),
+                  data=DataConfig(mock_data=True), logging=LoggingConfig(log_memory=False),
+                  checkpoint=CheckpointConfig(**checkpoint), peft=peft)
+
+
+def _logits(config: Config) -> torch.Tensor:
+    parallel_state = initialize_model_parallel(1, 1)
+    try:
+        (model,) = build_model(config, parallel_state)
+        with torch.no_grad():
+            return model.eval()(INPUT)
+    finally:
+        destroy_model_parallel(parallel_state)
+
+
+@pytest.mark.parametrize("peft, starts_as_base", [
+    (PeftConfig(peft="lora", lora_rank=4), True), (PeftConfig(peft="adapter", adapter_dim=4), True),
+    (PeftConfig(peft="prefix", prefix_length=2), False)], ids=["lora", "adapter", "prefix"])
+def test_initial_model(peft, starts_as_base):
+    base = _logits(_config(PeftConfig()))
+    assert torch.equal(_logits(_config(peft)), base) == starts_as_base
+
+
+def test_folded_prefix_projection_gives_the_same_logits(tmp_path):
+    trained, folded = str(tmp_path / "prefix"), str(tmp_path / "folded")
+    peft = PeftConfig(peft="prefix", prefix_length=3, prefix_projection_hidden_size=8)
+    pretrain(_config(peft, save=trained))
+    assert convert(["--fold-prefix-projection", "--load-dir", trained, "--save-dir", folded]) == 0
+    assert read_config(folded).peft == dataclasses.replace(peft, prefix_projection_hidden_size=None)
+    model, _ = load_single_process_model(trained)
+    folded_model, _ = load_single_process_model(folded)
+    with torch.no_grad():
+        torch.testing.assert_close(folded_model.eval()(INPUT), model.eval()(INPUT), atol=1e-6, rtol=0)
+    assert not torch.equal(model(INPUT), _logits(_config(PeftConfig())))
+
+
+def test_adapter_checkpoint_loads_for_generation_onto_its_base(tmp_path):
+    base, adapters = str(tmp_path / "base"), str(tmp_path / "adapters")
+    pretrain(_config(PeftConfig(), save=base))
+    _, chunks, _ = pretrain(_config(PeftConfig(peft="adapter", adapter_dim=4), pretrained_checkpoint=base,
+                                    save=adapters))
+    model, config = load_single_process_model(adapters)
+    assert config.peft.peft == "adapter"
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(INPUT), chunks[0].module.eval()(INPUT), atol=0, rtol=0)
