@@ -24,7 +24,8 @@ peft = pytest.importorskip("peft")
 from megatron_lite.checkpointing import hf_interop, load_checkpoint, read_config  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
-from megatron_lite.config import CheckpointConfig, Config, OptimizerConfig, PeftConfig, TrainingConfig  # noqa: E402
+from megatron_lite.config import CheckpointConfig, OptimizerConfig, PeftConfig, TrainingConfig  # noqa: E402
+from megatron_lite.generate import load_single_process_model  # noqa: E402
 from megatron_lite.model.builder import build_model  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402
@@ -65,18 +66,10 @@ def trained(request, tmp_path_factory):
     return request.param, hf_dir, base, adapters, input_ids, _our_logits(adapters, input_ids)
 
 
-def _our_logits(root: str, input_ids: torch.Tensor, config: Config | None = None) -> torch.Tensor:
-    config = config or read_config(root)
-    config = dataclasses.replace(config, checkpoint=CheckpointConfig(load=root))
-    parallel_state = initialize_model_parallel(1, 1)
-    try:
-        (model,) = build_model(config, parallel_state)
-        load_checkpoint(config, parallel_state, [model], None, None)
-        model.eval()
-        with torch.no_grad():
-            return model(input_ids)
-    finally:
-        destroy_model_parallel(parallel_state)
+def _our_logits(root: str, input_ids: torch.Tensor) -> torch.Tensor:
+    model, _ = load_single_process_model(root)
+    with torch.no_grad():
+        return model.eval()(input_ids)
 
 
 def _hf_logits(model, input_ids, **kwargs) -> torch.Tensor:
@@ -161,14 +154,11 @@ def test_prefix_matches_transformers_with_the_prefix_as_a_key_value_cache(traine
     config = dataclasses.replace(read_config(base), peft=PeftConfig(peft="prefix", prefix_length=3),
                                  checkpoint=CheckpointConfig(load=base))
     parallel_state = initialize_model_parallel(1, 1)
-    try:
-        (model,) = build_model(config, parallel_state)
-        load_checkpoint(config, parallel_state, [model], None, None)
-        model.eval()
-        with torch.no_grad():
-            logits = model(input_ids)
-    finally:
-        destroy_model_parallel(parallel_state)
+    (model,) = build_model(config, parallel_state)
+    load_checkpoint(config, parallel_state, [model], None, None)
+    destroy_model_parallel(parallel_state)
+    with torch.no_grad():
+        logits = model.eval()(input_ids)
     model_config = config.model
     cache = transformers.DynamicCache()
     batch = input_ids.shape[0]
