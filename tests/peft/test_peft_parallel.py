@@ -59,7 +59,7 @@ def _train(rank, world_size, runs):
         optimizer, scheduler = build_optimizer_and_scheduler(config, ps, chunks)
         frozen = {name: p.detach().clone() for chunk in chunks for name, p in chunk.module.named_parameters()
                   if not p.requires_grad}
-        iterator, _ = build_data_iterators(config, ps, 0)
+        iterator = build_data_iterators(config, ps, 0)[0]
         losses, grads = [], []
         for _ in range(STEPS):
             loss, _, _ = train_step(config, ps, chunks, optimizer, scheduler, iterator)
