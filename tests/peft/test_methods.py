@@ -71,3 +71,14 @@ def test_adapter_checkpoint_loads_for_generation_onto_its_base(tmp_path):
     assert config.peft.peft == "adapter"
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(INPUT), chunks[0].module.eval()(INPUT), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_recomputation_trains_the_added_weights_alike(granularity):
+    """Recomputed layers start from a frozen embedding's output, which needs no gradient: the added
+    weights inside must get theirs all the same."""
+    peft = PeftConfig(peft="lora", lora_rank=4)
+    plain = pretrain(_config(peft))[0].losses
+    config = _config(peft)
+    config.training.recompute_granularity = granularity
+    assert pretrain(config)[0].losses == pytest.approx(plain, rel=1e-6) and plain[0] != plain[-1]
