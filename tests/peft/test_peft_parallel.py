@@ -4,7 +4,7 @@ For LoRA, bottleneck adapters and prefix tuning (with its reparametrising MLP), 
 4-layer Llama-style GPT (RMSNorm, rotary, SwiGLU's stride-2 fc1, grouped-query
 attention) trains 5 steps on mock data at tp2, pp2 with interleaving (vpp2), and
 tp2 x pp2 x dp2 with the distributed optimizer, sequence parallelism and overlapped
-gradient reduction. Every step's loss and every adapter gradient (reassembled from
+gradient reduction and parameter gathering. Every step's loss and every adapter gradient (reassembled from
 the tensor-parallel shards and the distributed optimizer's slices) must match the
 single-process run; the frozen base weights must come out bit-identical, and hold no
 gradient buffer or optimizer state.
@@ -32,7 +32,8 @@ def _config(method: str, tp: int = 1, pp: int = 1, vpp=None, sharded: bool = Fal
                           hidden_dropout=0.0, attention_dropout=0.0),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 virtual_pipeline_model_parallel_size=vpp, use_distributed_optimizer=sharded,
-                                overlap_grad_reduce=sharded, sequence_parallel=sharded and tp > 1),
+                                overlap_grad_reduce=sharded, overlap_param_gather=sharded,
+                                sequence_parallel=sharded and tp > 1),
         training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=STEPS, eval_iters=1),
         optimizer=OptimizerConfig(lr=1e-2, lr_warmup_iters=1, clip_grad=1.0),
         data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=STEPS, log_memory=False),
