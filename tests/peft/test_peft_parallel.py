@@ -4,7 +4,8 @@ For LoRA, bottleneck adapters and prefix tuning (with its reparametrising MLP), 
 4-layer Llama-style GPT (RMSNorm, rotary, SwiGLU's stride-2 fc1, grouped-query
 attention) trains 5 steps on mock data at tp2, pp2 with interleaving (vpp2), and
 tp2 x pp2 x dp2 with the distributed optimizer, sequence parallelism and overlapped
-gradient reduction and parameter gathering. Every step's loss and every adapter gradient (reassembled from
+gradient reduction and parameter gathering, and dp2 under ZeRO-2 and ZeRO-3 (only the added
+weights are sharded: the frozen base has no buckets). Every step's loss and every adapter gradient (reassembled from
 the tensor-parallel shards and the distributed optimizer's slices) must match the
 single-process run; the frozen base weights must come out bit-identical, and hold no
 gradient buffer or optimizer state.
@@ -24,7 +25,7 @@ METHODS = {"lora": dict(peft="lora", lora_rank=4, lora_alpha=8.0),
            "prefix": dict(peft="prefix", prefix_length=3, prefix_projection_hidden_size=16)}
 
 
-def _config(method: str, tp: int = 1, pp: int = 1, vpp=None, sharded: bool = False) -> Config:
+def _config(method: str, tp: int = 1, pp: int = 1, vpp=None, sharded: bool = False, zero=None) -> Config:
     return Config(
         model=ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
                           seq_length=16, vocab_size=256, normalization="RMSNorm", position_embedding_type="rope",
@@ -32,6 +33,7 @@ def _config(method: str, tp: int = 1, pp: int = 1, vpp=None, sharded: bool = Fal
                           hidden_dropout=0.0, attention_dropout=0.0),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 virtual_pipeline_model_parallel_size=vpp, use_distributed_optimizer=sharded,
+                                data_parallel_sharding_strategy=zero,
                                 overlap_grad_reduce=sharded, overlap_param_gather=sharded,
                                 sequence_parallel=sharded and tp > 1),
         training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=STEPS, eval_iters=1),
@@ -66,6 +68,7 @@ def _train(rank, world_size, runs):
             loss, _, _ = train_step(config, ps, chunks, optimizer, scheduler, iterator)
             losses.append(loss)
             grads.append([(r.name, r.start, r.end, r.model_grad().clone()) for r in optimizer.param_ranges])
+        shapes = {r.name: tuple(r.shape) for r in optimizer.param_ranges}  # whole, also where ZeRO-3 holds a shard
         for chunk in chunks:
             chunk.finish_param_sync()
         params = {name: p for chunk in chunks for name, p in chunk.module.named_parameters()}
@@ -77,7 +80,7 @@ def _train(rank, world_size, runs):
             "only_trainable_buffered": buffered == {params[n] for n in trainable}
                                       and {r.name for r in optimizer.param_ranges} <= trainable,
             "split": {name: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", 0),
-                             getattr(p, "partition_stride", 1), tuple(p.shape)) for name, p in params.items()},
+                             getattr(p, "partition_stride", 1), shapes.get(name)) for name, p in params.items()},
             "tp_rank": ps.tensor_model_parallel_rank, "dp_rank": ps.data_parallel_rank})
         destroy_model_parallel(ps)
     return results
@@ -105,7 +108,8 @@ def _full_gradients(rank_results: list, step: int) -> dict:
 
 
 # World size -> the layouts run in it (each for every method).
-LAYOUTS = {2: [dict(tp=2), dict(pp=2, vpp=2)], 8: [dict(tp=2, pp=2, sharded=True)]}
+LAYOUTS = {2: [dict(tp=2), dict(pp=2, vpp=2), dict(zero="optim_grads"), dict(zero="optim_grads_params")],
+           8: [dict(tp=2, pp=2, sharded=True)]}
 _cache: dict = {}
 
 
@@ -123,8 +127,9 @@ def _run(world_size: int, method: str, **layout) -> list:
     return _results(world_size)[(method, tuple(sorted(run.items())))]
 
 
-@pytest.mark.parametrize("world_size,layout", [(2, LAYOUTS[2][0]), (2, LAYOUTS[2][1]), (8, LAYOUTS[8][0])],
-                         ids=["tp2", "pp2-vpp2", "tp2-pp2-dp2-distopt-sp"])
+@pytest.mark.parametrize("world_size,layout", [(2, LAYOUTS[2][0]), (2, LAYOUTS[2][1]), (8, LAYOUTS[8][0]),
+                                               (2, LAYOUTS[2][2]), (2, LAYOUTS[2][3])],
+                         ids=["tp2", "pp2-vpp2", "tp2-pp2-dp2-distopt-sp", "dp2-zero2", "dp2-zero3"])
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_layout_matches_single_process(method, world_size, layout):
     (reference,) = _run(1, method)
