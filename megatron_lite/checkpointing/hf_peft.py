@@ -78,6 +78,11 @@ def _block_rows(target: str, config: ModelConfig) -> dict:
         "gate": sizes["gate"], "up": sizes["up"]}
 
 
+def _inputs(target: str, config: ModelConfig) -> int:
+    return {"linear_qkv": config.hidden_size, "linear_fc1": config.hidden_size,
+            "linear_proj": config.num_attention_heads * config.head_dim, "linear_fc2": config.ffn_hidden_size}[target]
+
+
 def _full_rows(target: str, config: ModelConfig) -> int:
     return {"linear_qkv": (config.num_attention_heads + 2 * config.num_query_groups) * config.head_dim,
             "linear_proj": config.hidden_size, "linear_fc2": config.hidden_size,
@@ -148,8 +153,7 @@ def import_peft_adapters(load_dir: str, save_dir: str, *, base_checkpoint: str, 
         for target in targets:
             if (layer, target) not in updates:
                 names = factor_names(f"decoder.layers.{layer}.{_OUR_MODULE[target]}")
-                weights.update({names[0]: torch.zeros(rank, model.hidden_size if target != "linear_fc2"
-                                                      else model.ffn_hidden_size),
+                weights.update({names[0]: torch.zeros(rank, _inputs(target, model)),
                                 names[1]: torch.zeros(_full_rows(target, model), rank)})
     peft = PeftConfig(peft="lora", lora_rank=rank, lora_alpha=float(peft_config["lora_alpha"] if shared else rank),
                       lora_dropout=float(peft_config.get("lora_dropout", 0.0)), lora_target_modules=targets)

@@ -131,7 +131,8 @@ def test_our_export_imports_back_unchanged(trained, tmp_path):
 
 
 def test_adapters_trained_by_peft_import_exactly(trained, tmp_path):
-    """PEFT's own LoRA: separate random A for q and v (k left out), gate/up with different ranks, rsLoRA."""
+    """PEFT's own LoRA: separate random A for q and v (k left out), gate/up with different ranks, rsLoRA,
+    the second layer only."""
     architecture, hf_dir, base, _, input_ids, _ = trained
     targets, ranks = ({"gpt2": (["attn.c_attn", "mlp.c_proj"], {"mlp.c_proj": 3}),
                        "llama": (["q_proj", "v_proj", "gate_proj", "up_proj"], {"up_proj": 3})}[architecture])
@@ -139,7 +140,8 @@ def test_adapters_trained_by_peft_import_exactly(trained, tmp_path):
     model = peft.get_peft_model(
         transformers.AutoModelForCausalLM.from_pretrained(hf_dir),
         peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets, rank_pattern=ranks, use_rslora=True,
-                        init_lora_weights=False, fan_in_fan_out=architecture == "gpt2"))
+                        init_lora_weights=False, fan_in_fan_out=architecture == "gpt2", layers_to_transform=[1],
+                        layers_pattern={"gpt2": "h", "llama": "layers"}[architecture]))
     peft_dir, imported = str(tmp_path / "peft"), str(tmp_path / "imported")
     model.save_pretrained(peft_dir)
     assert convert(["--source-format", "peft", "--load-dir", peft_dir, "--save-dir", imported,
