@@ -25,7 +25,7 @@ from megatron_lite.checkpointing import hf_interop, load_checkpoint, read_config
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
 from megatron_lite.config import CheckpointConfig, OptimizerConfig, PeftConfig, TrainingConfig  # noqa: E402
-from megatron_lite.generate import load_single_process_model  # noqa: E402
+from tests.peft.common import load_single_process  # noqa: E402
 from megatron_lite.model.builder import build_model  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402
@@ -67,7 +67,7 @@ def trained(request, tmp_path_factory):
 
 
 def _our_logits(root: str, input_ids: torch.Tensor) -> torch.Tensor:
-    model, _ = load_single_process_model(root)
+    model, _ = load_single_process(root)
     with torch.no_grad():
         return model.eval()(input_ids)
 

@@ -12,7 +12,7 @@ import torch
 from megatron_lite.checkpointing import read_config
 from megatron_lite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
                                   PeftConfig, TrainingConfig)
-from megatron_lite.generate import load_single_process_model
+from tests.peft.common import load_single_process
 from megatron_lite.model.builder import build_model
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.training.loop import pretrain
@@ -55,8 +55,8 @@ def test_folded_prefix_projection_gives_the_same_logits(tmp_path):
     pretrain(_config(peft, save=trained))
     assert convert(["--fold-prefix-projection", "--load-dir", trained, "--save-dir", folded]) == 0
     assert read_config(folded).peft == dataclasses.replace(peft, prefix_projection_hidden_size=None)
-    model, _ = load_single_process_model(trained)
-    folded_model, _ = load_single_process_model(folded)
+    model, _ = load_single_process(trained)
+    folded_model, _ = load_single_process(folded)
     with torch.no_grad():
         torch.testing.assert_close(folded_model.eval()(INPUT), model.eval()(INPUT), atol=1e-6, rtol=0)
     assert not torch.equal(model(INPUT), _logits(_config(PeftConfig())))
@@ -67,7 +67,7 @@ def test_adapter_checkpoint_loads_for_generation_onto_its_base(tmp_path):
     pretrain(_config(PeftConfig(), save=base))
     _, chunks, _ = pretrain(_config(PeftConfig(peft="adapter", adapter_dim=4), pretrained_checkpoint=base,
                                     save=adapters))
-    model, config = load_single_process_model(adapters)
+    model, config = load_single_process(adapters)
     assert config.peft.peft == "adapter"
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(INPUT), chunks[0].module.eval()(INPUT), atol=0, rtol=0)
@@ -82,3 +82,40 @@ def test_recomputation_trains_the_added_weights_alike(granularity):
     config = _config(peft)
     config.training.recompute_granularity = granularity
     assert pretrain(config)[0].losses == pytest.approx(plain, rel=1e-6) and plain[0] != plain[-1]
+
+
+def _generation_model(arch: str, peft: PeftConfig):
+    from tests.inference.models import config_of
+
+    parallel_state = initialize_model_parallel(1, 1)
+    (model,) = build_model(dataclasses.replace(config_of(arch), peft=peft), parallel_state)
+    for param in model.parameters():  # the added weights away from their init (LoRA's B is zero there)
+        if param.requires_grad:
+            torch.nn.init.normal_(param, std=0.2)
+    destroy_model_parallel(parallel_state)
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["rope_gqa", "learned_mha_unfused"])
+@pytest.mark.parametrize("peft", [PeftConfig(peft="prefix", prefix_length=3), PeftConfig(peft="lora", lora_rank=4),
+                                  PeftConfig(peft="adapter", adapter_dim=4)], ids=["prefix", "lora", "adapter"])
+def test_generation_with_the_key_value_cache_and_padding(arch, peft):
+    """The cache holds the sequence's own keys, the prefix joins after it; a left-padded batch (an attention
+    mask) sees the whole prefix: cached logits equal the full forward's, a padded batch its prompts alone."""
+    from megatron_lite.inference.inference_context import StaticInferenceContext
+    from megatron_lite.inference.text_generation import generate
+
+    model = _generation_model(arch, peft)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    context = StaticInferenceContext(12)
+    with torch.no_grad():
+        full = model(ids)
+        steps = [model(ids[:, :5], inference_context=context)]
+        context.increment_sequence_len_offset(5)
+        for position in range(5, 12):
+            steps.append(model(ids[:, position:position + 1], inference_context=context))
+            context.increment_sequence_len_offset(1)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 4:], atol=1e-4, rtol=1e-4)
+    prompts = [[5, 17, 3], [40, 2, 9, 71, 8, 66, 12], [31]]
+    assert generate(model, prompts, max_new_tokens=6, greedy=True) == [
+        generate(model, [prompt], max_new_tokens=6, greedy=True)[0] for prompt in prompts]
