@@ -58,7 +58,7 @@ def train_step(ddp, optimizer, parallel_state, generator):
         with ddp.no_sync() if i < MICRO_BATCHES - 1 else contextlib.nullcontext():
             loss = ddp(tokens[:, :-1], labels=tokens[:, 1:]).mean() / MICRO_BATCHES
             optimizer.scale_loss(loss).backward()
-    finalize_model_grads([ddp], parallel_state)
+    finalize_model_grads([ddp], parallel_state=parallel_state)
     optimizer.step()
 
 

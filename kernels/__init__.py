@@ -63,7 +63,15 @@ def bias_dropout_add(x, bias, residual, prob, training):
 
 
 def apply_rotary_pos_emb(t, freqs):
-    """Rotary embedding of t [s, b, heads, d] by angles freqs [s, 1, 1, rot_dim]."""
+    """Rotary embedding of t [s, b, heads, d] by angles freqs [s, 1, 1, rot_dim], or [s, b, 1, rot_dim]
+    when positions differ between samples (packed sequences restart them at each example)."""
+    seq, batch = t.shape[:2]
+    if freqs.shape[1] != 1:
+        # The kernels take one row of angles per sequence position: fold the batch into the sequence
+        # (a view for the query and key layouts attention produces).
+        folded = apply_rotary_pos_emb(t.reshape(seq * batch, 1, *t.shape[2:]),
+                                      freqs.reshape(seq * batch, 1, 1, freqs.shape[-1]))
+        return folded.reshape(t.shape)
     impl = choose("apply_rotary_pos_emb", t, reference.apply_rotary_pos_emb, apex_ops.rotary_op)
     return impl(t, freqs)
 

@@ -3,6 +3,7 @@
 Kept beside the dataclasses rather than in them so the config reads as a list of
 fields; ``tests/test_config.py`` fails when a field has no line here.
 """
+from megatron_lite.config import SFT_PROMPT_FORMATS
 
 CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
@@ -14,6 +15,7 @@ CHOICES = {
     "weight_decay_incr_style": ("constant", "linear", "cosine"),
     "tokenizer_type": ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"),
     "distributed_backend": ("nccl", "gloo"),
+    "sft_tokenizer_prompt_format": SFT_PROMPT_FORMATS,
 }
 
 HELP = {
@@ -102,6 +104,16 @@ HELP = {
     "data_cache_path": "where the sample-index cache goes (default: beside the data)",
     "eod_mask_loss": "no loss on positions whose input is the end-of-document token",
     "num_workers": "DataLoader worker processes",
+    "sft": ("supervised fine-tuning: prompt/response or chat data from --train-data-path, loss on the responses "
+            "only, averaged per token over the global batch"),
+    "train_data_path": ("--sft: JSONL files of {\"prompt\", \"response\"} or {\"messages\"} lines, or "
+                        "--output-prefix of tools/preprocess_data.py --sft"),
+    "valid_data_path": "--sft: validation data, as --train-data-path",
+    "test_data_path": "--sft: test data, as --train-data-path, evaluated once after training",
+    "sft_tokenizer_prompt_format": ("--sft: how a conversation becomes text: plain (as written), chatml, or default "
+                                    "(the Hugging Face tokenizer's own chat template)"),
+    "sft_pack_sequences": ("--sft: pack several examples per sequence (positions restart, attention stays within "
+                           "each example) instead of padding one"),
     # checkpoint
     "save": "directory for checkpoints (checked for writability at start-up)",
     "load": "resume from this directory's newest checkpoint; starts from scratch if it holds none",

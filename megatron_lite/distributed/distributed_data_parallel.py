@@ -125,6 +125,11 @@ class DistributedDataParallel(torch.nn.Module):
         for bucket in self.buckets:
             bucket.finish_grad_sync()
 
+    def scale_gradients(self, factor) -> None:
+        """Multiply every gradient by ``factor`` (a number or a 0-dim tensor on the buffers' device)."""
+        for buffer in self.grad_buffers:
+            buffer.grad_data.mul_(factor)
+
     def start_param_sync(self) -> None:
         """All-gather the updated parameter shards (distributed optimizer only); asynchronous
         under --overlap-param-gather, the next forward waiting bucket by bucket."""

@@ -39,8 +39,12 @@ class SelfAttention(nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=sequence_parallel,
             skip_bias_add=True, params_dtype=params_dtype)
 
-    def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None):
-        """[s, b, h] (or [s/tp, b, h] under sequence parallelism) -> (output, bias) before the residual."""
+    def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None,
+                attention_mask: torch.Tensor | None = None):
+        """[s, b, h] (or [s/tp, b, h] under sequence parallelism) -> (output, bias) before the residual.
+
+        ``attention_mask``: None for causal attention, else bool [b, 1, s, s], True where a query may not
+        attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split)."""
         qkv, _ = self.linear_qkv(hidden_states)
         seq, batch = qkv.shape[:2]
         qkv = qkv.view(seq, batch, self.local_query_groups, (self.heads_per_group + 2) * self.head_dim)
@@ -51,12 +55,12 @@ class SelfAttention(nn.Module):
             query = kernels.apply_rotary_pos_emb(query, rotary_freqs)
             key = kernels.apply_rotary_pos_emb(key, rotary_freqs)
         if self.checkpoint_core_attention and self.training:
-            context = checkpoint(self._core_attention, query, key, value)
+            context = checkpoint(self._core_attention, query, key, value, attention_mask)
         else:
-            context = self._core_attention(query, key, value)
+            context = self._core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)
 
-    def _core_attention(self, query, key, value):
+    def _core_attention(self, query, key, value, attention_mask=None):
         """softmax(QK^T / sqrt(d)) V over this rank's heads; [s, b, heads, d] -> [s, b, heads * d]."""
         seq, batch = query.shape[:2]
         # [s, b, n, d] -> [b, n, s, d]; each key/value group serves heads_per_group query heads.
@@ -69,5 +73,9 @@ class SelfAttention(nn.Module):
         # Heads differ across tensor-parallel ranks, so their dropout masks must too.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with rng:
-            context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True)
+            if attention_mask is None:
+                context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True)
+            else:  # SDPA's boolean mask marks what may be attended
+                context = F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
+                                                         dropout_p=dropout)
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)

@@ -36,8 +36,10 @@ class LanguageModelEmbedding(nn.Module):
         return self.dropout(embeddings)
 
 
-def rotary_freqs(seq_length: int, head_dim: int, base: float, device=None) -> torch.Tensor:
-    """Angles position * base^(-2i/d), laid out [s, 1, 1, d] as cat(freqs, freqs) (rotate-half RoPE)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    freqs = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)
-    return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+def rotary_freqs(position_ids: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
+    """Angles position * base^(-2i/d) of every token, laid out [s, b, 1, d] as cat(freqs, freqs)
+    (rotate-half RoPE); position_ids is [b, s], so packed sequences can restart positions per example."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device)
+                               / head_dim))
+    freqs = position_ids.t().float()[..., None] * inv_freq  # [s, b, d/2]
+    return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]

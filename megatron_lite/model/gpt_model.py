@@ -72,20 +72,23 @@ class GPTModel(nn.Module):
         self.input_tensor = input_tensor
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Returns per-token loss [b, s] given labels on the last stage, logits over the
-        (unpadded) vocabulary [b, s, V] without them, and hidden states [s, b, h] on other stages."""
+        (unpadded) vocabulary [b, s, V] without them, and hidden states [s, b, h] on other stages.
+
+        ``attention_mask`` (bool [b, 1, s, s], True = may not attend, Megatron's convention) replaces the
+        causal mask; packed sequences pass a block-diagonal causal one so examples cannot see each other.
+        Every pipeline stage is given it, with the position ids."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if self.pre_process:
-            if position_ids is None:
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
             hidden_states = self.embedding(input_ids, position_ids)
         else:
             hidden_states = self.input_tensor
         freqs = None
         if self.config.position_embedding_type == "rope":
-            freqs = rotary_freqs(input_ids.shape[1], self.config.head_dim, self.config.rotary_base,
-                                 device=hidden_states.device)
-        hidden_states = self.decoder(hidden_states, freqs)
+            freqs = rotary_freqs(position_ids.to(hidden_states.device), self.config.head_dim, self.config.rotary_base)
+        hidden_states = self.decoder(hidden_states, freqs, attention_mask)
         if not self.post_process:
             return hidden_states
         hidden_states = self.final_layernorm(hidden_states)

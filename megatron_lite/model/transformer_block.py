@@ -30,28 +30,29 @@ class TransformerBlock(nn.Module):
         self.recompute_method = recompute_method or "uniform"
         self.recompute_num_layers = recompute_num_layers or 1
 
-    def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         layers = list(self.layers.values())
         if not (self.recompute_full and self.training):
             for layer in layers:
-                hidden_states = layer(hidden_states, rotary_freqs)
+                hidden_states = layer(hidden_states, rotary_freqs, attention_mask)
             return hidden_states
         if self.recompute_method == "uniform":
             for start in range(0, len(layers), self.recompute_num_layers):
                 group = layers[start:start + self.recompute_num_layers]
-                hidden_states = checkpoint(_run_layers(group), hidden_states, rotary_freqs)
+                hidden_states = checkpoint(_run_layers(group), hidden_states, rotary_freqs, attention_mask)
             return hidden_states
         for index, layer in enumerate(layers):  # "block"
             if index < self.recompute_num_layers:
-                hidden_states = checkpoint(layer, hidden_states, rotary_freqs)
+                hidden_states = checkpoint(layer, hidden_states, rotary_freqs, attention_mask)
             else:
-                hidden_states = layer(hidden_states, rotary_freqs)
+                hidden_states = layer(hidden_states, rotary_freqs, attention_mask)
         return hidden_states
 
 
 def _run_layers(layers):
-    def run(hidden_states, rotary_freqs):
+    def run(hidden_states, rotary_freqs, attention_mask):
         for layer in layers:
-            hidden_states = layer(hidden_states, rotary_freqs)
+            hidden_states = layer(hidden_states, rotary_freqs, attention_mask)
         return hidden_states
     return run

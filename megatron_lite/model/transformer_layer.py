@@ -28,8 +28,10 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = Norm(config.hidden_size, **norm)
         self.mlp = MLP(config, tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype)
 
-    def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None) -> torch.Tensor:
-        attention_output, attention_bias = self.self_attention(self.input_layernorm(hidden_states), rotary_freqs)
+    def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        attention_output, attention_bias = self.self_attention(self.input_layernorm(hidden_states), rotary_freqs,
+                                                               attention_mask)
         hidden_states = self._bias_dropout_add(attention_output, attention_bias, hidden_states)
         mlp_output, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
         return self._bias_dropout_add(mlp_output, mlp_bias, hidden_states)

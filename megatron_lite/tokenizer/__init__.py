@@ -30,5 +30,15 @@ def build_tokenizer(tokenizer_type: str, *, vocab_file: Optional[str] = None, me
     raise ConfigError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}; got {tokenizer_type!r}.")
 
 
-__all__ = ["build_tokenizer", "TOKENIZER_TYPES", "GPT2BPETokenizer", "SentencePieceTokenizer",
+def build_model_tokenizer(flags, model_vocab_size: int):
+    """The tokenizer of a model with ``model_vocab_size`` ids, from the --tokenizer-type, --vocab-file,
+    --merge-file and --tokenizer-model values on ``flags`` (a DataConfig or a parsed namespace).
+
+    A NullTokenizer's ids are data below its EOD, which is the model vocabulary's last id."""
+    vocab_size = model_vocab_size - 1 if flags.tokenizer_type == "NullTokenizer" else None
+    return build_tokenizer(flags.tokenizer_type, vocab_file=flags.vocab_file, merge_file=flags.merge_file,
+                           tokenizer_model=flags.tokenizer_model, vocab_size=vocab_size)
+
+
+__all__ = ["build_tokenizer", "build_model_tokenizer", "TOKENIZER_TYPES", "GPT2BPETokenizer", "SentencePieceTokenizer",
            "HuggingFaceTokenizer", "NullTokenizer"]

@@ -115,7 +115,7 @@ def _count_communication(rank, world_size, sharded, overlap):
                 F.mse_loss(ddp(x), y).backward()
         counts[f"backward {i}"] = counter.count(reduce_op, "data")
     with collectives.count_collectives() as counter:
-        finalize_model_grads([ddp], parallel_state)
+        finalize_model_grads([ddp], parallel_state=parallel_state)
     counts["finalize"] = counter.count(reduce_op, "data")
     with collectives.count_collectives() as counter:
         optimizer.step()
