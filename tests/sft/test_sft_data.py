@@ -120,8 +120,8 @@ def test_truncation_is_counted_never_silent(tmp_path):
     examples = _examples(tmp_path, [([1, 2], [3]), ([1] * 5, [2] * 6), ([1] * 12, [2])])
     dataset = SFTDataset(examples, seq_length=8, num_samples=3, seed=0, pad_token=TOKENIZER.pad)
     assert (dataset.num_truncated, dataset.num_without_loss) == (2, 1)
-    line = dataset.describe("train")
-    assert "2 examples longer than --seq-length + 1 = 9 tokens are truncated" in line
+    line = dataset.describe()
+    assert "2 examples longer than --seq-length + 1 = 9 tokens truncated" in line
     assert "1 of them losing every response token" in line
     truncated = build_sample([examples.get(1)], seq_length=8, pad_token=TOKENIZER.pad, pack_sequences=False)
     assert truncated["tokens"].tolist() == [1] * 5 + [2] * 3 and truncated["loss_mask"].sum() == 4
@@ -137,7 +137,8 @@ def test_the_sft_command_logs_validation_test_and_truncation(tmp_path, capsys):
     assert pretrain_main(["--sft", "--train-data-path", data, "--valid-data-path", data, "--test-data-path", data,
                           "--sft-pack-sequences", *SMALL_RUN]) == 0
     out = capsys.readouterr().out
-    assert " > SFT train data: 3 examples, 4 samples of 8 positions (packed); 1 examples longer than" in out
+    assert (" data: train 3 fine-tuning examples (4 samples of 8 positions, packed, 2 epochs; 1 examples longer "
+            "than --seq-length + 1 = 9 tokens truncated, 1 of them losing every response token") in out
     assert " validation loss at iteration 2 | lm loss value: " in out
     assert " validation loss at iteration 2 on test set | lm loss value: " in out
 

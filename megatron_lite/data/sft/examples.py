@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from megatron_lite.config import ConfigError
+from megatron_lite.config import ConfigError, UserError
 from megatron_lite.data.indexed_dataset import IndexedDataset, index_file_path, output_prefix_for
 from megatron_lite.data.jsonl import read_jsonl_lines
 from megatron_lite.data.sft.prompt_format import ROLES, tokenize_conversation
@@ -24,7 +24,7 @@ TOKENS_KEY, LOSS_MASK_KEY = "text", "loss_mask"  # the preprocessed outputs' jso
 _MAX_LISTED_PROBLEMS = 20
 
 
-class SFTDataError(ValueError):
+class SFTDataError(UserError, ValueError):
     """Fine-tuning data that cannot be used; the message names the file and line."""
 
 
