@@ -15,6 +15,7 @@ from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_lite.data.sft.sft_dataset import build_sample
 from megatron_lite.evaluate import main as evaluate_main
 from megatron_lite.model.gpt_model import GPTModel
+from megatron_lite.pretrain_gpt import main as pretrain_main
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.training import loop
 
@@ -95,6 +96,19 @@ def test_first_iteration_loss_and_gradient_are_transformers_over_response_tokens
                        else ("output_layer.weight", model.lm_head.weight))
     update = hf_weight.detach() - ours[name].detach()[:VOCAB]
     torch.testing.assert_close(update, hf_weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_sft_command_from_a_pretrained_checkpoint_with_its_args(imported, tmp_path, capsys):
+    """The command line users run: the model comes from the imported checkpoint's own settings."""
+    model, ckpt = imported
+    assert pretrain_main(["--sft", "--pretrained-checkpoint", ckpt, "--use-checkpoint-args", "--seq-length", "32",
+                          "--hidden-dropout", "0", "--attention-dropout", "0", "--tokenizer-type", "NullTokenizer",
+                          "--train-data-path", _write_jsonl(tmp_path / "sft.jsonl"), "--micro-batch-size", "2",
+                          "--global-batch-size", "4", "--train-iters", "1", "--log-interval", "1",
+                          "--no-log-memory"]) == 0
+    logged = float(capsys.readouterr().out.split("| lm loss: ")[1].split()[0])
+    with torch.no_grad():
+        assert logged == pytest.approx(_transformers_response_loss(model).item(), rel=1e-5)
 
 
 def test_evaluate_measures_transformers_cross_entropy(imported, tmp_path, capsys):
