@@ -64,7 +64,7 @@ def train_step(ddp, optimizer, parallel_state, generator, micro_batches: int):
         with ddp.no_sync() if i < micro_batches - 1 else contextlib.nullcontext():
             loss = ddp(tokens[:, :-1], labels=tokens[:, 1:]).mean() / micro_batches
             optimizer.scale_loss(loss).backward()
-    finalize_model_grads([ddp], parallel_state)
+    finalize_model_grads([ddp], parallel_state=parallel_state)
     optimizer.step()
 
 

@@ -21,14 +21,12 @@ import torch
 
 from megatron_lite.config import ConfigError, ParallelConfig
 from megatron_lite.config.arguments import ArgumentParser
-from megatron_lite.inference.loading import checkpoint_tokenizer, load_model, read_checkpoint_config
+from megatron_lite.inference.loading import (TOKENIZER_FIELDS, add_tokenizer_arguments, checkpoint_tokenizer,
+                                             load_model, read_checkpoint_config)
 from megatron_lite.inference.text_generation import check_sampling, generate
 from megatron_lite.process_groups.failures import run_command
 from megatron_lite.process_groups.initialize import initialize_distributed
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
-from megatron_lite.tokenizer import TOKENIZER_TYPES
-
-TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
 
 def build_parser() -> ArgumentParser:
@@ -55,12 +53,7 @@ def build_parser() -> ArgumentParser:
     parallel = parser.add_argument_group("parallelism (launch tensor x pipeline processes with torchrun)")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    tokenizer = parser.add_argument_group("tokenizer (default: the one the checkpoint was trained with)")
-    tokenizer.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
-    tokenizer.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json")
-    tokenizer.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt")
-    tokenizer.add_argument("--tokenizer-model", help="SentencePieceTokenizer's .model, HuggingFaceTokenizer's "
-                                                     "tokenizer.json (or its directory)")
+    add_tokenizer_arguments(parser)
     return parser
 
 

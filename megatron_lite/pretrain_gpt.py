@@ -2,6 +2,9 @@
 
 A user error (flags, data files, checkpoints) prints once as ``error: ...`` and exits 2;
 a bug keeps its traceback (``process_groups.failures.run_command``).
+
+``--sft`` fine-tunes on prompt/response or chat data (``--train-data-path``) with the same loop, usually
+from ``--pretrained-checkpoint CKPT`` or ``--load CKPT --finetune``.
 """
 import sys
 

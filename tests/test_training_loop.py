@@ -134,10 +134,10 @@ def _bucket_reductions_at_finalize(rank, world_size):
 
     seen = []
 
-    def finalize(model_chunks, parallel_state):  # the trainer's finalize, observed as the schedule calls it
+    def finalize(model_chunks, num_tokens, parallel_state):  # the trainer's finalize, as the schedule calls it
         seen.append([[(bucket.grad_sync_started, bucket.grad_handle is not None) for bucket in chunk.buckets]
                      for chunk in model_chunks])
-        finalize_model_grads(model_chunks, parallel_state=parallel_state)
+        finalize_model_grads(model_chunks, num_tokens, parallel_state=parallel_state)
 
     finalize_model_grads, loop.finalize_model_grads = loop.finalize_model_grads, finalize
     config = Config(

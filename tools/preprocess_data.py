@@ -5,11 +5,19 @@
         --append-eod --workers 2
 
 writes data/corpus_text_document.bin/.idx; train with --data-path data/corpus_text_document.
+
+    python tools/preprocess_data.py --sft --sft-tokenizer-prompt-format chatml --input sft.jsonl \
+        --output-prefix data/sft --tokenizer-type HuggingFaceTokenizer --tokenizer-model tokenizer_dir
+
+reads prompt/response or chat lines and writes the ids (data/sft_text_document) and their loss
+mask (data/sft_loss_mask_document); fine-tune with --sft --train-data-path data/sft.
 """
 import argparse
 import sys
 
-from megatron_lite.data.preprocess import PreprocessError, output_prefix_for, preprocess_jsonl
+from megatron_lite.config import SFT_PROMPT_FORMATS
+from megatron_lite.data.indexed_dataset import output_prefix_for
+from megatron_lite.data.preprocess import PreprocessError, preprocess_jsonl
 from megatron_lite.tokenizer import TOKENIZER_TYPES
 
 
@@ -18,6 +26,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     group = parser.add_argument_group("input data")
     group.add_argument("--input", nargs="+", required=True, help="JSONL file(s), one JSON object per line")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one output pair each")
+    group.add_argument("--sft", action="store_true",
+                       help='fine-tuning lines ({"prompt", "response"} or {"messages"}): write ids and loss mask')
+    group.add_argument("--sft-tokenizer-prompt-format", choices=SFT_PROMPT_FORMATS, default="plain",
+                       help="how --sft conversations become text (default: plain)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json")
@@ -49,10 +61,14 @@ def main(argv=None) -> int:
     try:
         preprocess_jsonl(args.input, output_prefix=args.output_prefix, tokenizer_kwargs=tokenizer_kwargs,
                          json_keys=tuple(args.json_keys), append_eod=args.append_eod, workers=args.workers,
-                         log_interval=args.log_interval, strict=args.strict)
+                         log_interval=args.log_interval, strict=args.strict,
+                         sft_prompt_format=args.sft_tokenizer_prompt_format if args.sft else None)
     except (PreprocessError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    if args.sft:
+        print(f"--sft --train-data-path {args.output_prefix}")
+        return 0
     for key in args.json_keys:
         print(f"--data-path {output_prefix_for(args.output_prefix, key)}")
     return 0

@@ -313,6 +313,10 @@ class OptimizerConfig:
         _require(self.hysteresis >= 1, f"--hysteresis must be >= 1, got {self.hysteresis}.")
 
 
+# --sft-tokenizer-prompt-format: how a conversation becomes text (megatron_lite/data/sft/prompt_format.py).
+SFT_PROMPT_FORMATS = ("plain", "chatml", "default")
+
+
 @dataclass(kw_only=True)
 class DataConfig:
     data_path: list = field(default_factory=list)  # [path] or [w1, path1, w2, path2, ...]
@@ -328,13 +332,27 @@ class DataConfig:
     mmap_bin_files: bool = True  # --no-mmap-bin-files reads .bin with file reads (for filesystems mmap is slow on)
     eod_mask_loss: bool = False
     num_workers: int = 0  # data-loader worker processes per rank (Megatron's default is 2)
+    # Supervised fine-tuning: prompt/response or chat JSONL files (or preprocessed prefixes), one list per split.
+    sft: bool = False
+    train_data_path: list = field(default_factory=list)
+    valid_data_path: list = field(default_factory=list)
+    test_data_path: list = field(default_factory=list)
+    sft_tokenizer_prompt_format: str = "plain"
+    sft_pack_sequences: bool = False
 
     def __post_init__(self) -> None:
         # Megatron reads only the numbers in --split, so a launcher's literal quotes ('99,1,0', as
         # Megatron-LM's Llama 3 example passes them) are harmless there; strip them here too.
         self.split = self.split.strip("'\"")
-        _require(self.mock_data or bool(self.data_path),
-                 "no training data: give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data.")
+        if self.sft:
+            self._check_sft()
+        else:
+            _require(not (self.train_data_path or self.valid_data_path or self.test_data_path),
+                     "--train-data-path/--valid-data-path/--test-data-path name fine-tuning data: add --sft "
+                     "(pretraining reads --data-path with --split).")
+            _require(not self.sft_pack_sequences, "--sft-pack-sequences needs --sft.")
+            _require(self.mock_data or bool(self.data_path),
+                     "no training data: give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data.")
         _require(not (self.mock_data and self.data_path),
                  "--mock-data and --data-path both given: drop --mock-data to train on the data, or --data-path.")
         _require(self.tokenizer_type is not None or not (self.vocab_file or self.merge_file or self.tokenizer_model),
@@ -348,6 +366,18 @@ class DataConfig:
         parts = self.split.replace("/", ",").split(",")
         _require(all(p.strip().replace(".", "", 1).isdigit() for p in parts) and len(parts) <= 3,
                  f"--split must be up to three comma-separated weights like 969,30,1, got {self.split!r}.")
+
+    def _check_sft(self) -> None:
+        _require(bool(self.train_data_path),
+                 "--sft needs --train-data-path: JSONL of {\"prompt\", \"response\"} or {\"messages\"} lines, or a "
+                 "prefix written by tools/preprocess_data.py --sft.")
+        _require(not (self.data_path or self.mock_data),
+                 "--sft reads --train-data-path (and --valid-data-path, --test-data-path); "
+                 "drop --data-path/--mock-data.")
+        _require(self.tokenizer_type is not None, "--sft needs --tokenizer-type (and its files): the data is text.")
+        _require(self.sft_tokenizer_prompt_format in SFT_PROMPT_FORMATS,
+                 f"--sft-tokenizer-prompt-format must be one of {', '.join(SFT_PROMPT_FORMATS)}, "
+                 f"got {self.sft_tokenizer_prompt_format!r}.")
 
 
 @dataclass(kw_only=True)

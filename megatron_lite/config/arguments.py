@@ -22,7 +22,7 @@ from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigErro
 from megatron_lite.process_groups.initialize import resolve_launch_env
 from megatron_lite.config.help_text import CHOICES, HELP
 
-LIST_FIELDS = {"data_path", "lora_target_modules"}
+LIST_FIELDS = {"data_path", "lora_target_modules", "train_data_path", "valid_data_path", "test_data_path"}
 # Megatron-LM spells these two with an underscore inside; both spellings are accepted.
 MEGATRON_SPELLINGS = {"override_opt_param_scheduler": "--override-opt_param-scheduler",
                       "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler"}

@@ -3,9 +3,8 @@
 Kept beside the dataclasses rather than in them so the config reads as a list of
 fields; ``tests/test_config.py`` fails when a field has no line here.
 """
-from megatron_lite.config import LORA_TARGET_MODULES, PEFT_METHODS, SHARDING_STRATEGIES
-
-from megatron_lite.config import ATTENTION_BACKENDS
+from megatron_lite.config import (ATTENTION_BACKENDS, LORA_TARGET_MODULES, PEFT_METHODS, SFT_PROMPT_FORMATS,
+                                  SHARDING_STRATEGIES)
 
 CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
@@ -23,6 +22,7 @@ CHOICES = {
     "data_parallel_sharding_strategy": SHARDING_STRATEGIES,
     "peft": PEFT_METHODS,
     "lora_target_modules": LORA_TARGET_MODULES,
+    "sft_tokenizer_prompt_format": SFT_PROMPT_FORMATS,
 }
 
 HELP = {
@@ -31,7 +31,8 @@ HELP = {
     "hidden_size": "width of the residual stream",
     "num_attention_heads": "attention heads (query heads with --group-query-attention)",
     "seq_length": "tokens per training sequence",
-    "vocab_size": "vocabulary size, without padding; taken from the tokenizer when --tokenizer-type is given",
+    "vocab_size": ("vocabulary size, without padding; taken from the tokenizer when --tokenizer-type is given "
+                   "(NullTokenizer: the model's ids, the last being EOD)"),
     "ffn_hidden_size": "MLP inner width (default 4 x --hidden-size)",
     "num_query_groups": "key/value heads with --group-query-attention (default: one per attention head)",
     "max_position_embeddings": "rows of the learned position table (default --seq-length)",
@@ -127,6 +128,16 @@ HELP = {
     "eod_mask_loss": "no loss on positions whose input is the end-of-document token",
     "num_workers": "DataLoader worker processes per rank (Megatron-LM's default is 2)",
     "mmap_bin_files": "read .bin files with one file read per sample instead of memory-mapping them",
+    "sft": ("supervised fine-tuning: prompt/response or chat data from --train-data-path, loss on the responses "
+            "only, averaged per token over the global batch"),
+    "train_data_path": ("--sft: JSONL files of {\"prompt\", \"response\"} or {\"messages\"} lines, or "
+                        "--output-prefix of tools/preprocess_data.py --sft"),
+    "valid_data_path": "--sft: validation data, as --train-data-path",
+    "test_data_path": "--sft: test data, as --train-data-path, evaluated once after training",
+    "sft_tokenizer_prompt_format": ("--sft: how a conversation becomes text: plain (as written), chatml, or default "
+                                    "(the Hugging Face tokenizer's own chat template)"),
+    "sft_pack_sequences": ("--sft: pack several examples per sequence (positions restart, attention stays within "
+                           "each example) instead of padding one"),
     # checkpoint
     "save": "directory for checkpoints (checked for writability at start-up)",
     "load": "resume from this directory's newest checkpoint; starts from scratch if it holds none",

@@ -60,10 +60,11 @@ def collate_gpt_batch(samples: list[dict], *, eod_token: Optional[int], eod_mask
 
 def build_pretraining_data_loader(dataset, *, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
                                   data_parallel_size: int, eod_token: Optional[int] = None,
-                                  eod_mask_loss: bool = False, num_workers: int = 0):
+                                  eod_mask_loss: bool = False, num_workers: int = 0, collate_fn=None):
     """An iterator over this rank's micro-batches, starting after ``consumed_samples`` global samples.
 
-    Returns None for a None dataset (an empty split). Stops at the end of the dataset.
+    Returns None for a None dataset (an empty split). Stops at the end of the dataset. ``collate_fn``
+    replaces the GPT collation (samples of seq_length + 1 ids) for datasets that yield whole batches' fields.
     """
     if dataset is None:
         return None
@@ -77,5 +78,5 @@ def build_pretraining_data_loader(dataset, *, consumed_samples: int, micro_batch
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0,
         generator=torch.Generator(),
-        collate_fn=functools.partial(collate_gpt_batch, eod_token=eod_token, eod_mask_loss=eod_mask_loss))
+        collate_fn=collate_fn or functools.partial(collate_gpt_batch, eod_token=eod_token, eod_mask_loss=eod_mask_loss))
     return iter(loader)

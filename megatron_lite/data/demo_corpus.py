@@ -11,8 +11,8 @@ import json
 import os
 
 from megatron_lite.data.atomic_write import atomic_write
-from megatron_lite.data.indexed_dataset import data_file_path, index_file_path
-from megatron_lite.data.preprocess import output_prefix_for, preprocess_jsonl
+from megatron_lite.data.indexed_dataset import data_file_path, index_file_path, output_prefix_for
+from megatron_lite.data.preprocess import preprocess_jsonl
 from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe
 
 DEMO_VOCAB_SIZE = 4096  # a multiple of 128, so Megatron's vocabulary padding leaves it unchanged at tp=1

@@ -36,6 +36,11 @@ def index_file_path(path_prefix: str) -> str:
     return path_prefix + ".idx"
 
 
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """Megatron-LM's naming of a preprocessed JSON key: ``{output_prefix}_{key}_document`` (what --data-path takes)."""
+    return f"{output_prefix}_{key}_document"
+
+
 def best_fitting_dtype(vocab_size: int) -> type:
     """uint16 halves the file size when every id fits (Megatron's threshold); int32 otherwise."""
     return np.uint16 if vocab_size < 65500 else np.int32

@@ -9,9 +9,13 @@ An empty document (``{"text": ""}``, or text that tokenizes to nothing) is kept 
 ``tools/preprocess_data.py`` keeps it: no tokens and no EOD even with ``append_eod``, no sequence,
 but its own entry in the document indices. So the same JSONL gives the same ``.bin``/``.idx``
 bytes, and the same samples, in both projects.
+
+Fine-tuning data (``sft_prompt_format``) is a prompt/response or chat record per line: it
+becomes two datasets of equal lengths, the token ids and their loss mask (``data/sft``).
 """
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -23,8 +27,10 @@ from typing import Optional, TextIO
 import numpy as np
 
 from megatron_lite.config import UserError
+from megatron_lite.data.jsonl import read_jsonl_lines
+from megatron_lite.data.sft.examples import LOSS_MASK_KEY, TOKENS_KEY, encode_sft_line
 from megatron_lite.data.indexed_dataset import (IndexedDatasetBuilder, best_fitting_dtype, data_file_path,
-                                                index_file_path)
+                                                index_file_path, output_prefix_for)
 from megatron_lite.tokenizer import build_tokenizer
 
 
@@ -70,37 +76,27 @@ def encode_line(line: str, tokenizer, json_keys: tuple[str, ...], append_eod: bo
 _worker = {}  # each worker process's tokenizer and options, set once by _init_worker
 
 
-def _init_worker(tokenizer_kwargs: dict, json_keys: tuple[str, ...], append_eod: bool) -> None:
-    _worker.update(tokenizer=build_tokenizer(**tokenizer_kwargs), json_keys=json_keys, append_eod=append_eod)
+def _init_worker(tokenizer_kwargs: dict, encode) -> None:
+    _worker.update(tokenizer=build_tokenizer(**tokenizer_kwargs), encode=encode)
 
 
 def _encode_item(item: tuple[int, int, str]):
     file_index, line_number, line = item
-    encoded, problem = encode_line(line, _worker["tokenizer"], _worker["json_keys"], _worker["append_eod"])
+    encoded, problem = _worker["encode"](line, _worker["tokenizer"])
     return file_index, line_number, len(line.encode("utf-8")), encoded, problem
-
-
-def _read_lines(input_paths: list[str]):
-    for file_index, path in enumerate(input_paths):
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if line.strip():  # blank lines (a trailing newline) are not documents
-                    yield file_index, line_number, line
-
-
-def output_prefix_for(output_prefix: str, key: str) -> str:
-    """Megatron-LM's naming: ``{output_prefix}_{key}_document`` (pass this to --data-path)."""
-    return f"{output_prefix}_{key}_document"
 
 
 def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kwargs: dict,
                      json_keys: tuple[str, ...] = ("text",), append_eod: bool = False, workers: int = 1,
-                     log_interval: int = 1000, strict: bool = False, log: Optional[TextIO] = None) -> PreprocessStats:
+                     log_interval: int = 1000, strict: bool = False, log: Optional[TextIO] = None,
+                     sft_prompt_format: Optional[str] = None) -> PreprocessStats:
     """Tokenizes every line of ``input_paths`` into one ``.bin``/``.idx`` pair per JSON key.
 
     Args:
         tokenizer_kwargs: arguments of ``build_tokenizer`` (tokenizer_type, vocab_file, ...).
         workers: tokenizer processes; the main process only reads and writes.
+        sft_prompt_format: fine-tuning records instead of ``json_keys``: writes the pairs
+            ``{output_prefix}_text_document`` (ids, EOD included) and ``{output_prefix}_loss_mask_document``.
     """
     log = log or sys.stderr
     if workers < 1:
@@ -109,7 +105,11 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
         if not os.path.isfile(path):
             raise PreprocessError(f"--input {path} is not a file; give a JSONL file with one JSON object per line.")
     tokenizer = build_tokenizer(**tokenizer_kwargs)  # fails here, clearly, before any worker starts
-    dtype = best_fitting_dtype(tokenizer.vocab_size)
+    dtypes = {key: best_fitting_dtype(tokenizer.vocab_size) for key in json_keys}
+    encode = functools.partial(encode_line, json_keys=tuple(json_keys), append_eod=append_eod)
+    if sft_prompt_format is not None:
+        dtypes = {TOKENS_KEY: best_fitting_dtype(tokenizer.vocab_size), LOSS_MASK_KEY: np.uint8}
+        encode = functools.partial(encode_sft_line, prompt_format=sft_prompt_format)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     builders = {}
     stats = PreprocessStats()
@@ -117,11 +117,10 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
     # Forked workers start at once (no re-import of torch); they only run the tokenizer.
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
     try:
-        for key in json_keys:
+        for key, dtype in dtypes.items():
             builders[key] = IndexedDatasetBuilder(data_file_path(output_prefix_for(output_prefix, key)), dtype)
-        with context.Pool(workers, initializer=_init_worker,
-                          initargs=(tokenizer_kwargs, tuple(json_keys), append_eod)) as pool:
-            results = pool.imap(_encode_item, _read_lines(input_paths), chunksize=64)
+        with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_kwargs, encode)) as pool:
+            results = pool.imap(_encode_item, read_jsonl_lines(input_paths), chunksize=64)
             _write_documents(results, builders, stats, input_paths=input_paths, strict=strict, log=log,
                              log_interval=log_interval, start=start)
         if stats.documents == 0:  # an empty dataset would only fail later, inside training
@@ -160,7 +159,7 @@ def _write_documents(results, builders: dict, stats: PreprocessStats, *, input_p
         for key, ids in encoded.items():
             builders[key].add_document(ids)
         stats.documents += 1
-        stats.tokens += sum(ids.size for ids in encoded.values())
+        stats.tokens += sum(ids.size for key, ids in encoded.items() if key != LOSS_MASK_KEY)
         if stats.documents % log_interval == 0:
             elapsed = time.monotonic() - start
             print(f"processed {stats.documents} documents ({stats.documents / elapsed:.1f} docs/s, "

@@ -188,6 +188,14 @@ class DistributedDataParallel(torch.nn.Module):
             if self.fully_sharded is not None and bucket.gathered is not None:
                 bucket.release_params()  # a parameter that got no gradient kept its bucket gathered
 
+    def scale_gradients(self, factor) -> None:
+        """Multiply every gradient this rank keeps (full buffers, or ZeRO-2/3's shards, which may live in
+        host memory) by ``factor``, a number or a 0-dim tensor."""
+        for buffer in self.grad_buffers:
+            for data in (buffer.grad_data, buffer.grad_shard_data):
+                if data is not None:
+                    data.mul_(factor.to(data.device) if torch.is_tensor(factor) else factor)
+
     def start_param_sync(self) -> None:
         """All-gather the updated parameter shards (optim, optim_grads); asynchronous under
         --overlap-param-gather, the next forward waiting bucket by bucket. ZeRO-3 gathers on use."""

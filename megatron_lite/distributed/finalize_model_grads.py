@@ -5,6 +5,8 @@
    the sequence: their gradients are summed over the tensor-parallel group.
 3. The tied word embedding lives on the first and the last pipeline stage: each
    holds half of its gradient, summed over the embedding group.
+4. With a per-token loss (``num_tokens`` given), backward ran from loss *sums*:
+   divide by the number of loss tokens in the whole global batch.
 
 Steps 2 and 3 are element-wise sums, so they act on each rank's ``param_slices()``
 only: its shards under a sharding strategy (where only those hold averaged
@@ -35,8 +37,11 @@ def _all_reduce_coalesced(grads: list, group) -> None:
         offset += g.numel()
 
 
-def finalize_model_grads(model_chunks: list, parallel_state) -> None:
-    """Make the gradient of every ``param_slices()`` entry of ``model_chunks`` (DistributedDataParallel) final."""
+def finalize_model_grads(model_chunks: list, num_tokens: torch.Tensor | None = None, *, parallel_state) -> None:
+    """Make the gradient of every ``param_slices()`` entry of ``model_chunks`` (DistributedDataParallel) final.
+
+    ``num_tokens``: the loss tokens this rank's last pipeline stage counted, for a per-token loss
+    (Megatron-Core's ``calculate_per_token_loss``); None when each micro-batch's loss was a mean."""
     for chunk in model_chunks:
         chunk.finish_grad_sync()
 
@@ -47,3 +52,18 @@ def finalize_model_grads(model_chunks: list, parallel_state) -> None:
     if parallel_state.pipeline_model_parallel_world_size > 1 and parallel_state.is_in_embedding_group():
         shared = [s.grad for s in slices if getattr(s.param, "shared_embedding", False)]
         _all_reduce_coalesced(shared, parallel_state.embedding_group)
+
+    if num_tokens is not None:
+        _divide_by_global_token_count(model_chunks, num_tokens, parallel_state)
+
+
+def _divide_by_global_token_count(model_chunks: list, num_tokens: torch.Tensor, parallel_state) -> None:
+    # Only the last stage counted the tokens; the others learn the count from it, then the replicas add theirs.
+    num_tokens = num_tokens.clone()
+    collectives.broadcast(num_tokens, src=parallel_state.group_ranks["pipeline"][-1],
+                          group=parallel_state.pipeline_model_parallel_group)
+    collectives.all_reduce(num_tokens, parallel_state.data_parallel_group)
+    # The data-parallel reduction averaged the replicas' gradients (x 1/dp); a sum over the batch is wanted.
+    factor = parallel_state.data_parallel_world_size / num_tokens.clamp(min=1).double()
+    for chunk in model_chunks:
+        chunk.scale_gradients(factor)

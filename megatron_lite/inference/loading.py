@@ -14,7 +14,9 @@ from megatron_lite.checkpointing import CheckpointError, load_checkpoint, read_c
 from megatron_lite.checkpointing.storage import TRACKER_FILE, read_latest_iteration
 from megatron_lite.config import CheckpointConfig, Config, ConfigError, ParallelConfig
 from megatron_lite.model.builder import build_model
-from megatron_lite.tokenizer import build_tokenizer, checkpoint_tokenizer_flags
+from megatron_lite.tokenizer import TOKENIZER_TYPES, build_model_tokenizer, checkpoint_tokenizer_flags
+
+TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
 
 def read_checkpoint_config(load_dir: str, parallel: ParallelConfig) -> Config:
@@ -41,17 +43,20 @@ def load_model(config: Config, parallel_state):
     return model.eval()
 
 
+def add_tokenizer_arguments(parser) -> None:
+    """The ``--tokenizer-*`` flags (``TOKENIZER_FIELDS``) of a command reading a checkpoint, which records its own."""
+    tokenizer = parser.add_argument_group("tokenizer (default: the one the checkpoint was trained with)")
+    tokenizer.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
+    tokenizer.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json")
+    tokenizer.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt")
+    tokenizer.add_argument("--tokenizer-model", help="SentencePieceTokenizer's .model, HuggingFaceTokenizer's "
+                                                     "tokenizer.json (or its directory)")
+
+
 def checkpoint_tokenizer(config: Config, given: dict):
     """The tokenizer the ``given`` ``--tokenizer-*`` flags name, or else the one the checkpoint was trained with."""
     flags = checkpoint_tokenizer_flags(dataclasses.asdict(config.data), given)
     if flags.get("tokenizer_type") is None:
         raise ConfigError("the checkpoint records no tokenizer (it was trained on --mock-data, or imported): pass "
                           "--tokenizer-type and its files (--vocab-file and --merge-file, or --tokenizer-model).")
-    # A NullTokenizer's ids are data below its EOD, the model vocabulary's last id; a TikTokenizer
-    # fills the model's vocabulary with its special tokens.
-    null = flags["tokenizer_type"] == "NullTokenizer"
-    return build_tokenizer(flags["tokenizer_type"], vocab_file=flags.get("vocab_file"),
-                           merge_file=flags.get("merge_file"), tokenizer_model=flags.get("tokenizer_model"),
-                           vocab_size=config.model.vocab_size - 1 if null else config.model.vocab_size,
-                           tiktoken_pattern=flags.get("tiktoken_pattern"),
-                           tiktoken_num_special_tokens=flags.get("tiktoken_num_special_tokens", 1000))
+    return build_model_tokenizer(flags, config.model.vocab_size)

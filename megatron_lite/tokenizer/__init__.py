@@ -51,5 +51,20 @@ def checkpoint_tokenizer_flags(recorded: dict, given: dict) -> dict:
     return flags
 
 
-__all__ = ["build_tokenizer", "checkpoint_tokenizer_flags", "TOKENIZER_TYPES", "GPT2BPETokenizer",
-           "SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer"]
+def build_model_tokenizer(flags: dict, model_vocab_size: int):
+    """The tokenizer of a model with ``model_vocab_size`` ids (unpadded), from the ``--tokenizer-*`` and
+    ``--tiktoken-*`` values in ``flags`` (a DataConfig's fields, or the flags a checkpoint recorded).
+
+    The one rule for a model's EOD: a NullTokenizer's ids are data below its EOD, which is the model
+    vocabulary's last id (data preprocessed with ``--vocab-size N`` trains a model of ``--vocab-size N+1``);
+    a TikTokenizer fills the model's vocabulary with its special and BPE tokens."""
+    null = flags["tokenizer_type"] == "NullTokenizer"
+    return build_tokenizer(flags["tokenizer_type"], vocab_file=flags.get("vocab_file"),
+                           merge_file=flags.get("merge_file"), tokenizer_model=flags.get("tokenizer_model"),
+                           vocab_size=model_vocab_size - 1 if null else model_vocab_size,
+                           tiktoken_pattern=flags.get("tiktoken_pattern"),
+                           tiktoken_num_special_tokens=flags.get("tiktoken_num_special_tokens", 1000))
+
+
+__all__ = ["build_tokenizer", "build_model_tokenizer", "checkpoint_tokenizer_flags", "TOKENIZER_TYPES",
+           "GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer"]

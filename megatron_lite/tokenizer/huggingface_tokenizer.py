@@ -1,6 +1,8 @@
-"""Hugging Face ``tokenizers`` files (``tokenizer.json``); the only place that imports ``tokenizers``."""
+"""Hugging Face ``tokenizers`` files (``tokenizer.json``); the only place that imports ``tokenizers``, and
+``transformers`` for the chat template next to them."""
 from __future__ import annotations
 
+import functools
 import os
 
 from megatron_lite.config import ConfigError
@@ -30,6 +32,7 @@ class HuggingFaceTokenizer:
             raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model pointing at a "
                               f"tokenizer.json (or its directory); {tokenizer_model!r} has none.")
         self._tokenizer = _import_tokenizers().Tokenizer.from_file(path)
+        self._directory = os.path.dirname(os.path.abspath(path))
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         eod = next((vocab[t] for t in _EOD_CANDIDATES if t in vocab), None)
         if eod is None:
@@ -48,3 +51,23 @@ class HuggingFaceTokenizer:
 
     def detokenize(self, ids) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
+        """The conversation as text by the tokenizer's own chat template (``chat_template`` in the
+        ``tokenizer_config.json`` next to ``tokenizer.json``), rendered by transformers."""
+        return _chat_tokenizer(self._directory).apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+@functools.lru_cache(maxsize=None)
+def _chat_tokenizer(directory: str):
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("--sft-tokenizer-prompt-format default renders the tokenizer's chat template with "
+                          "transformers: pip install transformers") from None
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"--sft-tokenizer-prompt-format default: the tokenizer in {directory} has no chat template "
+                          "(tokenizer_config.json's chat_template); use --sft-tokenizer-prompt-format chatml or plain.")
+    return tokenizer

@@ -1,31 +1,44 @@
-"""The micro-batch iterators the loop reads: train and validation, positioned for a resume."""
+"""The micro-batch iterators the loop reads: train, validation and test, positioned for a resume."""
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 import torch.distributed as dist
 
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.data import MockGPTDataset, build_pretraining_data_loader, build_train_valid_test_datasets
+from megatron_lite.data.sft import SFTDataset, load_sft_examples
 from megatron_lite.process_groups import failures
 from megatron_lite.process_groups.parallel_state import ParallelState
-from megatron_lite.tokenizer import build_tokenizer
+from megatron_lite.tokenizer import build_model_tokenizer
 from megatron_lite.training.logger import print_rank_last
 
 
 def build_data_iterators(config: Config, parallel_state: ParallelState, consumed_train_samples: int,
                          iteration: int = 0):
-    """(train, valid) micro-batch iterators positioned where ``iteration`` iterations left them (so a
-    resumed run continues with the same samples); a list of them, one per chunk, when interleaving."""
+    """(train, valid, test) micro-batch iterators positioned where ``iteration`` iterations left them (so a
+    resumed run continues with the same samples); a list of them, one per chunk, when interleaving. Test
+    data is read once, after training: only fine-tuning's --test-data-path gives it."""
     training, data = config.training, config.data
     global_batch = training.global_batch(parallel_state.data_parallel_world_size)
     consumed_valid_samples = (iteration // training.eval_interval) * training.eval_iters * global_batch
-    eod_token = _eod_token(data, config.model.vocab_size) if data.eod_mask_loss else None
+    eod_token = None
+    if data.eod_mask_loss:
+        eod_token = build_model_tokenizer(dataclasses.asdict(data), config.model.vocab_size).eod
     num_evaluations = training.train_iters // training.eval_interval + 1
     num_samples = (training.train_iters * global_batch, num_evaluations * training.eval_iters * global_batch,
                    training.eval_iters * global_batch)
-    train_ds, valid_ds = _build_datasets(config, num_samples)[:2]
+    if data.sft:
+        train_ds, valid_ds, test_ds = _build_sft_datasets(config, num_samples)
+    else:
+        (train_ds, valid_ds), test_ds = _build_datasets(config, num_samples)[:2], None
     print_rank_last(f" data: train {train_ds.describe() if train_ds else 'none'} | "
-                    f"validation {valid_ds.describe() if valid_ds else 'none'}")
+                    f"validation {valid_ds.describe() if valid_ds else 'none'}"
+                    + (f" | test {test_ds.describe()}" if test_ds else ""))
     vpp = config.parallel.virtual_pipeline_model_parallel_size or 1
+    # SFT samples are whole fields already (tokens, labels, masks), which the default collation stacks.
+    collate_fn = torch.utils.data.default_collate if data.sft else None
 
     def loaders(dataset, consumed):
         if dataset is None:
@@ -34,18 +47,27 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, consumed
             dataset, consumed_samples=consumed, micro_batch_size=training.micro_batch_size,
             data_parallel_rank=parallel_state.data_parallel_rank,
             data_parallel_size=parallel_state.data_parallel_world_size,
-            eod_token=eod_token, eod_mask_loss=data.eod_mask_loss, num_workers=data.num_workers)
-            for _ in range(vpp)]
+            eod_token=eod_token, eod_mask_loss=data.eod_mask_loss, num_workers=data.num_workers,
+            collate_fn=collate_fn) for _ in range(vpp)]
         return made if vpp > 1 else made[0]
 
-    return loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples)
+    return loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples), loaders(test_ds, 0)
 
 
-def _eod_token(data, vocab_size: int) -> int:
-    return build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
-                           tokenizer_model=data.tokenizer_model, vocab_size=vocab_size,
-                           tiktoken_pattern=data.tiktoken_pattern,
-                           tiktoken_num_special_tokens=data.tiktoken_num_special_tokens).eod
+def _build_sft_datasets(config: Config, num_samples: tuple):
+    """Fine-tuning datasets from --train-data-path, --valid-data-path and --test-data-path (None where absent)."""
+    data = config.data
+    tokenizer = build_model_tokenizer(dataclasses.asdict(data), config.model.vocab_size)
+    datasets = []
+    for paths, count in zip((data.train_data_path, data.valid_data_path, data.test_data_path), num_samples):
+        if not paths or count <= 0:
+            datasets.append(None)
+            continue
+        examples = load_sft_examples(paths, tokenizer, data.sft_tokenizer_prompt_format)
+        datasets.append(SFTDataset(examples, seq_length=config.model.seq_length, num_samples=count,
+                                   seed=config.training.seed, pad_token=tokenizer.pad,
+                                   pack_sequences=data.sft_pack_sequences))
+    return tuple(datasets)
 
 
 def _build_datasets(config: Config, num_samples: tuple):

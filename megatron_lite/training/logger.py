@@ -98,11 +98,12 @@ class TrainingLogger:
         self._scalars(state.iteration, {"lm loss": lm_loss, "learning rate": learning_rate, "grad norm": grad_norm,
                                         "tokens per second": tokens_per_second, "loss scale": loss_scale})
 
-    def log_validation(self, iteration: int, valid_loss: float | None) -> None:
+    def log_validation(self, iteration: int, valid_loss: float | None, on: str | None = None) -> None:
+        """``on``: which data, when not the validation set (``"test set"``)."""
         if valid_loss is None:  # not the last pipeline stage
             return
-        print_rank_last(metrics.format_validation_log(iteration=iteration, lm_loss=valid_loss))
-        self._scalars(iteration, {"lm loss validation": valid_loss})
+        print_rank_last(metrics.format_validation_log(iteration=iteration, lm_loss=valid_loss, on=on))
+        self._scalars(iteration, {"lm loss test" if on else "lm loss validation": valid_loss})
 
     def _scalars(self, iteration: int, values: dict) -> None:
         if self.writer is None:

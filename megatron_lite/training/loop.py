@@ -51,17 +51,27 @@ def get_model(config: Config, parallel_state: ParallelState) -> list[Distributed
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Masked mean of the per-token loss of one micro-batch."""
+    """(sum of the masked per-token losses, number of loss tokens, {"lm loss": [sum, count]}) of one
+    micro-batch, Megatron-Core's form: the schedule turns it into a micro-batch mean, or with a per-token
+    loss leaves the division by the global batch's count to finalize_model_grads."""
     loss_mask = loss_mask.float()
-    loss = torch.sum(output_tensor.float() * loss_mask) / loss_mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach()}
+    loss_sum = torch.sum(output_tensor.float() * loss_mask)
+    num_tokens = loss_mask.sum().long()
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
 
 
 def forward_step(data_iterator, model):
-    """One micro-batch through this rank's model chunk (Megatron's forward_step contract)."""
+    """One micro-batch through this rank's model chunk (Megatron's forward_step contract). Packed
+    fine-tuning batches carry a block-diagonal ``attention_mask``; without one, attention is causal."""
     batch = {k: v.to(current_device(), non_blocking=True) for k, v in next(data_iterator).items()}
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def calculate_per_token_loss(config: Config) -> bool:
+    """Fine-tuning averages the loss over the loss-masked tokens of the whole global batch (REFERENCE 10),
+    so examples count by their response tokens, not by the micro-batch they landed in."""
+    return config.data.sft
 
 
 def train_step(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, data_iterator):
@@ -93,30 +103,30 @@ def _forward_backward(config, parallel_state, model_chunks, data_iterator, *, fo
         # reduce behind the remaining backwards (interleaved chunks finish their backwards at different times).
         dtype=config.params_dtype, no_sync_func=[chunk.no_sync for chunk in model_chunks],
         finalize_model_grads_func=functools.partial(finalize_model_grads, parallel_state=parallel_state),
-        grad_scale_func=grad_scale_func)
+        grad_scale_func=grad_scale_func, calculate_per_token_loss=calculate_per_token_loss(config))
 
 
 def _average_loss(losses: list, parallel_state: ParallelState) -> float | None:
-    """Mean over micro-batches, then over data-parallel replicas (last stage only)."""
+    """The loss of the global batch (last stage only): the per-token mean over every micro-batch and
+    data-parallel replica, as Megatron reports ``[sum, count]`` losses."""
     if not parallel_state.is_pipeline_last_stage():
         return None
-    loss = torch.stack([entry["lm loss"].float() for entry in losses]).mean().reshape(1)
-    collectives.all_reduce(loss, parallel_state.data_parallel_group)
-    return loss.item() / parallel_state.data_parallel_world_size
+    total = torch.stack([entry["lm loss"].float() for entry in losses]).sum(dim=0)
+    collectives.all_reduce(total, parallel_state.data_parallel_group)
+    return (total[0] / total[1].clamp(min=1)).item()
 
 
 @torch.no_grad()
 def evaluate(config: Config, parallel_state: ParallelState, model_chunks, data_iterator) -> float | None:
-    """Mean validation loss over --eval-iters global batches, forward only."""
+    """Validation loss over --eval-iters global batches, forward only: the mean over all their loss tokens."""
     for chunk in model_chunks:
         chunk.eval()
     losses = []
     for _ in range(config.training.eval_iters):
-        step_losses = _forward_backward(config, parallel_state, model_chunks, data_iterator, forward_only=True)
-        losses.append(_average_loss(step_losses, parallel_state))
+        losses += _forward_backward(config, parallel_state, model_chunks, data_iterator, forward_only=True)
     for chunk in model_chunks:
         chunk.train()
-    return None if losses[0] is None else sum(losses) / len(losses)
+    return _average_loss(losses, parallel_state)
 
 
 def build_optimizer_and_scheduler(config: Config, parallel_state: ParallelState, model_chunks):
@@ -163,16 +173,17 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     state = TrainingState()
     if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
         state = checkpointing.load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) or state
-    train_iterator, valid_iterator = build_data_iterators(config, parallel_state, state.consumed_train_samples,
-                                                          state.iteration)
-    train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state)
+    train_iterator, valid_iterator, test_iterator = build_data_iterators(
+        config, parallel_state, state.consumed_train_samples, state.iteration)
+    train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
+          test_iterator)
     if not keep_process_group:
         destroy_model_parallel(parallel_state)
     return state, model_chunks, parallel_state
 
 
 def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
-          valid_iterator, state: TrainingState) -> None:
+          valid_iterator, state: TrainingState, test_iterator=None) -> None:
     training = config.training
     global_batch = training.global_batch(parallel_state.data_parallel_world_size)
     logger = TrainingLogger(config, parallel_state, global_batch)
@@ -212,6 +223,9 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
             if exit_now:
                 print_rank_last(f" exiting at iteration {state.iteration} (signal or --exit-interval)")
                 return
+    if test_iterator is not None:  # as Megatron, the test data is evaluated once, after training
+        logger.log_validation(state.iteration, evaluate(config, parallel_state, model_chunks, test_iterator),
+                              on="test set")
 
 
 def _every(iteration: int, interval: int | None) -> bool:

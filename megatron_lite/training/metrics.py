@@ -126,9 +126,12 @@ def format_memory_report(report: dict, iteration: int | None = None) -> str:
     return line
 
 
-def format_validation_log(*, iteration: int, lm_loss: float, prefix: str = "validation") -> str:
+def format_validation_log(*, iteration: int, lm_loss: float, on: str | None = None) -> str:
+    """Megatron's validation line; ``on="test set"`` names the data, as its end-of-training test line does."""
     ppl = math.exp(min(20.0, lm_loss))  # as Megatron: cap the exponent so a diverged run prints
-    return f" {prefix} loss at iteration {iteration} | lm loss value: {lm_loss:.6E} | lm loss PPL: {ppl:.6E} |"
+    where = f" on {on}" if on else ""
+    return (f" validation loss at iteration {iteration}{where} | lm loss value: {lm_loss:.6E} | "
+            f"lm loss PPL: {ppl:.6E} |")
 
 
 def tensorboard_writer(log_dir: str | None):

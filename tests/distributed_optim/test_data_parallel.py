@@ -127,7 +127,7 @@ def _count_communication(rank, world_size, sharded, overlap):
     counts = {f"backward {i}": counter.count(reduce_op, "data")
               for i, counter in enumerate(_count_micro_batches(ddp, parallel_state))}
     with collectives.count_collectives() as counter:
-        finalize_model_grads([ddp], parallel_state)
+        finalize_model_grads([ddp], parallel_state=parallel_state)
     counts["finalize"] = counter.count(reduce_op, "data")
     with collectives.count_collectives() as counter:
         optimizer.step()
@@ -160,7 +160,7 @@ def _zero2_communication(rank, world_size, overlap):
     (buffer,) = ddp.grad_buffers
     counts = [dict(counter.calls) for counter in _count_micro_batches(ddp, parallel_state)]
     with collectives.count_collectives() as counter:
-        finalize_model_grads([ddp], parallel_state)
+        finalize_model_grads([ddp], parallel_state=parallel_state)
         optimizer.step()
     counts.append(dict(counter.calls))
     return {"counts": counts, "staging buffers": len(buffer.staging_pool.buffers),

@@ -255,7 +255,7 @@ def test_offloaded_step_hands_nccl_only_gpu_tensors(dtype, strategy, grad_offloa
                                data_parallel_sharding_strategy=strategy, grad_cpu_offload=grad_offload)
     x, y = toy.global_batch(0)
     optimizer.scale_loss(F.mse_loss(ddp(x.to(dtype)).float(), y)).backward()
-    finalize_model_grads([ddp], parallel_state)
+    finalize_model_grads([ddp], parallel_state=parallel_state)
     groups = {name: StandInNcclGroup(name) for name in ("model", "data")}
     parallel_state.groups.update(groups)
     before = {k: v.clone() for k, v in ddp.state_dict().items()}

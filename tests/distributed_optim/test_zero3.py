@@ -57,7 +57,7 @@ def _run(rank, world_size, tied, prefetch, recompute):
                 loss.backward()
             result[f"backward {micro_batch}"] = dict(backward.calls)
     with collectives.count_collectives() as finalize:
-        finalize_model_grads([ddp], parallel_state)
+        finalize_model_grads([ddp], parallel_state=parallel_state)
     result["finalize"] = dict(finalize.calls)
     result["empty after backward"] = all(p.numel() == 0 for p in ddp.module.parameters())
     result["peak gathered bytes"] = ddp.fully_sharded.peak_gathered_bytes

@@ -76,7 +76,7 @@ def train_step(ddp, optimizer, parallel_state, step: int, *, before_finalize=Non
         total += loss.item()
     if before_finalize is not None:
         before_finalize(ddp)
-    finalize_model_grads([ddp], parallel_state)
+    finalize_model_grads([ddp], parallel_state=parallel_state)
     update_successful, grad_norm, _ = optimizer.step()
     loss = torch.tensor([total / parallel_state.data_parallel_world_size])
     if parallel_state.data_parallel_group is not None:

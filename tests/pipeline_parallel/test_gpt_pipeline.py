@@ -47,7 +47,7 @@ def _one_iteration(rank, world_size, layouts):
         ps = initialize_model_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                        par.virtual_pipeline_model_parallel_size)
         chunks = loop.get_model(config, ps)
-        data_iterator, _ = data_iterators.build_data_iterators(config, ps, consumed_train_samples=0)
+        data_iterator, _, _ = data_iterators.build_data_iterators(config, ps, consumed_train_samples=0)
         losses = get_forward_backward_func(ps)(
             forward_step_func=loop.forward_step, data_iterator=data_iterator, model=chunks,
             num_microbatches=config.training.num_microbatches(ps.data_parallel_world_size), seq_length=SEQ,
@@ -57,7 +57,8 @@ def _one_iteration(rank, world_size, layouts):
         grads = {name: (p.main_grad.clone(), getattr(p, "tensor_model_parallel", False),
                         getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1))
                  for chunk in chunks for name, p in chunk.module.named_parameters()}
-        results.append({"losses": [d["lm loss"].item() for d in losses], "grads": grads,
+        # Each micro-batch's "lm loss" is [sum, count] of its token losses.
+        results.append({"losses": [(d["lm loss"][0] / d["lm loss"][1]).item() for d in losses], "grads": grads,
                         "tp_rank": ps.tensor_model_parallel_rank, "dp_rank": ps.data_parallel_rank,
                         "stage": ps.pipeline_model_parallel_rank})
         destroy_model_parallel(ps)

@@ -110,7 +110,7 @@ def _hooks_body(rank, world_size, vpp, per_chunk_no_sync):
     no_sync = ([_RecordingNoSync(trace, c) for c in range(vpp)] if per_chunk_no_sync
                else _RecordingNoSync(trace, "all"))
 
-    def finalize(model_chunks):
+    def finalize(model_chunks, num_tokens):
         finalized.append(len(model_chunks))
         trace.append(("finalize",))
 

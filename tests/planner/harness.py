@@ -88,7 +88,7 @@ def run_layout(config, *, timed_steps: int = 0) -> dict:
     set_random_seeds(config.training.seed, state)
     chunks = get_model(config, state)
     optimizer, scheduler = build_optimizer_and_scheduler(config, state, chunks)
-    data, _ = build_data_iterators(config, state, 0)
+    data = build_data_iterators(config, state, 0)[0]
     parameters = [p for chunk in chunks for p in chunk.module.parameters()]
     with SavedActivationPeak(parameters) as tracker:
         train_step(config, state, chunks, optimizer, scheduler, data)

@@ -1,0 +1,161 @@
+"""Evaluate a checkpoint in one process: perplexity on data, exact match of greedy answers.
+
+    # perplexity over every token of an indexed dataset (consecutive samples of --seq-length + 1 tokens)
+    python -m megatron_lite.evaluate --load CKPT --data-path data/corpus_text_document
+
+    # perplexity over the response tokens of fine-tuning data, and exact match of greedy answers
+    python -m megatron_lite.evaluate --load CKPT --sft --data-path test.jsonl --exact-match \\
+        --output-file answers.jsonl
+
+The checkpoint's own config gives the architecture (any training layout; it is resharded to one
+process) and, unless ``--tokenizer-type`` names another, the tokenizer. Fine-tuning data is read as
+in training (the checkpoint's ``--sft-tokenizer-prompt-format`` unless given, one example per sample,
+truncated to --seq-length + 1 tokens); the answer to each JSONL line is generated greedily, with the
+key/value cache, from its conversation without the last (assistant) message and compared with that
+message, whitespace at the ends ignored. ``--output-file`` gets one JSON line per example.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import math
+import sys
+
+import numpy as np
+import torch
+
+from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError, ParallelConfig
+from megatron_lite.data import IndexedDataset
+from megatron_lite.data.data_samplers import collate_gpt_batch
+from megatron_lite.data.sft import format_prompt, load_sft_examples, response_text, split_last_response
+from megatron_lite.data.sft.examples import read_conversations
+from megatron_lite.data.sft.sft_dataset import build_sample
+from megatron_lite.inference.loading import (TOKENIZER_FIELDS, add_tokenizer_arguments, checkpoint_tokenizer,
+                                             load_model, read_checkpoint_config)
+from megatron_lite.inference.text_generation import generate
+from megatron_lite.process_groups.failures import run_command
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.training.loop import loss_func
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_lite.evaluate", allow_abbrev=False,
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--load", required=True, help="checkpoint directory (--save of the training run)")
+    parser.add_argument("--data-path", required=True, nargs="+",
+                        help="indexed dataset prefix(es); with --sft, JSONL file(s) or preprocessed --sft prefixes")
+    parser.add_argument("--sft", action="store_true", help="fine-tuning data: the loss covers response tokens only")
+    parser.add_argument("--sft-tokenizer-prompt-format", choices=SFT_PROMPT_FORMATS,
+                        help="with --sft: the chat template (default: the one the checkpoint was fine-tuned with)")
+    parser.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward for perplexity")
+    parser.add_argument("--max-samples", type=int, help="stop the perplexity after this many samples")
+    parser.add_argument("--exact-match", action="store_true",
+                        help="with --sft JSONL: generate each answer greedily and compare it with the response")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--output-file", help="--exact-match: one JSON line per example")
+    add_tokenizer_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(lambda: print("\n".join(format_results(evaluate_checkpoint(args))), flush=True))
+
+
+def evaluate_checkpoint(args: argparse.Namespace) -> dict:
+    """{"lm loss", "ppl", "tokens"} and, with --exact-match, {"exact match", "examples"}."""
+    if args.exact_match and not args.sft:
+        raise ConfigError("--exact-match compares answers with the responses of fine-tuning data: add --sft.")
+    if args.micro_batch_size < 1:
+        raise ConfigError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}.")
+    config = read_checkpoint_config(args.load, ParallelConfig())
+    tokenizer = checkpoint_tokenizer(config, {name: getattr(args, name) for name in TOKENIZER_FIELDS})
+    prompt_format = args.sft_tokenizer_prompt_format or config.data.sft_tokenizer_prompt_format
+    parallel_state = initialize_model_parallel(1, 1)
+    try:
+        model = load_model(config, parallel_state)
+        return _evaluate(model, config, tokenizer, prompt_format, args)
+    finally:
+        destroy_model_parallel(parallel_state)
+
+
+def _evaluate(model, config, tokenizer, prompt_format: str, args) -> dict:
+    seq_length = config.model.seq_length
+    if args.sft:
+        examples = load_sft_examples(args.data_path, tokenizer, prompt_format)
+        samples = (build_sample([examples.get(i)], seq_length=seq_length, pad_token=tokenizer.pad,
+                                pack_sequences=False) for i in range(len(examples)))
+        collate = torch.utils.data.default_collate
+    else:
+        samples = ({"tokens": window} for window in _consecutive_windows(args.data_path, seq_length))
+        collate = functools.partial(collate_gpt_batch, eod_token=None, eod_mask_loss=False)
+    loss_sum, num_tokens = _loss_sum_and_count(model, samples, collate, args.micro_batch_size, args.max_samples)
+    lm_loss = loss_sum / max(num_tokens, 1)
+    results = {"lm loss": lm_loss, "ppl": math.exp(min(20.0, lm_loss)), "tokens": num_tokens}
+    if args.exact_match:
+        results.update(_exact_match(model, tokenizer, prompt_format, args))
+    return results
+
+
+def format_results(results: dict) -> list[str]:
+    lines = [f" evaluation | lm loss value: {results['lm loss']:.6E} | lm loss PPL: {results['ppl']:.6E} | "
+             f"loss tokens: {results['tokens']} |"]
+    if "exact match" in results:
+        lines.append(f" exact match: {results['exact match']:.4f} ({results['matches']} of {results['examples']})")
+    return lines
+
+
+def _consecutive_windows(prefixes: list[str], seq_length: int):
+    """seq_length + 1 tokens at a time through each dataset's documents in order; consecutive windows share
+    their boundary token, as GPT samples do, so every token but the first is predicted once."""
+    for prefix in prefixes:
+        dataset, window = IndexedDataset(prefix), np.empty(0, dtype=np.int64)
+        for index in range(len(dataset)):
+            window = np.concatenate([window, dataset[index]])
+            while len(window) >= seq_length + 1:
+                yield window[:seq_length + 1]
+                window = window[seq_length:]
+
+
+@torch.no_grad()
+def _loss_sum_and_count(model, samples, collate, micro_batch_size: int, max_samples: int | None):
+    """(sum of the loss-masked token losses, their number) over ``samples``, batched by ``collate``."""
+    model.eval()
+    device = next(model.parameters()).device
+    loss_sum, num_tokens = 0.0, 0
+    samples = itertools.islice(samples, max_samples)
+    while batch := list(itertools.islice(samples, micro_batch_size)):
+        batch = {key: value.to(device) for key, value in collate(batch).items()}
+        output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+        batch_sum, batch_tokens, _ = loss_func(batch["loss_mask"], output)
+        loss_sum, num_tokens = loss_sum + batch_sum.item(), num_tokens + int(batch_tokens)
+    return loss_sum, num_tokens
+
+
+def _exact_match(model, tokenizer, prompt_format: str, args) -> dict:
+    matches, count = 0, 0
+    output = open(args.output_file, "w", encoding="utf-8") if args.output_file else None
+    try:
+        for path in args.data_path:
+            for line_number, messages in read_conversations(path):
+                prompt, reference = split_last_response(messages)
+                prompt_ids = format_prompt(prompt, tokenizer, prompt_format) or [tokenizer.eod]
+                answer_ids = generate(model, [prompt_ids], max_new_tokens=args.max_new_tokens, eod=tokenizer.eod,
+                                      greedy=True)[0]
+                answer = response_text(answer_ids, tokenizer, prompt_format)
+                matched = answer.strip() == reference.strip()
+                matches, count = matches + matched, count + 1
+                if output is not None:
+                    output.write(json.dumps({"source": f"{path}:{line_number}", "messages": prompt,
+                                             "reference": reference, "response": answer,
+                                             "exact_match": matched}) + "\n")
+    finally:
+        if output is not None:
+            output.close()
+    return {"exact match": matches / max(count, 1), "matches": matches, "examples": count}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
