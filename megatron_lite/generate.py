@@ -7,10 +7,15 @@
     torchrun --nproc-per-node 4 -m megatron_lite.generate --load CKPT --tensor-model-parallel-size 2 \\
         --pipeline-model-parallel-size 2 --prompts-file prompts.jsonl --output-file answers.jsonl --greedy
 
-``--prompts-file`` lines are ``{"prompt": "..."}``; ``--output-file`` gets one
-``{"prompt": ..., "response": ...}`` line per prompt, in order, the response being the
-generated text only (up to EOD). The checkpoint's config gives the architecture and its
-weights are resharded to the layout asked for; the tokens do not depend on the layout.
+``--prompts-file`` lines are ``{"prompt": "..."}`` or ``{"messages": [{"role", "content"}, ...]}``
+(a conversation ending with a user or system message); ``--output-file`` gets one
+``{"prompt": ..., "response": ...}`` line per prompt, in order (``prompt`` is the line's prompt or
+messages), the response being the generated text only (up to EOD, without the chat format's
+end-of-turn marker). Prompts go through the chat template the checkpoint was fine-tuned with
+(``--sft-tokenizer-prompt-format``, recorded in its config; ``plain``, the text as written, for a
+pretrained model), exactly as training tokenized them: a ``{"prompt": p}`` is the conversation of
+one user message ``p``. The checkpoint's config gives the architecture and its weights are
+resharded to the layout asked for; the tokens do not depend on the layout.
 """
 from __future__ import annotations
 
@@ -19,8 +24,10 @@ import sys
 
 import torch
 
-from megatron_lite.config import ConfigError, ParallelConfig
+from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError, ParallelConfig
 from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.data.jsonl import read_jsonl_lines
+from megatron_lite.data.sft.prompt_format import ROLES, format_prompt, response_text
 from megatron_lite.inference.loading import (TOKENIZER_FIELDS, add_tokenizer_arguments, checkpoint_tokenizer,
                                              load_model, read_checkpoint_config)
 from megatron_lite.inference.text_generation import check_sampling, generate
@@ -35,10 +42,13 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--load", required=True, help="checkpoint directory (the --save of a training run)")
     prompts = parser.add_argument_group("prompts and output")
     prompts.add_argument("--prompt", help="one prompt (default: none, the model starts from EOD)")
-    prompts.add_argument("--prompts-file", help='JSONL, one {"prompt": "..."} per line')
+    prompts.add_argument("--prompts-file", help='JSONL, one {"prompt": "..."} or {"messages": [...]} per line')
     prompts.add_argument("--output-file", help='JSONL, one {"prompt": ..., "response": ...} per prompt '
                                                "(default: print the samples)")
     prompts.add_argument("--micro-batch-size", type=int, default=8, help="prompts generated together (default: 8)")
+    prompts.add_argument("--sft-tokenizer-prompt-format", choices=SFT_PROMPT_FORMATS,
+                         help="the chat template prompts go through (default: the one the checkpoint was "
+                              "fine-tuned with; plain for a pretrained one)")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-new-tokens", type=int, default=64,
                           help="tokens generated per prompt at most; EOD ends a sequence early (default: 64)")
@@ -71,6 +81,7 @@ def generate_from_checkpoint(args) -> None:
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size)
     config = read_checkpoint_config(args.load, parallel)
     tokenizer = checkpoint_tokenizer(config, {name: getattr(args, name) for name in TOKENIZER_FIELDS})
+    prompt_format = args.sft_tokenizer_prompt_format or config.data.sft_tokenizer_prompt_format
     prompts = _read_prompts(args.prompts_file) if args.prompts_file else [args.prompt or ""]
     env = initialize_distributed(parallel)
     if parallel.data_parallel_size(env.world_size) != 1:
@@ -84,35 +95,49 @@ def generate_from_checkpoint(args) -> None:
     results = []
     for start in range(0, len(prompts), args.micro_batch_size):
         batch = prompts[start:start + args.micro_batch_size]
-        new_tokens = generate(model, [tokenizer.tokenize(p) or [tokenizer.eod] for p in batch],
+        new_tokens = generate(model, [format_prompt(_conversation(p), tokenizer, prompt_format) or [tokenizer.eod]
+                                      for p in batch],
                               max_new_tokens=args.max_new_tokens, eod=tokenizer.eod, greedy=args.greedy,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               generator=generator, parallel_state=parallel_state)
-        results += [{"prompt": p, "response": tokenizer.detokenize([t for t in ids if t != tokenizer.eod])}
+        results += [{"prompt": p, "response": response_text(ids, tokenizer, prompt_format)}
                     for p, ids in zip(batch, new_tokens)]
     if parallel_state.rank == 0:
         _write_results(results, args)
 
 
-def _read_prompts(path: str) -> list[str]:
-    """The prompts of a JSONL file; a bad line is named ``file:line``."""
+def _read_prompts(path: str) -> list:
+    """The prompts of a JSONL file (text, or a list of messages); a bad line is named ``file:line``."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = [(number, line) for number, line in enumerate(f, start=1) if line.strip()]
+        prompts = [_prompt_of(line, f"{path}:{number}") for _, number, line in read_jsonl_lines([path])]
     except OSError as error:
         raise ConfigError(f"--prompts-file {path}: {error.strerror}.") from None
-    prompts = []
-    for number, line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{path}:{number}: malformed JSON ({error.msg} at column {error.colno}).") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise ConfigError(f'{path}:{number}: expected {{"prompt": "..."}}, got {line.strip()[:80]}')
-        prompts.append(record["prompt"])
     if not prompts:
         raise ConfigError(f"--prompts-file {path} holds no prompts.")
     return prompts
+
+
+def _prompt_of(line: str, where: str):
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{where}: malformed JSON ({error.msg} at column {error.colno}).") from None
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        return record["prompt"]
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages)):
+        raise ConfigError(f'{where}: expected {{"prompt": "..."}} or {{"messages": [{{"role": one of '
+                          f'{", ".join(ROLES)}, "content": "..."}}, ...]}}, got {line.strip()[:80]}')
+    if messages[-1]["role"] == "assistant":
+        raise ConfigError(f"{where}: the conversation ends with the assistant's message; a prompt ends with the "
+                          f"user's (or system's) message that the response answers.")
+    return messages
+
+
+def _conversation(prompt) -> list[dict]:
+    """A text prompt is one user message, as a {"prompt", "response"} example is in training."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
 
 def _write_results(results: list[dict], args) -> None:

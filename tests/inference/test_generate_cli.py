@@ -12,6 +12,7 @@ import pytest
 
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.config import DataConfig
+from megatron_lite.data.sft import format_prompt, response_text
 from megatron_lite.generate import main
 from megatron_lite.inference.text_generation import generate
 from megatron_lite.tokenizer.gpt2_bpe import EOD_TOKEN, GPT2BPETokenizer, bytes_to_unicode
@@ -25,17 +26,18 @@ PROMPTS = ["The cat", "Once upon a time there was", "x", "def main():\n    retur
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A checkpoint saved at tp=2 whose config records a byte-level GPT-2 tokenizer (no merges:
-    257 ids, one per byte and EOD), and the model it holds, built in this process."""
+    257 ids, one per byte and EOD) and the ChatML template, and the model it holds, built here."""
     root = tmp_path_factory.mktemp("generate")
     tokenizer_dir = root / "tokenizer"
     tokenizer_dir.mkdir()
     vocab = {char: byte for byte, char in bytes_to_unicode().items()} | {EOD_TOKEN: 256}
     (tokenizer_dir / "vocab.json").write_text(json.dumps(vocab))
     (tokenizer_dir / "merges.txt").write_text("#version: 0.2\n")
-    config = config_of("rope_gqa", tp=2, vocab_size=257)
+    config = config_of("rope_gqa", tp=2, vocab_size=257, seq_length=128)
     config.data = DataConfig(data_path=["corpus_text_document"], tokenizer_type="GPT2BPETokenizer",
-                             vocab_file=str(tokenizer_dir / "vocab.json"), merge_file=str(tokenizer_dir / "merges.txt"))
-    model, _ = build("rope_gqa", vocab_size=257)
+                             vocab_file=str(tokenizer_dir / "vocab.json"), merge_file=str(tokenizer_dir / "merges.txt"),
+                             sft_tokenizer_prompt_format="chatml")
+    model, _ = build("rope_gqa", vocab_size=257, seq_length=128)
     weights = dict(model.named_parameters())
     write_checkpoint(str(root / "ckpt"), config, lambda name: weights[name].detach(), iteration=0)
     return str(root / "ckpt"), model, GPT2BPETokenizer(config.data.vocab_file, config.data.merge_file)
@@ -43,7 +45,8 @@ def checkpoint(tmp_path_factory):
 
 def _prompts_file(tmp_path, prompts=PROMPTS) -> str:
     path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    path.write_text("".join(json.dumps({"messages" if isinstance(p, list) else "prompt": p}) + "\n"
+                            for p in prompts))
     return str(path)
 
 
@@ -59,18 +62,26 @@ def _torchrun(args: list[str], ranks: int = 2) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_a_prompts_file_gives_one_response_per_prompt_with_the_checkpoints_tokenizer(checkpoint, tmp_path):
+@pytest.mark.parametrize("prompt_format", [None, "plain"], ids=["recorded-chatml", "plain"])
+def test_a_prompts_file_gives_one_response_per_prompt_with_the_checkpoints_tokenizer(checkpoint, tmp_path,
+                                                                                     prompt_format):
+    """No tokenizer flag: the recorded tokenizer and chat template, as training tokenized a conversation."""
     load, model, tokenizer = checkpoint
+    prompts = [*PROMPTS, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]]
     output = tmp_path / "responses.jsonl"
-    assert main(["--load", load, "--prompts-file", _prompts_file(tmp_path), "--output-file", str(output),
-                 "--greedy", "--max-new-tokens", "12", "--micro-batch-size", "3"]) == 0
-    expected = [generate(model, [tokenizer.tokenize(p)], max_new_tokens=12, eod=tokenizer.eod, greedy=True)[0]
-                for p in PROMPTS]
+    chosen = ["--sft-tokenizer-prompt-format", prompt_format] if prompt_format else []
+    assert main(["--load", load, "--prompts-file", _prompts_file(tmp_path, prompts), "--output-file", str(output),
+                 "--greedy", "--max-new-tokens", "12", "--micro-batch-size", "3", *chosen]) == 0
+    prompt_format = prompt_format or "chatml"
+    conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+    expected = [generate(model, [format_prompt(c, tokenizer, prompt_format)], max_new_tokens=12, eod=tokenizer.eod,
+                         greedy=True)[0] for c in conversations]
     responses = _responses(output)
-    assert [r["prompt"] for r in responses] == PROMPTS
-    assert [r["response"] for r in responses] == [tokenizer.detokenize([t for t in ids if t != tokenizer.eod])
-                                                  for ids in expected]
-    assert len({r["response"] for r in responses}) == len(PROMPTS)
+    assert [r["prompt"] for r in responses] == prompts
+    assert [r["response"] for r in responses] == [response_text(ids, tokenizer, prompt_format) for ids in expected]
+    assert len({r["response"] for r in responses}) == len(prompts)
+    if prompt_format == "plain":  # the text as written
+        assert format_prompt(conversations[0], tokenizer, "plain") == tokenizer.tokenize(PROMPTS[0])
 
 
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]],
@@ -128,11 +139,14 @@ def test_a_bad_prompt_line_is_named(checkpoint, tmp_path, capsys):
     path.write_text('{"prompt": "fine"}\n\n{"text": "no prompt"}\n')
     assert main(["--load", checkpoint[0], "--prompts-file", str(path)]) == 2
     assert f"{path}:3:" in capsys.readouterr().err
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
+    assert main(["--load", checkpoint[0], "--prompts-file", str(path)]) == 2
+    assert f"{path}:1: the conversation ends with the assistant's message" in capsys.readouterr().err
 
 
 def test_a_prompt_too_long_for_the_model_is_a_clean_error(checkpoint, capsys):
-    assert main(["--load", checkpoint[0], "--prompt", "hi", "--max-new-tokens", "100"]) == 2
-    assert "--max-new-tokens 100" in capsys.readouterr().err
+    assert main(["--load", checkpoint[0], "--prompt", "hi", "--max-new-tokens", "120"]) == 2
+    assert "--max-new-tokens 120" in capsys.readouterr().err
 
 
 def test_flags_are_checked(checkpoint, capsys):
