@@ -22,8 +22,9 @@ VOCAB_SIZE = 12
 
 
 def reversal_examples(count: int, *, seed: int, min_length: int = 3, max_length: int = 6,
-                      exclude: set | None = None) -> list[dict]:
-    """``count`` distinct {"prompt", "response"} records, none of whose strings are in ``exclude``."""
+                      exclude: set | None = None, task: str = "reverse") -> list[dict]:
+    """``count`` distinct {"prompt", "response"} records, none of whose strings are in ``exclude``; with
+    ``task="copy"`` the response is the string itself (a base model for parameter-efficient fine-tuning)."""
     rng, seen, records = random.Random(seed), set(exclude or ()), []
     while len(records) < count:
         letters = tuple(rng.choice(LETTERS) for _ in range(rng.randint(min_length, max_length)))
@@ -31,7 +32,7 @@ def reversal_examples(count: int, *, seed: int, min_length: int = 3, max_length:
             continue
         seen.add(letters)
         records.append({"prompt": " ".join(map(str, letters + (SEPARATOR,))),
-                        "response": " ".join(map(str, reversed(letters)))})
+                        "response": " ".join(map(str, reversed(letters) if task == "reverse" else letters))})
     return records
 
 
@@ -39,11 +40,12 @@ def _letters(record: dict) -> tuple:
     return tuple(int(x) for x in record["prompt"].split()[:-1])
 
 
-def write_splits(output_dir: str, *, train: int = 4000, valid: int = 100, test: int = 100, seed: int = 0) -> dict:
-    """Writes the three JSONL files; returns {split: path}."""
+def write_splits(output_dir: str, *, train: int = 4000, valid: int = 100, test: int = 100, seed: int = 0,
+                 task: str = "reverse") -> dict:
+    """Writes the three JSONL files; returns {split: path}. Both tasks hold out the same strings."""
     os.makedirs(output_dir, exist_ok=True)
-    held_out = reversal_examples(valid + test, seed=seed + 1)
-    splits = {"train": reversal_examples(train, seed=seed, exclude={_letters(r) for r in held_out}),
+    held_out = reversal_examples(valid + test, seed=seed + 1, task=task)
+    splits = {"train": reversal_examples(train, seed=seed, exclude={_letters(r) for r in held_out}, task=task),
               "valid": held_out[:valid], "test": held_out[valid:]}
     paths = {}
     for name, records in splits.items():

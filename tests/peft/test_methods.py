@@ -6,10 +6,12 @@ prefixes with the same logits, and an adapter checkpoint loads for generation on
 """
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
 from megatron_lite.checkpointing import read_config
+from megatron_lite.data.sft.sft_dataset import build_sample
 from megatron_lite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
                                   PeftConfig, TrainingConfig)
 from tests.peft.common import load_single_process
@@ -71,6 +73,31 @@ def test_adapter_checkpoint_loads_for_generation_onto_its_base(tmp_path):
     assert config.peft.peft == "adapter"
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(INPUT), chunks[0].module.eval()(INPUT), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("peft", [PeftConfig(peft="prefix", prefix_length=3), PeftConfig(peft="lora", lora_rank=4),
+                                  PeftConfig(peft="adapter", adapter_dim=4)], ids=["prefix", "lora", "adapter"])
+def test_packed_examples_have_their_logits_alone(peft):
+    """--sft-pack-sequences: each packed example sees the whole prefix and nothing of its neighbours."""
+    examples = [(np.array(ids), np.ones(len(ids), dtype=np.uint8)) for ids in ([5, 6, 7, 8], [9, 10, 11], [12, 13])]
+    packed = build_sample(examples, seq_length=12, pad_token=127, pack_sequences=True)
+    config = _config(peft)
+    parallel_state = initialize_model_parallel(1, 1)
+    try:
+        (model,) = build_model(config, parallel_state)
+        for param in model.parameters():  # every added weight away from its init (LoRA's B and U are zero there)
+            torch.nn.init.normal_(param, std=0.2)
+        model.eval()
+        with torch.no_grad():
+            together = model(torch.tensor(packed["tokens"])[None], torch.tensor(packed["position_ids"])[None],
+                             torch.tensor(packed["attention_mask"])[None])[0]
+            offset = 0
+            for ids, _ in examples:
+                alone = model(torch.tensor(ids[:-1])[None])[0]
+                torch.testing.assert_close(together[offset:offset + len(ids) - 1], alone, atol=1e-5, rtol=1e-5)
+                offset += len(ids) - 1
+    finally:
+        destroy_model_parallel(parallel_state)
 
 
 @pytest.mark.parametrize("granularity", ["full", "selective"])
