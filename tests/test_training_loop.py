@@ -84,10 +84,10 @@ def test_log_line_counts_the_interval_as_megatron_does(capsys):
     from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 
     config = parse_args(BASE + ["--train-iters", "6", "--no-log-memory"])
-    logger = TrainingLogger(config, initialize_model_parallel(1, 1), global_batch=4)
+    logger = TrainingLogger(config, initialize_model_parallel(1, 1), train_iters=6)
     state = TrainingState()
     for iteration, (loss, skipped) in enumerate([(2.0, False), (9.0, True), (float("nan"), True), (4.0, False)], 1):
-        logger.record(loss, 0.1, skipped=skipped)
+        logger.record(loss, 0.1, skipped=skipped, global_batch=4)
         state.iteration = iteration
         if iteration in (2, 4):
             logger.log_interval(state, _Optimizer(), grad_norm=None)

@@ -44,19 +44,23 @@ class DistributedDataParallel(torch.nn.Module):
         config: the parallel configuration (bucket size, overlap flags, distributed optimizer).
         data_parallel_group: the group gradients are averaged over (None = one rank).
         grad_reduce_in_fp32: keep and reduce gradients in fp32. Default: on for bf16 parameters
-            (Megatron always accumulates bf16 gradients in fp32) or with
+            (Megatron accumulates bf16 gradients in fp32 unless --grad-reduce-in-bf16) or with
             --accumulate-allreduce-grads-in-fp32; off otherwise (fp16 gradients stay fp16).
+        calculate_per_token_loss: sum gradients over replicas instead of averaging them; the
+            per-token loss divides them by the global token count afterwards (finalize_model_grads).
     """
 
     def __init__(self, module: torch.nn.Module, *, config: ParallelConfig, data_parallel_group,
-                 grad_reduce_in_fp32: Optional[bool] = None) -> None:
+                 grad_reduce_in_fp32: Optional[bool] = None, calculate_per_token_loss: bool = False) -> None:
         super().__init__()
         self.module = module
         self.config = config
         self.data_parallel_group = data_parallel_group
         if config.ddp_bucket_size is not None and config.ddp_bucket_size < 1:
             raise ConfigError(f"--ddp-bucket-size must be a positive number of elements, got {config.ddp_bucket_size}.")
-        self.bucket_size = default_bucket_size(config, collectives.world_size(data_parallel_group))
+        data_parallel_size = collectives.world_size(data_parallel_group)
+        self.bucket_size = default_bucket_size(config, data_parallel_size)
+        gradient_scaling_factor = 1.0 if calculate_per_token_loss else 1.0 / data_parallel_size
         self.is_last_microbatch = True
 
         params = [p for p in module.parameters() if p.requires_grad]
@@ -67,9 +71,11 @@ class DistributedDataParallel(torch.nn.Module):
         for dtype, group in by_dtype.items():
             fp32_grads = grad_reduce_in_fp32
             if fp32_grads is None:
-                fp32_grads = config.accumulate_allreduce_grads_in_fp32 or dtype == torch.bfloat16
+                fp32_grads = config.accumulate_allreduce_grads_in_fp32 or (
+                    dtype == torch.bfloat16 and not config.grad_reduce_in_bf16)
             self.grad_buffers.append(ParamAndGradBuffer(
                 group, grad_dtype=torch.float32 if fp32_grads else dtype, bucket_size=self.bucket_size,
+                gradient_scaling_factor=gradient_scaling_factor,
                 data_parallel_group=data_parallel_group, sharded=config.use_distributed_optimizer,
                 needs_own_bucket=lambda p: config.use_distributed_optimizer and getattr(p, "shared_embedding", False)))
         self.param_to_bucket = {p: b for buf in self.grad_buffers for p, b in buf.param_to_bucket.items()}
@@ -136,6 +142,11 @@ class DistributedDataParallel(torch.nn.Module):
         """Wait for every outstanding parameter all-gather (before reading or saving weights)."""
         for bucket in self.buckets:
             bucket.finish_param_sync()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply every gradient in the buffers (the per-token loss's division by the token count)."""
+        for buffer in self.grad_buffers:
+            buffer.grad_data.mul_(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
         """Zero the gradient buffers; call before each iteration's first micro-batch."""

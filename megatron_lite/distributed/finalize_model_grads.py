@@ -5,6 +5,9 @@
    the sequence: their gradients are summed over the tensor-parallel group.
 3. The tied word embedding lives on the first and the last pipeline stage: each
    holds half of its gradient, summed over the embedding group.
+4. Under --calculate-per-token-loss the gradients are sums over tokens (the data-parallel
+   reduction summed without averaging): divide them by the global number of loss tokens,
+   counted on the last stage, sent to the other stages and summed over data-parallel ranks.
 
 Steps 2 and 3 are element-wise sums, so under the distributed optimizer (where
 only this rank's shard of ``main_grad`` is meaningful after step 1) they stay
@@ -33,8 +36,10 @@ def _all_reduce_coalesced(grads: list, group) -> None:
         offset += g.numel()
 
 
-def finalize_model_grads(model_chunks: list, parallel_state) -> None:
-    """Make every ``param.main_grad`` of ``model_chunks`` (DistributedDataParallel) final."""
+def finalize_model_grads(model_chunks: list, parallel_state, num_tokens: torch.Tensor | None = None) -> None:
+    """Make every ``param.main_grad`` of ``model_chunks`` (DistributedDataParallel) final.
+
+    ``num_tokens``: this rank's loss-token count under --calculate-per-token-loss (0 off the last stage)."""
     for chunk in model_chunks:
         chunk.finish_grad_sync()
 
@@ -45,3 +50,17 @@ def finalize_model_grads(model_chunks: list, parallel_state) -> None:
     if parallel_state.pipeline_model_parallel_world_size > 1 and parallel_state.is_in_embedding_group():
         shared = [p.main_grad for p in params if getattr(p, "shared_embedding", False)]
         _all_reduce_coalesced(shared, parallel_state.embedding_group)
+
+    if num_tokens is not None:
+        global_tokens = global_num_tokens(num_tokens, parallel_state)
+        for chunk in model_chunks:
+            chunk.scale_gradients(1.0 / max(global_tokens, 1))
+
+
+def global_num_tokens(num_tokens: torch.Tensor, parallel_state) -> int:
+    """The global batch's loss tokens: the last stage's count, summed over data-parallel ranks."""
+    total = num_tokens.detach().to(torch.int64).reshape(1).clone()
+    last_stage = parallel_state.group_ranks["pipeline"][-1]
+    collectives.broadcast(total, src=last_stage, group=parallel_state.pipeline_model_parallel_group)
+    collectives.all_reduce(total, parallel_state.data_parallel_group)
+    return int(total.item())

@@ -38,6 +38,7 @@ class ParamAndGradBucket:
     param_data: Optional[torch.Tensor]
     data_parallel_group: object
     sharded: bool
+    gradient_scaling_factor: float = 1.0
     params_with_grad: set = field(default_factory=set)
     grad_handle: object = None
     grad_sync_started: bool = False
@@ -50,16 +51,18 @@ class ParamAndGradBucket:
         return data[start:start + size]
 
     def start_grad_sync(self, async_op: bool) -> None:
-        """Average this bucket's gradients over data-parallel ranks.
+        """Sum this bucket's gradients over data-parallel ranks, each first multiplied by
+        ``gradient_scaling_factor`` (1/dp: the average; 1 under the per-token loss).
 
-        Gradients are scaled by 1/dp *before* the sum so fp16 gradients cannot
-        overflow in the reduction (gloo has no AVG either).
+        Scaling *before* the sum keeps fp16 gradients from overflowing in the reduction (gloo has
+        no AVG either).
         """
         dp = collectives.world_size(self.data_parallel_group)
         self.grad_sync_started = True
         if dp == 1:
             return
-        self.grad_data.mul_(1.0 / dp)
+        if self.gradient_scaling_factor != 1.0:
+            self.grad_data.mul_(self.gradient_scaling_factor)
         if self.sharded:
             self.grad_handle = collectives.reduce_scatter_tensor(
                 self.shard(self.grad_data), self.grad_data, self.data_parallel_group, async_op=async_op)
@@ -129,15 +132,19 @@ class ParamAndGradBuffer:
         needs_own_bucket: params for which a new bucket is started and closed (the shared
             embedding under the distributed optimizer, so first and last pipeline stages shard it
             identically and can all-reduce its gradient shard between them).
+        gradient_scaling_factor: each rank's gradients are multiplied by this before the sum (1/dp averages).
     """
 
     def __init__(self, params: list, *, grad_dtype: torch.dtype, bucket_size: Optional[int],
                  data_parallel_group, sharded: bool,
-                 needs_own_bucket: Callable[[torch.nn.Parameter], bool] = lambda p: False) -> None:
+                 needs_own_bucket: Callable[[torch.nn.Parameter], bool] = lambda p: False,
+                 gradient_scaling_factor: Optional[float] = None) -> None:
         self.param_dtype = params[0].dtype
         self.grad_dtype = grad_dtype
         self.data_parallel_group = data_parallel_group
         self.sharded = sharded
+        if gradient_scaling_factor is None:
+            gradient_scaling_factor = 1.0 / collectives.world_size(data_parallel_group)
         pad_to = collectives.world_size(data_parallel_group) if sharded else 1
         ordered = list(reversed(params))
         plans = _plan_buckets(ordered, bucket_size, pad_to, needs_own_bucket)
@@ -166,7 +173,8 @@ class ParamAndGradBuffer:
                 params=bucket_params, offset=offset, numel=padded,
                 grad_data=self.grad_data[offset:offset + padded],
                 param_data=self.param_data[offset:offset + padded] if sharded else None,
-                data_parallel_group=data_parallel_group, sharded=sharded)
+                data_parallel_group=data_parallel_group, sharded=sharded,
+                gradient_scaling_factor=gradient_scaling_factor)
             self.buckets.append(bucket)
             for param in bucket_params:
                 self.param_to_bucket[param] = bucket

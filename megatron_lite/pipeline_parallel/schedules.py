@@ -38,12 +38,14 @@ def get_forward_backward_func(parallel_state) -> Callable:
 def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
                                    micro_batch_size, hidden_size, parallel_state, forward_only=False,
                                    sequence_parallel=False, dtype=torch.float32, no_sync_func=None,
-                                   finalize_model_grads_func=None, grad_scale_func=None) -> list[dict]:
+                                   finalize_model_grads_func=None, grad_scale_func=None,
+                                   calculate_per_token_loss=False) -> list[dict]:
     """Gradient accumulation: forward then backward of each micro-batch on the whole model.
 
     Args:
         forward_step_func: ``(data_iterator, model_chunk) -> (output_tensor, loss_func)``, where
-            ``loss_func(output_tensor) -> (loss, {"lm loss": detached loss})``.
+            ``loss_func(output_tensor)`` returns Megatron's ``(loss summed over tokens, number of
+            tokens, report dict)``, or ``(mean loss, report dict)``.
         data_iterator: an iterator (or a list with one per model chunk) handed to ``forward_step_func``.
         model: the model chunks of this rank (a single module is taken as one chunk).
         num_microbatches: micro-batches in this iteration; each loss is divided by it before backward.
@@ -55,8 +57,12 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, n
         no_sync_func: returns a context manager that holds back data-parallel gradient reduction; it is left
             before the last backward. A list gives one per model chunk, each left before that chunk's last
             backward.
-        finalize_model_grads_func: called with the model chunks once all backwards are done.
+        finalize_model_grads_func: called with the model chunks once all backwards are done (and
+            ``num_tokens=`` this rank's loss-token count under ``calculate_per_token_loss``).
         grad_scale_func: scales the loss before backward (fp16 loss scaling).
+        calculate_per_token_loss: backward from each micro-batch's loss *sum*; the finalize function
+            divides the gradients by the global token count. Otherwise each micro-batch's loss is its
+            per-token mean divided by ``num_microbatches``.
 
     Returns:
         The loss dicts of the micro-batches, in order, on the last pipeline stage; ``[]`` elsewhere.
@@ -73,7 +79,8 @@ def forward_backward_pipelining_without_interleaving(*, forward_step_func, data_
                                                      forward_only=False, sequence_parallel=False,
                                                      dtype=torch.float32, no_sync_func=None,
                                                      finalize_model_grads_func=None,
-                                                     grad_scale_func=None) -> list[dict]:
+                                                     grad_scale_func=None,
+                                                     calculate_per_token_loss=False) -> list[dict]:
     """1F1B: warm-up forwards, then one forward one backward, then the remaining backwards.
 
     Arguments and return value as ``forward_backward_no_pipelining``; ``model`` holds one chunk.
@@ -86,7 +93,8 @@ def forward_backward_pipelining_with_interleaving(*, forward_step_func, data_ite
                                                   forward_only=False, sequence_parallel=False,
                                                   dtype=torch.float32, no_sync_func=None,
                                                   finalize_model_grads_func=None,
-                                                  grad_scale_func=None) -> list[dict]:
+                                                  grad_scale_func=None,
+                                                  calculate_per_token_loss=False) -> list[dict]:
     """Interleaved 1F1B: each rank holds v model chunks (chunk c is virtual stage c * p + rank).
 
     Arguments and return value as ``forward_backward_no_pipelining``; ``model`` and
@@ -107,7 +115,7 @@ def _as_list(x) -> list:
 
 def _run_schedule(*, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
                   hidden_size, parallel_state, forward_only, sequence_parallel, dtype, no_sync_func,
-                  finalize_model_grads_func, grad_scale_func) -> list[dict]:
+                  finalize_model_grads_func, grad_scale_func, calculate_per_token_loss) -> list[dict]:
     """What all three entry points do once their own checks pass (they share one signature, Megatron's)."""
     model, data_iterator = _as_list(model), _as_list(data_iterator)
     if len(data_iterator) != len(model):
@@ -122,10 +130,13 @@ def _run_schedule(*, forward_step_func, data_iterator, model, num_microbatches, 
     executor = ScheduleExecutor(
         forward_step_func=forward_step_func, data_iterators=data_iterator, model=model,
         num_microbatches=num_microbatches, parallel_state=parallel_state, tensor_shape=shape, dtype=dtype,
-        forward_only=forward_only, grad_scale_func=grad_scale_func)
+        forward_only=forward_only, grad_scale_func=grad_scale_func, calculate_per_token_loss=calculate_per_token_loss)
     losses = executor.run(ops, no_sync_func=None if forward_only else no_sync_func)
     if not forward_only and finalize_model_grads_func is not None:
-        finalize_model_grads_func(model)
+        if calculate_per_token_loss:
+            finalize_model_grads_func(model, num_tokens=executor.total_num_tokens)
+        else:
+            finalize_model_grads_func(model)
     return losses
 
 
@@ -161,7 +172,7 @@ class ScheduleExecutor:
 
     def __init__(self, *, forward_step_func, data_iterators: list, model: list, num_microbatches: int,
                  parallel_state, tensor_shape: tuple, dtype: torch.dtype, forward_only: bool,
-                 grad_scale_func=None):
+                 grad_scale_func=None, calculate_per_token_loss: bool = False):
         self.forward_step_func = forward_step_func
         self.data_iterators = data_iterators
         self.model = model
@@ -171,6 +182,7 @@ class ScheduleExecutor:
         self.dtype = dtype
         self.forward_only = forward_only
         self.grad_scale_func = grad_scale_func
+        self.calculate_per_token_loss = calculate_per_token_loss
         self.pipeline_rank = parallel_state.pipeline_model_parallel_rank
         self.pipeline_size = parallel_state.pipeline_model_parallel_world_size
         first_param = next((p for chunk in model for p in chunk.parameters()), None)
@@ -181,6 +193,8 @@ class ScheduleExecutor:
         self.output_grads: dict = {}  # received gradient of the output
         self.input_grads: dict = {}  # gradient of the input, to send back
         self.losses: list = []
+        # Loss tokens this rank's last stage saw (0 elsewhere), for --calculate-per-token-loss.
+        self.total_num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
 
     def _is_first(self, chunk: int) -> bool:
         return is_first_virtual_stage(self.pipeline_rank, chunk)
@@ -221,17 +235,32 @@ class ScheduleExecutor:
         _unwrap(chunk).set_input_tensor(self.inputs.get(key))
         output, loss_func = self.forward_step_func(self.data_iterators[op.chunk], chunk)
         if self._is_last(op.chunk):
-            loss, loss_dict = loss_func(output)
-            self.losses.append(loss_dict)
-            # Each micro-batch's loss is a mean over its tokens; dividing by m makes the accumulated
-            # gradient that of the mean over the whole batch.
-            output = loss / self.num_microbatches
+            output = self._loss_to_backward(loss_func(output))
             if self.forward_only:
                 return
         else:
             p2p.check_tensor(output, self.tensor_shape, self.dtype, f"stage output (micro-batch {op.microbatch}, "
                                                                     f"model chunk {op.chunk})")
         self.outputs[key] = output
+
+    def _loss_to_backward(self, loss_func_outputs: tuple) -> torch.Tensor:
+        """The micro-batch's contribution to the iteration's loss; records its report dict.
+
+        The mean of the micro-batches' per-token means (dividing by m makes the accumulated gradient
+        that of the batch), or, under --calculate-per-token-loss, the loss sum: finalize then divides
+        the gradients by the global token count. A 2-tuple loss_func returns a mean already (Megatron's
+        legacy form)."""
+        if len(loss_func_outputs) == 2:
+            loss, report = loss_func_outputs
+        else:
+            loss, num_tokens, report = loss_func_outputs
+            self.total_num_tokens += num_tokens.to(self.total_num_tokens.device)
+            if self.calculate_per_token_loss:
+                self.losses.append(report)
+                return loss
+            loss = loss / num_tokens.clamp(min=1)
+        self.losses.append(report)
+        return loss / self.num_microbatches
 
     def backward(self, op: ScheduleOp) -> None:
         key = (op.microbatch, op.chunk)

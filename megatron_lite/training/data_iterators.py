@@ -9,6 +9,7 @@ from megatron_lite.process_groups import failures
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.tokenizer import build_tokenizer
 from megatron_lite.training.logger import print_rank_last
+from megatron_lite.training.num_microbatches_calculator import build_num_microbatches_calculator, get_train_iters
 
 
 def build_data_iterators(config: Config, parallel_state: ParallelState, consumed_train_samples: int,
@@ -19,10 +20,7 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, consumed
     global_batch = training.global_batch(parallel_state.data_parallel_world_size)
     consumed_valid_samples = (iteration // training.eval_interval) * training.eval_iters * global_batch
     eod_token = _eod_token(data) if data.eod_mask_loss else None
-    num_evaluations = training.train_iters // training.eval_interval + 1
-    num_samples = (training.train_iters * global_batch, num_evaluations * training.eval_iters * global_batch,
-                   training.eval_iters * global_batch)
-    train_ds, valid_ds = _build_datasets(config, num_samples)[:2]
+    train_ds, valid_ds = _build_datasets(config, _num_samples(config, parallel_state.data_parallel_world_size))[:2]
     print_rank_last(f" data: train {train_ds.describe() if train_ds else 'none'} | "
                     f"validation {valid_ds.describe() if valid_ds else 'none'}")
     vpp = config.parallel.virtual_pipeline_model_parallel_size or 1
@@ -38,6 +36,20 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, consumed
         return made if vpp > 1 else made[0]
 
     return loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples)
+
+
+def _num_samples(config: Config, data_parallel_size: int) -> tuple[int, int, int]:
+    """Samples each split is built for (train, valid, test), as Megatron asks for them: --train-samples
+    or --train-iters x global batch, and --eval-iters global batches per evaluation. Never fewer
+    training samples than the run consumes (a ramp-up's last iteration may pass --train-samples)."""
+    training = config.training
+    calculator = build_num_microbatches_calculator(training, data_parallel_size)
+    train_iters = get_train_iters(training, calculator)
+    global_batch = calculator.global_batch_size
+    requested = training.train_samples if training.train_samples is not None else train_iters * global_batch
+    num_evaluations = train_iters // training.eval_interval + 1
+    return (max(requested, calculator.consumed_samples_after(train_iters)),
+            num_evaluations * training.eval_iters * global_batch, training.eval_iters * global_batch)
 
 
 def _eod_token(data) -> int:
