@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.process_groups import collectives
-from megatron_lite.config import OptimizerConfig
+from megatron_lite.config import ConfigError, OptimizerConfig
 from megatron_lite.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32, get_grads_for_norm
 
 # Attributes the gradient norm and finalisation read; main params carry them too.
@@ -233,9 +233,9 @@ class MegatronOptimizer:
         (the same layout, or shards merged with ``merge_optimizer_state_dicts``)."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.optimizer.param_groups):
-            raise ValueError(f"optimizer checkpoint has {len(saved_groups)} param groups, this optimizer "
-                             f"{len(self.optimizer.param_groups)}: it was saved with a different --decoupled-lr "
-                             f"setting (it adds two groups) or by a different optimizer.")
+            raise ConfigError(f"optimizer checkpoint has {len(saved_groups)} param groups, this optimizer "
+                              f"{len(self.optimizer.param_groups)}: it was saved with a different --decoupled-lr "
+                              f"setting (it adds two groups) or by a different optimizer.")
         for group, saved in zip(self.optimizer.param_groups, saved_groups):
             # The run's own learning-rate end points stay: the scheduler's checkpoint check then names a
             # changed --decoupled-lr instead of the checkpoint's values silently replacing it.

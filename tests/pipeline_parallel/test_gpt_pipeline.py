@@ -57,7 +57,8 @@ def _one_iteration(rank, world_size, layouts):
         grads = {name: (p.main_grad.clone(), getattr(p, "tensor_model_parallel", False),
                         getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1))
                  for chunk in chunks for name, p in chunk.module.named_parameters()}
-        results.append({"losses": [d["lm loss"].item() for d in losses], "grads": grads,
+        # Each micro-batch reports [loss sum, token count] (Megatron's loss_func).
+        results.append({"losses": [(d["lm loss"][0] / d["lm loss"][1]).item() for d in losses], "grads": grads,
                         "tp_rank": ps.tensor_model_parallel_rank, "dp_rank": ps.data_parallel_rank,
                         "stage": ps.pipeline_model_parallel_rank})
         destroy_model_parallel(ps)
