@@ -139,7 +139,7 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     ddp_bucket_size: Optional[int] = None  # elements; None = Megatron's default (max(40M, 1M * dp))
     accumulate_allreduce_grads_in_fp32: bool = False
-    grad_reduce_in_bf16: bool = False  # bf16 gradient buffers and reductions (main grads stay fp32)
+    grad_reduce_in_bf16: bool = False  # with --bf16: bf16 gradient buffers and reductions (main grads stay fp32)
     distributed_backend: Optional[str] = None  # None = nccl on CUDA, gloo otherwise
     distributed_timeout_minutes: int = 10  # every process group's collective timeout
 
