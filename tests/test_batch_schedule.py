@@ -102,7 +102,8 @@ def test_iterations_and_samples_do_not_mix(extra, match, capsys):
 @pytest.mark.parametrize("rampup, match", [
     ([4, 3, 16], r"minus START \(4\) must be a non-negative multiple of INCREMENT \(3\)"),
     ([16, 4, 16], "must be a non-negative multiple"),
-    ([2, 2, 16], r"--rampup-batch-size START \(2\) must be divisible by --micro-batch-size x data-parallel size \(4\)"),
+    ([2, 2, 16], r"--rampup-batch-size START \(2\) must be divisible by --micro-batch-size \(2\) x data-parallel size "
+               r"\(2\) = 4"),
     ([4, 4, 0], "must all be positive"),
 ])
 def test_bad_ramp_ups_name_the_flag(rampup, match):

@@ -37,7 +37,7 @@ class NumMicroBatchesCalculator:
         self.data_parallel_size = data_parallel_size
         self.per_step = micro_batch_size * data_parallel_size
         self.start, self.increment, self.rampup_samples = rampup_batch_size or (global_batch_size, 1, 0)
-        _check_divisible(global_batch_size, self.per_step, "--global-batch-size")
+        self._check_divisible(global_batch_size, "--global-batch-size")
         if rampup_batch_size is not None:
             self._check_rampup()
         increments = (global_batch_size - self.start) // self.increment
@@ -53,8 +53,13 @@ class NumMicroBatchesCalculator:
             raise ConfigError(f"--rampup-batch-size: --global-batch-size ({self.global_batch_size}) minus START "
                               f"({start}) must be a non-negative multiple of INCREMENT ({increment}).")
         # Every ramp-up batch (START + k x INCREMENT) must split into whole micro-batches on every replica.
-        _check_divisible(start, self.per_step, "--rampup-batch-size START")
-        _check_divisible(increment, self.per_step, "--rampup-batch-size INCREMENT")
+        self._check_divisible(start, "--rampup-batch-size START")
+        self._check_divisible(increment, "--rampup-batch-size INCREMENT")
+
+    def _check_divisible(self, batch: int, flag: str) -> None:
+        if batch % self.per_step:
+            raise ConfigError(f"{flag} ({batch}) must be divisible by --micro-batch-size ({self.micro_batch_size}) "
+                              f"x data-parallel size ({self.data_parallel_size}) = {self.per_step}.")
 
     def get_current_global_batch_size(self, consumed_samples: int) -> int:
         if self.rampup_samples_per_increment is None or consumed_samples > self.rampup_samples:
@@ -87,12 +92,6 @@ class NumMicroBatchesCalculator:
                 consumed += self.get_current_global_batch_size(consumed)
                 iterations += 1
         return iterations + max(train_samples - consumed, 0) // self.global_batch_size
-
-
-def _check_divisible(batch: int, per_step: int, flag: str) -> None:
-    if batch % per_step:
-        raise ConfigError(f"{flag} ({batch}) must be divisible by --micro-batch-size x data-parallel size "
-                          f"({per_step}).")
 
 
 def build_num_microbatches_calculator(training: TrainingConfig, data_parallel_size: int) -> NumMicroBatchesCalculator:
