@@ -114,7 +114,8 @@ def _check(result, reference_loss, reference_grads, what):
         assert error <= 1e-5 * expected.abs().max().item(), f"{what} {name}: {error:.3g}"
 
 
-@pytest.mark.parametrize("layout", [dict(pp=1), dict(pp=1, sharded=True), dict(pp=2)], ids=["dp2", "dp2-distopt", "pp2"])
+@pytest.mark.parametrize("layout", [dict(pp=1), dict(pp=1, sharded=True), dict(pp=2)],
+                         ids=["dp2", "dp2-distopt", "pp2"])
 def test_per_token_loss_equals_the_full_batch_mean(reference, layout):
     results = run_distributed(_one_iteration, 2, args=([layout, dict(layout, per_token=False)],))
     for rank, (per_token, default) in enumerate(results):
