@@ -87,14 +87,9 @@ def test_train_iters_from_samples_as_megatron():
     (["--train-samples", "40", "--lr-warmup-samples", "40"], r"--lr-warmup-samples \(40\) must be smaller than "
                                                              r"--lr-decay-samples \(40"),
     (["--train-samples", "40", "--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction must be in"),
-    (["--rampup-batch-size", "4", "4"], "expected 3 arguments"),
+    (["--rampup-batch-size", "4", "4"], "--rampup-batch-size: expected 3 arguments"),
 ])
-def test_iterations_and_samples_do_not_mix(extra, match, capsys):
-    if "expected" in match:  # argparse's own count check
-        with pytest.raises(SystemExit):
-            parse_args(BASE + extra)
-        assert re.search(match, capsys.readouterr().err)
-        return
+def test_iterations_and_samples_do_not_mix(extra, match):
     with pytest.raises(ConfigError, match=match):
         parse_args(BASE + extra)
 
