@@ -97,6 +97,11 @@ def test_scheduler_state_round_trips():
     _, other, _ = _build(BASE + ["--decoupled-lr", "5e-3"])  # decoupled min lr 1e-4 instead of 5e-4
     with pytest.raises(ConfigError, match=r"--decoupled-lr/--decoupled-min-lr \(checkpoint \[\[0.001"):
         other.load_state_dict(state)
+    other.load_state_dict(state, override=True)  # --override-opt_param-scheduler: this run's end points
+    assert other.optimizer.param_groups[2]["min_lr"] == 1e-4
+    other.load_state_dict(state, use_checkpoint=True)  # --use-checkpoint-opt_param-scheduler: the checkpoint's
+    assert other.optimizer.param_groups[2]["min_lr"] == 5e-4
+    assert [g["lr"] for g in other.optimizer.param_groups] == [g["lr"] for g in optimizer.param_groups]
 
 
 def test_decoupled_min_lr_needs_decoupled_lr():
