@@ -125,7 +125,9 @@ def test_samples_run_with_ramp_up(tmp_path, capsys):
     from megatron_lite.training.loop import pretrain
 
     state, _, _ = pretrain(parse_args(BASE + SAMPLES_RUN + ["--save", str(tmp_path)]))
-    lines = _log_lines(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert "192 tokens per iteration (ramped up from 4 by 4 over 16 samples), 7 iterations" in out  # start-up
+    lines = _log_lines(out)
     assert [line["batch"] for line in lines] == [4, 4, 8, 12, 12, 12, 12]
     assert [line["consumed"] for line in lines] == [4, 8, 16, 28, 40, 52, 64]
     assert {line["train_iters"] for line in lines} == {7}

@@ -13,7 +13,7 @@ def test_iteration_log_line_matches_megatron():
         learning_rate=3e-4, global_batch_size=64, lm_loss=6.123456, loss_scale=1.0, grad_norm=1.2344,
         skipped_iterations=0, nan_iterations=0)
     assert line == (" iteration       10/     100 | consumed samples:          640 | elapsed time per iteration "
-                    "(ms): 123.4 | throughput per GPU (TFLOP/s/GPU): 1.2 | learning rate: 3.000000E-04 | global "
+                    "(ms): 123.4 | throughput per GPU (TFLOP/s/GPU): 1.23 | learning rate: 3.000000E-04 | global "
                     "batch size:    64 | lm loss: 6.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of "
                     "skipped iterations:   0 | number of nan iterations:   0 |")
     # What users' parsers do with it:
