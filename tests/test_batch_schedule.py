@@ -189,3 +189,34 @@ def test_ramp_up_under_data_parallelism_matches_one_process():
     for losses, consumed in per_rank:
         assert consumed == 64 and len(losses) == 7
         assert losses == pytest.approx(reference[0], rel=1e-5)
+
+
+def test_microbatch_counts_of_a_ramp():
+    calculator = NumMicroBatchesCalculator(global_batch_size=12, micro_batch_size=2, data_parallel_size=1,
+                                           rampup_batch_size=[4, 4, 16])
+    assert calculator.microbatch_counts() == [2, 4, 6]
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError("training started: the start-up check let the ramp-up through")
+
+
+def _start_interleaved_with_ramp_up(rank, world_size):
+    from megatron_lite.training import loop
+
+    loop.train = _no_training
+    flags = BASE + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                    "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8",
+                    "--rampup-batch-size", "4", "2", "16", "--train-samples", "64"]
+    try:
+        _train_losses(rank, world_size, flags)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def test_interleaving_checks_every_ramp_up_batch_at_start_up():
+    """Micro-batch counts 2, 3, 4: the interleaved schedule needs multiples of the 2 stages, which the
+    start-up check says before the first step, not at the ramp-up's first odd batch."""
+    for error in run_distributed(_start_interleaved_with_ramp_up, 2):
+        assert error is not None and "multiple of --pipeline-model-parallel-size (2)" in error

@@ -35,6 +35,7 @@ _SCHEDULE_FIELDS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": _
                     "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
                     "wd_incr_steps": "--train-iters/--train-samples", "wd_incr_style": "--weight-decay-incr-style",
                     "group_lrs": "--decoupled-lr/--decoupled-min-lr"}
+_STEP_FIELDS = {"lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"}
 
 
 class OptimizerParamScheduler:
@@ -173,8 +174,11 @@ class OptimizerParamScheduler:
         self.step(increment=0)
 
     def _check_same_schedule(self, state_dict: dict) -> None:
-        differences = [f"{flag} (checkpoint {state_dict.get(name)!r}, this run {getattr(self, name)!r})"
-                       for name, flag in _SCHEDULE_FIELDS.items() if state_dict.get(name) != getattr(self, name)]
+        def values(name):
+            unit = " samples" if name in _STEP_FIELDS else ""  # iteration flags count global batches of samples
+            return f"checkpoint {state_dict.get(name)!r}{unit}, this run {getattr(self, name)!r}{unit}"
+        differences = [f"{flag} ({values(name)})" for name, flag in _SCHEDULE_FIELDS.items()
+                       if state_dict.get(name) != getattr(self, name)]
         if differences:
             raise ConfigError(
                 f"the checkpoint's learning-rate schedule differs from this run's: {'; '.join(differences)}. "

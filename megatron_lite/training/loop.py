@@ -32,6 +32,7 @@ from megatron_lite.checkpointing.preflight import check_checkpoint_paths
 from megatron_lite.model.builder import build_model, count_parameters, current_device, parameters_per_stage
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.optimizer.optimizer_param_scheduler import get_optimizer_param_scheduler
+from megatron_lite.pipeline_parallel.schedule_table import check_interleaved_microbatches
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
 from megatron_lite.process_groups import collectives, failures
 from megatron_lite.process_groups.initialize import initialize_distributed
@@ -157,6 +158,9 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                                                distributed_timeout_minutes=config.parallel.distributed_timeout_minutes)
     # The batch arithmetic (and any ramp-up) fails here, early.
     calculator = build_num_microbatches_calculator(config.training, parallel_state.data_parallel_world_size)
+    if (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1:
+        for count in calculator.microbatch_counts():
+            check_interleaved_microbatches(count, config.parallel.pipeline_model_parallel_size)
     train_iters = get_train_iters(config.training, calculator)
     total_parameters = count_parameters(config)
     failures.run_on_every_rank(lambda: check_checkpoint_paths(config, total_parameters),

@@ -36,7 +36,7 @@ class NumMicroBatchesCalculator:
         self.micro_batch_size = micro_batch_size
         self.data_parallel_size = data_parallel_size
         self.per_step = micro_batch_size * data_parallel_size
-        self.start, self.increment, self.rampup_samples = rampup_batch_size or (global_batch_size, 1, 0)
+        self.start, self.increment, self.rampup_samples = rampup_batch_size or (global_batch_size, self.per_step, 0)
         self._check_divisible(global_batch_size, "--global-batch-size")
         if rampup_batch_size is not None:
             self._check_rampup()
@@ -69,6 +69,11 @@ class NumMicroBatchesCalculator:
 
     def get_num_microbatches(self, consumed_samples: int) -> int:
         return self.get_current_global_batch_size(consumed_samples) // self.per_step
+
+    def microbatch_counts(self) -> list[int]:
+        """Every micro-batch count the run will use, ramp-up included, smallest first."""
+        return list(range(self.start // self.per_step, self.global_batch_size // self.per_step + 1,
+                          self.increment // self.per_step))
 
     def consumed_samples_after(self, iterations: int) -> int:
         """Samples consumed by the first ``iterations`` iterations."""
