@@ -56,7 +56,7 @@ def test_eod_mask_loss_needs_a_tokenizer():
 def _build_datasets_from_a_missing_prefix(rank, world_size, prefix):
     config = parse_args([f for f in BASE if f != "--mock-data"] + ["--data-path", prefix])
     try:
-        data_iterators._build_datasets(config, (8, 0, 0))
+        data_iterators._build_datasets(config, (8, 0, 0), train_iters=1)
     except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
         return type(error).__name__, str(error)
     return None
@@ -85,10 +85,10 @@ def test_log_line_counts_the_interval_as_megatron_does(capsys):
     from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 
     config = parse_args(BASE + ["--train-iters", "6", "--no-log-memory"])
-    logger = TrainingLogger(config, initialize_model_parallel(1, 1), global_batch=4)
+    logger = TrainingLogger(config, initialize_model_parallel(1, 1), train_iters=6)
     state = TrainingState()
     for iteration, (loss, skipped) in enumerate([(2.0, False), (9.0, True), (float("nan"), True), (4.0, False)], 1):
-        logger.record(loss, 0.1, skipped=skipped)
+        logger.record(loss, 0.1, skipped=skipped, global_batch=4)
         state.iteration = iteration
         if iteration in (2, 4):
             logger.log_interval(state, _Optimizer(), grad_norm=None)

@@ -144,8 +144,9 @@ def test_extending_a_run_names_the_scheduler_flags_and_they_work(tmp_path):
     for attempt in range(2):  # the failing resume used to abort with SIGABRT about 1 run in 3
         code, output, _ = _run(extend, ranks=2)
         assert code == 1 and "terminate called" not in output and "exitcode  : -6" not in output, output
-        _assert_one_clean_error(output, "--lr-decay-iters (checkpoint 2, this run 4)",
-                                "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler")
+        # The schedule counts samples: 2 iterations of 1 then, 4 iterations of 2 (one per rank) now.
+        _assert_one_clean_error(output, "--lr-decay-iters/--lr-decay-samples (checkpoint 2 samples, this run 8 "
+                                "samples)", "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler")
     code, output, _ = _run([*extend, "--override-opt_param-scheduler"])
     assert code == 0 and "iteration        4/       4" in output, output
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "4"

@@ -73,7 +73,7 @@ gpt_step() {
   "$PYTHON" -m megatron_lite.pretrain_gpt --mock-data --bf16 \
     --num-layers 20 --hidden-size 2048 --num-attention-heads 16 \
     --seq-length 2048 --max-position-embeddings 2048 --vocab-size 50257 \
-    --micro-batch-size 4 --global-batch-size 8 --train-iters 8 --log-interval 1 \
+    --micro-batch-size 4 --global-batch-size 8 --train-iters 8 --log-interval 1 --log-throughput \
     --peak-tflops "$peak_tflops" "$@"
 }
 

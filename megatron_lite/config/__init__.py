@@ -32,7 +32,8 @@ def _require(condition: bool, message: str) -> None:
 
 # Fields that default to True are turned off by these flags (Megatron's spelling).
 NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "use_fused_kernels": "--no-fused-kernels",
-                  "log_memory": "--no-log-memory", "mmap_bin_files": "--no-mmap-bin-files"}
+                  "log_memory": "--no-log-memory", "mmap_bin_files": "--no-mmap-bin-files",
+                  "manual_gc_eval": "--no-manual-gc-eval"}
 
 
 def flag_name(field_name: str) -> str:
@@ -174,7 +175,9 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     ddp_bucket_size: Optional[int] = None  # elements; None = Megatron's default (max(40M, 1M * dp))
     accumulate_allreduce_grads_in_fp32: bool = False
+    grad_reduce_in_bf16: bool = False  # with --bf16: bf16 gradient buffers and reductions (main grads stay fp32)
     distributed_backend: Optional[str] = None  # None = nccl on CUDA, gloo otherwise
+    distributed_timeout_minutes: int = 10  # every process group's collective timeout
 
     def __post_init__(self) -> None:
         strategy = self.data_parallel_sharding_strategy
@@ -205,6 +208,10 @@ class ParallelConfig:
         _require(vpp is None or vpp >= 1, f"--virtual-pipeline-model-parallel-size must be >= 1, got {vpp}.")
         _require(vpp is None or vpp == 1 or self.pipeline_model_parallel_size > 1,
                  "--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1.")
+        _require(not (self.grad_reduce_in_bf16 and self.accumulate_allreduce_grads_in_fp32),
+                 "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each other; pick one.")
+        _require(self.distributed_timeout_minutes > 0,
+                 f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}.")
 
     @property
     def shards_gradients(self) -> bool:
@@ -230,7 +237,14 @@ class ParallelConfig:
 class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: Optional[int] = None  # default micro batch x data-parallel size
-    train_iters: int = 100
+    # The run's length: iterations, or samples (Megatron's two ways); neither means 100 iterations.
+    train_iters: Optional[int] = None
+    train_samples: Optional[int] = None
+    # START INCREMENT SAMPLES: the global batch grows from START by INCREMENT, reaching
+    # --global-batch-size after SAMPLES samples (Megatron's batch-size ramp-up).
+    rampup_batch_size: Optional[list[int]] = field(
+        default=None, metadata={"nargs": 3, "metavar": ("START", "INCREMENT", "SAMPLES")})
+    calculate_per_token_loss: bool = False  # loss = sum over the global batch's tokens / their count
     seed: int = 1234
     bf16: bool = False
     fp16: bool = False
@@ -241,11 +255,26 @@ class TrainingConfig:
     eval_iters: int = 10
     exit_signal_handler: bool = False
     exit_interval: Optional[int] = None
+    exit_duration_in_mins: Optional[float] = None
     check_weight_hash_across_dp_replicas_interval: Optional[int] = None
+    manual_gc: bool = False  # no automatic garbage collection: collect at the same iterations on every rank
+    manual_gc_interval: int = 0  # with --manual-gc: collect every N iterations (0: only around evaluation)
+    manual_gc_eval: bool = True
+    empty_unused_memory_level: int = 0  # torch.cuda.empty_cache(): 1 after forward-backward, 2 also after the step
 
     def __post_init__(self) -> None:
+        if self.train_iters is None and self.train_samples is None:
+            self.train_iters = 100
         _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}.")
-        _require(self.train_iters >= 0, f"--train-iters must be >= 0, got {self.train_iters}.")
+        _require(self.train_iters is None or self.train_samples is None,
+                 "--train-iters and --train-samples are mutually exclusive: give the run's length in "
+                 "iterations or in samples.")
+        _require(self.train_iters is None or self.train_iters >= 0,
+                 f"--train-iters must be >= 0, got {self.train_iters}.")
+        _require(self.train_samples is None or self.train_samples > 0,
+                 f"--train-samples must be positive, got {self.train_samples}.")
+        _require(self.rampup_batch_size is None or len(self.rampup_batch_size) == 3,
+                 f"--rampup-batch-size takes three numbers (START INCREMENT SAMPLES), got {self.rampup_batch_size}.")
         _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive; pick one.")
         _require(self.recompute_granularity in (None, "full", "selective"),
                  f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}.")
@@ -257,9 +286,14 @@ class TrainingConfig:
         interval = self.check_weight_hash_across_dp_replicas_interval
         _require(interval is None or interval >= 1,
                  f"--check-weight-hash-across-dp-replicas-interval must be >= 1, got {interval}.")
+        _require(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
+                 f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}.")
+        _require(self.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}.")
+        _require(self.empty_unused_memory_level in (0, 1, 2),
+                 f"--empty-unused-memory-level must be 0, 1 or 2, got {self.empty_unused_memory_level}.")
 
     def global_batch(self, data_parallel_size: int) -> int:
-        """Sequences per iteration; without --global-batch-size, one micro-batch per replica."""
+        """Sequences per iteration (after any ramp-up); without --global-batch-size, one micro-batch per replica."""
         return self.global_batch_size or self.micro_batch_size * data_parallel_size
 
     def num_microbatches(self, data_parallel_size: int) -> int:
@@ -278,8 +312,15 @@ class OptimizerConfig:
     lr: float = 3e-4
     min_lr: float = 0.0
     lr_decay_style: str = "cosine"
+    # Warmup and decay in iterations (with --train-iters) or in samples (with --train-samples);
+    # --lr-warmup-fraction gives the warmup as a fraction of the decay instead.
     lr_warmup_iters: int = 0
     lr_decay_iters: Optional[int] = None  # default train_iters
+    lr_warmup_samples: int = 0
+    lr_decay_samples: Optional[int] = None  # default train_samples
+    lr_warmup_fraction: Optional[float] = None
+    decoupled_lr: Optional[float] = None  # the word embedding and output layer's own peak learning rate
+    decoupled_min_lr: Optional[float] = None  # ... and final one (default --min-lr)
     weight_decay: float = 0.01
     start_weight_decay: Optional[float] = None  # with end_weight_decay: a weight-decay schedule
     end_weight_decay: Optional[float] = None
@@ -304,6 +345,15 @@ class OptimizerConfig:
                  f"--lr-decay-style must be constant, linear or cosine, got {self.lr_decay_style!r}.")
         _require(0 <= self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must be between 0 and --lr ({self.lr}).")
         _require(self.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}.")
+        _require(self.lr_warmup_samples >= 0, f"--lr-warmup-samples must be >= 0, got {self.lr_warmup_samples}.")
+        _require(self.lr_warmup_fraction is None or 0.0 <= self.lr_warmup_fraction < 1.0,
+                 f"--lr-warmup-fraction must be in [0, 1), got {self.lr_warmup_fraction}.")
+        _require(self.decoupled_min_lr is None or self.decoupled_lr is not None,
+                 "--decoupled-min-lr needs --decoupled-lr (the embedding and output layer's peak learning rate).")
+        decoupled_min_lr = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+        _require(self.decoupled_lr is None or 0 <= decoupled_min_lr <= self.decoupled_lr,
+                 f"--decoupled-min-lr ({decoupled_min_lr}, default --min-lr) must be between 0 and "
+                 f"--decoupled-lr ({self.decoupled_lr}).")
         _require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}.")
         for flag, beta in [("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)]:
             _require(0.0 <= beta < 1.0, f"{flag} must be in [0, 1), got {beta}.")
@@ -442,9 +492,20 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = None
     peak_tflops: Optional[float] = None  # per device; None = look up the device table
     log_memory: bool = True
+    log_throughput: bool = False  # TFLOP/s per GPU in the iteration line, as Megatron
+    # A torch.profiler trace of iterations [start, end) into --tensorboard-dir, on --profile-ranks (all if none).
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require(self.log_interval >= 1, f"--log-interval must be >= 1, got {self.log_interval}.")
+        _require(not self.profile or self.tensorboard_dir is not None,
+                 "--profile writes its trace into --tensorboard-dir: give --tensorboard-dir DIR.")
+        _require(not self.profile or 0 <= self.profile_step_start < self.profile_step_end,
+                 f"--profile-step-start ({self.profile_step_start}) must be >= 0 and below --profile-step-end "
+                 f"({self.profile_step_end}).")
 
 
 @dataclass(kw_only=True)
@@ -489,8 +550,12 @@ class Config:
                  "--check-weight-hash-across-dp-replicas-interval compares the data-parallel replicas' weights, but "
                  "--data-parallel-sharding-strategy optim_grads_params keeps no replicas (each rank holds a "
                  "different shard): drop the flag or pick a strategy that keeps whole parameters.")
-        if self.optimizer.lr_decay_iters is None:
+        _check_schedule_units(self.training, self.optimizer)
+        if self.training.train_iters is not None and self.optimizer.lr_decay_iters is None:
             self.optimizer.lr_decay_iters = self.training.train_iters
+        if self.training.train_samples is not None and self.optimizer.lr_decay_samples is None:
+            self.optimizer.lr_decay_samples = self.training.train_samples
+        _check_warmup_before_decay(self.optimizer)
 
     @property
     def params_dtype(self):
@@ -507,6 +572,35 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         return cls(**{name: section(**d[name]) for name, section in SECTIONS.items() if name in d})
+
+
+def _check_schedule_units(training: TrainingConfig, optimizer: OptimizerConfig) -> None:
+    """Megatron's rule: a run counts in iterations or in samples, and its LR schedule in the same unit."""
+    if training.train_iters is not None:
+        unit, other = "iters", "samples"
+        given = {"--lr-decay-samples": optimizer.lr_decay_samples is not None,
+                 "--lr-warmup-samples": optimizer.lr_warmup_samples > 0}
+    else:
+        unit, other = "samples", "iters"
+        given = {"--lr-decay-iters": optimizer.lr_decay_iters is not None,
+                 "--lr-warmup-iters": optimizer.lr_warmup_iters > 0}
+    for flag, present in given.items():
+        _require(not present, f"{flag} counts {other}, but the run is given in {unit} (--train-{unit}): use "
+                              f"{flag.replace(other, unit)} instead, or --train-{other}.")
+    warmup_flag = f"--lr-warmup-{unit}"
+    warmup = optimizer.lr_warmup_iters if unit == "iters" else optimizer.lr_warmup_samples
+    _require(optimizer.lr_warmup_fraction is None or warmup == 0,
+             f"--lr-warmup-fraction and {warmup_flag} both set the warmup; give only one.")
+
+
+def _check_warmup_before_decay(optimizer: OptimizerConfig) -> None:
+    in_samples = optimizer.lr_decay_samples is not None
+    decay = optimizer.lr_decay_samples if in_samples else optimizer.lr_decay_iters
+    warmup = optimizer.lr_warmup_samples if in_samples else optimizer.lr_warmup_iters
+    unit = "samples" if in_samples else "iters"
+    _require(warmup < decay or (warmup == 0 and decay == 0),
+             f"--lr-warmup-{unit} ({warmup}) must be smaller than --lr-decay-{unit} ({decay}, default "
+             f"--train-{unit}): lower the warmup or lengthen the decay.")
 
 
 # Config's sections by field name (``arguments.py`` makes one flag group of each).

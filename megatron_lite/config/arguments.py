@@ -22,16 +22,25 @@ from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigErro
 from megatron_lite.process_groups.initialize import resolve_launch_env
 from megatron_lite.config.help_text import CHOICES, HELP
 
-LIST_FIELDS = {"data_path", "lora_target_modules", "train_data_path", "valid_data_path", "test_data_path"}
 # Megatron-LM spells these two with an underscore inside; both spellings are accepted.
 MEGATRON_SPELLINGS = {"override_opt_param_scheduler": "--override-opt_param-scheduler",
                       "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler"}
 
 
 def _scalar_type(hint):
-    """int for Optional[int], and so on."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
+    """int for Optional[int], list[int] for Optional[list[int]], and so on."""
+    if typing.get_origin(hint) is not typing.Union:
+        return hint
+    return next(a for a in typing.get_args(hint) if a is not type(None))
+
+
+def _list_element_type(hint):
+    """str for ``list``, int for ``list[int]``; None when ``hint`` is not a list."""
+    if hint is list:
+        return str
+    if typing.get_origin(hint) is list:
+        return (typing.get_args(hint) or (str,))[0]
+    return None
 
 
 def _help(f: dataclasses.Field) -> str:
@@ -78,8 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
         for f in dataclasses.fields(cls):
             kind = _scalar_type(hints[f.name])
             common = dict(dest=f.name, default=argparse.SUPPRESS, help=_help(f))
-            if f.name in LIST_FIELDS:
-                group.add_argument(flag_name(f.name), nargs="+", choices=CHOICES.get(f.name), **common)
+            element = _list_element_type(kind)
+            if element is not None:
+                group.add_argument(flag_name(f.name), nargs=f.metadata.get("nargs", "+"), type=element,
+                                   choices=CHOICES.get(f.name), metavar=f.metadata.get("metavar"), **common)
             elif kind is bool and f.default is True:
                 group.add_argument(flag_name(f.name), action="store_false", **common)
             elif kind is bool:

@@ -23,6 +23,7 @@ CHOICES = {
     "peft": PEFT_METHODS,
     "lora_target_modules": LORA_TARGET_MODULES,
     "sft_tokenizer_prompt_format": SFT_PROMPT_FORMATS,
+    "empty_unused_memory_level": (0, 1, 2),
 }
 
 HELP = {
@@ -73,11 +74,18 @@ HELP = {
                             "ZeRO-3: prefetch the next layer's parameters",
     "ddp_bucket_size": "elements per gradient bucket (default max(40M, 1M x data-parallel size); ZeRO-3: a layer)",
     "accumulate_allreduce_grads_in_fp32": "keep and reduce gradients in fp32 under bf16/fp16",
+    "grad_reduce_in_bf16": "with --bf16: accumulate and reduce gradients in bf16 (the optimizer still gets fp32)",
     "distributed_backend": "torch.distributed backend (default nccl with CUDA, gloo without)",
+    "distributed_timeout_minutes": "a collective that waits longer than this fails (every process group)",
     # training
     "micro_batch_size": "sequences per forward/backward on one data-parallel rank",
     "global_batch_size": "sequences per optimizer step (default micro batch x data-parallel size)",
-    "train_iters": "optimizer steps to train for",
+    "train_iters": "optimizer steps to train for (default 100 when --train-samples is not given)",
+    "train_samples": "sequences to train on instead of --train-iters; the LR schedule then counts samples too",
+    "rampup_batch_size": ("START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT "
+                          "until it reaches --global-batch-size after SAMPLES samples"),
+    "calculate_per_token_loss": ("loss summed over tokens and divided by the global batch's loss tokens (no "
+                                 "averaging over micro-batches and data-parallel ranks)"),
     "seed": "random seed (weights, data order, dropout)",
     "bf16": "bfloat16 weights and activations, fp32 main weights",
     "fp16": "float16 weights and activations with a dynamic loss scaler",
@@ -88,7 +96,13 @@ HELP = {
     "eval_iters": "global batches per validation run",
     "exit_signal_handler": "on SIGTERM or SIGINT save a checkpoint and exit (all ranks, same iteration)",
     "exit_interval": "save and exit after this many iterations",
+    "exit_duration_in_mins": "save and exit once this many minutes have passed (all ranks, same iteration)",
     "check_weight_hash_across_dp_replicas_interval": "every N iterations check all data-parallel replicas agree",
+    "manual_gc": "turn off Python's automatic garbage collection; collect at iteration boundaries instead",
+    "manual_gc_interval": "with --manual-gc: collect every N iterations (0: only around evaluation)",
+    "manual_gc_eval": "with --manual-gc: do not collect around evaluation",
+    "empty_unused_memory_level": ("torch.cuda.empty_cache(): 1 after each forward-backward and evaluation step, "
+                                  "2 also after each optimizer step"),
     # optimizer
     "optimizer": "adam (AdamW) or sgd",
     "lr": "peak learning rate",
@@ -96,6 +110,11 @@ HELP = {
     "lr_decay_style": "constant, linear or cosine decay after warmup",
     "lr_warmup_iters": "iterations of linear warmup from 0",
     "lr_decay_iters": "iteration at which the decay reaches --min-lr (default --train-iters)",
+    "lr_warmup_samples": "with --train-samples: samples of linear warmup from 0",
+    "lr_decay_samples": "with --train-samples: sample at which the decay reaches --min-lr (default --train-samples)",
+    "lr_warmup_fraction": "warmup as this fraction of the decay (instead of --lr-warmup-iters/-samples)",
+    "decoupled_lr": "peak learning rate of the word embedding and output layer (same warmup and decay shape)",
+    "decoupled_min_lr": "final learning rate of the word embedding and output layer (default --min-lr)",
     "weight_decay": "decoupled weight decay (not on biases and norms)",
     "start_weight_decay": "weight decay at iteration 0 (with --end-weight-decay)",
     "end_weight_decay": "weight decay at the last iteration",
@@ -157,6 +176,11 @@ HELP = {
     "tensorboard_dir": "write TensorBoard scalars here",
     "peak_tflops": "peak TFLOP/s of one device, for MFU (default: looked up for known GPUs)",
     "log_memory": "no memory report and throughput line",
+    "log_throughput": "TFLOP/s per GPU in the iteration line",
+    "profile": "write a torch.profiler trace of iterations --profile-step-start..end into --tensorboard-dir",
+    "profile_step_start": "first profiled iteration",
+    "profile_step_end": "iteration the profile stops before",
+    "profile_ranks": "global ranks to profile (default: all)",
     # peft
     "peft": ("parameter-efficient fine-tuning: lora (low-rank updates of linear layers), adapter (bottleneck "
              "adapters after attention and MLP) or prefix (learned key/value prefixes); the base weights are frozen "

@@ -57,7 +57,7 @@ class DistributedDataParallel(torch.nn.Module):
         config: the parallel configuration (bucket size, overlap flags, distributed optimizer).
         data_parallel_group: the group gradients are averaged over (None = one rank).
         grad_reduce_in_fp32: keep and reduce gradients in fp32. Default: on for bf16 parameters
-            (Megatron always accumulates bf16 gradients in fp32) or with
+            (Megatron accumulates bf16 gradients in fp32 unless --grad-reduce-in-bf16) or with
             --accumulate-allreduce-grads-in-fp32; off otherwise (fp16 gradients stay fp16).
         fsdp_unit_modules: module classes ZeRO-3 gathers one instance at a time (``fully_sharded.py``).
     """
@@ -82,7 +82,8 @@ class DistributedDataParallel(torch.nn.Module):
         for dtype, group in by_dtype.items():
             fp32_grads = grad_reduce_in_fp32
             if fp32_grads is None:
-                fp32_grads = config.accumulate_allreduce_grads_in_fp32 or dtype == torch.bfloat16
+                fp32_grads = config.accumulate_allreduce_grads_in_fp32 or (
+                    dtype == torch.bfloat16 and not config.grad_reduce_in_bf16)
             self.grad_buffers.append(ParamAndGradBuffer(
                 group, grad_dtype=torch.float32 if fp32_grads else dtype,
                 # ZeRO-3 gathers a bucket at a time: a bucket is a unit (the bucket size does not apply).

@@ -51,6 +51,11 @@ class GPTModel(nn.Module):
             # First and last stage each hold a copy of the tied embedding; their gradients
             # are summed over the embedding group so the copies stay identical.
             self.shared_embedding_or_output_weight().shared_embedding = True
+        # Megatron's mark for --decoupled-lr: these weights train on their own learning rate.
+        if pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if post_process and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padding rows of the vocabulary are not tokens: keep them out of the softmax, which also

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.process_groups import collectives
-from megatron_lite.config import OptimizerConfig
+from megatron_lite.config import ConfigError, OptimizerConfig
 from megatron_lite.distributed.param_and_grad_buffer import ParamSlice
 from megatron_lite.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32, get_grads_for_norm
 
@@ -88,11 +88,7 @@ class MegatronOptimizer:
         self.num_skipped_iterations = 0
         self.param_ranges = self._param_ranges(_named_parameters(model_chunks))
         self.main_params = [self._make_main_param(r) for r in self.param_ranges]
-        # Biases and norm weights (1-D parameters) are not decayed.
-        groups = [{"params": [], "weight_decay": config.weight_decay, "wd_mult": 1.0, "lr_mult": 1.0},
-                  {"params": [], "weight_decay": 0.0, "wd_mult": 0.0, "lr_mult": 1.0}]
-        for r, main in zip(self.param_ranges, self.main_params):
-            groups[1 if len(r.shape) == 1 else 0]["params"].append(main)
+        groups = get_param_groups(config, self.param_ranges, self.main_params)
         if config.optimizer == "adam":
             self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                                eps=config.adam_eps, weight_decay=config.weight_decay)
@@ -274,10 +270,13 @@ class MegatronOptimizer:
         (the same layout, or shards merged with ``merge_optimizer_state_dicts``)."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.optimizer.param_groups):
-            raise ValueError(f"optimizer checkpoint has {len(saved_groups)} param groups, this optimizer "
-                             f"{len(self.optimizer.param_groups)}: it was saved by a different optimizer.")
+            raise ConfigError(f"optimizer checkpoint has {len(saved_groups)} param groups, this optimizer "
+                              f"{len(self.optimizer.param_groups)}: it was saved with a different --decoupled-lr "
+                              f"setting (it adds two groups) or by a different optimizer.")
         for group, saved in zip(self.optimizer.param_groups, saved_groups):
-            group.update(saved)
+            # The run's own learning-rate end points stay: the scheduler's checkpoint check then names a
+            # changed --decoupled-lr instead of the checkpoint's values silently replacing it.
+            group.update({k: v for k, v in saved.items() if k not in ("max_lr", "min_lr")})
         for r, main in zip(self.param_ranges, self.main_params):
             entry = state_dict["params"].get(r.name)
             if entry is None and state_dict["data_parallel"]["sharded"]:
@@ -301,6 +300,31 @@ class MegatronOptimizer:
         if self.grad_scaler is not None and state_dict["grad_scaler"] is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         self.num_skipped_iterations = state_dict["num_skipped_iterations"]
+
+
+def get_param_groups(config: OptimizerConfig, param_ranges: list, main_params: list) -> list[dict]:
+    """The main parameters in Megatron's groups: biases and norm weights (1-D) are not decayed, and
+    with --decoupled-lr the word embedding and output layer get their own learning-rate end points.
+
+    Always [decayed, not decayed], then [decoupled decayed, decoupled not decayed] with --decoupled-lr,
+    so every rank of every layout has the same groups (a checkpoint's groups line up)."""
+    kinds = [(False, False), (False, True)]
+    if config.decoupled_lr is not None:
+        kinds += [(True, False), (True, True)]
+    groups = {kind: _param_group(config, *kind) for kind in kinds}
+    for r, main in zip(param_ranges, main_params):
+        decoupled = config.decoupled_lr is not None and getattr(r.param, "is_embedding_or_output_parameter", False)
+        groups[(decoupled, len(r.shape) == 1)]["params"].append(main)
+    return list(groups.values())
+
+
+def _param_group(config: OptimizerConfig, decoupled: bool, no_weight_decay: bool) -> dict:
+    group = {"params": [], "weight_decay": 0.0 if no_weight_decay else config.weight_decay,
+             "wd_mult": 0.0 if no_weight_decay else 1.0, "lr_mult": 1.0, "is_decoupled_lr": decoupled}
+    if decoupled:
+        group["max_lr"] = config.decoupled_lr
+        group["min_lr"] = config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr
+    return group
 
 
 def merge_optimizer_state_dicts(state_dicts: list) -> dict:

@@ -8,9 +8,15 @@
     step > decay:              lr = min_lr
     constant style:            lr = max_lr after warmup
 
-``step`` counts calls to ``step()`` (iterations, in the training loop). The
-scheduler is created before the first iteration, which therefore runs at step 0:
-with warmup its learning rate is 0, as in Megatron-LM.
+``step`` is what ``step(increment)`` has added up. The training loop counts samples, as
+Megatron-LM does: each iteration adds its global batch size, and iteration-based flags are
+converted (``--lr-decay-iters`` x global batch size), so a batch-size ramp-up moves the
+schedule by the samples actually consumed. The scheduler is created before the first
+iteration, which therefore runs at step 0: with warmup its learning rate is 0, as in Megatron-LM.
+
+A param group may carry its own ``max_lr`` and ``min_lr`` (``--decoupled-lr`` and
+``--decoupled-min-lr`` for the embedding and output layer): same warmup and decay shape,
+its own end points.
 """
 from __future__ import annotations
 
@@ -22,27 +28,31 @@ from megatron_lite.config import ConfigError
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 # The values a checkpoint must agree on for its step count to mean the same schedule.
-_SCHEDULE_FIELDS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
-                    "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
+_WARMUP_FLAGS = "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction"
+_DECAY_FLAGS = "--lr-decay-iters/--lr-decay-samples"
+_SCHEDULE_FIELDS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": _WARMUP_FLAGS,
+                    "lr_decay_steps": _DECAY_FLAGS, "lr_decay_style": "--lr-decay-style",
                     "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
-                    "wd_incr_steps": "--train-iters", "wd_incr_style": "--weight-decay-incr-style"}
+                    "wd_incr_steps": "--train-iters/--train-samples", "wd_incr_style": "--weight-decay-incr-style",
+                    "group_lrs": "--decoupled-lr/--decoupled-min-lr"}
+_STEP_FIELDS = {"lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"}
 
 
 class OptimizerParamScheduler:
     """Sets ``lr`` (and optionally ``weight_decay``) on every param group of an optimizer.
 
-    A group's ``lr`` is the schedule's value times the group's ``lr_mult``
-    (default 1). Weight decay is left alone unless ``start_wd``/``end_wd`` are
-    given; then a group's ``weight_decay`` is the schedule's value times its
-    ``wd_mult`` (default 1; 0 for groups that must not decay).
+    A group's ``lr`` is the schedule's value, between the group's ``max_lr`` and ``min_lr``
+    (default: the scheduler's), times its ``lr_mult`` (default 1). Weight decay is
+    left alone unless ``start_wd``/``end_wd`` are given; then a group's
+    ``weight_decay`` is the schedule's value times its ``wd_mult`` (default 1; 0
+    for groups that must not decay).
 
     Args:
         optimizer: anything with ``.param_groups``, a list of dicts.
         max_lr: peak learning rate (``--lr``).
         min_lr: final learning rate (``--min-lr``).
-        lr_warmup_steps: steps of linear warmup from 0 (``--lr-warmup-iters``).
-        lr_decay_steps: step at which decay reaches ``min_lr``, warmup included
-            (``--lr-decay-iters``, default ``--train-iters``).
+        lr_warmup_steps: steps of linear warmup from 0 (may be fractional: ``--lr-warmup-fraction``).
+        lr_decay_steps: step at which decay reaches ``min_lr``, warmup included.
         lr_decay_style: 'constant', 'linear' or 'cosine' (``--lr-decay-style``).
         start_wd, end_wd: weight decay at step 0 and from ``wd_incr_steps`` on.
         wd_incr_steps: steps over which weight decay goes from start to end;
@@ -50,7 +60,7 @@ class OptimizerParamScheduler:
         wd_incr_style: 'constant' (start_wd must equal end_wd), 'linear' or 'cosine'.
     """
 
-    def __init__(self, optimizer, *, max_lr: float, min_lr: float, lr_warmup_steps: int, lr_decay_steps: int,
+    def __init__(self, optimizer, *, max_lr: float, min_lr: float, lr_warmup_steps: float, lr_decay_steps: int,
                  lr_decay_style: str, start_wd: Optional[float] = None, end_wd: Optional[float] = None,
                  wd_incr_steps: Optional[int] = None, wd_incr_style: str = "constant"):
         checks = [
@@ -58,8 +68,8 @@ class OptimizerParamScheduler:
              f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {lr_decay_style!r}."),
             (0.0 <= min_lr <= max_lr, f"--min-lr ({min_lr}) must be between 0 and --lr ({max_lr})."),
             (0 <= lr_warmup_steps < lr_decay_steps,
-             f"--lr-warmup-iters ({lr_warmup_steps}) must be >= 0 and smaller than --lr-decay-iters "
-             f"({lr_decay_steps}, default --train-iters): lower the warmup or lengthen the decay."),
+             f"the warmup ({_WARMUP_FLAGS}: {lr_warmup_steps} steps) must be >= 0 and shorter than the decay "
+             f"({_DECAY_FLAGS}: {lr_decay_steps} steps): lower the warmup or lengthen the decay."),
             (wd_incr_style in WD_INCR_STYLES,
              f"--weight-decay-incr-style must be one of {', '.join(WD_INCR_STYLES)}, got {wd_incr_style!r}."),
             ((start_wd is None) == (end_wd is None),
@@ -82,8 +92,8 @@ class OptimizerParamScheduler:
         self.optimizer = optimizer
         self.max_lr = float(max_lr)
         self.min_lr = float(min_lr)
-        self.lr_warmup_steps = int(lr_warmup_steps)
-        self.lr_decay_steps = int(lr_decay_steps)
+        self.lr_warmup_steps = lr_warmup_steps
+        self.lr_decay_steps = lr_decay_steps
         self.lr_decay_style = lr_decay_style
         self.start_wd = start_wd
         self.end_wd = end_wd
@@ -92,20 +102,23 @@ class OptimizerParamScheduler:
         self.num_steps = 0
         self.step(increment=0)
 
-    def get_lr(self) -> float:
-        """The schedule's learning rate at the current step, before any group's ``lr_mult``."""
+    def get_lr(self, param_group: Optional[dict] = None) -> float:
+        """The learning rate at the current step for ``param_group``'s end points (default: the
+        scheduler's), before the group's ``lr_mult``."""
+        group = param_group or {}
+        max_lr, min_lr = group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)
         if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
-            return self.max_lr * self.num_steps / self.lr_warmup_steps
+            return max_lr * self.num_steps / self.lr_warmup_steps
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if self.num_steps > self.lr_decay_steps:
-            return self.min_lr
+            return min_lr
         decay_ratio = (self.num_steps - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
         if self.lr_decay_style == "linear":
             coeff = 1.0 - decay_ratio
         else:
             coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def get_wd(self) -> Optional[float]:
         """The weight decay at the current step, or None when the scheduler leaves it alone."""
@@ -123,11 +136,22 @@ class OptimizerParamScheduler:
     def step(self, increment: int = 1) -> None:
         """Advance ``increment`` steps and write the new values into every param group."""
         self.num_steps += increment
-        lr, wd = self.get_lr(), self.get_wd()
+        wd = self.get_wd()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
             if wd is not None:
                 group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+
+    @property
+    def group_lrs(self) -> list:
+        """Each param group's (max_lr, min_lr): part of the schedule a checkpoint must agree on."""
+        return [[group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)]
+                for group in self.optimizer.param_groups]
+
+    @group_lrs.setter
+    def group_lrs(self, values: list) -> None:
+        for group, (max_lr, min_lr) in zip(self.optimizer.param_groups, values):
+            group["max_lr"], group["min_lr"] = max_lr, min_lr
 
     def state_dict(self) -> dict:
         state = {name: getattr(self, name) for name in _SCHEDULE_FIELDS}
@@ -143,15 +167,18 @@ class OptimizerParamScheduler:
                               "each other: keep this run's schedule or the checkpoint's, not both.")
         if use_checkpoint:
             for name in _SCHEDULE_FIELDS:
-                setattr(self, name, state_dict[name])
+                setattr(self, name, state_dict.get(name, getattr(self, name)))
         elif not override:
             self._check_same_schedule(state_dict)
-        self.num_steps = int(state_dict["num_steps"])
+        self.num_steps = state_dict["num_steps"]
         self.step(increment=0)
 
     def _check_same_schedule(self, state_dict: dict) -> None:
-        differences = [f"{flag} (checkpoint {state_dict[name]!r}, this run {getattr(self, name)!r})"
-                       for name, flag in _SCHEDULE_FIELDS.items() if state_dict[name] != getattr(self, name)]
+        def values(name):
+            unit = " samples" if name in _STEP_FIELDS else ""  # iteration flags count global batches of samples
+            return f"checkpoint {state_dict.get(name)!r}{unit}, this run {getattr(self, name)!r}{unit}"
+        differences = [f"{flag} ({values(name)})" for name, flag in _SCHEDULE_FIELDS.items()
+                       if state_dict.get(name) != getattr(self, name)]
         if differences:
             raise ConfigError(
                 f"the checkpoint's learning-rate schedule differs from this run's: {'; '.join(differences)}. "
@@ -159,3 +186,22 @@ class OptimizerParamScheduler:
                 "--train-iters), --use-checkpoint-opt_param-scheduler to keep the checkpoint's, or give the "
                 "checkpoint's values.")
 
+
+def get_optimizer_param_scheduler(optimizer, config, global_batch_size: int) -> OptimizerParamScheduler:
+    """The schedule of ``config`` (a Config) in samples, as Megatron-LM builds it: iteration-based
+    flags count ``global_batch_size`` (the batch after any ramp-up) samples per iteration, and
+    ``--lr-warmup-fraction`` is that fraction of the decay."""
+    training, opt = config.training, config.optimizer
+    if training.train_samples is not None:
+        decay_steps, warmup_steps, train_steps = opt.lr_decay_samples, opt.lr_warmup_samples, training.train_samples
+    else:
+        decay_steps = opt.lr_decay_iters * global_batch_size
+        warmup_steps = opt.lr_warmup_iters * global_batch_size
+        train_steps = training.train_iters * global_batch_size
+    if opt.lr_warmup_fraction is not None:
+        warmup_steps = opt.lr_warmup_fraction * decay_steps
+    return OptimizerParamScheduler(optimizer, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=warmup_steps,
+                                   lr_decay_steps=decay_steps, lr_decay_style=opt.lr_decay_style,
+                                   start_wd=opt.start_weight_decay, end_wd=opt.end_weight_decay,
+                                   wd_incr_steps=None if opt.start_weight_decay is None else train_steps,
+                                   wd_incr_style=opt.weight_decay_incr_style)

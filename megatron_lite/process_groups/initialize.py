@@ -14,6 +14,7 @@ acts on it.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import re
 from dataclasses import dataclass
@@ -198,7 +199,8 @@ def initialize_distributed(parallel_config: ParallelConfig,
     """Join the job's default process group and pick this process's GPU.
 
     The backend is ``parallel_config.distributed_backend`` if set, else NCCL when
-    CUDA is available and gloo otherwise. A world of one process starts no group
+    CUDA is available and gloo otherwise; a collective that waits longer than
+    ``--distributed-timeout-minutes`` fails. A world of one process starts no group
     (every group is then ``None`` and collectives are no-ops). A group someone
     already initialised (a test harness, a notebook) is kept, after checking it
     agrees with the environment.
@@ -219,14 +221,16 @@ def initialize_distributed(parallel_config: ParallelConfig,
         return env
     if env.world_size == 1:
         return env
+    timeout = datetime.timedelta(minutes=parallel_config.distributed_timeout_minutes)
     if env.launcher == "torchrun":
         # torchrun's agent already serves the rendezvous store on MASTER_PORT;
         # env:// makes the workers join it instead of trying to bind the port again.
-        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size)
+        init_method = "env://"
     else:
         # Under srun nobody serves a store yet: rank 0 hosts it at MASTER_ADDR:MASTER_PORT.
-        dist.init_process_group(backend, init_method=f"tcp://{_url_host(env.master_addr)}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size)
+        init_method = f"tcp://{_url_host(env.master_addr)}:{env.master_port}"
+    dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
+                            timeout=timeout)
     return env
 
 

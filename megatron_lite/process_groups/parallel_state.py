@@ -12,6 +12,8 @@ holds one rank's groups and is passed explicitly to every module that talks.
 """
 from __future__ import annotations
 
+import datetime
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -186,11 +188,14 @@ class ParallelState:
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None, *,
                               rank: Optional[int] = None, world_size: Optional[int] = None,
-                              new_group: Optional[Callable] = None) -> ParallelState:
+                              new_group: Optional[Callable] = None,
+                              distributed_timeout_minutes: int = 10) -> ParallelState:
     """Build this rank's groups.
 
     Every rank must create every group in the same order (``torch.distributed``'s
-    rule), so all groups are created and only this rank's are kept. Pass
+    rule), so all groups are created and only this rank's are kept. Each group's
+    collectives time out after ``distributed_timeout_minutes`` (--distributed-timeout-minutes):
+    a new group does not inherit the default group's timeout. Pass
     ``new_group=MockGroup``-style factories with explicit ``rank``/``world_size``
     to check a layout in one process without ``torch.distributed``.
     """
@@ -201,7 +206,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             rank, world_size = 0, 1
     layout = RankLayout(world_size, tensor_model_parallel_size, pipeline_model_parallel_size)
     if new_group is None:
-        new_group = _new_process_group if world_size > 1 else (lambda ranks: None)
+        timeout = datetime.timedelta(minutes=distributed_timeout_minutes)
+        new_group = functools.partial(_new_process_group, timeout=timeout) if world_size > 1 else (lambda ranks: None)
     state = ParallelState(layout=layout, rank=rank,
                           virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
     for name, groups in layout.all_groups().items():
@@ -215,8 +221,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     return state
 
 
-def _new_process_group(ranks: list[int]):
-    return dist.new_group(ranks=ranks)
+def _new_process_group(ranks: list[int], timeout: datetime.timedelta):
+    return dist.new_group(ranks=ranks, timeout=timeout)
 
 
 def mock_parallel_state(rank: int, world_size: int, tensor_model_parallel_size: int = 1,

@@ -6,13 +6,15 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import Config, ConfigError
+from megatron_lite.config import Config, ConfigError, TrainingConfig
 from megatron_lite.data import MockGPTDataset, build_pretraining_data_loader, build_train_valid_test_datasets
 from megatron_lite.data.sft import SFTDataset, load_sft_examples
 from megatron_lite.process_groups import failures
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.tokenizer import build_model_tokenizer
 from megatron_lite.training.logger import print_rank_last
+from megatron_lite.training.num_microbatches_calculator import (NumMicroBatchesCalculator,
+                                                                build_num_microbatches_calculator, get_train_iters)
 
 
 def build_data_iterators(config: Config, parallel_state: ParallelState, consumed_train_samples: int,
@@ -26,13 +28,13 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, consumed
     eod_token = None
     if data.eod_mask_loss:
         eod_token = build_model_tokenizer(dataclasses.asdict(data), config.model.vocab_size).eod
-    num_evaluations = training.train_iters // training.eval_interval + 1
-    num_samples = (training.train_iters * global_batch, num_evaluations * training.eval_iters * global_batch,
-                   training.eval_iters * global_batch)
+    calculator = build_num_microbatches_calculator(training, parallel_state.data_parallel_world_size)
+    train_iters = get_train_iters(training, calculator)
+    num_samples = _num_samples(training, calculator, train_iters)
     if data.sft:
         train_ds, valid_ds, test_ds = _build_sft_datasets(config, num_samples)
     else:
-        (train_ds, valid_ds), test_ds = _build_datasets(config, num_samples)[:2], None
+        (train_ds, valid_ds), test_ds = _build_datasets(config, num_samples, train_iters)[:2], None
     print_rank_last(f" data: train {train_ds.describe() if train_ds else 'none'} | "
                     f"validation {valid_ds.describe() if valid_ds else 'none'}"
                     + (f" | test {test_ds.describe()}" if test_ds else ""))
@@ -54,6 +56,18 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, consumed
     return loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples), loaders(test_ds, 0)
 
 
+def _num_samples(training: TrainingConfig, calculator: NumMicroBatchesCalculator,
+                 train_iters: int) -> tuple[int, int, int]:
+    """Samples each split is built for (train, valid, test), as Megatron asks for them: --train-samples
+    or --train-iters x global batch, and --eval-iters global batches per evaluation. Never fewer
+    training samples than the run consumes (a ramp-up's last iteration may pass --train-samples)."""
+    global_batch = calculator.global_batch_size
+    requested = training.train_samples if training.train_samples is not None else train_iters * global_batch
+    num_evaluations = train_iters // training.eval_interval + 1
+    return (max(requested, calculator.consumed_samples_after(train_iters)),
+            num_evaluations * training.eval_iters * global_batch, training.eval_iters * global_batch)
+
+
 def _build_sft_datasets(config: Config, num_samples: tuple):
     """Fine-tuning datasets from --train-data-path, --valid-data-path and --test-data-path (None where absent)."""
     data = config.data
@@ -70,7 +84,7 @@ def _build_sft_datasets(config: Config, num_samples: tuple):
     return tuple(datasets)
 
 
-def _build_datasets(config: Config, num_samples: tuple):
+def _build_datasets(config: Config, num_samples: tuple, train_iters: int):
     model, training, data = config.model, config.training, config.data
     if data.mock_data:
         return tuple(MockGPTDataset(vocab_size=model.vocab_size, seq_length=model.seq_length,
@@ -87,16 +101,16 @@ def _build_datasets(config: Config, num_samples: tuple):
         "build the datasets")
     if not is_builder:
         datasets = build_train_valid_test_datasets(is_builder_rank=False, **kwargs)
-    _check_splits(config, datasets)
+    _check_splits(config, datasets, train_iters)
     return datasets
 
 
-def _check_splits(config: Config, datasets: tuple) -> None:
+def _check_splits(config: Config, datasets: tuple, train_iters: int) -> None:
     """An empty train split fails here, at start-up; a missing validation split is said, not silent."""
     data, training = config.data, config.training
-    if datasets[0] is None and training.train_iters > 0:
+    if datasets[0] is None and train_iters > 0:
         raise ConfigError(f"no training data: --split {data.split} gives the train split no documents of "
                           f"--data-path {' '.join(data.data_path)}; raise its first weight.")
-    if datasets[1] is None and training.eval_iters > 0 and training.eval_interval <= training.train_iters:
+    if datasets[1] is None and training.eval_iters > 0 and training.eval_interval <= train_iters:
         print_rank_last(f" notice: no validation data (--split {data.split} leaves the validation split empty); "
                         "validation is skipped. Give it documents with --split to see a validation loss.")

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from megatron_lite.config import Config
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.training import metrics
+from megatron_lite.training.num_microbatches_calculator import build_num_microbatches_calculator, get_train_iters
 from megatron_lite.checkpointing.training_state import TrainingState
 
 
@@ -27,6 +28,9 @@ def format_startup_summary(config: Config, parallel_state: ParallelState, stage_
     parallel, training, checkpoint = config.parallel, config.training, config.checkpoint
     dp = parallel_state.data_parallel_world_size
     global_batch = training.global_batch(dp)
+    train_iters = get_train_iters(training, build_num_microbatches_calculator(training, dp))
+    rampup = ("" if training.rampup_batch_size is None else
+              " (ramped up from {} by {} over {} samples)".format(*training.rampup_batch_size))
     stages = ", ".join(_count(n) for n in stage_parameters)
     saves = (f"to {checkpoint.save} every {checkpoint.save_interval} iterations and at the end"
              if checkpoint.save_interval else f"to {checkpoint.save} at the end") if checkpoint.save else "not saved"
@@ -42,7 +46,7 @@ def format_startup_summary(config: Config, parallel_state: ParallelState, stage_
            if parallel.virtual_pipeline_model_parallel_size else ""),
         f" batch: {global_batch} sequences = micro-batch {training.micro_batch_size} x "
         f"{training.num_microbatches(dp)} micro-batches x data {dp}; "
-        f"{global_batch * config.model.seq_length} tokens per iteration, {training.train_iters} iterations",
+        f"{global_batch * config.model.seq_length} tokens per iteration{rampup}, {train_iters} iterations",
         f" checkpoints: {saves}" + (f"; loading {checkpoint.load}" if checkpoint.load else ""),
     ])
 
@@ -53,22 +57,31 @@ def _count(n: int) -> str:
 
 class TrainingLogger:
     """Megatron's log line every --log-interval iterations, from the last rank (which has the loss),
-    plus throughput, MFU and TensorBoard scalars."""
+    plus throughput, MFU and TensorBoard scalars.
 
-    def __init__(self, config: Config, parallel_state: ParallelState, global_batch: int):
+    The global batch may change between iterations (--rampup-batch-size): each iteration's FLOPs
+    and tokens are counted with its own batch, and the line shows the latest batch, as Megatron's."""
+
+    def __init__(self, config: Config, parallel_state: ParallelState, train_iters: int):
         self.config = config
-        self.global_batch = global_batch
+        self.train_iters = train_iters
         self.world_size = parallel_state.world_size
-        self.flops_per_iteration = metrics.num_floating_point_operations(
-            config.model, global_batch, config.model.padded_vocab_size(parallel_state.tensor_model_parallel_world_size))
+        self.padded_vocab_size = config.model.padded_vocab_size(parallel_state.tensor_model_parallel_world_size)
         self.peak_tflops = metrics.device_peak_tflops(config.logging.peak_tflops)
         self.writer = metrics.tensorboard_writer(config.logging.tensorboard_dir) if is_last_rank() else None
-        self.losses, self.seconds, self.skipped, self.nan = [], 0.0, 0, 0
+        self.global_batch = None
+        self._reset()
 
-    def record(self, loss: float | None, seconds: float, skipped: bool) -> None:
+    def _reset(self) -> None:
+        self.losses, self.seconds, self.skipped, self.nan, self.flops, self.samples = [], 0.0, 0, 0, 0.0, 0
+
+    def record(self, loss: float | None, seconds: float, skipped: bool, global_batch: int) -> None:
         """As Megatron: the interval's loss averages the iterations that updated the weights."""
         self.seconds += seconds
         self.skipped += int(skipped)
+        self.global_batch = global_batch
+        self.samples += global_batch
+        self.flops += metrics.num_floating_point_operations(self.config.model, global_batch, self.padded_vocab_size)
         if loss is not None and not math.isfinite(loss):
             self.nan += 1
         elif loss is not None and not skipped:
@@ -78,25 +91,27 @@ class TrainingLogger:
         elapsed_s = self.seconds / self.config.logging.log_interval
         lm_loss = sum(self.losses) / max(len(self.losses), 1)
         skipped, nan = self.skipped, self.nan  # counts for this interval, as in Megatron's line
-        self.losses, self.seconds, self.skipped, self.nan = [], 0.0, 0, 0
+        tflops_per_gpu = self.flops / (self.seconds * self.world_size) / 1e12
+        tokens_per_second = self.samples * self.config.model.seq_length / self.seconds
+        self._reset()
         if not is_last_rank():
             return
-        tflops_per_gpu = self.flops_per_iteration / (elapsed_s * self.world_size) / 1e12
         learning_rate, loss_scale = optimizer.param_groups[0]["lr"], float(optimizer.get_loss_scale())
         print(metrics.format_iteration_log(
-            iteration=state.iteration, train_iters=self.config.training.train_iters,
+            iteration=state.iteration, train_iters=self.train_iters,
             consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed_s * 1000.0,
-            tflops_per_gpu=tflops_per_gpu, learning_rate=learning_rate, global_batch_size=self.global_batch,
+            tflops_per_gpu=tflops_per_gpu if self.config.logging.log_throughput else None,
+            learning_rate=learning_rate, global_batch_size=self.global_batch,
             lm_loss=lm_loss, loss_scale=loss_scale, grad_norm=grad_norm, skipped_iterations=skipped,
             nan_iterations=nan), flush=True)
-        tokens_per_second = self.global_batch * self.config.model.seq_length / elapsed_s
         if self.config.logging.log_memory:
             print(metrics.format_throughput_log(
                 tokens_per_second=tokens_per_second,
                 mfu=metrics.model_flops_utilization(tflops_per_gpu, self.peak_tflops),
                 peak_memory=metrics.peak_memory_mb()), flush=True)
         self._scalars(state.iteration, {"lm loss": lm_loss, "learning rate": learning_rate, "grad norm": grad_norm,
-                                        "tokens per second": tokens_per_second, "loss scale": loss_scale})
+                                        "tokens per second": tokens_per_second, "loss scale": loss_scale,
+                                        "batch size": self.global_batch})
 
     def log_validation(self, iteration: int, valid_loss: float | None, on: str | None = None) -> None:
         """``on``: which data, when not the validation set (``"test set"``)."""

@@ -9,6 +9,10 @@
 Parallelism shows up only where it acts: ``get_model`` asks the pipeline split
 which layers this rank holds, ``train_step`` hands the micro-batches to the
 pipeline schedule, and the optimizer hides data-parallel sharding.
+
+Progress is counted in samples, as in Megatron-LM: each iteration takes the global batch the
+``NumMicroBatchesCalculator`` gives for the samples consumed so far (it grows under
+--rampup-batch-size), and the LR schedule advances by that many samples.
 """
 from __future__ import annotations
 
@@ -28,16 +32,19 @@ from megatron_lite.checkpointing.preflight import check_checkpoint_paths
 from megatron_lite.model.builder import (FSDP_UNIT_MODULES, build_model, count_parameters, current_device,
                                          parameters_per_stage)
 from megatron_lite.optimizer import get_megatron_optimizer
-from megatron_lite.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron_lite.optimizer.optimizer_param_scheduler import get_optimizer_param_scheduler
+from megatron_lite.pipeline_parallel.schedule_table import check_interleaved_microbatches
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
 from megatron_lite.process_groups import collectives, failures
 from megatron_lite.process_groups.initialize import initialize_distributed
 from megatron_lite.process_groups.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from megatron_lite.tensor_parallel.random import set_random_seeds
-from megatron_lite.training import metrics
+from megatron_lite.training import metrics, operations
 from megatron_lite.training.data_iterators import build_data_iterators
 from megatron_lite.planner import estimate_for_config, format_memory_estimate
 from megatron_lite.training.logger import TrainingLogger, format_startup_summary, is_last_rank, print_rank_last
+from megatron_lite.training.num_microbatches_calculator import (NumMicroBatchesCalculator,
+                                                                build_num_microbatches_calculator, get_train_iters)
 from megatron_lite.training.signal_handler import DistributedSignalHandler
 from megatron_lite.checkpointing.training_state import TrainingState
 
@@ -69,29 +76,36 @@ def forward_step(data_iterator, model):
 
 
 def calculate_per_token_loss(config: Config) -> bool:
-    """Fine-tuning averages the loss over the loss-masked tokens of the whole global batch (REFERENCE 10),
-    so examples count by their response tokens, not by the micro-batch they landed in."""
-    return config.data.sft
+    """Whether the loss is summed over tokens and divided by the global batch's loss-token count
+    (--calculate-per-token-loss, as Megatron) rather than averaged per micro-batch. Fine-tuning always
+    does this (REFERENCE 10): examples count by their response tokens, not by the micro-batch they landed in."""
+    return config.training.calculate_per_token_loss or config.data.sft
 
 
-def train_step(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, data_iterator):
-    """Forward and backward over every micro-batch of the global batch, then one optimizer step.
+def train_step(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, data_iterator,
+               num_microbatches: int):
+    """Forward and backward over ``num_microbatches`` micro-batches per data-parallel rank, then one
+    optimizer step; the LR schedule advances by the samples this global batch held.
 
-    Returns (mean lm loss on the last stage or None, update_successful, grad_norm)."""
+    Returns (lm loss: the global batch's per-token mean on the last stage, else None; update_successful;
+    grad_norm)."""
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = _forward_backward(config, parallel_state, model_chunks, data_iterator, forward_only=False,
-                               grad_scale_func=optimizer.scale_loss)
+    losses = _forward_backward(config, parallel_state, model_chunks, data_iterator, num_microbatches,
+                               forward_only=False, grad_scale_func=optimizer.scale_loss)
+    operations.empty_unused_memory(config.training, level=1)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
-        scheduler.step(increment=1)
+        global_batch = num_microbatches * config.training.micro_batch_size * parallel_state.data_parallel_world_size
+        scheduler.step(increment=global_batch)
+    operations.empty_unused_memory(config.training, level=2)
     return _average_loss(losses, parallel_state), update_successful, grad_norm
 
 
-def _forward_backward(config, parallel_state, model_chunks, data_iterator, *, forward_only, grad_scale_func=None):
+def _forward_backward(config, parallel_state, model_chunks, data_iterator, num_microbatches, *, forward_only,
+                      grad_scale_func=None):
     model = config.model
-    num_microbatches = config.training.num_microbatches(parallel_state.data_parallel_world_size)
     forward_backward = get_forward_backward_func(parallel_state)
     return forward_backward(
         forward_step_func=forward_step, data_iterator=data_iterator, model=model_chunks,
@@ -118,12 +132,16 @@ def _average_loss(losses: list, parallel_state: ParallelState) -> float | None:
 
 @torch.no_grad()
 def evaluate(config: Config, parallel_state: ParallelState, model_chunks, data_iterator) -> float | None:
-    """Validation loss over --eval-iters global batches, forward only: the mean over all their loss tokens."""
+    """Validation loss over --eval-iters global batches (the full size, after any ramp-up), forward only:
+    the mean over all their loss tokens."""
+    num_microbatches = config.training.num_microbatches(parallel_state.data_parallel_world_size)
     for chunk in model_chunks:
         chunk.eval()
     losses = []
     for _ in range(config.training.eval_iters):
-        losses += _forward_backward(config, parallel_state, model_chunks, data_iterator, forward_only=True)
+        losses += _forward_backward(config, parallel_state, model_chunks, data_iterator, num_microbatches,
+                                    forward_only=True)
+        operations.empty_unused_memory(config.training, level=1)
     for chunk in model_chunks:
         chunk.train()
     return _average_loss(losses, parallel_state)
@@ -132,25 +150,26 @@ def evaluate(config: Config, parallel_state: ParallelState, model_chunks, data_i
 def build_optimizer_and_scheduler(config: Config, parallel_state: ParallelState, model_chunks):
     optimizer = get_megatron_optimizer(config.optimizer, model_chunks, parallel_state=parallel_state,
                                        parallel_config=config.parallel, params_dtype=config.params_dtype)
-    opt = config.optimizer
-    wd_incr_steps = None if opt.start_weight_decay is None else config.training.train_iters
-    scheduler = OptimizerParamScheduler(optimizer, max_lr=opt.lr, min_lr=opt.min_lr,
-                                        lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=opt.lr_decay_iters,
-                                        lr_decay_style=opt.lr_decay_style, start_wd=opt.start_weight_decay,
-                                        end_wd=opt.end_weight_decay, wd_incr_steps=wd_incr_steps,
-                                        wd_incr_style=opt.weight_decay_incr_style)
-    return optimizer, scheduler
+    global_batch = config.training.global_batch(parallel_state.data_parallel_world_size)
+    return optimizer, get_optimizer_param_scheduler(optimizer, config, global_batch)
 
 
 def pretrain(config: Config, *, keep_process_group: bool = False):
     """Train as configured; returns (TrainingState, model chunks, parallel state)."""
+    start_time = time.time()  # --exit-duration-in-mins counts from here
     initialize_distributed(config.parallel)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     config.parallel.data_parallel_size(world_size)  # fails with the arithmetic before any group is built
     parallel_state = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
                                                config.parallel.pipeline_model_parallel_size,
-                                               config.parallel.virtual_pipeline_model_parallel_size)
-    config.training.num_microbatches(parallel_state.data_parallel_world_size)  # batch arithmetic fails here, early
+                                               config.parallel.virtual_pipeline_model_parallel_size,
+                                               distributed_timeout_minutes=config.parallel.distributed_timeout_minutes)
+    # The batch arithmetic (and any ramp-up) fails here, early.
+    calculator = build_num_microbatches_calculator(config.training, parallel_state.data_parallel_world_size)
+    if (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1:
+        for count in calculator.microbatch_counts():
+            check_interleaved_microbatches(count, config.parallel.pipeline_model_parallel_size)
+    train_iters = get_train_iters(config.training, calculator)
     total_parameters = count_parameters(config)
     failures.run_on_every_rank(lambda: check_checkpoint_paths(config, total_parameters),
                                "check the --save/--load directories")
@@ -176,17 +195,17 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     train_iterator, valid_iterator, test_iterator = build_data_iterators(
         config, parallel_state, state.consumed_train_samples, state.iteration)
     train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
-          test_iterator)
+          test_iterator, calculator=calculator, train_iters=train_iters, start_time=start_time)
     if not keep_process_group:
         destroy_model_parallel(parallel_state)
     return state, model_chunks, parallel_state
 
 
 def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
-          valid_iterator, state: TrainingState, test_iterator=None) -> None:
+          valid_iterator, state: TrainingState, test_iterator=None, *, calculator: NumMicroBatchesCalculator,
+          train_iters: int, start_time: float) -> None:
     training = config.training
-    global_batch = training.global_batch(parallel_state.data_parallel_world_size)
-    logger = TrainingLogger(config, parallel_state, global_batch)
+    logger = TrainingLogger(config, parallel_state, train_iters)
     for chunk in model_chunks:
         chunk.train()
         chunk.reset_peak_memory()  # the first iteration's peak is reported
@@ -194,11 +213,15 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
         torch.cuda.reset_peak_memory_stats()
     first_iteration = state.iteration + 1
     signal_handler = DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext()
-    with signal_handler:
-        while state.iteration < training.train_iters:
+    with signal_handler, operations.manual_garbage_collection(training), \
+            operations.profiler(config, parallel_state.rank) as profiler:
+        while state.iteration < train_iters:
+            profiler.step()
+            num_microbatches = calculator.get_num_microbatches(state.consumed_train_samples)
+            global_batch = calculator.get_current_global_batch_size(state.consumed_train_samples)
             step_start = time.perf_counter()
             loss, update_successful, grad_norm = train_step(config, parallel_state, model_chunks, optimizer,
-                                                            scheduler, train_iterator)
+                                                            scheduler, train_iterator, num_microbatches)
             state.iteration += 1
             if config.logging.log_memory and state.iteration == first_iteration:
                 print_rank_last(metrics.format_memory_report(optimizer.memory_report(), state.iteration))
@@ -207,21 +230,30 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
             if loss is not None:
                 state.nan_iterations += 0 if math.isfinite(loss) else 1
                 state.losses.append(loss)
-            logger.record(loss, time.perf_counter() - step_start, skipped=not update_successful)
+            logger.record(loss, time.perf_counter() - step_start, skipped=not update_successful,
+                          global_batch=global_batch)
             if _every(state.iteration, training.check_weight_hash_across_dp_replicas_interval):
                 check_weight_hash_across_dp_replicas(model_chunks, parallel_state, state.iteration)
             if _every(state.iteration, config.logging.log_interval):
                 logger.log_interval(state, optimizer, grad_norm)
             if valid_iterator is not None and _every(state.iteration, training.eval_interval):
-                logger.log_validation(state.iteration, evaluate(config, parallel_state, model_chunks, valid_iterator))
+                with operations.garbage_collection_around_evaluation(training):
+                    valid_loss = evaluate(config, parallel_state, model_chunks, valid_iterator)
+                logger.log_validation(state.iteration, valid_loss)
+            operations.collect_garbage_after_iteration(training, state.iteration)
             exit_now = ((training.exit_signal_handler and signal_handler.signals_received(parallel_state))
-                        or _every(state.iteration, training.exit_interval))
-            save_now = (exit_now or state.iteration == training.train_iters  # as Megatron: save at the end
+                        or _every(state.iteration, training.exit_interval)
+                        or operations.exit_duration_reached(training, start_time, parallel_state))
+            # As Megatron: save at the end, and when the ramp-up changes the micro-batch count (a resume may
+            # then change the data-parallel size to suit the larger batch).
+            batch_grows = calculator.get_num_microbatches(state.consumed_train_samples) != num_microbatches
+            save_now = (exit_now or state.iteration == train_iters or batch_grows
                         or _every(state.iteration, config.checkpoint.save_interval))
             if config.checkpoint.save and save_now:
                 checkpointing.save_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler, state)
             if exit_now:
-                print_rank_last(f" exiting at iteration {state.iteration} (signal or --exit-interval)")
+                print_rank_last(f" exiting at iteration {state.iteration} (signal, --exit-interval or "
+                                f"--exit-duration-in-mins)")
                 return
     if test_iterator is not None:  # as Megatron, the test data is evaluated once, after training
         logger.log_validation(state.iteration, evaluate(config, parallel_state, model_chunks, test_iterator),
@@ -230,5 +262,3 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
 
 def _every(iteration: int, interval: int | None) -> bool:
     return bool(interval) and iteration % interval == 0
-
-

@@ -75,14 +75,16 @@ def peak_memory_mb() -> float:
 
 
 def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
-                         tflops_per_gpu: float, learning_rate: float, global_batch_size: int, lm_loss: float,
+                         tflops_per_gpu: float | None, learning_rate: float, global_batch_size: int, lm_loss: float,
                          loss_scale: float, grad_norm: float | None, skipped_iterations: int,
                          nan_iterations: int) -> str:
+    """Megatron's line; the throughput field only with --log-throughput (``tflops_per_gpu`` not None)."""
     line = (f" iteration {iteration:8d}/{train_iters:8d} |"
             f" consumed samples: {consumed_samples:12d} |"
-            f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-            f" throughput per GPU (TFLOP/s/GPU): {_tflops_text(tflops_per_gpu)} |"
-            f" learning rate: {learning_rate:.6E} |"
+            f" elapsed time per iteration (ms): {elapsed_ms:.1f} |")
+    if tflops_per_gpu is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {_tflops_text(tflops_per_gpu)} |"
+    line += (f" learning rate: {learning_rate:.6E} |"
             f" global batch size: {global_batch_size:5d} |"
             f" lm loss: {lm_loss:.6E} |"
             f" loss scale: {loss_scale:.1f} |")

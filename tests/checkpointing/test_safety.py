@@ -64,7 +64,7 @@ def test_layout_on_disk(saved):
     entry = metadata["files"]["rank_00000.safetensors"]
     assert entry["sha256"] == storage.sha256_file(os.path.join(directory, "rank_00000.safetensors"))
     assert metadata["training_state"]["iteration"] == 2 and metadata["training_state"]["consumed_train_samples"] == 16
-    assert metadata["scheduler"]["num_steps"] == 2
+    assert metadata["scheduler"]["num_steps"] == 16  # samples: 2 iterations of 8
     # fp32 training: the main parameters are the weights, stored once.
     assert not any(key.startswith("optimizer.main_param.") for key in metadata["tensors"])
     assert "optimizer.exp_avg_sq.output_layer.weight" in metadata["tensors"]
@@ -200,7 +200,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, point):
 
 def _load_and_report(rank, world_size, root):
     try:
-        _load(root)
+        _load(root, global_batch=2)  # the saving run's batch: the LR schedule counts its samples
     except (CheckpointError, FailedOnAnotherRank) as error:
         return type(error).__name__, str(error)
     return None

@@ -65,7 +65,8 @@ def _train(rank, world_size, runs):
         iterator = build_data_iterators(config, ps, 0)[0]
         losses, grads = [], []
         for _ in range(STEPS):
-            loss, _, _ = train_step(config, ps, chunks, optimizer, scheduler, iterator)
+            loss, _, _ = train_step(config, ps, chunks, optimizer, scheduler, iterator,
+                                    config.training.num_microbatches(ps.data_parallel_world_size))
             losses.append(loss)
             grads.append([(r.name, r.start, r.end, r.model_grad().clone()) for r in optimizer.param_ranges])
         shapes = {r.name: tuple(r.shape) for r in optimizer.param_ranges}  # whole, also where ZeRO-3 holds a shard

@@ -89,14 +89,15 @@ def run_layout(config, *, timed_steps: int = 0) -> dict:
     chunks = get_model(config, state)
     optimizer, scheduler = build_optimizer_and_scheduler(config, state, chunks)
     data = build_data_iterators(config, state, 0)[0]
+    num_microbatches = config.training.num_microbatches(state.data_parallel_world_size)
     parameters = [p for chunk in chunks for p in chunk.module.parameters()]
     with SavedActivationPeak(parameters) as tracker:
-        train_step(config, state, chunks, optimizer, scheduler, data)
+        train_step(config, state, chunks, optimizer, scheduler, data, num_microbatches)
     steps = []  # (wall seconds, CPU seconds, seconds waiting for a CPU) of each timed step
     for _ in range(timed_steps):
         torch.distributed.barrier()
         start, (running, waiting) = time.perf_counter(), _scheduler_seconds()
-        train_step(config, state, chunks, optimizer, scheduler, data)
+        train_step(config, state, chunks, optimizer, scheduler, data, num_microbatches)
         torch.distributed.barrier()
         end, (running_end, waiting_end) = time.perf_counter(), _scheduler_seconds()
         steps.append((end - start, running_end - running, waiting_end - waiting))
