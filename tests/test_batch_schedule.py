@@ -220,3 +220,39 @@ def test_interleaving_checks_every_ramp_up_batch_at_start_up():
     start-up check says before the first step, not at the ramp-up's first odd batch."""
     for error in run_distributed(_start_interleaved_with_ramp_up, 2):
         assert error is not None and "multiple of --pipeline-model-parallel-size (2)" in error
+
+
+def _fine_tuning_run(tmp_path) -> list[str]:
+    """The samples run on chat data (--sft: train, validation and test iterators, per-token loss)."""
+    from tests.sft.test_sft_parallel import _write_data
+
+    data = _write_data(tmp_path / "chat.jsonl")
+    flags = [flag for flag in BASE if flag != "--mock-data"]
+    return flags + SAMPLES_RUN + ["--vocab-size", "64", "--sft", "--tokenizer-type", "NullTokenizer",
+                                  "--train-data-path", data, "--valid-data-path", data, "--test-data-path", data,
+                                  "--eval-interval", "3", "--save", str(tmp_path / "ckpt")]  # the last value counts
+
+
+def test_ramp_up_with_fine_tuning_data(tmp_path, capsys):
+    """The SFT iterators follow the ramp-up: the same batches as pretraining, a resume mid-ramp continues the
+    uninterrupted run's data and losses, and validation and the test set run at the full batch."""
+    from megatron_lite.training.loop import pretrain
+
+    flags = _fine_tuning_run(tmp_path)
+    pretrain(parse_args(flags))
+    out = capsys.readouterr().out
+    uninterrupted = _log_lines(out)
+    assert [line["batch"] for line in uninterrupted] == [4, 4, 8, 12, 12, 12, 12]
+    assert [line["consumed"] for line in uninterrupted] == [4, 8, 16, 28, 40, 52, 64]
+    assert "validation loss at iteration 3 " in out and "validation loss at iteration 6 " in out
+    assert "test set" in out
+    storage.write_latest_iteration(str(tmp_path / "ckpt"), 2)
+    pretrain(parse_args(flags + ["--load", str(tmp_path / "ckpt")]))
+    assert _log_lines(capsys.readouterr().out) == uninterrupted[2:]
+
+
+def test_fine_tuning_ramp_up_under_data_parallelism_matches_one_process(tmp_path):
+    flags = _fine_tuning_run(tmp_path)
+    (reference,) = run_distributed(_train_losses, 1, args=(flags,))
+    for losses, consumed in run_distributed(_train_losses, 2, args=(flags,)):
+        assert consumed == 64 and losses == pytest.approx(reference[0], rel=1e-5)

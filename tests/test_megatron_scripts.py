@@ -12,6 +12,7 @@ The Llama script's FP8 arguments (added when its ``DTYPE=fp8``) are refused by n
 run is the script with ``DTYPE=bf16``.
 """
 import os
+import re
 import shlex
 
 import pytest
@@ -136,17 +137,6 @@ LLAMA3_8B = """
 """
 LLAMA3_8B_FP8 = "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather"
 
-# Flags the training half of issue 12 adds (branch flags_training): how many values each takes and what
-# stands in for it until then. While one is unknown the runs below go without it; test_no_flag_is_awaited
-# says which are still missing.
-AWAITED = {"--train-samples": (1, "--train-iters 3"), "--lr-decay-samples": (1, ""), "--lr-warmup-samples": (1, ""),
-           "--lr-warmup-fraction": (1, ""), "--rampup-batch-size": (3, ""), "--calculate-per-token-loss": (0, ""),
-           "--decoupled-lr": (1, ""), "--decoupled-min-lr": (1, ""), "--grad-reduce-in-bf16": (0, ""),
-           "--distributed-timeout-minutes": (1, ""), "--exit-duration-in-mins": (1, ""), "--log-throughput": (0, ""),
-           "--manual-gc": (0, ""), "--empty-unused-memory-level": (1, ""), "--profile": (0, ""),
-           "--profile-step-start": (1, ""), "--profile-step-end": (1, "")}
-
-
 def script_argv(text: str, **paths) -> list[str]:
     lines = [line.split("#", 1)[0] for line in text.strip().splitlines()]
     return shlex.split(" ".join(lines).format(**paths))
@@ -154,24 +144,6 @@ def script_argv(text: str, **paths) -> list[str]:
 
 def known_flags() -> set[str]:
     return {flag for action in build_parser()._actions for flag in action.option_strings}
-
-
-def still_awaited() -> list[str]:
-    return sorted(set(AWAITED) - known_flags())
-
-
-def without_awaited(argv: list[str]) -> list[str]:
-    """argv minus the awaited flags the parser does not know yet (and their values), plus stand-ins."""
-    awaited, kept, i = still_awaited(), [], 0
-    while i < len(argv):
-        if argv[i] in awaited:
-            values, stand_in = AWAITED[argv[i]]
-            kept += stand_in.split()
-            i += 1 + values
-        else:
-            kept.append(argv[i])
-            i += 1
-    return kept
 
 
 @pytest.fixture(scope="module")
@@ -196,41 +168,57 @@ def test_every_script_flag_is_known(text):
     flags = {arg for arg in script_argv(text, **dict.fromkeys(
         ["data_path", "vocab_file", "merge_file", "checkpoint_path", "tensorboard_logs_path", "data_cache_path"], "x"))
         if arg.startswith("--")}
-    assert flags - known_flags() - set(AWAITED) == set()
+    assert flags - known_flags() == set()
 
 
 def test_gpt3_175b_script_runs(tmp_path, gpt2_data, capsys):
-    assert main(without_awaited(gpt3_argv(tmp_path, gpt2_data))) == 0
+    assert main(gpt3_argv(tmp_path, gpt2_data)) == 0
     out = capsys.readouterr().out
     assert " iteration        3/       3 |" in out and "validation loss at iteration 2" in out
+    # --rampup-batch-size 2 2 4: batch 2 until 4 samples are consumed, then --global-batch-size 4.
+    assert re.findall(r"global batch size: +(\d+) \|", out) == ["2", "2", "4"]
     assert os.path.isdir(tmp_path / "ckpt" / "iter_0000002")
 
 
 def test_llama3_8b_script_runs(tmp_path, capsys):
     with pytest.warns(UserWarning, match="--sequence-parallel has no effect at --tensor-model-parallel-size 1"):
-        assert main(without_awaited(llama_argv(tmp_path))) == 0
+        assert main(llama_argv(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "note: --ckpt-format torch_dist: saving megatron_lite's own reshardable format" in out
     assert " iteration        3/       3 |" in out
-    config = parse_args(without_awaited(llama_argv(tmp_path)))
+    config = parse_args(llama_argv(tmp_path))
     model, data = config.model, config.data
     assert (model.kv_channels, model.apply_layernorm_1p, model.attention_backend) == (16, True, "fused")
     assert not config.parallel.sequence_parallel and data.split == "99,1,0"
     assert (data.mmap_bin_files, data.num_workers, data.tiktoken_pattern) == (False, 1, "v2")
+    training, optimizer = config.training, config.optimizer
+    assert (training.train_samples, optimizer.lr_warmup_samples, optimizer.lr_decay_samples) == (12, 4, 12)
+    assert (optimizer.decoupled_lr, optimizer.decoupled_min_lr) == (5.0e-4, 4.5e-5)
+    assert training.calculate_per_token_loss and config.parallel.grad_reduce_in_bf16
+    assert training.manual_gc and training.empty_unused_memory_level == 1 and training.exit_duration_in_mins == 235
+    assert config.parallel.distributed_timeout_minutes == 60
+    # --log-throughput puts TFLOP/s in the line; --profile wrote a trace of iteration 1 for TensorBoard.
+    assert out.count("throughput per GPU (TFLOP/s/GPU)") == 3
+    assert any(name.endswith(".pt.trace.json") for name in os.listdir(tmp_path / "tb"))
 
 
 def test_gpt3_175b_script_under_torchrun(tmp_path, gpt2_data):
     """The 175B flag set on two ranks (its tensor x pipeline layout scaled to one pipeline split)."""
     from megatron_lite.training.loss_parity import Layout, run_layout
 
-    losses = run_layout(Layout(1, 2, 1), without_awaited(gpt3_argv(tmp_path, gpt2_data)), timeout=300)
+    losses = run_layout(Layout(1, 2, 1), gpt3_argv(tmp_path, gpt2_data), timeout=300)
     assert len(losses) == 3
     assert os.path.isdir(tmp_path / "ckpt" / "iter_0000002")
 
 
 def test_no_flag_is_awaited():
-    if still_awaited():
-        pytest.skip(f"waiting for the flags_training branch: {' '.join(still_awaited())}")
+    """Issue 12's training flags, which the scripts once ran without, are all there."""
+    training_flags = {"--train-samples", "--lr-decay-samples", "--lr-warmup-samples", "--lr-warmup-fraction",
+                      "--rampup-batch-size", "--calculate-per-token-loss", "--decoupled-lr", "--decoupled-min-lr",
+                      "--grad-reduce-in-bf16", "--distributed-timeout-minutes", "--exit-duration-in-mins",
+                      "--log-throughput", "--manual-gc", "--empty-unused-memory-level", "--profile",
+                      "--profile-step-start", "--profile-step-end"}
+    assert training_flags - known_flags() == set()
 
 
 @pytest.mark.parametrize("flag", LLAMA3_8B_FP8.split()[::2][:3] + ["--fp8-param-gather"])
@@ -252,7 +240,7 @@ def test_whole_fp8_script_is_refused(tmp_path, capsys):
 
 
 def test_script_values_that_need_what_we_lack_are_refused(tmp_path):
-    base = without_awaited(llama_argv(tmp_path))
+    base = llama_argv(tmp_path)
     with pytest.raises(ConfigError, match=r"--context-parallel-size 2 is not supported: megatron_lite has no "
                                           r"context parallelism .*; remove it or give --context-parallel-size 1\."):
         parse_args(base + ["--context-parallel-size", "2"])

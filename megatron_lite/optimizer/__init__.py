@@ -11,7 +11,8 @@ Optimizer checkpoint format (the same for sharded and unsharded optimizers)::
                        "range": (start, end),        # elements of the flattened parameter held here
                        "main_param": fp32 1-D tensor, # end - start elements
                        "state": {"exp_avg": 1-D, "exp_avg_sq": 1-D, "step": 0-d}}},  # SGD: momentum_buffer
-     "param_groups": [hyperparameters of each group, without "params"],  # [decayed, not decayed]
+     "param_groups": [hyperparameters of each group, without "params"],  # [decayed, not decayed],
+                                                  # then the same two for --decoupled-lr's weights
      "grad_scaler": scaler state or None,
      "num_skipped_iterations": int,
      "data_parallel": {"sharded": bool, "size": dp, "rank": dp rank}}
