@@ -23,10 +23,9 @@ import sys
 from megatron_lite.config import ConfigError
 from megatron_lite.config.arguments import build_parser, config_from_namespace
 from megatron_lite.planner.cluster import PRESETS, customise
-from megatron_lite.planner.estimate import estimate, sharding_strategy_of
+from megatron_lite.planner.estimate import estimate
 from megatron_lite.planner.layouts import Layout, check_layout, enumerate_layouts
 from megatron_lite.planner.report import format_estimate, format_ranking, rank, ranking_dict
-from megatron_lite.planner.static_memory import SHARDING_STRATEGIES
 from megatron_lite.process_groups.failures import run_command
 
 # Flags that choose a layout: any of them means "estimate this one".
@@ -36,8 +35,7 @@ LAYOUT_FIELDS = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "
                  "data_parallel_sharding_strategy"}
 CLUSTER_FIELDS = ("num_gpus", "gpus_per_node", "gpu_memory_gb", "gpu_peak_tflops", "intra_node_bandwidth_gbps",
                   "inter_node_bandwidth_gbps", "matmul_efficiency", "memory_allowance_gb")
-PLANNER_FIELDS = set(CLUSTER_FIELDS) | {"cluster", "data_parallel_sharding_strategy", "tensor_parallel_across_nodes",
-                                        "hf_config", "top", "json"}
+PLANNER_FIELDS = set(CLUSTER_FIELDS) | {"cluster", "tensor_parallel_across_nodes", "hf_config", "top", "json"}
 
 
 def build_plan_parser() -> argparse.ArgumentParser:
@@ -85,9 +83,8 @@ def _with_hf_model(namespace: dict, path: str) -> dict:
 def parse_plan_args(argv: list[str] | None = None):
     """-> (config, planner options dict, whether a layout was given)."""
     namespace = vars(build_plan_parser().parse_args(argv))
-    # --data-parallel-sharding-strategy is pretraining's own flag; absent, the planner ranks every strategy.
     planner = {k: namespace.pop(k, None) for k in PLANNER_FIELDS}
-    layout_given = bool(LAYOUT_FIELDS & set(namespace)) or planner["data_parallel_sharding_strategy"] is not None
+    layout_given = bool(LAYOUT_FIELDS & set(namespace))  # else every layout and sharding strategy is ranked
     if planner["hf_config"]:
         namespace = _with_hf_model(namespace, planner["hf_config"])
     if not namespace.get("data_path"):
@@ -112,17 +109,13 @@ def plan(argv: list[str] | None = None) -> None:
     cluster = _cluster(config, planner)
     model = dataclasses.asdict(config.model)
     if layout_given:
-        strategy = planner["data_parallel_sharding_strategy"] or sharding_strategy_of(config)
-        layout = Layout(config, cluster.num_gpus, strategy)
+        layout = Layout(config, cluster.num_gpus)
         check_layout(layout, cluster, tensor_parallel_across_nodes=True)  # asked for: estimated as asked
         result = estimate(layout, cluster)
         print(json.dumps({**result.as_dict(), "cluster": cluster.name, "model": model}, indent=2)
               if planner["json"] else format_estimate(result))
         return
-    strategies = ([planner["data_parallel_sharding_strategy"]] if planner["data_parallel_sharding_strategy"]
-                  else SHARDING_STRATEGIES)
-    layouts = enumerate_layouts(config, cluster, strategies=strategies,
-                                tensor_parallel_across_nodes=planner["tensor_parallel_across_nodes"])
+    layouts = enumerate_layouts(config, cluster, tensor_parallel_across_nodes=planner["tensor_parallel_across_nodes"])
     ranked = rank([estimate(layout, cluster) for layout in layouts])
     if not ranked:
         raise ConfigError(f"no valid layout of this model and --global-batch-size on {cluster.num_gpus} GPUs: "

@@ -229,7 +229,9 @@ class MegatronOptimizer:
           parameter or gradient buffer was counted above), Adam's moments and step, SGD's momentum.
 
         ``peak_parameter_bytes`` adds the most whole parameters ZeRO-3 held at once since the
-        chunks' ``reset_peak_memory()`` (measured at every gather). On CUDA, ``allocated_bytes`` and
+        chunks' ``reset_peak_memory()`` (measured at every gather): the most of any one chunk, since a
+        rank runs its chunks one at a time and each releases what it gathered before it returns (its
+        forward) or once its gradients are in (its backward). On CUDA, ``allocated_bytes`` and
         ``peak_allocated_bytes`` are the caching allocator's own counts (everything, activations too).
         """
         counted: set = set()
@@ -238,9 +240,10 @@ class MegatronOptimizer:
         state = [t for main in self.main_params for t in (main, main.grad_copy) if t is not None]
         # Adam's 0-d step counters are left out: per-parameter bytes follow REFERENCE section 6's accounting.
         state += [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        gathered = max((c.peak_gathered_bytes for c in self.model_chunks), default=0)
         report = {"parameter_bytes": parameter_bytes, "gradient_bytes": gradient_bytes,
                   "optimizer_state_bytes": storage_bytes(state, counted),
-                  "peak_parameter_bytes": parameter_bytes + sum(c.peak_gathered_bytes for c in self.model_chunks),
+                  "peak_parameter_bytes": parameter_bytes + gathered,
                   "optimizer_state_on_host": self.offload}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             report["allocated_bytes"] = torch.cuda.memory_allocated()

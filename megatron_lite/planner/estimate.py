@@ -55,11 +55,6 @@ def estimate(layout: Layout, cluster: Cluster) -> Estimate:
     return Estimate(layout=layout, cluster=cluster, memory=memory, time=step_time(layout, cluster))
 
 
-def sharding_strategy_of(config: Config) -> str:
-    """The strategy pretraining runs with this config (--data-parallel-sharding-strategy)."""
-    return config.parallel.data_parallel_sharding_strategy
-
-
 def estimate_for_config(config: Config, world_size: int, *, rank: int = 0, device: str | None = None) -> MemoryEstimate:
     """The planner's memory estimate for global ``rank`` of a pretraining run (no allowance added).
 
@@ -72,7 +67,7 @@ def estimate_for_config(config: Config, world_size: int, *, rank: int = 0, devic
     parallel = config.parallel
     grid = RankLayout(world_size, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
     where = grid.coordinates(rank)
-    layout = Layout(config, world_size, sharding_strategy_of(config))
+    layout = Layout(config, world_size)
     return rank_memory(layout, device=device, pipeline_rank=where["pipeline"], data_parallel_rank=where["data"])
 
 
@@ -87,6 +82,9 @@ def format_memory_estimate(estimate: MemoryEstimate, measured: dict | None = Non
     static = estimate.static
     return (" planner estimate per rank (MB) |"
             + part("parameters", static.parameter_bytes, "parameter_bytes")
+            # ZeRO-3's gathers: measured during iteration 1 (its memory line's "parameters (peak)").
+            + (f" parameters at peak: {static.peak_parameter_bytes / mb:.1f} |"
+               if static.peak_parameter_bytes != static.parameter_bytes else "")
             + part("gradients", static.gradient_bytes, "gradient_bytes")
             + part("optimizer state", static.optimizer_state_bytes, "optimizer_state_bytes")
             + f" activations at peak: {estimate.activation_bytes / mb:.1f} |"

@@ -1,7 +1,8 @@
 """A layout to estimate, and every valid layout of a model on a cluster.
 
 A layout is a full training ``Config`` (so every check pretraining makes applies to it
-too) plus the data-parallel sharding strategy. Enumeration varies the sizes of tensor,
+too, and the planner reads its sharding strategy, bucket size and overlap flags as
+training does) on a number of GPUs. Enumeration varies the sizes of tensor,
 pipeline and virtual pipeline parallelism, the micro-batch size, recomputation and the
 sharding strategy; everything else (precision, global batch, overlap flags) stays as the
 user gave it. Sequence parallelism is on whenever tensor parallelism is: it only saves
@@ -13,11 +14,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
-from megatron_lite.config import Config, ConfigError
+from megatron_lite.config import SHARDING_STRATEGIES, Config, ConfigError
 from megatron_lite.pipeline_parallel.layer_split import get_layer_numbers
 from megatron_lite.pipeline_parallel.schedule_table import check_interleaved_microbatches
 from megatron_lite.planner.cluster import Cluster
-from megatron_lite.planner.static_memory import SHARDING_STRATEGIES, check_strategy
 from megatron_lite.process_groups.parallel_state import RankLayout
 
 RECOMPUTE_CHOICES = ((None, None), ("selective", None), ("full", "uniform"))
@@ -28,7 +28,11 @@ MAX_MICRO_BATCH_SIZE = 16  # larger ones gain little matmul efficiency and cost 
 class Layout:
     config: Config
     world_size: int
-    sharding_strategy: str
+
+    @property
+    def sharding_strategy(self) -> str:
+        """--data-parallel-sharding-strategy: ``config`` says, as it says everything pretraining reads."""
+        return self.config.parallel.data_parallel_sharding_strategy
 
     @property
     def tensor_model_parallel_size(self) -> int:
@@ -95,7 +99,6 @@ class Layout:
 
 def check_layout(layout: Layout, cluster: Cluster, *, tensor_parallel_across_nodes: bool = False) -> None:
     """Raise ConfigError unless pretraining would accept ``layout`` on ``cluster``."""
-    check_strategy(layout.sharding_strategy)
     config, t, p = layout.config, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     if layout.world_size != cluster.num_gpus:
         raise ConfigError(f"the layout is for {layout.world_size} GPUs but the cluster has {cluster.num_gpus}.")
@@ -147,7 +150,7 @@ def with_strategy(config: Config, strategy: str) -> Config:
     return dataclasses.replace(config, parallel=parallel)
 
 
-def enumerate_layouts(base: Config, cluster: Cluster, *, strategies=SHARDING_STRATEGIES,
+def enumerate_layouts(base: Config, cluster: Cluster, *,
                       tensor_parallel_across_nodes: bool = False) -> Iterator[Layout]:
     """Every layout of ``base``'s model and global batch on ``cluster`` that pretraining accepts.
 
@@ -173,9 +176,10 @@ def enumerate_layouts(base: Config, cluster: Cluster, *, strategies=SHARDING_STR
                                                 recompute=recompute)
                         except ConfigError:
                             continue  # e.g. heads not divisible by tp
-                        for strategy in strategies:
-                            layout = Layout(with_strategy(config, strategy), n, strategy)
+                        for strategy in SHARDING_STRATEGIES:
                             try:
+                                # A strategy can clash with other flags (--grad-cpu-offload needs sharded gradients).
+                                layout = Layout(with_strategy(config, strategy), n)
                                 check_layout(layout, cluster, tensor_parallel_across_nodes=tensor_parallel_across_nodes)
                             except ConfigError:
                                 continue

@@ -39,7 +39,9 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict:
         return {"pipeline_rank": self.pipeline_rank, "parameters_gb": self.static.parameter_bytes / GB,
+                "peak_parameters_gb": self.static.peak_parameter_bytes / GB,
                 "gradients_gb": self.static.gradient_bytes / GB,
+                "gradients_on_host_gb": self.static.host_gradient_bytes / GB,
                 "optimizer_state_gb": self.static.optimizer_state_bytes / GB,
                 "optimizer_state_on_host": self.static.optimizer_state_on_host,
                 "activations_gb": self.activation_bytes / GB, "loss_working_memory_gb": self.loss_transient_bytes / GB,
@@ -101,7 +103,7 @@ def rank_memory(layout: Layout, *, device: str, pipeline_rank: int, data_paralle
     tokens = model.seq_length * layout.micro_batch_size
     transient = tokens * activations.loss_transient_bytes_per_token(
         setting, model.padded_vocab_size(layout.tensor_model_parallel_size)) if last else 0.0
-    static = static_memory(config, layout.sharding_strategy, pipeline_rank=pipeline_rank,
+    static = static_memory(config, pipeline_rank=pipeline_rank,
                            data_parallel_size=layout.data_parallel_size, data_parallel_rank=data_parallel_rank)
     return MemoryEstimate(pipeline_rank=pipeline_rank, static=static,
                           activation_bytes=peak, loss_transient_bytes=transient,

@@ -26,6 +26,15 @@ class ParamSpec:
         return self.elements
 
 
+def fsdp_unit(spec: ParamSpec) -> str:
+    """Which ZeRO-3 unit gathers ``spec``: the outermost module of a class in ``model.builder.FSDP_UNIT_MODULES``
+    holding it (the embedding, a transformer layer), or "" for the chunk itself (final norm, output layer)."""
+    parts = spec.name.split(".")
+    if parts[0] == "embedding":
+        return "embedding"
+    return ".".join(parts[:3]) if parts[:2] == ["decoder", "layers"] else ""
+
+
 def _norm(prefix: str, model: ModelConfig) -> list[ParamSpec]:
     names = ["weight", "bias"] if model.normalization == "LayerNorm" else ["weight"]
     return [ParamSpec(f"{prefix}.{n}", model.hidden_size) for n in names]

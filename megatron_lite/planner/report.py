@@ -33,6 +33,7 @@ def format_estimate(estimate: Estimate) -> str:
     static = memory.static
     d = layout.as_dict()
     host = " (in host memory)" if static.optimizer_state_on_host else ""
+    gradients_host = f" ({static.host_gradient_bytes / GB:.2f} in host memory)" if static.host_gradient_bytes else ""
     fits = "fits" if estimate.fits else "does NOT fit"
     lines = [describe_model(layout.config.model), describe_cluster(estimate.cluster, training_dtype(layout)),
              f"layout: tensor {d['tensor_model_parallel_size']} x pipeline {d['pipeline_model_parallel_size']} "
@@ -42,8 +43,8 @@ def format_estimate(estimate: Estimate) -> str:
              f"sharding {d['data_parallel_sharding_strategy']}",
              f"  flags: {layout.flags()}", "",
              f"memory per GPU, GB (fullest rank: pipeline stage {memory.pipeline_rank})",
-             f"  parameters                         {static.parameter_bytes / GB:9.2f}",
-             f"  gradients                          {static.gradient_bytes / GB:9.2f}",
+             f"  parameters (at the peak of gathers){static.peak_parameter_bytes / GB:9.2f}",
+             f"  gradients                          {static.gradient_bytes / GB:9.2f}{gradients_host}",
              f"  optimizer state                    {static.optimizer_state_bytes / GB:9.2f}{host}",
              f"  activations at the schedule's peak {memory.activation_bytes / GB:9.2f}",
              f"  loss working memory                {memory.loss_transient_bytes / GB:9.2f}",

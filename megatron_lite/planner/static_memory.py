@@ -1,28 +1,36 @@
 """Parameters, gradients and optimizer state per rank, for each data-parallel sharding strategy.
 
 The accounting is the one ``MegatronOptimizer.memory_report()`` measures on a live
-run, element for element (a test holds them equal):
+run, element for element (a test holds them equal for every strategy):
 
 - parameters in the model's dtype; gradients in the gradient buffer's dtype (fp32
   for bf16, or with --accumulate-allreduce-grads-in-fp32; else the model's);
 - optimizer state in fp32: Adam's two moments (SGD's momentum), plus an fp32 main
   copy of the weights when the model is not fp32 (or lives apart, under offload), plus
-  an fp32 main gradient when the gradient buffer is not fp32 (or lives apart).
+  an fp32 main gradient when the gradient buffer is not fp32 (or lives apart: under
+  offload, unless --grad-cpu-offload keeps the gradient shards in host memory already).
 
 Per parameter that is REFERENCE.md section 6: 16 bytes for fp32, 18 for bf16 and 20 for
-fp16 unsharded; 8 + 8/d, 6 + 12/d and 4 + 16/d with the distributed optimizer.
+fp16 unsharded; 8 + 8/d, 6 + 12/d and 4 + 16/d with the distributed optimizer; 4 + 12/d,
+2 + 16/d and 2 + 18/d under ZeRO-2, 16/d, 18/d and 20/d under ZeRO-3, plus what follows.
 
-Sharding (Megatron's ``--data-parallel-sharding-strategy``): buckets of the flat
-gradient buffer are padded to a multiple of d and split into d equal shards, rank r
-owning shard r, so which elements a rank owns follows the bucket plan exactly.
+Buckets are DistributedDataParallel's: --ddp-bucket-size elements, else Megatron's
+max(40M, 1M x d) when overlapping or under ZeRO-2, else one bucket per model chunk;
+under ZeRO-3 one bucket per *unit* (the embedding, each transformer layer, and the rest:
+final norm and output layer), whatever the size. When sharded each bucket is padded to a
+multiple of d and split into d equal shards, rank r owning shard r, and the word embedding
+that two pipeline stages share gets buckets of its own; so which elements a rank owns
+follows the bucket plan exactly (``buckets`` runs the code's own planner).
 
-- ``no_shard``: everything replicated.
-- ``optim`` (ZeRO-1, ``--use-distributed-optimizer``): optimizer state for the shard only.
-- ``optim_grads`` (ZeRO-2): also gradients: the shard plus one full bucket in flight.
-- ``optim_grads_params`` (ZeRO-3): also parameters: the shard plus two whole layers
-  gathered (the one computing and the one prefetched).
-
-The last two are the design of the ZeRO-2/3 work, not yet measured against code.
+- ``no_shard``: everything replicated; the parameters are the module's own (no padding).
+- ``optim`` (ZeRO-1, ``--use-distributed-optimizer``): optimizer state for the shard only;
+  parameters and gradients in flat padded buffers.
+- ``optim_grads`` (ZeRO-2): also gradients: the shard, plus a pool of bucket-sized staging
+  buffers for the micro-batch being reduced: one, two with --overlap-grad-reduce (one
+  filling, one in flight); --grad-cpu-offload keeps the shard in host memory.
+- ``optim_grads_params`` (ZeRO-3): also parameters: the shard between uses; at its peak
+  (``peak_parameter_bytes``, what a device must fit) the shard plus the units whole at once
+  (``gathered_together``), taken over the chunk that gathers the most.
 """
 from __future__ import annotations
 
@@ -30,38 +38,29 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from megatron_lite.config import Config, ConfigError
+from megatron_lite.config import Config
 from megatron_lite.distributed.distributed_data_parallel import default_bucket_size
 from megatron_lite.distributed.param_and_grad_buffer import plan_buckets
-from megatron_lite.planner.parameters import ParamSpec, chunk_parameters, rank_chunk_shapes
-
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-# Megatron's bucket size when overlapping; ZeRO-2/3 always bucket (a single bucket would
-# keep the whole gradient in flight and shard nothing).
-SHARDED_GRADIENT_BUCKET = 40_000_000
+from megatron_lite.planner.parameters import ParamSpec, chunk_parameters, fsdp_unit, rank_chunk_shapes
 
 
 @dataclass(frozen=True)
 class StaticMemory:
-    """Bytes a rank holds for the whole run, whatever the batch."""
+    """Bytes a rank holds for the whole run, whatever the batch (``memory_report()``'s keys)."""
 
-    parameter_bytes: int
+    parameter_bytes: int  # between uses: whole parameters, or ZeRO-3's shards
+    peak_parameter_bytes: int  # with the most ZeRO-3 holds gathered at once (parameter_bytes otherwise)
     gradient_bytes: int
     optimizer_state_bytes: int
     optimizer_elements: int  # parameter elements this rank's optimizer updates
     bucket_elements: tuple = ()  # padded size of each gradient bucket (what data parallelism communicates)
+    host_gradient_bytes: int = 0  # the part of gradient_bytes in host memory (--grad-cpu-offload's shards)
     optimizer_state_on_host: bool = False
 
     @property
     def device_bytes(self) -> int:
-        host = self.optimizer_state_on_host
-        return self.parameter_bytes + self.gradient_bytes + (0 if host else self.optimizer_state_bytes)
-
-
-def check_strategy(strategy: str) -> None:
-    if strategy not in SHARDING_STRATEGIES:
-        raise ConfigError(f"--data-parallel-sharding-strategy must be one of {', '.join(SHARDING_STRATEGIES)}, "
-                          f"got {strategy!r}.")
+        optimizer = 0 if self.optimizer_state_on_host else self.optimizer_state_bytes
+        return self.peak_parameter_bytes + self.gradient_bytes - self.host_gradient_bytes + optimizer
 
 
 def dtype_bytes(config: Config) -> int:
@@ -78,8 +77,10 @@ def optimizer_bytes_per_element(config: Config) -> int:
     """fp32 bytes the optimizer keeps per element it owns (see the module docstring)."""
     opt = config.optimizer
     states = 2 if opt.optimizer == "adam" else int(opt.sgd_momentum > 0)
-    main_copy = dtype_bytes(config) != 4 or opt.optimizer_cpu_offload
-    grad_copy = gradient_dtype_bytes(config) != 4 or opt.optimizer_cpu_offload
+    offload = opt.optimizer_cpu_offload
+    main_copy = dtype_bytes(config) != 4 or offload
+    # Offloaded, the step reads its gradients from host memory: a copy, unless --grad-cpu-offload keeps them there.
+    grad_copy = gradient_dtype_bytes(config) != 4 or (offload and not config.parallel.grad_cpu_offload)
     return 4 * (states + main_copy + grad_copy)
 
 
@@ -87,18 +88,22 @@ def optimizer_bytes_per_element(config: Config) -> int:
 class Bucket:
     real: int  # parameter elements
     padded: int  # with the padding that makes it divisible by the data-parallel size
+    unit: str | None  # ZeRO-3: the unit it belongs to (``parameters.fsdp_unit``), else None
 
 
-def buckets(chunk: list[ParamSpec], config: Config, strategy: str, data_parallel_size: int) -> list[Bucket]:
-    """The gradient buffer's buckets for one chunk, as DistributedDataParallel builds them."""
-    sharded = strategy != "no_shard"
-    bucket_size = default_bucket_size(config.parallel, data_parallel_size)
-    if strategy in ("optim_grads", "optim_grads_params") and bucket_size is None:
-        bucket_size = max(SHARDED_GRADIENT_BUCKET, 1_000_000 * data_parallel_size)
+def buckets(chunk: list[ParamSpec], config: Config, data_parallel_size: int) -> list[Bucket]:
+    """The gradient buffer's buckets for one chunk, as DistributedDataParallel builds them for
+    ``config.parallel``'s sharding strategy."""
+    parallel = config.parallel
+    sharded = parallel.use_distributed_optimizer
+    # ZeRO-3 gathers a bucket at a time: its buckets are its units, whatever the bucket size.
+    bucket_size = None if parallel.shards_parameters else default_bucket_size(parallel, data_parallel_size)
+    unit_of = fsdp_unit if parallel.shards_parameters else (lambda spec: None)
     ordered = list(reversed(chunk))  # backward order: the buffer starts with the last layer
     plans = plan_buckets(ordered, bucket_size, data_parallel_size if sharded else 1,
-                         lambda spec: sharded and spec.shared_embedding)
-    return [Bucket(sum(s.elements for s in ordered[first:last]), padded) for first, last, padded in plans]
+                         lambda spec: sharded and spec.shared_embedding, unit_of)
+    return [Bucket(sum(s.elements for s in ordered[first:last]), padded, unit_of(ordered[first]))
+            for first, last, padded in plans]
 
 
 def _owned(bucket: Bucket, data_parallel_size: int, data_parallel_rank: int) -> int:
@@ -107,65 +112,126 @@ def _owned(bucket: Bucket, data_parallel_size: int, data_parallel_rank: int) -> 
     return min(shard, max(0, bucket.real - data_parallel_rank * shard))
 
 
-def _gathered_units(chunks: list[list[ParamSpec]]) -> list[int]:
-    """Element counts of what ZeRO-3 gathers as one piece: each transformer layer, each other parameter."""
-    units: dict[str, int] = {}
-    for chunk in chunks:
-        for spec in chunk:
-            key = ".".join(spec.name.split(".")[:3]) if spec.name.startswith("decoder.layers.") else spec.name
-            units[key] = units.get(key, 0) + spec.elements
-    return sorted(units.values(), reverse=True)
+def recompute_groups(config: Config, layers: list[str]) -> list[list[str]]:
+    """The layers a chunk recomputes together (one checkpoint each), of its ``layers`` in forward order:
+    groups of --recompute-num-layers under full uniform recomputation, else one layer at a time."""
+    training = config.training
+    size = training.recompute_num_layers or 1
+    if training.recompute_granularity != "full" or (training.recompute_method or "uniform") != "uniform":
+        size = 1  # block recomputation checkpoints its layers one by one, like no recomputation for this
+    return [layers[i:i + size] for i in range(0, len(layers), size)]
 
 
-def static_memory(config: Config, strategy: str, *, pipeline_rank: int, data_parallel_size: int,
+def gathered_together(order: list[str], *, prefetch: bool, tied_embedding: bool,
+                      groups: list[list[str]]) -> list[set[str]]:
+    """The sets of ZeRO-3 units of one chunk whole at the same time, ``order`` its units in forward
+    order (``fully_sharded.py``'s schedule). In backward: the running unit and, prefetching, the one
+    before it; all the units of a recomputed group, from their recomputed forward to their backward,
+    and the one before the group when prefetching. A tied embedding on a one-stage model stays whole
+    from the output layer's backward to its own, so through all of these. The forward's sets (the
+    running unit and, prefetching, the next; the root with the tied embedding it borrows) are each
+    within one of these."""
+    group_of = {unit: group for group in groups for unit in group}
+    together = []
+    for unit in order:
+        group = group_of.get(unit, [unit])
+        first = order.index(group[0])
+        before = [order[first - 1]] if prefetch and first > 0 else []
+        together.append({*group, *before, *(["embedding"] if tied_embedding else [])})
+    return together
+
+
+def static_memory(config: Config, *, pipeline_rank: int, data_parallel_size: int,
                   data_parallel_rank: int = 0) -> StaticMemory:
-    """What one rank holds: rank (pipeline_rank, data_parallel_rank) of the layout in ``config``."""
-    check_strategy(strategy)
+    """What one rank holds: rank (pipeline_rank, data_parallel_rank) of the layout in ``config``, under
+    its --data-parallel-sharding-strategy."""
     shapes = tuple((len(s.layer_numbers), s.pre_process, s.post_process)
                    for s in rank_chunk_shapes(config, pipeline_rank))
-    return _static_memory(_Sizing.of(config), shapes, strategy, data_parallel_size, data_parallel_rank)
+    return _static_memory(_Sizing.of(config), shapes, data_parallel_size, data_parallel_rank)
 
 
 @dataclass(frozen=True)
 class _Sizing:
-    """Everything besides the stage and the sharding that decides a rank's static bytes (hashable, so
-    the many layouts of an enumeration that differ only in batch or recomputation share one result)."""
+    """Everything besides the stage and the data-parallel rank that decides a rank's static bytes
+    (hashable, so the many layouts of an enumeration that differ only in batch share one result)."""
 
     model: tuple
     config: Config = field(compare=False, hash=False)  # the same sizes whichever config carries them
 
     @classmethod
     def of(cls, config: Config) -> "_Sizing":
-        parallel, optimizer = config.parallel, config.optimizer
-        key = (dataclasses.astuple(config.model), parallel.tensor_model_parallel_size, config.training.bf16,
-               config.training.fp16, parallel.accumulate_allreduce_grads_in_fp32, parallel.ddp_bucket_size,
-               parallel.overlap_grad_reduce, parallel.overlap_param_gather, optimizer.optimizer,
-               optimizer.sgd_momentum > 0, optimizer.optimizer_cpu_offload)
+        parallel, optimizer, training = config.parallel, config.optimizer, config.training
+        key = (dataclasses.astuple(config.model), parallel.tensor_model_parallel_size, training.bf16, training.fp16,
+               parallel.data_parallel_sharding_strategy, parallel.accumulate_allreduce_grads_in_fp32,
+               parallel.ddp_bucket_size, parallel.overlap_grad_reduce, parallel.overlap_param_gather,
+               parallel.grad_cpu_offload, optimizer.optimizer, optimizer.sgd_momentum > 0,
+               optimizer.optimizer_cpu_offload, training.recompute_granularity, training.recompute_method,
+               training.recompute_num_layers)
         return cls(key, config)
 
 
+@dataclass
+class _Chunk:
+    """One model chunk's share of a rank's static bytes."""
+
+    parameters: int
+    peak_gathered: int
+    gradients: int
+    host_gradients: int
+    owned: int
+    buckets: list
+
+
+def _chunk_memory(config: Config, chunk: list[ParamSpec], tied_embedding: bool, d: int, r: int) -> _Chunk:
+    """One DistributedDataParallel's buffers (``param_and_grad_buffer.py``) and this rank's optimizer
+    share; ``tied_embedding``: the chunk's output layer borrows its word embedding."""
+    parallel = config.parallel
+    plan = buckets(chunk, config, d)
+    padded = sum(b.padded for b in plan)
+    param_b, grad_b = dtype_bytes(config), gradient_dtype_bytes(config)
+    owned = sum(_owned(b, d, r) for b in plan) if parallel.use_distributed_optimizer else padded
+    # no_shard: the module's own parameters (no padding); optim, optim_grads: the flat buffer; ZeRO-3: a shard.
+    parameters = padded // d if parallel.shards_parameters else padded
+    gradients, host_gradients = padded * grad_b, 0
+    if parallel.shards_gradients:
+        # A shard of the averaged gradients, plus the staging pool: one bucket filling and, with
+        # --overlap-grad-reduce, one being reduce-scattered.
+        staging = (1 + parallel.overlap_grad_reduce) * max((b.padded for b in plan), default=0) * grad_b
+        gradients = padded // d * grad_b + staging
+        host_gradients = padded // d * grad_b if parallel.grad_cpu_offload else 0
+    peak_gathered = 0
+    if parallel.shards_parameters:
+        unit_bytes: dict = {}
+        for b in plan:
+            unit_bytes[b.unit] = unit_bytes.get(b.unit, 0) + b.padded * param_b
+        order = list(dict.fromkeys(fsdp_unit(spec) for spec in chunk))  # forward order: the root ("") is last
+        layers = [u for u in order if u.startswith("decoder.layers.")]
+        together = gathered_together(order, prefetch=parallel.overlap_param_gather, tied_embedding=tied_embedding,
+                                     groups=recompute_groups(config, layers))
+        peak_gathered = max((sum(unit_bytes[u] for u in units) for units in together), default=0)
+    return _Chunk(parameters * param_b, peak_gathered, gradients, host_gradients, owned, plan)
+
+
 @functools.lru_cache(maxsize=4096)
-def _static_memory(sizing: _Sizing, shapes: tuple, strategy: str, data_parallel_size: int,
-                   data_parallel_rank: int) -> StaticMemory:
-    config, d, r = sizing.config, data_parallel_size, data_parallel_rank
+def _static_memory(sizing: _Sizing, shapes: tuple, data_parallel_size: int, data_parallel_rank: int) -> StaticMemory:
+    config = sizing.config
     t = config.parallel.tensor_model_parallel_size
     chunks, first_layer = [], 0
     for layers, pre_process, post_process in shapes:  # sizes do not depend on which layers they are
-        chunks.append(chunk_parameters(config.model, tensor_model_parallel_size=t,
-                                       layer_numbers=range(first_layer, first_layer + layers),
-                                       pre_process=pre_process, post_process=post_process))
+        specs = chunk_parameters(config.model, tensor_model_parallel_size=t,
+                                 layer_numbers=range(first_layer, first_layer + layers),
+                                 pre_process=pre_process, post_process=post_process)
+        tied = pre_process and post_process and not config.model.untie_embeddings_and_output_weights
+        chunks.append(_chunk_memory(config, specs, tied, data_parallel_size, data_parallel_rank))
         first_layer += layers
-    plan = [b for chunk in chunks for b in buckets(chunk, config, strategy, d)]
-    real, padded = sum(b.real for b in plan), sum(b.padded for b in plan)
-    param_b, grad_b = dtype_bytes(config), gradient_dtype_bytes(config)
-    opt_b = optimizer_bytes_per_element(config)
-    owned = real if strategy == "no_shard" else sum(_owned(b, d, r) for b in plan)
-    parameters, gradients = padded, padded
-    if strategy in ("optim_grads", "optim_grads_params"):
-        gradients = min(padded, padded // d + max(b.padded for b in plan))
-    if strategy == "optim_grads_params":
-        parameters = min(padded, padded // d + sum(_gathered_units(chunks)[:2]))
-    return StaticMemory(parameter_bytes=parameters * param_b, gradient_bytes=gradients * grad_b,
-                        optimizer_state_bytes=owned * opt_b, optimizer_elements=owned,
-                        bucket_elements=tuple(b.padded for b in plan),
-                        optimizer_state_on_host=config.optimizer.optimizer_cpu_offload)
+    parameters = sum(c.parameters for c in chunks)
+    owned = sum(c.owned for c in chunks)
+    return StaticMemory(
+        parameter_bytes=parameters,
+        # A rank runs one chunk at a time, and a chunk releases all it gathered before the next runs.
+        peak_parameter_bytes=parameters + max(c.peak_gathered for c in chunks),
+        gradient_bytes=sum(c.gradients for c in chunks),
+        optimizer_state_bytes=owned * optimizer_bytes_per_element(config),
+        optimizer_elements=owned, bucket_elements=tuple(b.padded for c in chunks for b in c.buckets),
+        host_gradient_bytes=sum(c.host_gradients for c in chunks),
+        optimizer_state_on_host=config.optimizer.optimizer_cpu_offload)

@@ -167,7 +167,7 @@ def step_time(layout: Layout, cluster: Cluster) -> StepTime:
         chunks = [chunk_time(layout, cluster, shape) for shape in rank_chunk_shapes(layout.config, ranks[0])]
         forward = sum(c.forward_compute for c in chunks)
         backward = sum(c.backward_compute for c in chunks)
-        memory = static_memory(layout.config, layout.sharding_strategy, pipeline_rank=ranks[0],
+        memory = static_memory(layout.config, pipeline_rank=ranks[0],
                                data_parallel_size=layout.data_parallel_size)
         stages.append((chunks, _data_parallel_s(layout, cluster, memory, forward, backward),
                        _optimizer_s(layout, cluster, memory)))

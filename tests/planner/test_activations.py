@@ -10,7 +10,6 @@ import torch
 from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.model.builder import build_model
 from megatron_lite.planner.activations import KORTHIKANTI, ActivationSetting, layer_bytes_per_token
-from megatron_lite.planner.estimate import sharding_strategy_of
 from megatron_lite.planner.layouts import Layout
 from megatron_lite.planner.memory import peak_memory, rank_memory
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
@@ -62,7 +61,7 @@ def test_one_process_activation_peak(arch, bf16, dropout, recompute):
     ids = torch.randint(0, 1000, (2, 128))
     with SavedActivationPeak(list(model.parameters())) as measured:
         model(ids, labels=ids).float().mean().backward()
-    estimated = rank_memory(Layout(config, 1, "no_shard"), device="cpu", pipeline_rank=0).activation_bytes
+    estimated = rank_memory(Layout(config, 1), device="cpu", pipeline_rank=0).activation_bytes
     assert estimated / measured.peak == pytest.approx(1.0, abs=TOLERANCE)
 
 
@@ -101,7 +100,7 @@ def test_measured_layouts(measured_layouts, name):
     """Static bytes per rank equal the estimate exactly; the activation peak is within 20%."""
     config = LAYOUTS[name]
     index = list(LAYOUTS).index(name)
-    layout = Layout(config, 2, sharding_strategy_of(config))
+    layout = Layout(config, 2)
     for rank_results in measured_layouts:
         got = rank_results[index]
         planned = rank_memory(layout, device="cpu", pipeline_rank=got["pipeline_rank"],
@@ -120,6 +119,6 @@ def test_the_fullest_rank_is_the_earliest_of_its_kind(tp, pp, vpp):
                                                          virtual_pipeline_model_parallel_size=vpp),
                     training=TrainingConfig(micro_batch_size=1, global_batch_size=64, recompute_granularity="full",
                                             recompute_method="uniform", recompute_num_layers=2))
-    layout = Layout(config, tp * pp * 2, "optim")
+    layout = Layout(config, tp * pp * 2)
     every = [rank_memory(layout, device="cuda", pipeline_rank=r) for r in range(pp)]
     assert peak_memory(layout, device="cuda").total_bytes == max(e.total_bytes for e in every)

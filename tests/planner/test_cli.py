@@ -73,6 +73,23 @@ def test_one_layout_as_text(capsys):
     assert "memory per GPU" in out and "pipeline bubble" in out and "MFU" in out
 
 
+def test_a_zero3_layout_with_offloaded_gradients(capsys):
+    """--data-parallel-sharding-strategy reaches the config like pretraining's other flags, so flags that
+    need it (--grad-cpu-offload) plan too; ZeRO-3's gathers and host-memory shards show in the breakdown."""
+    offload = ["--data-parallel-sharding-strategy", "optim_grads_params", "--grad-cpu-offload",
+               "--optimizer-cpu-offload", "--overlap-grad-reduce", "--overlap-param-gather"]
+    code, out, _ = _run(capsys, *MODEL, "--num-gpus", "8", "--micro-batch-size", "1", *offload, "--json")
+    assert code == 0
+    result = json.loads(out)
+    memory = result["memory"]
+    assert result["layout"]["data_parallel_sharding_strategy"] == "optim_grads_params"
+    assert memory["peak_parameters_gb"] > memory["parameters_gb"] > 0
+    assert 0 < memory["gradients_on_host_gb"] < memory["gradients_gb"]  # the staging buffers stay on the GPU
+    device = (memory["peak_parameters_gb"] + memory["gradients_gb"] - memory["gradients_on_host_gb"]
+              + memory["activations_gb"] + memory["loss_working_memory_gb"] + memory["allowance_gb"])
+    assert memory["total_gb"] == pytest.approx(device)
+
+
 def test_model_from_a_hugging_face_config(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
@@ -119,7 +136,7 @@ def test_estimate_for_a_pretraining_config_and_its_log_line():
                                             use_distributed_optimizer=True),
                     training=TrainingConfig(micro_batch_size=2, global_batch_size=8))
     last = estimate_for_config(config, 8, rank=7, device="cpu")
-    assert last == rank_memory(Layout(config, 8, "optim"), device="cpu", pipeline_rank=1, data_parallel_rank=1)
+    assert last == rank_memory(Layout(config, 8), device="cpu", pipeline_rank=1, data_parallel_rank=1)
     measured = {"parameter_bytes": 2 ** 20, "gradient_bytes": 2 ** 21, "optimizer_state_bytes": 3 * 2 ** 20}
     line = format_memory_estimate(last, measured)
     assert line.startswith(" planner estimate per rank (MB) | parameters: ")

@@ -3,12 +3,11 @@ import collections
 import dataclasses
 import itertools
 
-from megatron_lite.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainingConfig
+from megatron_lite.config import SHARDING_STRATEGIES, Config, ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.model.builder import build_model_chunk
 from megatron_lite.pipeline_parallel.schedule_table import rank_schedule
 from megatron_lite.planner.cluster import PRESETS, customise
 from megatron_lite.planner.layouts import enumerate_layouts
-from megatron_lite.planner.static_memory import SHARDING_STRATEGIES
 from megatron_lite.process_groups.parallel_state import mock_parallel_state
 
 MODEL = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=16,

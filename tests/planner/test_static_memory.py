@@ -1,19 +1,27 @@
 """Parameters, gradients and optimizer state per rank: the planner's arithmetic against real chunks.
 
 Every rank of 8-rank layouts is built in one process (``mock_parallel_state`` groups size
-the shards; nothing communicates), wrapped in DistributedDataParallel and given its
-optimizer; ``optimizer.memory_report()`` must equal the estimate byte for byte.
+the shards; nothing communicates), wrapped in DistributedDataParallel as training wraps it and
+given its optimizer; ``optimizer.memory_report()`` must equal the estimate byte for byte under
+every sharding strategy. What ZeRO-3 gathers during a step needs a real one: 2-rank runs.
 """
+import itertools
+
 import pytest
 
-from megatron_lite.config import Config, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megatron_lite.config import (SHARDING_STRATEGIES, Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
+                                  ParallelConfig, TrainingConfig)
 from megatron_lite.distributed import DistributedDataParallel
-from megatron_lite.model.builder import build_model_chunk
+from megatron_lite.distributed.fully_sharded import FullyShardedUnits
+from megatron_lite.model.builder import FSDP_UNIT_MODULES, build_model_chunk, count_parameters
 from megatron_lite.optimizer import get_megatron_optimizer
-from megatron_lite.model.builder import count_parameters
-from megatron_lite.planner.parameters import rank_chunks
-from megatron_lite.planner.static_memory import SHARDING_STRATEGIES, static_memory
+from megatron_lite.planner.layouts import Layout
+from megatron_lite.planner.memory import rank_memory
+from megatron_lite.planner.parameters import fsdp_unit, rank_chunks
+from megatron_lite.planner.static_memory import gradient_dtype_bytes, static_memory
 from megatron_lite.process_groups.parallel_state import mock_parallel_state
+from tests.distributed import run_distributed
+from tests.planner.harness import run_layouts
 
 GPT = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
 LLAMA = dict(GPT, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
@@ -21,27 +29,33 @@ LLAMA = dict(GPT, normalization="RMSNorm", position_embedding_type="rope", swigl
 WORLD = 8
 
 
-def _config(arch, tp, pp, vpp=None, *, sharded=False, bf16=False, fp16=False, bucket=None, offload=False,
-            optimizer="adam"):
+def _config(arch, tp=1, pp=1, vpp=None, *, strategy="no_shard", bf16=False, fp16=False, bucket=None, overlap=False,
+            offload=False, grad_offload=False, optimizer="adam", **training):
+    """--overlap-grad-reduce comes with --overlap-param-gather when sharded (Megatron's pair)."""
     return Config(model=ModelConfig(**arch),
                   parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                          virtual_pipeline_model_parallel_size=vpp, use_distributed_optimizer=sharded,
-                                          ddp_bucket_size=bucket),
-                  training=TrainingConfig(bf16=bf16, fp16=fp16),
-                  optimizer=OptimizerConfig(optimizer=optimizer, optimizer_cpu_offload=offload))
+                                          virtual_pipeline_model_parallel_size=vpp,
+                                          data_parallel_sharding_strategy=strategy, ddp_bucket_size=bucket,
+                                          overlap_grad_reduce=overlap,
+                                          overlap_param_gather=overlap and strategy != "no_shard",
+                                          grad_cpu_offload=grad_offload),
+                  training=TrainingConfig(bf16=bf16, fp16=fp16, **training),
+                  optimizer=OptimizerConfig(optimizer=optimizer, optimizer_cpu_offload=offload),
+                  data=DataConfig(mock_data=True), logging=LoggingConfig(log_memory=False))
 
 
 def _built(config, rank):
+    """Rank ``rank``'s chunks, wrapped as ``training.loop.get_model`` wraps them, and its optimizer."""
     parallel = config.parallel
     state = mock_parallel_state(rank, WORLD, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
     state.virtual_pipeline_model_parallel_size = parallel.virtual_pipeline_model_parallel_size
     chunks = [build_model_chunk(config, state, pipeline_rank=state.pipeline_model_parallel_rank, virtual_rank=v)
               for v in range(parallel.virtual_pipeline_model_parallel_size or 1)]
-    group = state.data_parallel_group
-    wrapped = [DistributedDataParallel(c, config=parallel, data_parallel_group=group) for c in chunks]
+    wrapped = [DistributedDataParallel(c, config=parallel, data_parallel_group=state.data_parallel_group,
+                                       fsdp_unit_modules=FSDP_UNIT_MODULES) for c in chunks]
     optimizer = get_megatron_optimizer(config.optimizer, wrapped, parallel_state=state, parallel_config=parallel,
                                        params_dtype=config.params_dtype)
-    return state, chunks, optimizer
+    return state, chunks, wrapped, optimizer
 
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 4, None)]
@@ -50,62 +64,145 @@ LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2
 @pytest.mark.parametrize("arch", [GPT, LLAMA], ids=["gpt", "llama"])
 @pytest.mark.parametrize("tp,pp,vpp", LAYOUTS)
 def test_parameter_list_is_the_chunks_named_parameters(arch, tp, pp, vpp):
+    """Names, sizes and order of every chunk's parameters, and the ZeRO-3 unit each belongs to
+    (the module path of its unit, "" for the chunk itself)."""
     config = _config(arch, tp, pp, vpp)
     for rank in range(0, WORLD, tp):  # tensor-parallel ranks hold the same shapes
-        state, chunks, _ = _built(config, rank)
-        planned = [[(s.name, s.elements) for s in chunk]
-                   for chunk in rank_chunks(config, state.pipeline_model_parallel_rank)]
-        assert planned == [[(n, p.numel()) for n, p in chunk.named_parameters()] for chunk in chunks]
+        state, chunks, _, _ = _built(config, rank)
+        planned = rank_chunks(config, state.pipeline_model_parallel_rank)
+        assert [[(s.name, s.elements) for s in c] for c in planned] == [
+            [(n, p.numel()) for n, p in chunk.named_parameters()] for chunk in chunks]
+        for specs, chunk in zip(planned, chunks):
+            units = FullyShardedUnits.units_of(chunk, FSDP_UNIT_MODULES)
+            paths = {module: path for path, module in chunk.named_modules()}
+            assert [fsdp_unit(s) for s in specs] == [paths[units[p]] for p in chunk.parameters()]
 
 
-CASES = [dict(), dict(sharded=True), dict(bf16=True), dict(bf16=True, sharded=True), dict(fp16=True, sharded=True),
-         dict(sharded=True, bucket=3000), dict(bf16=True, sharded=True, bucket=5000), dict(sharded=True, offload=True),
-         dict(optimizer="sgd", bf16=True)]
+CASES = {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True), "bucket=3000": dict(bucket=3000),
+         "bf16-bucket=5000": dict(bf16=True, bucket=5000), "overlap": dict(overlap=True),
+         "offload": dict(offload=True), "sgd-bf16": dict(optimizer="sgd", bf16=True),
+         "bf16-grad-offload": dict(bf16=True, offload=True, grad_offload=True)}
+SHARDS_GRADIENTS = ("optim_grads", "optim_grads_params")
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "fp32")
+@pytest.mark.parametrize("strategy,case", [(s, c) for s, c in itertools.product(SHARDING_STRATEGIES, CASES)
+                                           if s in SHARDS_GRADIENTS or not CASES[c].get("grad_offload")])
 @pytest.mark.parametrize("tp,pp,vpp", [(1, 1, None), (2, 2, None), (1, 2, 2)])
-def test_every_rank_holds_what_the_planner_says(case, tp, pp, vpp):
-    config = _config(GPT, tp, pp, vpp, **case)
-    strategy = "optim" if case.get("sharded") else "no_shard"
+def test_every_rank_holds_what_the_planner_says(strategy, case, tp, pp, vpp):
+    """Parameters, gradients and optimizer state, the buckets, and the elements each rank's optimizer
+    updates, at start-up (what is there for the whole run; ZeRO-3's gathers come during a step, below)."""
+    config = _config(GPT, tp, pp, vpp, strategy=strategy, **CASES[case])
     for rank in range(WORLD):
-        state, _, optimizer = _built(config, rank)
+        state, _, wrapped, optimizer = _built(config, rank)
         report = optimizer.memory_report()
-        planned = static_memory(config, strategy, pipeline_rank=state.pipeline_model_parallel_rank,
+        planned = static_memory(config, pipeline_rank=state.pipeline_model_parallel_rank,
                                 data_parallel_size=state.data_parallel_world_size,
                                 data_parallel_rank=state.data_parallel_rank)
         assert (planned.parameter_bytes, planned.gradient_bytes, planned.optimizer_state_bytes,
                 planned.optimizer_state_on_host) == (report["parameter_bytes"], report["gradient_bytes"],
                                                      report["optimizer_state_bytes"], report["optimizer_state_on_host"])
+        assert planned.bucket_elements == tuple(b.numel for chunk in wrapped for b in chunk.buckets)
+        assert planned.optimizer_elements == sum(r.end - r.start for r in optimizer.param_ranges)
+        shards = [b.grad_shard_data for chunk in wrapped for b in chunk.grad_buffers if b.grad_shard_data is not None]
+        on_host = sum(s.numel() * s.element_size() for s in shards) if config.parallel.grad_cpu_offload else 0
+        assert planned.host_gradient_bytes == on_host
+        if strategy != "optim_grads_params":
+            assert planned.peak_parameter_bytes == planned.parameter_bytes
 
 
-@pytest.mark.parametrize("bf16,fp16,unsharded,sharded", [(False, False, 16, (8, 8)), (True, False, 18, (6, 12)),
-                                                         (False, True, 20, (4, 16))])
-def test_bytes_per_parameter_follow_the_reference_table(bf16, fp16, unsharded, sharded):
+def _step_config(strategy, tp=1, pp=1, vpp=None, *, tied=True, recompute=None, **options):
+    """A 4-layer GPT for a step on 2 ranks: 2 micro-batches per data-parallel rank (4 without data parallelism)."""
+    method, layers = recompute or (None, None)
+    arch = dict(GPT, seq_length=32, vocab_size=256, untie_embeddings_and_output_weights=not tied)
+    return _config(arch, tp, pp, vpp, strategy=strategy, micro_batch_size=2, global_batch_size=8,
+                   recompute_granularity=recompute and "full", recompute_method=method, recompute_num_layers=layers,
+                   **options)
+
+
+STEPS = {"zero3": _step_config("optim_grads_params"),
+         "zero3-prefetch": _step_config("optim_grads_params", overlap=True),
+         "zero3-untied-prefetch-full-2": _step_config("optim_grads_params", tied=False, overlap=True,
+                                                      recompute=("uniform", 2)),
+         "zero3-untied-full-3": _step_config("optim_grads_params", tied=False, recompute=("uniform", 3)),
+         "zero3-prefetch-block-2": _step_config("optim_grads_params", overlap=True, recompute=("block", 2)),
+         "zero3-pp2-interleaved-prefetch": _step_config("optim_grads_params", pp=2, vpp=2, overlap=True),
+         "zero3-pp2-full-2": _step_config("optim_grads_params", pp=2, recompute=("uniform", 2)),
+         "zero3-tp2-prefetch": _step_config("optim_grads_params", tp=2, overlap=True),
+         "zero3-bf16-grad-offload": _step_config("optim_grads_params", bf16=True, offload=True, grad_offload=True),
+         "zero2-bucket=3000-overlap": _step_config("optim_grads", bucket=3000, overlap=True),
+         "zero2-pp2-interleaved-bucket=3000": _step_config("optim_grads", pp=2, vpp=2, bucket=3000),
+         "zero1-bf16-overlap": _step_config("optim", bf16=True, overlap=True),
+         "no_shard-pp2": _step_config("no_shard", pp=2)}
+
+
+@pytest.fixture(scope="module")
+def stepped():
+    """One training step of every STEPS config on 2 gloo ranks (about 10 s)."""
+    return run_distributed(run_layouts, 2, args=(list(STEPS.values()),))
+
+
+@pytest.mark.parametrize("name", STEPS)
+def test_after_a_step_and_at_the_peak_of_zero3_gathers(stepped, name):
+    """After a training step nothing more is held, and the parameters' peak (ZeRO-3: the shard plus the
+    units whole at once, measured at every gather) is the estimate's, for every rank."""
+    config = STEPS[name]
+    index = list(STEPS).index(name)
+    for results in stepped:
+        got = results[index]
+        planned = rank_memory(Layout(config, 2), device="cpu", pipeline_rank=got["pipeline_rank"],
+                              data_parallel_rank=got["data_parallel_rank"]).static
+        report = got["memory_report"]
+        assert (planned.parameter_bytes, planned.peak_parameter_bytes, planned.gradient_bytes,
+                planned.optimizer_state_bytes) == (report["parameter_bytes"], report["peak_parameter_bytes"],
+                                                   report["gradient_bytes"], report["optimizer_state_bytes"])
+        gathers = config.parallel.data_parallel_sharding_strategy == "optim_grads_params"
+        assert (planned.peak_parameter_bytes > planned.parameter_bytes) == gathers
+
+
+@pytest.mark.parametrize("bf16,fp16,unsharded,optim,optim_grads,optim_grads_params",
+                         [(False, False, 16, (8, 8), (4, 12), 16), (True, False, 18, (6, 12), (2, 16), 18),
+                          (False, True, 20, (4, 16), (2, 18), 20)])
+def test_bytes_per_parameter_follow_the_reference_table(bf16, fp16, unsharded, optim, optim_grads, optim_grads_params):
     """REFERENCE.md section 6 for a model big enough that padding is noise: 16/18/20 bytes, and
-    fixed + sharded/d with the distributed optimizer."""
+    fixed + sharded/d with the distributed optimizer; ZeRO-2 shards the gradients too and ZeRO-3
+    everything (besides what ZeRO-2/3 stage and ZeRO-3 gathers, below)."""
     arch = dict(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=16, vocab_size=50000)
-    config = _config(arch, 1, 1, bf16=bf16, fp16=fp16)
-    elements = count_parameters(config)
+    elements = count_parameters(_config(arch))
     d = 8
-    for strategy, expected in [("no_shard", unsharded), ("optim", sharded[0] + sharded[1] / d)]:
-        memory = static_memory(config, strategy, pipeline_rank=0, data_parallel_size=d)
-        total = memory.parameter_bytes + memory.gradient_bytes + memory.optimizer_state_bytes
-        assert total / elements == pytest.approx(expected, rel=1e-4)
+    expected = {"no_shard": unsharded, "optim": optim[0] + optim[1] / d,
+                "optim_grads": optim_grads[0] + optim_grads[1] / d, "optim_grads_params": optim_grads_params / d}
+    for strategy, per_parameter in expected.items():
+        config = _config(arch, strategy=strategy, bf16=bf16, fp16=fp16)
+        memory = static_memory(config, pipeline_rank=0, data_parallel_size=d)
+        gradients = memory.gradient_bytes
+        if strategy in SHARDS_GRADIENTS:  # the shard, without the staging buffers
+            gradients = sum(memory.bucket_elements) // d * gradient_dtype_bytes(config)
+        total = memory.parameter_bytes + gradients + memory.optimizer_state_bytes
+        assert total / elements == pytest.approx(per_parameter, rel=1e-4)
 
 
-def test_zero_stages_shard_more_and_more():
-    """ZeRO-2 keeps a gradient shard plus the bucket in flight; ZeRO-3 a parameter shard plus two layers."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_zero_stages_shard_more_and_more(overlap):
+    """ZeRO-2 keeps a gradient shard plus one bucket-sized staging buffer (two when overlapping: one
+    filling, one reducing); ZeRO-3 a parameter shard, which a step's gathers raise by the units whole at
+    once: on one stage the tied embedding (whole from the output layer's backward to its own) and the
+    running layer, plus the prefetched one when overlapping."""
     arch = dict(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=16, vocab_size=32000)
-    config = _config(arch, 1, 1, bf16=True, bucket=1)  # one bucket per parameter: the largest is the embedding
     d = 64
-    by = {s: static_memory(config, s, pipeline_rank=0, data_parallel_size=d) for s in SHARDING_STRATEGIES}
-    psi = count_parameters(config)
-    embedding, layer = 32000 * 1024, 12 * 1024 ** 2 + 13 * 1024
+    by = {s: static_memory(_config(arch, strategy=s, bf16=True, bucket=1, overlap=overlap), pipeline_rank=0,
+                           data_parallel_size=d) for s in SHARDING_STRATEGIES}
+    psi = count_parameters(_config(arch))
+    word, embedding, layer = 32000 * 1024, (32000 + 16) * 1024, 12 * 1024 ** 2 + 13 * 1024
+    in_flight = 1 + overlap
     assert by["no_shard"].gradient_bytes == 4 * psi
     assert by["optim"].gradient_bytes == pytest.approx(4 * psi, rel=1e-3)
     assert by["optim_grads"].optimizer_state_bytes == by["optim"].optimizer_state_bytes
-    assert by["optim_grads"].gradient_bytes == pytest.approx(4 * (psi / d + embedding), rel=1e-3)
-    assert by["optim_grads_params"].parameter_bytes == pytest.approx(2 * (psi / d + embedding + layer), rel=1e-3)
+    # --ddp-bucket-size 1: a bucket per parameter, the largest the word embedding.
+    assert by["optim_grads"].gradient_bytes == pytest.approx(4 * (psi / d + in_flight * word), rel=1e-3)
+    # ZeRO-3's buckets are its units whatever the bucket size: the largest is the embedding.
+    assert by["optim_grads_params"].gradient_bytes == pytest.approx(4 * (psi / d + in_flight * embedding), rel=1e-3)
+    assert by["optim_grads_params"].parameter_bytes == pytest.approx(2 * psi / d, rel=1e-3)
+    assert by["optim_grads_params"].peak_parameter_bytes == pytest.approx(
+        2 * (psi / d + embedding + in_flight * layer), rel=1e-3)
     assert [by[s].device_bytes for s in SHARDING_STRATEGIES] == sorted(
         (by[s].device_bytes for s in SHARDING_STRATEGIES), reverse=True)

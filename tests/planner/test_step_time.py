@@ -18,7 +18,7 @@ import torch
 from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.planner import calibrate
 from megatron_lite.planner.cluster import PRESETS, Link, customise
-from megatron_lite.planner.estimate import estimate, sharding_strategy_of
+from megatron_lite.planner.estimate import estimate
 from megatron_lite.planner.layouts import Layout
 from megatron_lite.planner.step_time import all_reduce_s, gather_or_scatter_s, p2p_s
 from megatron_lite.training import metrics
@@ -48,12 +48,12 @@ def test_compute_is_the_models_flops_at_the_sustained_rate():
     rate = 312e12 * 0.60
     flops = metrics.num_floating_point_operations(model, 64, model.padded_vocab_size(1))
     base = Config(model=model, training=TrainingConfig(micro_batch_size=1, global_batch_size=64, bf16=True))
-    plain = estimate(Layout(base, 8, "no_shard"), cluster)
+    plain = estimate(Layout(base, 8), cluster)
     assert plain.time.breakdown["compute"] == pytest.approx(flops / 8 / rate, rel=1e-9)
     assert plain.mfu == pytest.approx(0.60, rel=1e-3)
     full = dataclasses.replace(base, training=dataclasses.replace(base.training, recompute_granularity="full"))
     layers = 64 * 1024 * 8 * metrics.transformer_layer_flops_per_token(model)
-    assert estimate(Layout(full, 8, "no_shard"), cluster).time.breakdown["compute"] == pytest.approx(
+    assert estimate(Layout(full, 8), cluster).time.breakdown["compute"] == pytest.approx(
         (flops + layers) / 8 / rate, rel=1e-9)
 
 
@@ -62,12 +62,12 @@ def test_bubble_and_tensor_parallel_terms():
     cluster = customise(PRESETS["h100-80g"], num_gpus=8)
     pipelined = Config(model=model, parallel=ParallelConfig(pipeline_model_parallel_size=4),
                        training=TrainingConfig(micro_batch_size=1, global_batch_size=16, bf16=True))
-    result = estimate(Layout(pipelined, 8, "no_shard"), cluster)
+    result = estimate(Layout(pipelined, 8), cluster)
     assert result.time.bubble_fraction == pytest.approx(3 / 8)  # m = 16 / 2 replicas = 8
     stage = sum(result.time.breakdown[k] for k in ("compute", "tensor_parallel", "pipeline_p2p"))
     assert result.time.breakdown["pipeline_bubble"] == pytest.approx(stage * 3 / 8)
     tensor = dataclasses.replace(pipelined, parallel=ParallelConfig(tensor_model_parallel_size=8))
-    tp_time = estimate(Layout(tensor, 8, "no_shard"), cluster).time.breakdown["tensor_parallel"]
+    tp_time = estimate(Layout(tensor, 8), cluster).time.breakdown["tensor_parallel"]
     link = cluster.intra_node
     per_layer = 4 * all_reduce_s(1024 * 1 * 1024 * 2, 8, link)  # two forward, two backward, [s, b, h] bf16
     ends = 2 * all_reduce_s(1024 * 1024 * 2, 8, link) + 3 * all_reduce_s(1024 * 4, 8, link)
@@ -126,7 +126,7 @@ def measured():
 
 
 def _ratio(config, cluster, steps) -> tuple:
-    result = estimate(Layout(config, 2, sharding_strategy_of(config)), cluster)
+    result = estimate(Layout(config, 2), cluster)
     seconds = _uncontended_seconds(steps)
     return result.time.step_time_s / seconds, result, seconds
 
