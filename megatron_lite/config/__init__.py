@@ -11,18 +11,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
-
-class UserError(Exception):
-    """A problem with the user's input (flags, files, checkpoints), not a bug.
-
-    Its message names the problem and the fix, so the commands print it once as
-    ``error: ...`` and exit 2 without a traceback; any other exception is a bug and
-    keeps its traceback (``process_groups.failures.run_command``).
-    """
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration value is invalid; the message names the flag and the fix."""
+from megatron_lite.config.batch_size_schedule import parse_step_batch_size_schedule, schedule_in_samples
+from megatron_lite.config.errors import ConfigError, UserError  # noqa: F401 (imported from here everywhere)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -244,6 +234,9 @@ class TrainingConfig:
     # --global-batch-size after SAMPLES samples (Megatron's batch-size ramp-up).
     rampup_batch_size: Optional[list[int]] = field(
         default=None, metadata={"nargs": 3, "metavar": ("START", "INCREMENT", "SAMPLES")})
+    # "THRESHOLD:BATCH ...": the global batch from THRESHOLD tokens consumed on (Megatron-Core 0.20's
+    # replacement of the ramp-up; format in batch_size_schedule.py). Its last batch is the global batch.
+    step_batch_size_schedule: Optional[str] = None
     calculate_per_token_loss: bool = False  # loss = sum over the global batch's tokens / their count
     seed: int = 1234
     bf16: bool = False
@@ -275,6 +268,7 @@ class TrainingConfig:
                  f"--train-samples must be positive, got {self.train_samples}.")
         _require(self.rampup_batch_size is None or len(self.rampup_batch_size) == 3,
                  f"--rampup-batch-size takes three numbers (START INCREMENT SAMPLES), got {self.rampup_batch_size}.")
+        self._check_step_batch_size_schedule()
         _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive; pick one.")
         _require(self.recompute_granularity in (None, "full", "selective"),
                  f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}.")
@@ -292,6 +286,26 @@ class TrainingConfig:
         _require(self.empty_unused_memory_level in (0, 1, 2),
                  f"--empty-unused-memory-level must be 0, 1 or 2, got {self.empty_unused_memory_level}.")
 
+    def _check_step_batch_size_schedule(self) -> None:
+        """The schedule's last batch is the global batch: --global-batch-size may repeat it (Megatron-LM's
+        own 175B script does, which Megatron-LM itself rejects), never contradict it."""
+        if self.step_batch_size_schedule is None:
+            return
+        _require(self.rampup_batch_size is None,
+                 "--step-batch-size-schedule and --rampup-batch-size both set the batch as the run goes; give "
+                 "only one (Megatron-Core 0.20 replaced the ramp-up by the schedule).")
+        last_batch = parse_step_batch_size_schedule(self.step_batch_size_schedule)[-1][1]
+        _require(self.global_batch_size in (None, last_batch),
+                 f"--global-batch-size {self.global_batch_size} contradicts --step-batch-size-schedule, whose "
+                 f"last batch ({last_batch}) is the global batch; drop --global-batch-size or make it {last_batch}.")
+        self.global_batch_size = last_batch
+
+    def step_schedule_in_samples(self, seq_length: int) -> list[tuple[int, int]] | None:
+        """--step-batch-size-schedule as (threshold in samples, global batch) pairs; None without one."""
+        if self.step_batch_size_schedule is None:
+            return None
+        return schedule_in_samples(parse_step_batch_size_schedule(self.step_batch_size_schedule), seq_length)
+
     def global_batch(self, data_parallel_size: int) -> int:
         """Sequences per iteration (after any ramp-up); without --global-batch-size, one micro-batch per replica."""
         return self.global_batch_size or self.micro_batch_size * data_parallel_size
@@ -300,8 +314,9 @@ class TrainingConfig:
         """Gradient-accumulation steps: global batch = micro batch x steps x data-parallel size."""
         global_batch = self.global_batch(data_parallel_size)
         per_step = self.micro_batch_size * data_parallel_size
+        source = "the last batch of --step-batch-size-schedule" if self.step_batch_size_schedule else "--global-batch-size"
         _require(global_batch % per_step == 0,
-                 f"--global-batch-size ({global_batch}) must be divisible by --micro-batch-size "
+                 f"{source} ({global_batch}) must be divisible by --micro-batch-size "
                  f"({self.micro_batch_size}) x data-parallel size ({data_parallel_size}) = {per_step}.")
         return global_batch // per_step
 
@@ -551,6 +566,7 @@ class Config:
                  "--data-parallel-sharding-strategy optim_grads_params keeps no replicas (each rank holds a "
                  "different shard): drop the flag or pick a strategy that keeps whole parameters.")
         _check_schedule_units(self.training, self.optimizer)
+        self.training.step_schedule_in_samples(model.seq_length)  # thresholds closer than a sequence fail here
         if self.training.train_iters is not None and self.optimizer.lr_decay_iters is None:
             self.optimizer.lr_decay_iters = self.training.train_iters
         if self.training.train_samples is not None and self.optimizer.lr_decay_samples is None:

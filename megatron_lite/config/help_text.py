@@ -84,6 +84,9 @@ HELP = {
     "train_samples": "sequences to train on instead of --train-iters; the LR schedule then counts samples too",
     "rampup_batch_size": ("START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT "
                           "until it reaches --global-batch-size after SAMPLES samples"),
+    "step_batch_size_schedule": ('"THRESHOLD:BATCH ..." (spaces or commas; thresholds in tokens, suffixes K M B T, '
+                                 'the first 0): the global batch from THRESHOLD tokens consumed on; the last batch '
+                                 'is the global batch'),
     "calculate_per_token_loss": ("loss summed over tokens and divided by the global batch's loss tokens (no "
                                  "averaging over micro-batches and data-parallel ranks)"),
     "seed": "random seed (weights, data order, dropout)",

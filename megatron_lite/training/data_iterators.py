@@ -28,7 +28,7 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, consumed
     eod_token = None
     if data.eod_mask_loss:
         eod_token = build_model_tokenizer(dataclasses.asdict(data), config.model.vocab_size).eod
-    calculator = build_num_microbatches_calculator(training, parallel_state.data_parallel_world_size)
+    calculator = build_num_microbatches_calculator(config, parallel_state.data_parallel_world_size)
     train_iters = get_train_iters(training, calculator)
     num_samples = _num_samples(training, calculator, train_iters)
     if data.sft:

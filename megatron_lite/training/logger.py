@@ -5,7 +5,7 @@ import math
 
 import torch.distributed as dist
 
-from megatron_lite.config import Config
+from megatron_lite.config import Config, TrainingConfig
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.training import metrics
 from megatron_lite.training.num_microbatches_calculator import build_num_microbatches_calculator, get_train_iters
@@ -28,9 +28,7 @@ def format_startup_summary(config: Config, parallel_state: ParallelState, stage_
     parallel, training, checkpoint = config.parallel, config.training, config.checkpoint
     dp = parallel_state.data_parallel_world_size
     global_batch = training.global_batch(dp)
-    train_iters = get_train_iters(training, build_num_microbatches_calculator(training, dp))
-    rampup = ("" if training.rampup_batch_size is None else
-              " (ramped up from {} by {} over {} samples)".format(*training.rampup_batch_size))
+    train_iters = get_train_iters(training, build_num_microbatches_calculator(config, dp))
     stages = ", ".join(_count(n) for n in stage_parameters)
     saves = (f"to {checkpoint.save} every {checkpoint.save_interval} iterations and at the end"
              if checkpoint.save_interval else f"to {checkpoint.save} at the end") if checkpoint.save else "not saved"
@@ -46,9 +44,18 @@ def format_startup_summary(config: Config, parallel_state: ParallelState, stage_
            if parallel.virtual_pipeline_model_parallel_size else ""),
         f" batch: {global_batch} sequences = micro-batch {training.micro_batch_size} x "
         f"{training.num_microbatches(dp)} micro-batches x data {dp}; "
-        f"{global_batch * config.model.seq_length} tokens per iteration{rampup}, {train_iters} iterations",
+        f"{global_batch * config.model.seq_length} tokens per iteration{_batch_growth(training)}, {train_iters} iterations",
         f" checkpoints: {saves}" + (f"; loading {checkpoint.load}" if checkpoint.load else ""),
     ])
+
+
+def _batch_growth(training: TrainingConfig) -> str:
+    """How the global batch grows to its final size, if it does."""
+    if training.step_batch_size_schedule is not None:
+        return f' (stepped up by --step-batch-size-schedule "{training.step_batch_size_schedule}", in tokens)'
+    if training.rampup_batch_size is not None:
+        return " (ramped up from {} by {} over {} samples)".format(*training.rampup_batch_size)
+    return ""
 
 
 def _count(n: int) -> str:
@@ -59,8 +66,8 @@ class TrainingLogger:
     """Megatron's log line every --log-interval iterations, from the last rank (which has the loss),
     plus throughput, MFU and TensorBoard scalars.
 
-    The global batch may change between iterations (--rampup-batch-size): each iteration's FLOPs
-    and tokens are counted with its own batch, and the line shows the latest batch, as Megatron's."""
+    The global batch may change between iterations (--rampup-batch-size, --step-batch-size-schedule): each
+    iteration's FLOPs and tokens are counted with its own batch, and the line shows the latest batch, as Megatron's."""
 
     def __init__(self, config: Config, parallel_state: ParallelState, train_iters: int):
         self.config = config

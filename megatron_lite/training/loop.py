@@ -12,7 +12,7 @@ pipeline schedule, and the optimizer hides data-parallel sharding.
 
 Progress is counted in samples, as in Megatron-LM: each iteration takes the global batch the
 ``NumMicroBatchesCalculator`` gives for the samples consumed so far (it grows under
---rampup-batch-size), and the LR schedule advances by that many samples.
+--rampup-batch-size or --step-batch-size-schedule), and the LR schedule advances by that many samples.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from megatron_lite.config import Config
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
 from megatron_lite.checkpointing.preflight import check_checkpoint_paths
+from megatron_lite.checkpointing.save_load import checkpoint_to_load
 from megatron_lite.model.builder import (FSDP_UNIT_MODULES, build_model, count_parameters, current_device,
                                          parameters_per_stage)
 from megatron_lite.optimizer import get_megatron_optimizer
@@ -164,15 +165,13 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                                                config.parallel.pipeline_model_parallel_size,
                                                config.parallel.virtual_pipeline_model_parallel_size,
                                                distributed_timeout_minutes=config.parallel.distributed_timeout_minutes)
-    # The batch arithmetic (and any ramp-up) fails here, early.
-    calculator = build_num_microbatches_calculator(config.training, parallel_state.data_parallel_world_size)
-    if (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1:
-        for count in calculator.microbatch_counts():
-            check_interleaved_microbatches(count, config.parallel.pipeline_model_parallel_size)
+    calculator = build_num_microbatches_calculator(config, parallel_state.data_parallel_world_size)
     train_iters = get_train_iters(config.training, calculator)
     total_parameters = count_parameters(config)
     failures.run_on_every_rank(lambda: check_checkpoint_paths(config, total_parameters),
                                "check the --save/--load directories")
+    if not _resumes(config):  # a fresh run's batches all lie ahead: any that cannot split fails now, early
+        check_batches_ahead(config, calculator, consumed_samples=0)
     trainable_parameters = count_parameters(config, trainable_only=True) if config.peft.peft else None
     print_rank_last(format_startup_summary(config, parallel_state, parameters_per_stage(config), total_parameters,
                                            trainable_parameters))
@@ -192,6 +191,8 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     state = TrainingState()
     if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
         state = checkpointing.load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) or state
+    # Every rank holds the same consumed samples, so all raise together, before any collective of training.
+    check_batches_ahead(config, calculator, state.consumed_train_samples)
     train_iterator, valid_iterator, test_iterator = build_data_iterators(
         config, parallel_state, state.consumed_train_samples, state.iteration)
     train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
@@ -199,6 +200,22 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     if not keep_process_group:
         destroy_model_parallel(parallel_state)
     return state, model_chunks, parallel_state
+
+
+def _resumes(config: Config) -> bool:
+    """Whether the run continues a --load checkpoint's progress (a fine-tuning start begins at sample 0)."""
+    source = checkpoint_to_load(config.checkpoint)
+    return source is not None and not source[2]
+
+
+def check_batches_ahead(config: Config, calculator: NumMicroBatchesCalculator, consumed_samples: int) -> None:
+    """The batches the run has still to take split over the replicas, and with the interleaved schedule into
+    a multiple of the pipeline stages. Only those ahead, as Megatron checks each batch when it comes: a run
+    may resume with more data-parallel ranks once the small early batches are behind it."""
+    calculator.check_batches_ahead(consumed_samples)
+    if (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1:
+        for count in calculator.microbatch_counts(consumed_samples):
+            check_interleaved_microbatches(count, config.parallel.pipeline_model_parallel_size)
 
 
 def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
@@ -244,8 +261,8 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
             exit_now = ((training.exit_signal_handler and signal_handler.signals_received(parallel_state))
                         or _every(state.iteration, training.exit_interval)
                         or operations.exit_duration_reached(training, start_time, parallel_state))
-            # As Megatron: save at the end, and when the ramp-up changes the micro-batch count (a resume may
-            # then change the data-parallel size to suit the larger batch).
+            # As Megatron: save at the end, and when the batch schedule changes the micro-batch count (a resume
+            # may then change the data-parallel size to suit the larger batch).
             batch_grows = calculator.get_num_microbatches(state.consumed_train_samples) != num_microbatches
             save_now = (exit_now or state.iteration == train_iters or batch_grows
                         or _every(state.iteration, config.checkpoint.save_interval))
