@@ -14,7 +14,8 @@ import pytest
 from megatron_lite.checkpointing import storage
 from megatron_lite.config import ConfigError
 from megatron_lite.config.arguments import parse_args
-from megatron_lite.training.num_microbatches_calculator import NumMicroBatchesCalculator
+from megatron_lite.training.num_microbatches_calculator import (NumMicroBatchesCalculator,
+                                                                build_num_microbatches_calculator)
 from tests.distributed import run_distributed
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
@@ -97,14 +98,31 @@ def test_iterations_and_samples_do_not_mix(extra, match):
 @pytest.mark.parametrize("rampup, match", [
     ([4, 3, 16], r"minus START \(4\) must be a non-negative multiple of INCREMENT \(3\)"),
     ([16, 4, 16], "must be a non-negative multiple"),
-    ([2, 2, 16], r"--rampup-batch-size START \(2\) must be divisible by --micro-batch-size \(2\) x data-parallel size "
-               r"\(2\) = 4"),
+    ([2, 2, 16], r"--rampup-batch-size: the global batch 2 \(from 0 consumed samples on\) must be divisible by "
+               r"--micro-batch-size \(2\) x data-parallel size \(2\) = 4"),
     ([4, 4, 0], "must all be positive"),
 ])
 def test_bad_ramp_ups_name_the_flag(rampup, match):
     with pytest.raises(ConfigError, match=match):
         NumMicroBatchesCalculator(global_batch_size=12, micro_batch_size=2, data_parallel_size=2,
-                                  rampup_batch_size=rampup)
+                                  rampup_batch_size=rampup).check_batches_ahead(0)
+
+
+def test_only_the_ramp_up_batches_ahead_must_divide():
+    """Batches 2, 4, 6, 8, 10, 12 over 20 samples (a step every 4): at micro 2 x dp 2 the 2, 6 and 10 do not split,
+    so a run resumes on two replicas only once the batch 10 is behind it; the final batch is named by its flag."""
+    calculator = NumMicroBatchesCalculator(global_batch_size=12, micro_batch_size=2, data_parallel_size=2,
+                                           rampup_batch_size=[2, 2, 20])
+    assert [calculator.get_current_global_batch_size(c) for c in (0, 3, 4, 15, 16, 19, 20, 21)] == [
+        2, 2, 4, 8, 10, 10, 12, 12]
+    with pytest.raises(ConfigError, match=r"global batch 10 \(from 16 consumed samples on\)"):
+        calculator.check_batches_ahead(16)
+    calculator.check_batches_ahead(20)
+    assert calculator.microbatch_counts(20) == [3]
+    with pytest.raises(ConfigError, match=r"^--global-batch-size \(12\) must be divisible by --micro-batch-size "
+                                          r"\(2\) x data-parallel size \(4\) = 8"):
+        NumMicroBatchesCalculator(global_batch_size=12, micro_batch_size=2, data_parallel_size=4,
+                                  rampup_batch_size=[8, 4, 20]).check_batches_ahead(0)
 
 
 def _log_lines(text: str) -> list[dict]:
@@ -256,3 +274,256 @@ def test_fine_tuning_ramp_up_under_data_parallelism_matches_one_process(tmp_path
     (reference,) = run_distributed(_train_losses, 1, args=(flags,))
     for losses, consumed in run_distributed(_train_losses, 2, args=(flags,)):
         assert consumed == 64 and losses == pytest.approx(reference[0], rel=1e-5)
+
+
+# --step-batch-size-schedule (Megatron-Core 0.20's StepBatchsizeNumMicroBatchesCalculator)
+
+GPT3_175B_SCHEDULE = "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536"
+
+
+def megatron_step_schedule(text: str, seq_length: int) -> list[tuple[int, int]]:
+    """StepBatchsizeNumMicroBatchesCalculator._parse_schedule, restated from Megatron-Core (float parsing)."""
+    def number(value):
+        value = value.strip().upper()
+        multiplier = {"T": 10**12, "B": 10**9, "M": 10**6, "K": 10**3}.get(value[-1:], 1)
+        return int(float(value[:-1] if multiplier > 1 else value) * multiplier)
+
+    pairs = [entry.split(":", 1) for entry in text.strip().replace(",", " ").split()]
+    return sorted((number(threshold) // seq_length, number(batch)) for threshold, batch in pairs)
+
+
+def megatron_step_batch(consumed: int, schedule: list[tuple[int, int]]) -> int:
+    """_get_batch_size_for_samples, restated."""
+    batch = schedule[0][1]
+    for threshold, size in schedule:
+        if consumed < threshold:
+            break
+        batch = size
+    return batch
+
+
+def megatron_step_train_iters(train_samples: int, schedule: list[tuple[int, int]]) -> int:
+    """update_train_iters with a step schedule, restated: one iteration at a time."""
+    iterations = consumed = 0
+    while consumed < train_samples:
+        consumed += megatron_step_batch(consumed, schedule)
+        iterations += 1
+    return iterations
+
+
+def _schedule_config(schedule: str, *extra: str):
+    return parse_args(BASE + ["--step-batch-size-schedule", schedule, *extra])
+
+
+def _step_calculator(schedule, micro_batch_size=1, data_parallel_size=1):
+    return NumMicroBatchesCalculator(global_batch_size=schedule[-1][1], micro_batch_size=micro_batch_size,
+                                     data_parallel_size=data_parallel_size, step_batch_size_schedule=schedule)
+
+
+@pytest.mark.parametrize("text, tokens", [
+    (GPT3_175B_SCHEDULE, [(0, 16), (2_400_000_000, 320), (4_800_000_000, 624), (7_200_000_000, 928),
+                          (9_600_000_000, 1232), (12_000_000_000, 1536)]),
+    ("12B:1536, 0:16,2.4b:320", [(0, 16), (2_400_000_000, 320), (12_000_000_000, 1536)]),  # commas, any order
+    ("0:16 1.5K:32 2M:64 0.001T:0.128K 7:16", [(0, 16), (7, 16), (1500, 32), (2_000_000, 64), (10**9, 128)]),
+])
+def test_schedule_parses_as_megatron(text, tokens):
+    from megatron_lite.config.batch_size_schedule import parse_step_batch_size_schedule
+
+    assert parse_step_batch_size_schedule(text) == tokens == megatron_step_schedule(text, seq_length=1)
+
+
+def test_schedule_thresholds_are_tokens_divided_by_seq_length():
+    """--seq-length 16: 0.16K tokens = sample 10, 330 tokens = sample 20 (floored); the last batch is the
+    global batch, and the batch changes exactly at each threshold."""
+    config = _schedule_config("0:4 0.16K:8 330:12")
+    assert config.training.global_batch_size == 12 and config.training.global_batch(7) == 12
+    schedule = config.training.step_schedule_in_samples(16)
+    assert schedule == [(0, 4), (10, 8), (20, 12)] == megatron_step_schedule("0:4 0.16K:8 330:12", 16)
+    calculator = _step_calculator(schedule, micro_batch_size=2, data_parallel_size=2)
+    expected = {0: 4, 9: 4, 10: 8, 11: 8, 19: 8, 20: 12, 21: 12, 10**9: 12}
+    assert {c: calculator.get_current_global_batch_size(c) for c in expected} == expected
+    assert [calculator.get_num_microbatches(c) for c in (9, 10, 20)] == [1, 2, 3]
+    assert calculator.microbatch_counts() == [1, 2, 3] and calculator.microbatch_counts(15) == [2, 3]
+
+
+def test_gpt3_175b_schedule_at_full_size():
+    """The script's own schedule at --seq-length 2048, to 300B tokens: each iteration as Megatron counts it
+    (~100k iterations one by one) against the calculator's step-at-a-time count."""
+    schedule = megatron_step_schedule(GPT3_175B_SCHEDULE, 2048)
+    calculator = _step_calculator(schedule)
+    assert calculator.schedule == schedule and schedule[1] == (1_171_875, 320)
+    train_samples = 300 * 10**9 // 2048
+    iterations = megatron_step_train_iters(train_samples, schedule)
+    assert calculator.iterations_for(train_samples) == iterations
+    assert calculator.consumed_samples_after(iterations) >= train_samples > calculator.consumed_samples_after(
+        iterations - 1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_step_schedule_iterations_match_per_iteration_simulation(seed):
+    """Random schedules (thresholds within or between batches, runs ending inside or past them):
+    iterations_for and consumed_samples_after against Megatron's one-iteration-at-a-time loop."""
+    import random
+
+    rng = random.Random(seed)
+    thresholds = [0] + sorted(rng.sample(range(1, 400), rng.randint(0, 5)))
+    batches = sorted(rng.randint(1, 64) for _ in thresholds)
+    schedule = list(zip(thresholds, batches))
+    calculator = _step_calculator(schedule)
+    for train_samples in [1, batches[0], *(t + d for t in thresholds for d in (-1, 0, 1) if t + d > 0),
+                          rng.randint(1, 2000), 5000]:
+        assert calculator.iterations_for(train_samples) == megatron_step_train_iters(train_samples, schedule)
+    consumed = 0
+    for iterations in range(300):
+        assert calculator.consumed_samples_after(iterations) == consumed
+        consumed += megatron_step_batch(consumed, schedule)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ramp_up_as_steps_matches_megatrons_formula(seed):
+    """The ramp-up becomes a step schedule found by bisection over Megatron's float formula: same batch at
+    every sample (also when increments come faster than one per sample), same iterations as Megatron's
+    update_train_iters ramp-up loop."""
+    import random
+
+    rng = random.Random(seed)
+    increment = rng.randint(1, 8)
+    start, increments = rng.randint(1, 16), rng.randint(1, 40)
+    global_batch, samples = start + increments * increment, rng.choice([rng.randint(1, 30), rng.randint(30, 3000)])
+    rampup = [start, increment, samples]
+    calculator = NumMicroBatchesCalculator(global_batch_size=global_batch, micro_batch_size=1, data_parallel_size=1,
+                                           rampup_batch_size=rampup)
+    for consumed in range(samples + 3):
+        assert calculator.get_current_global_batch_size(consumed) == megatron_rampup_batch(consumed, global_batch,
+                                                                                           *rampup)
+    for train_samples in (1, samples // 2, samples, samples + 1, 3 * samples + 7):
+        iterations = consumed = 0
+        while consumed <= samples and consumed <= train_samples:
+            consumed += megatron_rampup_batch(consumed, global_batch, *rampup)
+            iterations += 1
+        iterations += max(train_samples - consumed, 0) // global_batch
+        assert calculator.iterations_for(train_samples) == iterations
+
+
+@pytest.mark.parametrize("schedule, match", [
+    ("0:16 2.4B", r"cannot read the entry '2.4B'; expected \"THRESHOLD:BATCH THRESHOLD:BATCH ...\""),
+    ("0:16 2.4X:32", r"cannot read the entry '2.4X:32'; expected"),
+    ("0:16 -5:32", r"cannot read the entry '-5:32'"),
+    ("0:16:4", r"cannot read the entry '0:16:4'"),
+    (" , ", " is empty; expected"),
+    ("1K:16 2K:32", "the first threshold must be 0 .*got 1000 tokens"),
+    ("0:16 1K:32 1000:64", "two entries at 1000 tokens"),
+    ("0:0", "the entry '0:0' has batch 0; batch sizes must be positive"),
+    ("0:32 1K:16", "the batch drops from 32 to 16 at 1000 tokens"),
+    ("0:16 100:32 110:64", r"the thresholds 100 and 110 tokens are the same sample \(6\) at --seq-length 16"),
+])
+def test_bad_schedules_name_the_entry(schedule, match):
+    with pytest.raises(ConfigError, match="^--step-batch-size-schedule.*" + match):
+        _schedule_config(schedule)
+
+
+def test_schedule_with_the_other_batch_flags():
+    """--global-batch-size may repeat the last batch (Megatron-LM's own script does; Megatron-LM rejects the
+    pair), never contradict it; the ramp-up is the other way to grow the batch."""
+    assert _schedule_config(GPT3_175B_SCHEDULE, "--global-batch-size", "1536").training.global_batch_size == 1536
+    with pytest.raises(ConfigError, match=r"--global-batch-size 1024 contradicts --step-batch-size-schedule, whose "
+                                          r"last batch \(1536\) is the global batch"):
+        _schedule_config(GPT3_175B_SCHEDULE, "--global-batch-size", "1024")
+    with pytest.raises(ConfigError, match="--step-batch-size-schedule and --rampup-batch-size both set the batch"):
+        _schedule_config(GPT3_175B_SCHEDULE, "--rampup-batch-size", "16", "16", "100")
+    with pytest.raises(ConfigError, match=r"the last batch of --step-batch-size-schedule \(6\) must be divisible by "
+                                          r"--micro-batch-size \(2\) x data-parallel size \(2\)"):
+        _schedule_config("0:2 1K:6").training.num_microbatches(2)
+
+
+# Thresholds 64 and 192 tokens = samples 4 and 12 at --seq-length 16.
+SCHEDULE_RUN = ["--step-batch-size-schedule", "0:4 0.064K:8 192:12", "--train-samples", "40", "--lr", "1e-3",
+                "--lr-warmup-samples", "8"]
+
+
+def test_samples_run_with_step_schedule(tmp_path, capsys):
+    """Batches 4 (from sample 0), 8 (from 4), 12 (from 12): 5 iterations, the last passing --train-samples 40 as
+    Megatron's; a checkpoint whenever the micro-batch count changes (2 -> 4 -> 6) and at the end."""
+    from megatron_lite.training.loop import pretrain
+
+    state, _, _ = pretrain(parse_args(BASE + SCHEDULE_RUN + ["--save", str(tmp_path)]))
+    out = capsys.readouterr().out
+    assert ('192 tokens per iteration (stepped up by --step-batch-size-schedule "0:4 0.064K:8 192:12", in tokens), '
+            '5 iterations') in out
+    lines = _log_lines(out)
+    assert [line["batch"] for line in lines] == [4, 8, 12, 12, 12]
+    assert [line["consumed"] for line in lines] == [4, 12, 24, 36, 48]
+    assert state.iteration == 5 and state.consumed_train_samples == 48
+    schedule, consumed_before = megatron_step_schedule("0:4 0.064K:8 192:12", 16), [0, 4, 12, 24, 36]
+    assert [line["batch"] for line in lines] == [megatron_step_batch(c, schedule) for c in consumed_before]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "iter_0000002", "iter_0000005",
+                                            "latest_checkpointed_iteration.txt"]
+
+
+# micro-batch 1: batches 1 (samples 0-1), 2 (2-5), 4 (6 on): 1, 1, 2, 2, 4, 4 over 14 samples.
+RESUME_RUN = ["--micro-batch-size", "1", "--step-batch-size-schedule", "0:1 32:2 96:4", "--train-samples", "14"]
+
+
+def _resume_body(rank, world_size, flags, no_training):
+    from megatron_lite.training import loop
+
+    if no_training:
+        loop.train = _no_training
+    try:
+        state, _, _ = loop.pretrain(parse_args(flags), keep_process_group=True)
+    except ConfigError as error:
+        return str(error)
+    return state.losses, state.consumed_train_samples
+
+
+def test_resume_on_more_replicas_once_the_odd_batches_are_behind(tmp_path):
+    """A dp1 run saves when its batch grows from 1 to 2 (iteration 2); dp2 resumes there and trains the
+    uninterrupted run's samples, losses equal. Resumed before the batch 1 it could not split (nor the
+    2 at micro-batch 2 x dp2) it fails after the load, on every rank, before a step."""
+    flags = BASE + RESUME_RUN + ["--save", str(tmp_path)]
+    ((reference, consumed),) = run_distributed(_resume_body, 1, args=(flags, False))
+    assert consumed == 14 and len(reference) == 6
+    assert "iter_0000002" in os.listdir(tmp_path)
+    storage.write_latest_iteration(str(tmp_path), 2)
+    resumed = flags + ["--load", str(tmp_path)]
+    for losses, consumed in run_distributed(_resume_body, 2, args=(resumed, False)):
+        assert consumed == 14 and losses == pytest.approx(reference, rel=1e-5)  # the first 2 restored
+    storage.write_latest_iteration(str(tmp_path), 2)
+    for error in run_distributed(_resume_body, 2, args=(resumed + ["--micro-batch-size", "2"], True)):
+        assert error.startswith("--step-batch-size-schedule: the global batch 2 (from 2 consumed samples on) must be "
+                                "divisible by --micro-batch-size (2) x data-parallel size (2) = 4")
+
+
+def test_interleaving_checks_the_micro_batch_counts_ahead():
+    """Counts 1, 2, 4 with 2 pipeline stages interleaved: a fresh run fails on the 1, a resume past it runs."""
+    from megatron_lite.training.loop import check_batches_ahead
+
+    config = parse_args(BASE + RESUME_RUN + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                                             "--num-layers-per-virtual-pipeline-stage", "1"])
+    calculator = build_num_microbatches_calculator(config, data_parallel_size=1)
+    with pytest.raises(ConfigError, match="multiple of --pipeline-model-parallel-size"):
+        check_batches_ahead(config, calculator, consumed_samples=0)
+    check_batches_ahead(config, calculator, consumed_samples=2)
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("the model was built: the start-up check let the schedule through")
+
+
+def _fresh_body(rank, world_size, flags):
+    from megatron_lite.training import loop
+
+    loop.get_model = _no_model
+    try:
+        loop.pretrain(parse_args(flags), keep_process_group=True)
+    except ConfigError as error:
+        return str(error)
+
+
+def test_fresh_run_with_a_batch_it_cannot_split_fails_at_start_up(tmp_path):
+    """The same schedule started fresh on two replicas (also with an empty --load): the batch 1 fails before the
+    model is built."""
+    for flags in (BASE + RESUME_RUN, BASE + RESUME_RUN + ["--load", str(tmp_path)]):
+        for error in run_distributed(_fresh_body, 2, args=(flags,)):
+            assert error.startswith("--step-batch-size-schedule: the global batch 1 (from 0 consumed samples on) "
+                                    "must be divisible by --micro-batch-size (1) x data-parallel size (2) = 2")

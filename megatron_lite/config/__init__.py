@@ -314,7 +314,8 @@ class TrainingConfig:
         """Gradient-accumulation steps: global batch = micro batch x steps x data-parallel size."""
         global_batch = self.global_batch(data_parallel_size)
         per_step = self.micro_batch_size * data_parallel_size
-        source = "the last batch of --step-batch-size-schedule" if self.step_batch_size_schedule else "--global-batch-size"
+        source = ("the last batch of --step-batch-size-schedule" if self.step_batch_size_schedule
+                  else "--global-batch-size")
         _require(global_batch % per_step == 0,
                  f"{source} ({global_batch}) must be divisible by --micro-batch-size "
                  f"({self.micro_batch_size}) x data-parallel size ({data_parallel_size}) = {per_step}.")

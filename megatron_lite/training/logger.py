@@ -44,7 +44,8 @@ def format_startup_summary(config: Config, parallel_state: ParallelState, stage_
            if parallel.virtual_pipeline_model_parallel_size else ""),
         f" batch: {global_batch} sequences = micro-batch {training.micro_batch_size} x "
         f"{training.num_microbatches(dp)} micro-batches x data {dp}; "
-        f"{global_batch * config.model.seq_length} tokens per iteration{_batch_growth(training)}, {train_iters} iterations",
+        f"{global_batch * config.model.seq_length} tokens per iteration{_batch_growth(training)}, "
+        f"{train_iters} iterations",
         f" checkpoints: {saves}" + (f"; loading {checkpoint.load}" if checkpoint.load else ""),
     ])
 
