@@ -1,9 +1,11 @@
-"""Samples-based runs and batch-size ramp-up, against Megatron-LM's formulas.
+"""Samples-based runs, batch-size ramp-up and step schedules, against Megatron-LM's formulas.
 
 --train-samples gives the run's length in samples (iterations derived as Megatron's
 update_train_iters does), the LR schedule counts samples, and --rampup-batch-size grows the
-global batch as Megatron's RampupBatchsizeNumMicroBatchesCalculator: the loop, the data position,
-consumed samples, checkpoints and the log line follow it.
+global batch as Megatron's RampupBatchsizeNumMicroBatchesCalculator, --step-batch-size-schedule as
+Megatron-Core 0.20's StepBatchsizeNumMicroBatchesCalculator: the loop, the data position, consumed
+samples, checkpoints and the log line follow them, and only the batches ahead of a run must divide
+over its replicas.
 """
 import math
 import os

@@ -1,9 +1,11 @@
 """Megatron-LM's own example scripts run through ``pretrain_gpt``, sizes scaled down to a CPU.
 
 The flag sets are those of NVIDIA/Megatron-LM's
-- ``examples/gpt3/train_gpt3_175b_distributed.sh`` as of fa0dcc4872 (Dec 2024). Since April 2026 it
-  replaces ``--rampup-batch-size 16 16 5859375`` with ``--step-batch-size-schedule``, which Megatron-LM
-  itself rejects next to the script's ``--global-batch-size``; we keep the version that runs there.
+- ``examples/gpt3/train_gpt3_175b_distributed.sh`` in two versions: as of fa0dcc4872 (Dec 2024), with
+  ``--rampup-batch-size 16 16 5859375``, and as of today (779c5b748d), which since April 2026 replaces it
+  with ``--step-batch-size-schedule "0:16 2.4B:320 ... 12B:1536"`` next to ``--global-batch-size 1536``.
+  Megatron-LM itself rejects that pair (and since Megatron-Core 0.20 ignores ``--rampup-batch-size``);
+  we accept the pair when it agrees, and ramp up as Megatron-LM did before.
 - ``examples/llama/train_llama3_8b_h100_fp8.sh`` as of b6e883bc59 (Feb 2026), its mock-data branch.
 
 Every flag is kept, one per line as in the script; a comment gives the script's value where the
@@ -59,6 +61,12 @@ GPT3_175B = """
     --eval-iters 1                      # 10
     --tensorboard-dir {tensorboard_logs_path}
 """
+# The script today (779c5b748d, July 2026; unchanged at Megatron-Core 0.20's d98e8a6): a step schedule in
+# tokens replaces the ramp-up, next to the --global-batch-size it ends at. Scaled: batches 1, 2, 3 from
+# samples 0, 1, 3 (64 tokens each), so each of the 3 iterations takes a new batch.
+GPT3_175B_CURRENT = GPT3_175B.replace(
+    "--rampup-batch-size 2 2 4           # 16 16 5859375",
+    '--step-batch-size-schedule "0:1 64:2 0.192K:3 0.32K:4"  # "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536"')
 # Not in the script, which Megatron-LM too cannot run without (it builds no tokenizer from None).
 GPT3_175B_TOKENIZER = "--tokenizer-type GPT2BPETokenizer"
 
@@ -152,8 +160,8 @@ def gpt2_data(tmp_path_factory):
     return dict(data_path=files["--data-path"], vocab_file=files["--vocab-file"], merge_file=files["--merge-file"])
 
 
-def gpt3_argv(tmp_path, gpt2_data) -> list[str]:
-    return script_argv(GPT3_175B, checkpoint_path=tmp_path / "ckpt", tensorboard_logs_path=tmp_path / "tb",
+def gpt3_argv(tmp_path, gpt2_data, script: str = GPT3_175B) -> list[str]:
+    return script_argv(script, checkpoint_path=tmp_path / "ckpt", tensorboard_logs_path=tmp_path / "tb",
                        **gpt2_data) + GPT3_175B_TOKENIZER.split()
 
 
@@ -162,7 +170,8 @@ def llama_argv(tmp_path) -> list[str]:
                        data_cache_path=tmp_path / "cache")
 
 
-@pytest.mark.parametrize("text", [GPT3_175B, LLAMA3_8B, LLAMA3_8B_FP8], ids=["gpt3-175b", "llama3-8b", "fp8"])
+@pytest.mark.parametrize("text", [GPT3_175B, GPT3_175B_CURRENT, LLAMA3_8B, LLAMA3_8B_FP8],
+                         ids=["gpt3-175b", "gpt3-175b-current", "llama3-8b", "fp8"])
 def test_every_script_flag_is_known(text):
     """No flag of the scripts can end in argparse's "unrecognized arguments"."""
     flags = {arg for arg in script_argv(text, **dict.fromkeys(
@@ -178,6 +187,19 @@ def test_gpt3_175b_script_runs(tmp_path, gpt2_data, capsys):
     # --rampup-batch-size 2 2 4: batch 2 until 4 samples are consumed, then --global-batch-size 4.
     assert re.findall(r"global batch size: +(\d+) \|", out) == ["2", "2", "4"]
     assert os.path.isdir(tmp_path / "ckpt" / "iter_0000002")
+
+
+def test_gpt3_175b_current_script_runs(tmp_path, gpt2_data, capsys):
+    """Today's script, which Megatron-LM itself rejects (--step-batch-size-schedule next to --global-batch-size):
+    the pair agrees (the schedule ends at 4), so it runs, the batch following the schedule and a checkpoint
+    written at each micro-batch count change."""
+    assert GPT3_175B_CURRENT != GPT3_175B
+    assert main(gpt3_argv(tmp_path, gpt2_data, GPT3_175B_CURRENT)) == 0
+    out = capsys.readouterr().out
+    assert " iteration        3/       3 |" in out and "validation loss at iteration 2" in out
+    assert re.findall(r"global batch size: +(\d+) \|", out) == ["1", "2", "3"]
+    assert re.findall(r"consumed samples: +(\d+) \|", out) == ["1", "3", "6"]
+    assert {"iter_0000001", "iter_0000002", "iter_0000003"} <= set(os.listdir(tmp_path / "ckpt"))
 
 
 def test_llama3_8b_script_runs(tmp_path, capsys):

@@ -51,6 +51,14 @@ def test_a_mistyped_flag_under_torchrun_is_one_line_with_the_nearest_flag():
     assert seconds < 60
 
 
+def test_a_batch_schedule_the_replicas_cannot_split_fails_before_the_model_under_torchrun():
+    code, output, seconds = _run([*MOCK, "--step-batch-size-schedule", "0:1 1K:2", "--train-iters", "2"], ranks=2)
+    assert code != 0
+    _assert_one_clean_error(output, "--step-batch-size-schedule: the global batch 1 (from 0 consumed samples on) "
+                                    "must be divisible by --micro-batch-size (1) x data-parallel size (2) = 2")
+    assert " model: " not in output and seconds < 60
+
+
 def test_missing_data_under_torchrun_is_reported_once_by_the_rank_that_found_it():
     code, output, _ = _run([*TINY, "--vocab-size", "64", "--data-path", "/nonexistent/corpus_text_document"],
                            ranks=2)
