@@ -60,7 +60,7 @@ def _num_samples(training: TrainingConfig, calculator: NumMicroBatchesCalculator
                  train_iters: int) -> tuple[int, int, int]:
     """Samples each split is built for (train, valid, test), as Megatron asks for them: --train-samples
     or --train-iters x global batch, and --eval-iters global batches per evaluation. Never fewer
-    training samples than the run consumes (a ramp-up's last iteration may pass --train-samples)."""
+    training samples than the run consumes (the last iteration of a growing batch may pass --train-samples)."""
     global_batch = calculator.global_batch_size
     requested = training.train_samples if training.train_samples is not None else train_iters * global_batch
     num_evaluations = train_iters // training.eval_interval + 1
