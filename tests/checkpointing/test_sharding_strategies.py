@@ -151,6 +151,39 @@ def test_zero3_loads_exactly_at_dp2(zero3, layout):
     assert_continues(losses, reference)
 
 
+def _load_without_optimizer_state(rank, world_size, root):
+    """Rank body: load a checkpoint's weights only (--no-load-optim) into a bf16 ZeRO-3 run."""
+    from megatron_lite.checkpointing import load_checkpoint
+    from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from megatron_lite.training.loop import build_optimizer_and_scheduler, get_model
+
+    config = tiny_config(arch=GPT2, load=root, no_load_optim=True, **ZERO3)
+    config.training.bf16 = True
+    parallel_state = initialize_model_parallel(1, 1)
+    try:
+        model_chunks = get_model(config, parallel_state)
+        optimizer, scheduler = build_optimizer_and_scheduler(config, parallel_state, model_chunks)
+        load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler)
+        return _snapshot(model_chunks, optimizer)
+    finally:
+        destroy_model_parallel(parallel_state)
+
+
+def test_zero3_no_load_optim_remakes_bf16_main_params_from_the_loaded_shards(zero3):
+    """bf16 main parameters are fp32 copies of the weights, made before the load: they are remade
+    from the shards just loaded; Adam starts afresh."""
+    root, _, saved = zero3
+    saved_weights, _ = _merged_snapshot(saved, "save")
+    loaded = run_distributed(_load_without_optimizer_state, 2, args=(root,))
+    weights = loaded[0]["weights"]
+    assert all(torch.equal(weights[k], saved_weights[k].bfloat16()) for k in saved_weights)
+    optimizer = merge_optimizer_state_dicts([r["optimizer"] for r in loaded])
+    assert optimizer["params"].keys() == saved_weights.keys()
+    for name, entry in optimizer["params"].items():
+        assert torch.equal(entry["main_param"], weights[name].float().reshape(-1)), name
+        assert all(not value.any() for value in entry["state"].values()), name
+
+
 def test_zero3_resumes_at_tp2_dp2_under_zero1(zero3):
     root, reference, _ = zero3
     assert_continues(_run(4, load=root, **ZERO1_TP2_DP2), reference)
