@@ -151,6 +151,31 @@ def test_zero3_loads_exactly_at_dp2(zero3, layout):
     assert_continues(losses, reference)
 
 
+def test_zero3_checkpoint_reads_in_one_process_and_offline(zero3, tmp_path):
+    """Its weights, stored as every data-parallel rank's slices, load whole into one process (as
+    generation loads) and into the converter, which rewrites them for tp 2."""
+    from megatron_lite.checkpointing.offline import reshard_checkpoint
+    from megatron_lite.checkpointing.resharding import CheckpointReader
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.inference.loading import load_model, read_checkpoint_config
+    from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+
+    root, _, saved = zero3
+    saved_weights, _ = _merged_snapshot(saved, "save")
+    parallel_state = initialize_model_parallel(1, 1)
+    try:
+        model = load_model(read_checkpoint_config(root, ParallelConfig()), parallel_state)
+    finally:
+        destroy_model_parallel(parallel_state)
+    named = dict(model.named_parameters())
+    assert named and all(torch.equal(p, saved_weights[name]) for name, p in named.items())
+    converted = reshard_checkpoint(root, str(tmp_path / "tp2"), tensor_model_parallel_size=2,
+                                   pipeline_model_parallel_size=1)
+    reader = CheckpointReader(converted)
+    assert all(torch.equal(reader.read(name), saved_weights[name]) for name in named)
+    assert all(shard["flat_range"] is None for name in named for shard in reader.entry(name)["shards"])
+
+
 def _load_without_optimizer_state(rank, world_size, root):
     """Rank body: load a checkpoint's weights only (--no-load-optim) into a bf16 ZeRO-3 run."""
     from megatron_lite.checkpointing import load_checkpoint
