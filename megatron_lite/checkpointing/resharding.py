@@ -61,10 +61,12 @@ class ShardedTensor:
 
     @classmethod
     def of_parameter(cls, key: str, data: torch.Tensor, param: torch.Tensor, *, tp_rank: int, tp_size: int,
-                     vocab_size: Optional[int], flat_range: Optional[tuple] = None) -> "ShardedTensor":
+                     vocab_size: Optional[int], flat_range: Optional[tuple] = None,
+                     local_shape: Optional[tuple] = None) -> "ShardedTensor":
         """``data`` is ``param``'s local value (or a flat slice of it); the split comes from the
-        attributes the tensor-parallel layers set on ``param``."""
-        shape = full_shape(param, tp_size)
+        attributes the tensor-parallel layers set on ``param``, its shape from ``local_shape`` when
+        given (a ZeRO-3 parameter is empty between uses)."""
+        shape = full_shape(param, tp_size, local_shape)
         if getattr(param, "tensor_model_parallel", False):
             return cls(key, data, tuple(shape), param.partition_dim, param.partition_stride, tp_rank, tp_size,
                        flat_range, vocab_size)
@@ -144,9 +146,10 @@ def resize_vocab(full: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
 
 
 def local_shard(key: str, entry: dict, full: torch.Tensor, param: torch.Tensor, *, tp_rank: int,
-                tp_size: int) -> torch.Tensor:
-    """This rank's shard of ``full`` for ``param`` (whose attributes say how it is split here)."""
-    target = list(full_shape(param, tp_size))
+                tp_size: int, local_shape: Optional[tuple] = None) -> torch.Tensor:
+    """This rank's shard of ``full`` for ``param`` (whose attributes say how it is split here, and whose
+    shape is ``local_shape`` when given: a ZeRO-3 parameter is empty between uses)."""
+    target = list(full_shape(param, tp_size, local_shape))
     parallel = getattr(param, "tensor_model_parallel", False)
     if entry["vocab_size"] is not None and list(full.shape[1:]) == target[1:]:
         full = resize_vocab(full, target[0])

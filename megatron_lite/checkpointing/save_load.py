@@ -10,13 +10,23 @@ Frozen weights are not written: a PEFT run's checkpoint holds its adapters and
 points at the base they were trained on (``peft_base``).
 Rank 0 then merges the ranks' indexes into ``metadata.json`` and commits the
 directory (``storage.commit``). Every sharding strategy writes the same format:
-optimizer state as each rank's flat ranges, weights whole (ZeRO-3 gathers them first).
+optimizer state as each rank's flat ranges, weights whole or as flat ranges.
+
+ZeRO-3 (optim_grads_params) keeps no whole weights: it is for models that do not fit whole
+on one rank, so a save or load must not gather them. Each data-parallel rank writes the flat
+slice of each weight its shard holds, exactly as the distributed optimizer writes its state
+(a ``flat_range`` per piece), and a load copies each rank's slice of the global tensor straight
+into its shard. Why this and not data-parallel rank 0 gathering one unit at a time and writing
+it: the loader already assembles flat ranges for any tensor, so the format and resharding stay
+as they are (any layout and strategy reads it); nothing is gathered, so a save or load holds no
+whole parameters at all (training holds its shard plus about two units); the writing is spread
+over all ranks, one file each; and there is no collective inside the write or the read, where a
+rank that failed would leave the others waiting instead of agreeing on the error (below).
 
 Load: each rank asks the checkpoint for the global tensors its parameters are cut
 from, by name, and keeps its own shard (``resharding``), so the saving and the
-loading layouts are independent (and so are the strategies: a ZeRO-3 rank gathers
-its parameters, loads into them and keeps its shard). RNG states are restored only under the same
-layout; the data position is the global ``consumed_train_samples``, which every
+loading layouts are independent, and so are the strategies. RNG states are restored only
+under the same layout; the data position is the global ``consumed_train_samples``, which every
 data-parallel size reads the same way.
 
 Every rank checks the files it reads; ranks agree on success (one all-reduce)
@@ -25,7 +35,6 @@ than one rank failing while the others wait in a collective.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -57,14 +66,16 @@ def layout_of(config: Config, parallel_state) -> dict:
             "use_distributed_optimizer": config.parallel.use_distributed_optimizer}
 
 
-def _whole_parameters(model_chunks, write_back: bool = False) -> contextlib.ExitStack:
-    """Every parameter whole while the checkpoint reads or writes it: ZeRO-3 chunks gather theirs (all
-    at once: the whole model is briefly on each rank) and, with ``write_back``, keep what was loaded."""
-    stack = contextlib.ExitStack()
+def _zero3_slices(model_chunks) -> dict:
+    """ZeRO-3's sharded parameters -> the ``ParamSlice`` (a flat range of the parameter) this rank's
+    shard holds, or None where all of it lies in other ranks' shards. Every other parameter (other
+    strategies, bare models, a PEFT run's frozen base) is whole on this rank."""
+    slices: dict = {}
     for chunk in model_chunks:
-        if hasattr(chunk, "gathered_parameters"):
-            stack.enter_context(chunk.gathered_parameters(write_back=write_back))
-    return stack
+        if getattr(chunk, "fully_sharded", None) is not None:
+            slices.update(dict.fromkeys(chunk.param_to_bucket))
+            slices.update({s.param: s for s in chunk.param_slices()})
+    return slices
 
 
 def _unwrap(model_chunks) -> list:
@@ -107,13 +118,11 @@ def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
     for chunk in model_chunks:  # weights must be final: finish any overlapped all-gather first
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
-    models = _unwrap(model_chunks)
     staging = storage.staging_dir(root, iteration)
     _collectively(_writing(lambda: storage.prepare_staging(root, iteration) if rank == 0 else None, root),
                   "prepare", root)
-    with _whole_parameters(model_chunks):
-        _collectively(_writing(lambda: _write_rank_file(config, parallel_state, models, optimizer, state, staging),
-                               root), "write", root)
+    _collectively(_writing(lambda: _write_rank_file(config, parallel_state, model_chunks, optimizer, state, staging),
+                           root), "write", root)
     _collectively(_writing(lambda: _commit(config, parallel_state, scheduler, iteration) if rank == 0 else None, root),
                   "commit", root)
     if rank == 0:
@@ -133,10 +142,11 @@ def _writing(fn, root: str):
     return run
 
 
-def _write_rank_file(config: Config, parallel_state, models: list, optimizer, state, staging: str) -> None:
+def _write_rank_file(config: Config, parallel_state, model_chunks: list, optimizer, state, staging: str) -> None:
     """This rank's tensors (safetensors) and their index (JSON, merged by rank 0 at commit)."""
     rank = parallel_state.rank
-    pieces = _model_pieces(config, parallel_state, models)
+    models = _unwrap(model_chunks)
+    pieces = _model_pieces(config, parallel_state, models, _zero3_slices(model_chunks))
     # Without the distributed optimizer the data-parallel replicas' states are identical: rank 0's is saved.
     writes_optimizer = config.parallel.use_distributed_optimizer or parallel_state.data_parallel_rank == 0
     optimizer_state = optimizer.state_dict() if optimizer is not None and writes_optimizer else None
@@ -185,18 +195,24 @@ def new_metadata(config: Config, *, iteration: int, training_state: dict, layout
             "tensors": {}, "files": {}, "rng": {}}
 
 
-def _model_pieces(config, parallel_state, models) -> list[ShardedTensor]:
-    if parallel_state.data_parallel_rank != 0:
-        return []
+def _model_pieces(config, parallel_state, models, zero3_slices: dict) -> list[ShardedTensor]:
+    """The weights this rank writes: whole ones by data-parallel rank 0 (its replicas hold the same),
+    ZeRO-3's by every data-parallel rank, each the flat slice its shard holds."""
     tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
     pieces = []
     for model in models:
         for name, param in model.named_parameters():
             if not _stored_by_this_rank(model, name, param, tp_rank):
                 continue
-            pieces.append(ShardedTensor.of_parameter(
-                name, param.detach(), param, tp_rank=tp_rank, tp_size=tp_size,
-                vocab_size=config.model.vocab_size if has_vocab_rows(name) else None))
+            vocab_size = config.model.vocab_size if has_vocab_rows(name) else None
+            if param not in zero3_slices:
+                if parallel_state.data_parallel_rank == 0:
+                    pieces.append(ShardedTensor.of_parameter(name, param.detach(), param, tp_rank=tp_rank,
+                                                             tp_size=tp_size, vocab_size=vocab_size))
+            elif (held := zero3_slices[param]) is not None:
+                pieces.append(ShardedTensor.of_parameter(
+                    name, held.data, param, tp_rank=tp_rank, tp_size=tp_size, vocab_size=vocab_size,
+                    flat_range=(held.start, held.end), local_shape=held.shape))
     return pieces
 
 
@@ -221,7 +237,8 @@ def _optimizer_pieces(config, parallel_state, models, optimizer_state: dict) -> 
         vocab_size = config.model.vocab_size if has_vocab_rows(name) else None
         for state_name, value in tensors.items():
             pieces.append(ShardedTensor.of_parameter(optimizer_key(state_name, name), value, param, tp_rank=tp_rank,
-                                                     tp_size=tp_size, vocab_size=vocab_size, flat_range=(start, end)))
+                                                     tp_size=tp_size, vocab_size=vocab_size, flat_range=(start, end),
+                                                     local_shape=entry["shape"]))
         if start == 0:  # scalars (Adam's step) are the same in every slice: stored by the first
             pieces += [ShardedTensor(optimizer_key(k, name), v, ()) for k, v in entry["state"].items()
                        if v.dim() == 0]
@@ -274,9 +291,8 @@ def load_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
         return None
     root, iteration, finetune = source
     directory = storage.checkpoint_dir(root, iteration)
-    with _whole_parameters(model_chunks, write_back=True):
-        result = _collectively(lambda: _load_local(config, parallel_state, model_chunks, optimizer, scheduler,
-                                                   directory, finetune), "load", directory)
+    result = _collectively(lambda: _load_local(config, parallel_state, model_chunks, optimizer, scheduler,
+                                               directory, finetune), "load", directory)
     if result["reseed"]:
         _reseed(config, parallel_state, iteration)
     if parallel_state.rank == 0:
@@ -344,16 +360,15 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
         own_file = [storage.rank_file_name(parallel_state.rank)] if load_rng and source is reader else []
         source.verify(needed, extra_files=own_file)
 
-    with torch.no_grad():
-        for source, loaded in sources.items():
-            for model, name, param in loaded:
-                key = checkpoint_name(model, name)
-                param.data.copy_(local_shard(key, source.entry(key), source.read(key), param,
-                                             tp_rank=tp_rank, tp_size=tp_size))
+    zero3_slices = _zero3_slices(model_chunks)
+    for source, loaded in sources.items():
+        for model, name, param in loaded:
+            _load_weight(source, checkpoint_name(model, name), param, zero3_slices, tp_rank, tp_size)
     if load_optimizer:
-        optimizer.load_state_dict(_optimizer_state_dict(reader, optimizer_states, trainable, tp_rank, tp_size))
+        optimizer.load_state_dict(_optimizer_state_dict(reader, optimizer_states, trainable, zero3_slices,
+                                                        tp_rank, tp_size))
     elif optimizer is not None:
-        _main_params_from_weights(optimizer, {name: p for _, name, p in trainable})
+        optimizer.reload_model_params()  # its fp32 main parameters were copied before the weights were loaded
     if scheduler is not None and not weights_only and metadata["scheduler"] is not None:
         scheduler.load_state_dict(metadata["scheduler"], override=config.optimizer.override_opt_param_scheduler,
                                   use_checkpoint=config.optimizer.use_checkpoint_opt_param_scheduler)
@@ -368,6 +383,19 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
         training_state["losses"] = []  # losses live on the last stage, as in training
     return {"training_state": training_state, "reseed": not load_rng and not weights_only,
             "saved_layout": metadata["layout"]}
+
+
+@torch.no_grad()
+def _load_weight(source: CheckpointReader, key: str, param, zero3_slices: dict, tp_rank: int, tp_size: int) -> None:
+    """Load the global tensor ``key`` into what this rank holds of ``param``: its tensor-parallel shard,
+    or under ZeRO-3 the flat slice of that shard in this rank's shard of the bucket (nothing is gathered)."""
+    if param not in zero3_slices:
+        param.data.copy_(local_shard(key, source.entry(key), source.read(key), param, tp_rank=tp_rank,
+                                     tp_size=tp_size))
+    elif (held := zero3_slices[param]) is not None:
+        value = local_shard(key, source.entry(key), source.read(key), param, tp_rank=tp_rank, tp_size=tp_size,
+                            local_shape=held.shape)
+        held.data.copy_(value.reshape(-1)[held.start:held.end])
 
 
 def _what_to_load(config, parallel_state, metadata: dict, optimizer, finetune: bool) -> tuple[bool, bool, bool]:
@@ -395,33 +423,33 @@ def _optimizer_states(reader: CheckpointReader) -> dict:
     return states
 
 
-def _optimizer_state_dict(reader: CheckpointReader, optimizer_states: dict, params: list, tp_rank: int,
-                          tp_size: int) -> dict:
-    """The optimizer's own state-dict format, with whole tensor-parallel shards (it slices out its range)."""
+def _optimizer_state_dict(reader: CheckpointReader, optimizer_states: dict, params: list, zero3_slices: dict,
+                          tp_rank: int, tp_size: int) -> dict:
+    """The optimizer's own state-dict format, each entry covering what this rank holds of the parameter
+    (the optimizer slices out its range): the whole tensor-parallel shard, or ZeRO-3's flat slice of it.
+    fp32 models store no main parameters: they are the weights, loaded already."""
     entries = {}
     for model, name, param in params:
+        held = zero3_slices.get(param)
+        if param in zero3_slices and held is None:
+            continue  # no range of it on this rank
+        shape = param.shape if held is None else held.shape
+        start, end = (0, param.numel()) if held is None else (held.start, held.end)
         stored = optimizer_states.get(checkpoint_name(model, name), {})
 
         def shard(key):
             full = reader.read(key)
             if full.dim() == 0:
                 return full
-            return local_shard(key, reader.entry(key), full, param, tp_rank=tp_rank, tp_size=tp_size).reshape(-1)
+            value = local_shard(key, reader.entry(key), full, param, tp_rank=tp_rank, tp_size=tp_size,
+                                local_shape=shape)
+            return value.reshape(-1)[start:end]
 
-        main = shard(stored["main_param"]) if "main_param" in stored else param.detach().reshape(-1).float()
-        entries[name] = {"shape": tuple(param.shape), "range": (0, param.numel()), "main_param": main,
+        weights = param.detach().reshape(-1) if held is None else held.data
+        main = shard(stored["main_param"]) if "main_param" in stored else weights.float()
+        entries[name] = {"shape": tuple(shape), "range": (start, end), "main_param": main,
                          "state": {state: shard(key) for state, key in stored.items() if state != "main_param"}}
     return {"params": entries, **_decode(reader.metadata["optimizer"])}
-
-
-def _main_params_from_weights(optimizer, named_params: dict) -> None:
-    """Restart the optimizer from the loaded weights: its fp32 main parameters are copies
-    (for 16-bit models) made before the weights were loaded."""
-    state = optimizer.state_dict()
-    for name, entry in state["params"].items():
-        start, end = entry["range"]
-        entry["main_param"] = named_params[name].detach().reshape(-1)[start:end].float()
-    optimizer.load_state_dict(state)
 
 
 def _reseed(config, parallel_state, iteration: int) -> None:

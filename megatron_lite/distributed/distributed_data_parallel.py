@@ -214,9 +214,10 @@ class DistributedDataParallel(torch.nn.Module):
     @contextlib.contextmanager
     def gathered_parameters(self, write_back: bool = False):
         """ZeRO-3: every parameter whole inside the block (a collective: every data-parallel rank
-        enters it), e.g. to save or load weights; with ``write_back`` the values it leaves are kept
-        (each rank copies its own shard, no communication). Other strategies hold whole parameters
-        already: nothing happens."""
+        enters it), for ``state_dict()`` and ``load_state_dict()`` (tests and tools; checkpoints read and
+        write the shards instead, gathering nothing); with ``write_back`` the values it leaves are kept
+        (each rank copies its own shard, no communication). It holds the whole chunk at once. Other
+        strategies hold whole parameters already: nothing happens."""
         if self.fully_sharded is None:
             yield
             return

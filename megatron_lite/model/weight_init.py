@@ -41,9 +41,10 @@ def _init_full(name: str, param: nn.Parameter, shape: torch.Size, config: ModelC
     return torch.empty(shape).normal_(0.0, std, generator=_generator(seed, name))
 
 
-def full_shape(param: nn.Parameter, tensor_model_parallel_size: int) -> torch.Size:
-    """The whole (unsharded) shape of this rank's shard ``param``, from its tensor-parallel attributes."""
-    shape = list(param.shape)
+def full_shape(param: nn.Parameter, tensor_model_parallel_size: int, local_shape=None) -> torch.Size:
+    """The whole (unsharded) shape of this rank's shard ``param``, from its tensor-parallel attributes.
+    ``local_shape`` stands in for ``param.shape`` where the parameter is empty (ZeRO-3 between uses)."""
+    shape = list(param.shape if local_shape is None else local_shape)
     if getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= tensor_model_parallel_size
     return torch.Size(shape)

@@ -3,7 +3,8 @@
 ``get_megatron_optimizer`` picks the optimizer for a run; every one offers
 ``step() -> (update_successful, grad_norm, num_zeros_in_grad)``, ``zero_grad()``,
 ``scale_loss(loss)``, ``get_loss_scale()``, ``param_groups`` (for the LR scheduler),
-``memory_report()``, ``num_skipped_iterations`` and ``state_dict()``/``load_state_dict()``.
+``memory_report()``, ``num_skipped_iterations``, ``state_dict()``/``load_state_dict()`` and
+``reload_model_params()``.
 
 Optimizer checkpoint format (the same for sharded and unsharded optimizers)::
 

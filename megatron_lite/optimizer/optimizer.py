@@ -268,6 +268,14 @@ class MegatronOptimizer:
                                   "rank": collectives.rank(dp)}}
 
     @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Copy the model's weights into the main parameters (Megatron's name), e.g. after weights were
+        loaded without optimizer state; an fp32 main parameter that aliases its weights has them already."""
+        for r, main in zip(self.param_ranges, self.main_params):
+            if not self._main_aliases_model(r):
+                main.copy_(r.model_data())
+
+    @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state saved by any data-parallel layout whose entries cover this rank's ranges
         (the same layout, or shards merged with ``merge_optimizer_state_dicts``)."""

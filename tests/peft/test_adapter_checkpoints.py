@@ -125,6 +125,32 @@ def test_adapter_checkpoint_reshards(base, tmp_path):
             assert rank_losses[2:] == pytest.approx(uninterrupted.losses[2:], rel=1e-5)
 
 
+def test_adapter_checkpoint_under_zero3(base, tmp_path):
+    """LoRA under ZeRO-3 at dp 2: the frozen base (not sharded) loads whole and is not written, each
+    rank writes the slices of the adapters its shard holds, and the run resumes bitwise at dp 2 and
+    continues in one process."""
+    adapters = str(tmp_path / "adapters")
+    zero3 = dict(strategy="optim_grads_params", iters=4, pretrained_checkpoint=base)
+
+    def losses(**kwargs):
+        reported = [r for r in run_distributed(_resume_elsewhere, 2, args=(dict(zero3, **kwargs),)) if r is not None]
+        assert reported and all(r == reported[0] for r in reported)
+        return reported[0]
+
+    uninterrupted = losses()
+    assert losses(save=adapters, exit_interval=2) == uninterrupted[:2]
+    assert losses(load=adapters) == uninterrupted
+    tensors = _metadata(adapters)["tensors"]
+    weights = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    assert weights and all(".lora.lora_" in k for k in weights)
+    files = {shard["file"] for entry in weights.values() for shard in entry["shards"]}
+    assert files == {storage.rank_file_name(0), storage.rank_file_name(1)}
+    assert all(shard["flat_range"] is not None for entry in weights.values() for shard in entry["shards"])
+    one_process, _ = _state(_config(iters=4, pretrained_checkpoint=base, load=adapters))
+    assert one_process.losses[:2] == uninterrupted[:2]
+    assert one_process.losses[2:] == pytest.approx(uninterrupted[2:], rel=1e-5)
+
+
 def test_changed_base_other_settings_and_plain_runs_are_refused(base, tmp_path):
     root = str(tmp_path / "base_copy")
     pretrain(_config(None, iters=2, save=root))
