@@ -6,6 +6,9 @@ Entries ``THRESHOLD:BATCH``, separated by spaces or commas, in any order. A thre
 TOKENS (Megatron's trainer passes --seq-length, and divides: samples = tokens // seq_length) and may
 end in K, M, B or T (10^3 .. 10^12, decimals allowed: 2.4B). From THRESHOLD tokens consumed on, the
 global batch is BATCH; the last entry's batch is the run's global batch.
+
+One deliberate difference: Megatron reads a threshold through a float and truncates (``2.01K`` is 2009
+tokens there), we read the decimal exactly (2010), so a threshold may sit one sample later than Megatron's.
 """
 from __future__ import annotations
 

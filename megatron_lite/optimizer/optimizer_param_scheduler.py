@@ -190,7 +190,11 @@ class OptimizerParamScheduler:
 def get_optimizer_param_scheduler(optimizer, config, global_batch_size: int) -> OptimizerParamScheduler:
     """The schedule of ``config`` (a Config) in samples, as Megatron-LM builds it: iteration-based
     flags count ``global_batch_size`` (the batch after any ramp-up) samples per iteration, and
-    ``--lr-warmup-fraction`` is that fraction of the decay."""
+    ``--lr-warmup-fraction`` is that fraction of the decay.
+
+    Under --step-batch-size-schedule that batch is the schedule's last. Megatron-Core 0.20 uses micro batch
+    x data-parallel size there instead (it refuses --global-batch-size next to a schedule and defaults it), so
+    its --lr-decay-iters would end long before that many iterations; we keep the flags' meaning on purpose."""
     training, opt = config.training, config.optimizer
     if training.train_samples is not None:
         decay_steps, warmup_steps, train_steps = opt.lr_decay_samples, opt.lr_warmup_samples, training.train_samples
