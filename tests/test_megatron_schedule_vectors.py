@@ -22,6 +22,7 @@ import pytest
 from megatron_lite.config.arguments import parse_args
 from megatron_lite.optimizer.optimizer import get_param_groups
 from megatron_lite.optimizer.optimizer_param_scheduler import get_optimizer_param_scheduler
+from megatron_lite.training import loop
 from megatron_lite.training.num_microbatches_calculator import (NumMicroBatchesCalculator,
                                                                 build_num_microbatches_calculator, get_train_iters)
 
@@ -30,12 +31,29 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2
          "--mock-data"]
 
 
-def _our_rows(flags: list, data_parallel_size: int):
-    """(train iterations, per iteration [global batch, micro-batches, lr per group, weight_decay per group]),
-    stepping the scheduler as our training loop does."""
+class _ParamGroupsOnly:
+    """An optimizer with param groups and no parameters: every step succeeds, so the schedule advances."""
+
+    def __init__(self, param_groups: list):
+        self.param_groups = param_groups
+        self.scale_loss = None
+
+    def zero_grad(self):
+        pass
+
+    def step(self):
+        return True, None, None
+
+
+def _our_rows(flags: list, data_parallel_size: int, monkeypatch):
+    """(train iterations, per iteration [global batch, micro-batches, lr per group, weight_decay per group]):
+    our calculator and scheduler stepped by our own ``train_step``, its forward and backward left out."""
+    monkeypatch.setattr(loop, "_forward_backward", lambda *args, **kwargs: [])
     config = parse_args(MODEL + flags)
+    parallel_state = types.SimpleNamespace(data_parallel_world_size=data_parallel_size,
+                                           is_pipeline_last_stage=lambda: False)
     calculator = build_num_microbatches_calculator(config, data_parallel_size)
-    optimizer = types.SimpleNamespace(param_groups=get_param_groups(config.optimizer, [], []))
+    optimizer = _ParamGroupsOnly(get_param_groups(config.optimizer, [], []))
     scheduler = get_optimizer_param_scheduler(optimizer, config, config.training.global_batch(data_parallel_size))
     train_iters = get_train_iters(config.training, calculator)
     rows, consumed = [], 0
@@ -44,16 +62,16 @@ def _our_rows(flags: list, data_parallel_size: int):
         global_batch = calculator.get_current_global_batch_size(consumed)
         rows.append([global_batch, num_microbatches, [group["lr"] for group in optimizer.param_groups],
                      [group["weight_decay"] for group in optimizer.param_groups]])
-        scheduler.step(increment=num_microbatches * config.training.micro_batch_size * data_parallel_size)
+        loop.train_step(config, parallel_state, [], optimizer, scheduler, None, num_microbatches)
         consumed += global_batch
     return train_iters, rows
 
 
 @pytest.mark.parametrize("name", sorted(VECTORS["schedules"]))
-def test_lr_weight_decay_and_batch_per_iteration_match_megatron(name):
+def test_lr_weight_decay_and_batch_per_iteration_match_megatron(name, monkeypatch):
     """Every iteration's global batch, micro-batch count, and each param group's lr and weight decay."""
     expected = VECTORS["schedules"][name]
-    train_iters, rows = _our_rows(expected["flags"], expected["data_parallel_size"])
+    train_iters, rows = _our_rows(expected["flags"], expected["data_parallel_size"], monkeypatch)
     assert train_iters == expected["train_iters"]
     for iteration, (ours, megatron) in enumerate(zip(rows, expected["rows"])):
         assert ours[:2] == megatron[:2], f"iteration {iteration}: [global batch, micro-batches]"
@@ -91,7 +109,7 @@ def test_step_schedule_thresholds_in_samples():
             assert ours == megatron
 
 
-def test_iteration_flags_under_a_step_schedule_count_the_final_batch():
+def test_iteration_flags_under_a_step_schedule_count_the_final_batch(monkeypatch):
     """A deliberate difference (README.md): with --step-batch-size-schedule and --train-iters, Megatron-Core
     0.20 converts --lr-decay-iters/--lr-warmup-iters/--train-iters to samples with --global-batch-size, which
     it refuses next to a schedule and so sets to micro batch x dp (here 4); we use the schedule's last batch
@@ -101,7 +119,7 @@ def test_iteration_flags_under_a_step_schedule_count_the_final_batch():
     flags = ["--seq-length", "16", "--micro-batch-size", "2", "--lr", "3e-4", "--min-lr", "0", "--train-iters",
              "50", "--lr-decay-style", "linear", "--lr-warmup-iters", "10", "--step-batch-size-schedule",
              "0:4 0.32K:8 1.6K:32"]
-    train_iters, rows = _our_rows(flags, 2)
+    train_iters, rows = _our_rows(flags, 2, monkeypatch)
     warmup_samples = 10 * 32
     consumed = [sum(row[0] for row in rows[:iteration]) for iteration in (8, 20)]
     assert train_iters == 50 and consumed == [4 * 5 + 8 * 3, 4 * 5 + 8 * 10 + 32 * 5]

@@ -123,7 +123,9 @@ def _forward_backward(config, parallel_state, model_chunks, data_iterator, num_m
 
 def _average_loss(losses: list, parallel_state: ParallelState) -> float | None:
     """The loss of the global batch (last stage only): the per-token mean over every micro-batch and
-    data-parallel replica, as Megatron reports ``[sum, count]`` losses."""
+    data-parallel replica, as Megatron reports ``[sum, count]`` losses. A global batch without loss tokens
+    (fine-tuning data that is all prompt) reports 0 where Megatron's 0/0 logs NaN: it trained on nothing,
+    which is no divergence to count as a nan iteration."""
     if not parallel_state.is_pipeline_last_stage():
         return None
     total = torch.stack([entry["lm loss"].float() for entry in losses]).sum(dim=0)
