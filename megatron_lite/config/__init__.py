@@ -55,6 +55,14 @@ def as_flags(values: dict) -> str:
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's MLP width when --ffn-hidden-size is not given: 4h, or with SwiGLU (whose fc1 is two
+    matrices) 2/3 of that rounded down to a multiple of 64, so the parameter count stays near the 4h MLP's."""
+    if not swiglu:
+        return 4 * hidden_size
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """The GPT architecture. GPT-2 and Llama are both points in this space."""
@@ -64,7 +72,7 @@ class ModelConfig:
     num_attention_heads: int
     seq_length: int
     vocab_size: int  # unpadded; the embedding is padded, see padded_vocab_size
-    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size
+    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size; with swiglu, see default_ffn_hidden_size
     num_query_groups: Optional[int] = None  # grouped-query attention; default = heads
     max_position_embeddings: Optional[int] = None  # default seq_length
     kv_channels: Optional[int] = None  # width of each head; default hidden_size / num_attention_heads
@@ -86,7 +94,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
+            _require(self.ffn_hidden_size > 0,
+                     f"--swiglu's default --ffn-hidden-size (2/3 of 4 x --hidden-size {self.hidden_size}, rounded "
+                     f"down to a multiple of 64, as Megatron-LM) is 0: give --ffn-hidden-size.")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.max_position_embeddings is None:
@@ -245,7 +256,7 @@ class TrainingConfig:
     recompute_method: Optional[str] = None  # "uniform" or "block"
     recompute_num_layers: Optional[int] = None
     eval_interval: int = 1000
-    eval_iters: int = 10
+    eval_iters: int = 100
     exit_signal_handler: bool = False
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
@@ -327,7 +338,7 @@ class OptimizerConfig:
     optimizer: str = "adam"
     lr: float = 3e-4
     min_lr: float = 0.0
-    lr_decay_style: str = "cosine"
+    lr_decay_style: str = "linear"
     # Warmup and decay in iterations (with --train-iters) or in samples (with --train-samples);
     # --lr-warmup-fraction gives the warmup as a fraction of the decay instead.
     lr_warmup_iters: int = 0

@@ -34,9 +34,11 @@ HELP = {
     "seq_length": "tokens per training sequence",
     "vocab_size": ("vocabulary size, without padding; taken from the tokenizer when --tokenizer-type is given "
                    "(NullTokenizer: the model's ids, the last being EOD)"),
-    "ffn_hidden_size": "MLP inner width (default 4 x --hidden-size)",
+    "ffn_hidden_size": ("MLP inner width (default 4 x --hidden-size; with --swiglu 2/3 of that, rounded down to a "
+                        "multiple of 64, as Megatron-LM)"),
     "num_query_groups": "key/value heads with --group-query-attention (default: one per attention head)",
-    "max_position_embeddings": "rows of the learned position table (default --seq-length)",
+    "max_position_embeddings": ("rows of the learned position table (default --seq-length; Megatron-LM requires "
+                                "the flag)"),
     "kv_channels": "width of each attention head; query/key/value are heads x this wide (default hidden / heads)",
     "normalization": "norm before attention and MLP: LayerNorm (GPT-2) or RMSNorm (Llama)",
     "norm_epsilon": "epsilon inside the norms (Llama checkpoints often use 1e-6 or 1e-5)",
@@ -66,7 +68,8 @@ HELP = {
                                  "the same as --data-parallel-sharding-strategy optim",
     "data_parallel_sharding_strategy": "what data-parallel ranks shard: optimizer state (optim, ZeRO-1), + gradients "
                                        "(optim_grads, ZeRO-2), + parameters (optim_grads_params, ZeRO-3) "
-                                       "(default no_shard; optim with --use-distributed-optimizer)",
+                                       "(default no_shard; optim with --use-distributed-optimizer. Megatron-LM's "
+                                       "default optim_grads_params applies only to its --use-megatron-fsdp)",
     "grad_cpu_offload": "with optim_grads(_params) and --optimizer-cpu-offload: keep the fp32 gradient shards "
                         "in CPU memory too",
     "overlap_grad_reduce": "reduce gradient buckets during backward instead of after it",
@@ -75,10 +78,11 @@ HELP = {
     "ddp_bucket_size": "elements per gradient bucket (default max(40M, 1M x data-parallel size); ZeRO-3: a layer)",
     "accumulate_allreduce_grads_in_fp32": "keep and reduce gradients in fp32 under bf16/fp16",
     "grad_reduce_in_bf16": "with --bf16: accumulate and reduce gradients in bf16 (the optimizer still gets fp32)",
-    "distributed_backend": "torch.distributed backend (default nccl with CUDA, gloo without)",
+    "distributed_backend": "torch.distributed backend (default nccl with CUDA, as Megatron-LM; gloo without)",
     "distributed_timeout_minutes": "a collective that waits longer than this fails (every process group)",
     # training
-    "micro_batch_size": "sequences per forward/backward on one data-parallel rank",
+    "micro_batch_size": ("sequences per forward/backward on one data-parallel rank (Megatron-LM requires the flag; "
+                         "1 here lets a flag-less tiny run start)"),
     "global_batch_size": "sequences per optimizer step (default micro batch x data-parallel size)",
     "train_iters": "optimizer steps to train for (default 100 when --train-samples is not given)",
     "train_samples": "sequences to train on instead of --train-iters; the LR schedule then counts samples too",
@@ -95,7 +99,8 @@ HELP = {
     "recompute_granularity": "activation recomputation: full layers or the selective attention core",
     "recompute_method": "with full recomputation: uniform (every layer) or block (the first N per stage)",
     "recompute_num_layers": "layers per recomputed group (uniform) or recomputed layers per stage (block)",
-    "eval_interval": "iterations between validation runs",
+    "eval_interval": ("iterations between validation runs (Megatron-LM's earlier default; its current None fails "
+                      "in its validation sample count at d98e8a6)"),
     "eval_iters": "global batches per validation run",
     "exit_signal_handler": "on SIGTERM or SIGINT save a checkpoint and exit (all ranks, same iteration)",
     "exit_interval": "save and exit after this many iterations",
@@ -108,9 +113,9 @@ HELP = {
                                   "2 also after each optimizer step"),
     # optimizer
     "optimizer": "adam (AdamW) or sgd",
-    "lr": "peak learning rate",
+    "lr": "peak learning rate (Megatron-LM requires the flag; 3e-4 here lets a flag-less tiny run start)",
     "min_lr": "learning rate at the end of the decay",
-    "lr_decay_style": "constant, linear or cosine decay after warmup",
+    "lr_decay_style": "constant, linear or cosine decay after warmup (default linear, as Megatron-LM)",
     "lr_warmup_iters": "iterations of linear warmup from 0",
     "lr_decay_iters": "iteration at which the decay reaches --min-lr (default --train-iters)",
     "lr_warmup_samples": "with --train-samples: samples of linear warmup from 0",
@@ -148,7 +153,8 @@ HELP = {
     "tiktoken_num_special_tokens": "TikTokenizer's special-token ids, which come before the BPE tokens",
     "data_cache_path": "where the sample-index cache goes (default: beside the data)",
     "eod_mask_loss": "no loss on positions whose input is the end-of-document token",
-    "num_workers": "DataLoader worker processes per rank (Megatron-LM's default is 2)",
+    "num_workers": ("DataLoader worker processes per rank (Megatron-LM's default is 2; 0 here reads in the training "
+                    "process: the same samples in the same order, no worker processes to start on small runs)"),
     "mmap_bin_files": "read .bin files with one file read per sample instead of memory-mapping them",
     "sft": ("supervised fine-tuning: prompt/response or chat data from --train-data-path, loss on the responses "
             "only, averaged per token over the global batch"),
@@ -157,7 +163,8 @@ HELP = {
     "valid_data_path": "--sft: validation data, as --train-data-path",
     "test_data_path": "--sft: test data, as --train-data-path, evaluated once after training",
     "sft_tokenizer_prompt_format": ("--sft: how a conversation becomes text: plain (as written), chatml, or default "
-                                    "(the Hugging Face tokenizer's own chat template)"),
+                                    "(the Hugging Face tokenizer's own chat template). Megatron-LM's default, "
+                                    "nemotron-h-aligned, is not among megatron_lite's formats"),
     "sft_pack_sequences": ("--sft: pack several examples per sequence (positions restart, attention stays within "
                            "each example) instead of padding one"),
     # checkpoint
