@@ -1,0 +1,136 @@
+"""Our flag defaults pinned against Megatron-LM's, so a Megatron script that omits a flag trains the same here.
+
+MEGATRON_DEFAULTS was read off Megatron-LM commit d98e8a6 by running its own parser
+(``add_megatron_arguments``, then ``validate_args`` for the derived ones) on a flag-less command
+line, outside this repository. Where Megatron's "unset" is None and ours is an empty list or False
+with the same meaning, the table holds ours. DELIBERATE lists the differences we keep, each
+named in the flag's --help. Every flag our parser accepts must be in one of the three tables,
+so a new flag cannot arrive unclassified and a changed default fails here.
+"""
+import dataclasses
+
+import pytest
+
+from megatron_lite.config import SECTIONS, default_ffn_hidden_size
+from megatron_lite.config.arguments import build_parser, parse_args
+from megatron_lite.config.help_text import HELP
+
+MEGATRON_COMMIT = "d98e8a64dd"
+
+MEGATRON_DEFAULTS = {
+    # model (the required sizes have no default in either)
+    "ffn_hidden_size": None, "kv_channels": None, "normalization": "LayerNorm", "norm_epsilon": 1e-5,
+    "apply_layernorm_1p": False, "position_embedding_type": "learned_absolute", "rotary_base": 10000.0,
+    "rotary_percent": 1.0, "attention_backend": "auto", "swiglu": False, "add_bias_linear": True,
+    "untie_embeddings_and_output_weights": False, "hidden_dropout": 0.1, "attention_dropout": 0.1,
+    "init_method_std": 0.02, "make_vocab_size_divisible_by": 128,
+    # Megatron's num_query_groups default (1) is read only with --group-query-attention; without it
+    # both use one group per head.
+    "num_query_groups": None,
+    # parallel
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+    "num_layers_per_virtual_pipeline_stage": None, "decoder_first_pipeline_num_layers": None,
+    "decoder_last_pipeline_num_layers": None, "sequence_parallel": False, "use_distributed_optimizer": False,
+    "overlap_grad_reduce": False, "overlap_param_gather": False, "ddp_bucket_size": None,
+    "accumulate_allreduce_grads_in_fp32": False, "grad_reduce_in_bf16": False, "distributed_timeout_minutes": 10,
+    # training
+    "global_batch_size": None, "train_iters": None, "train_samples": None, "rampup_batch_size": None,
+    "step_batch_size_schedule": None, "calculate_per_token_loss": False, "seed": 1234, "bf16": False,
+    "fp16": False, "recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None,
+    "eval_iters": 100, "exit_signal_handler": False, "exit_interval": None, "exit_duration_in_mins": None,
+    "check_weight_hash_across_dp_replicas_interval": None, "manual_gc": False, "manual_gc_interval": 0,
+    "manual_gc_eval": True, "empty_unused_memory_level": 0,
+    # optimizer
+    "optimizer": "adam", "min_lr": 0.0, "lr_decay_style": "linear", "lr_warmup_iters": 0, "lr_decay_iters": None,
+    "lr_warmup_samples": 0, "lr_decay_samples": None, "lr_warmup_fraction": None, "decoupled_lr": None,
+    "decoupled_min_lr": None, "weight_decay": 0.01, "start_weight_decay": None, "end_weight_decay": None,
+    "weight_decay_incr_style": "constant", "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,
+    "sgd_momentum": 0.9, "clip_grad": 1.0, "loss_scale": None, "initial_loss_scale": 2.0 ** 32,
+    "min_loss_scale": 1.0, "loss_scale_window": 1000, "hysteresis": 2, "optimizer_cpu_offload": False,
+    "override_opt_param_scheduler": False, "use_checkpoint_opt_param_scheduler": False,
+    # data (Megatron's --split None becomes "969, 30, 1" in validate_args)
+    "data_path": [], "split": "969,30,1", "mock_data": False, "tokenizer_type": None, "vocab_file": None,
+    "merge_file": None, "tokenizer_model": None, "tiktoken_pattern": None, "tiktoken_num_special_tokens": 1000,
+    "data_cache_path": None, "mmap_bin_files": True, "eod_mask_loss": False, "sft": False,
+    "train_data_path": [], "valid_data_path": [], "test_data_path": [],
+    # checkpoint
+    "save": None, "load": None, "save_interval": None, "no_load_optim": False, "no_load_rng": False,
+    "finetune": False, "pretrained_checkpoint": None, "use_checkpoint_args": False,
+    # logging
+    "log_interval": 100, "tensorboard_dir": None, "log_throughput": False, "profile": False,
+    "profile_step_start": 10, "profile_step_end": 12, "profile_ranks": [],
+}
+
+# field: (Megatron-LM's default, ours). The reason is in each flag's --help.
+DELIBERATE = {
+    "lr": (None, 3e-4),  # Megatron requires --lr; ours lets a flag-less tiny run start
+    "micro_batch_size": (None, 1),  # Megatron requires it
+    "max_position_embeddings": (None, None),  # Megatron requires it; ours then takes --seq-length
+    "eval_interval": (None, 1000),  # Megatron's None fails in its validation sample count; 1000 was its default
+    "num_workers": (2, 0),  # same samples in the same order; no worker processes on small runs
+    "sft_tokenizer_prompt_format": ("nemotron-h-aligned", "plain"),  # we have no nemotron-h-aligned format
+    "distributed_backend": ("nccl", None),  # None: nccl with CUDA, gloo on CPU
+    "data_parallel_sharding_strategy": ("optim_grads_params", None),  # Megatron's applies to --use-megatron-fsdp only
+}
+
+NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", "grad_cpu_offload",
+                   "sft_pack_sequences", "peak_tflops", "log_memory", "peft", "lora_rank", "lora_alpha",
+                   "lora_dropout", "lora_target_modules", "adapter_dim", "prefix_length",
+                   "prefix_projection_hidden_size"}
+REQUIRED = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"}  # in both
+
+FIELDS = {f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+
+
+def _our_default(name):
+    field = FIELDS[name]
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
+def test_every_flag_is_classified():
+    dests = {action.dest for action in build_parser()._actions
+             if action.option_strings and action.dest != "help" and not action.dest.startswith("megatron_only_")}
+    dests.discard("group_query_attention")  # a switch with no field; off in both
+    tables = set(MEGATRON_DEFAULTS) | set(DELIBERATE) | NOT_IN_MEGATRON | REQUIRED
+    assert dests - tables == set(), "classify these flags' defaults against Megatron-LM"
+    assert tables - dests == set()
+
+
+@pytest.mark.parametrize("name", sorted(MEGATRON_DEFAULTS))
+def test_default_matches_megatron(name):
+    assert _our_default(name) == MEGATRON_DEFAULTS[name], f"--{name} drifted from Megatron-LM {MEGATRON_COMMIT}"
+
+
+@pytest.mark.parametrize("name", sorted(DELIBERATE))
+def test_deliberate_difference_is_kept_and_documented(name):
+    megatron, ours = DELIBERATE[name]
+    assert _our_default(name) == ours
+    assert "Megatron-LM" in HELP[name], f"--{name}'s help must say how it differs from Megatron-LM"
+
+
+# Megatron-LM's validate_args at d98e8a6 with --swiglu and no --ffn-hidden-size (run outside this repo).
+MEGATRON_SWIGLU_FFN = {64: 128, 96: 256, 768: 2048, 4096: 10880, 5120: 13632, 8192: 21824}
+
+
+@pytest.mark.parametrize("hidden", sorted(MEGATRON_SWIGLU_FFN))
+def test_swiglu_ffn_hidden_size_default_is_megatrons(hidden):
+    assert default_ffn_hidden_size(hidden, swiglu=True) == MEGATRON_SWIGLU_FFN[hidden]
+    assert default_ffn_hidden_size(hidden, swiglu=False) == 4 * hidden
+    config = parse_args(["--num-layers", "1", "--hidden-size", str(hidden), "--num-attention-heads", "8",
+                         "--seq-length", "8", "--vocab-size", "64", "--mock-data", "--swiglu"])
+    assert config.model.ffn_hidden_size == MEGATRON_SWIGLU_FFN[hidden]
+
+
+def test_flagless_run_gets_megatrons_schedule():
+    config = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
+                         "--vocab-size", "64", "--mock-data", "--train-iters", "7"])
+    assert config.optimizer.lr_decay_style == "linear"
+    assert config.optimizer.lr_decay_iters == 7  # Megatron: --lr-decay-iters defaults to --train-iters
+    assert config.training.eval_iters == 100
+
+
+def test_swiglu_default_width_of_zero_is_refused_by_name():
+    from megatron_lite.config import ConfigError
+    with pytest.raises(ConfigError, match="--ffn-hidden-size"):
+        parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+                    "--vocab-size", "64", "--mock-data", "--swiglu"])
