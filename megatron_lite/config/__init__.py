@@ -333,6 +333,11 @@ class TrainingConfig:
         return global_batch // per_step
 
 
+# --lr-decay-style and --lr-wsd-decay-style values (Megatron-LM's); the formulas are in optimizer_param_scheduler.py.
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
+
 @dataclass(kw_only=True)
 class OptimizerConfig:
     optimizer: str = "adam"
@@ -346,6 +351,11 @@ class OptimizerConfig:
     lr_warmup_samples: int = 0
     lr_decay_samples: Optional[int] = None  # default train_samples
     lr_warmup_fraction: Optional[float] = None
+    lr_warmup_init: float = 0.0  # warmup rises from this to --lr
+    # --lr-decay-style WSD: stable at --lr, then anneals over the last iterations (or samples) of the decay.
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_iters: Optional[int] = None
+    lr_wsd_decay_samples: Optional[int] = None
     decoupled_lr: Optional[float] = None  # the word embedding and output layer's own peak learning rate
     decoupled_min_lr: Optional[float] = None  # ... and final one (default --min-lr)
     weight_decay: float = 0.01
@@ -368,9 +378,13 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         _require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, got {self.optimizer!r}.")
-        _require(self.lr_decay_style in ("constant", "linear", "cosine"),
-                 f"--lr-decay-style must be constant, linear or cosine, got {self.lr_decay_style!r}.")
+        _require(self.lr_decay_style in LR_DECAY_STYLES,
+                 f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {self.lr_decay_style!r}.")
+        _require(self.lr_wsd_decay_style in WSD_DECAY_STYLES,
+                 f"--lr-wsd-decay-style must be one of {', '.join(WSD_DECAY_STYLES)}, got {self.lr_wsd_decay_style!r}.")
         _require(0 <= self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must be between 0 and --lr ({self.lr}).")
+        _require(0 <= self.lr_warmup_init <= self.lr,
+                 f"--lr-warmup-init ({self.lr_warmup_init}) must be between 0 and --lr ({self.lr}).")
         _require(self.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}.")
         _require(self.lr_warmup_samples >= 0, f"--lr-warmup-samples must be >= 0, got {self.lr_warmup_samples}.")
         _require(self.lr_warmup_fraction is None or 0.0 <= self.lr_warmup_fraction < 1.0,
@@ -607,11 +621,13 @@ def _check_schedule_units(training: TrainingConfig, optimizer: OptimizerConfig) 
     if training.train_iters is not None:
         unit, other = "iters", "samples"
         given = {"--lr-decay-samples": optimizer.lr_decay_samples is not None,
-                 "--lr-warmup-samples": optimizer.lr_warmup_samples > 0}
+                 "--lr-warmup-samples": optimizer.lr_warmup_samples > 0,
+                 "--lr-wsd-decay-samples": optimizer.lr_wsd_decay_samples is not None}
     else:
         unit, other = "samples", "iters"
         given = {"--lr-decay-iters": optimizer.lr_decay_iters is not None,
-                 "--lr-warmup-iters": optimizer.lr_warmup_iters > 0}
+                 "--lr-warmup-iters": optimizer.lr_warmup_iters > 0,
+                 "--lr-wsd-decay-iters": optimizer.lr_wsd_decay_iters is not None}
     for flag, present in given.items():
         _require(not present, f"{flag} counts {other}, but the run is given in {unit} (--train-{unit}): use "
                               f"{flag.replace(other, unit)} instead, or --train-{other}.")
@@ -619,6 +635,10 @@ def _check_schedule_units(training: TrainingConfig, optimizer: OptimizerConfig) 
     warmup = optimizer.lr_warmup_iters if unit == "iters" else optimizer.lr_warmup_samples
     _require(optimizer.lr_warmup_fraction is None or warmup == 0,
              f"--lr-warmup-fraction and {warmup_flag} both set the warmup; give only one.")
+    wsd_decay = optimizer.lr_wsd_decay_iters if unit == "iters" else optimizer.lr_wsd_decay_samples
+    _require(optimizer.lr_decay_style != "WSD" or (wsd_decay is not None and wsd_decay > 0),
+             f"--lr-decay-style WSD anneals over the last --lr-wsd-decay-{unit} of the decay: give a positive "
+             f"--lr-wsd-decay-{unit}.")
 
 
 def _check_warmup_before_decay(optimizer: OptimizerConfig) -> None:

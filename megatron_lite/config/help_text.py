@@ -3,8 +3,8 @@
 Kept beside the dataclasses rather than in them so the config reads as a list of
 fields; ``tests/test_config.py`` fails when a field has no line here.
 """
-from megatron_lite.config import (ATTENTION_BACKENDS, LORA_TARGET_MODULES, PEFT_METHODS, SFT_PROMPT_FORMATS,
-                                  SHARDING_STRATEGIES)
+from megatron_lite.config import (ATTENTION_BACKENDS, LORA_TARGET_MODULES, LR_DECAY_STYLES, PEFT_METHODS,
+                                  SFT_PROMPT_FORMATS, SHARDING_STRATEGIES, WSD_DECAY_STYLES)
 
 CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
@@ -14,7 +14,8 @@ CHOICES = {
     "recompute_granularity": ("full", "selective"),
     "recompute_method": ("uniform", "block"),
     "optimizer": ("adam", "sgd"),
-    "lr_decay_style": ("constant", "linear", "cosine"),
+    "lr_decay_style": LR_DECAY_STYLES,
+    "lr_wsd_decay_style": WSD_DECAY_STYLES,
     "weight_decay_incr_style": ("constant", "linear", "cosine"),
     "tokenizer_type": ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer",
                        "NullTokenizer"),
@@ -115,7 +116,13 @@ HELP = {
     "optimizer": "adam (AdamW) or sgd",
     "lr": "peak learning rate (Megatron-LM requires the flag; 3e-4 here lets a flag-less tiny run start)",
     "min_lr": "learning rate at the end of the decay",
-    "lr_decay_style": "constant, linear or cosine decay after warmup (default linear, as Megatron-LM)",
+    "lr_decay_style": ("decay after warmup: constant, linear, cosine, inverse-square-root (--lr x sqrt(warmup / "
+                       "step), not below --min-lr), or WSD (stable at --lr, then --lr-wsd-decay-style down to --min-lr "
+                       "over the decay's last --lr-wsd-decay-iters/-samples). Default linear, as Megatron-LM"),
+    "lr_wsd_decay_style": "with --lr-decay-style WSD: the annealing curve (exponential, linear, cosine, minus_sqrt)",
+    "lr_wsd_decay_iters": "with --lr-decay-style WSD: iterations of annealing, ending at --lr-decay-iters",
+    "lr_wsd_decay_samples": "with --lr-decay-style WSD and --train-samples: samples of annealing",
+    "lr_warmup_init": "learning rate at the start of warmup, rising linearly to --lr",
     "lr_warmup_iters": "iterations of linear warmup from 0",
     "lr_decay_iters": "iteration at which the decay reaches --min-lr (default --train-iters)",
     "lr_warmup_samples": "with --train-samples: samples of linear warmup from 0",

@@ -1,10 +1,15 @@
 """Learning-rate warmup and decay, and weight-decay increment, with Megatron-LM's formulas.
 
-    step <= warmup:            lr = max_lr * step / warmup
+    step <= warmup:            lr = init_lr + (max_lr - init_lr) * step / warmup   (init_lr: --lr-warmup-init)
     warmup < step <= decay:    lr = min_lr + (max_lr - min_lr) * coeff(ratio),
                                ratio = (step - warmup) / (decay - warmup)
                                linear: coeff = 1 - ratio
                                cosine: coeff = 0.5 * (cos(pi * ratio) + 1)
+                               WSD (warmup, stable, decay): coeff = 1 until the last wsd_decay steps before
+                                   decay, then the --lr-wsd-decay-style curve of r = their elapsed fraction:
+                                   linear 1 - r, cosine 0.5 * (cos(pi * r) + 1), exponential 2 * 0.5^r - 1,
+                                   minus_sqrt 1 - sqrt(r)
+                               inverse-square-root: lr = max(min_lr, max_lr * sqrt(max(warmup, 1) / max(step, 1)))
     step > decay:              lr = min_lr
     constant style:            lr = max_lr after warmup
 
@@ -23,9 +28,16 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from megatron_lite.config import ConfigError
+from megatron_lite.config import LR_DECAY_STYLES, WSD_DECAY_STYLES, ConfigError
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+# The annealing curves of --lr-decay-style WSD, each falling from 1 to 0 as its ratio goes from 0 to 1.
+WSD_DECAY_COEFFICIENTS = {
+    "linear": lambda ratio: 1.0 - ratio,
+    "cosine": lambda ratio: 0.5 * (math.cos(math.pi * ratio) + 1.0),
+    "exponential": lambda ratio: 2.0 * 0.5 ** ratio - 1.0,
+    "minus_sqrt": lambda ratio: 1.0 - math.sqrt(ratio),
+}
+assert tuple(sorted(WSD_DECAY_COEFFICIENTS)) == tuple(sorted(WSD_DECAY_STYLES))
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 # The values a checkpoint must agree on for its step count to mean the same schedule.
 _WARMUP_FLAGS = "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction"
@@ -34,8 +46,12 @@ _SCHEDULE_FIELDS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": _
                     "lr_decay_steps": _DECAY_FLAGS, "lr_decay_style": "--lr-decay-style",
                     "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
                     "wd_incr_steps": "--train-iters/--train-samples", "wd_incr_style": "--weight-decay-incr-style",
-                    "group_lrs": "--decoupled-lr/--decoupled-min-lr"}
-_STEP_FIELDS = {"lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"}
+                    "group_lrs": "--decoupled-lr/--decoupled-min-lr", "init_lr": "--lr-warmup-init",
+                    "wsd_decay_steps": "--lr-wsd-decay-iters/--lr-wsd-decay-samples",
+                    "lr_wsd_decay_style": "--lr-wsd-decay-style"}
+_STEP_FIELDS = {"lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps"}
+# What a checkpoint saved before these fields existed was trained with.
+_LEGACY_VALUES = {"init_lr": 0.0, "wsd_decay_steps": None, "lr_wsd_decay_style": None}
 
 
 class OptimizerParamScheduler:
@@ -53,7 +69,10 @@ class OptimizerParamScheduler:
         min_lr: final learning rate (``--min-lr``).
         lr_warmup_steps: steps of linear warmup from 0 (may be fractional: ``--lr-warmup-fraction``).
         lr_decay_steps: step at which decay reaches ``min_lr``, warmup included.
-        lr_decay_style: 'constant', 'linear' or 'cosine' (``--lr-decay-style``).
+        lr_decay_style: one of LR_DECAY_STYLES (``--lr-decay-style``).
+        init_lr: learning rate at step 0, where warmup starts (``--lr-warmup-init``).
+        wsd_decay_steps: with 'WSD', the steps before ``lr_decay_steps`` over which it anneals.
+        lr_wsd_decay_style: with 'WSD', the annealing curve, one of WSD_DECAY_COEFFICIENTS.
         start_wd, end_wd: weight decay at step 0 and from ``wd_incr_steps`` on.
         wd_incr_steps: steps over which weight decay goes from start to end;
             required unless ``wd_incr_style`` is 'constant'.
@@ -62,11 +81,19 @@ class OptimizerParamScheduler:
 
     def __init__(self, optimizer, *, max_lr: float, min_lr: float, lr_warmup_steps: float, lr_decay_steps: int,
                  lr_decay_style: str, start_wd: Optional[float] = None, end_wd: Optional[float] = None,
-                 wd_incr_steps: Optional[int] = None, wd_incr_style: str = "constant"):
+                 wd_incr_steps: Optional[int] = None, wd_incr_style: str = "constant", init_lr: float = 0.0,
+                 wsd_decay_steps: Optional[int] = None, lr_wsd_decay_style: Optional[str] = None):
+        wsd = lr_decay_style == "WSD"
         checks = [
             (lr_decay_style in LR_DECAY_STYLES,
              f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {lr_decay_style!r}."),
             (0.0 <= min_lr <= max_lr, f"--min-lr ({min_lr}) must be between 0 and --lr ({max_lr})."),
+            (0.0 <= init_lr <= max_lr, f"--lr-warmup-init ({init_lr}) must be between 0 and --lr ({max_lr})."),
+            (not wsd or (wsd_decay_steps is not None and wsd_decay_steps > 0),
+             f"--lr-decay-style WSD anneals over --lr-wsd-decay-iters (or -samples): give a positive one, got "
+             f"{wsd_decay_steps}."),
+            (not wsd or lr_wsd_decay_style in WSD_DECAY_COEFFICIENTS,
+             f"--lr-wsd-decay-style must be one of {', '.join(WSD_DECAY_COEFFICIENTS)}, got {lr_wsd_decay_style!r}."),
             (0 <= lr_warmup_steps < lr_decay_steps,
              f"the warmup ({_WARMUP_FLAGS}: {lr_warmup_steps} steps) must be >= 0 and shorter than the decay "
              f"({_DECAY_FLAGS}: {lr_decay_steps} steps): lower the warmup or lengthen the decay."),
@@ -99,6 +126,10 @@ class OptimizerParamScheduler:
         self.end_wd = end_wd
         self.wd_incr_steps = wd_incr_steps
         self.wd_incr_style = wd_incr_style
+        self.init_lr = float(init_lr)
+        # Only WSD reads these; others keep None so a checkpoint's schedule compares equal whatever the flags say.
+        self.wsd_decay_steps = wsd_decay_steps if wsd else None
+        self.lr_wsd_decay_style = lr_wsd_decay_style if wsd else None
         self.num_steps = 0
         self.step(increment=0)
 
@@ -108,17 +139,28 @@ class OptimizerParamScheduler:
         group = param_group or {}
         max_lr, min_lr = group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)
         if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
-            return max_lr * self.num_steps / self.lr_warmup_steps
+            return self.init_lr + (max_lr - self.init_lr) * self.num_steps / self.lr_warmup_steps
         if self.lr_decay_style == "constant":
             return max_lr
         if self.num_steps > self.lr_decay_steps:
             return min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            # Continuous with the warmup's end; max(..., 1) keeps step 0 finite when there is no warmup.
+            return max(min_lr, max_lr * math.sqrt(max(self.lr_warmup_steps, 1)) / math.sqrt(max(self.num_steps, 1)))
+        return min_lr + self._decay_coefficient() * (max_lr - min_lr)
+
+    def _decay_coefficient(self) -> float:
+        """1 at the end of warmup, 0 at ``lr_decay_steps``, shaped by the decay style."""
+        if self.lr_decay_style == "WSD":
+            anneal_start = self.lr_decay_steps - self.wsd_decay_steps
+            if self.num_steps <= anneal_start:
+                return 1.0  # the stable phase
+            ratio = (self.num_steps - anneal_start) / self.wsd_decay_steps
+            return WSD_DECAY_COEFFICIENTS[self.lr_wsd_decay_style](ratio)
         decay_ratio = (self.num_steps - self.lr_warmup_steps) / (self.lr_decay_steps - self.lr_warmup_steps)
         if self.lr_decay_style == "linear":
-            coeff = 1.0 - decay_ratio
-        else:
-            coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
-        return min_lr + coeff * (max_lr - min_lr)
+            return 1.0 - decay_ratio
+        return 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
 
     def get_wd(self) -> Optional[float]:
         """The weight decay at the current step, or None when the scheduler leaves it alone."""
@@ -167,7 +209,7 @@ class OptimizerParamScheduler:
                               "each other: keep this run's schedule or the checkpoint's, not both.")
         if use_checkpoint:
             for name in _SCHEDULE_FIELDS:
-                setattr(self, name, state_dict.get(name, getattr(self, name)))
+                setattr(self, name, _saved(state_dict, name, getattr(self, name)))
         elif not override:
             self._check_same_schedule(state_dict)
         self.num_steps = state_dict["num_steps"]
@@ -176,15 +218,20 @@ class OptimizerParamScheduler:
     def _check_same_schedule(self, state_dict: dict) -> None:
         def values(name):
             unit = " samples" if name in _STEP_FIELDS else ""  # iteration flags count global batches of samples
-            return f"checkpoint {state_dict.get(name)!r}{unit}, this run {getattr(self, name)!r}{unit}"
+            return f"checkpoint {_saved(state_dict, name)!r}{unit}, this run {getattr(self, name)!r}{unit}"
         differences = [f"{flag} ({values(name)})" for name, flag in _SCHEDULE_FIELDS.items()
-                       if state_dict.get(name) != getattr(self, name)]
+                       if _saved(state_dict, name) != getattr(self, name)]
         if differences:
             raise ConfigError(
                 f"the checkpoint's learning-rate schedule differs from this run's: {'; '.join(differences)}. "
                 "Add --override-opt_param-scheduler to continue with this run's schedule (e.g. to extend "
                 "--train-iters), --use-checkpoint-opt_param-scheduler to keep the checkpoint's, or give the "
                 "checkpoint's values.")
+
+
+def _saved(state_dict: dict, name: str, missing=None):
+    """A schedule value of a checkpoint; one saved before the field existed had its legacy value."""
+    return state_dict.get(name, _LEGACY_VALUES.get(name, missing))
 
 
 def get_optimizer_param_scheduler(optimizer, config, global_batch_size: int) -> OptimizerParamScheduler:
@@ -198,14 +245,17 @@ def get_optimizer_param_scheduler(optimizer, config, global_batch_size: int) -> 
     training, opt = config.training, config.optimizer
     if training.train_samples is not None:
         decay_steps, warmup_steps, train_steps = opt.lr_decay_samples, opt.lr_warmup_samples, training.train_samples
+        wsd_decay_steps = opt.lr_wsd_decay_samples
     else:
         decay_steps = opt.lr_decay_iters * global_batch_size
         warmup_steps = opt.lr_warmup_iters * global_batch_size
         train_steps = training.train_iters * global_batch_size
+        wsd_decay_steps = None if opt.lr_wsd_decay_iters is None else opt.lr_wsd_decay_iters * global_batch_size
     if opt.lr_warmup_fraction is not None:
         warmup_steps = opt.lr_warmup_fraction * decay_steps
     return OptimizerParamScheduler(optimizer, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=warmup_steps,
                                    lr_decay_steps=decay_steps, lr_decay_style=opt.lr_decay_style,
                                    start_wd=opt.start_weight_decay, end_wd=opt.end_weight_decay,
                                    wd_incr_steps=None if opt.start_weight_decay is None else train_steps,
-                                   wd_incr_style=opt.weight_decay_incr_style)
+                                   wd_incr_style=opt.weight_decay_incr_style, init_lr=opt.lr_warmup_init,
+                                   wsd_decay_steps=wsd_decay_steps, lr_wsd_decay_style=opt.lr_wsd_decay_style)

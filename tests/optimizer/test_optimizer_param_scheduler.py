@@ -140,7 +140,10 @@ def test_override_keeps_this_runs_schedule_and_use_checkpoint_takes_the_checkpoi
 
 
 @pytest.mark.parametrize("overrides, flag", [
-    (dict(lr_decay_style="inverse-square-root"), "--lr-decay-style"),
+    (dict(lr_decay_style="exponential"), "--lr-decay-style"),
+    (dict(lr_decay_style="WSD"), "--lr-wsd-decay-iters"),
+    (dict(lr_decay_style="WSD", wsd_decay_steps=10, lr_wsd_decay_style="square"), "--lr-wsd-decay-style"),
+    (dict(init_lr=2.0), "--lr-warmup-init"),
     (dict(min_lr=2.0), "--min-lr"),
     (dict(min_lr=-0.1), "--min-lr"),
     (dict(lr_warmup_steps=110), "--lr-warmup-iters"),
