@@ -62,6 +62,11 @@ def test_a_missing_vocabulary_names_the_tokenizer_flags():
     (["--data-parallel-sharding-strategy", "optim_grads_params", "--check-weight-hash-across-dp-replicas-interval",
       "5"], "keeps no replicas"),
     (["--lr", "1e-4", "--min-lr", "1e-3"], "--min-lr"),
+    (["--lr", "1e-4", "--lr-warmup-init", "1e-3"], r"--lr-warmup-init \(0.001\) must be between 0 and --lr"),
+    (["--lr-decay-style", "WSD"], "give a positive --lr-wsd-decay-iters"),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "100"], "--lr-wsd-decay-samples counts samples"),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "5", "--lr-wsd-decay-style", "square"],
+     "invalid choice: 'square'"),
     (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33",
       "--max-position-embeddings", "64"], r"--seq-length \(33\) must be divisible"),
 ])

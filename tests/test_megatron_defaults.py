@@ -42,7 +42,8 @@ MEGATRON_DEFAULTS = {
     "manual_gc_eval": True, "empty_unused_memory_level": 0,
     # optimizer
     "optimizer": "adam", "min_lr": 0.0, "lr_decay_style": "linear", "lr_wsd_decay_style": "exponential",
-    "lr_wsd_decay_iters": None, "lr_wsd_decay_samples": None, "lr_warmup_init": 0.0, "lr_warmup_iters": 0, "lr_decay_iters": None,
+    "lr_wsd_decay_iters": None, "lr_wsd_decay_samples": None, "lr_warmup_init": 0.0, "lr_warmup_iters": 0,
+    "lr_decay_iters": None,
     "lr_warmup_samples": 0, "lr_decay_samples": None, "lr_warmup_fraction": None, "decoupled_lr": None,
     "decoupled_min_lr": None, "weight_decay": 0.01, "start_weight_decay": None, "end_weight_decay": None,
     "weight_decay_incr_style": "constant", "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,

@@ -159,3 +159,37 @@ def test_bad_settings_name_the_flag(overrides, flag):
     with pytest.raises(ConfigError, match=flag):
         _scheduler("cosine", **overrides)
 
+
+
+# Hand computation, same end points (max 1.0, min 0.1, warmup 10, decay ends at 110):
+#   WSD, the last 40 steps anneal (from step 70): step 35 and 70 stable at 1.0; step 90 ratio 0.5 ->
+#     linear 0.1 + 0.9 * 0.5 = 0.55; exponential 2 * 0.5^0.5 - 1 = 0.414213562373 -> 0.472792206136;
+#     minus_sqrt 1 - sqrt(0.5) = 0.292893218813 -> 0.363603896932; cosine 0.55
+#   inverse-square-root: step 40 -> sqrt(10 / 40) = 0.5; step 90 -> sqrt(1 / 9), not below min: 0.333333333333
+@pytest.mark.parametrize("wsd_style, at_90", [("linear", 0.55), ("exponential", 0.472792206136),
+                                              ("minus_sqrt", 0.363603896932), ("cosine", 0.55)])
+def test_wsd_is_stable_then_anneals(wsd_style, at_90):
+    scheduler = _scheduler("WSD", wsd_decay_steps=40, lr_wsd_decay_style=wsd_style)
+    assert _lrs_at(scheduler, [5, 35, 70, 90, 110, 111]) == pytest.approx([0.5, 1.0, 1.0, at_90, 0.1, 0.1], abs=1e-12)
+
+
+def test_inverse_square_root_and_its_floor():
+    lrs = _lrs_at(_scheduler("inverse-square-root"), [10, 40, 90, 110, 111])
+    assert lrs == pytest.approx([1.0, 0.5, 1 / 3, max(0.1, (10 / 110) ** 0.5), 0.1], abs=1e-12)
+    assert _lrs_at(_scheduler("inverse-square-root", min_lr=0.6), [40]) == [0.6]
+
+
+def test_warmup_starts_at_init_lr():
+    assert _lrs_at(_scheduler("linear", init_lr=0.2), [0, 5, 10]) == pytest.approx([0.2, 0.6, 1.0], abs=1e-12)
+
+
+def test_checkpoint_from_before_init_lr_and_wsd_loads():
+    """A checkpoint saved before --lr-warmup-init and WSD existed had warmup from 0 and no WSD."""
+    saved = _scheduler("cosine")
+    saved.step(increment=30)
+    old = {k: v for k, v in saved.state_dict().items() if k not in ("init_lr", "wsd_decay_steps", "lr_wsd_decay_style")}
+    resumed = _scheduler("cosine")
+    resumed.load_state_dict(old)
+    assert resumed.num_steps == 30 and resumed.get_lr() == saved.get_lr()
+    with pytest.raises(ConfigError, match="--lr-warmup-init"):
+        _scheduler("cosine", init_lr=0.1).load_state_dict(old)
