@@ -184,7 +184,8 @@ def test_iteration_warmup_fraction_counts_samples():
         param_groups = [{}]
 
     config = parse_args(BASE + ["--global-batch-size", "8", "--train-iters", "100", "--lr-decay-iters", "80",
-                                "--lr-warmup-fraction", "0.05", "--lr", "1.0", "--min-lr", "0.1"])
+                                "--lr-warmup-fraction", "0.05", "--lr", "1.0", "--min-lr", "0.1",
+                                "--lr-decay-style", "cosine"])
     scheduler = get_optimizer_param_scheduler(Optimizer(), config, global_batch_size=8)
     assert (scheduler.lr_warmup_steps, scheduler.lr_decay_steps) == (0.05 * 640, 640)
     for samples in [8, 16, 32, 40, 320, 640, 648]:

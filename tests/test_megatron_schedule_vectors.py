@@ -9,7 +9,8 @@ the same files at 0b9bc2088b6d6c858275d02638064cc7e0bf8b70, the last release wit
 it: ``update_num_microbatches(consumed)``, the iteration at the current learning rate, then
 ``step(increment=num_microbatches x micro batch x dp)`` and ``consumed += global batch``; param groups
 as Megatron-Core 0.20 builds them (``wd_mult`` 0 for biases and norms; ``max_lr``/``min_lr`` overridden by
-``--decoupled-lr``/``--decoupled-min-lr``). The file names each configuration by our flags.
+``--decoupled-lr``/``--decoupled-min-lr``). The file names each configuration by our flags; those with
+``--lr-decay-style WSD``/``inverse-square-root`` and ``--lr-warmup-init`` came from the same scheduler code.
 
 Where we differ from Megatron on purpose, the test pins our value and Megatron's side by side.
 """

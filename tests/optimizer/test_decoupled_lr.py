@@ -16,7 +16,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"
         "--vocab-size", "128", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--eval-interval", "1000", "--eval-iters", "1", "--no-log-memory", "--log-interval", "1000",
         "--untie-embeddings-and-output-weights", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2",
-        "--lr-decay-iters", "10", "--train-iters", "4"]
+        "--lr-decay-iters", "10", "--train-iters", "4", "--lr-decay-style", "cosine"]
 DECOUPLED = ["--decoupled-lr", "5e-3", "--decoupled-min-lr", "5e-4"]
 
 
