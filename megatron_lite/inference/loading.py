@@ -16,8 +16,6 @@ from megatron_lite.config import CheckpointConfig, Config, ConfigError, Parallel
 from megatron_lite.model.builder import build_model
 from megatron_lite.tokenizer import TOKENIZER_TYPES, build_model_tokenizer, checkpoint_tokenizer_flags
 
-TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
-
 
 def read_checkpoint_config(load_dir: str, parallel: ParallelConfig) -> Config:
     """The checkpoint's config, to be built at the layout ``parallel`` (no sequence parallelism: a
@@ -30,7 +28,9 @@ def read_checkpoint_config(load_dir: str, parallel: ParallelConfig) -> Config:
                               f"directory of a training run (the one holding {TRACKER_FILE}), or one written by "
                               f"tools/checkpoint_convert.py.")
     saved = read_config(load_dir)
-    return dataclasses.replace(saved, parallel=parallel, checkpoint=CheckpointConfig(load=load_dir))
+    # Sampling has its own --seed: the training ranks' random-number states mean nothing here, and loading
+    # them would warn about a layout change that generation does not care about.
+    return dataclasses.replace(saved, parallel=parallel, checkpoint=CheckpointConfig(load=load_dir, no_load_rng=True))
 
 
 def load_model(config: Config, parallel_state):

@@ -44,9 +44,12 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
         for text in texts:
             yield from (line for line in text.split("\n") if line)
 
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=lines(), model_prefix=model_prefix, vocab_size=vocab_size, model_type=model_type,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
-        allow_whitespace_only_pieces=True, split_digits=True, byte_fallback=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2)
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=lines(), model_prefix=model_prefix, vocab_size=vocab_size, model_type=model_type,
+            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True, split_digits=True, byte_fallback=True,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2)
+    except RuntimeError as error:  # its checks (a vocabulary larger than the text allows) name the limit
+        raise ConfigError(f"SentencePiece could not train a --vocab-size {vocab_size} model: {error}") from None
     return f"{model_prefix}.model"
