@@ -301,7 +301,7 @@ def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokeni
                                    model_max_length=hf_config.get("n_positions", hf_config.get(
                                        "max_position_embeddings")))
     write_json(os.path.join(directory, "config.json"), {**hf_config, **special_ids})
-    if special_ids:
+    if special_ids["eos_token_id"] is not None:
         write_json(os.path.join(directory, "generation_config.json"), {**special_ids, "do_sample": False})
     safetensors.torch.save_file({k: v.float().contiguous() for k, v in tensors.items()},
                                 os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 from megatron_lite.tokenizer import build_tokenizer
 
@@ -22,10 +23,14 @@ _HF_LAYOUT = {
 
 
 def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: int) -> dict:
-    """Write the tokenizer files into ``save_dir``; returns {bos,eos,pad}_token_id (empty without a tokenizer)."""
+    """Write the tokenizer files into ``save_dir``; returns {bos,eos,pad}_token_id (None without a tokenizer)."""
     tokenizer_type = tokenizer_flags.get("tokenizer_type")
-    if tokenizer_type not in _HF_LAYOUT:
-        return {}  # mock data or NullTokenizer: there is no tokenizer to export
+    if tokenizer_type not in _HF_LAYOUT:  # mock data, an import, or NullTokenizer: there is none to export
+        print(f"note: no tokenizer exported (the checkpoint records {tokenizer_type or 'none'}), so AutoTokenizer "
+              f"and pipeline() cannot load {save_dir}: pass --tokenizer-type ({', '.join(_HF_LAYOUT)}) and its "
+              f"files to add one.", file=sys.stderr)
+        # No special ids either: transformers would default GPT-2's to 50256, outside a smaller vocabulary.
+        return {"bos_token_id": None, "eos_token_id": None}
     tokenizer = build_tokenizer(tokenizer_type, vocab_file=tokenizer_flags.get("vocab_file"),
                                 merge_file=tokenizer_flags.get("merge_file"),
                                 tokenizer_model=tokenizer_flags.get("tokenizer_model"))

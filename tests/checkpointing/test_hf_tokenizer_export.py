@@ -67,3 +67,16 @@ def test_export_names_the_flags_when_the_recorded_tokenizer_files_are_gone(tmp_p
                     "hf", *flags[:2], "--vocab-file", vocab, "--merge-file", merges]) == 0
     torch.manual_seed(0)
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))(TEXT)["input_ids"]
+
+
+def test_an_export_without_a_tokenizer_says_so_and_claims_no_special_ids(tmp_path, capsys):
+    """Found on a first day: a checkpoint naming no tokenizer exported silently, and transformers then took
+    GPT-2's default EOD 50256 for a 64-token model (a warning on load, pipeline() failing deep inside)."""
+    assert pretrain([*TINY, "--vocab-size", "64", "--save", str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    assert convert(["--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf"), "--source-format",
+                    "megatron_lite", "--target-format", "hf"]) == 0
+    assert "note: no tokenizer exported (the checkpoint records none)" in capsys.readouterr().err
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert model.config.bos_token_id is None and model.config.eos_token_id is None
+    assert not (tmp_path / "hf" / "generation_config.json").exists()
