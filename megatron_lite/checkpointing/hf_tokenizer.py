@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 
+from megatron_lite.config import ConfigError
 from megatron_lite.tokenizer import build_tokenizer
 
 # (tokenizer class transformers builds, {our flag's field: the file name it expects})
@@ -51,6 +52,24 @@ def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: 
         tokenizer_config["add_prefix_space"] = tokenizer.tokenize("a") == tokenizer.tokenize(" a")
     write_json(os.path.join(save_dir, "tokenizer_config.json"), tokenizer_config)
     return {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad}
+
+
+def import_tokenizer(load_dir: str) -> dict:
+    """The ``--tokenizer-*`` flags of the tokenizer files in a Hugging Face directory, for an imported checkpoint
+    to record (generation and a later export then need no tokenizer flags); empty when there is none we read.
+
+    Files are looked for in ``_HF_LAYOUT``'s order; one that our tokenizer cannot read (a vocab.json without
+    GPT-2's EOD token, say) is passed over: the flags can still name a tokenizer later."""
+    for tokenizer_type, (_, files) in _HF_LAYOUT.items():
+        paths = {field: os.path.abspath(os.path.join(load_dir, name)) for field, name in files.items()}
+        if not all(os.path.isfile(path) for path in paths.values()):
+            continue
+        try:
+            build_tokenizer(tokenizer_type, **paths)
+        except (ValueError, ConfigError, OSError, RuntimeError):
+            continue
+        return {"tokenizer_type": tokenizer_type, **paths}
+    return {}
 
 
 def write_json(path: str, value: dict) -> None:

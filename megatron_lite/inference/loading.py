@@ -57,6 +57,7 @@ def checkpoint_tokenizer(config: Config, given: dict):
     """The tokenizer the ``given`` ``--tokenizer-*`` flags name, or else the one the checkpoint was trained with."""
     flags = checkpoint_tokenizer_flags(dataclasses.asdict(config.data), given)
     if flags.get("tokenizer_type") is None:
-        raise ConfigError("the checkpoint records no tokenizer (it was trained on --mock-data, or imported): pass "
+        raise ConfigError("the checkpoint records no tokenizer (it was trained on --mock-data, or imported from a "
+                          "directory without tokenizer files): pass "
                           "--tokenizer-type and its files (--vocab-file and --merge-file, or --tokenizer-model).")
     return build_model_tokenizer(flags, config.model.vocab_size)

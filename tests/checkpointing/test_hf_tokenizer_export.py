@@ -1,4 +1,5 @@
 """An HF export carries the tokenizer the run was trained with: AutoTokenizer and pipeline() work on it."""
+import dataclasses
 import json
 import os
 import stat
@@ -10,7 +11,8 @@ transformers = pytest.importorskip("transformers")
 
 from megatron_lite.data.demo_corpus import demo_documents  # noqa: E402
 from megatron_lite.pretrain_gpt import main as pretrain  # noqa: E402
-from megatron_lite.tokenizer import build_tokenizer  # noqa: E402
+from megatron_lite.checkpointing import read_config  # noqa: E402
+from megatron_lite.tokenizer import build_model_tokenizer, build_tokenizer  # noqa: E402
 from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe  # noqa: E402
 from megatron_lite.tokenizer.sentencepiece_tokenizer import train_sentencepiece  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
@@ -51,6 +53,14 @@ def test_export_writes_the_recorded_tokenizer(tmp_path, tokenizers, tokenizer_ty
     assert text.startswith(TEXT[:20])
     for name in os.listdir(out):
         assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o644, name
+
+    # Imported back, the checkpoint records the directory's tokenizer, so generate needs no tokenizer flags
+    # (found on a first day: a round trip lost it, and generate asked for --tokenizer-type).
+    assert convert(["--load-dir", str(out), "--save-dir", str(tmp_path / "imported"), "--source-format", "hf",
+                    "--target-format", "megatron_lite"]) == 0
+    recorded = dataclasses.asdict(read_config(str(tmp_path / "imported")).data)
+    assert recorded["tokenizer_type"] == tokenizer_type
+    assert build_model_tokenizer(recorded, ours.vocab_size).tokenize(TEXT) == ours.tokenize(TEXT)
 
 
 def test_export_names_the_flags_when_the_recorded_tokenizer_files_are_gone(tmp_path, tokenizers, capsys):
