@@ -196,3 +196,16 @@ def test_a_failing_save_is_one_error_and_keeps_the_previous_checkpoint(tmp_path,
     _assert_one_clean_error(err, f"could not write the checkpoint to --save {save}: No space left on device",
                             "The previous checkpoint is untouched")
     assert storage.read_latest_iteration(save) == 1
+
+
+def test_load_of_one_iteration_directory_names_its_parent_instead_of_training_from_scratch(tmp_path):
+    """Found on a first day: --load ckpt/iter_0000001 (a plausible slip) only warned, then trained from random
+    weights; generate said the directory held no checkpoint."""
+    code, output, _ = _run([*MOCK, "--train-iters", "1", "--save", str(tmp_path)])
+    assert code == 0, output
+    iteration_dir = str(tmp_path / "iter_0000001")
+    code, output, seconds = _run([*MOCK, "--train-iters", "2", "--load", iteration_dir])
+    assert code != 0
+    _assert_one_clean_error(output, f"{iteration_dir} is one iteration's checkpoint directory",
+                            f"give its parent {tmp_path} instead")
+    assert " model: " not in output and "RANDOM WEIGHTS" not in output and seconds < 60
