@@ -209,3 +209,22 @@ def test_load_of_one_iteration_directory_names_its_parent_instead_of_training_fr
     _assert_one_clean_error(output, f"{iteration_dir} is one iteration's checkpoint directory",
                             f"give its parent {tmp_path} instead")
     assert " model: " not in output and "RANDOM WEIGHTS" not in output and seconds < 60
+
+
+@pytest.mark.parametrize("tokenizer_flags, fragments", [
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "MERGES", "--merge-file", "VOCAB"],
+     ["--vocab-file", "is not a JSON vocabulary", "swapped"]),
+    (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "VOCAB"],
+     ["--tokenizer-model", "is not a SentencePiece model"]),
+], ids=["swapped-bpe-files", "vocab-json-as-sentencepiece"])
+def test_a_tokenizer_file_of_the_wrong_kind_is_one_error(tmp_path, tokenizer_flags, fragments):
+    """Found on a first day: swapped --vocab-file/--merge-file, or a vocab.json given to SentencePiece, ended
+    in a JSONDecodeError / RuntimeError traceback."""
+    (tmp_path / "vocab.json").write_text('{"a": 0, "<|endoftext|>": 1}')
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    flags = [f.replace("VOCAB", str(tmp_path / "vocab.json")).replace("MERGES", str(tmp_path / "merges.txt"))
+             for f in tokenizer_flags]
+    code, output, _ = _run([*TINY, "--mock-data", "--train-iters", "1", *flags])
+    assert code != 0
+    _assert_one_clean_error(output, *fragments)
+    assert "Traceback" not in output

@@ -17,7 +17,11 @@ class SentencePieceTokenizer:
             raise ConfigError(f"--tokenizer-type SentencePieceTokenizer needs --tokenizer-model, a .model file; "
                               f"{tokenizer_model!r} is not a file. Train one with tools/train_tokenizer.py "
                               "--tokenizer-type SentencePieceTokenizer.")
-        self._processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+        try:
+            self._processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+        except (RuntimeError, OSError) as error:  # its message is a C++ check, no hint at the flag
+            raise ConfigError(f"--tokenizer-model {tokenizer_model} is not a SentencePiece model ({error}); give "
+                              f"the tokenizer.model file, or use the --tokenizer-type that matches it.") from None
         if self._processor.eos_id() < 0:
             raise ConfigError(f"{tokenizer_model} has no eos piece; SentencePieceTokenizer uses it as end of document.")
         self.eod = self._processor.eos_id()
