@@ -15,6 +15,7 @@ import os
 import sys
 
 from megatron_lite.config import ConfigError
+from megatron_lite.config.arguments import ArgumentParser
 from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe
 from megatron_lite.tokenizer.sentencepiece_tokenizer import train_sentencepiece
 
@@ -37,19 +38,19 @@ def read_texts(paths: list[str], json_keys: list[str]):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # One `error:` line naming the flag (and the nearest known one), not argparse's usage block.
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, help="text or JSONL files")
     parser.add_argument("--json-keys", nargs="+", default=["text"])
     parser.add_argument("--tokenizer-type", required=True, choices=["GPT2BPETokenizer", "SentencePieceTokenizer"])
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--sentencepiece-model-type", default="bpe", choices=["bpe", "unigram"])
     parser.add_argument("--output-dir", required=True)
-    args = parser.parse_args(argv)
-    for path in args.input:
-        if not os.path.isfile(path):
-            print(f"error: --input {path} is not a file", file=sys.stderr)
-            return 1
     try:
+        args = parser.parse_args(argv)
+        for path in args.input:
+            if not os.path.isfile(path):
+                raise ConfigError(f"--input {path} is not a file")
         print(train(args))
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

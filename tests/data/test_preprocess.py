@@ -162,3 +162,11 @@ def test_a_wrong_json_key_on_a_large_corpus_stops_early(tmp_path, bpe_files, loa
     assert code == 1 and "error: the first 20 lines were all skipped, the first as " in err
     assert "Fix --json-keys" in err and len(err.splitlines()) <= 21
     assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]
+
+
+def test_a_mistyped_flag_is_one_line_with_the_nearest_flag(tmp_path, bpe_files, load_tool, capsys):
+    tool = load_tool("preprocess_data")
+    code = tool.main(["--input", "c.jsonl", "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
+                      "GPT2BPETokenizer", "--vocab-file", bpe_files[0], "--merge-file", bpe_files[1], "--apend-eod"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == "error: unrecognized argument --apend-eod (did you mean --append-eod?)\n"

@@ -243,7 +243,9 @@ def test_train_tokenizer_tool_mistakes_are_one_error_line(tmp_path, load_tool, c
              (["--tokenizer-type", "SentencePieceTokenizer", "--vocab-size", "300", "--json-keys", "txt"],
               "under --json-keys txt"),
              (["--tokenizer-type", "SentencePieceTokenizer", "--vocab-size", "100000"],
-              "could not train a --vocab-size 100000 model: ")]
+              "could not train a --vocab-size 100000 model: "),
+             (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-size", "300", "--json_keys", "text"],
+              "unrecognized argument --json_keys (did you mean --json-keys?)")]  # not argparse's usage block
     for flags, message in cases:
         assert tool.main([*common, *flags]) == 1
         err = capsys.readouterr().err
