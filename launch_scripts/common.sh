@@ -76,8 +76,6 @@ ml_load_config() {
         config=gpt2_125m
         ((num_gpus > 0)) || config=tiny
         ml_log "CONFIG unset: $config fits this machine ($num_gpus GPU(s) visible); set CONFIG to choose"
-    elif ((num_gpus == 0)) && [[ "$config" != tiny ]]; then
-        ml_warn "CONFIG=$config is sized for GPUs and none is visible: on CPU it will be very slow or run out of memory (CONFIG=tiny fits a CPU)"
     fi
     local file="$config"
     [[ -f "$file" ]] || file="$MEGATRON_LITE_DIR/launch_scripts/configs/$config.sh"
@@ -87,6 +85,10 @@ ml_load_config() {
             known+=("$(basename "$path" .sh)")
         done
         ml_die "CONFIG=$config is neither a file nor one of: ${known[*]}"
+    fi
+    # After the name is known to exist: a mistyped one gets its error alone, not also a warning about its size.
+    if ((num_gpus == 0)) && [[ "$config" != tiny && "$file" != "$config" ]]; then
+        ml_warn "CONFIG=$config is sized for GPUs and none is visible: on CPU it will be very slow or run out of memory (CONFIG=tiny fits a CPU)"
     fi
     # shellcheck source=/dev/null
     source "$file"

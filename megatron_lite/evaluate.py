@@ -32,11 +32,12 @@ from megatron_lite.data.data_samplers import collate_gpt_batch
 from megatron_lite.data.sft import format_prompt, load_sft_examples, response_text, split_last_response
 from megatron_lite.data.sft.examples import read_conversations
 from megatron_lite.data.sft.sft_dataset import build_sample
-from megatron_lite.inference.loading import (TOKENIZER_FIELDS, add_tokenizer_arguments, checkpoint_tokenizer,
-                                             load_model, read_checkpoint_config)
+from megatron_lite.inference.loading import (add_tokenizer_arguments, checkpoint_tokenizer, load_model,
+                                             read_checkpoint_config)
 from megatron_lite.inference.text_generation import generate
 from megatron_lite.process_groups.failures import run_command
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.tokenizer import TOKENIZER_FIELDS
 from megatron_lite.training.loop import loss_func
 
 

@@ -28,12 +28,13 @@ from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError, ParallelConfig
 from megatron_lite.config.arguments import ArgumentParser
 from megatron_lite.data.jsonl import read_jsonl_lines
 from megatron_lite.data.sft.prompt_format import ROLES, format_prompt, response_text
-from megatron_lite.inference.loading import (TOKENIZER_FIELDS, add_tokenizer_arguments, checkpoint_tokenizer,
-                                             load_model, read_checkpoint_config)
+from megatron_lite.inference.loading import (add_tokenizer_arguments, checkpoint_tokenizer, load_model,
+                                             read_checkpoint_config)
 from megatron_lite.inference.text_generation import check_sampling, generate
 from megatron_lite.process_groups.failures import run_command
 from megatron_lite.process_groups.initialize import initialize_distributed
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
+from megatron_lite.tokenizer import TOKENIZER_FIELDS
 
 
 def build_parser() -> ArgumentParser:

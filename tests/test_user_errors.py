@@ -196,3 +196,35 @@ def test_a_failing_save_is_one_error_and_keeps_the_previous_checkpoint(tmp_path,
     _assert_one_clean_error(err, f"could not write the checkpoint to --save {save}: No space left on device",
                             "The previous checkpoint is untouched")
     assert storage.read_latest_iteration(save) == 1
+
+
+def test_load_of_one_iteration_directory_names_its_parent_instead_of_training_from_scratch(tmp_path):
+    """Found on a first day: --load ckpt/iter_0000001 (a plausible slip) only warned, then trained from random
+    weights; generate said the directory held no checkpoint."""
+    code, output, _ = _run([*MOCK, "--train-iters", "1", "--save", str(tmp_path)])
+    assert code == 0, output
+    iteration_dir = str(tmp_path / "iter_0000001")
+    code, output, seconds = _run([*MOCK, "--train-iters", "2", "--load", iteration_dir])
+    assert code != 0
+    _assert_one_clean_error(output, f"{iteration_dir} is one iteration's checkpoint directory",
+                            f"give its parent {tmp_path} instead")
+    assert " model: " not in output and "RANDOM WEIGHTS" not in output and seconds < 60
+
+
+@pytest.mark.parametrize("tokenizer_flags, fragments", [
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "MERGES", "--merge-file", "VOCAB"],
+     ["--vocab-file", "is not a JSON vocabulary", "swapped"]),
+    (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "VOCAB"],
+     ["--tokenizer-model", "is not a SentencePiece model"]),
+], ids=["swapped-bpe-files", "vocab-json-as-sentencepiece"])
+def test_a_tokenizer_file_of_the_wrong_kind_is_one_error(tmp_path, tokenizer_flags, fragments):
+    """Found on a first day: swapped --vocab-file/--merge-file, or a vocab.json given to SentencePiece, ended
+    in a JSONDecodeError / RuntimeError traceback."""
+    (tmp_path / "vocab.json").write_text('{"a": 0, "<|endoftext|>": 1}')
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    flags = [f.replace("VOCAB", str(tmp_path / "vocab.json")).replace("MERGES", str(tmp_path / "merges.txt"))
+             for f in tokenizer_flags]
+    code, output, _ = _run([*TINY, "--mock-data", "--train-iters", "1", *flags])
+    assert code != 0
+    _assert_one_clean_error(output, *fragments)
+    assert "Traceback" not in output

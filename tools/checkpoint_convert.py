@@ -38,12 +38,14 @@ from megatron_lite.checkpointing.offline import reshard_checkpoint, write_checkp
 from megatron_lite.checkpointing.peft_base import folded_prefix, merged_lora
 from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
 from megatron_lite.config import ConfigError, ParallelConfig
+from megatron_lite.config.arguments import ArgumentParser
 
 FORMATS = ("megatron_lite", "hf", "peft")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    # One `error:` line naming the flag (and the nearest known one), not argparse's usage block.
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--load-dir", required=True,
                         help="source: a checkpoint root or iter_* directory, or a Hugging Face model directory")
     parser.add_argument("--save-dir", required=True, help="where to write the converted checkpoint")
@@ -69,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     for flag, value in (("--target-tensor-parallel-size", args.target_tensor_parallel_size),
                         ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size)):
         if value < 1:

@@ -15,14 +15,16 @@ mask (data/sft_loss_mask_document); fine-tune with --sft --train-data-path data/
 import argparse
 import sys
 
-from megatron_lite.config import SFT_PROMPT_FORMATS
+from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError
+from megatron_lite.config.arguments import ArgumentParser
 from megatron_lite.data.indexed_dataset import output_prefix_for
 from megatron_lite.data.preprocess import PreprocessError, preprocess_jsonl
 from megatron_lite.tokenizer import TOKENIZER_TYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # One `error:` line naming the flag (and the nearest known one), not argparse's usage block.
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
     group.add_argument("--input", nargs="+", required=True, help="JSONL file(s), one JSON object per line")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one output pair each")
@@ -53,7 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     tokenizer_kwargs = dict(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                             merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                             vocab_size=args.vocab_size, tiktoken_pattern=args.tiktoken_pattern,

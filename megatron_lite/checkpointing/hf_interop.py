@@ -26,7 +26,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from megatron_lite.checkpointing.hf_tokenizer import export_tokenizer, write_json
+from megatron_lite.checkpointing.hf_tokenizer import export_tokenizer, import_tokenizer, write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.resharding import CheckpointReader
 from megatron_lite.checkpointing.save_load import OPTIMIZER_PREFIX
@@ -301,7 +301,7 @@ def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokeni
                                    model_max_length=hf_config.get("n_positions", hf_config.get(
                                        "max_position_embeddings")))
     write_json(os.path.join(directory, "config.json"), {**hf_config, **special_ids})
-    if special_ids:
+    if special_ids["eos_token_id"] is not None:
         write_json(os.path.join(directory, "generation_config.json"), {**special_ids, "do_sample": False})
     safetensors.torch.save_file({k: v.float().contiguous() for k, v in tensors.items()},
                                 os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
@@ -315,13 +315,15 @@ def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokeni
 
 def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1,
                          pipeline_model_parallel_size: int = 1) -> str:
-    """A Hugging Face GPT-2/Llama directory -> a weights-only megatron_lite checkpoint (iteration 0)."""
+    """A Hugging Face GPT-2/Llama directory -> a weights-only megatron_lite checkpoint (iteration 0) that records
+    the directory's tokenizer files, if any."""
     hf_config, tensors = read_hf_directory(load_dir)
     model_config = model_config_from_hf(hf_config)
     weights = weights_from_hf(tensors, model_config)
     config = Config(model=model_config, parallel=ParallelConfig(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size))
+    config.data = dataclasses.replace(config.data, **import_tokenizer(load_dir))
     return write_checkpoint(save_dir, config, weights.__getitem__, iteration=0)
 
 

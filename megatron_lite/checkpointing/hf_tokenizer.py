@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
+from megatron_lite.config import ConfigError
 from megatron_lite.tokenizer import build_tokenizer
 
 # (tokenizer class transformers builds, {our flag's field: the file name it expects})
@@ -22,10 +24,14 @@ _HF_LAYOUT = {
 
 
 def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: int) -> dict:
-    """Write the tokenizer files into ``save_dir``; returns {bos,eos,pad}_token_id (empty without a tokenizer)."""
+    """Write the tokenizer files into ``save_dir``; returns {bos,eos,pad}_token_id (None without a tokenizer)."""
     tokenizer_type = tokenizer_flags.get("tokenizer_type")
-    if tokenizer_type not in _HF_LAYOUT:
-        return {}  # mock data or NullTokenizer: there is no tokenizer to export
+    if tokenizer_type not in _HF_LAYOUT:  # mock data, an import, or NullTokenizer: there is none to export
+        print(f"note: no tokenizer exported (the checkpoint records {tokenizer_type or 'none'}), so AutoTokenizer "
+              f"and pipeline() cannot load {save_dir}: pass --tokenizer-type ({', '.join(_HF_LAYOUT)}) and its "
+              f"files to add one.", file=sys.stderr)
+        # No special ids either: transformers would default GPT-2's to 50256, outside a smaller vocabulary.
+        return {"bos_token_id": None, "eos_token_id": None}
     tokenizer = build_tokenizer(tokenizer_type, vocab_file=tokenizer_flags.get("vocab_file"),
                                 merge_file=tokenizer_flags.get("merge_file"),
                                 tokenizer_model=tokenizer_flags.get("tokenizer_model"))
@@ -46,6 +52,24 @@ def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: 
         tokenizer_config["add_prefix_space"] = tokenizer.tokenize("a") == tokenizer.tokenize(" a")
     write_json(os.path.join(save_dir, "tokenizer_config.json"), tokenizer_config)
     return {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad}
+
+
+def import_tokenizer(load_dir: str) -> dict:
+    """The ``--tokenizer-*`` flags of the tokenizer files in a Hugging Face directory, for an imported checkpoint
+    to record (generation and a later export then need no tokenizer flags); empty when there is none we read.
+
+    Files are looked for in ``_HF_LAYOUT``'s order; one that our tokenizer cannot read (a vocab.json without
+    GPT-2's EOD token, say) is passed over: the flags can still name a tokenizer later."""
+    for tokenizer_type, (_, files) in _HF_LAYOUT.items():
+        paths = {field: os.path.abspath(os.path.join(load_dir, name)) for field, name in files.items()}
+        if not all(os.path.isfile(path) for path in paths.values()):
+            continue
+        try:
+            build_tokenizer(tokenizer_type, **paths)
+        except (ValueError, ConfigError, OSError, RuntimeError):
+            continue
+        return {"tokenizer_type": tokenizer_type, **paths}
+    return {}
 
 
 def write_json(path: str, value: dict) -> None:

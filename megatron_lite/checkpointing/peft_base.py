@@ -113,9 +113,18 @@ def _check_same_peft(saved: PeftConfig, peft: PeftConfig, directory: str) -> Non
 
 
 def peft_fields_from_checkpoint(given: dict, saved: PeftConfig) -> dict:
-    """--use-checkpoint-args: the PEFT settings of an adapter checkpoint that the command line leaves out."""
+    """--use-checkpoint-args: the PEFT settings of an adapter checkpoint that the command line leaves out.
+
+    As for the model's flags, a given setting that changes what the adapters compute must agree (one error
+    lists those that do not); the advice of the later check, "add --use-checkpoint-args", would not help."""
     if saved.peft is None:
         return {}
+    conflicts = [f"  {flag_name(name)}: checkpoint {getattr(saved, name)}, this run {given[name]}"
+                 for name in _FUNCTION_FIELDS[saved.peft] if name in given and given[name] != getattr(saved, name)]
+    if conflicts:
+        raise ConfigError("--use-checkpoint-args takes the --peft settings from the adapter checkpoint, but these "
+                          "flags contradict it:\n" + "\n".join(conflicts) + "\nDrop them: the checkpoint's values "
+                          "apply.")
     return {f.name: getattr(saved, f.name) for f in dataclasses.fields(PeftConfig) if f.name not in given}
 
 

@@ -131,6 +131,11 @@ def read_latest_iteration(root: str) -> int | None:
     """The iteration the tracker file names, or None when ``root`` holds no checkpoint."""
     path = os.path.join(root, TRACKER_FILE)
     if not os.path.isfile(path):
+        if os.path.isfile(os.path.join(root, METADATA_FILE)):  # a plausible slip, which would train from scratch
+            parent = os.path.dirname(os.path.normpath(root)) or "."
+            raise CheckpointError(f"{root} is one iteration's checkpoint directory (it holds {METADATA_FILE}), not "
+                                  f"a checkpoint root: give its parent {parent} instead (the --save directory, whose "
+                                  f"{TRACKER_FILE} names the iteration to load).")
         return None
     with open(path) as f:
         text = f.read().strip()

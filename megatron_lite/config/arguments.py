@@ -17,10 +17,11 @@ import typing
 from megatron_lite.checkpointing.architecture import model_args_from_checkpoint
 from megatron_lite.checkpointing.peft_base import peft_fields_from_checkpoint
 from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
-from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigError, ModelConfig, as_flags,
-                                  flag_name, megatron_compat)
+from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigError, DataConfig, ModelConfig,
+                                  as_flags, flag_name, megatron_compat)
 from megatron_lite.process_groups.initialize import resolve_launch_env
 from megatron_lite.config.help_text import CHOICES, HELP
+from megatron_lite.tokenizer import TOKENIZER_FIELDS
 
 # Megatron-LM spells these two with an underscore inside; both spellings are accepted.
 MEGATRON_SPELLINGS = {"override_opt_param_scheduler": "--override-opt_param-scheduler",
@@ -150,9 +151,20 @@ def _model_args_from_checkpoint(values: dict) -> dict:
     # The vocabulary size is the checkpoint's too (the tokenizer's is not consulted): it is the embedding's.
     taken = model_args_from_checkpoint(values, saved.model, root)
     taken.update(peft_fields_from_checkpoint(values, saved.peft))  # an adapter checkpoint's LoRA rank and so on
+    taken.update(_tokenizer_args_from_checkpoint(values, saved.data))
     if resolve_launch_env().rank == 0:
         print(f" --use-checkpoint-args: the model of {root}: {as_flags(taken)}", flush=True)
     return taken
+
+
+def _tokenizer_args_from_checkpoint(values: dict, saved: DataConfig) -> dict:
+    """The checkpoint's tokenizer and its files when the command line names none (Megatron-LM takes
+    --tokenizer-type), so the checkpoints this run saves still record the tokenizer that generation and
+    the Hugging Face export read."""
+    if values.get("tokenizer_type") is not None or saved.tokenizer_type is None:
+        return {}
+    return {name: getattr(saved, name) for name in (*TOKENIZER_FIELDS, "tiktoken_pattern",
+                                                    "tiktoken_num_special_tokens")}
 
 
 def _section(values: dict, cls) -> dict:

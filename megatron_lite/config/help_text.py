@@ -184,10 +184,11 @@ HELP = {
     "pretrained_checkpoint": ("checkpoint to fine-tune from, loaded like --finetune (weights only, iteration 0) "
                               "while --load holds no checkpoint; once it does, a restarted job resumes from --load"),
     "use_checkpoint_args": ("take the model's settings from the checkpoint to be loaded (--load, else "
-                            "--pretrained-checkpoint), its vocabulary size included. Model flags given as well must "
-                            "agree with the checkpoint where they change what its weights compute (an error lists "
-                            "those that do not; Megatron-LM overrides them silently); --seq-length and the dropouts "
-                            "given override the checkpoint's; --no-fused-kernels stays this machine's choice"),
+                            "--pretrained-checkpoint), its vocabulary size included, and its tokenizer unless "
+                            "--tokenizer-type is given. Model flags given as well must agree with the checkpoint "
+                            "where they change what its weights compute (an error lists those that do not; "
+                            "Megatron-LM overrides them silently); --seq-length and the dropouts given override the "
+                            "checkpoint's; --no-fused-kernels stays this machine's choice"),
     # logging
     "log_interval": "iterations between log lines",
     "tensorboard_dir": "write TensorBoard scalars here",

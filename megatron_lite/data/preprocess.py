@@ -141,6 +141,11 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
     return stats
 
 
+# Bad lines before any good one after which the input is taken as misread (a wrong --json-keys): a run
+# would otherwise list every line of a large corpus before its "no documents written".
+ABORT_AFTER_BAD_LINES = 20
+
+
 def _write_documents(results, builders: dict, stats: PreprocessStats, *, input_paths: list[str], strict: bool,
                      log: TextIO, log_interval: int, start: float) -> None:
     """Adds the workers' documents to the builders in input order, reporting (or, strict, raising on) bad lines."""
@@ -153,6 +158,10 @@ def _write_documents(results, builders: dict, stats: PreprocessStats, *, input_p
             stats.bad_lines += 1
             stats.first_problem = stats.first_problem or f"{where}: {problem}"
             print(f"{where}: {problem}; skipped", file=log)
+            if stats.documents == 0 and stats.bad_lines == ABORT_AFTER_BAD_LINES:
+                raise PreprocessError(f"the first {ABORT_AFTER_BAD_LINES} lines were all skipped, the first as "
+                                      f"{stats.first_problem}; stopping instead of listing every line. Fix "
+                                      f"--json-keys or the input.")
             continue
         if any(ids.size == 0 for ids in encoded.values()):
             stats.empty_documents += 1

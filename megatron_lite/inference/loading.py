@@ -16,8 +16,6 @@ from megatron_lite.config import CheckpointConfig, Config, ConfigError, Parallel
 from megatron_lite.model.builder import build_model
 from megatron_lite.tokenizer import TOKENIZER_TYPES, build_model_tokenizer, checkpoint_tokenizer_flags
 
-TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
-
 
 def read_checkpoint_config(load_dir: str, parallel: ParallelConfig) -> Config:
     """The checkpoint's config, to be built at the layout ``parallel`` (no sequence parallelism: a
@@ -30,7 +28,9 @@ def read_checkpoint_config(load_dir: str, parallel: ParallelConfig) -> Config:
                               f"directory of a training run (the one holding {TRACKER_FILE}), or one written by "
                               f"tools/checkpoint_convert.py.")
     saved = read_config(load_dir)
-    return dataclasses.replace(saved, parallel=parallel, checkpoint=CheckpointConfig(load=load_dir))
+    # Sampling has its own --seed: the training ranks' random-number states mean nothing here, and loading
+    # them would warn about a layout change that generation does not care about.
+    return dataclasses.replace(saved, parallel=parallel, checkpoint=CheckpointConfig(load=load_dir, no_load_rng=True))
 
 
 def load_model(config: Config, parallel_state):
@@ -57,6 +57,7 @@ def checkpoint_tokenizer(config: Config, given: dict):
     """The tokenizer the ``given`` ``--tokenizer-*`` flags name, or else the one the checkpoint was trained with."""
     flags = checkpoint_tokenizer_flags(dataclasses.asdict(config.data), given)
     if flags.get("tokenizer_type") is None:
-        raise ConfigError("the checkpoint records no tokenizer (it was trained on --mock-data, or imported): pass "
+        raise ConfigError("the checkpoint records no tokenizer (it was trained on --mock-data, or imported from a "
+                          "directory without tokenizer files): pass "
                           "--tokenizer-type and its files (--vocab-file and --merge-file, or --tokenizer-model).")
     return build_model_tokenizer(flags, config.model.vocab_size)

@@ -17,6 +17,8 @@ from megatron_lite.tokenizer.tiktoken_tokenizer import TikTokenizer
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer",
                    "NullTokenizer")
+# The flags that name a run's tokenizer and its files, as a checkpoint's config records them.
+TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
 
 def build_tokenizer(tokenizer_type: str, *, vocab_file: Optional[str] = None, merge_file: Optional[str] = None,

@@ -99,8 +99,12 @@ class GPT2BPETokenizer:
             if not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path}: no such file. Give the vocab.json / merges.txt of a GPT-2 BPE, "
                                   "or train them with tools/train_tokenizer.py.")
-        with open(vocab_file, encoding="utf-8") as f:
-            self.encoder: dict[str, int] = json.load(f)
+        try:
+            with open(vocab_file, encoding="utf-8") as f:
+                self.encoder: dict[str, int] = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ConfigError(f"--vocab-file {vocab_file} is not a JSON vocabulary (GPT-2's vocab.json); were "
+                              f"--vocab-file and --merge-file swapped?") from None
         self.decoder = {i: token for token, i in self.encoder.items()}
         self.bpe_ranks = {pair: rank for rank, pair in enumerate(read_merges(merge_file))}
         self.byte_encoder = bytes_to_unicode()

@@ -17,7 +17,11 @@ class SentencePieceTokenizer:
             raise ConfigError(f"--tokenizer-type SentencePieceTokenizer needs --tokenizer-model, a .model file; "
                               f"{tokenizer_model!r} is not a file. Train one with tools/train_tokenizer.py "
                               "--tokenizer-type SentencePieceTokenizer.")
-        self._processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+        try:
+            self._processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+        except (RuntimeError, OSError) as error:  # its message is a C++ check, no hint at the flag
+            raise ConfigError(f"--tokenizer-model {tokenizer_model} is not a SentencePiece model ({error}); give "
+                              f"the tokenizer.model file, or use the --tokenizer-type that matches it.") from None
         if self._processor.eos_id() < 0:
             raise ConfigError(f"{tokenizer_model} has no eos piece; SentencePieceTokenizer uses it as end of document.")
         self.eod = self._processor.eos_id()
@@ -44,9 +48,12 @@ def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int
         for text in texts:
             yield from (line for line in text.split("\n") if line)
 
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=lines(), model_prefix=model_prefix, vocab_size=vocab_size, model_type=model_type,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
-        allow_whitespace_only_pieces=True, split_digits=True, byte_fallback=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2)
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=lines(), model_prefix=model_prefix, vocab_size=vocab_size, model_type=model_type,
+            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True, split_digits=True, byte_fallback=True,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2)
+    except RuntimeError as error:  # its checks (a vocabulary larger than the text allows) name the limit
+        raise ConfigError(f"SentencePiece could not train a --vocab-size {vocab_size} model: {error}") from None
     return f"{model_prefix}.model"

@@ -244,3 +244,12 @@ def test_checkpoint_args_under_torchrun(imported_llama):
                         timeout=300)
     # The log prints 7 significant digits: up to 5e-7 relative rounding.
     assert max_relative_difference(_transformers_losses(model, 4), losses) <= 1e-6, losses
+
+
+def test_converter_flag_mistakes_are_one_line(capsys):
+    """Found on a first day: `--target-format huggingface` printed argparse's whole usage block."""
+    assert convert(["--load-dir", "a", "--save-dir", "b", "--target-format", "huggingface"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: argument --target-format: invalid choice: 'huggingface'") and err.count("\n") == 1
+    assert convert(["--load-dir", "a", "--save-dir", "b", "--target-tensor-parallel", "2"]) == 2
+    assert "(did you mean --target-tensor-parallel-size?)" in capsys.readouterr().err

@@ -1,4 +1,5 @@
 """An HF export carries the tokenizer the run was trained with: AutoTokenizer and pipeline() work on it."""
+import dataclasses
 import json
 import os
 import stat
@@ -10,7 +11,8 @@ transformers = pytest.importorskip("transformers")
 
 from megatron_lite.data.demo_corpus import demo_documents  # noqa: E402
 from megatron_lite.pretrain_gpt import main as pretrain  # noqa: E402
-from megatron_lite.tokenizer import build_tokenizer  # noqa: E402
+from megatron_lite.checkpointing import read_config  # noqa: E402
+from megatron_lite.tokenizer import build_model_tokenizer, build_tokenizer  # noqa: E402
 from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe  # noqa: E402
 from megatron_lite.tokenizer.sentencepiece_tokenizer import train_sentencepiece  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
@@ -52,6 +54,14 @@ def test_export_writes_the_recorded_tokenizer(tmp_path, tokenizers, tokenizer_ty
     for name in os.listdir(out):
         assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o644, name
 
+    # Imported back, the checkpoint records the directory's tokenizer, so generate needs no tokenizer flags
+    # (found on a first day: a round trip lost it, and generate asked for --tokenizer-type).
+    assert convert(["--load-dir", str(out), "--save-dir", str(tmp_path / "imported"), "--source-format", "hf",
+                    "--target-format", "megatron_lite"]) == 0
+    recorded = dataclasses.asdict(read_config(str(tmp_path / "imported")).data)
+    assert recorded["tokenizer_type"] == tokenizer_type
+    assert build_model_tokenizer(recorded, ours.vocab_size).tokenize(TEXT) == ours.tokenize(TEXT)
+
 
 def test_export_names_the_flags_when_the_recorded_tokenizer_files_are_gone(tmp_path, tokenizers, capsys):
     vocab, merges = tokenizers["GPT2BPETokenizer"][1], tokenizers["GPT2BPETokenizer"][3]
@@ -67,3 +77,16 @@ def test_export_names_the_flags_when_the_recorded_tokenizer_files_are_gone(tmp_p
                     "hf", *flags[:2], "--vocab-file", vocab, "--merge-file", merges]) == 0
     torch.manual_seed(0)
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))(TEXT)["input_ids"]
+
+
+def test_an_export_without_a_tokenizer_says_so_and_claims_no_special_ids(tmp_path, capsys):
+    """Found on a first day: a checkpoint naming no tokenizer exported silently, and transformers then took
+    GPT-2's default EOD 50256 for a 64-token model (a warning on load, pipeline() failing deep inside)."""
+    assert pretrain([*TINY, "--vocab-size", "64", "--save", str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    assert convert(["--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf"), "--source-format",
+                    "megatron_lite", "--target-format", "hf"]) == 0
+    assert "note: no tokenizer exported (the checkpoint records none)" in capsys.readouterr().err
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert model.config.bos_token_id is None and model.config.eos_token_id is None
+    assert not (tmp_path / "hf" / "generation_config.json").exists()

@@ -96,3 +96,31 @@ def test_pretrained_checkpoint_is_loaded_like_finetune_then_the_run_resumes_from
 
     resumed, _, _ = pretrain(parse_args(flags + ["--train-iters", "3"]))
     assert resumed.iteration == 3 and resumed.losses[:2] == state.losses
+
+
+@pytest.fixture(scope="module")
+def pretrained_with_tokenizer(tmp_path_factory):
+    """A checkpoint whose run named a GPT-2 BPE tokenizer (the files need only exist: the vocabulary size is
+    the checkpoint's)."""
+    root = tmp_path_factory.mktemp("with_tokenizer")
+    for name in ("vocab.json", "merges.txt"):
+        (root / name).write_text("")
+    config = tiny_config(iters=1, save=str(root / "ckpt"))
+    config.model.use_fused_kernels = False
+    config.data = dataclasses.replace(config.data, tokenizer_type="GPT2BPETokenizer",
+                                      vocab_file=str(root / "vocab.json"), merge_file=str(root / "merges.txt"))
+    pretrain(config)
+    return root
+
+
+def test_the_tokenizer_comes_from_the_checkpoint_so_the_next_save_records_it(pretrained_with_tokenizer):
+    """Found on a first day: a run resumed with --use-checkpoint-args and no tokenizer flags saved a checkpoint
+    naming no tokenizer, whose Hugging Face export then had none (and GPT-2's default EOD id 50256)."""
+    root = pretrained_with_tokenizer
+    config = parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", str(root / "ckpt"), *TRAINING])
+    assert (config.data.tokenizer_type, config.data.vocab_file, config.data.merge_file) == (
+        "GPT2BPETokenizer", str(root / "vocab.json"), str(root / "merges.txt"))
+    # Tokenizer flags on the command line win, as the model flags that do not change the weights do.
+    given = parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", str(root / "ckpt"), *TRAINING,
+                        "--tokenizer-type", "NullTokenizer"])
+    assert given.data.tokenizer_type == "NullTokenizer" and given.data.vocab_file is None

@@ -149,3 +149,24 @@ def test_a_wrong_json_key_is_an_error_naming_the_keys_found(tmp_path, bpe_files,
     assert "error: no documents written: all 3 lines were skipped" in captured.err
     assert "missing key 'text' (--json-keys); the line has keys ['content', 'id']" in captured.err
     assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]  # nothing half-written
+
+
+def test_a_wrong_json_key_on_a_large_corpus_stops_early(tmp_path, bpe_files, load_tool, capsys):
+    """Found on a first day: 828 lines with a wrong --json-keys printed 828 "skipped" lines before the error."""
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [json.dumps({"content": "some text"})] * 500)
+    tool = load_tool("preprocess_data")
+    code = tool.main(["--input", corpus, "--json-keys", "text", "--output-prefix", str(tmp_path / "out"),
+                      "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", bpe_files[0], "--merge-file",
+                      bpe_files[1]])
+    err = capsys.readouterr().err
+    assert code == 1 and "error: the first 20 lines were all skipped, the first as " in err
+    assert "Fix --json-keys" in err and len(err.splitlines()) <= 21
+    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]
+
+
+def test_a_mistyped_flag_is_one_line_with_the_nearest_flag(tmp_path, bpe_files, load_tool, capsys):
+    tool = load_tool("preprocess_data")
+    code = tool.main(["--input", "c.jsonl", "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
+                      "GPT2BPETokenizer", "--vocab-file", bpe_files[0], "--merge-file", bpe_files[1], "--apend-eod"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == "error: unrecognized argument --apend-eod (did you mean --append-eod?)\n"

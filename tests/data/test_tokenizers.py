@@ -228,3 +228,26 @@ def test_train_tokenizer_tool_reads_text_and_jsonl(tmp_path, demo_texts, load_to
                       build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "sp/tokenizer.model"))]:
         assert tokenizer.vocab_size == 600
         assert tokenizer.detokenize(tokenizer.tokenize(TRICKY_TEXT)) == TRICKY_TEXT
+
+
+def test_train_tokenizer_tool_mistakes_are_one_error_line(tmp_path, load_tool, capsys):
+    """A first day's mistakes: a --vocab-size below the bytes, a wrong --json-keys (which trained a BPE on
+    nothing), a vocabulary larger than the text allows. Each is one `error:` line naming the flag, no traceback."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"line {i} of some text"}) + "\n" for i in range(50)))
+    tool = load_tool("train_tokenizer")
+    common = ["--input", str(corpus), "--output-dir", str(tmp_path / "out")]
+    cases = [(["--tokenizer-type", "GPT2BPETokenizer", "--vocab-size", "100"], "--vocab-size 100 is below"),
+             (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-size", "300", "--json-keys", "txt"],
+              "under --json-keys txt"),
+             (["--tokenizer-type", "SentencePieceTokenizer", "--vocab-size", "300", "--json-keys", "txt"],
+              "under --json-keys txt"),
+             (["--tokenizer-type", "SentencePieceTokenizer", "--vocab-size", "100000"],
+              "could not train a --vocab-size 100000 model: "),
+             (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-size", "300", "--json_keys", "text"],
+              "unrecognized argument --json_keys (did you mean --json-keys?)")]  # not argparse's usage block
+    for flags, message in cases:
+        assert tool.main([*common, *flags]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out" / "vocab.json").exists()

@@ -154,3 +154,19 @@ def test_flags_are_checked(checkpoint, capsys):
     assert "--top-p" in capsys.readouterr().err
     assert main(["--load", checkpoint[0], "--greedy", "--max-new-token", "3"]) == 2
     assert "did you mean --max-new-tokens" in capsys.readouterr().err
+
+
+def test_a_training_checkpoint_of_another_layout_samples_without_a_random_state_warning(tmp_path, capsys, recwarn):
+    """Found on a first day: the quick start's sample printed a UserWarning that dropout masks would differ from an
+    uninterrupted run, because the tp2 x pp2 x dp2 checkpoint's random-number states do not fit one process."""
+    from megatron_lite.training.loop import pretrain
+    from tests.checkpointing.common import tiny_config
+
+    config = tiny_config(dist_opt=True, iters=1, save=str(tmp_path))  # a layout generation does not run
+    config.model.use_fused_kernels = False
+    config.data = DataConfig(mock_data=True, tokenizer_type="NullTokenizer")
+    pretrain(config)
+    recwarn.clear()
+    assert main(["--load", str(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "2"]) == 0
+    assert "\n--- sample ---\n1 2 3" in capsys.readouterr().out
+    assert not [w for w in recwarn if "random-number states" in str(w.message)]

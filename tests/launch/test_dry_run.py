@@ -76,6 +76,7 @@ def test_bad_layout_fails_before_launch(tmp_path):
 def test_unknown_config_and_mode_are_named(tmp_path):
     result = run_script("pretrain_gpt_torchrun.sh", script_env(tmp_path, CONFIG="gpt5"), "--dry-run")
     assert result.returncode == 2 and "CONFIG=gpt5" in result.stderr and "gpt2_125m" in result.stderr
+    assert "WARNING" not in result.stderr, result.stderr  # one error, not also a warning that gpt5 is sized for GPUs
     env = slurm_job_env(tmp_path / "slurm", nodes=1, tasks_per_node=1, LAUNCH_MODE="mpirun")
     result = run_script("pretrain_gpt_slurm.sh", env, "--dry-run")
     assert result.returncode == 2 and "LAUNCH_MODE=mpirun" in result.stderr

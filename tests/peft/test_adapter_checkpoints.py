@@ -181,6 +181,10 @@ def test_use_checkpoint_args_takes_the_peft_settings(base, tmp_path):
                          "--lora-dropout", "0.1"])
     assert config.peft == PeftConfig(**{**LORA, "lora_dropout": 0.1})
     assert parse_args(["--load", base, "--use-checkpoint-args", "--mock-data"]).peft == PeftConfig()
+    # A contradicting setting is refused at once, not later with advice to add the flag already given.
+    with pytest.raises(ConfigError, match="(?s)contradict it:\n  --lora-rank: checkpoint 4, this run 8\nDrop them"):
+        parse_args(["--load", adapters, "--use-checkpoint-args", "--mock-data", "--peft", "lora", "--lora-rank", "8",
+                    "--lora-alpha", "16"])
 
 
 def test_random_base_is_recorded_by_seed(tmp_path):
