@@ -4,7 +4,8 @@ Flags are generated from the config dataclasses' fields (``micro_batch_size`` ->
 ``--micro-batch-size``), so every option is reachable and named as in Megatron-LM.
 Booleans that default to True are switched off with Megatron's negative spelling
 (``--disable-bias-linear``, ``--no-fused-kernels``). ``--use-checkpoint-args`` fills the
-model flags from the checkpoint to be loaded. Megatron-LM flags with no setting here are
+model flags from the checkpoint to be loaded; a run resumed from --load keeps its checkpoint's
+tokenizer when the command line names none. Megatron-LM flags with no setting here are
 accepted as no-ops or refused by name (``megatron_compat``); any other unknown flag is an error.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import typing
 from megatron_lite.checkpointing.architecture import model_args_from_checkpoint
 from megatron_lite.checkpointing.peft_base import peft_fields_from_checkpoint
 from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
+from megatron_lite.checkpointing.storage import read_latest_iteration
 from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigError, DataConfig, ModelConfig,
                                   as_flags, flag_name, megatron_compat)
 from megatron_lite.process_groups.initialize import resolve_launch_env
@@ -123,12 +125,14 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 def config_from_namespace(namespace: dict) -> Config:
     """Parsed flags (by field name, as ``build_parser`` leaves them) -> Config, with
-    --group-query-attention checked and --use-checkpoint-args applied."""
+    --group-query-attention checked, --use-checkpoint-args applied and a resumed run's tokenizer kept."""
     if "num_query_groups" in namespace and not namespace.pop("group_query_attention"):
         raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM); add the flag.")
     namespace.pop("group_query_attention", None)
     if namespace.get("use_checkpoint_args"):
         namespace.update(_model_args_from_checkpoint(namespace))
+    else:
+        namespace.update(_tokenizer_args_of_resumed_run(namespace))
     return config_from_dict(namespace)
 
 
@@ -154,6 +158,24 @@ def _model_args_from_checkpoint(values: dict) -> dict:
     taken.update(_tokenizer_args_from_checkpoint(values, saved.data))
     if resolve_launch_env().rank == 0:
         print(f" --use-checkpoint-args: the model of {root}: {as_flags(taken)}", flush=True)
+    return taken
+
+
+def _tokenizer_args_of_resumed_run(values: dict) -> dict:
+    """A run resumed from its own --load with no tokenizer flags keeps the checkpoint's tokenizer.
+
+    A resume continues the same run on the same data, so the tokenizer cannot have changed. A fine-tune
+    (--finetune, or --pretrained-checkpoint while --load is still empty) starts a new run whose data may
+    come from another tokenizer: it keeps what its command line says, and --use-checkpoint-args opts in.
+    """
+    if values.get("tokenizer_type") is not None or not values.get("load") or values.get("finetune"):
+        return {}
+    if read_latest_iteration(values["load"]) is None:  # a first launch, or --pretrained-checkpoint's turn
+        return {}
+    taken = _tokenizer_args_from_checkpoint(values, read_config(values["load"]).data)
+    if taken and resolve_launch_env().rank == 0:
+        print(f"note: resuming from --load {values['load']} with its tokenizer: "
+              f"{as_flags({name: taken[name] for name in TOKENIZER_FIELDS})}", flush=True)
     return taken
 
 

@@ -124,3 +124,24 @@ def test_the_tokenizer_comes_from_the_checkpoint_so_the_next_save_records_it(pre
     given = parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", str(root / "ckpt"), *TRAINING,
                         "--tokenizer-type", "NullTokenizer"])
     assert given.data.tokenizer_type == "NullTokenizer" and given.data.vocab_file is None
+
+
+def test_a_run_resumed_from_load_keeps_the_checkpoints_tokenizer(pretrained_with_tokenizer, tmp_path, capsys):
+    """Found on a first day: a plain --load resume with no tokenizer flags saved checkpoints naming no
+    tokenizer, so generation and the Hugging Face export of them had none."""
+    root = pretrained_with_tokenizer
+    model = [flag for flag in MODEL if flag not in ("--norm-epsilon", "1e-6", "--rotary-base", "500")]  # tiny_config's
+    resumed = str(tmp_path / "resumed")
+    pretrain(parse_args(model + ["--load", str(root / "ckpt"), "--save", resumed, *TRAINING,
+                              "--global-batch-size", "8", "--use-checkpoint-opt_param-scheduler"]))  # one more step
+    saved = read_config(resumed).data
+    assert (saved.tokenizer_type, saved.vocab_file, saved.merge_file) == (
+        "GPT2BPETokenizer", str(root / "vocab.json"), str(root / "merges.txt"))
+    assert (f"note: resuming from --load {root / 'ckpt'} with its tokenizer: --tokenizer-type GPT2BPETokenizer "
+            f"--vocab-file {root / 'vocab.json'} --merge-file {root / 'merges.txt'}") in capsys.readouterr().out
+    # A fine-tune starts a new run, whose data may come from another tokenizer: its flags say which.
+    assert parse_args(model + ["--load", str(root / "ckpt"), "--finetune", *TRAINING]).data.tokenizer_type is None
+    assert parse_args(model + ["--pretrained-checkpoint", str(root / "ckpt"), "--load", str(tmp_path / "empty"),
+                               *TRAINING]).data.tokenizer_type is None
+    given = parse_args(model + ["--load", str(root / "ckpt"), *TRAINING, "--tokenizer-type", "NullTokenizer"])
+    assert given.data.tokenizer_type == "NullTokenizer" and given.data.vocab_file is None
