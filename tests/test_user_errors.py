@@ -20,13 +20,13 @@ MOCK = TINY + ["--vocab-size", "64", "--mock-data"]
 OUR_FRAME = re.compile(r'File ".*megatron_lite/')
 
 
-def _run(args: list[str], *, ranks: int = 1, timeout: float = 120):
-    """(exit code, stdout + stderr, seconds) of pretrain_gpt run as a user would."""
+def _run(args: list[str], *, ranks: int = 1, timeout: float = 120, module: str = "megatron_lite.pretrain_gpt"):
+    """(exit code, stdout + stderr, seconds) of ``module`` (pretrain_gpt) run as a user would."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)] if ranks > 1
                 else [sys.executable])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     start = time.perf_counter()
-    result = subprocess.run([*launcher, "-m", "megatron_lite.pretrain_gpt", *args], cwd=REPO, env=env,
+    result = subprocess.run([*launcher, "-m", module, *args], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=timeout)
     return result.returncode, result.stdout + result.stderr, time.perf_counter() - start
 
@@ -49,6 +49,17 @@ def test_a_mistyped_flag_under_torchrun_is_one_line_with_the_nearest_flag():
     assert code != 0
     _assert_one_clean_error(output, "unrecognized argument --num-layer", "did you mean --num-layers?")
     assert seconds < 60
+
+
+def test_a_mistyped_evaluate_flag_is_one_line_with_the_nearest_flag(tmp_path):
+    """Found on a first day: megatron_lite.evaluate printed argparse's usage block instead."""
+    code, output, _ = _run(["--load", str(tmp_path), "--data-path", "x", "--max-sample", "3"],
+                           module="megatron_lite.evaluate")
+    assert code == 2
+    _assert_one_clean_error(output, "unrecognized argument --max-sample", "did you mean --max-samples?")
+    code, output, _ = _run(["--data-path", "x"], module="megatron_lite.evaluate")
+    assert code == 2
+    _assert_one_clean_error(output, "the following arguments are required: --load")
 
 
 def test_a_batch_schedule_the_replicas_cannot_split_fails_before_the_model_under_torchrun():
