@@ -28,7 +28,7 @@ import numpy as np
 
 from megatron_lite.config import UserError
 from megatron_lite.data.jsonl import read_jsonl_lines
-from megatron_lite.data.sft.examples import LOSS_MASK_KEY, TOKENS_KEY, encode_sft_line
+from megatron_lite.data.sft.examples import LOSS_MASK_KEY, TOKENS_KEY, encode_sft_line, write_prompt_format
 from megatron_lite.data.indexed_dataset import (IndexedDatasetBuilder, best_fitting_dtype, data_file_path,
                                                 index_file_path, output_prefix_for)
 from megatron_lite.tokenizer import build_tokenizer
@@ -96,7 +96,8 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
         tokenizer_kwargs: arguments of ``build_tokenizer`` (tokenizer_type, vocab_file, ...).
         workers: tokenizer processes; the main process only reads and writes.
         sft_prompt_format: fine-tuning records instead of ``json_keys``: writes the pairs
-            ``{output_prefix}_text_document`` (ids, EOD included) and ``{output_prefix}_loss_mask_document``.
+            ``{output_prefix}_text_document`` (ids, EOD included) and ``{output_prefix}_loss_mask_document``,
+            and records the format in ``{output_prefix}_prompt_format.json``.
     """
     log = log or sys.stderr
     if workers < 1:
@@ -127,6 +128,8 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
             raise PreprocessError(f"no documents written: {_why_no_documents(stats, input_paths)}")
         for key, builder in builders.items():
             builder.finalize(index_file_path(output_prefix_for(output_prefix, key)))
+        if sft_prompt_format is not None:  # so a run on this data cannot name another template unnoticed
+            write_prompt_format(output_prefix, sft_prompt_format)
     except BaseException:
         for builder in builders.values():
             builder.abort()

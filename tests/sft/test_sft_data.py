@@ -153,3 +153,27 @@ def test_the_sft_command_names_bad_lines_and_wrong_flags(tmp_path, capsys):
         parse_args(["--sft", *SMALL_RUN])
     with pytest.raises(ConfigError, match="--sft-tokenizer-prompt-format"):
         parse_args(["--sft", "--train-data-path", data, "--sft-tokenizer-prompt-format", "alpaca", *SMALL_RUN])
+
+
+def test_preprocessed_data_remembers_its_prompt_format(tmp_path, capsys):
+    """Found on a first day: a run on data preprocessed with one --sft-tokenizer-prompt-format but given
+    another (or none) saved that one, and generation then rendered prompts with the wrong template."""
+    prefix = str(tmp_path / "out")
+    assert preprocess_data(["--sft", "--input", _write(tmp_path / "sft.jsonl", [_pair([1, 2], [3])]),
+                            "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "50",
+                            "--sft-tokenizer-prompt-format", "plain"]) == 0
+    assert json.loads((tmp_path / "out_prompt_format.json").read_text()) == {"sft_tokenizer_prompt_format": "plain"}
+    assert len(load_sft_examples([prefix], TOKENIZER, "plain")) == 1
+    with pytest.raises(ConfigError) as error:
+        load_sft_examples([prefix], TOKENIZER, "chatml")
+    assert str(error.value) == (f"{prefix} was preprocessed with --sft-tokenizer-prompt-format plain, but this run's "
+                                f"is chatml: give --sft-tokenizer-prompt-format plain (or preprocess the data again "
+                                f"with chatml).")
+    # At training start-up it is the run's one error line.
+    capsys.readouterr()
+    assert pretrain_main(["--sft", "--train-data-path", prefix, "--sft-tokenizer-prompt-format", "chatml",
+                          *SMALL_RUN]) == 2
+    assert f"error: {error.value}" in capsys.readouterr().err
+    # Data preprocessed before the record existed is read as before, unchecked.
+    (tmp_path / "out_prompt_format.json").unlink()
+    assert len(load_sft_examples([prefix], TOKENIZER, "chatml")) == 1

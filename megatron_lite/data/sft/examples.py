@@ -6,7 +6,8 @@ the token is one the loss predicts (a response token or the EOD; see ``prompt_fo
 JSON, a missing or empty response, an unknown role) is reported as ``file:line``.
 
 Preprocessed (``tools/preprocess_data.py --sft``): ``{prefix}_text_document`` holds the ids and
-``{prefix}_loss_mask_document`` the masks, one sequence per example with equal lengths.
+``{prefix}_loss_mask_document`` the masks, one sequence per example with equal lengths;
+``{prefix}_prompt_format.json`` records the chat template they were rendered with.
 """
 from __future__ import annotations
 
@@ -139,6 +140,7 @@ def load_sft_examples(paths: list[str], tokenizer, prompt_format: str) -> SFTExa
 
 def _read_source(path: str, tokenizer, prompt_format: str) -> tuple:
     if os.path.isfile(index_file_path(output_prefix_for(path, TOKENS_KEY))):
+        _check_prompt_format(path, prompt_format)
         return _read_preprocessed(path)
     ids, masks, problems = [], [], []
     for _, line_number, line in _jsonl_lines(path):
@@ -150,6 +152,30 @@ def _read_source(path: str, tokenizer, prompt_format: str) -> tuple:
         masks.append(encoded[LOSS_MASK_KEY])
     _raise_for(problems, path, found=len(ids))
     return ids, masks, np.asarray([len(x) for x in ids], dtype=np.int64)
+
+
+def prompt_format_file(prefix: str) -> str:
+    """The JSON file beside a preprocessed --sft prefix that records its --sft-tokenizer-prompt-format."""
+    return f"{prefix}_prompt_format.json"
+
+
+def write_prompt_format(prefix: str, prompt_format: str) -> None:
+    with open(prompt_format_file(prefix), "w") as f:
+        json.dump({"sft_tokenizer_prompt_format": prompt_format}, f)
+
+
+def _check_prompt_format(prefix: str, prompt_format: str) -> None:
+    """The template baked into preprocessed ids must be the run's: the run saves it in its checkpoints, and
+    generation renders prompts with it. Data preprocessed before the record existed is not checked."""
+    path = prompt_format_file(prefix)
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        recorded = json.load(f)["sft_tokenizer_prompt_format"]
+    if recorded != prompt_format:
+        raise ConfigError(f"{prefix} was preprocessed with --sft-tokenizer-prompt-format {recorded}, but this run's "
+                          f"is {prompt_format}: give --sft-tokenizer-prompt-format {recorded} (or preprocess the "
+                          f"data again with {prompt_format}).")
 
 
 def _read_preprocessed(prefix: str) -> tuple:
