@@ -18,7 +18,7 @@ import typing
 from megatron_lite.checkpointing.architecture import model_args_from_checkpoint
 from megatron_lite.checkpointing.peft_base import peft_fields_from_checkpoint
 from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
-from megatron_lite.checkpointing.storage import read_latest_iteration
+from megatron_lite.checkpointing.storage import CheckpointError, read_latest_iteration
 from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigError, DataConfig, ModelConfig,
                                   as_flags, flag_name, megatron_compat)
 from megatron_lite.process_groups.initialize import resolve_launch_env
@@ -172,7 +172,11 @@ def _tokenizer_args_of_resumed_run(values: dict) -> dict:
         return {}
     if read_latest_iteration(values["load"]) is None:  # a first launch, or --pretrained-checkpoint's turn
         return {}
-    taken = _tokenizer_args_from_checkpoint(values, read_config(values["load"]).data)
+    try:
+        saved = read_config(values["load"])
+    except CheckpointError:  # an unfinished or foreign checkpoint: the load itself reports it, with its fix
+        return {}
+    taken = _tokenizer_args_from_checkpoint(values, saved.data)
     if taken and resolve_launch_env().rank == 0:
         print(f"note: resuming from --load {values['load']} with its tokenizer: "
               f"{as_flags({name: taken[name] for name in TOKENIZER_FIELDS})}", flush=True)
