@@ -228,3 +228,19 @@ def test_a_tokenizer_file_of_the_wrong_kind_is_one_error(tmp_path, tokenizer_fla
     assert code != 0
     _assert_one_clean_error(output, *fragments)
     assert "Traceback" not in output
+
+
+@pytest.mark.parametrize("tool, args, nearest", [
+    ("print_rank_map", ["--nnode", "1", "--nproc-per-node", "2"], "--nnodes"),
+    ("print_pipeline_schedule", ["--pipeline-model-parallel-size", "2", "--num-microbatches", "4", "--op"], "--ops"),
+    ("build_demo_data", ["--output-dirs", "demo"], "--output-dir"),
+    ("build_sft_demo_data", ["--output-dir", "demo", "--train-example", "3"], "--train-examples"),
+    ("merge_datasets", ["--input", "a", "--output-prefixes", "b"], "--output-prefix"),
+    ("loss_parity", ["--layouts", "1x1x1", "--rtl", "1e-3", "--", "--mock-data"], "--rtol"),
+])
+def test_a_mistyped_tool_flag_is_one_line_with_the_nearest_flag(tool, args, nearest, tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", f"{tool}.py"), *args], cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    _assert_one_clean_error(result.stdout + result.stderr, f"did you mean {nearest}?")
+    assert not os.listdir(tmp_path)  # it stopped before doing anything
