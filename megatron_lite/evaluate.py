@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError, ParallelConfig
+from megatron_lite.config.arguments import ArgumentParser
 from megatron_lite.data import IndexedDataset
 from megatron_lite.data.data_samplers import collate_gpt_batch
 from megatron_lite.data.sft import format_prompt, load_sft_examples, response_text, split_last_response
@@ -41,9 +42,9 @@ from megatron_lite.tokenizer import TOKENIZER_FIELDS
 from megatron_lite.training.loop import loss_func
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_lite.evaluate", allow_abbrev=False,
-                                     description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m megatron_lite.evaluate", allow_abbrev=False,
+                            description=__doc__.split("\n\n")[0])
     parser.add_argument("--load", required=True, help="checkpoint directory (--save of the training run)")
     parser.add_argument("--data-path", required=True, nargs="+",
                         help="indexed dataset prefix(es); with --sft, JSONL file(s) or preprocessed --sft prefixes")
@@ -61,8 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_command(lambda: print("\n".join(format_results(evaluate_checkpoint(args))), flush=True))
+    return run_command(lambda: print_evaluation(build_parser().parse_args(argv)))
+
+
+def print_evaluation(args: argparse.Namespace) -> None:
+    print("\n".join(format_results(evaluate_checkpoint(args))), flush=True)
 
 
 def evaluate_checkpoint(args: argparse.Namespace) -> dict:

@@ -262,16 +262,22 @@ def test_a_tokenizer_file_of_the_wrong_kind_is_one_error(tmp_path, tokenizer_fla
     assert "Traceback" not in output
 
 
-@pytest.mark.parametrize("tool, args, nearest", [
-    ("print_rank_map", ["--nnode", "1", "--nproc-per-node", "2"], "--nnodes"),
-    ("print_pipeline_schedule", ["--pipeline-model-parallel-size", "2", "--num-microbatches", "4", "--op"], "--ops"),
-    ("build_demo_data", ["--output-dirs", "demo"], "--output-dir"),
-    ("build_sft_demo_data", ["--output-dir", "demo", "--train-example", "3"], "--train-examples"),
-    ("merge_datasets", ["--input", "a", "--output-prefixes", "b"], "--output-prefix"),
-    ("loss_parity", ["--layouts", "1x1x1", "--rtl", "1e-3", "--", "--mock-data"], "--rtol"),
+def _tool(name: str) -> str:
+    return os.path.join(REPO, "tools", f"{name}.py")
+
+
+@pytest.mark.parametrize("command, nearest", [
+    ([_tool("print_rank_map"), "--nnode", "1", "--nproc-per-node", "2"], "--nnodes"),
+    ([_tool("print_pipeline_schedule"), "--pipeline-model-parallel-size", "2", "--num-microbatches", "4", "--op"],
+     "--ops"),
+    ([_tool("build_demo_data"), "--output-dirs", "demo"], "--output-dir"),
+    ([_tool("build_sft_demo_data"), "--output-dir", "demo", "--train-example", "3"], "--train-examples"),
+    ([_tool("merge_datasets"), "--input", "a", "--output-prefixes", "b"], "--output-prefix"),
+    ([_tool("loss_parity"), "--layouts", "1x1x1", "--rtl", "1e-3", "--", "--mock-data"], "--rtol"),
+    (["-m", "megatron_lite.evaluate", "--load", "ckpt", "--data-paths", "corpus"], "--data-path"),
 ])
-def test_a_mistyped_tool_flag_is_one_line_with_the_nearest_flag(tool, args, nearest, tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", f"{tool}.py"), *args], cwd=tmp_path,
+def test_a_mistyped_tool_flag_is_one_line_with_the_nearest_flag(command, nearest, tmp_path):
+    result = subprocess.run([sys.executable, *command], cwd=tmp_path,
                             env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     _assert_one_clean_error(result.stdout + result.stderr, f"did you mean {nearest}?")
