@@ -42,7 +42,7 @@ from megatron_lite.tokenizer import TOKENIZER_FIELDS
 from megatron_lite.training.loop import loss_func
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m megatron_lite.evaluate", allow_abbrev=False,
                             description=__doc__.split("\n\n")[0])
     parser.add_argument("--load", required=True, help="checkpoint directory (--save of the training run)")
@@ -62,13 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Parsed inside run_command, so a mistyped flag is its one ``error:`` line, as in generate.
-    return run_command(_evaluate_and_print, argv)
+    return run_command(lambda: print_evaluation(build_parser().parse_args(argv)))
 
 
-def _evaluate_and_print(argv: list[str] | None) -> None:
-    results = evaluate_checkpoint(build_parser().parse_args(argv))
-    print("\n".join(format_results(results)), flush=True)
+def print_evaluation(args: argparse.Namespace) -> None:
+    print("\n".join(format_results(evaluate_checkpoint(args))), flush=True)
 
 
 def evaluate_checkpoint(args: argparse.Namespace) -> dict:

@@ -74,8 +74,40 @@ def test_missing_data_under_torchrun_is_reported_once_by_the_rank_that_found_it(
     code, output, _ = _run([*TINY, "--vocab-size", "64", "--data-path", "/nonexistent/corpus_text_document"],
                            ranks=2)
     assert code != 0
-    _assert_one_clean_error(output, "/nonexistent/corpus_text_document.idx does not exist", "--data-path")
+    _assert_one_clean_error(output, "--data-path: /nonexistent/corpus_text_document.idx, "
+                                    "/nonexistent/corpus_text_document.bin do not exist")
     assert "Root Cause" in output and "rank      : 0" in output.split("Root Cause")[1]  # torchrun blames rank 0
+
+
+def _write_prefix(prefix: str) -> str:
+    from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
+
+    builder = IndexedDatasetBuilder(data_file_path(prefix), dtype=__import__("numpy").uint16)
+    for _ in range(4):
+        builder.add_document(__import__("numpy").arange(40, dtype="uint16") % 60)
+    builder.finalize(index_file_path(prefix))
+    return prefix
+
+
+def test_a_missing_data_path_of_a_blend_fails_before_the_model_is_built(tmp_path):
+    present, absent = _write_prefix(str(tmp_path / "a_text_document")), str(tmp_path / "b_text_document")
+    code, output, _ = _run([*TINY, "--vocab-size", "64", "--data-path", "0.3", present, "0.7", absent])
+    assert code == 2
+    _assert_one_clean_error(output, f"--data-path: {absent}.idx, {absent}.bin do not exist",
+                            "prefix without .bin/.idx")
+    assert present not in _error_lines(output)[0] and " model: " not in output
+
+
+def test_a_missing_fine_tuning_path_fails_before_the_model_is_built(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1 2", "response": "3"}\n')
+    code, output, _ = _run([*TINY, "--vocab-size", "64", "--sft", "--tokenizer-type", "NullTokenizer",
+                            "--train-data-path", str(train), "--valid-data-path", str(tmp_path / "valid"),
+                            "--test-data-path", str(tmp_path / "test.jsonl")])
+    assert code == 2
+    _assert_one_clean_error(output, f"--valid-data-path {tmp_path / 'valid'}, --test-data-path "
+                                    f"{tmp_path / 'test.jsonl'} do not exist", "PREFIX_text_document.bin/.idx")
+    assert str(train) + "," not in output and " model: " not in output
 
 
 @pytest.mark.parametrize("save", ["/proc/megatron_lite_ckpt", "FILE/ckpt", "FILE"])
@@ -239,3 +271,25 @@ def test_a_tokenizer_file_of_the_wrong_kind_is_one_error(tmp_path, tokenizer_fla
     assert code != 0
     _assert_one_clean_error(output, *fragments)
     assert "Traceback" not in output
+
+
+def _tool(name: str) -> str:
+    return os.path.join(REPO, "tools", f"{name}.py")
+
+
+@pytest.mark.parametrize("command, nearest", [
+    ([_tool("print_rank_map"), "--nnode", "1", "--nproc-per-node", "2"], "--nnodes"),
+    ([_tool("print_pipeline_schedule"), "--pipeline-model-parallel-size", "2", "--num-microbatches", "4", "--op"],
+     "--ops"),
+    ([_tool("build_demo_data"), "--output-dirs", "demo"], "--output-dir"),
+    ([_tool("build_sft_demo_data"), "--output-dir", "demo", "--train-example", "3"], "--train-examples"),
+    ([_tool("merge_datasets"), "--input", "a", "--output-prefixes", "b"], "--output-prefix"),
+    ([_tool("loss_parity"), "--layouts", "1x1x1", "--rtl", "1e-3", "--", "--mock-data"], "--rtol"),
+])
+def test_a_mistyped_tool_flag_is_one_line_with_the_nearest_flag(command, nearest, tmp_path):
+    """(megatron_lite.evaluate has its own test above.)"""
+    result = subprocess.run([sys.executable, *command], cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    _assert_one_clean_error(result.stdout + result.stderr, f"did you mean {nearest}?")
+    assert not os.listdir(tmp_path)  # it stopped before doing anything

@@ -9,11 +9,13 @@ train. README's fine-tuning section trains on it and measures exact match with m
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import sys
+
+from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.process_groups.failures import run_command
 
 LETTERS = range(1, 9)
 SEPARATOR = 9
@@ -56,14 +58,17 @@ def write_splits(output_dir: str, *, train: int = 4000, valid: int = 100, test: 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return run_command(build, argv)
+
+
+def build(argv) -> None:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--train-examples", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for name, path in write_splits(args.output_dir, train=args.train_examples, seed=args.seed).items():
         print(f"{name}: {path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,11 +9,18 @@ import argparse
 import sys
 import time
 
+from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.process_groups.failures import run_command
 from megatron_lite.training.loss_parity import Layout, max_relative_difference, run_layout
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return run_command(compare_layouts, argv)
+
+
+def compare_layouts(argv) -> int:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            allow_abbrev=False)
     parser.add_argument("--layouts", nargs="+", type=Layout.parse, required=True, help="TPxPPxDP, control first")
     parser.add_argument("--rtol", type=float, default=1e-5)
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the training flags shared by every run")

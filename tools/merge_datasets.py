@@ -9,8 +9,10 @@ import argparse
 import os
 import sys
 
-from megatron_lite.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError,
-                                                data_file_path, index_file_path)
+from megatron_lite.config import ConfigError
+from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, data_file_path, index_file_path
+from megatron_lite.process_groups.failures import run_command
 
 
 def input_prefixes(inputs: list[str]) -> list[str]:
@@ -25,25 +27,24 @@ def input_prefixes(inputs: list[str]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return run_command(merge, argv)
+
+
+def merge(argv) -> None:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            allow_abbrev=False)
     parser.add_argument("--input", nargs="+", required=True, help="directories and/or dataset prefixes")
     parser.add_argument("--output-prefix", required=True)
     args = parser.parse_args(argv)
     prefixes = input_prefixes(args.input)
     if not prefixes:
-        print(f"error: no .idx files found in --input {args.input}", file=sys.stderr)
-        return 1
-    try:
-        dtype = IndexedDataset(prefixes[0]).dtype
-        with IndexedDatasetBuilder(data_file_path(args.output_prefix), dtype) as builder:
-            for prefix in prefixes:
-                builder.add_index(prefix)
-            builder.finalize(index_file_path(args.output_prefix))
-    except (IndexedDatasetError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        raise ConfigError(f"no .idx files found in --input {args.input}")
+    dtype = IndexedDataset(prefixes[0]).dtype
+    with IndexedDatasetBuilder(data_file_path(args.output_prefix), dtype) as builder:
+        for prefix in prefixes:
+            builder.add_index(prefix)
+        builder.finalize(index_file_path(args.output_prefix))
     print(f"merged {len(prefixes)} datasets into {args.output_prefix}")
-    return 0
 
 
 if __name__ == "__main__":

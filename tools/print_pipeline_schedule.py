@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_lite.config import ConfigError
+from megatron_lite.config.arguments import ArgumentParser
 from megatron_lite.pipeline_parallel.schedule_table import (BACKWARD, build_schedule, in_flight_bound,
                                                             peak_in_flight)
 from megatron_lite.pipeline_parallel.timeline import simulate
+from megatron_lite.process_groups.failures import run_command
 
 
 def timeline_rows(table, backward_cost: int) -> list[str]:
@@ -65,7 +66,12 @@ def report(pipeline_model_parallel_size: int, num_microbatches: int, virtual_siz
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return run_command(print_schedule, argv)
+
+
+def print_schedule(argv) -> None:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            allow_abbrev=False)
     parser.add_argument("--pipeline-model-parallel-size", type=int, required=True)
     parser.add_argument("--num-microbatches", type=int, required=True,
                         help="--global-batch-size / (--micro-batch-size x data-parallel size)")
@@ -74,13 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--backward-cost", type=int, default=2, help="backward time in forwards (default 2)")
     parser.add_argument("--ops", action="store_true", help="also list every rank's ops, communication included")
     args = parser.parse_args(argv)
-    try:
-        print(report(args.pipeline_model_parallel_size, args.num_microbatches,
-                     args.virtual_pipeline_model_parallel_size, args.forward_only, args.backward_cost, args.ops))
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    print(report(args.pipeline_model_parallel_size, args.num_microbatches,
+                 args.virtual_pipeline_model_parallel_size, args.forward_only, args.backward_cost, args.ops))
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ ranks, so global rank r lives on node r // nproc_per_node.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.config.arguments import ArgumentParser, parse_args
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.process_groups.failures import run_command
 from megatron_lite.process_groups.parallel_state import RankLayout
 
 
@@ -59,28 +59,25 @@ def format_rank_map(rows: list[dict], config: Config, hostnames: list[str]) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    return run_command(print_rank_map, sys.argv[1:] if argv is None else argv)
+
+
+def print_rank_map(argv: list[str]) -> None:
     own, training = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--nnodes", type=int, required=True)
     parser.add_argument("--nproc-per-node", type=int, required=True)
     parser.add_argument("--hostnames", nargs="*", default=[], help="node names in node-rank order")
     args = parser.parse_args(own)
-    try:
-        if args.nnodes < 1 or args.nproc_per_node < 1:
-            raise ConfigError(f"--nnodes ({args.nnodes}) and --nproc-per-node ({args.nproc_per_node}) must be >= 1.")
-        config = parse_args(training)
-        parallel = config.parallel
-        rows = rank_map(args.nnodes, args.nproc_per_node, parallel.tensor_model_parallel_size,
-                        parallel.pipeline_model_parallel_size)
-        text = format_rank_map(rows, config, args.hostnames)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(text)
+    if args.nnodes < 1 or args.nproc_per_node < 1:
+        raise ConfigError(f"--nnodes ({args.nnodes}) and --nproc-per-node ({args.nproc_per_node}) must be >= 1.")
+    config = parse_args(training)
+    parallel = config.parallel
+    rows = rank_map(args.nnodes, args.nproc_per_node, parallel.tensor_model_parallel_size,
+                    parallel.pipeline_model_parallel_size)
+    print(format_rank_map(rows, config, args.hostnames))
     for warning in layout_warnings(args.nproc_per_node, parallel.tensor_model_parallel_size):
         print(f"warning: {warning}")
-    return 0
 
 
 if __name__ == "__main__":

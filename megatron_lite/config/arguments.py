@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import sys
 import typing
 
 from megatron_lite.checkpointing.architecture import model_args_from_checkpoint
@@ -65,9 +66,20 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(f"{message}; see --help.")
 
     def parse_args(self, args=None, namespace=None):
-        parsed, unknown = self.parse_known_args(args, namespace)
+        args = sys.argv[1:] if args is None else list(args)
+        try:
+            parsed, unknown = self.parse_known_args(args, namespace)
+        except ConfigError:
+            # A mistyped required flag reads as a missing one: name the typo, which is what to fix.
+            self.refuse_unknown(self._unknown_flags(args))
+            raise
         self.refuse_unknown(unknown)
         return parsed
+
+    def _unknown_flags(self, args: list[str]) -> list[str]:
+        """The --flags in ``args`` this parser does not know, up to a "--" (after it, another command's flags)."""
+        own = args[:args.index("--")] if "--" in args else args
+        return [arg for arg in own if arg.startswith("--") and arg.split("=", 1)[0] not in self._option_string_actions]
 
     def refuse_unknown(self, unknown: list[str]) -> None:
         if unknown:

@@ -93,8 +93,8 @@ class IndexedDatasetBuilder:
         """Appends a whole existing dataset (same dtype), keeping its document boundaries."""
         other = IndexedDataset(path_prefix)
         if other.dtype != self.dtype:
-            raise ValueError(f"{path_prefix} holds {other.dtype} tokens but this output is {self.dtype}; "
-                             "merge datasets built with tokenizers of the same vocabulary size class.")
+            raise IndexedDatasetError(f"{path_prefix} holds {other.dtype} tokens but this output is {self.dtype}; "
+                                      "merge datasets built with tokenizers of the same vocabulary size class.")
         offset = len(self.sequence_lengths)
         self.sequence_lengths.extend(other.sequence_lengths.tolist())
         self.document_indices.extend((offset + other.document_indices[1:]).tolist())

@@ -84,8 +84,9 @@ def global_rank() -> int:
 def run_command(body, *args) -> int:
     """Run a command's ``body(*args)`` and return its exit code (see the module docstring)."""
     try:
-        body(*args)
-        return 0
+        status = body(*args)
+        # A tool's body may return its own verdict (loss_parity's 1 for a ladder above --rtol).
+        return status if isinstance(status, int) else 0
     except FailedOnAnotherRank as error:
         _leave_after_the_reporting_rank()
         return USER_ERROR_EXIT_CODE if error.user_error else BUG_EXIT_CODE

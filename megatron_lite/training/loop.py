@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_lite import checkpointing, kernels
 from megatron_lite.config import Config
+from megatron_lite.data.preflight import check_data_paths
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
 from megatron_lite.checkpointing.preflight import check_checkpoint_paths
@@ -172,6 +173,7 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     total_parameters = count_parameters(config)
     failures.run_on_every_rank(lambda: check_checkpoint_paths(config, total_parameters),
                                "check the --save/--load directories")
+    failures.run_on_every_rank(lambda: check_data_paths(config.data), "check the data paths")
     if not _resumes(config):  # a fresh run's batches all lie ahead: any that cannot split fails now, early
         check_batches_ahead(config, calculator, consumed_samples=0)
     trainable_parameters = count_parameters(config, trainable_only=True) if config.peft.peft else None

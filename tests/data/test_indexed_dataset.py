@@ -97,7 +97,7 @@ def test_merge_keeps_documents(tmp_path, load_tool):
     assert [merged[i].tolist() for i in range(len(merged))] == SEQUENCES + [[9, 9], [8]]
     assert merged.document_indices.tolist() == [0, 2, 5, 6, 7]
     c = write(tmp_path / "c", [[1]], dtype=np.int32)
-    assert load_tool("merge_datasets").main(["--input", a, c, "--output-prefix", str(tmp_path / "ac")]) == 1
+    assert load_tool("merge_datasets").main(["--input", a, c, "--output-prefix", str(tmp_path / "ac")]) == 2
     assert not os.path.exists(tmp_path / "ac.idx") and not os.path.exists(tmp_path / "ac.bin")
 
 

@@ -138,8 +138,13 @@ def load_sft_examples(paths: list[str], tokenizer, prompt_format: str) -> SFTExa
     return SFTExamples([_read_source(path, tokenizer, prompt_format) for path in paths])
 
 
+def is_preprocessed_sft(path: str) -> bool:
+    """Whether ``path`` is the --output-prefix of tools/preprocess_data.py --sft (else it is a JSONL file)."""
+    return os.path.isfile(index_file_path(output_prefix_for(path, TOKENS_KEY)))
+
+
 def _read_source(path: str, tokenizer, prompt_format: str) -> tuple:
-    if os.path.isfile(index_file_path(output_prefix_for(path, TOKENS_KEY))):
+    if is_preprocessed_sft(path):
         _check_prompt_format(path, prompt_format)
         return _read_preprocessed(path)
     ids, masks, problems = [], [], []

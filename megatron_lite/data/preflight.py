@@ -1,0 +1,38 @@
+"""Checks on the data flags made at start-up, before the model is built.
+
+Without them a mistyped --data-path fails only when the datasets are built, after the
+model and optimizer: on a large model, minutes of start-up lost to a typo.
+"""
+from __future__ import annotations
+
+import os
+
+from megatron_lite.config import ConfigError, DataConfig
+from megatron_lite.data.dataset_builder import parse_data_path
+from megatron_lite.data.indexed_dataset import data_file_path, index_file_path
+from megatron_lite.data.sft.examples import is_preprocessed_sft
+
+
+def check_data_paths(data: DataConfig) -> None:
+    """Raise one ConfigError naming the data flag(s), the paths that do not exist, and the files expected."""
+    if data.sft:
+        flags = (("--train-data-path", data.train_data_path), ("--valid-data-path", data.valid_data_path),
+                 ("--test-data-path", data.test_data_path))
+        missing = [f"{flag} {path}" for flag, paths in flags for path in paths
+                   if not (os.path.isfile(path) or is_preprocessed_sft(path))]
+        if missing:
+            raise ConfigError(f"{', '.join(missing)} {_do_not_exist(missing)}; fine-tuning data is JSONL files, or "
+                              "the --output-prefix PREFIX of tools/preprocess_data.py --sft (which writes "
+                              "PREFIX_text_document.bin/.idx and PREFIX_loss_mask_document.bin/.idx).")
+    elif not data.mock_data:
+        _, prefixes = parse_data_path(data.data_path)
+        missing = [path for prefix in prefixes for path in (index_file_path(prefix), data_file_path(prefix))
+                   if not os.path.isfile(path)]
+        if missing:
+            raise ConfigError(f"--data-path: {', '.join(missing)} {_do_not_exist(missing)}; it takes each "
+                              "dataset's prefix without .bin/.idx (for example my-corpus_text_document), as "
+                              "written by tools/preprocess_data.py.")
+
+
+def _do_not_exist(paths: list[str]) -> str:
+    return "does not exist" if len(paths) == 1 else "do not exist"
