@@ -104,7 +104,8 @@ def test_user_errors_print_the_fix_without_a_traceback(tmp_path, capsys):
     flags = [f for f in BASE if f != "--mock-data"] + ["--train-iters", "1", "--data-path", str(tmp_path / "none")]
     assert main(flags) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "--data-path takes the prefix" in err and "Traceback" not in err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert "--data-path" in err and "prefix without .bin/.idx" in err
 
 
 def test_start_up_summary_counts_parameters_per_stage_and_the_batch():
