@@ -93,7 +93,7 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not fused.available():
-        sys.exit("bench_kernels needs a CUDA GPU and the built extension (see README: Fused kernels)")
+        sys.exit("bench_kernels needs a CUDA GPU and the built extension (see docs/kernels.md)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
 
     rows = []

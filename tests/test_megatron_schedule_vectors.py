@@ -96,7 +96,7 @@ def test_iterations_for_train_samples_match_megatrons_update_train_iters(kind, p
 
 def test_step_schedule_thresholds_in_samples():
     """Megatron reads a threshold through a float (``int(float("2.01") * 1000)`` is 2009); we read it exactly
-    (2010), a deliberate difference documented in README.md and config/batch_size_schedule.py. It moves a
+    (2010), a deliberate difference documented in docs/training.md and config/batch_size_schedule.py. It moves a
     threshold by one token, so by at most one sample; everywhere else the schedules are Megatron's."""
     deliberate = {("0:1 2.01K:2 257.28M:3", 1): [[0, 1], [2010, 2], [257280000, 3]],
                   ("0:8 257.28M:16", 2048): [[0, 8], [125625, 16]]}
@@ -111,7 +111,7 @@ def test_step_schedule_thresholds_in_samples():
 
 
 def test_iteration_flags_under_a_step_schedule_count_the_final_batch(monkeypatch):
-    """A deliberate difference (README.md): with --step-batch-size-schedule and --train-iters, Megatron-Core
+    """A deliberate difference (docs/training.md): with --step-batch-size-schedule and --train-iters, Megatron-Core
     0.20 converts --lr-decay-iters/--lr-warmup-iters/--train-iters to samples with --global-batch-size, which
     it refuses next to a schedule and so sets to micro batch x dp (here 4); we use the schedule's last batch
     (32), as for --rampup-batch-size, so the flags keep meaning iterations of the full batch. Megatron's code

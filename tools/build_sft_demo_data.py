@@ -5,7 +5,7 @@
 writes train.jsonl, valid.jsonl and test.jsonl of {"prompt", "response"} lines for
 --tokenizer-type NullTokenizer (text is space-separated ids): letters are ids 1 to 8, the prompt is
 the string then the separator 9, the response the string reversed. Test strings never occur in
-train. README's fine-tuning section trains on it and measures exact match with megatron_lite.evaluate.
+train. docs/fine_tuning.md trains on it and measures exact match with megatron_lite.evaluate.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""End to end, through the two commands the README shows: fine-tune a small GPT from scratch with --sft
+"""End to end, through the two commands docs/fine_tuning.md shows: fine-tune a small GPT from scratch with --sft
 on a task a random model cannot do (reverse 3-6 letters: 1 chance in 8^3 or less per answer), then
 measure greedy exact match on held-out strings with megatron_lite.evaluate (measured: 100 of 100)."""
 import json
