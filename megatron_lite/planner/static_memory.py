@@ -194,6 +194,8 @@ def _chunk_memory(config: Config, chunk: list[ParamSpec], tied_embedding: bool, 
     param_b, grad_b = dtype_bytes(config), gradient_dtype_bytes(config)
     owned = sum(_owned(b, sharding.num_shards, sharding.shard_rank) for b in plan)
     gradients, host_gradients = sharding.stored_gradient_elements(sizes)
+    # Which units are whole at once (ZeRO-3's schedule; the other strategies gather nothing, so
+    # their ``gathered_elements`` is 0 whatever these say).
     unit_elements: dict = {}
     for b in plan:
         unit_elements[b.unit] = unit_elements.get(b.unit, 0) + b.padded
