@@ -20,7 +20,9 @@ under ZeRO-3 one bucket per *unit* (the embedding, each transformer layer, and t
 final norm and output layer), whatever the size. When sharded each bucket is padded to a
 multiple of d and split into d equal shards, rank r owning shard r, and the word embedding
 that two pipeline stages share gets buckets of its own; so which elements a rank owns
-follows the bucket plan exactly (``buckets`` runs the code's own planner).
+follows the bucket plan exactly (``buckets`` runs the code's own planner). What each strategy
+stores is counted by the strategy object training uses (``distributed/sharding_strategy.py``),
+built over a mock group of the planned size:
 
 - ``no_shard``: everything replicated; the parameters are the module's own (no padding).
 - ``optim`` (ZeRO-1, ``--use-distributed-optimizer``): optimizer state for the shard only;
@@ -39,9 +41,9 @@ import functools
 from dataclasses import dataclass, field
 
 from megatron_lite.config import Config
-from megatron_lite.distributed.distributed_data_parallel import default_bucket_size
-from megatron_lite.distributed.param_and_grad_buffer import plan_buckets
+from megatron_lite.distributed.sharding_strategy import NoShard, sharding_strategy
 from megatron_lite.planner.parameters import ParamSpec, chunk_parameters, fsdp_unit, rank_chunk_shapes
+from megatron_lite.process_groups.collectives import MockGroup
 
 
 @dataclass(frozen=True)
@@ -84,32 +86,33 @@ def optimizer_bytes_per_element(config: Config) -> int:
     return 4 * (states + main_copy + grad_copy)
 
 
+def planned_sharding(config: Config, data_parallel_size: int, data_parallel_rank: int = 0) -> NoShard:
+    """The sharding strategy DistributedDataParallel builds for ``config``, on data-parallel rank
+    ``data_parallel_rank`` of ``data_parallel_size``."""
+    group = MockGroup(ranks=tuple(range(data_parallel_size)), global_rank=data_parallel_rank)
+    return sharding_strategy(config.parallel, group)
+
+
 @dataclass(frozen=True)
 class Bucket:
     real: int  # parameter elements
     padded: int  # with the padding that makes it divisible by the data-parallel size
-    unit: str | None  # ZeRO-3: the unit it belongs to (``parameters.fsdp_unit``), else None
+    unit: str  # the unit (``parameters.fsdp_unit``) of its first parameter; under ZeRO-3, of all of them
 
 
 def buckets(chunk: list[ParamSpec], config: Config, data_parallel_size: int) -> list[Bucket]:
     """The gradient buffer's buckets for one chunk, as DistributedDataParallel builds them for
     ``config.parallel``'s sharding strategy."""
-    parallel = config.parallel
-    sharded = parallel.use_distributed_optimizer
-    # ZeRO-3 gathers a bucket at a time: its buckets are its units, whatever the bucket size.
-    bucket_size = None if parallel.shards_parameters else default_bucket_size(parallel, data_parallel_size)
-    unit_of = fsdp_unit if parallel.shards_parameters else (lambda spec: None)
     ordered = list(reversed(chunk))  # backward order: the buffer starts with the last layer
-    plans = plan_buckets(ordered, bucket_size, data_parallel_size if sharded else 1,
-                         lambda spec: sharded and spec.shared_embedding, unit_of)
-    return [Bucket(sum(s.elements for s in ordered[first:last]), padded, unit_of(ordered[first]))
+    plans = planned_sharding(config, data_parallel_size).bucket_plan(ordered, fsdp_unit)
+    return [Bucket(sum(s.elements for s in ordered[first:last]), padded, fsdp_unit(ordered[first]))
             for first, last, padded in plans]
 
 
-def _owned(bucket: Bucket, data_parallel_size: int, data_parallel_rank: int) -> int:
-    """Real elements in rank r's shard: the padding sits at the end of the bucket."""
-    shard = bucket.padded // data_parallel_size
-    return min(shard, max(0, bucket.real - data_parallel_rank * shard))
+def _owned(bucket: Bucket, num_shards: int, shard_rank: int) -> int:
+    """Real elements in shard ``shard_rank``: the padding sits at the end of the bucket."""
+    shard = bucket.padded // num_shards
+    return min(shard, max(0, bucket.real - shard_rank * shard))
 
 
 def recompute_groups(config: Config, layers: list[str]) -> list[list[str]]:
@@ -185,31 +188,24 @@ class _Chunk:
 def _chunk_memory(config: Config, chunk: list[ParamSpec], tied_embedding: bool, d: int, r: int) -> _Chunk:
     """One DistributedDataParallel's buffers (``param_and_grad_buffer.py``) and this rank's optimizer
     share; ``tied_embedding``: the chunk's output layer borrows its word embedding."""
-    parallel = config.parallel
+    sharding = planned_sharding(config, d, r)
     plan = buckets(chunk, config, d)
-    padded = sum(b.padded for b in plan)
+    sizes = [b.padded for b in plan]
     param_b, grad_b = dtype_bytes(config), gradient_dtype_bytes(config)
-    owned = sum(_owned(b, d, r) for b in plan) if parallel.use_distributed_optimizer else padded
-    # no_shard: the module's own parameters (no padding); optim, optim_grads: the flat buffer; ZeRO-3: a shard.
-    parameters = padded // d if parallel.shards_parameters else padded
-    gradients, host_gradients = padded * grad_b, 0
-    if parallel.shards_gradients:
-        # A shard of the averaged gradients, plus the staging pool: one bucket filling and, with
-        # --overlap-grad-reduce, one being reduce-scattered.
-        staging = (1 + parallel.overlap_grad_reduce) * max((b.padded for b in plan), default=0) * grad_b
-        gradients = padded // d * grad_b + staging
-        host_gradients = padded // d * grad_b if parallel.grad_cpu_offload else 0
-    peak_gathered = 0
-    if parallel.shards_parameters:
-        unit_bytes: dict = {}
-        for b in plan:
-            unit_bytes[b.unit] = unit_bytes.get(b.unit, 0) + b.padded * param_b
-        order = list(dict.fromkeys(fsdp_unit(spec) for spec in chunk))  # forward order: the root ("") is last
-        layers = [u for u in order if u.startswith("decoder.layers.")]
-        together = gathered_together(order, prefetch=parallel.overlap_param_gather, tied_embedding=tied_embedding,
-                                     groups=recompute_groups(config, layers))
-        peak_gathered = max((sum(unit_bytes[u] for u in units) for units in together), default=0)
-    return _Chunk(parameters * param_b, peak_gathered, gradients, host_gradients, owned, plan)
+    owned = sum(_owned(b, sharding.num_shards, sharding.shard_rank) for b in plan)
+    gradients, host_gradients = sharding.stored_gradient_elements(sizes)
+    # Which units are whole at once (ZeRO-3's schedule; the other strategies gather nothing, so
+    # their ``gathered_elements`` is 0 whatever these say).
+    unit_elements: dict = {}
+    for b in plan:
+        unit_elements[b.unit] = unit_elements.get(b.unit, 0) + b.padded
+    order = list(dict.fromkeys(fsdp_unit(spec) for spec in chunk))  # forward order: the root ("") is last
+    layers = [u for u in order if u.startswith("decoder.layers.")]
+    together = gathered_together(order, prefetch=config.parallel.overlap_param_gather, tied_embedding=tied_embedding,
+                                 groups=recompute_groups(config, layers))
+    return _Chunk(sharding.stored_parameter_elements(sizes) * param_b,
+                  sharding.gathered_elements(unit_elements, together) * param_b,
+                  gradients * grad_b, host_gradients * grad_b, owned, plan)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -28,7 +28,8 @@ from megatron_lite.planner.cluster import Cluster, Link
 from megatron_lite.planner.layouts import Layout
 from megatron_lite.planner.parameters import ChunkShape, distinct_stages, rank_chunk_shapes
 from megatron_lite.planner.pipeline import bubble_fraction
-from megatron_lite.planner.static_memory import StaticMemory, dtype_bytes, gradient_dtype_bytes, static_memory
+from megatron_lite.planner.static_memory import (StaticMemory, dtype_bytes, gradient_dtype_bytes, planned_sharding,
+                                                 static_memory)
 from megatron_lite.training import metrics
 
 # Bytes of memory traffic per fp32 element the optimizer owns, per step. torch.optim.AdamW
@@ -125,7 +126,7 @@ def training_dtype(layout: Layout) -> str:
 def _data_parallel_s(layout: Layout, cluster: Cluster, memory: StaticMemory, stage_forward: float,
                      stage_backward: float) -> float:
     """Exposed data-parallel communication of one stage per step."""
-    config, strategy = layout.config, layout.sharding_strategy
+    config = layout.config
     t, d, m = layout.tensor_model_parallel_size, layout.data_parallel_size, layout.num_microbatches
     if d == 1:
         return 0.0
@@ -134,20 +135,14 @@ def _data_parallel_s(layout: Layout, cluster: Cluster, memory: StaticMemory, sta
     last_bucket = max(memory.bucket_elements) / padded  # the share no overlap can hide
     grads, params = padded * gradient_dtype_bytes(config), padded * dtype_bytes(config)
 
-    def exposed(seconds: float, window: float, overlapped: bool) -> float:
-        return max(seconds - window, seconds * last_bucket) if overlapped else seconds
+    def exposed(window: float):
+        return lambda seconds, overlapped: max(seconds - window, seconds * last_bucket) if overlapped else seconds
 
-    overlap_grads, overlap_params = config.parallel.overlap_grad_reduce, config.parallel.overlap_param_gather
-    if strategy == "no_shard":
-        return exposed(all_reduce_s(grads, d, link), stage_backward, overlap_grads)
-    gather = gather_or_scatter_s(params, d, link)
-    scatter = gather_or_scatter_s(grads, d, link)
-    if strategy == "optim":
-        return exposed(scatter, stage_backward, overlap_grads) + exposed(gather, stage_forward, overlap_params)
-    if strategy == "optim_grads":  # no full gradient buffer to accumulate into: every micro-batch scatters
-        return m * exposed(scatter, stage_backward, overlap_grads) + exposed(gather, stage_forward, overlap_params)
-    # ZeRO-3 prefetches the next layer's parameters while this one computes, every forward and backward.
-    return m * (exposed(gather, stage_forward, True) + exposed(gather + scatter, stage_backward, True))
+    # Which collectives run how often, and what hides them, is the strategy's.
+    return planned_sharding(config, d).step_communication_s(
+        microbatches=m, all_reduce_s=all_reduce_s(grads, d, link), reduce_scatter_s=gather_or_scatter_s(grads, d, link),
+        all_gather_s=gather_or_scatter_s(params, d, link), exposed_in_backward=exposed(stage_backward),
+        exposed_in_forward=exposed(stage_forward))
 
 
 def _optimizer_s(layout: Layout, cluster: Cluster, memory: StaticMemory) -> float:
