@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model import flops
 from megatron_lite.planner.cluster import Cluster, Link
-from megatron_lite.training import metrics
 
 REPEATS = 3
 PROBE_MAX_HIDDEN = 1024
@@ -127,8 +127,8 @@ def layer_rate(model: ModelConfig, dtype: torch.dtype, micro_batch_size: int) ->
     def step():
         layer(x, freqs).backward(grad)
 
-    flops = 3 * probe.seq_length * batch * metrics.transformer_layer_flops_per_token(probe)
-    return flops / _best_time(step)
+    layer_flops = 3 * probe.seq_length * batch * flops.transformer_layer_flops_per_token(probe)
+    return layer_flops / _best_time(step)
 
 
 def _fit(small: float, large: float) -> tuple[float, float]:
