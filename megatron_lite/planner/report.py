@@ -75,7 +75,8 @@ def _row(index: int, estimate: Estimate) -> str:
     return (f"{index:>3} {d['tensor_model_parallel_size']:>3} {d['pipeline_model_parallel_size']:>3} "
             f"{d['virtual_pipeline_model_parallel_size']:>3} {d['data_parallel_size']:>5} {d['micro_batch_size']:>3} "
             f"{d['num_microbatches']:>5} {recompute:<10} {d['data_parallel_sharding_strategy']:<18} "
-            f"{seconds_text(estimate.time.step_time_s):>8} {estimate.tokens_per_second:>10,.0f} {estimate.tflops_per_gpu:>7.1f} "
+            f"{seconds_text(estimate.time.step_time_s):>8} {estimate.tokens_per_second:>10,.0f} "
+            f"{estimate.tflops_per_gpu:>7.1f} "
             f"{100 * estimate.mfu:>5.1f}% {estimate.time.bubble_fraction:>6.3f} "
             f"{estimate.memory.total_bytes / GB:>7.1f}  {'yes' if estimate.fits else 'NO'}")
 
