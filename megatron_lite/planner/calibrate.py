@@ -108,11 +108,12 @@ def probe_model(model: ModelConfig) -> ModelConfig:
 def layer_rate(model: ModelConfig, dtype: torch.dtype, micro_batch_size: int) -> float:
     """FLOP/s of one transformer layer's forward and backward (the model's own layer code)."""
     from megatron_lite.model.transformer_layer import TransformerLayer
+    from megatron_lite.tensor_parallel import TensorParallelConfig
     from megatron_lite.tensor_parallel.random import model_parallel_seed
 
     probe = probe_model(model)
     model_parallel_seed(1234, 0)  # attention dropout draws from the tensor-parallel stream
-    layer = TransformerLayer(probe, layer_number=0, tp_group=None, sequence_parallel=False, params_dtype=dtype)
+    layer = TransformerLayer(probe, layer_number=0, tp_config=TensorParallelConfig(params_dtype=dtype))
     for param in layer.parameters():
         torch.nn.init.normal_(param, std=0.02)
     tokens = min(probe.seq_length * micro_batch_size, PROBE_MAX_TOKENS)
