@@ -16,8 +16,9 @@ from torch import nn
 from megatron_lite import kernels
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ConfigError, ModelConfig
-from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelConfig
+from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint, get_rng_tracker
+from megatron_lite.tensor_parallel.config import TensorParallelConfig
 
 
 class SelfAttention(nn.Module):

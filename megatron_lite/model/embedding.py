@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.tensor_parallel import (TensorParallelConfig, VocabParallelEmbedding,
-                                           scatter_to_sequence_parallel_region)
+from megatron_lite.tensor_parallel import VocabParallelEmbedding, scatter_to_sequence_parallel_region
 from megatron_lite.tensor_parallel.random import get_rng_tracker
+from megatron_lite.tensor_parallel.config import TensorParallelConfig
 
 
 class LanguageModelEmbedding(nn.Module):
