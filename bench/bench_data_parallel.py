@@ -42,6 +42,7 @@ from megatron_lite.model.builder import FSDP_UNIT_MODULES
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.process_groups import collectives
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.tensor_parallel import TensorParallelConfig
 
 MODEL = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1024,
                     hidden_dropout=0.0, attention_dropout=0.0)
@@ -73,7 +74,7 @@ def run(parallel_state, strategy: str, args) -> dict:
     config = ParallelConfig(data_parallel_sharding_strategy=strategy, overlap_grad_reduce=args.overlap,
                             overlap_param_gather=args.overlap and strategy != "no_shard",
                             ddp_bucket_size=args.bucket_size)
-    model = GPTModel(MODEL, parallel_state, params_dtype=dtype)
+    model = GPTModel(MODEL, TensorParallelConfig(parallel_state.tensor_model_parallel_group, params_dtype=dtype))
     initialize_weights([model], MODEL, parallel_state, seed=1234)
     psi = sum(p.numel() for p in model.parameters())
     ddp = DistributedDataParallel(model, config=config, data_parallel_group=parallel_state.data_parallel_group,

@@ -13,6 +13,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.model import GPTModel, initialize_weights
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
+from megatron_lite.tensor_parallel import TensorParallelConfig
 
 LAYERS, HIDDEN, HEADS, SEQ, MICRO_BATCH, VOCAB = 6, 512, 8, 256, 8, 8192
 
@@ -21,7 +22,7 @@ def megatron_lite_model():
     config = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
                          vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0)
     state = initialize_model_parallel(1, 1)
-    model = GPTModel(config, state)
+    model = GPTModel(config, TensorParallelConfig(state.tensor_model_parallel_group))
     initialize_weights([model], config, state, seed=1)
     return model, lambda ids, labels: model(ids, labels=labels).mean()
 

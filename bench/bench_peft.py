@@ -24,7 +24,10 @@ import tempfile
 
 from megatron_lite.evaluate import main as evaluate_main
 from megatron_lite.pretrain_gpt import main as pretrain_main
-from tools.build_sft_demo_data import VOCAB_SIZE, write_splits
+
+# tools/ is not installed with the package: run as a script, the repo root is not on the path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.build_sft_demo_data import VOCAB_SIZE, write_splits  # noqa: E402
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
          "--hidden-dropout", "0", "--attention-dropout", "0", "--vocab-size", str(VOCAB_SIZE)]

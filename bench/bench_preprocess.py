@@ -11,14 +11,18 @@ The last column, the tokenizer alone in this process per CPU-second, does not de
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 
-from megatron_lite.data.demo_corpus import demo_documents
 from megatron_lite.data.preprocess import preprocess_jsonl
 from megatron_lite.tokenizer import build_tokenizer
 from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe
 from megatron_lite.tokenizer.sentencepiece_tokenizer import train_sentencepiece
+
+# tools/ is not installed with the package: run as a script, the repo root is not on the path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.build_demo_data import demo_documents  # noqa: E402
 
 
 def tokens_per_cpu_second(tokenizer_kwargs: dict, documents: list[str]) -> float:

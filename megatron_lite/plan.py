@@ -5,8 +5,9 @@ Size a run before you have the machine. Give the model the way pretraining takes
 global batch, and a cluster (``--cluster`` preset and/or its numbers). With any layout
 flag (``--tensor-model-parallel-size``, ``--micro-batch-size``, ``--recompute-granularity``,
 ...) the planner estimates that layout; without one it tries every valid layout and
-ranks them by estimated throughput, marking those that do not fit. ``--json`` prints
-the same as one JSON object. The models behind the numbers: ``megatron_lite/planner/``.
+ranks them by estimated step time (the pipeline bubble included), marking those that do
+not fit. ``--json`` prints the same as one JSON object. The models behind the numbers:
+``megatron_lite/planner/``.
 
     python -m megatron_lite.plan --cluster a100-80g --num-gpus 1024 --bf16 --num-layers 96 \\
         --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --vocab-size 50257 \\

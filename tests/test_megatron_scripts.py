@@ -22,8 +22,8 @@ import pytest
 from megatron_lite.config import ConfigError
 from megatron_lite.config.arguments import build_parser, parse_args
 from megatron_lite.config.megatron_compat import REFUSED_FLAGS
-from megatron_lite.data.demo_corpus import build_demo_data
 from megatron_lite.pretrain_gpt import main
+from tools.build_demo_data import build_demo_data
 
 GPT3_175B = """
     --num-layers 2                      # 96
@@ -226,7 +226,7 @@ def test_llama3_8b_script_runs(tmp_path, capsys):
 
 def test_gpt3_175b_script_under_torchrun(tmp_path, gpt2_data):
     """The 175B flag set on two ranks (its tensor x pipeline layout scaled to one pipeline split)."""
-    from megatron_lite.training.loss_parity import Layout, run_layout
+    from tools.loss_parity import Layout, run_layout
 
     losses = run_layout(Layout(1, 2, 1), gpt3_argv(tmp_path, gpt2_data), timeout=300)
     assert len(losses) == 3

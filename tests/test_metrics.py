@@ -3,8 +3,9 @@ import re
 
 import pytest
 
-from megatron_lite.training import metrics
 from megatron_lite.config import ModelConfig
+from megatron_lite.model import flops
+from megatron_lite.training import metrics
 
 
 def test_iteration_log_line_matches_megatron():
@@ -30,7 +31,7 @@ def test_flops_match_megatron_formula_for_gpt():
                          vocab_size=50257)
     B, s, layers, h, V = 8, 2048, 24, 2048, 50304
     expected = 72 * B * s * layers * h * h * (1 + s / (6 * h) + V / (12 * layers * h))
-    assert metrics.num_floating_point_operations(config, B, V) == pytest.approx(expected, rel=1e-12)
+    assert flops.num_floating_point_operations(config, B, V) == pytest.approx(expected, rel=1e-12)
 
 
 def test_mfu_above_100_percent_warns():

@@ -14,7 +14,7 @@ from megatron_lite.process_groups.collectives import MockGroup, count_collective
 from megatron_lite.config import ConfigError
 from megatron_lite.process_groups.parallel_state import (RankLayout, destroy_model_parallel, initialize_model_parallel,
                                           mock_parallel_state)
-from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelConfig
 
 # (world, tp, pp): the 1,024-rank layout and others with every axis trivial or not.
 LAYOUTS = [(1024, 8, 8), (1024, 1, 1), (1024, 1024, 1), (1024, 1, 1024), (512, 4, 16), (96, 2, 3), (8, 2, 2),
@@ -80,7 +80,7 @@ def test_mocked_groups_size_layers_but_refuse_to_communicate():
     state = mock_parallel_state(13, 1024, tensor_model_parallel_size=8, pipeline_model_parallel_size=8)
     group = state.tensor_model_parallel_group
     assert (collectives.world_size(group), collectives.rank(group)) == (8, 5)
-    row = RowParallelLinear(64, 16, tp_group=group)
+    row = RowParallelLinear(64, 16, tp_config=TensorParallelConfig(group))
     assert row.weight.shape == (16, 8)
     with pytest.raises(RuntimeError, match="mocked process group"):
         row(torch.zeros(1, 1, 8))
@@ -90,7 +90,7 @@ def test_size_one_groups_are_none():
     state = mock_parallel_state(3, 8, tensor_model_parallel_size=8)
     assert state.data_parallel_group is None and state.pipeline_model_parallel_group is None
     assert state.group_ranks["pipeline"] == [3] and state.is_pipeline_first_stage() and state.is_pipeline_last_stage()
-    column = ColumnParallelLinear(16, 64, tp_group=state.tensor_model_parallel_group)
+    column = ColumnParallelLinear(16, 64, tp_config=TensorParallelConfig(state.tensor_model_parallel_group))
     assert column.weight.shape == (8, 16)
 
 

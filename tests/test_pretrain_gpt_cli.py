@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from megatron_lite.training.loss_parity import Layout, max_relative_difference, run_layout
+from tools.loss_parity import Layout, max_relative_difference, run_layout
 
 FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--vocab-size", "256", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8",

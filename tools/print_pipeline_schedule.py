@@ -17,8 +17,7 @@ import argparse
 import sys
 
 from megatron_lite.config.arguments import ArgumentParser
-from megatron_lite.pipeline_parallel.schedule_table import (BACKWARD, build_schedule, in_flight_bound,
-                                                            peak_in_flight)
+from megatron_lite.pipeline_parallel.schedule_table import build_schedule, in_flight_bound, peak_in_flight
 from megatron_lite.pipeline_parallel.timeline import simulate
 from megatron_lite.process_groups.failures import run_command
 
@@ -30,7 +29,7 @@ def timeline_rows(table, backward_cost: int) -> list[str]:
     ticks = round(timeline.makespan)
 
     def label(op):
-        return ("F" if op.kind != BACKWARD else "B") + str(op.microbatch) + (chr(ord("a") + op.chunk) if v > 1 else "")
+        return op.kind.value + str(op.microbatch) + (chr(ord("a") + op.chunk) if v > 1 else "")
 
     width = 1 + max(len(label(i.op)) for intervals in timeline.intervals for i in intervals)
     rows = []

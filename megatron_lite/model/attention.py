@@ -18,17 +18,18 @@ from megatron_lite.process_groups import collectives
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint, get_rng_tracker
+from megatron_lite.tensor_parallel.config import TensorParallelConfig
 
 
 class SelfAttention(nn.Module):
     """The fused QKV weight is laid out per query group, ``[q heads of the group, k, v]``,
     so a contiguous tensor-parallel shard holds whole groups with their keys and values."""
 
-    def __init__(self, config: ModelConfig, *, layer_number: int, tp_group, sequence_parallel: bool,
-                 params_dtype: torch.dtype, checkpoint_core_attention: bool = False):
+    def __init__(self, config: ModelConfig, *, layer_number: int, tp_config: TensorParallelConfig,
+                 checkpoint_core_attention: bool = False):
         super().__init__()
         self.layer_number = layer_number  # names this layer's entry in a generation's key/value cache
-        tp_size = collectives.world_size(tp_group)
+        tp_size = collectives.world_size(tp_config.tp_group)
         if config.num_query_groups % tp_size:
             raise ConfigError(f"--num-query-groups ({config.num_query_groups}) must be divisible by "
                               f"--tensor-model-parallel-size ({tp_size}).")
@@ -40,12 +41,10 @@ class SelfAttention(nn.Module):
         self.checkpoint_core_attention = checkpoint_core_attention
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, tp_group=tp_group, bias=config.add_bias_linear,
-            sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+            config.hidden_size, qkv_size, tp_config=tp_config, bias=config.add_bias_linear)
         self.linear_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, tp_group=tp_group,
-            bias=config.add_bias_linear, input_is_parallel=True, sequence_parallel=sequence_parallel,
-            skip_bias_add=True, params_dtype=params_dtype)
+            config.num_attention_heads * self.head_dim, config.hidden_size, tp_config=tp_config,
+            bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True)
         # Keys and values to put before the sequence's own (prefix tuning, megatron_lite/peft/prefix_tuning.py).
         self.prefix = None
 

@@ -19,6 +19,7 @@ from megatron_lite.model.weight_init import initialize_weights
 from megatron_lite.peft import apply_peft
 from megatron_lite.pipeline_parallel.layer_split import get_layer_numbers
 from megatron_lite.process_groups.parallel_state import ParallelState, mock_parallel_state
+from megatron_lite.tensor_parallel import TensorParallelConfig
 
 
 # What ZeRO-3 (--data-parallel-sharding-strategy optim_grads_params) gathers one at a time: the
@@ -40,14 +41,19 @@ def build_model_chunk(config: Config, parallel_state: ParallelState, *, pipeline
         decoder_first_pipeline_num_layers=parallel.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=parallel.decoder_last_pipeline_num_layers)
     model = GPTModel(
-        config.model, parallel_state, layer_numbers=layers,
+        config.model, tensor_parallel_config(config, parallel_state), layer_numbers=layers,
         pre_process=pipeline_rank == 0 and virtual_rank == 0,
         post_process=pipeline_rank == pp - 1 and virtual_rank == vpp - 1,
-        sequence_parallel=parallel.sequence_parallel, params_dtype=config.params_dtype,
         recompute_granularity=training.recompute_granularity, recompute_method=training.recompute_method,
         recompute_num_layers=training.recompute_num_layers)
     apply_peft(model, config)
     return model
+
+
+def tensor_parallel_config(config: Config, parallel_state: ParallelState) -> TensorParallelConfig:
+    """What every tensor-parallel layer of this rank's model is told: made here once, handed down."""
+    return TensorParallelConfig(tp_group=parallel_state.tensor_model_parallel_group,
+                                sequence_parallel=config.parallel.sequence_parallel, params_dtype=config.params_dtype)
 
 
 def build_model(config: Config, parallel_state: ParallelState) -> list[GPTModel]:

@@ -1,5 +1,6 @@
 """Token (vocab-parallel) and position embeddings, and rotary position angles."""
 import contextlib
+import dataclasses
 
 import torch
 from torch import nn
@@ -7,16 +8,18 @@ from torch import nn
 from megatron_lite.config import ModelConfig
 from megatron_lite.tensor_parallel import VocabParallelEmbedding, scatter_to_sequence_parallel_region
 from megatron_lite.tensor_parallel.random import get_rng_tracker
+from megatron_lite.tensor_parallel.config import TensorParallelConfig
 
 
 class LanguageModelEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig, *, padded_vocab_size: int, tp_group, sequence_parallel: bool,
-                 params_dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, *, padded_vocab_size: int, tp_config: TensorParallelConfig):
         super().__init__()
-        self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel
-        self.word_embeddings = VocabParallelEmbedding(padded_vocab_size, config.hidden_size, tp_group=tp_group,
-                                                      params_dtype=params_dtype)
+        self.tp_group = tp_config.tp_group
+        self.sequence_parallel = tp_config.sequence_parallel
+        params_dtype = tp_config.params_dtype
+        # Whole sequences from the lookup: positions are added before the sequence is scattered.
+        self.word_embeddings = VocabParallelEmbedding(
+            padded_vocab_size, config.hidden_size, tp_config=dataclasses.replace(tp_config, sequence_parallel=False))
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,

@@ -12,41 +12,41 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_freqs
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.transformer_block import TransformerBlock
-from megatron_lite.process_groups.parallel_state import ParallelState
-from megatron_lite.tensor_parallel import ColumnParallelLinear, gather_from_tensor_model_parallel_region
+from megatron_lite.tensor_parallel import (ColumnParallelLinear, TensorParallelConfig,
+                                           gather_from_tensor_model_parallel_region)
 from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
 class GPTModel(nn.Module):
-    def __init__(self, config: ModelConfig, parallel_state: ParallelState, *, layer_numbers: range | None = None,
-                 pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, recompute_granularity: str | None = None,
+    def __init__(self, config: ModelConfig, tp_config: TensorParallelConfig, *, layer_numbers: range | None = None,
+                 pre_process: bool = True, post_process: bool = True, recompute_granularity: str | None = None,
                  recompute_method: str | None = None, recompute_num_layers: int | None = None):
         super().__init__()
         self.config = config
         self.pre_process = pre_process
         self.post_process = post_process
-        self.sequence_parallel = sequence_parallel
-        self.tp_group = parallel_state.tensor_model_parallel_group
-        self.padded_vocab_size = config.padded_vocab_size(parallel_state.tensor_model_parallel_world_size)
+        self.sequence_parallel = tp_config.sequence_parallel
+        self.tp_group = tp_config.tp_group
+        self.padded_vocab_size = config.padded_vocab_size(collectives.world_size(tp_config.tp_group))
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor = None
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
-        parallel = dict(tp_group=self.tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype)
 
         if pre_process:
-            self.embedding = LanguageModelEmbedding(config, padded_vocab_size=self.padded_vocab_size, **parallel)
+            self.embedding = LanguageModelEmbedding(config, padded_vocab_size=self.padded_vocab_size,
+                                                    tp_config=tp_config)
         self.decoder = TransformerBlock(config, layer_numbers, recompute_granularity=recompute_granularity,
                                         recompute_method=recompute_method,
-                                        recompute_num_layers=recompute_num_layers, **parallel)
+                                        recompute_num_layers=recompute_num_layers, tp_config=tp_config)
         if post_process:
             self.final_layernorm = Norm(config.hidden_size, normalization=config.normalization,
                                         eps=config.norm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,
-                                        sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+                                        sequence_parallel=tp_config.sequence_parallel,
+                                        params_dtype=tp_config.params_dtype)
             tied_here = self.share_embeddings_and_output_weights and pre_process
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
-                skip_weight_param_allocation=tied_here, **parallel)
+                skip_weight_param_allocation=tied_here, tp_config=tp_config)
         if self.share_embeddings_and_output_weights and (pre_process != post_process):
             # First and last stage each hold a copy of the tied embedding; their gradients
             # are summed over the embedding group so the copies stay identical.

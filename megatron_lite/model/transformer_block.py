@@ -4,6 +4,7 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.transformer_layer import TransformerLayer
+from megatron_lite.tensor_parallel import TensorParallelConfig
 from megatron_lite.tensor_parallel.random import checkpoint
 
 
@@ -17,13 +18,12 @@ class TransformerBlock(nn.Module):
     ``selective`` recomputes only the attention core (the s^2 part of the activations).
     """
 
-    def __init__(self, config: ModelConfig, layer_numbers: range, *, tp_group, sequence_parallel: bool,
-                 params_dtype: torch.dtype, recompute_granularity: str | None = None,
+    def __init__(self, config: ModelConfig, layer_numbers: range, *, tp_config: TensorParallelConfig,
+                 recompute_granularity: str | None = None,
                  recompute_method: str | None = None, recompute_num_layers: int | None = None):
         super().__init__()
         self.layers = nn.ModuleDict({
-            str(n): TransformerLayer(config, layer_number=n, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                     params_dtype=params_dtype,
+            str(n): TransformerLayer(config, layer_number=n, tp_config=tp_config,
                                      checkpoint_core_attention=recompute_granularity == "selective")
             for n in layer_numbers})
         self.recompute_full = recompute_granularity == "full"

@@ -9,25 +9,25 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.model.attention import SelfAttention
 from megatron_lite.model.mlp import MLP
 from megatron_lite.model.norm import Norm
+from megatron_lite.tensor_parallel import TensorParallelConfig
 from megatron_lite.tensor_parallel.random import get_rng_tracker
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: ModelConfig, *, layer_number: int, tp_group, sequence_parallel: bool,
-                 params_dtype: torch.dtype, checkpoint_core_attention: bool = False):
+    def __init__(self, config: ModelConfig, *, layer_number: int, tp_config: TensorParallelConfig,
+                 checkpoint_core_attention: bool = False):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init do not depend on the stage
         self.hidden_dropout = config.hidden_dropout
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = tp_config.sequence_parallel
         norm = dict(normalization=config.normalization, eps=config.norm_epsilon,
-                    apply_layernorm_1p=config.apply_layernorm_1p, sequence_parallel=sequence_parallel,
-                    params_dtype=params_dtype)
+                    apply_layernorm_1p=config.apply_layernorm_1p, sequence_parallel=tp_config.sequence_parallel,
+                    params_dtype=tp_config.params_dtype)
         self.input_layernorm = Norm(config.hidden_size, **norm)
-        self.self_attention = SelfAttention(config, layer_number=layer_number, tp_group=tp_group,
-                                            sequence_parallel=sequence_parallel, params_dtype=params_dtype,
+        self.self_attention = SelfAttention(config, layer_number=layer_number, tp_config=tp_config,
                                             checkpoint_core_attention=checkpoint_core_attention)
         self.pre_mlp_layernorm = Norm(config.hidden_size, **norm)
-        self.mlp = MLP(config, tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype)
+        self.mlp = MLP(config, tp_config=tp_config)
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.peft.replicated_linear import ReplicatedLinear
-from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelConfig
 from megatron_lite.tensor_parallel.random import get_rng_tracker
 
 
@@ -53,11 +53,11 @@ class LoRA(nn.Module):
         self.dropout = dropout
         self.row_parallel = isinstance(base, RowParallelLinear)
         self.sequence_parallel = base.sequence_parallel
-        parallel = dict(tp_group=base.tp_group, sequence_parallel=base.sequence_parallel,
-                        params_dtype=base.weight.dtype)
+        tp_config = TensorParallelConfig(tp_group=base.tp_group, sequence_parallel=base.sequence_parallel,
+                                         params_dtype=base.weight.dtype)
         if self.row_parallel:
             self.lora_A = RowParallelLinear(base.input_size, rank, bias=False,
-                                            input_is_parallel=base.input_is_parallel, **parallel)
+                                            input_is_parallel=base.input_is_parallel, tp_config=tp_config)
             self.lora_B = ReplicatedLinear(rank, base.output_size, bias=False,
                                            sequence_parallel=base.sequence_parallel, params_dtype=base.weight.dtype)
         else:
@@ -65,7 +65,7 @@ class LoRA(nn.Module):
                                            sequence_parallel=base.sequence_parallel, params_dtype=base.weight.dtype)
             # A fused [gate; up] weight is split with stride 2; B's rows must be split the same way.
             self.lora_B = ColumnParallelLinear(rank, base.output_size, bias=False,
-                                               partition_stride=base.weight.partition_stride, **parallel)
+                                               partition_stride=base.weight.partition_stride, tp_config=tp_config)
         self.lora_A.weight.full_init = kaiming_uniform
         self.lora_B.weight.full_init = zeros
 

@@ -26,7 +26,8 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.peft.lora import kaiming_uniform
 from megatron_lite.peft.replicated_linear import ReplicatedLinear
 from megatron_lite.process_groups import collectives
-from megatron_lite.tensor_parallel import ColumnParallelLinear, set_tensor_model_parallel_attributes
+from megatron_lite.tensor_parallel import (ColumnParallelLinear, TensorParallelConfig,
+                                           set_tensor_model_parallel_attributes)
 
 
 def standard_normal(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
@@ -61,8 +62,8 @@ class KeyValuePrefix(nn.Module):
         self.embedding.full_init = standard_normal
         self.linear_in = ReplicatedLinear(config.hidden_size, projection_hidden_size, bias=True,
                                           sequence_parallel=False, params_dtype=params_dtype)
-        self.linear_out = ColumnParallelLinear(projection_hidden_size, width, tp_group=tp_group, bias=True,
-                                               params_dtype=params_dtype)
+        self.linear_out = ColumnParallelLinear(projection_hidden_size, width, bias=True,
+                                               tp_config=TensorParallelConfig(tp_group, params_dtype=params_dtype))
         for linear in (self.linear_in, self.linear_out):
             linear.weight.full_init = kaiming_uniform
 

@@ -21,36 +21,41 @@ from each blocking on a send.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Iterator, Union
 
 from megatron_lite.config import ConfigError
 
-FORWARD = "forward"
-BACKWARD = "backward"
-RECV_FORWARD = "recv_forward"  # activation from the previous virtual stage
-SEND_FORWARD = "send_forward"  # activation to the next virtual stage
-RECV_BACKWARD = "recv_backward"  # gradient of our output, from the next virtual stage
-SEND_BACKWARD = "send_backward"  # gradient of our input, to the previous virtual stage
+class OpKind(Enum):
+    """What one op of a rank's table does (``torch.distributed.pipelining``'s ``_ComputationType``);
+    the value is its short name in printed tables."""
 
-COMPUTE_KINDS = (FORWARD, BACKWARD)
+    FORWARD = "F"
+    BACKWARD = "B"
+    RECV_FORWARD = "rF"  # activation from the previous virtual stage
+    SEND_FORWARD = "sF"  # activation to the next virtual stage
+    RECV_BACKWARD = "rB"  # gradient of our output, from the next virtual stage
+    SEND_BACKWARD = "sB"  # gradient of our input, to the previous virtual stage
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (OpKind.FORWARD, OpKind.BACKWARD)
 
 
 @dataclass(frozen=True)
 class ScheduleOp:
     """One step of one rank: ``kind`` applied to ``microbatch`` on model chunk ``chunk``."""
 
-    kind: str
+    kind: OpKind
     microbatch: int
     chunk: int = 0
 
     @property
     def is_compute(self) -> bool:
-        return self.kind in COMPUTE_KINDS
+        return self.kind.is_compute
 
     def __str__(self) -> str:
-        short = {FORWARD: "F", BACKWARD: "B", RECV_FORWARD: "rF", SEND_FORWARD: "sF",
-                 RECV_BACKWARD: "rB", SEND_BACKWARD: "sB"}[self.kind]
-        return f"{short}{self.microbatch}.{self.chunk}"
+        return f"{self.kind.value}{self.microbatch}.{self.chunk}"
 
 
 def check_interleaved_microbatches(num_microbatches: int, pipeline_model_parallel_size: int) -> None:
@@ -134,16 +139,16 @@ def compute_order(pipeline_model_parallel_size: int, pipeline_rank: int, num_mic
         check_interleaved_microbatches(m, p)
 
     def forward(k: int) -> ScheduleOp:
-        return ScheduleOp(FORWARD, *_interleaved_position(k, p, v, forward=True))
+        return ScheduleOp(OpKind.FORWARD, *_interleaved_position(k, p, v, forward=True))
 
     def backward(k: int) -> ScheduleOp:
-        return ScheduleOp(BACKWARD, *_interleaved_position(k, p, v, forward=False))
+        return ScheduleOp(OpKind.BACKWARD, *_interleaved_position(k, p, v, forward=False))
 
     total = m * v
     if forward_only:
         return [(forward(k),) for k in range(total)]
     if p == 1:
-        return [(op,) for i in range(m) for op in (ScheduleOp(FORWARD, i), ScheduleOp(BACKWARD, i))]
+        return [(ScheduleOp(kind, i),) for i in range(m) for kind in (OpKind.FORWARD, OpKind.BACKWARD)]
     warmup = num_warmup_microbatches(p, r, m, v)
     groups = [(forward(k),) for k in range(warmup)]
     for k in range(total - warmup):
@@ -172,10 +177,10 @@ def add_communication(groups: list[tuple[ScheduleOp, ...]], pipeline_model_paral
         for op in group:
             first = is_first_virtual_stage(r, op.chunk)
             last = is_last_virtual_stage(r, op.chunk, p, v)
-            if op.kind == FORWARD:
-                receive, send = (None if first else RECV_FORWARD), (None if last else SEND_FORWARD)
+            if op.kind == OpKind.FORWARD:
+                receive, send = (None if first else OpKind.RECV_FORWARD), (None if last else OpKind.SEND_FORWARD)
             else:
-                receive, send = (None if last else RECV_BACKWARD), (None if first else SEND_BACKWARD)
+                receive, send = (None if last else OpKind.RECV_BACKWARD), (None if first else OpKind.SEND_BACKWARD)
             receives += [ScheduleOp(receive, op.microbatch, op.chunk)] if receive else []
             sends += [ScheduleOp(send, op.microbatch, op.chunk)] if send else []
         ops += receives + list(group) + sends
@@ -224,10 +229,10 @@ def peak_in_flight(ops: list[ScheduleOp]) -> int:
     """Most (micro-batch, chunk) pairs forwarded but not yet backwarded at any point of a rank's list."""
     alive = peak = 0
     for op in ops:
-        if op.kind == FORWARD:
+        if op.kind == OpKind.FORWARD:
             alive += 1
             peak = max(peak, alive)
-        elif op.kind == BACKWARD:
+        elif op.kind == OpKind.BACKWARD:
             alive -= 1
     return peak
 
@@ -235,7 +240,7 @@ def peak_in_flight(ops: list[ScheduleOp]) -> int:
 def peer(op: ScheduleOp, pipeline_model_parallel_size: int, pipeline_rank: int) -> tuple[int, int]:
     """(pipeline rank, chunk) at the other end of a communication op."""
     p, r = pipeline_model_parallel_size, pipeline_rank
-    downstream = op.kind in (SEND_FORWARD, RECV_BACKWARD)
+    downstream = op.kind in (OpKind.SEND_FORWARD, OpKind.RECV_BACKWARD)
     if downstream:
         return (r + 1) % p, op.chunk + (1 if r == p - 1 else 0)
     return (r - 1) % p, op.chunk - (1 if r == 0 else 0)

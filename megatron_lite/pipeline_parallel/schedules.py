@@ -20,10 +20,9 @@ import torch
 
 from megatron_lite.config import ConfigError
 from megatron_lite.pipeline_parallel import p2p
-from megatron_lite.pipeline_parallel.schedule_table import (BACKWARD, FORWARD, RECV_BACKWARD, RECV_FORWARD,
-                                                            SEND_BACKWARD, SEND_FORWARD, ScheduleOp,
-                                                            check_interleaved_microbatches, is_first_virtual_stage,
-                                                            is_last_virtual_stage, rank_schedule, steps)
+from megatron_lite.pipeline_parallel.schedule_table import (OpKind, ScheduleOp, check_interleaved_microbatches,
+                                                            is_first_virtual_stage, is_last_virtual_stage,
+                                                            rank_schedule, steps)
 
 
 def get_forward_backward_func(parallel_state) -> Callable:
@@ -164,7 +163,21 @@ def custom_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]) -
 
 
 class ScheduleExecutor:
-    """Runs one rank's schedule table: each op touches the tensors of one (micro-batch, chunk)."""
+    """Runs one rank's schedule table: each op touches the tensors of one (micro-batch, chunk).
+
+    1F1B with p=2 stages and m=3 micro-batches, as ``steps`` hands each rank's table to
+    ``run`` (F/B: forward/backward of ``<micro-batch>.<chunk>``; sF/rF: send/receive its
+    activation, sB/rB its gradient; brackets: one batched exchange, posted and waited on
+    together); "|" separates warm-up, steady state and cool-down::
+
+        rank 0:  F0.0 [sF0.0] | F1.0 [sF1.0 rB0.0] B0.0 F2.0 [sF2.0 rB1.0] B1.0 | [rB2.0] B2.0
+        rank 1:  (none) | [rF0.0] F0.0 B0.0 [sB0.0 rF1.0] F1.0 B1.0 [sB1.0 rF2.0] F2.0 B2.0 [sB2.0] | (none)
+
+    Rank r warms up with p - r - 1 forwards, so that the first backward reaches it just as
+    it would otherwise idle; in the steady state each forward's send travels with the
+    receive of the next backward's gradient (Megatron's ``send_forward_recv_backward``);
+    the cool-down runs the backwards still owed. A test holds this trace to the tables.
+    """
 
     def __init__(self, *, forward_step_func, data_iterators: list, model: list, num_microbatches: int,
                  parallel_state, tensor_shape: tuple, dtype: torch.dtype, forward_only: bool,
@@ -201,7 +214,7 @@ class ScheduleExecutor:
         """Execute ``ops`` in order; returns the loss dicts (last stage only)."""
         # Gradient reduction is held back until the last backward of each chunk (of the rank, for a
         # single no_sync_func): reducing after every micro-batch would repeat it m times.
-        backwards = [op for op in ops if op.kind == BACKWARD]
+        backwards = [op for op in ops if op.kind == OpKind.BACKWARD]
         if no_sync_func is None or not backwards:
             release = {}
         elif isinstance(no_sync_func, list):
@@ -217,7 +230,7 @@ class ScheduleExecutor:
             for step in steps(ops):
                 if isinstance(step, tuple):
                     self.communicate(step)
-                elif step.kind == FORWARD:
+                elif step.kind == OpKind.FORWARD:
                     self.forward(step)
                 else:
                     if step in release:
@@ -271,27 +284,27 @@ class ScheduleExecutor:
         sends, receives = [], []
         for op in ops:
             key = (op.microbatch, op.chunk)
-            if op.kind == SEND_FORWARD:
+            if op.kind == OpKind.SEND_FORWARD:
                 sends.append((self.outputs[key], ps.pipeline_next_rank))
-            elif op.kind == SEND_BACKWARD:
+            elif op.kind == OpKind.SEND_BACKWARD:
                 gradient = self.input_grads.pop(key)
                 p2p.check_tensor(gradient, self.tensor_shape, self.dtype, "input gradient")
                 sends.append((gradient, ps.pipeline_prev_rank))
-            elif op.kind == RECV_FORWARD:
+            elif op.kind == OpKind.RECV_FORWARD:
                 receives.append((op, ps.pipeline_prev_rank))
-            elif op.kind == RECV_BACKWARD:
+            elif op.kind == OpKind.RECV_BACKWARD:
                 receives.append((op, ps.pipeline_next_rank))
         received = p2p.exchange(sends=sends, receives=[source for _, source in receives], shape=self.tensor_shape,
                                 dtype=self.dtype, device=self.device, group=ps.pipeline_model_parallel_group)
         for (op, _), tensor in zip(receives, received):
             key = (op.microbatch, op.chunk)
-            if op.kind == RECV_FORWARD:
+            if op.kind == OpKind.RECV_FORWARD:
                 self.inputs[key] = tensor.requires_grad_(not self.forward_only)
             else:
                 self.output_grads[key] = tensor
         # Sends have completed: an activation that was sent is only needed for its autograd graph now.
         for op in ops:
-            if op.kind == SEND_FORWARD:
+            if op.kind == OpKind.SEND_FORWARD:
                 key = (op.microbatch, op.chunk)
                 if self.forward_only:
                     del self.outputs[key]

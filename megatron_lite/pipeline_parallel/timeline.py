@@ -16,11 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.pipeline_parallel.schedule_table import (BACKWARD, FORWARD, RECV_BACKWARD, RECV_FORWARD,
-                                                            SEND_BACKWARD, SEND_FORWARD, ScheduleOp, peer,
-                                                            steps)
+from megatron_lite.pipeline_parallel.schedule_table import OpKind, ScheduleOp, peer, steps
 
-_RECV_FOR_SEND = {SEND_FORWARD: RECV_FORWARD, SEND_BACKWARD: RECV_BACKWARD}
+_RECV_FOR_SEND = {OpKind.SEND_FORWARD: OpKind.RECV_FORWARD, OpKind.SEND_BACKWARD: OpKind.RECV_BACKWARD}
 
 
 class ScheduleError(RuntimeError):
@@ -79,7 +77,7 @@ class Timeline:
     @property
     def ideal_time(self) -> float:
         """One rank's own work: what the iteration would take with no bubble."""
-        has_backward = any(i.op.kind == BACKWARD for iv in self.intervals for i in iv)
+        has_backward = any(i.op.kind == OpKind.BACKWARD for iv in self.intervals for i in iv)
         return self.num_microbatches * (self.forward_time + (self.backward_time if has_backward else 0.0))
 
     @property
@@ -105,7 +103,7 @@ def simulate(table: list[list[ScheduleOp]], forward_time: float = 1.0, backward_
     m = 1 + max((op.microbatch for ops in table for op in ops), default=0)
     message_of = match_messages(table)
     rank_steps = [_steps_with_indices(ops) for ops in table]
-    cost = {FORWARD: forward_time / v, BACKWARD: backward_time / v}
+    cost = {OpKind.FORWARD: forward_time / v, OpKind.BACKWARD: backward_time / v}
     posted: dict = {}  # (message, 'send'|'recv') -> time the end was posted
     clock, position, entered = [0.0] * p, [0] * p, [False] * p
     intervals: list = [[] for _ in range(p)]

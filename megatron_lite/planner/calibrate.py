@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model import flops
 from megatron_lite.planner.cluster import Cluster, Link
-from megatron_lite.training import metrics
 
 REPEATS = 3
 PROBE_MAX_HIDDEN = 1024
@@ -108,11 +108,12 @@ def probe_model(model: ModelConfig) -> ModelConfig:
 def layer_rate(model: ModelConfig, dtype: torch.dtype, micro_batch_size: int) -> float:
     """FLOP/s of one transformer layer's forward and backward (the model's own layer code)."""
     from megatron_lite.model.transformer_layer import TransformerLayer
+    from megatron_lite.tensor_parallel import TensorParallelConfig
     from megatron_lite.tensor_parallel.random import model_parallel_seed
 
     probe = probe_model(model)
     model_parallel_seed(1234, 0)  # attention dropout draws from the tensor-parallel stream
-    layer = TransformerLayer(probe, layer_number=0, tp_group=None, sequence_parallel=False, params_dtype=dtype)
+    layer = TransformerLayer(probe, layer_number=0, tp_config=TensorParallelConfig(params_dtype=dtype))
     for param in layer.parameters():
         torch.nn.init.normal_(param, std=0.02)
     tokens = min(probe.seq_length * micro_batch_size, PROBE_MAX_TOKENS)
@@ -127,8 +128,8 @@ def layer_rate(model: ModelConfig, dtype: torch.dtype, micro_batch_size: int) ->
     def step():
         layer(x, freqs).backward(grad)
 
-    flops = 3 * probe.seq_length * batch * metrics.transformer_layer_flops_per_token(probe)
-    return flops / _best_time(step)
+    layer_flops = 3 * probe.seq_length * batch * flops.transformer_layer_flops_per_token(probe)
+    return layer_flops / _best_time(step)
 
 
 def _fit(small: float, large: float) -> tuple[float, float]:

@@ -2,14 +2,17 @@
 
 Presets hold vendors' documented numbers (every one can be overridden by its flag):
 
-| preset | memory | dense bf16 / tf32 | HBM | NVLink, per GPU and direction | network per GPU |
+| preset | memory | dense bf16 / fp32 | HBM | NVLink, per GPU and direction | network per GPU |
 |---|---|---|---|---|---|
-| a100-40g | 40 GB | 312 / 156 TFLOP/s | 1,555 GB/s | 300 GB/s (NVLink 3) | 200 Gb/s (HDR InfiniBand) |
-| a100-80g | 80 GB | 312 / 156 | 2,039 GB/s | 300 GB/s | 200 Gb/s |
-| h100-80g | 80 GB | 989 / 494 | 3,350 GB/s | 450 GB/s (NVLink 4) | 400 Gb/s (NDR InfiniBand) |
-| h200-141g | 141 GB | 989 / 494 | 4,800 GB/s | 450 GB/s | 400 Gb/s |
+| a100-40g | 40 GB | 312 / 19.5 TFLOP/s | 1,555 GB/s | 300 GB/s (NVLink 3) | 200 Gb/s (HDR InfiniBand) |
+| a100-80g | 80 GB | 312 / 19.5 | 2,039 GB/s | 300 GB/s | 200 Gb/s |
+| h100-80g | 80 GB | 989 / 67 | 3,350 GB/s | 450 GB/s (NVLink 4) | 400 Gb/s (NDR InfiniBand) |
+| h200-141g | 141 GB | 989 / 67 | 4,800 GB/s | 450 GB/s | 400 Gb/s |
 
-(SXM parts, DGX-style nodes of 8 with one NIC per GPU.) Link numbers are used as the
+(SXM parts, DGX-style nodes of 8 with one NIC per GPU.) fp32 is the CUDA cores' rate, not
+TF32's tensor-core rate (156 and 494 TFLOP/s): PyTorch runs fp32 matmuls in full precision
+unless ``torch.backends.cuda.matmul.allow_tf32`` is set, and we leave that default, as
+Megatron-LM does (it has no TF32 switch; its runs are bf16). Link numbers are used as the
 bus bandwidth a ring collective reaches; NCCL gets close to them on large messages, so
 communication estimates are on the optimistic side. Latency per hop: 5 us in a node,
 10 us across nodes. The matmul efficiency (the fraction of the dense peak a
@@ -88,19 +91,19 @@ class Cluster:
         return self.inter_node if self.spans_nodes(stride, group_size) else self.intra_node
 
 
-def _gpu(name: str, memory_gb: float, bf16: float, hbm: float, nvlink_gbytes: float, network_gbits: float,
-         efficiency: float) -> Cluster:
+def _gpu(name: str, memory_gb: float, bf16: float, fp32: float, hbm: float, nvlink_gbytes: float,
+         network_gbits: float, efficiency: float) -> Cluster:
     return Cluster(name=name, num_gpus=8, gpus_per_node=8, gpu_memory_gb=memory_gb,
-                   peak_tflops={"bf16": bf16, "fp16": bf16, "fp32": bf16 / 2}, memory_bandwidth_gbs=hbm,
+                   peak_tflops={"bf16": bf16, "fp16": bf16, "fp32": fp32}, memory_bandwidth_gbs=hbm,
                    intra_node=Link(nvlink_gbytes * 8, 5.0), inter_node=Link(network_gbits, 10.0),
                    matmul_efficiency=efficiency)
 
 
 PRESETS = {
-    "a100-40g": _gpu("a100-40g", 40, 312.0, 1555.0, 300.0, 200.0, 0.60),
-    "a100-80g": _gpu("a100-80g", 80, 312.0, 2039.0, 300.0, 200.0, 0.60),
-    "h100-80g": _gpu("h100-80g", 80, 989.0, 3350.0, 450.0, 400.0, 0.50),
-    "h200-141g": _gpu("h200-141g", 141, 989.0, 4800.0, 450.0, 400.0, 0.50),
+    "a100-40g": _gpu("a100-40g", 40, 312.0, 19.5, 1555.0, 300.0, 200.0, 0.60),
+    "a100-80g": _gpu("a100-80g", 80, 312.0, 19.5, 2039.0, 300.0, 200.0, 0.60),
+    "h100-80g": _gpu("h100-80g", 80, 989.0, 67.0, 3350.0, 450.0, 400.0, 0.50),
+    "h200-141g": _gpu("h200-141g", 141, 989.0, 67.0, 4800.0, 450.0, 400.0, 0.50),
 }
 
 

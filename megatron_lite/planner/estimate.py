@@ -4,12 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_lite.config import Config
+from megatron_lite.model import flops
 from megatron_lite.planner.cluster import Cluster
 from megatron_lite.planner.layouts import Layout
 from megatron_lite.planner.memory import GB, MemoryEstimate, peak_memory, rank_memory
 from megatron_lite.planner.step_time import StepTime, step_time, training_dtype
 from megatron_lite.process_groups.parallel_state import RankLayout
-from megatron_lite.training import metrics
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Estimate:
     def model_flops(self) -> float:
         """Per step, without recomputation (what MFU counts, as the training log does)."""
         model = self.layout.config.model
-        return metrics.num_floating_point_operations(
+        return flops.num_floating_point_operations(
             model, self.layout.global_batch_size, model.padded_vocab_size(self.layout.tensor_model_parallel_size))
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from megatron_lite.pipeline_parallel.schedule_table import FORWARD, build_schedule, compute_order
+from megatron_lite.pipeline_parallel.schedule_table import OpKind, build_schedule, compute_order
 from megatron_lite.pipeline_parallel.timeline import simulate
 
 
@@ -53,7 +53,7 @@ def peak_activation_bytes(pipeline_model_parallel_size: int, pipeline_rank: int,
     extra = backward_extra or (0.0,) * v
     alive = peak = 0.0
     for kind, chunk in _compute_ops(p, pipeline_rank, table_microbatches(num_microbatches, p), v):
-        if kind == FORWARD:
+        if kind == OpKind.FORWARD:
             alive += chunk_bytes[chunk]
             peak = max(peak, alive)
         else:

@@ -1,4 +1,4 @@
-"""What the planner prints: one layout in detail, or layouts ranked by throughput; or the same as JSON."""
+"""What the planner prints: one layout in detail, or layouts ranked by step time; or the same as JSON."""
 from __future__ import annotations
 
 from megatron_lite.config import Config, ModelConfig
@@ -11,6 +11,11 @@ from megatron_lite.planner.step_time import training_dtype
 TIME_PARTS = {"compute": "compute (recomputation included)", "tensor_parallel": "tensor-parallel communication",
               "pipeline_p2p": "pipeline send/receive", "pipeline_bubble": "pipeline bubble",
               "data_parallel": "data-parallel communication, exposed", "optimizer": "optimizer step"}
+
+
+def seconds_text(seconds: float) -> str:
+    """Three decimals; three significant digits below 0.1 s, so a tiny model's step does not print as 0.000."""
+    return f"{seconds:.3f}" if seconds >= 0.1 or seconds == 0 else f"{seconds:.3g}"
 
 
 def describe_model(model: ModelConfig) -> str:
@@ -52,8 +57,8 @@ def format_estimate(estimate: Estimate) -> str:
              f"  total                              {memory.total_bytes / GB:9.2f} of "
              f"{estimate.cluster.gpu_memory_gb:g}: {fits}", "",
              "step time, s"]
-    lines += [f"  {TIME_PARTS[k]:<35}{v:9.3f}" for k, v in time.breakdown.items()]
-    lines += [f"  total                              {time.step_time_s:9.3f}  (bubble fraction "
+    lines += [f"  {TIME_PARTS[k]:<35}{seconds_text(v):>9}" for k, v in time.breakdown.items()]
+    lines += [f"  total                              {seconds_text(time.step_time_s):>9}  (bubble fraction "
               f"{time.bubble_fraction:.3f}, from the schedule tables)", "",
               f"throughput: {estimate.tokens_per_second:,.0f} tokens/s, {estimate.tflops_per_gpu:.1f} TFLOP/s per GPU, "
               f"MFU {100 * estimate.mfu:.1f}%"]
@@ -70,14 +75,16 @@ def _row(index: int, estimate: Estimate) -> str:
     return (f"{index:>3} {d['tensor_model_parallel_size']:>3} {d['pipeline_model_parallel_size']:>3} "
             f"{d['virtual_pipeline_model_parallel_size']:>3} {d['data_parallel_size']:>5} {d['micro_batch_size']:>3} "
             f"{d['num_microbatches']:>5} {recompute:<10} {d['data_parallel_sharding_strategy']:<18} "
-            f"{estimate.time.step_time_s:>8.3f} {estimate.tokens_per_second:>10,.0f} {estimate.tflops_per_gpu:>7.1f} "
+            f"{seconds_text(estimate.time.step_time_s):>8} {estimate.tokens_per_second:>10,.0f} "
+            f"{estimate.tflops_per_gpu:>7.1f} "
             f"{100 * estimate.mfu:>5.1f}% {estimate.time.bubble_fraction:>6.3f} "
             f"{estimate.memory.total_bytes / GB:>7.1f}  {'yes' if estimate.fits else 'NO'}")
 
 
 def rank(estimates: list[Estimate]) -> list[Estimate]:
-    """Fastest first; among equally fast layouts the one needing less memory."""
-    return sorted(estimates, key=lambda e: (-e.tokens_per_second, e.memory.total_bytes))
+    """Shortest step first (the pipeline bubble is part of it); among equally fast layouts the one
+    needing less memory. Every layout runs the same global batch, so this is also by throughput."""
+    return sorted(estimates, key=lambda e: (e.time.step_time_s, e.memory.total_bytes))
 
 
 MISFITS_SHOWN = 5
@@ -86,8 +93,8 @@ MISFITS_SHOWN = 5
 def shown(ranked: list[Estimate], top: int) -> list[Estimate]:
     """The ``top`` fastest layouts that fit, and the (at most five) fastest that do not, if faster."""
     fitting = [e for e in ranked if e.fits][:top]
-    slowest_shown = fitting[-1].tokens_per_second if fitting else float("-inf")
-    faster_misfits = [e for e in ranked if not e.fits and e.tokens_per_second >= slowest_shown][:MISFITS_SHOWN]
+    slowest_shown = fitting[-1].time.step_time_s if fitting else float("inf")
+    faster_misfits = [e for e in ranked if not e.fits and e.time.step_time_s <= slowest_shown][:MISFITS_SHOWN]
     return rank(fitting + faster_misfits)
 
 

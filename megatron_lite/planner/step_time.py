@@ -2,7 +2,7 @@
 
 Per pipeline stage and micro-batch, a model chunk's forward and backward take
 
-- compute: its FLOPs (``training.metrics``' count; backward twice the forward, plus the
+- compute: its FLOPs (``model.flops``' count, the training log's; backward twice the forward, plus the
   recomputed forward under full recomputation or the attention core under selective) at
   ``peak x matmul efficiency``;
 - tensor parallelism: per layer two all-reduces of the [s, b, h] activation forward and
@@ -24,13 +24,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_lite.model import flops
 from megatron_lite.planner.cluster import Cluster, Link
 from megatron_lite.planner.layouts import Layout
 from megatron_lite.planner.parameters import ChunkShape, distinct_stages, rank_chunk_shapes
 from megatron_lite.planner.pipeline import bubble_fraction
 from megatron_lite.planner.static_memory import (StaticMemory, dtype_bytes, gradient_dtype_bytes, planned_sharding,
                                                  static_memory)
-from megatron_lite.training import metrics
 
 # Bytes of memory traffic per fp32 element the optimizer owns, per step. torch.optim.AdamW
 # (foreach) makes about ten read-write passes: the two moments' updates, the denominator's
@@ -96,13 +96,13 @@ def chunk_time(layout: Layout, cluster: Cluster, chunk: ChunkShape) -> ChunkTime
     sp = config.parallel.sequence_parallel
     tokens = model.seq_length * layout.micro_batch_size
     rate = cluster.peak(training_dtype(layout)) * 1e12 * cluster.matmul_efficiency
-    layer_flops = metrics.transformer_layer_flops_per_token(model)
-    forward = tokens * (layers * layer_flops + (metrics.output_layer_flops_per_token(
+    layer_flops = flops.transformer_layer_flops_per_token(model)
+    forward = tokens * (layers * layer_flops + (flops.output_layer_flops_per_token(
         model, model.padded_vocab_size(t)) if post_process else 0)) / t
     recomputed_layers = _recomputed_layers(layout, layers)
     recompute = tokens * recomputed_layers * layer_flops / t
     if config.training.recompute_granularity == "selective":
-        recompute = tokens * layers * metrics.attention_core_flops_per_token(model) / t
+        recompute = tokens * layers * flops.attention_core_flops_per_token(model) / t
     time = ChunkTime(forward_compute=forward / rate, backward_compute=(2 * forward + recompute) / rate)
 
     activation = tokens * model.hidden_size * dtype_bytes(config)

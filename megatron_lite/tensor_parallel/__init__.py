@@ -1,4 +1,5 @@
 """Tensor and sequence parallelism: mappings, parallel layers, vocab-parallel loss, RNG tracker."""
+from megatron_lite.tensor_parallel.config import TensorParallelConfig
 from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -25,7 +26,7 @@ from megatron_lite.tensor_parallel.random import (
 )
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "gather_shards",
+    "TensorParallelConfig", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "gather_shards",
     "set_tensor_model_parallel_attributes", "shard_tensor",
     "copy_to_tensor_model_parallel_region", "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",

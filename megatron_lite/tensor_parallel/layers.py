@@ -23,6 +23,7 @@ from torch import nn
 
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ConfigError
+from megatron_lite.tensor_parallel.config import TensorParallelConfig
 from megatron_lite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -76,22 +77,22 @@ class ColumnParallelLinear(nn.Module):
     Args:
         input_size: Input features (full).
         output_size: Output features (full); this rank holds output_size / tp.
-        tp_group: Tensor-parallel group (None for one rank).
+        tp_config: The tensor-parallel group and parameter dtype; with ``sequence_parallel`` the
+            input is [s/tp, b, h], all-gathered along the sequence first.
         bias: Add a (sharded) bias.
         gather_output: All-gather the output features so every rank has all of Y.
-        sequence_parallel: The input is [s/tp, b, h]; all-gather it along the sequence first.
         partition_stride: 2 for fused [gate; up] weights (see ``shard_tensor``).
         skip_bias_add: Return the bias instead of adding it, so a fused kernel can.
-        params_dtype: Parameter dtype.
         skip_weight_param_allocation: No weight of its own; ``forward`` must be given one
             (the output layer tied to the word embedding).
     """
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False, partition_stride: int = 1,
-                 skip_bias_add: bool = False, params_dtype: torch.dtype = torch.float32,
+    def __init__(self, input_size: int, output_size: int, *, tp_config: TensorParallelConfig, bias: bool = True,
+                 gather_output: bool = False, partition_stride: int = 1, skip_bias_add: bool = False,
                  skip_weight_param_allocation: bool = False):
         super().__init__()
+        tp_group, sequence_parallel, params_dtype = (tp_config.tp_group, tp_config.sequence_parallel,
+                                                     tp_config.params_dtype)
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel; "
                              "the sequence-parallel output stays sharded for the row-parallel layer that follows.")
@@ -146,19 +147,19 @@ class RowParallelLinear(nn.Module):
     Args:
         input_size: Input features (full); this rank holds input_size / tp.
         output_size: Output features (full).
-        tp_group: Tensor-parallel group (None for one rank).
+        tp_config: The tensor-parallel group and parameter dtype; with ``sequence_parallel`` the
+            output is reduce-scattered along the sequence instead of all-reduced.
         bias: Add a bias, replicated on every rank and added after the reduction.
         input_is_parallel: The input is already split along its last dim (the
             output of a column-parallel layer); otherwise split it here.
-        sequence_parallel: Reduce-scatter the output along the sequence instead of all-reducing.
         skip_bias_add: Return the bias instead of adding it.
-        params_dtype: Parameter dtype.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False, skip_bias_add: bool = False,
-                 params_dtype: torch.dtype = torch.float32):
+    def __init__(self, input_size: int, output_size: int, *, tp_config: TensorParallelConfig, bias: bool = True,
+                 input_is_parallel: bool = True, skip_bias_add: bool = False):
         super().__init__()
+        tp_group, sequence_parallel, params_dtype = (tp_config.tp_group, tp_config.sequence_parallel,
+                                                     tp_config.params_dtype)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True "
                              "(the input comes from a column-parallel layer).")
@@ -210,14 +211,14 @@ class VocabParallelEmbedding(nn.Module):
     Args:
         num_embeddings: Vocabulary size (padded, divisible by the tensor-parallel size).
         embedding_dim: Hidden size.
-        tp_group: Tensor-parallel group (None for one rank).
-        sequence_parallel: Return [s/tp, b, h] instead of [s, b, h].
-        params_dtype: Parameter dtype.
+        tp_config: The tensor-parallel group and parameter dtype; with ``sequence_parallel`` the
+            output is [s/tp, b, h] instead of [s, b, h].
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_config: TensorParallelConfig):
         super().__init__()
+        tp_group, sequence_parallel, params_dtype = (tp_config.tp_group, tp_config.sequence_parallel,
+                                                     tp_config.params_dtype)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel

@@ -6,6 +6,7 @@ import math
 import torch.distributed as dist
 
 from megatron_lite.config import Config, TrainingConfig
+from megatron_lite.model import flops
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.training import metrics
 from megatron_lite.training.num_microbatches_calculator import build_num_microbatches_calculator, get_train_iters
@@ -89,7 +90,7 @@ class TrainingLogger:
         self.skipped += int(skipped)
         self.global_batch = global_batch
         self.samples += global_batch
-        self.flops += metrics.num_floating_point_operations(self.config.model, global_batch, self.padded_vocab_size)
+        self.flops += flops.num_floating_point_operations(self.config.model, global_batch, self.padded_vocab_size)
         if loss is not None and not math.isfinite(loss):
             self.nan += 1
         elif loss is not None and not skipped:

@@ -22,7 +22,7 @@ from megatron_lite.config.arguments import parse_args  # noqa: E402
 from megatron_lite.data import MockGPTDataset  # noqa: E402
 from megatron_lite.pretrain_gpt import main as pretrain_gpt  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402
-from megatron_lite.training.loss_parity import Layout, max_relative_difference, run_layout  # noqa: E402
+from tools.loss_parity import Layout, max_relative_difference, run_layout  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from megatron_lite.model.builder import build_model  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402

@@ -9,12 +9,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatron_lite.data.demo_corpus import demo_documents  # noqa: E402
 from megatron_lite.pretrain_gpt import main as pretrain  # noqa: E402
 from megatron_lite.checkpointing import read_config  # noqa: E402
 from megatron_lite.tokenizer import build_model_tokenizer, build_tokenizer  # noqa: E402
 from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe  # noqa: E402
 from megatron_lite.tokenizer.sentencepiece_tokenizer import train_sentencepiece  # noqa: E402
+from tools.build_demo_data import demo_documents  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
 
 TEXT = "The for statement iterates over the items of any sequence, in order."

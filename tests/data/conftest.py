@@ -3,9 +3,9 @@ import os
 
 import pytest
 
-from megatron_lite.data.demo_corpus import demo_documents
 from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe
 from megatron_lite.tokenizer.sentencepiece_tokenizer import train_sentencepiece
+from tools.build_demo_data import demo_documents
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

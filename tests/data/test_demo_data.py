@@ -1,9 +1,9 @@
 import os
 
 from megatron_lite.data import build_train_valid_test_datasets
-from megatron_lite.data.demo_corpus import demo_documents
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.tokenizer import build_tokenizer
+from tools.build_demo_data import demo_documents
 
 
 def test_build_demo_data_is_complete_and_idempotent(tmp_path, load_tool, capsys):

@@ -5,6 +5,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.model import GPTModel, initialize_weights
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
+from megatron_lite.tensor_parallel import TensorParallelConfig
 
 GPT2 = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=100,
             hidden_dropout=0.0, attention_dropout=0.0)
@@ -15,7 +16,7 @@ LLAMA = dict(GPT2, normalization="RMSNorm", position_embedding_type="rope", swig
 def build(arch: dict, seed: int = 1) -> GPTModel:
     config = ModelConfig(**arch)
     state = initialize_model_parallel(1, 1)
-    model = GPTModel(config, state)
+    model = GPTModel(config, TensorParallelConfig())
     initialize_weights([model], config, state, seed=seed)
     return model
 

@@ -5,7 +5,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.model import GPTModel, initialize_weights
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
-from megatron_lite.tensor_parallel import gather_shards, get_rng_tracker, model_parallel_seed
+from megatron_lite.tensor_parallel import TensorParallelConfig, gather_shards, get_rng_tracker, model_parallel_seed
 from tests.distributed import run_distributed
 
 ARCH = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
@@ -26,7 +26,7 @@ def _gradients(tp: int, recompute: dict, sequence_parallel: bool = False) -> dic
     get_rng_tracker().reset()
     torch.manual_seed(7)
     model_parallel_seed(7, state.tensor_model_parallel_rank)
-    model = GPTModel(config, state, sequence_parallel=sequence_parallel, **recompute)
+    model = GPTModel(config, TensorParallelConfig(state.tensor_model_parallel_group, sequence_parallel), **recompute)
     initialize_weights([model], config, state, seed=3)
     ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
     model(ids[:, :-1], labels=ids[:, 1:]).mean().backward()
@@ -66,7 +66,7 @@ def _saved_activation_bytes(recompute: dict) -> int:
     state = initialize_model_parallel(1, 1)
     get_rng_tracker().reset()
     model_parallel_seed(7, 0)
-    model = GPTModel(config, state, **recompute)
+    model = GPTModel(config, TensorParallelConfig(), **recompute)
     initialize_weights([model], config, state, seed=3)
     params = {p.data_ptr() for p in model.parameters()}
     saved = []

@@ -2,9 +2,9 @@
 import pytest
 
 from megatron_lite.config import ConfigError
-from megatron_lite.pipeline_parallel.schedule_table import (BACKWARD, FORWARD, ScheduleOp, add_communication,
-                                                            build_schedule, compute_order, in_flight_bound,
-                                                            num_warmup_microbatches, peak_in_flight, rank_schedule)
+from megatron_lite.pipeline_parallel.schedule_table import (OpKind, ScheduleOp, add_communication, build_schedule,
+                                                            compute_order, in_flight_bound, num_warmup_microbatches,
+                                                            peak_in_flight, rank_schedule, steps)
 from megatron_lite.pipeline_parallel.timeline import ScheduleError, match_messages, simulate
 
 # (p, v, m): 1F1B at m in {1, p, 2p+1}, interleaved at multiples of p, and some larger layouts.
@@ -38,13 +38,13 @@ def test_no_pipelining_is_gradient_accumulation():
 
 
 def test_interleaved_order_walks_microbatch_groups_through_chunks():
-    forwards = [op for op in rank_schedule(2, 0, 4, 2) if op.kind == FORWARD]
+    forwards = [op for op in rank_schedule(2, 0, 4, 2) if op.kind == OpKind.FORWARD]
     assert ops_string(forwards) == "F0.0 F1.0 F0.1 F1.1 F2.0 F3.0 F2.1 F3.1"
-    backwards = [op for op in rank_schedule(2, 0, 4, 2) if op.kind == BACKWARD]
+    backwards = [op for op in rank_schedule(2, 0, 4, 2) if op.kind == OpKind.BACKWARD]
     assert ops_string(backwards) == "B0.1 B1.1 B0.0 B1.0 B2.1 B3.1 B2.0 B3.0"
     # Steady state pairs a forward with a backward, then exchanges everything at once.
     ops = rank_schedule(2, 1, 4, 2)
-    steady = ops_string(ops[ops.index(ScheduleOp(FORWARD, 2, 0)) - 2:][:8])
+    steady = ops_string(ops[ops.index(ScheduleOp(OpKind.FORWARD, 2, 0)) - 2:][:8])
     assert steady == "rF2.0 rB0.0 F2.0 B0.0 sF2.0 sB0.0 rF3.0 rB1.0"
 
 
@@ -54,14 +54,14 @@ def test_every_microbatch_runs_once_forward_before_backward(p, v, m):
         for rank, ops in enumerate(build_schedule(p, m, v, forward_only)):
             compute = [(op.kind, op.microbatch, op.chunk) for op in ops if op.is_compute]
             pairs = [(i, c) for i in range(m) for c in range(v)]
-            assert sorted(x[1:] for x in compute if x[0] == FORWARD) == pairs
-            backward = [x[1:] for x in compute if x[0] == BACKWARD]
+            assert sorted(x[1:] for x in compute if x[0] == OpKind.FORWARD) == pairs
+            backward = [x[1:] for x in compute if x[0] == OpKind.BACKWARD]
             assert sorted(backward) == ([] if forward_only else pairs)
             for mb, chunk in backward:
-                assert compute.index((FORWARD, mb, chunk)) < compute.index((BACKWARD, mb, chunk))
+                assert compute.index((OpKind.FORWARD, mb, chunk)) < compute.index((OpKind.BACKWARD, mb, chunk))
             # Within a chunk, micro-batches go in order (each chunk's data iterator is read in order).
             for chunk in range(v):
-                assert [x[1] for x in compute if x[0] == FORWARD and x[2] == chunk] == list(range(m))
+                assert [x[1] for x in compute if x[0] == OpKind.FORWARD and x[2] == chunk] == list(range(m))
 
 
 @pytest.mark.parametrize("p,v,m", LAYOUTS)
@@ -97,7 +97,7 @@ def test_1f1b_bubble_holds_for_any_microbatch_count():
 
 def test_forward_only_has_no_backward_traffic():
     for ops in build_schedule(4, 8, 2, forward_only=True):
-        assert all(op.kind in (FORWARD, "recv_forward", "send_forward") for op in ops)
+        assert all(op.kind in (OpKind.FORWARD, OpKind.RECV_FORWARD, OpKind.SEND_FORWARD) for op in ops)
 
 
 def test_interleaved_needs_microbatches_multiple_of_pipeline_size():
@@ -114,7 +114,7 @@ def test_warmup_counts_follow_megatron():
 
 def test_mismatched_messages_are_caught():
     table = build_schedule(2, 2)
-    sends = [i for i, op in enumerate(table[0]) if op.kind == "send_forward"]
+    sends = [i for i, op in enumerate(table[0]) if op.kind == OpKind.SEND_FORWARD]
     a, b = sends[:2]
     table[0][a], table[0][b] = table[0][b], table[0][a]
     with pytest.raises(ScheduleError, match="from pipeline rank 0 to 1 do not line up"):
@@ -129,3 +129,19 @@ def test_unpaired_interleaved_steady_state_deadlocks():
              for r in range(p)]
     with pytest.raises(ScheduleError, match="deadlocks"):
         simulate(table)
+
+
+def test_the_executors_docstring_trace_is_the_table():
+    """The p=2, m=3 trace printed in ``ScheduleExecutor``'s docstring is what ``steps`` yields."""
+    from megatron_lite.pipeline_parallel.schedules import ScheduleExecutor
+
+    printed = {int(line.split(":")[0].split()[1]): line.split(":", 1)[1]
+               for line in ScheduleExecutor.__doc__.splitlines() if line.strip().startswith("rank ")}
+    assert set(printed) == {0, 1}
+    for rank, line in printed.items():
+        table = " ".join(f"[{' '.join(map(str, step))}]" if isinstance(step, tuple) else str(step)
+                         for step in steps(rank_schedule(2, rank, 3)))
+        assert " ".join(word for word in line.split() if word not in ("|", "(none)")) == table
+        warmup = [word for word in line.split("|")[0].split() if word.startswith("F")]
+        assert warmup == [f"F{k}.0" for k in range(num_warmup_microbatches(2, rank, 3))]
+

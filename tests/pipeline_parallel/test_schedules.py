@@ -7,7 +7,7 @@ import torch
 from megatron_lite.config import ConfigError
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel, mock_parallel_state
 from megatron_lite.pipeline_parallel import get_forward_backward_func, get_layer_numbers
-from megatron_lite.pipeline_parallel.schedule_table import BACKWARD, FORWARD, in_flight_bound, rank_schedule
+from megatron_lite.pipeline_parallel.schedule_table import OpKind, in_flight_bound, rank_schedule
 from megatron_lite.pipeline_parallel.schedules import (forward_backward_no_pipelining,
                                                        forward_backward_pipelining_with_interleaving,
                                                        forward_backward_pipelining_without_interleaving)
@@ -79,7 +79,7 @@ def test_pipeline_matches_single_process(pp, vpp):
             assert res["trace"] == table
             alive = peak = 0
             for kind, _, _ in res["trace"]:
-                alive += 1 if kind == FORWARD else -1
+                alive += 1 if kind == OpKind.FORWARD else -1
                 peak = max(peak, alive)
             if not forward_only:
                 assert peak <= in_flight_bound(pp, stage, m, vpp)
@@ -144,7 +144,7 @@ def test_no_sync_finalize_and_grad_scale_hooks(vpp, per_chunk_no_sync):
         for name in names:
             # Reduction comes back on right before the last backward of the chunk (of the rank for "all").
             exit_at = trace.index(("no_sync exit", name))
-            covered = [i for i, t in enumerate(trace) if t[0] == BACKWARD and name in ("all", t[2])]
+            covered = [i for i, t in enumerate(trace) if t[0] == OpKind.BACKWARD and name in ("all", t[2])]
             assert covered[-1] == exit_at + 1
 
 

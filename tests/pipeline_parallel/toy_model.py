@@ -8,7 +8,7 @@ the schedule table, and checks that activations already sent were freed.
 import torch
 from torch import nn
 
-from megatron_lite.pipeline_parallel.schedule_table import BACKWARD, FORWARD
+from megatron_lite.pipeline_parallel.schedule_table import OpKind
 
 SEQ, BATCH, HIDDEN, NUM_LAYERS = 4, 2, 8, 8
 
@@ -55,10 +55,10 @@ def forward_step(data_iterator, chunk: ToyChunk):
     index = batch["index"]
     still_full = [o for o in chunk.sent_outputs if o.numel() != 1]
     assert not still_full, f"{len(still_full)} sent activations were not freed before forward {index}"
-    chunk.trace.append((FORWARD, index, chunk.chunk_id))
+    chunk.trace.append((OpKind.FORWARD, index, chunk.chunk_id))
     output = chunk(batch["x"])
     if output.requires_grad:  # not under forward_only
-        output.register_hook(lambda grad: chunk.trace.append((BACKWARD, index, chunk.chunk_id)))
+        output.register_hook(lambda grad: chunk.trace.append((OpKind.BACKWARD, index, chunk.chunk_id)))
         if not chunk.is_last:
             chunk.sent_outputs.append(output)
     return output, lambda out: mse_loss_func(batch["target"], out)

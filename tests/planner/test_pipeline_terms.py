@@ -1,7 +1,7 @@
 """The planner's pipeline terms against the full schedule tables the training run executes."""
 import pytest
 
-from megatron_lite.pipeline_parallel.schedule_table import BACKWARD, FORWARD, build_schedule, rank_schedule
+from megatron_lite.pipeline_parallel.schedule_table import OpKind, build_schedule, rank_schedule
 from megatron_lite.pipeline_parallel.timeline import simulate
 from megatron_lite.planner.pipeline import bubble_fraction, peak_activation_bytes
 
@@ -33,10 +33,10 @@ def test_peak_activations_walk_the_full_table(p, m, v):
     for rank in range(p):
         alive = peak = 0.0
         for op in rank_schedule(p, rank, m, v):
-            if op.kind == FORWARD:
+            if op.kind == OpKind.FORWARD:
                 alive += kept[op.chunk]
                 peak = max(peak, alive)
-            elif op.kind == BACKWARD:
+            elif op.kind == OpKind.BACKWARD:
                 peak = max(peak, alive + extra[op.chunk])
                 alive -= kept[op.chunk]
         assert peak_activation_bytes(p, rank, m, kept, extra) == pytest.approx(peak)

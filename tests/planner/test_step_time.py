@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainingConfig
+from megatron_lite.model import flops
 from megatron_lite.planner import calibrate
 from megatron_lite.planner.cluster import PRESETS, Link, customise
 from megatron_lite.planner.estimate import estimate
 from megatron_lite.planner.layouts import Layout
 from megatron_lite.planner.step_time import all_reduce_s, gather_or_scatter_s, p2p_s
-from megatron_lite.training import metrics
 from tests.distributed import run_distributed
 from tests.planner.harness import run_layout
 
@@ -46,15 +46,15 @@ def test_compute_is_the_models_flops_at_the_sustained_rate():
     model = ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=32000)
     cluster = _free_network(customise(PRESETS["a100-80g"], num_gpus=8))
     rate = 312e12 * 0.60
-    flops = metrics.num_floating_point_operations(model, 64, model.padded_vocab_size(1))
+    model_flops = flops.num_floating_point_operations(model, 64, model.padded_vocab_size(1))
     base = Config(model=model, training=TrainingConfig(micro_batch_size=1, global_batch_size=64, bf16=True))
     plain = estimate(Layout(base, 8), cluster)
-    assert plain.time.breakdown["compute"] == pytest.approx(flops / 8 / rate, rel=1e-9)
+    assert plain.time.breakdown["compute"] == pytest.approx(model_flops / 8 / rate, rel=1e-9)
     assert plain.mfu == pytest.approx(0.60, rel=1e-3)
     full = dataclasses.replace(base, training=dataclasses.replace(base.training, recompute_granularity="full"))
-    layers = 64 * 1024 * 8 * metrics.transformer_layer_flops_per_token(model)
+    layers = 64 * 1024 * 8 * flops.transformer_layer_flops_per_token(model)
     assert estimate(Layout(full, 8), cluster).time.breakdown["compute"] == pytest.approx(
-        (flops + layers) / 8 / rate, rel=1e-9)
+        (model_flops + layers) / 8 / rate, rel=1e-9)
 
 
 def test_bubble_and_tensor_parallel_terms():

@@ -17,6 +17,7 @@ from megatron_lite.evaluate import main as evaluate_main
 from megatron_lite.model.gpt_model import GPTModel
 from megatron_lite.pretrain_gpt import main as pretrain_main
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.tensor_parallel import TensorParallelConfig
 from megatron_lite.training import loop
 
 transformers = pytest.importorskip("transformers")
@@ -148,7 +149,7 @@ def _model(kind: str, parallel_state) -> GPTModel:
     torch.manual_seed(0)
     config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24, vocab_size=VOCAB,
                          hidden_dropout=0.0, attention_dropout=0.0, **MODELS[kind])
-    model = GPTModel(config, parallel_state)
+    model = GPTModel(config, TensorParallelConfig(parallel_state.tensor_model_parallel_group))
     for param in model.parameters():  # biases and norms away from their init, so every weight matters
         torch.nn.init.normal_(param, std=0.1)
     return model

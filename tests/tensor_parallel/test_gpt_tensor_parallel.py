@@ -17,7 +17,7 @@ from megatron_lite.process_groups.collectives import count_collectives
 from megatron_lite.config import ModelConfig
 from megatron_lite.model import GPTModel, initialize_weights
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
-from megatron_lite.tensor_parallel import gather_shards, model_parallel_seed
+from megatron_lite.tensor_parallel import TensorParallelConfig, gather_shards, model_parallel_seed
 
 SEED, STEPS, BATCH = 7, 5, 2
 GPT2 = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=256,
@@ -39,7 +39,7 @@ def _train(arch, tensor_model_parallel_size, sequence_parallel):
     config = ModelConfig(**ARCHS[arch])
     state = initialize_model_parallel(tensor_model_parallel_size)
     model_parallel_seed(SEED, state.tensor_model_parallel_rank)
-    model = GPTModel(config, state, sequence_parallel=sequence_parallel)
+    model = GPTModel(config, TensorParallelConfig(state.tensor_model_parallel_group, sequence_parallel))
     initialize_weights([model], config, state, seed=SEED)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses = []
@@ -84,7 +84,7 @@ def _parallel_run(rank, world_size, arch, sequence_parallel):
     first_loss, grads, losses = _train(arch, world_size, sequence_parallel)
     config = ModelConfig(**ARCHS[arch])
     state = initialize_model_parallel(world_size)
-    model = GPTModel(config, state, sequence_parallel=sequence_parallel)
+    model = GPTModel(config, TensorParallelConfig(state.tensor_model_parallel_group, sequence_parallel))
     initialize_weights([model], config, state, seed=SEED)
     counts = _decoder_collectives(model, config)
     return first_loss, grads, losses, counts

@@ -12,8 +12,8 @@ from torch import nn
 from megatron_lite.process_groups import collectives
 from megatron_lite.process_groups.collectives import count_collectives
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
-from megatron_lite.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                           gather_shards, shard_tensor)
+from megatron_lite.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelConfig,
+                                           VocabParallelEmbedding, gather_shards, shard_tensor)
 
 S, B, H, F_ = 8, 2, 12, 16  # sequence, batch, hidden, ffn: all divisible by 2 and 4
 
@@ -50,8 +50,8 @@ def _column_then_row(rank, world_size, sequence_parallel):
     (fc2(torch.relu(fc1(x_ref))) * upstream).sum().backward()
     y_ref = fc2(torch.relu(fc1(x)))
 
-    column = ColumnParallelLinear(H, F_, tp_group=group, sequence_parallel=sequence_parallel)
-    row = RowParallelLinear(F_, H, tp_group=group, sequence_parallel=sequence_parallel)
+    column = ColumnParallelLinear(H, F_, tp_config=TensorParallelConfig(group, sequence_parallel=sequence_parallel))
+    row = RowParallelLinear(F_, H, tp_config=TensorParallelConfig(group, sequence_parallel=sequence_parallel))
     for param, full in [(column.weight, fc1.weight), (column.bias, fc1.bias), (row.weight, fc2.weight),
                         (row.bias, fc2.bias)]:
         _load(param, full, rank, world_size)
@@ -95,7 +95,7 @@ def _standalone_options(rank, world_size):
     group = initialize_model_parallel(world_size).tensor_model_parallel_group
     fc1, fc2, x, upstream = _full_reference()
 
-    column = ColumnParallelLinear(H, F_, tp_group=group, gather_output=True)
+    column = ColumnParallelLinear(H, F_, gather_output=True, tp_config=TensorParallelConfig(group))
     _load(column.weight, fc1.weight, rank, world_size)
     _load(column.bias, fc1.bias, rank, world_size)
     x_local, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -106,7 +106,7 @@ def _standalone_options(rank, world_size):
     close(x_local.grad, x_ref.grad)
     close(column.weight.grad, _shard(fc1.weight.grad, column.weight, rank, world_size))
 
-    row = RowParallelLinear(F_, H, tp_group=group, input_is_parallel=False, skip_bias_add=True)
+    row = RowParallelLinear(F_, H, input_is_parallel=False, skip_bias_add=True, tp_config=TensorParallelConfig(group))
     _load(row.weight, fc2.weight, rank, world_size)
     _load(row.bias, fc2.bias, rank, world_size)
     h = torch.randn(S, B, F_, generator=torch.Generator().manual_seed(5))
@@ -119,14 +119,15 @@ def _standalone_options(rank, world_size):
     close(h_local.grad, h_ref.grad)
 
     # The tied output layer: no weight of its own, this rank's vocabulary shard passed in.
-    output_layer = ColumnParallelLinear(H, F_, tp_group=group, bias=False, skip_weight_param_allocation=True)
+    output_layer = ColumnParallelLinear(H, F_, bias=False, skip_weight_param_allocation=True,
+                                        tp_config=TensorParallelConfig(group))
     assert output_layer.weight is None
     y, _ = output_layer(x, weight=_shard(fc1.weight, column.weight, rank, world_size))
     close(y, F.linear(x, fc1.weight).chunk(world_size, dim=-1)[rank])
 
     # Stride 2: the fused SwiGLU fc1 holds [gate; up]; this rank's output is [gate_r; up_r].
     fused = nn.Linear(H, 2 * F_)
-    column = ColumnParallelLinear(H, 2 * F_, tp_group=group, partition_stride=2)
+    column = ColumnParallelLinear(H, 2 * F_, partition_stride=2, tp_config=TensorParallelConfig(group))
     _load(column.weight, fused.weight, rank, world_size)
     _load(column.bias, fused.bias, rank, world_size)
     gate_local, up_local = column(x)[0].chunk(2, dim=-1)
@@ -148,7 +149,8 @@ def _vocab_parallel_embedding(rank, world_size, sequence_parallel):
     upstream = torch.randn(S, B, H)
     (reference(ids) * upstream).sum().backward()
 
-    embedding = VocabParallelEmbedding(vocab, H, tp_group=group, sequence_parallel=sequence_parallel)
+    embedding = VocabParallelEmbedding(vocab, H,
+                                       tp_config=TensorParallelConfig(group, sequence_parallel=sequence_parallel))
     _load(embedding.weight, reference.weight, rank, world_size)
     sequence_slice = (lambda t: t.chunk(world_size, dim=0)[rank]) if sequence_parallel else (lambda t: t)
     with count_collectives() as count:
@@ -167,12 +169,12 @@ def test_vocab_parallel_embedding_matches_nn_embedding(run_distributed, sequence
 
 def test_single_rank_layers_are_plain_linear_and_embedding():
     fc1, fc2, x, _ = _full_reference()
-    column = ColumnParallelLinear(H, F_, tp_group=None, skip_bias_add=True)
+    column = ColumnParallelLinear(H, F_, skip_bias_add=True, tp_config=TensorParallelConfig())
     _load(column.weight, fc1.weight, 0, 1)
     _load(column.bias, fc1.bias, 0, 1)
     y, bias = column(x)
     close(y + bias, fc1(x))
-    embedding = VocabParallelEmbedding(16, H, tp_group=None)
+    embedding = VocabParallelEmbedding(16, H, tp_config=TensorParallelConfig())
     _load(embedding.weight, fc1.weight, 0, 1)
     ids = torch.randint(0, 16, (S, B))
     close(embedding(ids), fc1.weight[ids])
@@ -194,8 +196,8 @@ def test_stride_two_shard_is_gate_and_up_halves():
 
 
 def test_parameters_are_marked_and_uninitialised_shapes():
-    column = ColumnParallelLinear(H, F_, tp_group=None, partition_stride=2)
-    row = RowParallelLinear(F_, H, tp_group=None, sequence_parallel=True)
+    column = ColumnParallelLinear(H, F_, partition_stride=2, tp_config=TensorParallelConfig())
+    row = RowParallelLinear(F_, H, tp_config=TensorParallelConfig(sequence_parallel=True))
     assert (column.weight.partition_dim, column.weight.partition_stride, column.bias.partition_dim) == (0, 2, 0)
     assert column.weight.tensor_model_parallel and row.weight.tensor_model_parallel
     assert row.weight.partition_dim == 1 and row.bias.sequence_parallel
@@ -203,10 +205,11 @@ def test_parameters_are_marked_and_uninitialised_shapes():
 
 def test_bad_sizes_name_the_problem():
     with pytest.raises(ValueError, match="gather_output"):
-        ColumnParallelLinear(H, F_, tp_group=None, gather_output=True, sequence_parallel=True)
+        ColumnParallelLinear(H, F_, gather_output=True, tp_config=TensorParallelConfig(sequence_parallel=True))
     with pytest.raises(ValueError, match="input_is_parallel"):
-        RowParallelLinear(F_, H, tp_group=None, input_is_parallel=False, sequence_parallel=True)
+        RowParallelLinear(F_, H, input_is_parallel=False, tp_config=TensorParallelConfig(sequence_parallel=True))
     with pytest.raises(ValueError, match="skip_weight_param_allocation"):
-        ColumnParallelLinear(H, F_, tp_group=None, skip_weight_param_allocation=True)(torch.zeros(1, 1, H))
+        ColumnParallelLinear(H, F_, skip_weight_param_allocation=True,
+                             tp_config=TensorParallelConfig())(torch.zeros(1, 1, H))
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size"):
         shard_tensor(torch.zeros(6), partition_dim=0, rank=0, world_size=4)
