@@ -8,15 +8,12 @@ when sharded), pp2 x dp2 and interleaved pp2 x dp2, and tp2 x pp2 x dp2. Losses 
 final weights, reassembled from every rank's shards, must match the single-process run
 within 1e-5 relative (float32); data-parallel replicas of every shard must agree exactly.
 """
-import numpy as np
 import pytest
-import torch
 
 from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                                   TrainingConfig)
-from megatron_lite.tensor_parallel import gather_shards
 from tests.distributed import run_distributed
-from tests.distributed_optim.toy import assert_relative_close
+from tests.parity import assert_losses_match, assert_relative_close, full_tensors, rank_tensors
 
 STEPS = 10
 
@@ -55,43 +52,20 @@ def _train(rank, world_size, layouts):
     results = []
     for layout in layouts:
         state, model_chunks, parallel_state = pretrain(_config(**layout), keep_process_group=True)
-        shards = {}
+        tensors = {}
         for chunk in model_chunks:
             chunk.finish_param_sync()
             with chunk.gathered_parameters():  # whole parameters under ZeRO-3
-                shards.update({name: (p.detach().float().numpy().copy(), getattr(p, "tensor_model_parallel", False),
-                                      getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1))
-                               for name, p in chunk.module.named_parameters()})
-        results.append({"losses": state.losses, "shards": shards, "skipped": state.skipped_iterations,
-                        "tp_rank": parallel_state.tensor_model_parallel_rank,
-                        "dp_rank": parallel_state.data_parallel_rank})
+                tensors.update(rank_tensors(chunk.module.named_parameters()))
+        results.append({"losses": state.losses, "tensors": tensors, "skipped": state.skipped_iterations,
+                        "tp_rank": parallel_state.tensor_model_parallel_rank})
     return results
-
-
-def _full_weights(rank_results: list) -> dict:
-    """Reassemble every parameter from the tensor-parallel shards; check dp replicas agree."""
-    by_name: dict = {}
-    for result in rank_results:
-        for name, (array, parallel, dim, stride) in result["shards"].items():
-            by_name.setdefault(name, {}).setdefault(result["tp_rank"], []).append((array, parallel, dim, stride))
-    full = {}
-    for name, per_tp in by_name.items():
-        for replicas in per_tp.values():
-            for array, *_ in replicas[1:]:
-                np.testing.assert_array_equal(array, replicas[0][0], err_msg=f"{name}: data-parallel replicas differ")
-        _, parallel, dim, stride = per_tp[0][0]
-        if parallel:
-            full[name] = gather_shards([torch.from_numpy(per_tp[t][0][0]) for t in sorted(per_tp)],
-                                       partition_dim=dim, partition_stride=stride)
-        else:
-            full[name] = torch.from_numpy(per_tp[0][0][0])
-    return full
 
 
 @pytest.fixture(scope="module")
 def single_process():
     (result,) = run_distributed(_train, 1, args=([{"tp": 1, "pp": 1, "sharded": False}],))
-    return result[0]["losses"], _full_weights(result)
+    return result[0]["losses"], full_tensors(result)
 
 
 def test_tp2_pp2_dp2_matches_single_process(single_process):
@@ -119,12 +93,8 @@ def _check_layouts(single_process, world_size: int, layouts: list) -> None:
         tp, pp = layout["tp"], layout["pp"]
         what = f"dp={world_size // (tp * pp)} {layout}"
         results = [r[index] for r in per_rank]
-        losses = [r["losses"] for r in results if r["losses"]]
-        assert losses, what
-        for rank_losses in losses:
-            assert len(rank_losses) == STEPS
-            assert_relative_close(rank_losses, reference_losses, what=f"{what} losses")
-        weights = _full_weights(results)
+        assert_losses_match([r["losses"] for r in results], reference_losses, STEPS, what)
+        weights = full_tensors(results)
         for name, value in weights.items():
             if name == "output_layer.weight" and name not in reference_weights:
                 name_in_reference = "embedding.word_embeddings.weight"  # the last stage's tied copy
@@ -147,8 +117,8 @@ def test_bf16_with_offload_on_the_full_grid_tracks_fp32():
         relative = [abs(a - b) / b for a, b in zip(rank_losses, reference[0]["losses"])]
         # Measured 6e-5: fp32 main weights keep bf16 rounding from compounding.
         assert len(relative) == 20 and 0 < max(relative) < 2e-3, relative
-    reference_weights = _full_weights(reference)
-    for name, value in _full_weights([r[0] for r in per_rank]).items():
+    reference_weights = full_tensors(reference)
+    for name, value in full_tensors([r[0] for r in per_rank]).items():
         if name == "output_layer.weight":
             name = "embedding.word_embeddings.weight"
         # Adam turns bf16's gradient rounding into up-to-lr-sized differences wherever gradients

@@ -17,6 +17,7 @@ from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from tests.distributed import run_distributed
 from tests.distributed_optim import toy
+from tests.parity import assert_relative_close
 
 LAYOUTS = [
     {},
@@ -44,10 +45,10 @@ def test_every_layout_matches_single_process(data_parallel_size):
     for rank, results in enumerate(run_distributed(_train_every_layout, data_parallel_size)):
         for layout, (rank_losses, rank_norms, rank_weights) in zip(LAYOUTS, results):
             what = f"dp={data_parallel_size} rank {rank} {layout}"
-            toy.assert_relative_close(rank_losses, losses, what=f"{what} losses")
-            toy.assert_relative_close(rank_norms, norms, what=f"{what} grad norms")
+            assert_relative_close(rank_losses, losses, what=f"{what} losses")
+            assert_relative_close(rank_norms, norms, what=f"{what} grad norms")
             for name in weights:
-                toy.assert_relative_close(rank_weights[name], weights[name], what=f"{what} {name}")
+                assert_relative_close(rank_weights[name], weights[name], what=f"{what} {name}")
     # Clipping was active (max norm 0.5), so the sharded norm was really exercised.
     assert max(norms) > toy.OPTIMIZER.clip_grad
 

@@ -11,6 +11,7 @@ from megatron_lite.process_groups import collectives
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from tests.distributed import run_distributed
 from tests.distributed_optim import toy
+from tests.parity import assert_relative_close
 from tests.nccl_stand_in import NcclDeviceError, StandInNcclGroup, nccl_stand_in
 
 
@@ -37,7 +38,7 @@ def test_single_process_matches_torch_optimizer_with_clipping(kind):
         assert abs(loss.item() - losses[step]) <= 1e-5 * loss.item()
         assert abs(norm.item() - norms[step]) <= 1e-5 * norm.item()
     for name, param in model.named_parameters():
-        toy.assert_relative_close(weights[name], param.detach(), what=name)
+        assert_relative_close(weights[name], param.detach(), what=name)
 
 
 def _bf16_run(rank, world_size):
@@ -233,7 +234,7 @@ def test_optimizer_state_resumes_on_same_and_merged_layouts():
     results = run_distributed(_resume, 2)
     for rank, (continued, same_layout, merged, data_parallel, _) in enumerate(results):
         assert same_layout == continued
-        toy.assert_relative_close(merged, continued, what="resumed from merged shards")
+        assert_relative_close(merged, continued, what="resumed from merged shards")
         assert data_parallel == {"sharded": True, "size": 2, "rank": rank}
     # Each rank saves only the parameters its shard touches; together, all of them.
     assert "fc1.bias" not in results[0][4]

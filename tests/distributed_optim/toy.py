@@ -102,13 +102,3 @@ def train(parallel_state, steps: int, **build_kwargs):
 def single_process_state():
     """A ParallelState with every group of size one (None)."""
     return initialize_model_parallel(1, 1, rank=0, world_size=1)
-
-
-
-def assert_relative_close(actual, expected, rel: float = 1e-5, what: str = "") -> None:
-    """max |actual - expected| <= rel * max |expected|: relative to the tensor's scale, so
-    elements that happen to be near zero do not demand absolute agreement."""
-    actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
-    error = (actual - expected).abs().max().item()
-    scale = expected.abs().max().item()
-    assert error <= rel * scale, f"{what}: max error {error:.3g} exceeds {rel:g} x scale {scale:.3g}"

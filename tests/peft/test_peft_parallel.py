@@ -17,7 +17,7 @@ from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig
                                   PeftConfig, TrainingConfig)
 from megatron_lite.tensor_parallel import gather_shards
 from tests.distributed import run_distributed
-from tests.distributed_optim.toy import assert_relative_close
+from tests.parity import assert_relative_close
 
 STEPS = 5
 METHODS = {"lora": dict(peft="lora", lora_rank=4, lora_alpha=8.0),

@@ -16,6 +16,7 @@ import torch
 from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.tensor_parallel import gather_shards
 from tests.distributed import run_distributed
+from tests.parity import assert_relative_close
 
 MICRO_BATCH, SEQ, HIDDEN = 2, 16, 32
 TIED = "embedding.word_embeddings.weight"
@@ -83,12 +84,6 @@ def _full_gradients(rank_results: list) -> dict:
     return full
 
 
-def assert_relative_close(actual, expected, what):
-    """Within 1e-5 of the tensor's largest entry: near-zero elements need not agree relatively."""
-    error = (actual.double() - expected.double()).abs().max().item()
-    assert error <= 1e-5 * expected.abs().max().item(), f"{what}: max error {error:.3g}"
-
-
 LAYOUTS = {
     2: [dict(pp=2, global_batch=2), dict(pp=2, global_batch=4), dict(pp=2, global_batch=10),
         dict(pp=2, vpp=2, global_batch=8), dict(pp=2, first=1, global_batch=6),
@@ -120,10 +115,10 @@ def test_gpt_pipeline_matches_single_process(reference, world_size):
         assert all(r["losses"] == replicas[r["dp_rank"]] for r in last), what  # tp peers agree
         dp = len(replicas)
         merged = [replicas[index % dp][index // dp] for index in range(len(ref_losses))]
-        assert_relative_close(torch.tensor(merged), torch.tensor(ref_losses), f"{what} losses")
+        assert_relative_close(torch.tensor(merged), torch.tensor(ref_losses), what=f"{what} losses")
         grads = _full_gradients(results)
         assert sorted(grads) == sorted(ref_grads), what
         for name, copies in grads.items():
             assert len(copies) == (2 if name == TIED else 1), f"{what} {name} held by {len(copies)} stages"
             for grad in copies:
-                assert_relative_close(grad, ref_grads[name][0], f"{what} {name}")
+                assert_relative_close(grad, ref_grads[name][0], what=f"{what} {name}")
