@@ -22,13 +22,17 @@ def assert_relative_close(actual, expected, rel: float = 1e-5, what: str = "") -
     assert error <= rel * scale, f"{what}: max error {error:.3g} exceeds {rel:g} x scale {scale:.3g}"
 
 
+def tensor_parallel_split(param) -> tuple:
+    """(``tensor_model_parallel``, ``partition_dim``, ``partition_stride``): how ``gather_shards`` puts
+    the parameter's shards together."""
+    return (getattr(param, "tensor_model_parallel", False), getattr(param, "partition_dim", 0),
+            getattr(param, "partition_stride", 1))
+
+
 def rank_tensors(named_parameters, value=lambda param: param) -> dict:
-    """name -> (float32 numpy copy of ``value(param)``, how the parameter is split over tensor parallelism:
-    ``tensor_model_parallel``, ``partition_dim``, ``partition_stride``). Numpy, because a tensor returned
-    from a rank would travel through shared memory that dies with it."""
-    return {name: (value(param).detach().float().numpy().copy(),
-                   (getattr(param, "tensor_model_parallel", False), getattr(param, "partition_dim", 0),
-                    getattr(param, "partition_stride", 1)))
+    """name -> (float32 numpy copy of ``value(param)``, ``tensor_parallel_split(param)``). Numpy, because
+    a tensor returned from a rank would travel through shared memory that dies with it."""
+    return {name: (value(param).detach().float().numpy().copy(), tensor_parallel_split(param))
             for name, param in named_parameters}
 
 

@@ -16,7 +16,7 @@ import torch
 from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.tensor_parallel import gather_shards
 from tests.distributed import run_distributed
-from tests.parity import assert_relative_close
+from tests.parity import assert_relative_close, tensor_parallel_split
 
 MICRO_BATCH, SEQ, HIDDEN = 2, 16, 32
 TIED = "embedding.word_embeddings.weight"
@@ -55,8 +55,7 @@ def _one_iteration(rank, world_size, layouts):
             micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN, parallel_state=ps,
             sequence_parallel=par.sequence_parallel, no_sync_func=[chunk.no_sync for chunk in chunks],
             finalize_model_grads_func=functools.partial(finalize_model_grads, parallel_state=ps))
-        grads = {name: (p.main_grad.clone(), getattr(p, "tensor_model_parallel", False),
-                        getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1))
+        grads = {name: (p.main_grad.clone(), *tensor_parallel_split(p))
                  for chunk in chunks for name, p in chunk.module.named_parameters()}
         # Each micro-batch's "lm loss" is [sum, count] of its token losses.
         results.append({"losses": [(d["lm loss"][0] / d["lm loss"][1]).item() for d in losses], "grads": grads,
