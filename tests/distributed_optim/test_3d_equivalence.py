@@ -105,10 +105,17 @@ def _check_layouts(single_process, world_size: int, layouts: list) -> None:
         assert set(reference_weights) <= set(weights), what
 
 
-def test_bf16_with_offload_on_the_full_grid_tracks_fp32():
+@pytest.fixture(scope="module")
+def single_process_20_steps():
+    """The fp32 reference of the mixed-precision tests below (one run for both)."""
+    (reference,) = run_distributed(_train, 1, args=([{"tp": 1, "pp": 1, "steps": 20}],))
+    return reference
+
+
+def test_bf16_with_offload_on_the_full_grid_tracks_fp32(single_process_20_steps):
     """bf16 weights, fp32 gradients and main parameters in host memory, sharded over dp,
     with tp=2 (sequence parallel) x pp=2: 20 steps stay within bf16 tolerance of fp32."""
-    (reference,) = run_distributed(_train, 1, args=([{"tp": 1, "pp": 1, "sharded": False, "steps": 20}],))
+    reference = single_process_20_steps
     layout = {"tp": 2, "pp": 2, "sharded": True, "steps": 20, "bf16": True, "offload": True}
     per_rank = run_distributed(_train, 8, args=([layout],), timeout=600)
     losses = [r[0]["losses"] for r in per_rank if r[0]["losses"]]
@@ -128,11 +135,11 @@ def test_bf16_with_offload_on_the_full_grid_tracks_fp32():
         assert (value - expected).norm() <= 0.05 * expected.norm(), name
 
 
-def test_zero3_in_mixed_precision_with_offload():
+def test_zero3_in_mixed_precision_with_offload(single_process_20_steps):
     """ZeRO-3 at tp2 (sequence parallel) x dp2: bf16 with the optimizer and the gradient shards in host
     memory stays within bf16 tolerance of fp32 over 20 steps; fp16 with the dynamic loss scaler skips
     the same steps as plain data parallelism and tracks its losses."""
-    (reference,) = run_distributed(_train, 1, args=([{"tp": 1, "pp": 1, "steps": 20}],))
+    reference = single_process_20_steps
     zero3 = {"tp": 2, "pp": 1, "strategy": "optim_grads_params", "overlap": True}
     layouts = [{**zero3, "steps": 20, "bf16": True, "offload": True, "grad_offload": True},
                {**zero3, "fp16": True}, {"tp": 2, "pp": 1, "fp16": True}]
