@@ -71,6 +71,7 @@ setup(
     # Every package a command imports: a plain `pip install .` trains, saves and reads every tokenizer.
     install_requires=["torch>=2.3", "numpy", "regex", "safetensors", "sentencepiece", "tiktoken", "tokenizers"],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "transformers", "ruff", "protobuf"],
+        # Everything a test imports or skips without: peft for the PEFT-export tests, tensorboard for the writer.
+        "dev": ["pytest", "pytest-timeout", "transformers", "peft", "tensorboard", "ruff", "protobuf"],
     },
 )

@@ -5,11 +5,16 @@ The task is ``tools/build_sft_demo_data.py``'s: reverse a string of 3-6 letters.
 but has never reversed; each method then fine-tunes it to reverse (the held-out strings are never
 seen by either), and ``megatron_lite.evaluate`` measures greedy exact match on 100 held-out strings.
 
-    python bench/bench_peft.py [--train-iters 1000] [--methods full lora adapter prefix]
+    python bench/bench_peft.py [--train-iters 1000] [--methods full lora adapter prefix] [--seed 1234]
 
 Prints, per method: exact match, trainable parameters, gradient and optimizer-state bytes per rank
 (the memory report: fp32 Adam keeps two moments, 8 bytes per trainable parameter) and the mean step
 time (one process on CPU; on a shared machine the times are indicative only).
+
+The exact match depends on the fine-tuning seed (``--seed``; the base always trains at 1234): LoRA
+reaches 100 of 100 at 1234 (the default), 7, 11 and 13, and 56 at 17. That is why it is measured here and not asserted
+in a test; the facts that hold at every seed (what trains, what the optimizer holds, that the base stays
+frozen) are tests/peft's.
 """
 from __future__ import annotations
 
@@ -39,8 +44,9 @@ METHODS = {"full": ([], 1e-3),
            "prefix": (["--peft", "prefix", "--prefix-length", "8", "--prefix-projection-hidden-size", "64"], 1e-2)}
 
 
-def _training(iterations: int, lr: float) -> list:
-    return ["--micro-batch-size", "32", "--global-batch-size", "32", "--train-iters", str(iterations),
+def _training(iterations: int, lr: float, seed: int) -> list:
+    return ["--seed", str(seed), "--micro-batch-size", "32", "--global-batch-size", "32",
+            "--train-iters", str(iterations),
             "--lr", str(lr), "--min-lr", str(lr / 10), "--lr-warmup-iters", "20", "--weight-decay", "0",
             "--log-interval", str(iterations), "--eval-interval", str(iterations), "--eval-iters", "2"]
 
@@ -60,7 +66,7 @@ def build_base(root: str) -> tuple[str, dict]:
     copy = write_splits(os.path.join(root, "copy"), task="copy")
     base = os.path.join(root, "base")
     _run(pretrain_main, ["--sft", "--train-data-path", copy["train"], "--valid-data-path", copy["valid"], *MODEL,
-                         *TOKENIZER, *_training(300, 3e-3), "--save", base])
+                         *TOKENIZER, *_training(300, 3e-3, seed=1234), "--save", base])
     return base, write_splits(os.path.join(root, "reverse"))
 
 
@@ -74,12 +80,12 @@ def exact_match(checkpoint: str, test_data: str) -> float:
     return sum(r["exact_match"] for r in results) / len(results)
 
 
-def fine_tune(method: str, base: str, data: dict, save: str, iterations: int) -> dict:
+def fine_tune(method: str, base: str, data: dict, save: str, iterations: int, seed: int = 1234) -> dict:
     """Fine-tune ``base`` with ``method`` and evaluate it: exact match, parameter and memory counts, step time."""
     flags, lr = METHODS[method]
     log = _run(pretrain_main, ["--sft", "--train-data-path", data["train"], "--valid-data-path", data["valid"],
                                *TOKENIZER, "--pretrained-checkpoint", base, "--use-checkpoint-args",
-                               *_training(iterations, lr), *flags, "--save", save])
+                               *_training(iterations, lr, seed), *flags, "--save", save])
     total, trainable = re.search(r" model: ([\d,]+) parameters(?:, ([\d,]+) of them trainable)?", log).groups()
     memory = dict(re.findall(r"(gradients|optimizer state): ([\d.]+)", log))
     return {"method": method, "exact_match": exact_match(save, data["test"]),
@@ -92,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--train-iters", type=int, default=1000)
     parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=list(METHODS))
+    parser.add_argument("--seed", type=int, default=1234, help="the seed of each fine-tuning run")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
         base, data = build_base(root)
-        rows = [fine_tune(m, base, data, os.path.join(root, m), args.train_iters) for m in args.methods]
+        rows = [fine_tune(m, base, data, os.path.join(root, m), args.train_iters, args.seed) for m in args.methods]
     print("| method | exact match | trainable parameters | gradients per rank (KB) | optimizer state per rank (KB) "
           "| step time (ms, CPU) |\n|---|---|---|---|---|---|")
     for row in rows:

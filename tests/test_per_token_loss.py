@@ -11,6 +11,7 @@ import torch
 
 from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainingConfig
 from tests.distributed import run_distributed
+from tests.parity import assert_relative_close
 
 GLOBAL_BATCH, MICRO_BATCH, SEQ, VOCAB = 8, 2, 8, 128
 
@@ -109,9 +110,7 @@ def _check(result, reference_loss, reference_grads, what):
     if result["loss"] is not None:
         assert result["loss"] == pytest.approx(reference_loss, rel=1e-6), what
     for name, grad in result["grads"].items():
-        expected = reference_grads[name]
-        error = (grad - expected).abs().max().item()
-        assert error <= 1e-5 * expected.abs().max().item(), f"{what} {name}: {error:.3g}"
+        assert_relative_close(grad, reference_grads[name], what=f"{what} {name}")
 
 
 @pytest.mark.parametrize("layout", [dict(pp=1), dict(strategy="optim"), dict(strategy="optim_grads_params"),

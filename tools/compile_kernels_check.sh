@@ -24,6 +24,7 @@ flags=(
   -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
   -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
   -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90
+  --threads 0  # the two architectures compile in parallel, one thread per core
   -Werror=all-warnings -Xcompiler=-Wall -Xcompiler=-Werror -Xptxas=--warn-on-spills
 )
 

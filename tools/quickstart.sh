@@ -49,6 +49,7 @@ train() {
 case "${1:-}" in
   train) setup && train ;;
   # --timeout: a last guard per test; distributed tests have their own, shorter ones.
-  test) setup && "$PYTHON" -m pytest -q -p no:cacheprovider --timeout 900 tests ;;
+  # --durations: the 25 slowest tests in every CI log, so a test that outgrows the time budget shows.
+  test) setup && "$PYTHON" -m pytest -q -p no:cacheprovider --timeout 900 --durations=25 tests ;;
   *) echo "usage: bash tools/quickstart.sh train|test" >&2; exit 2 ;;
 esac

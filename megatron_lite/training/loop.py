@@ -85,9 +85,12 @@ def calculate_per_token_loss(config: Config) -> bool:
 
 
 def train_step(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, data_iterator,
-               num_microbatches: int):
+               num_microbatches: int, *, forward_step_func=forward_step):
     """Forward and backward over ``num_microbatches`` micro-batches per data-parallel rank, then one
     optimizer step; the LR schedule advances by the samples this global batch held.
+
+    ``forward_step_func`` follows ``forward_step``'s contract (Megatron's train_step takes it too): the
+    GPT's by default, any other model's in tests that train one through this same step.
 
     Returns (lm loss: the global batch's per-token mean on the last stage, else None; update_successful;
     grad_norm)."""
@@ -95,7 +98,8 @@ def train_step(config: Config, parallel_state: ParallelState, model_chunks, opti
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = _forward_backward(config, parallel_state, model_chunks, data_iterator, num_microbatches,
-                               forward_only=False, grad_scale_func=optimizer.scale_loss)
+                               forward_only=False, grad_scale_func=optimizer.scale_loss,
+                               forward_step_func=forward_step_func)
     operations.empty_unused_memory(config.training, level=1)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
@@ -106,11 +110,11 @@ def train_step(config: Config, parallel_state: ParallelState, model_chunks, opti
 
 
 def _forward_backward(config, parallel_state, model_chunks, data_iterator, num_microbatches, *, forward_only,
-                      grad_scale_func=None):
+                      grad_scale_func=None, forward_step_func=forward_step):
     model = config.model
     forward_backward = get_forward_backward_func(parallel_state)
     return forward_backward(
-        forward_step_func=forward_step, data_iterator=data_iterator, model=model_chunks,
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model_chunks,
         num_microbatches=num_microbatches, seq_length=model.seq_length,
         micro_batch_size=config.training.micro_batch_size, hidden_size=model.hidden_size,
         parallel_state=parallel_state, forward_only=forward_only, sequence_parallel=config.parallel.sequence_parallel,
@@ -158,6 +162,18 @@ def build_optimizer_and_scheduler(config: Config, parallel_state: ParallelState,
     return optimizer, get_optimizer_param_scheduler(optimizer, config, global_batch)
 
 
+def setup_model_and_optimizer(config: Config, parallel_state: ParallelState):
+    """(model chunks, optimizer, LR schedule) of this rank, seeded and with the kernels chosen, before any
+    checkpoint is loaded (Megatron's setup_model_and_optimizer): what a test that steps ``train_step`` by
+    hand builds too."""
+    set_random_seeds(config.training.seed, parallel_state)
+    kernels.configure(config.model.use_fused_kernels)
+    kernels.load_extension()  # a JIT build, if one is needed, happens now rather than inside step 1
+    model_chunks = get_model(config, parallel_state)
+    optimizer, scheduler = build_optimizer_and_scheduler(config, parallel_state, model_chunks)
+    return model_chunks, optimizer, scheduler
+
+
 def pretrain(config: Config, *, keep_process_group: bool = False):
     """Train as configured; returns (TrainingState, model chunks, parallel state)."""
     start_time = time.time()  # --exit-duration-in-mins counts from here
@@ -179,11 +195,7 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     trainable_parameters = count_parameters(config, trainable_only=True) if config.peft.peft else None
     print_rank_last(format_startup_summary(config, parallel_state, parameters_per_stage(config), total_parameters,
                                            trainable_parameters))
-    set_random_seeds(config.training.seed, parallel_state)
-    kernels.configure(config.model.use_fused_kernels)
-    kernels.load_extension()  # a JIT build, if one is needed, happens now rather than inside step 1
-    model_chunks = get_model(config, parallel_state)
-    optimizer, scheduler = build_optimizer_and_scheduler(config, parallel_state, model_chunks)
+    model_chunks, optimizer, scheduler = setup_model_and_optimizer(config, parallel_state)
     if config.logging.log_memory:
         report = optimizer.memory_report()
         print_rank_last(metrics.format_memory_report(report))

@@ -1,6 +1,6 @@
 """The parity ladder: every (tensor, pipeline, data) layout trains like one process.
 
-A 4-layer GPT trains 10 steps through ``megatron_lite.training.pretrain`` on mock
+A 4-layer GPT trains 10 steps (5 on the strategy grid) through ``megatron_lite.training.pretrain`` on mock
 data under every --data-parallel-sharding-strategy (no_shard, optim, optim_grads,
 optim_grads_params: ZeRO 0 to 3), with and without --overlap-grad-reduce and
 --overlap-param-gather, at dp 2 (recomputed too), dp 4, tp2 x dp2 (sequence parallel
@@ -8,15 +8,12 @@ when sharded), pp2 x dp2 and interleaved pp2 x dp2, and tp2 x pp2 x dp2. Losses 
 final weights, reassembled from every rank's shards, must match the single-process run
 within 1e-5 relative (float32); data-parallel replicas of every shard must agree exactly.
 """
-import numpy as np
 import pytest
-import torch
 
 from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                                   TrainingConfig)
-from megatron_lite.tensor_parallel import gather_shards
 from tests.distributed import run_distributed
-from tests.distributed_optim.toy import assert_relative_close
+from tests.parity import assert_losses_match, assert_relative_close, full_tensors, rank_tensors
 
 STEPS = 10
 
@@ -55,43 +52,30 @@ def _train(rank, world_size, layouts):
     results = []
     for layout in layouts:
         state, model_chunks, parallel_state = pretrain(_config(**layout), keep_process_group=True)
-        shards = {}
+        tensors = {}
         for chunk in model_chunks:
             chunk.finish_param_sync()
             with chunk.gathered_parameters():  # whole parameters under ZeRO-3
-                shards.update({name: (p.detach().float().numpy().copy(), getattr(p, "tensor_model_parallel", False),
-                                      getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1))
-                               for name, p in chunk.module.named_parameters()})
-        results.append({"losses": state.losses, "shards": shards, "skipped": state.skipped_iterations,
-                        "tp_rank": parallel_state.tensor_model_parallel_rank,
-                        "dp_rank": parallel_state.data_parallel_rank})
+                tensors.update(rank_tensors(chunk.module.named_parameters()))
+        results.append({"losses": state.losses, "tensors": tensors, "skipped": state.skipped_iterations,
+                        "tp_rank": parallel_state.tensor_model_parallel_rank})
     return results
 
 
-def _full_weights(rank_results: list) -> dict:
-    """Reassemble every parameter from the tensor-parallel shards; check dp replicas agree."""
-    by_name: dict = {}
-    for result in rank_results:
-        for name, (array, parallel, dim, stride) in result["shards"].items():
-            by_name.setdefault(name, {}).setdefault(result["tp_rank"], []).append((array, parallel, dim, stride))
-    full = {}
-    for name, per_tp in by_name.items():
-        for replicas in per_tp.values():
-            for array, *_ in replicas[1:]:
-                np.testing.assert_array_equal(array, replicas[0][0], err_msg=f"{name}: data-parallel replicas differ")
-        _, parallel, dim, stride = per_tp[0][0]
-        if parallel:
-            full[name] = gather_shards([torch.from_numpy(per_tp[t][0][0]) for t in sorted(per_tp)],
-                                       partition_dim=dim, partition_stride=stride)
-        else:
-            full[name] = torch.from_numpy(per_tp[0][0][0])
-    return full
+def _single_process(steps: int) -> tuple:
+    """(losses, whole weights) of the reference run."""
+    (result,) = run_distributed(_train, 1, args=([{"tp": 1, "pp": 1, "steps": steps}],))
+    return result[0]["losses"], full_tensors(result)
 
 
 @pytest.fixture(scope="module")
 def single_process():
-    (result,) = run_distributed(_train, 1, args=([{"tp": 1, "pp": 1, "sharded": False}],))
-    return result[0]["losses"], _full_weights(result)
+    return _single_process(STEPS)
+
+
+@pytest.fixture(scope="module")
+def single_process_grid():
+    return _single_process(GRID_STEPS)
 
 
 def test_tp2_pp2_dp2_matches_single_process(single_process):
@@ -100,16 +84,19 @@ def test_tp2_pp2_dp2_matches_single_process(single_process):
 
 # Every strategy at dp 2 (with recomputation) and, in a world of 4, at dp 4, tp2 x dp2 (sequence
 # parallel under the sharding strategies), pp2 x dp2 and interleaved pp2 x dp2; with and without overlap.
+# Its 32 runs take 5 steps each, past the warm-up: a misplaced or missed shard shows from the second loss
+# and in every final weight; the full 10 steps run on the tp2 x pp2 x dp2 ladder above.
+GRID_STEPS = 5
 GRID = {2: [{"tp": 1, "pp": 1}, {"tp": 1, "pp": 1, "recompute": "full"}],
         4: [{"tp": 1, "pp": 1}, {"tp": 2, "pp": 1}, {"tp": 1, "pp": 2}, {"tp": 1, "pp": 2, "vpp": True}]}
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 @pytest.mark.parametrize("world_size", sorted(GRID))
-def test_every_strategy_matches_single_process(single_process, world_size, strategy):
-    layouts = [{**layout, "strategy": strategy, "overlap": overlap}
+def test_every_strategy_matches_single_process(single_process_grid, world_size, strategy):
+    layouts = [{**layout, "strategy": strategy, "overlap": overlap, "steps": GRID_STEPS}
                for layout in GRID[world_size] for overlap in (False, True)]
-    _check_layouts(single_process, world_size, layouts)
+    _check_layouts(single_process_grid, world_size, layouts)
 
 
 def _check_layouts(single_process, world_size: int, layouts: list) -> None:
@@ -119,12 +106,8 @@ def _check_layouts(single_process, world_size: int, layouts: list) -> None:
         tp, pp = layout["tp"], layout["pp"]
         what = f"dp={world_size // (tp * pp)} {layout}"
         results = [r[index] for r in per_rank]
-        losses = [r["losses"] for r in results if r["losses"]]
-        assert losses, what
-        for rank_losses in losses:
-            assert len(rank_losses) == STEPS
-            assert_relative_close(rank_losses, reference_losses, what=f"{what} losses")
-        weights = _full_weights(results)
+        assert_losses_match([r["losses"] for r in results], reference_losses, layout.get("steps", STEPS), what)
+        weights = full_tensors(results)
         for name, value in weights.items():
             if name == "output_layer.weight" and name not in reference_weights:
                 name_in_reference = "embedding.word_embeddings.weight"  # the last stage's tied copy
@@ -135,10 +118,17 @@ def _check_layouts(single_process, world_size: int, layouts: list) -> None:
         assert set(reference_weights) <= set(weights), what
 
 
-def test_bf16_with_offload_on_the_full_grid_tracks_fp32():
+@pytest.fixture(scope="module")
+def single_process_20_steps():
+    """The fp32 reference of the mixed-precision tests below (one run for both)."""
+    (reference,) = run_distributed(_train, 1, args=([{"tp": 1, "pp": 1, "steps": 20}],))
+    return reference
+
+
+def test_bf16_with_offload_on_the_full_grid_tracks_fp32(single_process_20_steps):
     """bf16 weights, fp32 gradients and main parameters in host memory, sharded over dp,
     with tp=2 (sequence parallel) x pp=2: 20 steps stay within bf16 tolerance of fp32."""
-    (reference,) = run_distributed(_train, 1, args=([{"tp": 1, "pp": 1, "sharded": False, "steps": 20}],))
+    reference = single_process_20_steps
     layout = {"tp": 2, "pp": 2, "sharded": True, "steps": 20, "bf16": True, "offload": True}
     per_rank = run_distributed(_train, 8, args=([layout],), timeout=600)
     losses = [r[0]["losses"] for r in per_rank if r[0]["losses"]]
@@ -147,8 +137,8 @@ def test_bf16_with_offload_on_the_full_grid_tracks_fp32():
         relative = [abs(a - b) / b for a, b in zip(rank_losses, reference[0]["losses"])]
         # Measured 6e-5: fp32 main weights keep bf16 rounding from compounding.
         assert len(relative) == 20 and 0 < max(relative) < 2e-3, relative
-    reference_weights = _full_weights(reference)
-    for name, value in _full_weights([r[0] for r in per_rank]).items():
+    reference_weights = full_tensors(reference)
+    for name, value in full_tensors([r[0] for r in per_rank]).items():
         if name == "output_layer.weight":
             name = "embedding.word_embeddings.weight"
         # Adam turns bf16's gradient rounding into up-to-lr-sized differences wherever gradients
@@ -158,11 +148,11 @@ def test_bf16_with_offload_on_the_full_grid_tracks_fp32():
         assert (value - expected).norm() <= 0.05 * expected.norm(), name
 
 
-def test_zero3_in_mixed_precision_with_offload():
+def test_zero3_in_mixed_precision_with_offload(single_process_20_steps):
     """ZeRO-3 at tp2 (sequence parallel) x dp2: bf16 with the optimizer and the gradient shards in host
     memory stays within bf16 tolerance of fp32 over 20 steps; fp16 with the dynamic loss scaler skips
     the same steps as plain data parallelism and tracks its losses."""
-    (reference,) = run_distributed(_train, 1, args=([{"tp": 1, "pp": 1, "steps": 20}],))
+    reference = single_process_20_steps
     zero3 = {"tp": 2, "pp": 1, "strategy": "optim_grads_params", "overlap": True}
     layouts = [{**zero3, "steps": 20, "bf16": True, "offload": True, "grad_offload": True},
                {**zero3, "fp16": True}, {"tp": 2, "pp": 1, "fp16": True}]

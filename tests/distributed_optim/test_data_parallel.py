@@ -17,6 +17,7 @@ from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from tests.distributed import run_distributed
 from tests.distributed_optim import toy
+from tests.parity import assert_relative_close
 
 LAYOUTS = [
     {},
@@ -44,10 +45,10 @@ def test_every_layout_matches_single_process(data_parallel_size):
     for rank, results in enumerate(run_distributed(_train_every_layout, data_parallel_size)):
         for layout, (rank_losses, rank_norms, rank_weights) in zip(LAYOUTS, results):
             what = f"dp={data_parallel_size} rank {rank} {layout}"
-            toy.assert_relative_close(rank_losses, losses, what=f"{what} losses")
-            toy.assert_relative_close(rank_norms, norms, what=f"{what} grad norms")
+            assert_relative_close(rank_losses, losses, what=f"{what} losses")
+            assert_relative_close(rank_norms, norms, what=f"{what} grad norms")
             for name in weights:
-                toy.assert_relative_close(rank_weights[name], weights[name], what=f"{what} {name}")
+                assert_relative_close(rank_weights[name], weights[name], what=f"{what} {name}")
     # Clipping was active (max norm 0.5), so the sharded norm was really exercised.
     assert max(norms) > toy.OPTIMIZER.clip_grad
 
@@ -121,20 +122,20 @@ def _count_micro_batches(ddp, parallel_state) -> list:
 
 def _count_communication(rank, world_size, sharded, overlap):
     parallel_state = initialize_model_parallel(1, 1)
-    ddp, optimizer = toy.build(parallel_state, use_distributed_optimizer=sharded, overlap_grad_reduce=overlap,
-                               overlap_param_gather=sharded and overlap)
+    run = toy.build(parallel_state, use_distributed_optimizer=sharded, overlap_grad_reduce=overlap,
+                    overlap_param_gather=sharded and overlap)
     reduce_op = "reduce_scatter" if sharded else "all_reduce"
     counts = {f"backward {i}": counter.count(reduce_op, "data")
-              for i, counter in enumerate(_count_micro_batches(ddp, parallel_state))}
+              for i, counter in enumerate(_count_micro_batches(run.ddp, parallel_state))}
     with collectives.count_collectives() as counter:
-        finalize_model_grads([ddp], parallel_state=parallel_state)
+        finalize_model_grads([run.ddp], parallel_state=parallel_state)
     counts["finalize"] = counter.count(reduce_op, "data")
     with collectives.count_collectives() as counter:
-        optimizer.step()
+        run.optimizer.step()
     counts["step all_gather"] = counter.count("all_gather", "data")
-    counts["gathers pending after step"] = sum(b.param_handle is not None for b in ddp.buckets)
-    ddp(toy.micro_batches(0, parallel_state.data_parallel_rank, world_size)[0][0])  # pre-hooks wait for the gathers
-    counts["gathers pending after forward"] = sum(b.param_handle is not None for b in ddp.buckets)
+    counts["gathers pending after step"] = sum(b.param_handle is not None for b in run.ddp.buckets)
+    run.ddp(toy.micro_batches(0, parallel_state.data_parallel_rank, world_size)[0][0])  # pre-hooks wait for the gathers
+    counts["gathers pending after forward"] = sum(b.param_handle is not None for b in run.ddp.buckets)
     return counts
 
 
@@ -155,17 +156,17 @@ def test_reductions_only_on_last_microbatch(sharded, overlap):
 
 def _zero2_communication(rank, world_size, overlap):
     parallel_state = initialize_model_parallel(1, 1)
-    ddp, optimizer = toy.build(parallel_state, data_parallel_sharding_strategy="optim_grads",
-                               overlap_grad_reduce=overlap)
-    (buffer,) = ddp.grad_buffers
-    counts = [dict(counter.calls) for counter in _count_micro_batches(ddp, parallel_state)]
+    run = toy.build(parallel_state, data_parallel_sharding_strategy="optim_grads",
+                    overlap_grad_reduce=overlap)
+    (buffer,) = run.ddp.grad_buffers
+    counts = [dict(counter.calls) for counter in _count_micro_batches(run.ddp, parallel_state)]
     with collectives.count_collectives() as counter:
-        finalize_model_grads([ddp], parallel_state=parallel_state)
-        optimizer.step()
+        finalize_model_grads([run.ddp], parallel_state=parallel_state)
+        run.optimizer.step()
     counts.append(dict(counter.calls))
     return {"counts": counts, "staging buffers": len(buffer.staging_pool.buffers),
             "staging numel": buffer.staging_pool.numel, "grad shard numel": buffer.grad_shard_data.numel(),
-            "full gradients": buffer.grad_data, "main_grad": hasattr(ddp.module.fc1.weight, "main_grad"),
+            "full gradients": buffer.grad_data, "main_grad": hasattr(run.ddp.module.fc1.weight, "main_grad"),
             "buckets": [b.numel for b in buffer.buckets]}
 
 
@@ -197,16 +198,16 @@ def _offload_every_strategy(rank, world_size):
         offloads = [(False, False), (True, False)] + [(True, True)] * (strategy.startswith("optim_grads"))
         for optimizer_offload, grad_offload in offloads:
             config = OptimizerConfig(lr=0.05, weight_decay=0.1, clip_grad=0.5, optimizer_cpu_offload=optimizer_offload)
-            ddp, optimizer = toy.build(parallel_state, dtype=torch.bfloat16, optimizer_config=config,
-                                       data_parallel_sharding_strategy=strategy, grad_cpu_offload=grad_offload,
-                                       overlap_grad_reduce=True)
-            losses = [toy.train_step(ddp, optimizer, parallel_state, step)[0] for step in range(4)]
-            shards = [b.grad_shard_data for b in ddp.grad_buffers if b.grad_shard_data is not None]
+            run = toy.build(parallel_state, dtype=torch.bfloat16, optimizer_config=config,
+                            data_parallel_sharding_strategy=strategy, grad_cpu_offload=grad_offload,
+                            overlap_grad_reduce=True)
+            losses = [toy.train_step(run, parallel_state, step)[0] for step in range(4)]
+            shards = [b.grad_shard_data for b in run.ddp.grad_buffers if b.grad_shard_data is not None]
             results[(strategy, optimizer_offload, grad_offload)] = {
-                "losses": losses, "main params": {m.device.type for m in optimizer.main_params},
+                "losses": losses, "main params": {m.device.type for m in run.optimizer.main_params},
                 "grad shards": {s.device.type for s in shards},
                 # Under --grad-cpu-offload the optimizer steps on the host shards themselves.
-                "main grads alias the shards": all(m.grad_copy is None for m in optimizer.main_params)}
+                "main grads alias the shards": all(m.grad_copy is None for m in run.optimizer.main_params)}
     return results
 
 

@@ -15,20 +15,22 @@ def _train(rank, world_size, grad_reduce_in_bf16, strategy):
     from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 
     parallel_state = initialize_model_parallel(1, 1)
-    ddp, optimizer = toy.build(parallel_state, dtype=torch.bfloat16, grad_reduce_in_bf16=grad_reduce_in_bf16,
-                               data_parallel_sharding_strategy=strategy)
+    run = toy.build(parallel_state, dtype=torch.bfloat16, grad_reduce_in_bf16=grad_reduce_in_bf16,
+                    data_parallel_sharding_strategy=strategy)
     losses = []
     with collectives.count_collectives() as counter:
         for step in range(STEPS):
-            loss, ok, _ = toy.train_step(ddp, optimizer, parallel_state, step)
+            loss, ok, _ = toy.train_step(run, parallel_state, step)
             assert ok
             losses.append(loss)
     operation = "all_reduce" if strategy == "no_shard" else "reduce_scatter"
-    return {"losses": losses, "grad_dtypes": {str(b.grad_dtype) for b in ddp.grad_buffers},
+    # The trainer all-reduces each step's loss report too ([sum, count] in fp32, over the same group).
+    loss_report_bytes = STEPS * 2 * 4 if operation == "all_reduce" else 0
+    return {"losses": losses, "grad_dtypes": {str(b.grad_dtype) for b in run.ddp.grad_buffers},
             # What the optimizer reads: ZeRO-2/3's gradient shards, or slices of the full buffer.
-            "slice_dtypes": {str(s.grad.dtype) for s in ddp.param_slices()},
-            "main_grad_dtypes": {str(m.grad_copy.dtype) for m in optimizer.main_params if m.grad_copy is not None},
-            "reduced_bytes": counter.bytes[(operation, "data")]}
+            "slice_dtypes": {str(s.grad.dtype) for s in run.ddp.param_slices()},
+            "main_grad_dtypes": {str(m.grad_copy.dtype) for m in run.optimizer.main_params if m.grad_copy is not None},
+            "reduced_bytes": counter.bytes[(operation, "data")] - loss_report_bytes}
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])

@@ -1,5 +1,8 @@
 """The optimizer step: plain AdamW semantics, mixed precision, overflow skipping,
 memory accounting, CPU offload and the checkpoint format."""
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +12,10 @@ from megatron_lite.distributed import finalize_model_grads
 from megatron_lite.optimizer import merge_optimizer_state_dicts
 from megatron_lite.process_groups import collectives
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
+from megatron_lite.training import loop
 from tests.distributed import run_distributed
 from tests.distributed_optim import toy
+from tests.parity import assert_relative_close
 from tests.nccl_stand_in import NcclDeviceError, StandInNcclGroup, nccl_stand_in
 
 
@@ -37,15 +42,15 @@ def test_single_process_matches_torch_optimizer_with_clipping(kind):
         assert abs(loss.item() - losses[step]) <= 1e-5 * loss.item()
         assert abs(norm.item() - norms[step]) <= 1e-5 * norm.item()
     for name, param in model.named_parameters():
-        toy.assert_relative_close(weights[name], param.detach(), what=name)
+        assert_relative_close(weights[name], param.detach(), what=name)
 
 
 def _bf16_run(rank, world_size):
     parallel_state = initialize_model_parallel(1, 1)
-    ddp, optimizer = toy.build(parallel_state, dtype=torch.bfloat16, use_distributed_optimizer=True)
-    assert all(p.dtype == torch.bfloat16 for p in ddp.parameters())
-    assert all(m.dtype == torch.float32 for m in optimizer.main_params)
-    return [toy.train_step(ddp, optimizer, parallel_state, step)[0] for step in range(20)]
+    run = toy.build(parallel_state, dtype=torch.bfloat16, use_distributed_optimizer=True)
+    assert all(p.dtype == torch.bfloat16 for p in run.ddp.parameters())
+    assert all(m.dtype == torch.float32 for m in run.optimizer.main_params)
+    return [toy.train_step(run, parallel_state, step)[0] for step in range(20)]
 
 
 def test_bf16_tracks_fp32():
@@ -61,21 +66,25 @@ def test_bf16_tracks_fp32():
 def _inject_inf(rank, world_size, strategy):
     parallel_state = initialize_model_parallel(1, 1)
     config = OptimizerConfig(lr=0.05, clip_grad=0.5, initial_loss_scale=1024.0, hysteresis=1)
-    ddp, optimizer = toy.build(parallel_state, dtype=torch.float16, optimizer_config=config,
-                               data_parallel_sharding_strategy=strategy)
+    run = toy.build(parallel_state, dtype=torch.float16, optimizer_config=config,
+         data_parallel_sharding_strategy=strategy)
 
-    def poison(model):  # one element of one rank's gradient (its shard only, under ZeRO-2/3)
+    def poisoned_finalize(model_chunks, num_tokens=None, *, parallel_state):
+        """The trainer's finalize_model_grads after one element of one rank's gradient (its shard
+        only, under ZeRO-2/3) became inf: between the last backward and the reduction's end."""
         if rank == 0:
-            model.param_slices()[0].grad[3] = float("inf")
+            model_chunks[0].param_slices()[0].grad[3] = float("inf")
+        finalize_model_grads(model_chunks, num_tokens, parallel_state=parallel_state)
 
     log = []
     for step in range(4):
-        before = {k: v.clone() for k, v in ddp.state_dict().items()}
-        _, ok, norm = toy.train_step(ddp, optimizer, parallel_state, step,
-                                     before_finalize=poison if step == 2 else None)
-        unchanged = all(torch.equal(before[k], v) for k, v in ddp.state_dict().items())
-        log.append((ok, norm is None, unchanged, optimizer.get_loss_scale()))
-    return log, optimizer.num_skipped_iterations
+        before = {k: v.clone() for k, v in run.ddp.state_dict().items()}
+        poison = mock.patch.object(loop, "finalize_model_grads", poisoned_finalize)
+        with poison if step == 2 else contextlib.nullcontext():
+            _, ok, norm = toy.train_step(run, parallel_state, step)
+        unchanged = all(torch.equal(before[k], v) for k, v in run.ddp.state_dict().items())
+        log.append((ok, norm is None, unchanged, run.optimizer.get_loss_scale()))
+    return log, run.optimizer.num_skipped_iterations
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
@@ -97,14 +106,15 @@ def _memory(rank, world_size):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         config = OptimizerConfig(lr=0.01, initial_loss_scale=1024.0)
         for strategy in STRATEGIES:
-            ddp, optimizer = toy.build(parallel_state, dtype=dtype, optimizer_config=config,
-                                       data_parallel_sharding_strategy=strategy)
-            at_start = optimizer.memory_report()
-            toy.train_step(ddp, optimizer, parallel_state, 0)
-            (buffer,) = ddp.grad_buffers
+            run = toy.build(parallel_state, dtype=dtype, optimizer_config=config,
+                            data_parallel_sharding_strategy=strategy)
+            at_start = run.optimizer.memory_report()
+            toy.train_step(run, parallel_state, 0)
+            (buffer,) = run.ddp.grad_buffers
             reports[(str(dtype), strategy)] = {
-                "start": at_start, "after a step": optimizer.memory_report(), "padding": buffer.padding,
-                "elements": sum(r.end - r.start for r in optimizer.param_ranges), "ranges": len(optimizer.param_ranges),
+                "start": at_start, "after a step": run.optimizer.memory_report(), "padding": buffer.padding,
+                "elements": sum(r.end - r.start for r in run.optimizer.param_ranges),
+                "ranges": len(run.optimizer.param_ranges),
                 "staging": 0 if buffer.staging_pool is None else buffer.staging_pool.numel}
     return reports
 
@@ -170,11 +180,12 @@ def _offload(rank, world_size):
     for dtype in (torch.float32, torch.bfloat16):
         for offload in (False, True):
             config = OptimizerConfig(lr=0.05, weight_decay=0.1, clip_grad=0.5, optimizer_cpu_offload=offload)
-            ddp, optimizer = toy.build(parallel_state, dtype=dtype, optimizer_config=config,
-                                       use_distributed_optimizer=True)
-            losses = [toy.train_step(ddp, optimizer, parallel_state, step)[0] for step in range(5)]
-            ddp.finish_param_sync()
-            results[(str(dtype), offload)] = (losses, _placement(ddp, optimizer), len(optimizer.main_params))
+            run = toy.build(parallel_state, dtype=dtype, optimizer_config=config,
+                            use_distributed_optimizer=True)
+            losses = [toy.train_step(run, parallel_state, step)[0] for step in range(5)]
+            run.ddp.finish_param_sync()
+            results[(str(dtype), offload)] = (losses, _placement(run.ddp, run.optimizer),
+                                              len(run.optimizer.main_params))
     return results
 
 
@@ -205,27 +216,27 @@ def _resume(rank, world_size):
     """Train 3 steps sharded over 2 ranks, save, then resume (a) sharded on the same layout,
     (b) on one process from the merged shards; both must continue like the original."""
     parallel_state = initialize_model_parallel(1, 1)
-    ddp, optimizer = toy.build(parallel_state, use_distributed_optimizer=True)
+    run = toy.build(parallel_state, use_distributed_optimizer=True)
     for step in range(3):
-        toy.train_step(ddp, optimizer, parallel_state, step)
-    weights = {k: v.clone() for k, v in ddp.state_dict().items()}
-    state = optimizer.state_dict()
+        toy.train_step(run, parallel_state, step)
+    weights = {k: v.clone() for k, v in run.ddp.state_dict().items()}
+    state = run.optimizer.state_dict()
     shards = [None] * world_size
     torch.distributed.all_gather_object(shards, state)
-    continued = [toy.train_step(ddp, optimizer, parallel_state, step)[0] for step in (3, 4)]
+    continued = [toy.train_step(run, parallel_state, step)[0] for step in (3, 4)]
 
-    ddp, optimizer = toy.build(parallel_state, use_distributed_optimizer=True)
-    ddp.load_state_dict(weights)
-    optimizer.load_state_dict(state)
-    same_layout = [toy.train_step(ddp, optimizer, parallel_state, step)[0] for step in (3, 4)]
+    run = toy.build(parallel_state, use_distributed_optimizer=True)
+    run.ddp.load_state_dict(weights)
+    run.optimizer.load_state_dict(state)
+    same_layout = [toy.train_step(run, parallel_state, step)[0] for step in (3, 4)]
 
     single = toy.single_process_state()
-    ddp, optimizer = toy.build(single)
-    ddp.load_state_dict(weights)
+    run = toy.build(single)
+    run.ddp.load_state_dict(weights)
     with pytest.raises(ValueError, match="merge_optimizer_state_dicts"):
-        optimizer.load_state_dict(state)
-    optimizer.load_state_dict(merge_optimizer_state_dicts(shards))
-    merged = [toy.train_step(ddp, optimizer, single, step)[0] for step in (3, 4)]
+        run.optimizer.load_state_dict(state)
+    run.optimizer.load_state_dict(merge_optimizer_state_dicts(shards))
+    merged = [toy.train_step(run, single, step)[0] for step in (3, 4)]
     return continued, same_layout, merged, state["data_parallel"], sorted(state["params"])
 
 
@@ -233,7 +244,7 @@ def test_optimizer_state_resumes_on_same_and_merged_layouts():
     results = run_distributed(_resume, 2)
     for rank, (continued, same_layout, merged, data_parallel, _) in enumerate(results):
         assert same_layout == continued
-        toy.assert_relative_close(merged, continued, what="resumed from merged shards")
+        assert_relative_close(merged, continued, what="resumed from merged shards")
         assert data_parallel == {"sharded": True, "size": 2, "rank": rank}
     # Each rank saves only the parameters its shard touches; together, all of them.
     assert "fc1.bias" not in results[0][4]
@@ -251,18 +262,18 @@ def test_offloaded_step_hands_nccl_only_gpu_tensors(dtype, strategy, grad_offloa
     parallel_state = toy.single_process_state()
     sharded = strategy != "no_shard"
     config = OptimizerConfig(lr=0.05, clip_grad=0.5, optimizer_cpu_offload=True, initial_loss_scale=1024.0)
-    ddp, optimizer = toy.build(parallel_state, dtype=dtype, optimizer_config=config,
-                               data_parallel_sharding_strategy=strategy, grad_cpu_offload=grad_offload)
+    run = toy.build(parallel_state, dtype=dtype, optimizer_config=config,
+                    data_parallel_sharding_strategy=strategy, grad_cpu_offload=grad_offload)
     x, y = toy.global_batch(0)
-    optimizer.scale_loss(F.mse_loss(ddp(x.to(dtype)).float(), y)).backward()
-    finalize_model_grads([ddp], parallel_state=parallel_state)
+    run.optimizer.scale_loss(F.mse_loss(run.ddp(x.to(dtype)).float(), y)).backward()
+    finalize_model_grads([run.ddp], parallel_state=parallel_state)
     groups = {name: StandInNcclGroup(name) for name in ("model", "data")}
     parallel_state.groups.update(groups)
-    before = {k: v.clone() for k, v in ddp.state_dict().items()}
+    before = {k: v.clone() for k, v in run.ddp.state_dict().items()}
     with nccl_stand_in():
-        update_successful, grad_norm, _ = optimizer.step()
+        update_successful, grad_norm, _ = run.optimizer.step()
     assert update_successful and grad_norm == 0.0  # a meta norm reads 0: no clipping, the step ran
-    assert all(not torch.equal(before[k], v) for k, v in ddp.state_dict().items())
+    assert all(not torch.equal(before[k], v) for k, v in run.ddp.state_dict().items())
     collectives_per_group = 2 if dtype == torch.float16 else 1  # fp16: the overflow flag, then the norm
     assert groups["model"].calls == [("all_reduce", "meta")] * collectives_per_group
     # Sharded, each data-parallel rank holds different gradients: both also reduce over data parallelism.

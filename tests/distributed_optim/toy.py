@@ -1,16 +1,17 @@
-"""A two-layer MLP and a plain training step: enough to exercise DDP and the optimizers
-without the GPT model, fast enough for 4 gloo ranks on 2 cores."""
+"""A two-layer MLP trained by the trainer's own ``train_step``: enough to exercise DDP and the
+optimizers without the GPT model, fast enough for 4 gloo ranks on 2 cores."""
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import typing
 
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.config import OptimizerConfig, ParallelConfig
-from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
-from megatron_lite.optimizer import get_megatron_optimizer
+from megatron_lite.config import Config, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megatron_lite.distributed import DistributedDataParallel
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
+from megatron_lite.training import loop
 
 IN, HIDDEN, OUT = 16, 32, 8
 GLOBAL_BATCH, MICRO_BATCH = 8, 2
@@ -29,6 +30,10 @@ class MLP(torch.nn.Module):
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+
+    def set_input_tensor(self, input_tensor):
+        """The schedule hands each pipeline stage its input here; the MLP is one whole stage, so none comes."""
+        assert input_tensor is None
 
     def forward(self, x):
         return self.norm(self.fc2(F.gelu(self.fc1(x))))
@@ -50,65 +55,67 @@ def micro_batches(step: int, dp_rank: int, dp_size: int):
 OPTIMIZER = OptimizerConfig(lr=0.05, weight_decay=0.1, clip_grad=0.5)
 
 
-def build(parallel_state, *, dtype=torch.float32, optimizer_config=OPTIMIZER, **parallel):
-    """(ddp, optimizer) for the MLP; ``parallel`` are ParallelConfig fields."""
+def forward_step(data_iterator, model):
+    """``loop.forward_step``'s contract for the MLP: the micro-batch mean squared error, reported as
+    Megatron's ``[sum, count]`` (one "token" per micro-batch) so the trainer averages it like a loss."""
+    x, y = next(data_iterator)
+
+    def loss_func(output):
+        loss = F.mse_loss(output.float(), y)
+        return loss, {"lm loss": torch.stack([loss.detach(), torch.ones(())])}
+
+    return model(x.to(next(model.parameters()).dtype)), loss_func
+
+
+class Toy(typing.NamedTuple):
+    """What the trainer holds for a model: its config, the wrapped chunk, optimizer and LR schedule."""
+    config: Config
+    ddp: DistributedDataParallel
+    optimizer: object
+    scheduler: object
+
+
+def build(parallel_state, *, dtype=torch.float32, optimizer_config=OPTIMIZER, **parallel) -> Toy:
+    """The MLP wrapped and given an optimizer as the trainer does; ``parallel`` are ParallelConfig fields.
+    The learning rate stays at ``optimizer_config.lr`` (constant style), as torch.optim's references run."""
     parallel.setdefault("ddp_bucket_size", BUCKET_SIZE)
-    config = ParallelConfig(**parallel)
-    ddp = DistributedDataParallel(MLP(dtype), config=config, data_parallel_group=parallel_state.data_parallel_group)
-    optimizer = get_megatron_optimizer(optimizer_config, [ddp], parallel_state=parallel_state,
-                                       parallel_config=config, params_dtype=dtype)
-    return ddp, optimizer
+    config = Config(
+        # The trainer reads the model's shape only to size pipeline messages, which one stage never sends.
+        model=ModelConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, seq_length=1, vocab_size=OUT),
+        parallel=ParallelConfig(**parallel),
+        training=TrainingConfig(micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, train_iters=1,
+                                bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16),
+        optimizer=dataclasses.replace(optimizer_config, lr_decay_style="constant"))
+    ddp = DistributedDataParallel(MLP(dtype), config=config.parallel,
+                                  data_parallel_group=parallel_state.data_parallel_group)
+    optimizer, scheduler = loop.build_optimizer_and_scheduler(config, parallel_state, [ddp])
+    return Toy(config, ddp, optimizer, scheduler)
 
 
-def train_step(ddp, optimizer, parallel_state, step: int, *, before_finalize=None):
-    """Gradient accumulation over this rank's micro-batches, then one step.
+def train_step(toy: Toy, parallel_state, step: int):
+    """The trainer's ``train_step`` on this rank's micro-batches of global batch ``step``.
 
     Returns (global-batch loss, update_successful, grad_norm)."""
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
     batches = micro_batches(step, parallel_state.data_parallel_rank, parallel_state.data_parallel_world_size)
-    total = 0.0
-    for i, (x, y) in enumerate(batches):
-        context = ddp.no_sync() if i < len(batches) - 1 else contextlib.nullcontext()
-        with context:
-            loss = F.mse_loss(ddp(x.to(next(ddp.parameters()).dtype)).float(), y) / len(batches)
-            optimizer.scale_loss(loss).backward()
-        total += loss.item()
-    if before_finalize is not None:
-        before_finalize(ddp)
-    finalize_model_grads([ddp], parallel_state=parallel_state)
-    update_successful, grad_norm, _ = optimizer.step()
-    loss = torch.tensor([total / parallel_state.data_parallel_world_size])
-    if parallel_state.data_parallel_group is not None:
-        torch.distributed.all_reduce(loss, group=parallel_state.data_parallel_group)
-    return loss.item(), update_successful, grad_norm
+    return loop.train_step(toy.config, parallel_state, [toy.ddp], toy.optimizer, toy.scheduler, iter(batches),
+                           len(batches), forward_step_func=forward_step)
 
 
 def train(parallel_state, steps: int, **build_kwargs):
     """Losses, grad norms and final weights (float32 numpy arrays by name: tensors would be
     sent between processes through shared memory that dies with the rank) after ``steps`` steps."""
-    ddp, optimizer = build(parallel_state, **build_kwargs)
+    toy = build(parallel_state, **build_kwargs)
     losses, norms = [], []
     for step in range(steps):
-        loss, ok, norm = train_step(ddp, optimizer, parallel_state, step)
+        loss, ok, norm = train_step(toy, parallel_state, step)
         assert ok
         losses.append(loss)
         norms.append(norm)
-    ddp.finish_param_sync()
-    weights = {k: v.detach().float().numpy().copy() for k, v in ddp.state_dict().items()}
+    toy.ddp.finish_param_sync()
+    weights = {k: v.detach().float().numpy().copy() for k, v in toy.ddp.state_dict().items()}
     return losses, norms, weights
 
 
 def single_process_state():
     """A ParallelState with every group of size one (None)."""
     return initialize_model_parallel(1, 1, rank=0, world_size=1)
-
-
-
-def assert_relative_close(actual, expected, rel: float = 1e-5, what: str = "") -> None:
-    """max |actual - expected| <= rel * max |expected|: relative to the tensor's scale, so
-    elements that happen to be near zero do not demand absolute agreement."""
-    actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
-    error = (actual - expected).abs().max().item()
-    scale = expected.abs().max().item()
-    assert error <= rel * scale, f"{what}: max error {error:.3g} exceeds {rel:g} x scale {scale:.3g}"

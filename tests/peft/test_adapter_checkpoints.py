@@ -106,6 +106,11 @@ def _resume_elsewhere(rank, world_size, kwargs):
     return state.losses or None
 
 
+def _resume_each_elsewhere(rank, world_size, runs):
+    """``_resume_elsewhere`` for each run in turn, in one world."""
+    return [_resume_elsewhere(rank, world_size, kwargs) for kwargs in runs]
+
+
 def test_adapter_checkpoint_reshards(base, tmp_path):
     """Saved at (1, 1, 1), resumed at tensor 2 x pipeline 2 with the distributed optimizer, and rewritten
     by the converter for that layout: the losses continue those of the uninterrupted run."""
@@ -115,10 +120,11 @@ def test_adapter_checkpoint_reshards(base, tmp_path):
     reshard_checkpoint(adapters, converted, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     assert _metadata(converted)["training_state"]["peft_base"] == _metadata(adapters)["training_state"]["peft_base"]
     assert {k for k in _metadata(converted)["tensors"]} == {k for k in _metadata(adapters)["tensors"]}
-    for load in (adapters, converted):
-        per_rank = run_distributed(_resume_elsewhere, 8, args=(dict(
-            tp=2, pp=2, dist_opt=True, iters=4, load=load, global_batch=8),), timeout=300)
-        losses = [r for r in per_rank if r is not None]
+    loads = (adapters, converted)
+    per_rank = run_distributed(_resume_each_elsewhere, 8, args=(
+        [dict(tp=2, pp=2, dist_opt=True, iters=4, load=load, global_batch=8) for load in loads],), timeout=300)
+    for index in range(len(loads)):
+        losses = [r[index] for r in per_rank if r[index] is not None]
         assert losses
         for rank_losses in losses:
             assert rank_losses[:2] == uninterrupted.losses[:2]

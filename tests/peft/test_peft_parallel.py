@@ -17,7 +17,7 @@ from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig
                                   PeftConfig, TrainingConfig)
 from megatron_lite.tensor_parallel import gather_shards
 from tests.distributed import run_distributed
-from tests.distributed_optim.toy import assert_relative_close
+from tests.parity import assert_relative_close, tensor_parallel_split
 
 STEPS = 5
 METHODS = {"lora": dict(peft="lora", lora_rank=4, lora_alpha=8.0),
@@ -44,22 +44,18 @@ def _config(method: str, tp: int = 1, pp: int = 1, vpp=None, sharded: bool = Fal
 
 def _train(rank, world_size, runs):
     """Train each run's config; per rank: losses, each step's gradients (the slices this rank owns), base check."""
-    from megatron_lite import kernels
     from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from megatron_lite.tensor_parallel.random import set_random_seeds
     from megatron_lite.training.data_iterators import build_data_iterators
-    from megatron_lite.training.loop import build_optimizer_and_scheduler, get_model, train_step
+    from megatron_lite.training.loop import setup_model_and_optimizer, train_step
 
-    kernels.configure(False)
     results = []
     for run in runs:
         config = _config(**run)
         parallel = config.parallel
         ps = initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                        parallel.virtual_pipeline_model_parallel_size)
-        set_random_seeds(config.training.seed, ps)
-        chunks = get_model(config, ps)
-        optimizer, scheduler = build_optimizer_and_scheduler(config, ps, chunks)
+        # pretrain's own set-up and step, stepped here by hand to read every step's gradients
+        chunks, optimizer, scheduler = setup_model_and_optimizer(config, ps)
         frozen = {name: p.detach().clone() for chunk in chunks for name, p in chunk.module.named_parameters()
                   if not p.requires_grad}
         iterator = build_data_iterators(config, ps, 0)[0]
@@ -80,8 +76,7 @@ def _train(rank, world_size, runs):
             "losses": losses, "grads": grads, "base_unchanged": base_unchanged, "frozen": len(frozen),
             "only_trainable_buffered": buffered == {params[n] for n in trainable}
                                       and {r.name for r in optimizer.param_ranges} <= trainable,
-            "split": {name: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", 0),
-                             getattr(p, "partition_stride", 1), shapes.get(name)) for name, p in params.items()},
+            "split": {name: (*tensor_parallel_split(p), shapes.get(name)) for name, p in params.items()},
             "tp_rank": ps.tensor_model_parallel_rank, "dp_rank": ps.data_parallel_rank})
         destroy_model_parallel(ps)
     return results

@@ -16,6 +16,7 @@ import torch
 from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.tensor_parallel import gather_shards
 from tests.distributed import run_distributed
+from tests.parity import assert_relative_close, tensor_parallel_split
 
 MICRO_BATCH, SEQ, HIDDEN = 2, 16, 32
 TIED = "embedding.word_embeddings.weight"
@@ -54,8 +55,7 @@ def _one_iteration(rank, world_size, layouts):
             micro_batch_size=MICRO_BATCH, hidden_size=HIDDEN, parallel_state=ps,
             sequence_parallel=par.sequence_parallel, no_sync_func=[chunk.no_sync for chunk in chunks],
             finalize_model_grads_func=functools.partial(finalize_model_grads, parallel_state=ps))
-        grads = {name: (p.main_grad.clone(), getattr(p, "tensor_model_parallel", False),
-                        getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1))
+        grads = {name: (p.main_grad.clone(), *tensor_parallel_split(p))
                  for chunk in chunks for name, p in chunk.module.named_parameters()}
         # Each micro-batch's "lm loss" is [sum, count] of its token losses.
         results.append({"losses": [(d["lm loss"][0] / d["lm loss"][1]).item() for d in losses], "grads": grads,
@@ -81,12 +81,6 @@ def _full_gradients(rank_results: list) -> dict:
             grad = gather_shards([by_tp[t][0] for t in sorted(by_tp)], partition_dim=dim, partition_stride=stride)
         full.setdefault(name, []).append(grad)
     return full
-
-
-def assert_relative_close(actual, expected, what):
-    """Within 1e-5 of the tensor's largest entry: near-zero elements need not agree relatively."""
-    error = (actual.double() - expected.double()).abs().max().item()
-    assert error <= 1e-5 * expected.abs().max().item(), f"{what}: max error {error:.3g}"
 
 
 LAYOUTS = {
@@ -120,10 +114,10 @@ def test_gpt_pipeline_matches_single_process(reference, world_size):
         assert all(r["losses"] == replicas[r["dp_rank"]] for r in last), what  # tp peers agree
         dp = len(replicas)
         merged = [replicas[index % dp][index // dp] for index in range(len(ref_losses))]
-        assert_relative_close(torch.tensor(merged), torch.tensor(ref_losses), f"{what} losses")
+        assert_relative_close(torch.tensor(merged), torch.tensor(ref_losses), what=f"{what} losses")
         grads = _full_gradients(results)
         assert sorted(grads) == sorted(ref_grads), what
         for name, copies in grads.items():
             assert len(copies) == (2 if name == TIED else 1), f"{what} {name} held by {len(copies)} stages"
             for grad in copies:
-                assert_relative_close(grad, ref_grads[name][0], f"{what} {name}")
+                assert_relative_close(grad, ref_grads[name][0], what=f"{what} {name}")

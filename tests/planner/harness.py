@@ -78,16 +78,13 @@ def run_layout(config, *, timed_steps: int = 0) -> dict:
     many further steps.
     """
     from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from megatron_lite.tensor_parallel.random import set_random_seeds
     from megatron_lite.training.data_iterators import build_data_iterators
-    from megatron_lite.training.loop import build_optimizer_and_scheduler, get_model, train_step
+    from megatron_lite.training.loop import setup_model_and_optimizer, train_step
 
     parallel = config.parallel
     state = initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                       parallel.virtual_pipeline_model_parallel_size)
-    set_random_seeds(config.training.seed, state)
-    chunks = get_model(config, state)
-    optimizer, scheduler = build_optimizer_and_scheduler(config, state, chunks)
+    chunks, optimizer, scheduler = setup_model_and_optimizer(config, state)
     data = build_data_iterators(config, state, 0)[0]
     num_microbatches = config.training.num_microbatches(state.data_parallel_world_size)
     parameters = [p for chunk in chunks for p in chunk.module.parameters()]

@@ -1,31 +1,17 @@
-"""The step-time model: its formulas, and its estimate against measured CPU steps on this machine.
-
-The measured check runs real training steps (the loop's ``train_step``) of small
-layouts on 2 gloo ranks, and calibrates ``--cluster local`` in the same processes
-before and after each layout. The machine is shared with other jobs, so wall-clock
-time is stretched by however long the ranks wait for a CPU: calibration times compute
-in CPU time, and each measured step is scaled by the smallest share of CPU the ranks
-got while runnable during it (Linux's schedstat), i.e. the step as it would run with
-the cores to itself. The fastest of a few steps counts. On an idle machine the share
-is 1 and this is the plain wall-clock time.
+"""The step-time model's formulas: ring collectives, compute at the sustained rate, the bubble and
+tensor-parallel terms. Its estimate against measured CPU steps is wall-clock, so it is a benchmark
+(``python -m bench.bench_step_time``), not a test.
 """
 import dataclasses
-import os
 
 import pytest
-import torch
 
-from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainingConfig
+from megatron_lite.config import Config, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.model import flops
-from megatron_lite.planner import calibrate
 from megatron_lite.planner.cluster import PRESETS, Link, customise
 from megatron_lite.planner.estimate import estimate
 from megatron_lite.planner.layouts import Layout
 from megatron_lite.planner.step_time import all_reduce_s, gather_or_scatter_s, p2p_s
-from tests.distributed import run_distributed
-from tests.planner.harness import run_layout
-
-TOLERANCE = 0.30
 
 
 def test_ring_collectives():
@@ -72,81 +58,3 @@ def test_bubble_and_tensor_parallel_terms():
     per_layer = 4 * all_reduce_s(1024 * 1 * 1024 * 2, 8, link)  # two forward, two backward, [s, b, h] bf16
     ends = 2 * all_reduce_s(1024 * 1024 * 2, 8, link) + 3 * all_reduce_s(1024 * 4, 8, link)
     assert tp_time == pytest.approx(16 * (8 * per_layer + ends))
-
-
-def _config(tp=1, pp=1, vpp=None):
-    # Big enough that matmuls dominate a step (about 40 GFLOP per rank), small enough for 2 cores.
-    model = ModelConfig(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=128, vocab_size=1024,
-                        hidden_dropout=0.0, attention_dropout=0.0)
-    return Config(model=model, parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                       virtual_pipeline_model_parallel_size=vpp),
-                  training=TrainingConfig(micro_batch_size=4, global_batch_size=8),
-                  data=DataConfig(mock_data=True), logging=LoggingConfig(log_memory=False))
-
-
-LAYOUTS = {"tp2": _config(tp=2), "pp2-1f1b": _config(pp=2), "pp2-interleaved": _config(pp=2, vpp=2),
-           "dp2": _config()}
-TIMED_STEPS = 3
-
-
-def _calibrate_and_time(rank, world_size, configs):
-    # Linux shares the CPU between sessions first, then between their processes: alone in its
-    # session a rank keeps its own share while the other idles in a pipeline bubble, so the
-    # share seen while runnable is the share it ran at throughout (what the scaling assumes).
-    os.setsid()
-    model = configs[0].model
-    calibrations = [calibrate.measure(model, torch.float32, 4)]
-    runs = []
-    for config in configs:
-        runs.append(run_layout(config, timed_steps=TIMED_STEPS))
-        calibrations.append(calibrate.measure(model, torch.float32, 4))
-    return calibrations, runs
-
-
-def _uncontended_seconds(rank_steps: list) -> float:
-    """Fastest step, each scaled by the smallest CPU share any rank got while runnable during it."""
-    scaled = []
-    for step in zip(*rank_steps):
-        wall = max(s[0] for s in step)
-        scaled.append(wall * min(cpu / (cpu + waiting) for _, cpu, waiting in step))
-    return min(scaled)
-
-
-def _measure(configs: list) -> tuple:
-    """(the local cluster as calibrated around the runs, each config's steps on each rank)."""
-    results = run_distributed(_calibrate_and_time, 2, args=(configs,), timeout=600)
-    typical = [calibrate.Measurements.typical(calibrations) for calibrations, _ in results]
-    cluster = calibrate.local_cluster(typical[0].slowest(typical[1]), num_processes=2, dtype="fp32")
-    return cluster, [[runs[i]["steps"] for _, runs in results] for i in range(len(configs))]
-
-
-@pytest.fixture(scope="module")
-def measured():
-    return _measure(list(LAYOUTS.values()))
-
-
-def _ratio(config, cluster, steps) -> tuple:
-    result = estimate(Layout(config, 2), cluster)
-    seconds = _uncontended_seconds(steps)
-    return result.time.step_time_s / seconds, result, seconds
-
-
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_estimate_within_30_percent_of_measured_cpu_step(measured, name):
-    """A layout outside the bound is measured once more, alone: on a shared machine a burst of
-    other work can fall on every step of one attempt. A wrong model fails both."""
-    cluster, steps = measured
-    config = LAYOUTS[name]
-    ratios = []
-    for attempt in range(2):
-        ratio, result, seconds = _ratio(config, cluster, steps[list(LAYOUTS).index(name)])
-        ratios.append(ratio)
-        print(f"{name}: estimated {result.time.step_time_s:.3f} s, measured {seconds:.3f} s, ratio {ratio:.3f}; "
-              f"matmul {cluster.peak('fp32'):.3f} TFLOP/s at efficiency {cluster.matmul_efficiency:.2f}",
-              {k: round(v, 3) for k, v in result.time.breakdown.items()})
-        if abs(ratio - 1.0) <= TOLERANCE:
-            return
-        if attempt == 0:
-            cluster, again = _measure([config])
-            steps = {list(LAYOUTS).index(name): again[0]}
-    pytest.fail(f"{name}: estimated / measured step time {ratios}, outside 1 +- {TOLERANCE}")

@@ -17,7 +17,7 @@ import pytest
 from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                                   TrainingConfig)
 from tests.distributed import run_distributed
-from tests.distributed_optim.toy import assert_relative_close
+from tests.parity import assert_losses_match
 
 STEPS = 3
 
@@ -71,8 +71,4 @@ def test_sft_layouts_match_single_process(tmp_path, pack, optimizer):
     (reference,) = run_distributed(_train, 1, args=(data, [dict(pack=pack, optimizer=optimizer)]))
     per_rank = run_distributed(_train, 4, args=(data, layouts), timeout=600)
     for index, layout in enumerate(layouts):
-        losses = [rank_losses[index] for rank_losses in per_rank if rank_losses[index]]
-        assert losses, layout
-        for rank_losses in losses:
-            assert len(rank_losses) == STEPS
-            assert_relative_close(rank_losses, reference[0], what=f"{layout} losses")
+        assert_losses_match([rank_losses[index] for rank_losses in per_rank], reference[0], STEPS, f"{layout}")

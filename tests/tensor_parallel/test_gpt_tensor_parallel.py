@@ -12,12 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_lite.process_groups import collectives
+from megatron_lite.config import Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from megatron_lite.process_groups.collectives import count_collectives
-from megatron_lite.config import ModelConfig
 from megatron_lite.model import GPTModel, initialize_weights
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
-from megatron_lite.tensor_parallel import TensorParallelConfig, gather_shards, model_parallel_seed
+from megatron_lite.tensor_parallel import TensorParallelConfig, gather_shards
+from megatron_lite.training import loop
+from tests.parity import assert_relative_close
 
 SEED, STEPS, BATCH = 7, 5, 2
 GPT2 = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=256,
@@ -34,30 +35,40 @@ def _batch(step, config):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _config(arch, tensor_model_parallel_size, sequence_parallel) -> Config:
+    return Config(model=ModelConfig(**ARCHS[arch]),
+                  parallel=ParallelConfig(tensor_model_parallel_size=tensor_model_parallel_size,
+                                          sequence_parallel=sequence_parallel),
+                  training=TrainingConfig(micro_batch_size=BATCH, global_batch_size=BATCH, train_iters=STEPS,
+                                          seed=SEED),
+                  optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0, lr_decay_style="constant"),
+                  logging=LoggingConfig(log_memory=False))
+
+
 def _train(arch, tensor_model_parallel_size, sequence_parallel):
-    """First step's per-token loss and full gradients, and STEPS losses; the same code at every tp."""
-    config = ModelConfig(**ARCHS[arch])
+    """First step's per-token loss and full gradients, and STEPS losses: the trainer's own set-up and
+    ``train_step`` (its forward step, loss and ``finalize_model_grads``) at every tp."""
+    config = _config(arch, tensor_model_parallel_size, sequence_parallel)
     state = initialize_model_parallel(tensor_model_parallel_size)
-    model_parallel_seed(SEED, state.tensor_model_parallel_rank)
-    model = GPTModel(config, TensorParallelConfig(state.tensor_model_parallel_group, sequence_parallel))
-    initialize_weights([model], config, state, seed=SEED)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    chunks, optimizer, scheduler = loop.setup_model_and_optimizer(config, state)
+    per_token_losses = []
+
+    def forward_step(data_iterator, model):  # the trainer's, keeping the per-token loss it computes
+        output, loss_func = loop.forward_step(data_iterator, model)
+        per_token_losses.append(output.detach())
+        return output, loss_func
+
     losses = []
     for step in range(STEPS):
-        tokens, labels = _batch(step, config)
-        per_token_loss = model(tokens, labels=labels)
-        loss = per_token_loss.mean()
-        optimizer.zero_grad()
-        loss.backward()
-        for param in model.parameters():  # finalize_model_grads' step 2, without DDP
-            if getattr(param, "sequence_parallel", False):
-                collectives.all_reduce(param.grad, state.tensor_model_parallel_group)
+        tokens, labels = _batch(step, config.model)
+        batch = {"tokens": tokens, "labels": labels, "loss_mask": torch.ones_like(tokens),
+                 "position_ids": torch.arange(config.model.seq_length).expand_as(tokens)}
+        loss, _, _ = loop.train_step(config, state, chunks, optimizer, scheduler, iter([batch]), 1,
+                                     forward_step_func=forward_step)
         if step == 0:
-            first_loss = per_token_loss.detach()
-            grads = {name: _gather(param.grad, param, state) for name, param in model.named_parameters()}
-        optimizer.step()
-        losses.append(loss.item())
-    return first_loss, grads, losses
+            grads = {name: _gather(p.main_grad, p, state) for name, p in chunks[0].module.named_parameters()}
+        losses.append(loss)
+    return per_token_losses[0], grads, losses
 
 
 def _gather(shard, param, state):
@@ -95,10 +106,6 @@ def _reference(arch):
     return _train(arch, 1, False)
 
 
-def _relative_error(actual, expected):
-    return ((actual - expected).norm() / expected.norm().clamp(min=1e-30)).item()
-
-
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -109,8 +116,7 @@ def test_matches_single_process(run_distributed, arch, world_size, sequence_para
         torch.testing.assert_close(first_loss, expected_loss, rtol=1e-5, atol=0)
         assert grads.keys() == expected_grads.keys()
         for name, grad in grads.items():
-            assert grad.shape == expected_grads[name].shape, name
-            assert _relative_error(grad, expected_grads[name]) < 1e-5, name
+            assert_relative_close(grad, expected_grads[name], what=name)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
 
         # Megatron's count per transformer layer (attention + MLP).
