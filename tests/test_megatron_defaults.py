@@ -78,7 +78,8 @@ DELIBERATE = {
 NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", "grad_cpu_offload",
                    "sft_pack_sequences", "peak_tflops", "log_memory", "peft", "lora_rank", "lora_alpha",
                    "lora_dropout", "lora_target_modules", "adapter_dim", "prefix_length",
-                   "prefix_projection_hidden_size"}
+                   "prefix_projection_hidden_size", "sft_format", "sft_data_keys",
+                   "deepspeed_config", "deepspeed"}  # the DeepSpeed config's spellings, translated at parse time
 REQUIRED = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"}  # in both
 
 FIELDS = {f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
