@@ -59,7 +59,8 @@ MEGATRON_DEFAULTS = {
     "save": None, "load": None, "save_interval": None, "no_load_optim": False, "no_load_rng": False,
     "finetune": False, "pretrained_checkpoint": None, "use_checkpoint_args": False,
     # logging
-    "log_interval": 100, "tensorboard_dir": None, "log_throughput": False, "profile": False,
+    "log_interval": 100, "tensorboard_dir": None, "wandb_project": "", "wandb_exp_name": "", "wandb_save_dir": "",
+    "wandb_entity": "", "log_throughput": False, "profile": False,
     "profile_step_start": 10, "profile_step_end": 12, "profile_ranks": [],
 }
 

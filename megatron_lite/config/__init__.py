@@ -547,6 +547,11 @@ class PeftConfig:
 class LoggingConfig:
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None
+    # Weights & Biases, as Megatron-LM: a run is logged when --wandb-project is given (save dir default: --save/wandb).
+    wandb_project: str = ""
+    wandb_exp_name: str = ""
+    wandb_save_dir: str = ""
+    wandb_entity: str = ""
     peak_tflops: Optional[float] = None  # per device; None = look up the device table
     log_memory: bool = True
     log_throughput: bool = False  # TFLOP/s per GPU in the iteration line, as Megatron
@@ -558,6 +563,9 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         _require(self.log_interval >= 1, f"--log-interval must be >= 1, got {self.log_interval}.")
+        _require(bool(self.wandb_project) or not (self.wandb_exp_name or self.wandb_save_dir or self.wandb_entity),
+                 "--wandb-exp-name/--wandb-save-dir/--wandb-entity configure a W&B run, which --wandb-project "
+                 "starts: add --wandb-project NAME.")
         _require(not self.profile or self.tensorboard_dir is not None,
                  "--profile writes its trace into --tensorboard-dir: give --tensorboard-dir DIR.")
         _require(not self.profile or 0 <= self.profile_step_start < self.profile_step_end,

@@ -198,7 +198,12 @@ HELP = {
                             "checkpoint's; --no-fused-kernels stays this machine's choice"),
     # logging
     "log_interval": "iterations between log lines",
-    "tensorboard_dir": "write TensorBoard scalars here",
+    "tensorboard_dir": "write TensorBoard scalars here (pip install \"megatron_lite[loggers]\")",
+    "wandb_project": ("log the scalars of the log lines to this Weights & Biases project (pip install "
+                      "\"megatron_lite[loggers]\"; WANDB_MODE=offline logs without network)"),
+    "wandb_exp_name": "the W&B run's name",
+    "wandb_save_dir": "where W&B writes its files (default: --save/wandb, else ./wandb)",
+    "wandb_entity": "the W&B team or user the project belongs to",
     "peak_tflops": "peak TFLOP/s of one device, for MFU (default: looked up for known GPUs)",
     "log_memory": "no memory report and throughput line",
     "log_throughput": "TFLOP/s per GPU in the iteration line",
