@@ -57,6 +57,15 @@ def test_the_batch_triad_is_completed_as_deepspeed_does(keys, explicit, world_si
     assert (fields["micro_batch_size"], fields["global_batch_size"]) == batch
 
 
+def test_the_monitors_become_our_loggers():
+    config = {"tensorboard": {"enabled": True, "output_path": "logs", "job_name": "bert"},
+              "wandb": {"enabled": True, "project": "p", "team": "t"}, "csv_monitor": {"enabled": False}}
+    assert translate(config, {}, 1)[0] == {"tensorboard_dir": os.path.join("logs", "bert"), "wandb_project": "p",
+                                           "wandb_entity": "t"}
+    with pytest.raises(ConfigError, match="does not implement wandb.group; csv_monitor"):
+        translate({"wandb": {"enabled": True, "project": "p", "group": "g"}, "csv_monitor": {"enabled": True}}, {}, 1)
+
+
 def test_a_batch_triad_that_does_not_add_up_is_one_error():
     with pytest.raises(ConfigError, match=r"train_batch_size \(32\) must equal train_micro_batch_size_per_gpu \(2\) "
                                           r"x gradient_accumulation_steps \(4\) x data-parallel size \(2"):

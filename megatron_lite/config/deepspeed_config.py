@@ -312,6 +312,23 @@ def _quotient(total: int, part: int):
     return total // part if total % part == 0 and total >= part else None
 
 
+def _monitor(names: dict):
+    """DeepSpeed's tensorboard and wandb monitors -> our logger flags (``names``: their key -> our field)."""
+    def handle(t: _Translation, value, key: str) -> None:
+        monitor = _section(t, value, key)
+        if not monitor.get("enabled", False):
+            return
+        if key == "tensorboard":  # DeepSpeed writes into output_path/job_name
+            path = os.path.join(monitor.get("output_path", ""), monitor.get("job_name", "DeepSpeedJobName"))
+            t.set("tensorboard_dir", path, f"{key}.output_path")
+        for name, item in monitor.items():
+            if name in names:
+                t.set(names[name], item, f"{key}.{name}")
+            elif name not in ("enabled", "output_path", "job_name"):
+                _harmless_or_unsupported(t, f"{key}.{name}", item)
+    return handle
+
+
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
@@ -354,5 +371,6 @@ def _check_contradictions(t: _Translation, explicit: dict) -> None:
 _TOP_LEVEL = {"zero_optimization": _zero_optimization, "fp16": _fp16, "bf16": _bf16, "bfloat16": _bf16,
               "optimizer": _optimizer, "gradient_clipping": _direct("clip_grad", float),
               "steps_per_print": _direct("log_interval", int),
+              "tensorboard": _monitor({}), "wandb": _monitor({"project": "wandb_project", "team": "wandb_entity"}),
               "scheduler": lambda t, value, key: None,  # after the optimizer, whose lr it may scale
               **{key: (lambda t, value, key: None) for key in _BATCH_KEYS}}  # together, in _batch_triad
