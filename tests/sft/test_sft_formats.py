@@ -153,6 +153,9 @@ def test_bad_records_are_named_by_line_in_a_json_array_and_by_row_in_a_table(tmp
     table = _parquet(tmp_path / "bad.parquet", [ALPACA[0], {"instruction": "1", "input": None, "output": None}])
     with pytest.raises(SFTDataError, match=rf"{re.escape(table)}:2: 'output' is NoneType, not a string"):
         load_sft_examples([table], TOKENIZER, "plain")
+    (tmp_path / "latin1.json").write_bytes('[{"prompt": "1",\n "response": "caf\xe9"}]'.encode("latin-1"))
+    with pytest.raises(SFTDataError, match=r"latin1.json:2: not UTF-8 text \(invalid continuation byte at byte 34\)"):
+        load_sft_examples([str(tmp_path / "latin1.json")], TOKENIZER, "plain")
     (tmp_path / "broken.json").write_text('[{"prompt": "1", "response": "2"},\n {"prompt": "1" "response"}]')
     with pytest.raises(SFTDataError, match=r"broken.json:2: malformed JSON array \(Expecting ','"):
         load_sft_examples([str(tmp_path / "broken.json")], TOKENIZER, "plain")

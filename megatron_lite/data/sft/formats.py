@@ -199,8 +199,14 @@ def read_sft_records(paths: list[str]):
 
 def _json_array_records(path: str):
     """Each element of a JSON array file as its own text, numbered by the line it starts on."""
-    with open(path, encoding="utf-8-sig") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise SFTDataError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start}); re-encode the "
+                           "file as UTF-8") from None
     decoder = json.JSONDecoder()
     position, line = _skip_blanks(text, text.index("[") + 1, 1 + text.count("\n", 0, text.index("[")))
     while not text.startswith("]", position):
@@ -233,7 +239,7 @@ def _table_records(path: str, container: str):
     for batch in _table_batches(path, container):
         for row in batch.to_pylist():
             number += 1
-            yield number, json.dumps(row)
+            yield number, json.dumps(row, default=str)  # a date or bytes column: as text, never a crash
 
 
 def _table_batches(path: str, container: str):
