@@ -15,10 +15,13 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"
 
 class _Recorder:
     def __init__(self):
-        self.scalars = []
+        self.scalars, self.closed = [], False
 
     def add_scalar(self, name, value, step):
         self.scalars.append((name, step))
+
+    def close(self):  # SummaryWriter buffers its events until closed
+        self.closed = True
 
 
 def test_log_lines_tensorboard_and_final_save(tmp_path, monkeypatch, capsys):
@@ -34,6 +37,7 @@ def test_log_lines_tensorboard_and_final_save(tmp_path, monkeypatch, capsys):
     assert out.count(" validation loss at iteration ") == 2 and "memory per rank (MB)" in out
     assert out.count(" memory per rank in iteration 1 (MB) | parameters (peak): ") == 1  # once, after the first
     assert ("lm loss", 2) in recorder.scalars and ("lm loss validation", 4) in recorder.scalars
+    assert recorder.closed
     # Saved every 2 iterations and once more at the end, as Megatron does.
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000002", "iter_0000004", "iter_0000005",
                                                       "latest_checkpointed_iteration.txt"]
