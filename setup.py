@@ -70,8 +70,14 @@ setup(
     # environment and trains with --save, so a missing one fails CI rather than a user.
     # Every package a command imports: a plain `pip install .` trains, saves and reads every tokenizer.
     install_requires=["torch>=2.3", "numpy", "regex", "safetensors", "sentencepiece", "tiktoken", "tokenizers"],
+    # Optional: Hugging Face data files (Parquet, Arrow, datasets.save_to_disk directories), the loggers, and
+    # tools/plot_training.py. Each is imported in one place, behind a clear error or warning when absent.
     extras_require={
-        # Everything a test imports or skips without: peft for the PEFT-export tests, tensorboard for the writer.
-        "dev": ["pytest", "pytest-timeout", "transformers", "peft", "tensorboard", "ruff", "protobuf"],
+        "hf": ["pyarrow"],
+        "loggers": ["tensorboard", "wandb"],
+        "plot": ["matplotlib"],
+        # Everything a test imports or skips without: peft for the PEFT-export tests, the loggers, the data files.
+        "dev": ["pytest", "pytest-timeout", "transformers", "peft", "ruff", "protobuf", "pyarrow", "datasets",
+                "tensorboard", "wandb", "matplotlib"],
     },
 )

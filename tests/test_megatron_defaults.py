@@ -59,7 +59,8 @@ MEGATRON_DEFAULTS = {
     "save": None, "load": None, "save_interval": None, "no_load_optim": False, "no_load_rng": False,
     "finetune": False, "pretrained_checkpoint": None, "use_checkpoint_args": False,
     # logging
-    "log_interval": 100, "tensorboard_dir": None, "log_throughput": False, "profile": False,
+    "log_interval": 100, "tensorboard_dir": None, "wandb_project": "", "wandb_exp_name": "", "wandb_save_dir": "",
+    "wandb_entity": "", "log_throughput": False, "profile": False,
     "profile_step_start": 10, "profile_step_end": 12, "profile_ranks": [],
 }
 
@@ -78,7 +79,8 @@ DELIBERATE = {
 NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", "grad_cpu_offload",
                    "sft_pack_sequences", "peak_tflops", "log_memory", "peft", "lora_rank", "lora_alpha",
                    "lora_dropout", "lora_target_modules", "adapter_dim", "prefix_length",
-                   "prefix_projection_hidden_size"}
+                   "prefix_projection_hidden_size", "sft_format", "sft_data_keys",
+                   "deepspeed_config", "deepspeed"}  # the DeepSpeed config's spellings, translated at parse time
 REQUIRED = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"}  # in both
 
 FIELDS = {f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)}

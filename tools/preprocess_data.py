@@ -9,16 +9,20 @@ writes data/corpus_text_document.bin/.idx; train with --data-path data/corpus_te
     python tools/preprocess_data.py --sft --sft-tokenizer-prompt-format chatml --input sft.jsonl \
         --output-prefix data/sft --tokenizer-type HuggingFaceTokenizer --tokenizer-model tokenizer_dir
 
-reads prompt/response or chat lines and writes the ids (data/sft_text_document) and their loss
-mask (data/sft_loss_mask_document); fine-tune with --sft --train-data-path data/sft.
+reads prompt/response, chat, Alpaca or ShareGPT records (JSONL, JSON array, Parquet, Arrow, or a
+datasets.save_to_disk directory; see docs/coming_from_hf_and_deepspeed.md) and writes the ids
+(data/sft_text_document) and their loss mask (data/sft_loss_mask_document); fine-tune with
+--sft --train-data-path data/sft.
 """
 import argparse
 import sys
 
-from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError
+from megatron_lite.config import SFT_FORMATS, SFT_PROMPT_FORMATS, ConfigError, DataConfig
+from megatron_lite.config.help_text import HELP
 from megatron_lite.config.arguments import ArgumentParser
 from megatron_lite.data.indexed_dataset import output_prefix_for
 from megatron_lite.data.preprocess import PreprocessError, preprocess_jsonl
+from megatron_lite.data.sft import RecordFormat
 from megatron_lite.tokenizer import TOKENIZER_TYPES
 
 
@@ -26,12 +30,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     # One `error:` line naming the flag (and the nearest known one), not argparse's usage block.
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", nargs="+", required=True, help="JSONL file(s), one JSON object per line")
+    group.add_argument("--input", nargs="+", required=True,
+                       help="JSONL file(s), one JSON object per line (--sft: also JSON, Parquet, Arrow files and "
+                            "datasets.save_to_disk directories)")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one output pair each")
     group.add_argument("--sft", action="store_true",
                        help='fine-tuning lines ({"prompt", "response"} or {"messages"}): write ids and loss mask')
     group.add_argument("--sft-tokenizer-prompt-format", choices=SFT_PROMPT_FORMATS, default="plain",
                        help="how --sft conversations become text (default: plain)")
+    group.add_argument("--sft-format", choices=SFT_FORMATS, default="auto", help=HELP["sft_format"])
+    group.add_argument("--sft-data-keys", nargs="+", default=[], metavar="NAME=COLUMN", help=HELP["sft_data_keys"])
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json")
@@ -51,7 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
     group.add_argument("--strict", action="store_true", help="abort on the first bad line instead of skipping it")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.sft:  # the training flags' own checks, so both name a bad --sft-data-keys alike
+        DataConfig(sft=True, train_data_path=args.input, tokenizer_type=args.tokenizer_type,
+                   sft_format=args.sft_format, sft_data_keys=args.sft_data_keys)
+    return args
 
 
 def main(argv=None) -> int:
@@ -68,7 +80,8 @@ def main(argv=None) -> int:
         preprocess_jsonl(args.input, output_prefix=args.output_prefix, tokenizer_kwargs=tokenizer_kwargs,
                          json_keys=tuple(args.json_keys), append_eod=args.append_eod, workers=args.workers,
                          log_interval=args.log_interval, strict=args.strict,
-                         sft_prompt_format=args.sft_tokenizer_prompt_format if args.sft else None)
+                         sft_prompt_format=args.sft_tokenizer_prompt_format if args.sft else None,
+                         sft_record_format=RecordFormat.from_flags(args.sft_format, args.sft_data_keys))
     except (PreprocessError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -406,6 +406,11 @@ class OptimizerConfig:
 
 # --sft-tokenizer-prompt-format: how a conversation becomes text (megatron_lite/data/sft/prompt_format.py).
 SFT_PROMPT_FORMATS = ("plain", "chatml", "default")
+# --sft-format: the records' shape, and the names --sft-data-keys NAME=COLUMN may read a column under
+# (megatron_lite/data/sft/formats.py).
+SFT_FORMATS = ("auto", "prompt_response", "messages", "alpaca", "sharegpt")
+SFT_DATA_KEY_NAMES = ("prompt", "response", "messages", "instruction", "input", "output", "system", "history",
+                      "conversations")
 
 
 @dataclass(kw_only=True)
@@ -430,6 +435,8 @@ class DataConfig:
     test_data_path: list = field(default_factory=list)
     sft_tokenizer_prompt_format: str = "plain"
     sft_pack_sequences: bool = False
+    sft_format: str = "auto"  # per record, from its keys
+    sft_data_keys: list = field(default_factory=list)  # NAME=COLUMN: read COLUMN as NAME (see SFT_DATA_KEY_NAMES)
 
     def __post_init__(self) -> None:
         # Megatron reads only the numbers in --split, so a launcher's literal quotes ('99,1,0', as
@@ -442,6 +449,8 @@ class DataConfig:
                      "--train-data-path/--valid-data-path/--test-data-path name fine-tuning data: add --sft "
                      "(pretraining reads --data-path with --split).")
             _require(not self.sft_pack_sequences, "--sft-pack-sequences needs --sft.")
+            _require(self.sft_format == "auto" and not self.sft_data_keys,
+                     "--sft-format and --sft-data-keys say how to read fine-tuning data: add --sft.")
             _require(self.mock_data or bool(self.data_path),
                      "no training data: give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data.")
         _require(not (self.mock_data and self.data_path),
@@ -469,6 +478,13 @@ class DataConfig:
         _require(self.sft_tokenizer_prompt_format in SFT_PROMPT_FORMATS,
                  f"--sft-tokenizer-prompt-format must be one of {', '.join(SFT_PROMPT_FORMATS)}, "
                  f"got {self.sft_tokenizer_prompt_format!r}.")
+        _require(self.sft_format in SFT_FORMATS,
+                 f"--sft-format must be one of {', '.join(SFT_FORMATS)}, got {self.sft_format!r}.")
+        for entry in self.sft_data_keys:
+            name, _, column = entry.partition("=")
+            _require(name in SFT_DATA_KEY_NAMES and bool(column),
+                     f"--sft-data-keys takes NAME=COLUMN with NAME among {', '.join(SFT_DATA_KEY_NAMES)} "
+                     f"(e.g. prompt=question), got {entry!r}.")
 
 
 @dataclass(kw_only=True)
@@ -531,6 +547,11 @@ class PeftConfig:
 class LoggingConfig:
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None
+    # Weights & Biases, as Megatron-LM: a run is logged when --wandb-project is given (save dir default: --save/wandb).
+    wandb_project: str = ""
+    wandb_exp_name: str = ""
+    wandb_save_dir: str = ""
+    wandb_entity: str = ""
     peak_tflops: Optional[float] = None  # per device; None = look up the device table
     log_memory: bool = True
     log_throughput: bool = False  # TFLOP/s per GPU in the iteration line, as Megatron
@@ -542,6 +563,9 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         _require(self.log_interval >= 1, f"--log-interval must be >= 1, got {self.log_interval}.")
+        _require(bool(self.wandb_project) or not (self.wandb_exp_name or self.wandb_save_dir or self.wandb_entity),
+                 "--wandb-exp-name/--wandb-save-dir/--wandb-entity configure a W&B run, which --wandb-project "
+                 "starts: add --wandb-project NAME.")
         _require(not self.profile or self.tensorboard_dir is not None,
                  "--profile writes its trace into --tensorboard-dir: give --tensorboard-dir DIR.")
         _require(not self.profile or 0 <= self.profile_step_start < self.profile_step_end,

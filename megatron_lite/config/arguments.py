@@ -21,7 +21,7 @@ from megatron_lite.checkpointing.peft_base import peft_fields_from_checkpoint
 from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
 from megatron_lite.checkpointing.storage import CheckpointError, read_latest_iteration
 from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigError, DataConfig, ModelConfig,
-                                  as_flags, flag_name, megatron_compat)
+                                  as_flags, deepspeed_config, flag_name, megatron_compat)
 from megatron_lite.process_groups.initialize import resolve_launch_env
 from megatron_lite.config.help_text import CHOICES, HELP
 from megatron_lite.tokenizer import TOKENIZER_FIELDS
@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument("--group-query-attention", action="store_true",
                                    help="use --num-query-groups key/value heads (grouped-query attention)")
     megatron_compat.add_megatron_only_flags(parser)
+    deepspeed_config.add_deepspeed_flags(parser)
     return parser
 
 
@@ -129,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     namespace = vars(namespace)
     notices = megatron_compat.check_megatron_only_flags(namespace)
     parser.refuse_unknown(unknown)
+    namespace, deepspeed_notices = deepspeed_config.translate_deepspeed_flags(namespace,
+                                                                              resolve_launch_env().world_size)
+    notices += deepspeed_notices
     if resolve_launch_env().rank == 0:  # once per job under torchrun, not once per rank
         for notice in notices:
             print(f"note: {notice}", flush=True)

@@ -4,7 +4,7 @@ Kept beside the dataclasses rather than in them so the config reads as a list of
 fields; ``tests/test_config.py`` fails when a field has no line here.
 """
 from megatron_lite.config import (ATTENTION_BACKENDS, LORA_TARGET_MODULES, LR_DECAY_STYLES, PEFT_METHODS,
-                                  SFT_PROMPT_FORMATS, SHARDING_STRATEGIES, WSD_DECAY_STYLES)
+                                  SFT_FORMATS, SFT_PROMPT_FORMATS, SHARDING_STRATEGIES, WSD_DECAY_STYLES)
 
 CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
@@ -24,6 +24,7 @@ CHOICES = {
     "peft": PEFT_METHODS,
     "lora_target_modules": LORA_TARGET_MODULES,
     "sft_tokenizer_prompt_format": SFT_PROMPT_FORMATS,
+    "sft_format": SFT_FORMATS,
     "empty_unused_memory_level": (0, 1, 2),
 }
 
@@ -165,8 +166,9 @@ HELP = {
     "mmap_bin_files": "read .bin files with one file read per sample instead of memory-mapping them",
     "sft": ("supervised fine-tuning: prompt/response or chat data from --train-data-path, loss on the responses "
             "only, averaged per token over the global batch"),
-    "train_data_path": ("--sft: JSONL files of {\"prompt\", \"response\"} or {\"messages\"} lines, or "
-                        "--output-prefix of tools/preprocess_data.py --sft"),
+    "train_data_path": ("--sft: JSONL, JSON-array, Parquet or Arrow files (or datasets.save_to_disk directories) of "
+                        "prompt/response, messages, Alpaca or ShareGPT records, or --output-prefix of "
+                        "tools/preprocess_data.py --sft"),
     "valid_data_path": "--sft: validation data, as --train-data-path",
     "test_data_path": "--sft: test data, as --train-data-path, evaluated once after training",
     "sft_tokenizer_prompt_format": ("--sft: how a conversation becomes text: plain (as written), chatml, or default "
@@ -174,6 +176,11 @@ HELP = {
                                     "nemotron-h-aligned, is not among megatron_lite's formats"),
     "sft_pack_sequences": ("--sft: pack several examples per sequence (positions restart, attention stays within "
                            "each example) instead of padding one"),
+    "sft_format": ("--sft: the records' shape: prompt_response, messages, alpaca (instruction/input/output) or "
+                   "sharegpt (conversations); auto tells each record's from its keys"),
+    "sft_data_keys": ("--sft: NAME=COLUMN ...: read the data's COLUMN as NAME (prompt, response, messages, "
+                      "instruction, input, output, system, history, conversations), e.g. prompt=question "
+                      "response=answer"),
     # checkpoint
     "save": "directory for checkpoints (checked for writability at start-up)",
     "load": "resume from this directory's newest checkpoint; starts from scratch if it holds none",
@@ -191,7 +198,12 @@ HELP = {
                             "checkpoint's; --no-fused-kernels stays this machine's choice"),
     # logging
     "log_interval": "iterations between log lines",
-    "tensorboard_dir": "write TensorBoard scalars here",
+    "tensorboard_dir": "write TensorBoard scalars here (pip install \"megatron_lite[loggers]\")",
+    "wandb_project": ("log the scalars of the log lines to this Weights & Biases project (pip install "
+                      "\"megatron_lite[loggers]\"; WANDB_MODE=offline logs without network)"),
+    "wandb_exp_name": "the W&B run's name",
+    "wandb_save_dir": "where W&B writes its files (default: --save/wandb, else ./wandb)",
+    "wandb_entity": "the W&B team or user the project belongs to",
     "peak_tflops": "peak TFLOP/s of one device, for MFU (default: looked up for known GPUs)",
     "log_memory": "no memory report and throughput line",
     "log_throughput": "TFLOP/s per GPU in the iteration line",

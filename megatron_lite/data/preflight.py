@@ -11,6 +11,7 @@ from megatron_lite.config import ConfigError, DataConfig
 from megatron_lite.data.dataset_builder import parse_data_path
 from megatron_lite.data.indexed_dataset import data_file_path, index_file_path
 from megatron_lite.data.sft.examples import is_preprocessed_sft
+from megatron_lite.data.sft.formats import is_sft_data_source
 
 
 def check_data_paths(data: DataConfig) -> None:
@@ -19,11 +20,12 @@ def check_data_paths(data: DataConfig) -> None:
         flags = (("--train-data-path", data.train_data_path), ("--valid-data-path", data.valid_data_path),
                  ("--test-data-path", data.test_data_path))
         missing = [f"{flag} {path}" for flag, paths in flags for path in paths
-                   if not (os.path.isfile(path) or is_preprocessed_sft(path))]
+                   if not (is_sft_data_source(path) or is_preprocessed_sft(path))]
         if missing:
-            raise ConfigError(f"{', '.join(missing)} {_do_not_exist(missing)}; fine-tuning data is JSONL files, or "
-                              "the --output-prefix PREFIX of tools/preprocess_data.py --sft (which writes "
-                              "PREFIX_text_document.bin/.idx and PREFIX_loss_mask_document.bin/.idx).")
+            raise ConfigError(f"{', '.join(missing)} {_do_not_exist(missing)}; fine-tuning data is JSONL, JSON, "
+                              "Parquet or Arrow files, datasets.save_to_disk directories, or the --output-prefix "
+                              "PREFIX of tools/preprocess_data.py --sft (which writes PREFIX_text_document.bin/.idx "
+                              "and PREFIX_loss_mask_document.bin/.idx).")
     elif not data.mock_data:
         _, prefixes = parse_data_path(data.data_path)
         missing = [path for prefix in prefixes for path in (index_file_path(prefix), data_file_path(prefix))

@@ -10,8 +10,11 @@ An empty document (``{"text": ""}``, or text that tokenizes to nothing) is kept 
 but its own entry in the document indices. So the same JSONL gives the same ``.bin``/``.idx``
 bytes, and the same samples, in both projects.
 
-Fine-tuning data (``sft_prompt_format``) is a prompt/response or chat record per line: it
-becomes two datasets of equal lengths, the token ids and their loss mask (``data/sft``).
+Fine-tuning data (``sft_prompt_format``) is a prompt/response, chat, Alpaca or ShareGPT record per line
+of JSONL, element of a JSON array or row of a Parquet/Arrow table (``data/sft/formats.py``): it becomes
+two datasets of equal lengths, the token ids and their loss mask (``data/sft``).
+
+Progress lines show the share of the input read and an ETA when its size is known (text files: their bytes).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import numpy as np
 from megatron_lite.config import UserError
 from megatron_lite.data.jsonl import read_jsonl_lines
 from megatron_lite.data.sft.examples import LOSS_MASK_KEY, TOKENS_KEY, encode_sft_line, write_prompt_format
+from megatron_lite.data.sft.formats import RecordFormat, container_of, is_sft_data_source, read_sft_records
 from megatron_lite.data.indexed_dataset import (IndexedDatasetBuilder, best_fitting_dtype, data_file_path,
                                                 index_file_path, output_prefix_for)
 from megatron_lite.tokenizer import build_tokenizer
@@ -89,7 +93,8 @@ def _encode_item(item: tuple[int, int, str]):
 def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kwargs: dict,
                      json_keys: tuple[str, ...] = ("text",), append_eod: bool = False, workers: int = 1,
                      log_interval: int = 1000, strict: bool = False, log: Optional[TextIO] = None,
-                     sft_prompt_format: Optional[str] = None) -> PreprocessStats:
+                     sft_prompt_format: Optional[str] = None,
+                     sft_record_format: RecordFormat = RecordFormat()) -> PreprocessStats:
     """Tokenizes every line of ``input_paths`` into one ``.bin``/``.idx`` pair per JSON key.
 
     Args:
@@ -98,19 +103,22 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
         sft_prompt_format: fine-tuning records instead of ``json_keys``: writes the pairs
             ``{output_prefix}_text_document`` (ids, EOD included) and ``{output_prefix}_loss_mask_document``,
             and records the format in ``{output_prefix}_prompt_format.json``.
+        sft_record_format: how fine-tuning records are read (--sft-format, --sft-data-keys).
     """
     log = log or sys.stderr
     if workers < 1:
         raise PreprocessError(f"--workers must be >= 1, got {workers}.")
     for path in input_paths:
-        if not os.path.isfile(path):
-            raise PreprocessError(f"--input {path} is not a file; give a JSONL file with one JSON object per line.")
+        if not (os.path.isfile(path) or (sft_prompt_format is not None and is_sft_data_source(path))):
+            raise PreprocessError(f"--input {path} is not a file; give a JSONL file with one JSON object per line"
+                                  + (" (--sft: or a JSON, Parquet or Arrow file, or a datasets.save_to_disk "
+                                     "directory)." if sft_prompt_format is not None else "."))
     tokenizer = build_tokenizer(**tokenizer_kwargs)  # fails here, clearly, before any worker starts
     dtypes = {key: best_fitting_dtype(tokenizer.vocab_size) for key in json_keys}
     encode = functools.partial(encode_line, json_keys=tuple(json_keys), append_eod=append_eod)
     if sft_prompt_format is not None:
         dtypes = {TOKENS_KEY: best_fitting_dtype(tokenizer.vocab_size), LOSS_MASK_KEY: np.uint8}
-        encode = functools.partial(encode_sft_line, prompt_format=sft_prompt_format)
+        encode = functools.partial(encode_sft_line, prompt_format=sft_prompt_format, record_format=sft_record_format)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     builders = {}
     stats = PreprocessStats()
@@ -121,9 +129,10 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
         for key, dtype in dtypes.items():
             builders[key] = IndexedDatasetBuilder(data_file_path(output_prefix_for(output_prefix, key)), dtype)
         with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_kwargs, encode)) as pool:
-            results = pool.imap(_encode_item, read_jsonl_lines(input_paths), chunksize=64)
+            records = read_jsonl_lines(input_paths) if sft_prompt_format is None else read_sft_records(input_paths)
+            results = pool.imap(_encode_item, records, chunksize=64)
             _write_documents(results, builders, stats, input_paths=input_paths, strict=strict, log=log,
-                             log_interval=log_interval, start=start)
+                             log_interval=log_interval, start=start, total_bytes=_text_bytes(input_paths))
         if stats.documents == 0:  # an empty dataset would only fail later, inside training
             raise PreprocessError(f"no documents written: {_why_no_documents(stats, input_paths)}")
         for key, builder in builders.items():
@@ -149,8 +158,26 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
 ABORT_AFTER_BAD_LINES = 20
 
 
+def _text_bytes(input_paths: list[str]) -> Optional[int]:
+    """The input's size in the bytes the progress counts, when every file is text (a table's rows are not)."""
+    if not all(os.path.isfile(path) and container_of(path) in ("JSONL", "JSON array") for path in input_paths):
+        return None
+    return sum(os.path.getsize(path) for path in input_paths)
+
+
+def progress_line(*, documents: int, done_bytes: int, total_bytes: Optional[int], elapsed: float) -> str:
+    """``processed N documents (docs/s, MB/s[, P% of T MB, ETA h:mm:ss])``."""
+    line = (f"processed {documents} documents ({documents / elapsed:.1f} docs/s, "
+            f"{done_bytes / elapsed / 1e6:.2f} MB/s")
+    if total_bytes and done_bytes:
+        remaining_s = int(elapsed * max(total_bytes - done_bytes, 0) / done_bytes)
+        line += (f", {100 * min(done_bytes / total_bytes, 1):.1f}% of {total_bytes / 1e6:.2f} MB, "
+                 f"ETA {remaining_s // 3600}:{remaining_s // 60 % 60:02d}:{remaining_s % 60:02d}")
+    return line + ")"
+
+
 def _write_documents(results, builders: dict, stats: PreprocessStats, *, input_paths: list[str], strict: bool,
-                     log: TextIO, log_interval: int, start: float) -> None:
+                     log: TextIO, log_interval: int, start: float, total_bytes: Optional[int]) -> None:
     """Adds the workers' documents to the builders in input order, reporting (or, strict, raising on) bad lines."""
     for file_index, line_number, size, encoded, problem in results:
         stats.input_bytes += size
@@ -173,9 +200,8 @@ def _write_documents(results, builders: dict, stats: PreprocessStats, *, input_p
         stats.documents += 1
         stats.tokens += sum(ids.size for key, ids in encoded.items() if key != LOSS_MASK_KEY)
         if stats.documents % log_interval == 0:
-            elapsed = time.monotonic() - start
-            print(f"processed {stats.documents} documents ({stats.documents / elapsed:.1f} docs/s, "
-                  f"{stats.input_bytes / elapsed / 1e6:.2f} MB/s)", file=log)
+            print(progress_line(documents=stats.documents, done_bytes=stats.input_bytes, total_bytes=total_bytes,
+                                elapsed=time.monotonic() - start), file=log)
 
 
 def _why_no_documents(stats: PreprocessStats, input_paths: list[str]) -> str:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megatron_lite.config import Config, ConfigError, TrainingConfig
 from megatron_lite.data import MockGPTDataset, build_pretraining_data_loader, build_train_valid_test_datasets
-from megatron_lite.data.sft import SFTDataset, load_sft_examples
+from megatron_lite.data.sft import RecordFormat, SFTDataset, load_sft_examples
 from megatron_lite.process_groups import failures
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.tokenizer import build_model_tokenizer
@@ -72,12 +72,13 @@ def _build_sft_datasets(config: Config, num_samples: tuple):
     """Fine-tuning datasets from --train-data-path, --valid-data-path and --test-data-path (None where absent)."""
     data = config.data
     tokenizer = build_model_tokenizer(dataclasses.asdict(data), config.model.vocab_size)
+    record_format = RecordFormat.from_flags(data.sft_format, data.sft_data_keys)
     datasets = []
     for paths, count in zip((data.train_data_path, data.valid_data_path, data.test_data_path), num_samples):
         if not paths or count <= 0:
             datasets.append(None)
             continue
-        examples = load_sft_examples(paths, tokenizer, data.sft_tokenizer_prompt_format)
+        examples = load_sft_examples(paths, tokenizer, data.sft_tokenizer_prompt_format, record_format)
         datasets.append(SFTDataset(examples, seq_length=config.model.seq_length, num_samples=count,
                                    seed=config.training.seed, pad_token=tokenizer.pad,
                                    pack_sequences=data.sft_pack_sequences))

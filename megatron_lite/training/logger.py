@@ -77,7 +77,10 @@ class TrainingLogger:
         self.world_size = parallel_state.world_size
         self.padded_vocab_size = config.model.padded_vocab_size(parallel_state.tensor_model_parallel_world_size)
         self.peak_tflops = metrics.device_peak_tflops(config.logging.peak_tflops)
+        # The scalars of the log lines, to TensorBoard and W&B, from the rank that prints them.
         self.writer = metrics.tensorboard_writer(config.logging.tensorboard_dir) if is_last_rank() else None
+        self.wandb = metrics.wandb_run(config.logging, config.checkpoint.save, config.to_dict()) \
+            if is_last_rank() else None
         self.global_batch = None
         self._reset()
 
@@ -106,6 +109,7 @@ class TrainingLogger:
         if not is_last_rank():
             return
         learning_rate, loss_scale = optimizer.param_groups[0]["lr"], float(optimizer.get_loss_scale())
+        peak_memory = metrics.peak_memory_mb()
         print(metrics.format_iteration_log(
             iteration=state.iteration, train_iters=self.train_iters,
             consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed_s * 1000.0,
@@ -117,10 +121,14 @@ class TrainingLogger:
             print(metrics.format_throughput_log(
                 tokens_per_second=tokens_per_second,
                 mfu=metrics.model_flops_utilization(tflops_per_gpu, self.peak_tflops),
-                peak_memory=metrics.peak_memory_mb()), flush=True)
-        self._scalars(state.iteration, {"lm loss": lm_loss, "learning rate": learning_rate, "grad norm": grad_norm,
-                                        "tokens per second": tokens_per_second, "loss scale": loss_scale,
-                                        "batch size": self.global_batch})
+                peak_memory=peak_memory), flush=True)
+        self._scalars(state.iteration, {
+            "lm loss": lm_loss, "learning rate": learning_rate, "grad norm": grad_norm,
+            "tokens per second": tokens_per_second, "loss scale": loss_scale, "batch size": self.global_batch,
+            "consumed samples": state.consumed_train_samples,
+            "consumed tokens": state.consumed_train_samples * self.config.model.seq_length,
+            "number of skipped iterations": skipped, "number of nan iterations": nan,
+            "peak memory (MB)": peak_memory if self.config.logging.log_memory else None})
 
     def log_validation(self, iteration: int, valid_loss: float | None, on: str | None = None) -> None:
         """``on``: which data, when not the validation set (``"test set"``)."""
@@ -130,8 +138,16 @@ class TrainingLogger:
         self._scalars(iteration, {"lm loss test" if on else "lm loss validation": valid_loss})
 
     def _scalars(self, iteration: int, values: dict) -> None:
-        if self.writer is None:
-            return
-        for name, value in values.items():
-            if value is not None:
+        values = {name: value for name, value in values.items() if value is not None}
+        if self.writer is not None:
+            for name, value in values.items():
                 self.writer.add_scalar(name, value, iteration)
+        if self.wandb is not None:
+            self.wandb.log(values, step=iteration)
+
+    def close(self) -> None:
+        """Flushes the loggers' files (TensorBoard buffers its events; a W&B run is finished)."""
+        if self.writer is not None:
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -237,8 +237,18 @@ def check_batches_ahead(config: Config, calculator: NumMicroBatchesCalculator, c
 def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
           valid_iterator, state: TrainingState, test_iterator=None, *, calculator: NumMicroBatchesCalculator,
           train_iters: int, start_time: float) -> None:
-    training = config.training
     logger = TrainingLogger(config, parallel_state, train_iters)
+    try:
+        _train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
+               test_iterator, calculator=calculator, train_iters=train_iters, start_time=start_time, logger=logger)
+    finally:  # the TensorBoard and W&B files hold every logged scalar, also when the run stops early
+        logger.close()
+
+
+def _train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
+           valid_iterator, state: TrainingState, test_iterator, *, calculator: NumMicroBatchesCalculator,
+           train_iters: int, start_time: float, logger: TrainingLogger) -> None:
+    training = config.training
     for chunk in model_chunks:
         chunk.train()
         chunk.reset_peak_memory()  # the first iteration's peak is reported

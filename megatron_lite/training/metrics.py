@@ -8,11 +8,14 @@ kept exactly; tokens/s, MFU and peak memory go on a second line after it.
 from __future__ import annotations
 
 import math
+import os
 import resource
 import sys
 import warnings
 
 import torch
+
+from megatron_lite.config import LoggingConfig, ModelConfig
 
 # Dense bf16 peak per device, TFLOP/s (REFERENCE.md section 7).
 PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800": 312.0, "L40S": 362.0}
@@ -118,3 +121,24 @@ def tensorboard_writer(log_dir: str | None):
                       "logging to stdout only.", stacklevel=2)
         return None
     return SummaryWriter(log_dir=log_dir)
+
+
+def wandb_run(logging: LoggingConfig, save: str | None, run_config: dict):
+    """A Weights & Biases run when --wandb-project is given and wandb is installed, else None.
+
+    As Megatron-LM: files go to --wandb-save-dir, else --save/wandb; the run records the whole config.
+    WANDB_MODE=offline (wandb's own switch) writes the run locally, for ``wandb sync`` later.
+    """
+    if not logging.wandb_project:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        warnings.warn("--wandb-project is set but wandb is not installed (pip install wandb); logging to stdout "
+                      "only.", stacklevel=2)
+        return None
+    save_dir = logging.wandb_save_dir or (os.path.join(save, "wandb") if save else None)
+    if save_dir:
+        os.makedirs(save_dir, exist_ok=True)
+    return wandb.init(project=logging.wandb_project, name=logging.wandb_exp_name or None,
+                      entity=logging.wandb_entity or None, dir=save_dir, config=run_config)

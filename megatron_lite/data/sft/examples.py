@@ -1,9 +1,10 @@
-"""Fine-tuning examples: JSONL records checked and tokenized, or read back from preprocessed indexed datasets.
+"""Fine-tuning examples: records checked and tokenized, or read back from preprocessed indexed datasets.
 
-A line is ``{"prompt": str, "response": str}`` or ``{"messages": [{"role", "content"}, ...]}`` ending with
-the assistant's message. An example is its token ids (ending with EOD) and a loss mask over them, 1 where
-the token is one the loss predicts (a response token or the EOD; see ``prompt_format``). A bad line (not
-JSON, a missing or empty response, an unknown role) is reported as ``file:line``.
+A record is ``{"prompt": str, "response": str}`` or ``{"messages": [{"role", "content"}, ...]}`` ending with
+the assistant's message, or one of the Hugging Face world's shapes and files (``formats``). An example is
+its token ids (ending with EOD) and a loss mask over them, 1 where the token is one the loss predicts (a
+response token or the EOD; see ``prompt_format``). A bad record (not JSON, a missing or empty response, an
+unknown role) is reported as ``file:line`` (``file:row`` in a table).
 
 Preprocessed (``tools/preprocess_data.py --sft``): ``{prefix}_text_document`` holds the ids and
 ``{prefix}_loss_mask_document`` the masks, one sequence per example with equal lengths;
@@ -16,48 +17,14 @@ import os
 
 import numpy as np
 
-from megatron_lite.config import ConfigError, UserError
+from megatron_lite.config import ConfigError
 from megatron_lite.data.indexed_dataset import IndexedDataset, index_file_path, output_prefix_for
-from megatron_lite.data.jsonl import read_jsonl_lines
-from megatron_lite.data.sft.prompt_format import ROLES, tokenize_conversation
+from megatron_lite.data.sft.formats import (RecordFormat, SFTDataError, container_of, is_sft_data_source,
+                                             parse_record, read_sft_records)
+from megatron_lite.data.sft.prompt_format import tokenize_conversation
 
 TOKENS_KEY, LOSS_MASK_KEY = "text", "loss_mask"  # the preprocessed outputs' json-key part of their names
 _MAX_LISTED_PROBLEMS = 20
-
-
-class SFTDataError(UserError, ValueError):
-    """Fine-tuning data that cannot be used; the message names the file and line."""
-
-
-def conversation_of(record) -> list[dict]:
-    """The record's messages (a prompt/response pair is a user and an assistant message); raises SFTDataError."""
-    if not isinstance(record, dict):
-        raise SFTDataError(f"expected a JSON object, got {type(record).__name__}")
-    if "messages" in record:
-        return _checked_messages(record["messages"])
-    if "prompt" not in record or "response" not in record:
-        raise SFTDataError('needs "prompt" and "response", or "messages"')
-    for key in ("prompt", "response"):
-        if not isinstance(record[key], str):
-            raise SFTDataError(f"{key!r} is {type(record[key]).__name__}, not a string")
-    if not record["response"].strip():
-        raise SFTDataError("empty response")
-    return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
-
-
-def _checked_messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise SFTDataError('"messages" must be a non-empty list of {"role", "content"} objects')
-    for number, message in enumerate(messages, start=1):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            raise SFTDataError(f"message {number} needs a role among {', '.join(ROLES)}")
-        if not isinstance(message.get("content"), str):
-            raise SFTDataError(f"message {number} needs a string content")
-        if message["role"] == "assistant" and not message["content"].strip():
-            raise SFTDataError(f"empty response (message {number})")
-    if messages[-1]["role"] != "assistant":
-        raise SFTDataError("the last message must be the assistant's (the response the loss trains on)")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def split_last_response(messages: list[dict]) -> tuple[list[dict], str]:
@@ -65,43 +32,50 @@ def split_last_response(messages: list[dict]) -> tuple[list[dict], str]:
     return messages[:-1], messages[-1]["content"]
 
 
-def parse_sft_line(line: str) -> list[dict]:
-    """One JSONL line -> its conversation; raises SFTDataError saying what is wrong with it."""
+def parse_sft_line(line: str, record_format: RecordFormat = RecordFormat()) -> tuple[str, list[dict]]:
+    """One record's JSON text -> (its format, its conversation); raises SFTDataError saying what is wrong."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise SFTDataError(f"malformed JSON ({error.msg} at column {error.colno})") from None
-    return conversation_of(record)
+    return parse_record(record, record_format)
 
 
-def encode_sft_line(line: str, tokenizer, prompt_format: str):
-    """One JSONL line -> ({TOKENS_KEY: ids, LOSS_MASK_KEY: mask}, None), or (None, problem) for a bad line."""
+def _encode(line: str, tokenizer, prompt_format: str, record_format: RecordFormat) -> tuple[str, dict]:
+    """(the record's format, {TOKENS_KEY: ids, LOSS_MASK_KEY: mask}); raises ValueError for a bad record."""
+    name, messages = parse_sft_line(line, record_format)
+    tokens, loss_mask = tokenize_conversation(messages, tokenizer, prompt_format)
+    return name, {TOKENS_KEY: tokens, LOSS_MASK_KEY: loss_mask}
+
+
+def encode_sft_line(line: str, tokenizer, prompt_format: str, record_format: RecordFormat = RecordFormat()):
+    """One record's JSON text -> ({TOKENS_KEY: ids, LOSS_MASK_KEY: mask}, None), or (None, problem) for a bad one."""
     try:
-        tokens, loss_mask = tokenize_conversation(parse_sft_line(line), tokenizer, prompt_format)
+        return _encode(line, tokenizer, prompt_format, record_format)[1], None
     except ConfigError:
         raise  # the format or tokenizer is wrong for every line, not this one
     except ValueError as error:  # SFTDataError, or text the tokenizer rejects
         return None, str(error)
-    return {TOKENS_KEY: tokens, LOSS_MASK_KEY: loss_mask}, None
 
 
-def read_conversations(path: str) -> list[tuple[int, list[dict]]]:
-    """(line number, conversation) for every line of a JSONL file; SFTDataError names every bad line."""
+def read_conversations(path: str, record_format: RecordFormat = RecordFormat()) -> list[tuple[int, list[dict]]]:
+    """(line or row number, conversation) for every record of a file; SFTDataError names every bad one."""
     conversations, problems = [], []
-    for _, line_number, line in _jsonl_lines(path):
+    for _, number, line in _records(path):
         try:
-            conversations.append((line_number, parse_sft_line(line)))
+            conversations.append((number, parse_sft_line(line, record_format)[1]))
         except SFTDataError as error:
-            problems.append(f"{path}:{line_number}: {error}")
+            problems.append(f"{path}:{number}: {error}")
     _raise_for(problems, path, found=len(conversations))
     return conversations
 
 
-def _jsonl_lines(path: str):
-    if not os.path.isfile(path):
-        raise SFTDataError(f"{path} is not a file: give a JSONL file of fine-tuning examples or the --output-prefix "
-                           "of tools/preprocess_data.py --sft.")
-    return read_jsonl_lines([path])
+def _records(path: str):
+    if not is_sft_data_source(path):
+        raise SFTDataError(f"{path} is not a file: give a JSONL, JSON, Parquet or Arrow file of fine-tuning "
+                           "examples, a directory written by datasets' save_to_disk, or the --output-prefix of "
+                           "tools/preprocess_data.py --sft.")
+    return read_sft_records([path])
 
 
 def _raise_for(problems: list[str], path: str, *, found: int) -> None:
@@ -117,9 +91,11 @@ def _raise_for(problems: list[str], path: str, *, found: int) -> None:
 class SFTExamples:
     """Tokenized examples: ``lengths[i]`` and ``get(i) -> (ids, loss_mask)``, from one or more sources."""
 
-    def __init__(self, sources: list[tuple]):
-        """``sources``: (ids sequences, mask sequences, lengths) triples, concatenated in order."""
+    def __init__(self, sources: list[tuple], descriptions: tuple[str, ...] = ()):
+        """``sources``: (ids sequences, mask sequences, lengths) triples, concatenated in order;
+        ``descriptions``: what each source was read as, for the start-up summary."""
         self._sources = sources
+        self.descriptions = descriptions
         self.lengths = np.concatenate([lengths for _, _, lengths in sources]).astype(np.int64)
         self._starts = np.cumsum([0] + [len(lengths) for _, _, lengths in sources])
 
@@ -133,30 +109,38 @@ class SFTExamples:
         return np.asarray(ids[local], dtype=np.int64), np.asarray(masks[local], dtype=np.uint8)
 
 
-def load_sft_examples(paths: list[str], tokenizer, prompt_format: str) -> SFTExamples:
-    """Examples from JSONL files (tokenized now) and preprocessed prefixes, in the order given."""
-    return SFTExamples([_read_source(path, tokenizer, prompt_format) for path in paths])
+def load_sft_examples(paths: list[str], tokenizer, prompt_format: str,
+                      record_format: RecordFormat = RecordFormat()) -> SFTExamples:
+    """Examples from data files (tokenized now) and preprocessed prefixes, in the order given."""
+    read = [_read_source(path, tokenizer, prompt_format, record_format) for path in paths]
+    return SFTExamples([source for source, _ in read], tuple(description for _, description in read))
 
 
 def is_preprocessed_sft(path: str) -> bool:
-    """Whether ``path`` is the --output-prefix of tools/preprocess_data.py --sft (else it is a JSONL file)."""
+    """Whether ``path`` is the --output-prefix of tools/preprocess_data.py --sft (else it is a data file)."""
     return os.path.isfile(index_file_path(output_prefix_for(path, TOKENS_KEY)))
 
 
-def _read_source(path: str, tokenizer, prompt_format: str) -> tuple:
+def _read_source(path: str, tokenizer, prompt_format: str, record_format: RecordFormat) -> tuple[tuple, str]:
+    """(ids, masks, lengths) of one source, and what it was read as ("a.json: JSON array of alpaca records")."""
     if is_preprocessed_sft(path):
         _check_prompt_format(path, prompt_format)
-        return _read_preprocessed(path)
-    ids, masks, problems = [], [], []
-    for _, line_number, line in _jsonl_lines(path):
-        encoded, problem = encode_sft_line(line, tokenizer, prompt_format)
-        if problem is not None:
-            problems.append(f"{path}:{line_number}: {problem}")
+        return _read_preprocessed(path), f"{path}: preprocessed"
+    ids, masks, problems, formats = [], [], [], {}
+    for _, number, line in _records(path):
+        try:
+            name, encoded = _encode(line, tokenizer, prompt_format, record_format)
+        except ConfigError:
+            raise  # the format or tokenizer is wrong for every record, not this one
+        except ValueError as error:  # SFTDataError, or text the tokenizer rejects
+            problems.append(f"{path}:{number}: {error}")
             continue
+        formats[name] = None  # in order of first appearance
         ids.append(encoded[TOKENS_KEY])
         masks.append(encoded[LOSS_MASK_KEY])
     _raise_for(problems, path, found=len(ids))
-    return ids, masks, np.asarray([len(x) for x in ids], dtype=np.int64)
+    description = f"{path}: {container_of(path)} of {' and '.join(formats)} records"
+    return (ids, masks, np.asarray([len(x) for x in ids], dtype=np.int64)), description
 
 
 def prompt_format_file(prefix: str) -> str:

@@ -64,7 +64,7 @@ class SFTDataset:
                 f"--seq-length + 1 = {self.seq_length + 1} tokens truncated")
         if self.num_without_loss:
             line += f", {self.num_without_loss} of them losing every response token (their prompt fills the sequence)"
-        return line + ")"
+        return line + ")" + "".join(f"; {description}" for description in self.examples.descriptions)
 
 
 def next_fit_bins(sizes: np.ndarray, capacity: int) -> np.ndarray:

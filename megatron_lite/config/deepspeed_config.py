@@ -1,0 +1,376 @@
+"""DeepSpeed's JSON config as megatron_lite's own flags: ``--deepspeed-config ds.json`` (also DeepSpeed's
+``--deepspeed_config`` and the Hugging Face Trainer's ``--deepspeed ds.json``).
+
+The file is translated, never run on DeepSpeed: each key becomes the field of the flag that does the same
+here (the table is in docs/coming_from_hf_and_deepspeed.md), and the run is then an ordinary megatron_lite
+run. ``translate`` is a pure function of the file, the explicitly given field values and the world size, so
+it serves whichever parser reads the command line. Its rules:
+
+- ``"auto"`` (the Trainer's placeholder) and a key the file leaves out keep the flag's value or default;
+- the batch triad is checked as DeepSpeed checks it: train_batch_size = train_micro_batch_size_per_gpu x
+  gradient_accumulation_steps x data-parallel size, the missing one derived from the other two;
+- a key we do not implement stops the run with one error listing every such key; a knob that changes only
+  speed or memory is named in one notice; a key that contradicts an explicit flag is an error naming both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+
+from megatron_lite.config import SHARDING_STRATEGIES, ConfigError, OptimizerConfig, as_flags, flag_name
+
+DEEPSPEED_SPELLINGS = ("--deepspeed-config", "--deepspeed_config")
+
+# Keys that change only speed or memory, never a result: named in the notice, otherwise ignored.
+PERFORMANCE_KNOBS = {
+    "zero_optimization": {"allgather_partitions", "allgather_bucket_size", "reduce_scatter", "round_robin_gradients",
+                          "sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                          "stage3_max_live_parameters", "stage3_max_reuse_distance", "elastic_checkpoint",
+                          "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+                          "memory_efficient_linear", "ignore_unused_parameters", "load_from_fp32_weights"},
+    "offload": {"pin_memory", "buffer_count", "buffer_size", "fast_init", "max_in_cpu"},
+    "": {"wall_clock_breakdown", "memory_breakdown", "dump_state", "zero_force_ds_cpu_optimizer"},
+    "optimizer.params": {"torch_adam", "fused"},
+}
+# Keys whose DeepSpeed value asks for nothing beyond what we do; any other value is unsupported.
+HARMLESS_VALUES = {"zero_allow_untested_optimizer": (True, False), "prescale_gradients": (False,),
+                   "gradient_predivide_factor": (1, 1.0), "fp16.consecutive_hysteresis": (False,),
+                   "fp16.auto_cast": (False,), "fp16.fp16_master_weights_and_grads": (False,),
+                   "optimizer.params.adam_w_mode": (True,), "optimizer.params.amsgrad": (False,),
+                   "scheduler.params.last_batch_iteration": (-1,), "zero_optimization.contiguous_gradients": (True,)}
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
+def add_deepspeed_flags(parser: argparse.ArgumentParser) -> None:
+    """Registers the three spellings; ``translate_deepspeed_flags`` pops what they parse to."""
+    group = parser.add_argument_group("DeepSpeed config (translated onto megatron_lite's own engine)")
+    group.add_argument(*DEEPSPEED_SPELLINGS, dest="deepspeed_config", metavar="JSON", default=argparse.SUPPRESS,
+                       help="DeepSpeed JSON config, translated into megatron_lite's flags (see "
+                            "docs/coming_from_hf_and_deepspeed.md)")
+    group.add_argument("--deepspeed", dest="deepspeed", nargs="?", const=True, metavar="JSON",
+                       default=argparse.SUPPRESS,
+                       help="DeepSpeed's switch (then give --deepspeed_config), or the Trainer's --deepspeed ds.json")
+
+
+def translate_deepspeed_flags(values: dict, world_size: int) -> tuple[dict, list[str]]:
+    """Pops the DeepSpeed flags from the parsed ``values`` (explicit flags only, by field name); returns the
+    values with the file's fields added, and the notices to print. Raises ConfigError."""
+    switch, path = values.pop("deepspeed", None), values.pop("deepspeed_config", None)
+    if isinstance(switch, str):
+        if path is not None and path != switch:
+            raise ConfigError(f"--deepspeed {switch} and --deepspeed_config {path} name two DeepSpeed configs; "
+                              "give one.")
+        path = switch
+    if path is None:
+        if switch:
+            raise ConfigError("--deepspeed needs its config: add --deepspeed_config ds.json (megatron_lite "
+                              "translates the file onto its own engine).")
+        return values, []
+    translated, ignored = translate(read_deepspeed_config(path), values, world_size, source=path)
+    notices = [f"--deepspeed-config {path} became: {as_flags(translated) or '(no flags)'}"]
+    if ignored:
+        notices.append(f"--deepspeed-config {path}: ignored (they change only speed or memory): {', '.join(ignored)}")
+    return {**values, **translated}, notices
+
+
+def read_deepspeed_config(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--deepspeed-config {path} does not exist; give DeepSpeed's JSON config file.")
+    with open(path) as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--deepspeed-config {path}:{error.lineno}: not JSON ({error.msg}).") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--deepspeed-config {path} must hold a JSON object.")
+    return config
+
+
+@dataclass
+class _Translation:
+    """Fields the file sets (with the key that set each), and the keys it cannot or need not honour."""
+
+    source: str
+    fields: dict = field(default_factory=dict)  # field name -> (value, key)
+    unsupported: list = field(default_factory=list)
+    ignored: list = field(default_factory=list)
+
+    def set(self, name: str, value, key: str) -> None:
+        if value != "auto":
+            self.fields[name] = (value, key)
+
+    def value(self, name: str, explicit: dict, default):
+        """The value a field will have: the file's, else the command line's, else ``default``."""
+        return self.fields[name][0] if name in self.fields else explicit.get(name, default)
+
+
+def translate(config: dict, explicit: dict, world_size: int, *, source: str = "ds.json") -> tuple[dict, list[str]]:
+    """(field values the DeepSpeed ``config`` becomes, the performance keys ignored); raises ConfigError for
+    unsupported keys (all listed), a broken batch triad, or a value contradicting an ``explicit`` field."""
+    t = _Translation(source)
+    for key, value in config.items():
+        handler = _TOP_LEVEL.get(key)
+        if handler is not None:
+            handler(t, value, key)
+        elif key in PERFORMANCE_KNOBS[""]:
+            t.ignored += [key] if value else []  # false asks for nothing
+        else:
+            _harmless_or_unsupported(t, key, value)
+    _batch_triad(t, config, explicit, world_size)
+    _scheduler(t, config.get("scheduler"), explicit)
+    if t.unsupported:
+        raise ConfigError(f"--deepspeed-config {source}: megatron_lite does not implement "
+                          f"{'; '.join(t.unsupported)}. Remove these keys (the table of supported keys is in "
+                          f"docs/coming_from_hf_and_deepspeed.md).")
+    _check_contradictions(t, explicit)
+    return {name: value for name, (value, _) in t.fields.items()}, t.ignored
+
+
+def _harmless_or_unsupported(t: _Translation, key: str, value) -> None:
+    if key in HARMLESS_VALUES and value in HARMLESS_VALUES[key]:
+        return
+    if isinstance(value, dict) and value.get("enabled") is False:  # a feature switched off asks for nothing
+        return
+    t.unsupported.append(f"{key} {json.dumps(value)}" if key in HARMLESS_VALUES else key)
+
+
+def _section(t: _Translation, value, key: str) -> dict:
+    if not isinstance(value, dict):
+        t.unsupported.append(f"{key} {json.dumps(value)} (expected an object)")
+        return {}
+    return value
+
+
+def _direct(name: str, kind=None):
+    """A key that is one field: ``gradient_clipping`` -> clip_grad."""
+    def handle(t: _Translation, value, key: str) -> None:
+        t.set(name, value if kind is None or value == "auto" else kind(value), key)
+    return handle
+
+
+def _zero_optimization(t: _Translation, value, key: str) -> None:
+    zero = _section(t, value, key)
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        t.unsupported.append(f"{key}.stage {stage} (stages are 0 to 3)")
+        stage = 0
+    t.set("data_parallel_sharding_strategy", SHARDING_STRATEGIES[stage], f"{key}.stage")
+    for name, item in zero.items():
+        path = f"{key}.{name}"
+        if name == "stage":
+            continue
+        if name == "offload_optimizer":
+            _offload(t, item, path, stage, parameters=False)
+        elif name == "offload_param":
+            _offload(t, item, path, stage, parameters=True)
+        elif name == "overlap_comm":
+            t.set("overlap_grad_reduce", bool(item), path)
+        elif name == "reduce_bucket_size":
+            t.set("ddp_bucket_size", item if item == "auto" else int(item), path)
+        elif name == "contiguous_gradients" and item is False:
+            t.ignored.append(f"{path} false (gradients always live in one contiguous buffer here)")
+        elif name in PERFORMANCE_KNOBS["zero_optimization"]:
+            t.ignored.append(path)
+        else:
+            _harmless_or_unsupported(t, path, item)
+
+
+def _offload(t: _Translation, value, key: str, stage: int, *, parameters: bool) -> None:
+    """ZeRO-Offload: the optimizer steps on the host (--optimizer-cpu-offload), with the gradient shards there
+    too at stages 2 and 3 (--grad-cpu-offload). Parameters: the fp32 main copy is already on the host with
+    --optimizer-cpu-offload; the working copies stay on the device, a memory difference only."""
+    offload = _section(t, value, key)
+    device = offload.get("device", "none")
+    if device in ("none", None):
+        return
+    if device != "cpu":
+        t.unsupported.append(f"{key}.device {device} (only cpu)")
+        return
+    if parameters:
+        if stage != 3:
+            t.unsupported.append(f"{key} at stage {stage} (DeepSpeed offloads parameters only at stage 3)")
+        t.ignored.append(f"{key} (the fp32 main parameters are on the host with the optimizer; the working "
+                         "copies stay on the device)")
+    t.set("optimizer_cpu_offload", True, key)
+    if stage >= 2:
+        t.set("grad_cpu_offload", True, key)
+    for name, item in offload.items():
+        if name == "device":
+            continue
+        if name in PERFORMANCE_KNOBS["offload"]:
+            t.ignored.append(f"{key}.{name}")
+        else:
+            _harmless_or_unsupported(t, f"{key}.{name}", item)
+
+
+def _fp16(t: _Translation, value, key: str) -> None:
+    """fp16.loss_scale 0 means dynamic scaling (our --loss-scale unset); initial_scale_power N means 2^N."""
+    fp16 = _section(t, value, key)
+    enabled = fp16.get("enabled", False)
+    t.set("fp16", enabled if enabled == "auto" else bool(enabled), f"{key}.enabled")
+    if enabled is False:
+        return  # its scaler settings configure nothing
+    for name, item in fp16.items():
+        path = f"{key}.{name}"
+        if name == "enabled" or item == "auto":
+            continue
+        if name == "loss_scale":
+            t.set("loss_scale", None if item == 0 else float(item), path)
+        elif name == "initial_scale_power":
+            t.set("initial_loss_scale", float(2 ** item), path)
+        elif name in ("loss_scale_window", "hysteresis"):
+            t.set(name, int(item), path)
+        elif name == "min_loss_scale":
+            t.set("min_loss_scale", float(item), path)
+        else:
+            _harmless_or_unsupported(t, path, item)
+
+
+def _bf16(t: _Translation, value, key: str) -> None:
+    bf16 = _section(t, value, key)
+    enabled = bf16.get("enabled", False)
+    t.set("bf16", enabled if enabled == "auto" else bool(enabled), f"{key}.enabled")
+    for name, item in bf16.items():
+        if name != "enabled":
+            _harmless_or_unsupported(t, f"{key}.{name}", item)
+
+
+def _optimizer(t: _Translation, value, key: str) -> None:
+    """DeepSpeed's Adam is AdamW unless adam_w_mode is false (decoupled weight decay), as our adam is."""
+    optimizer = _section(t, value, key)
+    kind = optimizer.get("type", "")
+    if str(kind).lower() not in ("adam", "adamw"):
+        t.unsupported.append(f"{key}.type {kind} (only Adam and AdamW)")
+    t.set("optimizer", "adam", f"{key}.type")
+    params = _section(t, optimizer.get("params", {}), f"{key}.params")
+    for name, item in params.items():
+        path = f"{key}.params.{name}"
+        if name == "lr":
+            t.set("lr", item if item == "auto" else float(item), path)
+        elif name == "betas" and item != "auto":
+            t.set("adam_beta1", float(item[0]), path)
+            t.set("adam_beta2", float(item[1]), path)
+        elif name == "eps":
+            t.set("adam_eps", item if item == "auto" else float(item), path)
+        elif name == "weight_decay":
+            t.set("weight_decay", item if item == "auto" else float(item), path)
+        elif name in PERFORMANCE_KNOBS["optimizer.params"]:
+            t.ignored.append(path)
+        elif item != "auto":
+            _harmless_or_unsupported(t, path, item)
+    for name, item in optimizer.items():
+        if name not in ("type", "params"):
+            _harmless_or_unsupported(t, f"{key}.{name}", item)
+
+
+def _scheduler(t: _Translation, value, explicit: dict) -> None:
+    """WarmupLR: linear warmup from warmup_min_lr to warmup_max_lr, then constant; WarmupDecayLR: then linear
+    decay back to warmup_min_lr at total_num_steps; WarmupCosineLR: warmup from warmup_min_ratio x lr, then
+    cosine decay to cos_min_ratio x lr (ratios of the optimizer's lr). Steps are optimizer steps: iterations."""
+    if value is None:
+        return
+    scheduler = _section(t, value, "scheduler")
+    kind = scheduler.get("type")
+    params = dict(_section(t, scheduler.get("params", {}), "scheduler.params"))
+    if kind not in SCHEDULERS:
+        t.unsupported.append(f"scheduler.type {kind} (only {', '.join(SCHEDULERS)})")
+        return
+    path = "scheduler.params."
+    warmup_steps = params.pop("warmup_num_steps", 1000)  # DeepSpeed's defaults, where a key is absent
+    warmup_type = params.pop("warmup_type", "log")
+    if warmup_type != "linear" and warmup_steps not in (0, "auto"):
+        t.unsupported.append(f'{path}warmup_type {warmup_type} (DeepSpeed\'s default is log; megatron_lite warms '
+                             f'up linearly: give "warmup_type": "linear")')
+    t.set("lr_warmup_iters", warmup_steps if warmup_steps == "auto" else int(warmup_steps), path + "warmup_num_steps")
+    if kind == "WarmupCosineLR":
+        lr = t.value("lr", explicit, OptimizerConfig().lr)
+        min_ratio, cos_ratio = params.pop("warmup_min_ratio", 0.0), params.pop("cos_min_ratio", 0.0001)
+        t.set("lr_warmup_init", lr * min_ratio, path + "warmup_min_ratio")
+        t.set("min_lr", lr * cos_ratio, path + "cos_min_ratio")
+        t.set("lr_decay_style", "cosine", "scheduler.type")
+    else:
+        min_lr, max_lr = params.pop("warmup_min_lr", 0.0), params.pop("warmup_max_lr", 0.001)
+        t.set("lr", max_lr if max_lr == "auto" else float(max_lr), path + "warmup_max_lr")
+        t.set("lr_warmup_init", min_lr if min_lr == "auto" else float(min_lr), path + "warmup_min_lr")
+        if kind == "WarmupDecayLR":
+            t.set("min_lr", min_lr if min_lr == "auto" else float(min_lr), path + "warmup_min_lr")
+        t.set("lr_decay_style", "constant" if kind == "WarmupLR" else "linear", "scheduler.type")
+    if kind != "WarmupLR":
+        total = params.pop("total_num_steps", "auto")
+        t.set("lr_decay_iters", total if total == "auto" else int(total), path + "total_num_steps")
+    for name, item in params.items():
+        _harmless_or_unsupported(t, path + name, item)
+    for name, item in scheduler.items():
+        if name not in ("type", "params"):
+            _harmless_or_unsupported(t, f"scheduler.{name}", item)
+
+
+def _quotient(total: int, part: int):
+    """``total / part`` when it is a whole positive number, else None (the triad's error says why)."""
+    return total // part if total % part == 0 and total >= part else None
+
+
+def _monitor(names: dict):
+    """DeepSpeed's tensorboard and wandb monitors -> our logger flags (``names``: their key -> our field)."""
+    def handle(t: _Translation, value, key: str) -> None:
+        monitor = _section(t, value, key)
+        if not monitor.get("enabled", False):
+            return
+        if key == "tensorboard":  # DeepSpeed writes into output_path/job_name
+            path = os.path.join(monitor.get("output_path", ""), monitor.get("job_name", "DeepSpeedJobName"))
+            t.set("tensorboard_dir", path, f"{key}.output_path")
+        for name, item in monitor.items():
+            if name in names:
+                t.set(names[name], item, f"{key}.{name}")
+            elif name not in ("enabled", "output_path", "job_name"):
+                _harmless_or_unsupported(t, f"{key}.{name}", item)
+    return handle
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _batch_triad(t: _Translation, config: dict, explicit: dict, world_size: int) -> None:
+    """DeepSpeed's rule, train = micro x accumulation x data-parallel size; "auto" or absent: from the flags."""
+    given = {key: config[key] for key in _BATCH_KEYS if config.get(key, "auto") != "auto"}
+    if not given:
+        return
+    model_parallel = explicit.get("tensor_model_parallel_size", 1) * explicit.get("pipeline_model_parallel_size", 1)
+    dp = max(world_size // model_parallel, 1)
+    train = given.get("train_batch_size", explicit.get("global_batch_size"))
+    micro = given.get("train_micro_batch_size_per_gpu", explicit.get("micro_batch_size"))
+    accumulation = given.get("gradient_accumulation_steps")
+    if train is None:
+        micro, accumulation = micro or 1, accumulation or 1
+        train = micro * accumulation * dp
+    elif micro is None:
+        accumulation = accumulation or 1
+        micro = _quotient(train, accumulation * dp)
+    elif accumulation is None:
+        accumulation = _quotient(train, micro * dp)
+    if micro is None or accumulation is None or train != micro * accumulation * dp:
+        raise ConfigError(f"--deepspeed-config {t.source}: the batch does not add up, as DeepSpeed checks it: "
+                          f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu ({micro}) x "
+                          f"gradient_accumulation_steps ({accumulation}) x data-parallel size ({dp} = {world_size} "
+                          f"processes / tensor x pipeline {model_parallel}) (from the file: "
+                          f"{json.dumps(given)}; the rest from --micro-batch-size/--global-batch-size).")
+    key = ", ".join(given)
+    t.set("micro_batch_size", int(micro), key)
+    t.set("global_batch_size", int(train), key)
+
+
+def _check_contradictions(t: _Translation, explicit: dict) -> None:
+    clashes = [f"{key} ({flag_name(name)} {value}) contradicts {flag_name(name)} {explicit[name]} on the command line"
+               for name, (value, key) in t.fields.items() if name in explicit and explicit[name] != value]
+    if clashes:
+        raise ConfigError(f"--deepspeed-config {t.source}: {'; '.join(clashes)}. Drop the flag or change the file.")
+
+
+_TOP_LEVEL = {"zero_optimization": _zero_optimization, "fp16": _fp16, "bf16": _bf16, "bfloat16": _bf16,
+              "optimizer": _optimizer, "gradient_clipping": _direct("clip_grad", float),
+              "steps_per_print": _direct("log_interval", int),
+              "tensorboard": _monitor({}), "wandb": _monitor({"project": "wandb_project", "team": "wandb_entity"}),
+              "scheduler": lambda t, value, key: None,  # after the optimizer, whose lr it may scale
+              **{key: (lambda t, value, key: None) for key in _BATCH_KEYS}}  # together, in _batch_triad
