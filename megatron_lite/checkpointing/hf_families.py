@@ -13,14 +13,19 @@ silently different model. A null field sets nothing and passes.
     qwen3    llama + q/k RMSNorm (--qk-layernorm),     attention_bias, use_sliding_window
              head_dim (--kv-channels)
     mistral  llama + sliding_window (--window-size)
+    phi3     llama + fused qkv_proj, gate_up_proj;     embd_pdrop != resid_pdrop, longrope
+             partial_rotary_factor (--rotary-percent),
+             sliding_window
 
-On export the family is the one the model's features call for (``family_of``).
+On export the family is the one the model's features call for (``family_of``), or the one named
+(``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
 
+from megatron_lite.checkpointing.architecture import defines_function
 from megatron_lite.config import ConfigError, ModelConfig
 
 # PretrainedConfig's own fields and the token ids: bookkeeping, no effect on the logits.
@@ -92,14 +97,18 @@ GPT2_FIELDS = frozenset({
 # Llama and the families built on it
 
 
-def _rope_to_ours(hf: dict) -> dict:
-    """RoPE base and scaling from ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` + ``rope_theta``."""
+def _rope_to_ours(hf: dict, *, partial_rotary: bool = False) -> dict:
+    """RoPE base and scaling from ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` + ``rope_theta``;
+    with ``partial_rotary`` (Phi-3) the rotated fraction of each head too."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope_type = rope.pop("rope_type", rope.pop("type", "default"))
     refuse(rope_type not in ROPE_TYPES,
            f"rope scaling {rope_type!r} (rope_parameters.rope_type; supported: {', '.join(ROPE_TYPES)})")
     fields = {"rotary_base": float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))}
-    refuse(rope.pop("partial_rotary_factor", 1.0) != 1.0, "rope_parameters.partial_rotary_factor other than 1")
+    rotary_percent = float(rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    refuse(rotary_percent != 1.0 and not partial_rotary, "rope_parameters.partial_rotary_factor other than 1")
+    if partial_rotary:
+        fields["rotary_percent"] = rotary_percent
     if rope_type == "linear":
         fields["rotary_seq_len_interpolation_factor"] = float(rope.pop("factor"))
     elif rope_type == "llama3":
@@ -176,6 +185,21 @@ def _mistral_to_hf(config: ModelConfig) -> dict:
     return dict(_llama_to_hf(config), sliding_window=config.window_size[0] + 1 if config.window_size else None)
 
 
+def _phi3_to_ours(hf: dict) -> dict:
+    refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r} (SwiGLU needs silu)")
+    refuse(hf.get("resid_pdrop", 0.0) != hf.get("embd_pdrop", 0.0),
+           "embd_pdrop different from resid_pdrop (our --hidden-dropout is both)")
+    fields = dict(_mistral_to_ours({**hf, "rope_parameters": None, "rope_scaling": None}),
+                  hidden_dropout=hf.get("resid_pdrop", 0.0))
+    return dict(fields, **_rope_to_ours(hf, partial_rotary=True))
+
+
+def _phi3_to_hf(config: ModelConfig) -> dict:
+    fields = dict(_mistral_to_hf(config), resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout)
+    fields["rope_parameters"] = dict(fields["rope_parameters"], partial_rotary_factor=config.rotary_percent)
+    return fields
+
+
 QWEN_WINDOW_FIELDS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
 
 FAMILIES = {family.model_type: family for family in (
@@ -193,6 +217,11 @@ FAMILIES = {family.model_type: family for family in (
            features={"qk_layernorm": True}),
     Family("mistral", "MistralForCausalLM", "llama", LLAMA_FIELDS | {"sliding_window"}, _mistral_to_ours,
            _mistral_to_hf, features={"window_size": lambda window: window is not None}),
+    # Named as Llama but with q/k/v and gate/up fused; exported only when asked for (--hf-model-type phi3).
+    Family("phi3", "Phi3ForCausalLM", "phi3",
+           LLAMA_FIELDS | {"sliding_window", "resid_pdrop", "embd_pdrop", "partial_rotary_factor",
+                           "original_max_position_embeddings"},  # the context longrope scaling starts from
+           _phi3_to_ours, _phi3_to_hf),
 )}
 
 # The features only some families have, and the value each takes where it is absent.
@@ -209,6 +238,32 @@ def model_config_fields_from_hf(hf: dict) -> dict:
     unknown = sorted(k for k, v in hf.items() if v is not None and k not in GENERIC_FIELDS | family.fields)
     refuse(bool(unknown), f"config.json field(s) {', '.join(unknown)} (not read by the {model_type} import)")
     return dict(family.to_ours(hf), vocab_size=hf["vocab_size"], init_method_std=hf.get("initializer_range", 0.02))
+
+
+def config_json(family: Family, config: ModelConfig) -> dict:
+    """The ``config.json`` of ``config`` as a model of ``family``."""
+    return {"architectures": [family.architecture], "model_type": family.model_type, **family.to_hf(config),
+            "vocab_size": config.vocab_size, "initializer_range": config.init_method_std, "dtype": "float32",
+            "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
+            # Unset unless a tokenizer names one: Phi3Config's default (32000) is past a small vocabulary.
+            "pad_token_id": None}
+
+
+def named_family(config: ModelConfig, model_type: str) -> Family:
+    """The family ``model_type`` (--hf-model-type), if its config.json can describe ``config`` exactly: the
+    model read back from it must compute what ``config`` computes."""
+    if model_type not in FAMILIES:
+        raise ConfigError(f"--hf-model-type {model_type!r}: one of {', '.join(FAMILIES)}.")
+    family = FAMILIES[model_type]
+    back = model_config_fields_from_hf(config_json(family, config))
+    differences = sorted(name for name, value in back.items()
+                         if defines_function(name, config) and getattr(config, name) != value)
+    others = [name for name, absent in _OPTIONAL_FEATURES.items()
+              if name not in back and getattr(config, name) != absent]
+    if differences or others:
+        raise ConfigError(f"--hf-model-type {model_type} cannot describe this model: it differs in "
+                          f"{', '.join(differences + others)}.")
+    return family
 
 
 def family_of(config: ModelConfig, naming: str) -> Family:

@@ -28,7 +28,8 @@ import safetensors
 import safetensors.torch
 import torch
 
-from megatron_lite.checkpointing.hf_families import family_of, model_config_fields_from_hf
+from megatron_lite.checkpointing.hf_families import (FAMILIES, Family, config_json, family_of,
+                                                    model_config_fields_from_hf, named_family)
 from megatron_lite.checkpointing.hf_tokenizer import export_tokenizer, import_tokenizer, write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.resharding import CheckpointReader
@@ -63,12 +64,15 @@ def hf_architecture(config: ModelConfig) -> str:
                       "--add-qkv-bias): Hugging Face has no matching architecture to export to.")
 
 
-def hf_config_from_model_config(config: ModelConfig) -> dict:
-    """The ``config.json`` transformers needs to rebuild our model, as the family its features call for."""
-    family = family_of(config, hf_architecture(config))
-    return {"architectures": [family.architecture], "model_type": family.model_type, **family.to_hf(config),
-            "vocab_size": config.vocab_size, "initializer_range": config.init_method_std, "dtype": "float32",
-            "tie_word_embeddings": not config.untie_embeddings_and_output_weights}
+def hf_family(config: ModelConfig, model_type: str | None = None) -> Family:
+    """The family to export as: ``model_type`` if given (and able to describe the model), else the one the
+    model's features call for."""
+    return family_of(config, hf_architecture(config)) if model_type is None else named_family(config, model_type)
+
+
+def hf_config_from_model_config(config: ModelConfig, model_type: str | None = None) -> dict:
+    """The ``config.json`` transformers needs to rebuild our model."""
+    return config_json(hf_family(config, model_type), config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,14 +141,16 @@ def _renamed_to_hf(read, table, theirs_prefix: str, ours_prefix: str) -> dict:
             for theirs, mine, transposed in table}
 
 
-def weights_from_hf(tensors: dict, config: ModelConfig) -> dict:
-    """HF state dict -> our global tensors by name (vocabulary padded for tensor-parallel size 1)."""
+def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = None) -> dict:
+    """HF state dict -> our global tensors by name (vocabulary padded for tensor-parallel size 1). ``naming``:
+    the family's (``hf_families``), by default GPT-2's or Llama's as the model's features say."""
+    naming = naming or hf_architecture(config)
     # Checkpoints saved from the bare GPT2Model / LlamaModel lack the prefix.
-    prefix = "transformer." if hf_architecture(config) == "gpt2" else "model."
+    prefix = "transformer." if naming == "gpt2" else "model."
     tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
     ours = {}
     take = tensors.pop
-    if hf_architecture(config) == "gpt2":
+    if naming == "gpt2":
         ours["embedding.word_embeddings.weight"] = _vocab_padded(take("wte.weight"), config)
         for i in range(config.num_layers):
             hf, layer = f"h.{i}.", f"decoder.layers.{i}."
@@ -159,15 +165,20 @@ def weights_from_hf(tensors: dict, config: ModelConfig) -> dict:
         ours["embedding.word_embeddings.weight"] = _vocab_padded(take("embed_tokens.weight"), config)
         for i in range(config.num_layers):
             hf, layer = f"layers.{i}.", f"decoder.layers.{i}."
-            ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
-                take(hf + "self_attn.q_proj.weight"), take(hf + "self_attn.k_proj.weight"),
-                take(hf + "self_attn.v_proj.weight"), config)
+            if naming == "phi3":  # [all q; all k; all v] and [gate; up] in one weight each
+                ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
+                    *_split_qkv(take(hf + "self_attn.qkv_proj.weight"), config), config)
+                ours[layer + "mlp.linear_fc1.weight"] = take(hf + "mlp.gate_up_proj.weight")
+            else:
+                ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
+                    take(hf + "self_attn.q_proj.weight"), take(hf + "self_attn.k_proj.weight"),
+                    take(hf + "self_attn.v_proj.weight"), config)
+                ours[layer + "mlp.linear_fc1.weight"] = torch.cat([take(hf + "mlp.gate_proj.weight"),
+                                                                   take(hf + "mlp.up_proj.weight")])
             if config.add_qkv_bias:  # Qwen2's q/k/v biases
                 ours[layer + "self_attention.linear_qkv.bias"] = pack_qkv(
                     take(hf + "self_attn.q_proj.bias"), take(hf + "self_attn.k_proj.bias"),
                     take(hf + "self_attn.v_proj.bias"), config)
-            ours[layer + "mlp.linear_fc1.weight"] = torch.cat([take(hf + "mlp.gate_proj.weight"),
-                                                               take(hf + "mlp.up_proj.weight")])
             ours.update(_renamed_from_hf(take, _llama_layer_table(config), hf, layer))
         ours.update(_renamed_from_hf(take, _LLAMA_FINAL, "", ""))
     lm_head = tensors.pop("lm_head.weight", None)
@@ -181,13 +192,14 @@ def weights_from_hf(tensors: dict, config: ModelConfig) -> dict:
     return {name: t.contiguous() for name, t in ours.items()}
 
 
-def weights_to_hf(read, config: ModelConfig) -> dict:
-    """Our global tensors (``read(name)``) -> HF state dict (vocabulary padding cut)."""
+def weights_to_hf(read, config: ModelConfig, naming: str | None = None) -> dict:
+    """Our global tensors (``read(name)``) -> HF state dict (vocabulary padding cut), named as ``weights_from_hf``."""
+    naming = naming or hf_architecture(config)
     vocab = config.vocab_size
     if config.apply_layernorm_1p:
         read = _with_unit_norm_scale(read)
     hf = {}
-    if hf_architecture(config) == "gpt2":
+    if naming == "gpt2":
         hf["transformer.wte.weight"] = read("embedding.word_embeddings.weight")[:vocab]
         for i in range(config.num_layers):
             theirs, layer = f"transformer.h.{i}.", f"decoder.layers.{i}."
@@ -202,20 +214,30 @@ def weights_to_hf(read, config: ModelConfig) -> dict:
         for i in range(config.num_layers):
             theirs, layer = f"model.layers.{i}.", f"decoder.layers.{i}."
             query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
-            hf[theirs + "self_attn.q_proj.weight"] = query
-            hf[theirs + "self_attn.k_proj.weight"] = key
-            hf[theirs + "self_attn.v_proj.weight"] = value
+            if naming == "phi3":
+                hf[theirs + "self_attn.qkv_proj.weight"] = torch.cat([query, key, value])
+                hf[theirs + "mlp.gate_up_proj.weight"] = read(layer + "mlp.linear_fc1.weight")
+            else:
+                hf[theirs + "self_attn.q_proj.weight"] = query
+                hf[theirs + "self_attn.k_proj.weight"] = key
+                hf[theirs + "self_attn.v_proj.weight"] = value
+                gate, up = read(layer + "mlp.linear_fc1.weight").chunk(2)
+                hf[theirs + "mlp.gate_proj.weight"] = gate
+                hf[theirs + "mlp.up_proj.weight"] = up
             if config.add_qkv_bias:
                 biases = unpack_qkv(read(layer + "self_attention.linear_qkv.bias"), config)
                 hf.update({theirs + f"self_attn.{name}_proj.bias": bias for name, bias in zip("qkv", biases)})
-            gate, up = read(layer + "mlp.linear_fc1.weight").chunk(2)
-            hf[theirs + "mlp.gate_proj.weight"] = gate
-            hf[theirs + "mlp.up_proj.weight"] = up
             hf.update(_renamed_to_hf(read, _llama_layer_table(config), theirs, layer))
         hf.update(_renamed_to_hf(read, _LLAMA_FINAL, "model.", ""))
     if config.untie_embeddings_and_output_weights:
         hf["lm_head.weight"] = read("output_layer.weight")[:vocab]
     return {name: t.contiguous() for name, t in hf.items()}
+
+
+def _split_qkv(rows: torch.Tensor, config: ModelConfig) -> tuple:
+    """[all query heads; all keys; all values] (Phi-3's qkv_proj) -> (query, key, value)."""
+    groups_width = config.num_query_groups * config.head_dim
+    return rows.split([config.num_attention_heads * config.head_dim, groups_width, groups_width])
 
 
 def _with_unit_norm_scale(read):
@@ -279,11 +301,11 @@ def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokeni
 
 def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1,
                          pipeline_model_parallel_size: int = 1) -> str:
-    """A Hugging Face GPT-2/Llama directory -> a weights-only megatron_lite checkpoint (iteration 0) that records
-    the directory's tokenizer files, if any."""
+    """A Hugging Face directory (a family of ``hf_families``) -> a weights-only megatron_lite checkpoint
+    (iteration 0) that records the directory's tokenizer files, if any."""
     hf_config, tensors = read_hf_directory(load_dir)
     model_config = model_config_from_hf(hf_config)
-    weights = weights_from_hf(tensors, model_config)
+    weights = weights_from_hf(tensors, model_config, FAMILIES[hf_config["model_type"]].naming)
     config = Config(model=model_config, parallel=ParallelConfig(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size))
@@ -291,11 +313,12 @@ def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_
     return write_checkpoint(save_dir, config, weights.__getitem__, iteration=0)
 
 
-def export_hf_checkpoint(load_dir: str, save_dir: str, *, tokenizer_flags: dict | None = None) -> None:
+def export_hf_checkpoint(load_dir: str, save_dir: str, *, tokenizer_flags: dict | None = None,
+                         hf_model_type: str | None = None) -> None:
     """A megatron_lite checkpoint (root or iter_* directory, any layout) -> a Hugging Face directory.
 
     The tokenizer is ``tokenizer_flags`` ({tokenizer_type, vocab_file, ...}) when given, else the
-    one the checkpoint was trained with."""
+    one the checkpoint was trained with. ``hf_model_type``: the family to write (``hf_family``)."""
     reader = CheckpointReader(resolve_checkpoint_dir(load_dir))
     config = Config.from_dict(reader.metadata["config"])
     if config.peft.peft is not None:
@@ -303,11 +326,13 @@ def export_hf_checkpoint(load_dir: str, save_dir: str, *, tokenizer_flags: dict 
                           f"weights: add --merge-lora to export the base with the LoRA update merged in, or use "
                           f"--target-format peft to export the adapters alone.")
     reader.verify([k for k in reader.tensors if not k.startswith(OPTIMIZER_PREFIX)])
-    export_hf_weights(config, reader.read, save_dir, tokenizer_flags=tokenizer_flags)
+    export_hf_weights(config, reader.read, save_dir, tokenizer_flags=tokenizer_flags, hf_model_type=hf_model_type)
 
 
-def export_hf_weights(config: Config, read, save_dir: str, *, tokenizer_flags: dict | None = None) -> None:
+def export_hf_weights(config: Config, read, save_dir: str, *, tokenizer_flags: dict | None = None,
+                      hf_model_type: str | None = None) -> None:
     """A Hugging Face directory of the model ``config`` describes, from its global tensors ``read(name)``."""
-    hf_config = hf_config_from_model_config(config.model)
+    family = hf_family(config.model, hf_model_type)
     tokenizer = checkpoint_tokenizer_flags(dataclasses.asdict(config.data), tokenizer_flags or {})
-    write_hf_directory(save_dir, hf_config, weights_to_hf(read, config.model), tokenizer_flags=tokenizer)
+    write_hf_directory(save_dir, config_json(family, config.model), weights_to_hf(read, config.model, family.naming),
+                       tokenizer_flags=tokenizer)

@@ -1,4 +1,4 @@
-"""Qwen2/2.5, Qwen3 and Mistral import, run, train, fine-tune and export exactly against transformers.
+"""Qwen2/2.5, Qwen3, Mistral and Phi-3 import, run, train, fine-tune and export exactly against transformers.
 
 Each family is a tiny random model (``from_config``, saved locally) with every feature it has
 switched on, and weights drawn wider than transformers' init (biases and norm scales included),
@@ -7,6 +7,7 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
     qwen2    q/k/v biases, tied embeddings, linear RoPE scaling
     qwen3    q/k RMSNorm, head_dim 16 with hidden 32 / 4 heads, untied
     mistral  sliding window 5 (shorter than the sequences), Llama 3 RoPE scaling
+    phi3     fused qkv_proj and gate_up_proj, sliding window 5, RoPE on half of each head
 
 For each: logits equal transformers' at 1 process and at tp2 x pp2; greedy generation (alone and
 batched, left-padded) equals ``generate``; HF -> ours -> HF -> ours is bit-exact; 5 training
@@ -20,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from megatron_lite.checkpointing import hf_interop, hf_peft, read_config  # noqa: E402
+from megatron_lite.checkpointing import hf_interop, read_config  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
 from megatron_lite.config import ConfigError, OptimizerConfig, PeftConfig  # noqa: E402
@@ -46,7 +47,11 @@ FAMILIES = {
                                               rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=5, tie_word_embeddings=False,
                                                   rope_parameters=LLAMA3_ROPE),
+    "phi3": lambda: transformers.Phi3Config(**SMALL, sliding_window=5, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}),
 }
+# Phi-3 computes what Mistral does: its fused layout is written when asked for.
+EXPORT_FLAGS = {"phi3": ["--hf-model-type", "phi3"]}
 
 
 @dataclasses.dataclass
@@ -104,6 +109,8 @@ def test_config_maps_every_feature(imports):
     assert not qwen2.untie_embeddings_and_output_weights
     assert qwen3.qk_layernorm and (qwen3.kv_channels, qwen3.hidden_size) == (16, 32)
     assert mistral.window_size == [4, 0] and mistral.use_rope_scaling and mistral.rope_scaling_factor == 8.0
+    phi3 = read_config(imports["phi3"].root).model
+    assert phi3.window_size == [4, 0] and phi3.rotary_percent == 0.5
 
 
 def test_logits_equal_transformers(family):
@@ -146,7 +153,7 @@ def _our_tensors(root: str) -> dict:
 def test_round_trip_is_bit_exact(family, tmp_path):
     exported, again = str(tmp_path / "hf"), str(tmp_path / "again")
     assert convert(["--source-format", "megatron_lite", "--target-format", "hf", "--load-dir", family.root,
-                    "--save-dir", exported]) == 0
+                    "--save-dir", exported, *EXPORT_FLAGS.get(family.name, [])]) == 0
     hf_config, original = hf_interop.read_hf_directory(family.hf_dir)
     exported_config, round_trip = hf_interop.read_hf_directory(exported)
     assert exported_config["model_type"] == family.name
@@ -202,7 +209,8 @@ def test_lora_export_loads_in_peft(family, tmp_path):
     finally:
         destroy_model_parallel(parallel_state)
     assert (ours - family.logits).abs().max() > 1e-2  # LoRA moved the model
-    hf_peft.export_peft_adapters(adapters, peft_dir, base_model_name_or_path=family.hf_dir)
+    assert convert(["--target-format", "peft", "--load-dir", adapters, "--save-dir", peft_dir,
+                    "--base-model-name-or-path", family.hf_dir, *EXPORT_FLAGS.get(family.name, [])]) == 0
     adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(family.hf_dir),
                                              peft_dir).eval()
     with torch.no_grad():
