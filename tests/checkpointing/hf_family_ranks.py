@@ -15,8 +15,6 @@ from megatron_lite.pipeline_parallel import p2p
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.training.loop import pretrain
 
-PROMPTS = [[5, 17, 3, 60], [40, 2, 9, 71, 8, 66, 12, 33, 21], [31], [7, 7, 50, 21, 94, 2]]
-MAX_NEW_TOKENS = 12
 STEPS = 5
 
 
@@ -40,10 +38,11 @@ def _pipelined_logits(model, parallel_state, input_ids):
         return model(input_ids)
 
 
-def tp2_pp2_rank(rank, world_size, root, input_ids):
+def tp2_pp2_rank(rank, world_size, root, input_ids, prompts, generation):
+    """(logits of ``input_ids``, greedy tokens after ``prompts`` with ``generation``'s settings)."""
     model, parallel_state = load(root, tp=2, pp=2)
     return (_pipelined_logits(model, parallel_state, input_ids),
-            generate(model, PROMPTS, max_new_tokens=MAX_NEW_TOKENS, greedy=True, parallel_state=parallel_state))
+            generate(model, prompts, greedy=True, parallel_state=parallel_state, **generation))
 
 
 # SGD with momentum, whose steps are linear in the gradients, so the weights of two layouts differ by their

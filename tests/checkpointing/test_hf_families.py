@@ -27,13 +27,14 @@ from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: 
 from megatron_lite.config import ConfigError, OptimizerConfig, PeftConfig  # noqa: E402
 from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
-from tests.checkpointing.hf_family_ranks import (MAX_NEW_TOKENS, PROMPTS, STEPS, load, tp2_pp2_rank,  # noqa: E402
-                                                 train, training_config)
+from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
+from tests.inference.test_generation_vs_transformers import (EOS, MAX_NEW_TOKENS, PAD, PROMPTS,  # noqa: E402
+                                                             _hf_generate)
 from tests.distributed_optim.toy import assert_relative_close  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
 
-VOCAB, EOS, PAD = 100, 1, 0  # the vocabulary pads to 128 rows at tp 1, 256 at tp 2
+VOCAB = 100  # the vocabulary pads to 128 rows at tp 1, 256 at tp 2
 ATOL = RTOL = 1e-5
 TOKENS = dict(bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -92,17 +93,6 @@ def family(request, imports) -> Imported:
     return imports[request.param]
 
 
-def _hf_generate(hf_model, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy tokens after each prompt, left-padded together."""
-    longest = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[PAD] * (longest - len(p)) + p for p in prompts])
-    attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        output = hf_model.generate(input_ids, attention_mask=attention_mask, do_sample=False,
-                                   max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS, pad_token_id=PAD)
-    return output[:, longest:].tolist()
-
-
 def test_config_maps_every_feature(imports):
     qwen2, qwen3, mistral = (read_config(imports[n].root).model for n in ("qwen2", "qwen3", "mistral"))
     assert qwen2.add_qkv_bias and not qwen2.add_bias_linear and qwen2.rotary_seq_len_interpolation_factor == 2.0
@@ -126,18 +116,20 @@ def test_greedy_generation_equals_transformers(family):
     model, parallel_state = load(family.root)
     try:
         for prompt in PROMPTS:
-            assert generate(model, [prompt], max_new_tokens=MAX_NEW_TOKENS, greedy=True) == _hf_generate(
-                family.hf_model, [prompt])
-        batched = _hf_generate(family.hf_model, PROMPTS)
-        assert len({tuple(row) for row in batched}) == len(PROMPTS)  # a random model that does not repeat itself
-        assert generate(model, PROMPTS, max_new_tokens=MAX_NEW_TOKENS, greedy=True) == batched
+            assert generate(model, [prompt], max_new_tokens=MAX_NEW_TOKENS, eod=EOS, greedy=True) == _hf_generate(
+                family.hf_model, [prompt], EOS)
+        batched = _hf_generate(family.hf_model, PROMPTS, EOS)
+        # A random model that does not repeat itself, and runs to the end at least once.
+        assert len({tuple(row) for row in batched}) == len(PROMPTS) and max(map(len, batched)) == MAX_NEW_TOKENS
+        assert generate(model, PROMPTS, max_new_tokens=MAX_NEW_TOKENS, eod=EOS, greedy=True) == batched
     finally:
         destroy_model_parallel(parallel_state)
 
 
 def test_tp2_pp2_logits_and_generation_equal_transformers(family):
-    results = run_distributed(tp2_pp2_rank, 4, args=(family.root, family.input_ids))
-    expected_tokens = _hf_generate(family.hf_model, PROMPTS)
+    generation = dict(max_new_tokens=MAX_NEW_TOKENS, eod=EOS)
+    results = run_distributed(tp2_pp2_rank, 4, args=(family.root, family.input_ids, PROMPTS, generation))
+    expected_tokens = _hf_generate(family.hf_model, PROMPTS, EOS)
     assert sum(logits is not None for logits, _ in results) == 2  # the last stage's two tensor-parallel ranks
     for logits, tokens in results:
         if logits is not None:
