@@ -186,9 +186,9 @@ def _mistral_to_hf(config: ModelConfig) -> dict:
 
 
 def _phi3_to_ours(hf: dict) -> dict:
-    refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r} (SwiGLU needs silu)")
     refuse(hf.get("resid_pdrop", 0.0) != hf.get("embd_pdrop", 0.0),
            "embd_pdrop different from resid_pdrop (our --hidden-dropout is both)")
+    # Mistral's fields, but RoPE read again to take partial_rotary_factor, which Mistral refuses.
     fields = dict(_mistral_to_ours({**hf, "rope_parameters": None, "rope_scaling": None}),
                   hidden_dropout=hf.get("resid_pdrop", 0.0))
     return dict(fields, **_rope_to_ours(hf, partial_rotary=True))
