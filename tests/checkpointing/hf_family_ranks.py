@@ -38,11 +38,16 @@ def _pipelined_logits(model, parallel_state, input_ids):
         return model(input_ids)
 
 
-def tp2_pp2_rank(rank, world_size, root, input_ids, prompts, generation):
-    """(logits of ``input_ids``, greedy tokens after ``prompts`` with ``generation``'s settings)."""
-    model, parallel_state = load(root, tp=2, pp=2)
-    return (_pipelined_logits(model, parallel_state, input_ids),
-            generate(model, prompts, greedy=True, parallel_state=parallel_state, **generation))
+def tp2_pp2_rank(rank, world_size, runs, prompts, generation):
+    """For each (checkpoint, input ids) of ``runs``: (logits of the input ids, greedy tokens after ``prompts``
+    with ``generation``'s settings)."""
+    results = []
+    for root, input_ids in runs:
+        model, parallel_state = load(root, tp=2, pp=2)
+        results.append((_pipelined_logits(model, parallel_state, input_ids),
+                        generate(model, prompts, greedy=True, parallel_state=parallel_state, **generation)))
+        destroy_model_parallel(parallel_state)
+    return results
 
 
 # SGD with momentum, whose steps are linear in the gradients, so the weights of two layouts differ by their

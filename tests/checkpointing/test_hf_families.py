@@ -126,15 +126,20 @@ def test_greedy_generation_equals_transformers(family):
         destroy_model_parallel(parallel_state)
 
 
-def test_tp2_pp2_logits_and_generation_equal_transformers(family):
+def test_tp2_pp2_logits_and_generation_equal_transformers(imports):
+    """Every family in one world of 4 (one start-up for all)."""
+    names = sorted(FAMILIES)
     generation = dict(max_new_tokens=MAX_NEW_TOKENS, eod=EOS)
-    results = run_distributed(tp2_pp2_rank, 4, args=(family.root, family.input_ids, PROMPTS, generation))
-    expected_tokens = _hf_generate(family.hf_model, PROMPTS, EOS)
-    assert sum(logits is not None for logits, _ in results) == 2  # the last stage's two tensor-parallel ranks
-    for logits, tokens in results:
-        if logits is not None:
-            torch.testing.assert_close(logits, family.logits, atol=ATOL, rtol=RTOL)
-        assert tokens == expected_tokens
+    runs = [(imports[name].root, imports[name].input_ids) for name in names]
+    per_rank = run_distributed(tp2_pp2_rank, 4, args=(runs, PROMPTS, generation))
+    for index, name in enumerate(names):
+        results = [rank_results[index] for rank_results in per_rank]
+        expected_tokens = _hf_generate(imports[name].hf_model, PROMPTS, EOS)
+        assert sum(logits is not None for logits, _ in results) == 2, name  # the last stage's two tp ranks
+        for logits, tokens in results:
+            if logits is not None:
+                torch.testing.assert_close(logits, imports[name].logits, atol=ATOL, rtol=RTOL, msg=name)
+            assert tokens == expected_tokens, name
 
 
 def _our_tensors(root: str) -> dict:
