@@ -34,6 +34,7 @@ import dataclasses
 import sys
 
 from megatron_lite.checkpointing import hf_interop, hf_peft
+from megatron_lite.checkpointing.hf_families import FAMILIES
 from megatron_lite.checkpointing.offline import reshard_checkpoint, write_checkpoint
 from megatron_lite.checkpointing.peft_base import folded_prefix, merged_lora
 from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-format", choices=FORMATS, default="megatron_lite")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--hf-model-type", choices=sorted(FAMILIES),
+                        help="the Hugging Face family an hf or peft export is written as (default: the one the "
+                             "model's features call for; phi3 fuses q/k/v and gate/up)")
     lora = parser.add_argument_group("adapter checkpoints (--peft)")
     lora.add_argument("--merge-lora", action="store_true",
                       help="merge the adapters of a LoRA checkpoint into its base and write the merged model")
@@ -109,7 +113,7 @@ def _convert(args, sizes: dict) -> str:
         return hf_peft.import_peft_adapters(args.load_dir, args.save_dir, base_checkpoint=args.base_checkpoint,
                                             **sizes)
     if source == "megatron_lite" and target == "peft":
-        hf_peft.export_peft_adapters(args.load_dir, args.save_dir,
+        hf_peft.export_peft_adapters(args.load_dir, args.save_dir, hf_model_type=args.hf_model_type,
                                      base_model_name_or_path=args.base_model_name_or_path)
         return args.save_dir
     if source == "megatron_lite" and args.fold_prefix_projection:
@@ -119,12 +123,14 @@ def _convert(args, sizes: dict) -> str:
     if source == "megatron_lite" and args.merge_lora:
         config, read = merged_lora(resolve_checkpoint_dir(args.load_dir))
         if target == "hf":
-            hf_interop.export_hf_weights(config, read, args.save_dir, tokenizer_flags=tokenizer)
+            hf_interop.export_hf_weights(config, read, args.save_dir, tokenizer_flags=tokenizer,
+                                         hf_model_type=args.hf_model_type)
             return args.save_dir
         config = dataclasses.replace(config, parallel=ParallelConfig(**sizes))
         return write_checkpoint(args.save_dir, config, read, iteration=0)
     if source == "megatron_lite" and target == "hf":
-        hf_interop.export_hf_checkpoint(args.load_dir, args.save_dir, tokenizer_flags=tokenizer)
+        hf_interop.export_hf_checkpoint(args.load_dir, args.save_dir, tokenizer_flags=tokenizer,
+                                        hf_model_type=args.hf_model_type)
         return args.save_dir
     if source == "megatron_lite" and target == "megatron_lite":
         return reshard_checkpoint(args.load_dir, args.save_dir, **sizes)

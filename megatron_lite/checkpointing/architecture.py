@@ -46,6 +46,12 @@ ROLES = {
     "swiglu": Role.ARCHITECTURE,
     "add_bias_linear": Role.ARCHITECTURE,
     "untie_embeddings_and_output_weights": Role.ARCHITECTURE,
+    "add_qkv_bias": Role.ARCHITECTURE,
+    "qk_layernorm": Role.ARCHITECTURE,
+    "window_size": Role.ARCHITECTURE,
+    "rotary_seq_len_interpolation_factor": Role.ARCHITECTURE,  # with rope only
+    "use_rope_scaling": Role.ARCHITECTURE,  # with rope only
+    "rope_scaling_factor": Role.ARCHITECTURE,  # with --use-rope-scaling only
     # Positions are bounded by max_position_embeddings; seq_length is only how long the samples are.
     "seq_length": Role.TRAINING,
     "hidden_dropout": Role.TRAINING,
@@ -61,7 +67,10 @@ ROLES = {
 # the rotary base matters with rotary ones. (field, the setting it depends on, its value)
 _ONLY_WITH = {"max_position_embeddings": ("position_embedding_type", "learned_absolute"),
               "rotary_base": ("position_embedding_type", "rope"),
-              "rotary_percent": ("position_embedding_type", "rope")}
+              "rotary_percent": ("position_embedding_type", "rope"),
+              "rotary_seq_len_interpolation_factor": ("position_embedding_type", "rope"),
+              "use_rope_scaling": ("position_embedding_type", "rope"),
+              "rope_scaling_factor": ("use_rope_scaling", True)}
 
 
 def role(field: str) -> Role:

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 and Llama checkpoints <-> megatron_lite global tensors.
+"""Hugging Face checkpoints (GPT-2, Llama, Qwen2/2.5, Qwen3, Mistral) <-> megatron_lite global tensors.
 
 A Hugging Face model directory is ``config.json`` plus safetensors weights
 (``model.safetensors``, or shards listed in ``model.safetensors.index.json``).
@@ -13,6 +13,8 @@ What differs between the two naming schemes:
   halves of each head (rotate-half), as ours does: no permutation of q/k rows.
 - GPT-2's ``Conv1D`` stores weights as [in, out]; ``nn.Linear`` (ours, Llama) as [out, in].
 - SwiGLU: ours is one fc1 = [gate; up]; Llama has gate_proj and up_proj.
+- Qwen2's q/k/v biases are packed as their weights are; Qwen3's q_norm/k_norm are our
+  q_layernorm/k_layernorm. Which ``config.json`` fields each family has: ``hf_families``.
 - Vocabulary: ours is padded (``ModelConfig.padded_vocab_size``): zero rows are added
   on import and cut on export.
 """
@@ -26,6 +28,8 @@ import safetensors
 import safetensors.torch
 import torch
 
+from megatron_lite.checkpointing.hf_families import (FAMILIES, Family, config_json, family_of,
+                                                    model_config_fields_from_hf, named_family)
 from megatron_lite.checkpointing.hf_tokenizer import export_tokenizer, import_tokenizer, write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.resharding import CheckpointReader
@@ -34,91 +38,41 @@ from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ModelConfig, ParallelConfig
 from megatron_lite.tokenizer import checkpoint_tokenizer_flags
 
-GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh approximation, which ours computes
-
-
 # ---------------------------------------------------------------------------------------------
-# Configurations
+# Configurations (each family's fields: hf_families)
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """Our ModelConfig for a GPT-2 or Llama ``config.json``; unsupported variants are refused by name."""
-    model_type = hf.get("model_type")
-    if model_type == "gpt2":
-        _refuse(hf.get("activation_function", "gelu_new") not in GPT2_ACTIVATIONS,
-                f"activation_function {hf.get('activation_function')!r} (supported: {', '.join(GPT2_ACTIVATIONS)})")
-        _refuse(not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False),
-                "attention scaling other than 1/sqrt(head_dim)")
-        return ModelConfig(
-            num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
-            ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"], vocab_size=hf["vocab_size"],
-            seq_length=hf["n_positions"], max_position_embeddings=hf["n_positions"], normalization="LayerNorm",
-            norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), position_embedding_type="learned_absolute",
-            swiglu=False, add_bias_linear=True,
-            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
-            hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
-            init_method_std=hf.get("initializer_range", 0.02))
-    if model_type == "llama":
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        _refuse(rope_type != "default", f"rope scaling {rope_type!r} (only plain rotary embeddings are supported)")
-        _refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r} (SwiGLU needs silu)")
-        _refuse(hf.get("attention_bias", False) or hf.get("mlp_bias", False), "attention_bias / mlp_bias")
-        heads = hf["num_attention_heads"]
-        return ModelConfig(
-            num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
-            kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-            num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
-            vocab_size=hf["vocab_size"], seq_length=hf["max_position_embeddings"],
-            max_position_embeddings=hf["max_position_embeddings"], normalization="RMSNorm",
-            norm_epsilon=hf.get("rms_norm_eps", 1e-6), position_embedding_type="rope",
-            rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), swiglu=True,
-            add_bias_linear=False, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-            hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
-            init_method_std=hf.get("initializer_range", 0.02))
-    raise ConfigError(f"config.json has model_type {model_type!r}; megatron_lite imports gpt2 (GPT2LMHeadModel) "
-                      f"and llama (LlamaForCausalLM).")
-
-
-def _refuse(condition: bool, what: str) -> None:
-    if condition:
-        raise ConfigError(f"this Hugging Face model uses {what}, which megatron_lite's GPT does not implement.")
+    """Our ModelConfig for a ``config.json`` of a family in ``hf_families``; unsupported fields and variants
+    are refused by name."""
+    return ModelConfig(**model_config_fields_from_hf(hf))
 
 
 def hf_architecture(config: ModelConfig) -> str:
-    """'gpt2' or 'llama': the Hugging Face family our model matches exactly, else a ConfigError."""
+    """'gpt2' or 'llama': the Hugging Face weight naming our model matches exactly (Qwen and Mistral name
+    theirs as Llama does), else a ConfigError."""
     gpt2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
                 add_bias_linear=True, num_query_groups=config.num_attention_heads,
-                head_dim=config.hidden_size // config.num_attention_heads)
+                head_dim=config.hidden_size // config.num_attention_heads, qk_layernorm=False, window_size=None)
     llama = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
                  rotary_percent=1.0)
     for name, required in (("gpt2", gpt2), ("llama", llama)):
         if all(getattr(config, k) == v for k, v in required.items()):
             return name
     raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA, head width "
-                      "hidden / heads) nor Llama (RMSNorm, rope on every channel, SwiGLU, no biases): Hugging Face "
-                      "has no matching architecture to export to.")
+                      "hidden / heads) nor Llama-like (RMSNorm, rope on every channel, SwiGLU, no biases but "
+                      "--add-qkv-bias): Hugging Face has no matching architecture to export to.")
 
 
-def hf_config_from_model_config(config: ModelConfig) -> dict:
+def hf_family(config: ModelConfig, model_type: str | None = None) -> Family:
+    """The family to export as: ``model_type`` if given (and able to describe the model), else the one the
+    model's features call for."""
+    return family_of(config, hf_architecture(config)) if model_type is None else named_family(config, model_type)
+
+
+def hf_config_from_model_config(config: ModelConfig, model_type: str | None = None) -> dict:
     """The ``config.json`` transformers needs to rebuild our model."""
-    common = {"vocab_size": config.vocab_size, "initializer_range": config.init_method_std, "dtype": "float32",
-              "tie_word_embeddings": not config.untie_embeddings_and_output_weights}
-    if hf_architecture(config) == "gpt2":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": config.num_layers,
-                "n_embd": config.hidden_size, "n_head": config.num_attention_heads,
-                "n_inner": config.ffn_hidden_size, "n_positions": config.max_position_embeddings,
-                "activation_function": "gelu_new", "layer_norm_epsilon": config.norm_epsilon,
-                "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
-                "attn_pdrop": config.attention_dropout, **common}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": config.num_layers,
-            "hidden_size": config.hidden_size, "num_attention_heads": config.num_attention_heads,
-            "num_key_value_heads": config.num_query_groups, "head_dim": config.head_dim,
-            "intermediate_size": config.ffn_hidden_size, "max_position_embeddings": config.max_position_embeddings,
-            "rms_norm_eps": config.norm_epsilon, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-            "attention_dropout": config.attention_dropout,
-            "rope_theta": config.rotary_base,  # transformers < 5 reads this, 5 reads rope_parameters
-            "rope_parameters": {"rope_type": "default", "rope_theta": config.rotary_base}, **common}
+    return config_json(hf_family(config, model_type), config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,6 +122,13 @@ _LLAMA_LAYER = (("self_attn.o_proj.weight", "self_attention.linear_proj.weight",
                 ("input_layernorm.weight", "input_layernorm.weight", False),
                 ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", False))
 _LLAMA_FINAL = (("norm.weight", "final_layernorm.weight", False),)
+# Qwen3's per-head query and key norms (--qk-layernorm).
+_QK_NORMS = (("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", False),
+             ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", False))
+
+
+def _llama_layer_table(config: ModelConfig) -> tuple:
+    return _LLAMA_LAYER + (_QK_NORMS if config.qk_layernorm else ())
 
 
 def _renamed_from_hf(take, table, theirs_prefix: str, ours_prefix: str) -> dict:
@@ -180,14 +141,16 @@ def _renamed_to_hf(read, table, theirs_prefix: str, ours_prefix: str) -> dict:
             for theirs, mine, transposed in table}
 
 
-def weights_from_hf(tensors: dict, config: ModelConfig) -> dict:
-    """HF state dict -> our global tensors by name (vocabulary padded for tensor-parallel size 1)."""
+def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = None) -> dict:
+    """HF state dict -> our global tensors by name (vocabulary padded for tensor-parallel size 1). ``naming``:
+    the family's (``hf_families``), by default GPT-2's or Llama's as the model's features say."""
+    naming = naming or hf_architecture(config)
     # Checkpoints saved from the bare GPT2Model / LlamaModel lack the prefix.
-    prefix = "transformer." if hf_architecture(config) == "gpt2" else "model."
+    prefix = "transformer." if naming == "gpt2" else "model."
     tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
     ours = {}
     take = tensors.pop
-    if hf_architecture(config) == "gpt2":
+    if naming == "gpt2":
         ours["embedding.word_embeddings.weight"] = _vocab_padded(take("wte.weight"), config)
         for i in range(config.num_layers):
             hf, layer = f"h.{i}.", f"decoder.layers.{i}."
@@ -202,12 +165,21 @@ def weights_from_hf(tensors: dict, config: ModelConfig) -> dict:
         ours["embedding.word_embeddings.weight"] = _vocab_padded(take("embed_tokens.weight"), config)
         for i in range(config.num_layers):
             hf, layer = f"layers.{i}.", f"decoder.layers.{i}."
-            ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
-                take(hf + "self_attn.q_proj.weight"), take(hf + "self_attn.k_proj.weight"),
-                take(hf + "self_attn.v_proj.weight"), config)
-            ours[layer + "mlp.linear_fc1.weight"] = torch.cat([take(hf + "mlp.gate_proj.weight"),
-                                                               take(hf + "mlp.up_proj.weight")])
-            ours.update(_renamed_from_hf(take, _LLAMA_LAYER, hf, layer))
+            if naming == "phi3":  # [all q; all k; all v] and [gate; up] in one weight each
+                ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
+                    *_split_qkv(take(hf + "self_attn.qkv_proj.weight"), config), config)
+                ours[layer + "mlp.linear_fc1.weight"] = take(hf + "mlp.gate_up_proj.weight")
+            else:
+                ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
+                    take(hf + "self_attn.q_proj.weight"), take(hf + "self_attn.k_proj.weight"),
+                    take(hf + "self_attn.v_proj.weight"), config)
+                ours[layer + "mlp.linear_fc1.weight"] = torch.cat([take(hf + "mlp.gate_proj.weight"),
+                                                                   take(hf + "mlp.up_proj.weight")])
+            if config.add_qkv_bias:  # Qwen2's q/k/v biases
+                ours[layer + "self_attention.linear_qkv.bias"] = pack_qkv(
+                    take(hf + "self_attn.q_proj.bias"), take(hf + "self_attn.k_proj.bias"),
+                    take(hf + "self_attn.v_proj.bias"), config)
+            ours.update(_renamed_from_hf(take, _llama_layer_table(config), hf, layer))
         ours.update(_renamed_from_hf(take, _LLAMA_FINAL, "", ""))
     lm_head = tensors.pop("lm_head.weight", None)
     if config.untie_embeddings_and_output_weights:
@@ -220,13 +192,14 @@ def weights_from_hf(tensors: dict, config: ModelConfig) -> dict:
     return {name: t.contiguous() for name, t in ours.items()}
 
 
-def weights_to_hf(read, config: ModelConfig) -> dict:
-    """Our global tensors (``read(name)``) -> HF state dict (vocabulary padding cut)."""
+def weights_to_hf(read, config: ModelConfig, naming: str | None = None) -> dict:
+    """Our global tensors (``read(name)``) -> HF state dict (vocabulary padding cut), named as ``weights_from_hf``."""
+    naming = naming or hf_architecture(config)
     vocab = config.vocab_size
     if config.apply_layernorm_1p:
         read = _with_unit_norm_scale(read)
     hf = {}
-    if hf_architecture(config) == "gpt2":
+    if naming == "gpt2":
         hf["transformer.wte.weight"] = read("embedding.word_embeddings.weight")[:vocab]
         for i in range(config.num_layers):
             theirs, layer = f"transformer.h.{i}.", f"decoder.layers.{i}."
@@ -241,17 +214,30 @@ def weights_to_hf(read, config: ModelConfig) -> dict:
         for i in range(config.num_layers):
             theirs, layer = f"model.layers.{i}.", f"decoder.layers.{i}."
             query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
-            hf[theirs + "self_attn.q_proj.weight"] = query
-            hf[theirs + "self_attn.k_proj.weight"] = key
-            hf[theirs + "self_attn.v_proj.weight"] = value
-            gate, up = read(layer + "mlp.linear_fc1.weight").chunk(2)
-            hf[theirs + "mlp.gate_proj.weight"] = gate
-            hf[theirs + "mlp.up_proj.weight"] = up
-            hf.update(_renamed_to_hf(read, _LLAMA_LAYER, theirs, layer))
+            if naming == "phi3":
+                hf[theirs + "self_attn.qkv_proj.weight"] = torch.cat([query, key, value])
+                hf[theirs + "mlp.gate_up_proj.weight"] = read(layer + "mlp.linear_fc1.weight")
+            else:
+                hf[theirs + "self_attn.q_proj.weight"] = query
+                hf[theirs + "self_attn.k_proj.weight"] = key
+                hf[theirs + "self_attn.v_proj.weight"] = value
+                gate, up = read(layer + "mlp.linear_fc1.weight").chunk(2)
+                hf[theirs + "mlp.gate_proj.weight"] = gate
+                hf[theirs + "mlp.up_proj.weight"] = up
+            if config.add_qkv_bias:
+                biases = unpack_qkv(read(layer + "self_attention.linear_qkv.bias"), config)
+                hf.update({theirs + f"self_attn.{name}_proj.bias": bias for name, bias in zip("qkv", biases)})
+            hf.update(_renamed_to_hf(read, _llama_layer_table(config), theirs, layer))
         hf.update(_renamed_to_hf(read, _LLAMA_FINAL, "model.", ""))
     if config.untie_embeddings_and_output_weights:
         hf["lm_head.weight"] = read("output_layer.weight")[:vocab]
     return {name: t.contiguous() for name, t in hf.items()}
+
+
+def _split_qkv(rows: torch.Tensor, config: ModelConfig) -> tuple:
+    """[all query heads; all keys; all values] (Phi-3's qkv_proj) -> (query, key, value)."""
+    groups_width = config.num_query_groups * config.head_dim
+    return rows.split([config.num_attention_heads * config.head_dim, groups_width, groups_width])
 
 
 def _with_unit_norm_scale(read):
@@ -315,11 +301,11 @@ def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokeni
 
 def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1,
                          pipeline_model_parallel_size: int = 1) -> str:
-    """A Hugging Face GPT-2/Llama directory -> a weights-only megatron_lite checkpoint (iteration 0) that records
-    the directory's tokenizer files, if any."""
+    """A Hugging Face directory (a family of ``hf_families``) -> a weights-only megatron_lite checkpoint
+    (iteration 0) that records the directory's tokenizer files, if any."""
     hf_config, tensors = read_hf_directory(load_dir)
     model_config = model_config_from_hf(hf_config)
-    weights = weights_from_hf(tensors, model_config)
+    weights = weights_from_hf(tensors, model_config, FAMILIES[hf_config["model_type"]].naming)
     config = Config(model=model_config, parallel=ParallelConfig(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size))
@@ -327,11 +313,12 @@ def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_
     return write_checkpoint(save_dir, config, weights.__getitem__, iteration=0)
 
 
-def export_hf_checkpoint(load_dir: str, save_dir: str, *, tokenizer_flags: dict | None = None) -> None:
+def export_hf_checkpoint(load_dir: str, save_dir: str, *, tokenizer_flags: dict | None = None,
+                         hf_model_type: str | None = None) -> None:
     """A megatron_lite checkpoint (root or iter_* directory, any layout) -> a Hugging Face directory.
 
     The tokenizer is ``tokenizer_flags`` ({tokenizer_type, vocab_file, ...}) when given, else the
-    one the checkpoint was trained with."""
+    one the checkpoint was trained with. ``hf_model_type``: the family to write (``hf_family``)."""
     reader = CheckpointReader(resolve_checkpoint_dir(load_dir))
     config = Config.from_dict(reader.metadata["config"])
     if config.peft.peft is not None:
@@ -339,11 +326,13 @@ def export_hf_checkpoint(load_dir: str, save_dir: str, *, tokenizer_flags: dict 
                           f"weights: add --merge-lora to export the base with the LoRA update merged in, or use "
                           f"--target-format peft to export the adapters alone.")
     reader.verify([k for k in reader.tensors if not k.startswith(OPTIMIZER_PREFIX)])
-    export_hf_weights(config, reader.read, save_dir, tokenizer_flags=tokenizer_flags)
+    export_hf_weights(config, reader.read, save_dir, tokenizer_flags=tokenizer_flags, hf_model_type=hf_model_type)
 
 
-def export_hf_weights(config: Config, read, save_dir: str, *, tokenizer_flags: dict | None = None) -> None:
+def export_hf_weights(config: Config, read, save_dir: str, *, tokenizer_flags: dict | None = None,
+                      hf_model_type: str | None = None) -> None:
     """A Hugging Face directory of the model ``config`` describes, from its global tensors ``read(name)``."""
-    hf_config = hf_config_from_model_config(config.model)
+    family = hf_family(config.model, hf_model_type)
     tokenizer = checkpoint_tokenizer_flags(dataclasses.asdict(config.data), tokenizer_flags or {})
-    write_hf_directory(save_dir, hf_config, weights_to_hf(read, config.model), tokenizer_flags=tokenizer)
+    write_hf_directory(save_dir, config_json(family, config.model), weights_to_hf(read, config.model, family.naming),
+                       tokenizer_flags=tokenizer)

@@ -28,7 +28,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from megatron_lite.checkpointing.hf_interop import hf_architecture, pack_qkv, unpack_qkv
+from megatron_lite.checkpointing.hf_interop import hf_architecture, hf_family, pack_qkv, unpack_qkv
 from megatron_lite.checkpointing.hf_tokenizer import write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.peft_base import adapter_reader, pointer_to
@@ -48,10 +48,13 @@ _MODULES = {
               "linear_proj": [("self_attn.o_proj", None)],
               "linear_fc1": [("mlp.gate_proj", ("gate",)), ("mlp.up_proj", ("up",))],
               "linear_fc2": [("mlp.down_proj", None)]},
+    "phi3": {"linear_qkv": [("self_attn.qkv_proj", ("q", "k", "v"))], "linear_proj": [("self_attn.o_proj", None)],
+             "linear_fc1": [("mlp.gate_up_proj", ("gate", "up"))], "linear_fc2": [("mlp.down_proj", None)]},
 }
 _OUR_MODULE = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
                "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
-_LAYERS = {"gpt2": "base_model.model.transformer.h.", "llama": "base_model.model.model.layers."}
+_LAYERS = {"gpt2": "base_model.model.transformer.h.", "llama": "base_model.model.model.layers.",
+           "phi3": "base_model.model.model.layers."}
 
 
 def _row_blocks(target: str, rows: torch.Tensor, config: ModelConfig) -> dict:
@@ -93,11 +96,13 @@ def _full_rows(target: str, config: ModelConfig) -> int:
 # Export
 
 
-def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_path: str | None = None) -> None:
-    """A LoRA adapter checkpoint (any layout) -> a PEFT directory for the Hugging Face export of its base."""
+def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_path: str | None = None,
+                         hf_model_type: str | None = None) -> None:
+    """A LoRA adapter checkpoint (any layout) -> a PEFT directory for the Hugging Face export of its base (as
+    the family ``hf_model_type``, by default the one its features call for)."""
     reader, config = adapter_reader(resolve_checkpoint_dir(load_dir), "lora")
     model, peft = config.model, config.peft
-    architecture = hf_architecture(model)
+    architecture = hf_family(model, hf_model_type).naming
     tensors, targets = {}, set()
     for layer in range(model.num_layers):
         for target in peft.lora_target_modules:

@@ -85,6 +85,13 @@ class ModelConfig:
     attention_backend: str = "auto"  # see ATTENTION_BACKENDS
     swiglu: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # a bias on the fused QKV alone, even with --disable-bias-linear (Qwen2)
+    qk_layernorm: bool = False  # each head's queries and keys normalised before RoPE (Qwen3)
+    # Sliding-window attention, Megatron-LM's (left, right): query i sees keys i - left .. i + right.
+    window_size: Optional[list[int]] = field(default=None, metadata={"nargs": 2, "metavar": ("LEFT", "RIGHT")})
+    rotary_seq_len_interpolation_factor: Optional[float] = None  # linear RoPE scaling: positions / factor
+    use_rope_scaling: bool = False  # Llama 3.x's RoPE frequency scaling, by rope_scaling_factor
+    rope_scaling_factor: float = 8.0
     untie_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -135,6 +142,18 @@ class ModelConfig:
         for flag, p in [("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)]:
             _require(0.0 <= p < 1.0, f"{flag} must be in [0, 1), got {p}.")
         _require(self.init_method_std > 0, f"--init-method-std must be positive, got {self.init_method_std}.")
+        _require(self.window_size is None or (len(self.window_size) == 2 and self.window_size[0] >= 0
+                                              and self.window_size[1] == 0),
+                 f"--window-size takes LEFT 0 (a causal model sees no keys to its right), got {self.window_size}.")
+        scalings = [self.rotary_seq_len_interpolation_factor is not None, self.use_rope_scaling]
+        _require(self.position_embedding_type == "rope" or not any(scalings),
+                 "--rotary-seq-len-interpolation-factor and --use-rope-scaling scale rotary embeddings: they need "
+                 "--position-embedding-type rope.")
+        _require(not all(scalings), "give one RoPE scaling: --rotary-seq-len-interpolation-factor (linear) or "
+                                    "--use-rope-scaling (Llama 3.x), not both.")
+        for flag, factor in [("--rotary-seq-len-interpolation-factor", self.rotary_seq_len_interpolation_factor),
+                             ("--rope-scaling-factor", self.rope_scaling_factor)]:
+            _require(factor is None or factor >= 1.0, f"{flag} must be >= 1 (it stretches positions), got {factor}.")
 
     @property
     def head_dim(self) -> int:

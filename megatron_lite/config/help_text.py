@@ -52,6 +52,14 @@ HELP = {
                           "QK^T, the fused causal masked softmax, then V"),
     "swiglu": "SwiGLU MLP (gated SiLU, Llama) instead of GELU",
     "add_bias_linear": "drop the biases of every linear layer (Llama)",
+    "add_qkv_bias": "a bias on the query/key/value projection only, also with --disable-bias-linear (Qwen2)",
+    "qk_layernorm": "normalise each head's queries and keys (RMSNorm over the head width) before RoPE (Qwen3)",
+    "window_size": ("sliding-window attention LEFT RIGHT, RIGHT 0: a token sees itself and the LEFT tokens "
+                    "before it (Mistral's sliding_window W is LEFT = W - 1); default: the whole sequence"),
+    "rotary_seq_len_interpolation_factor": "linear RoPE scaling: positions are divided by this factor",
+    "use_rope_scaling": ("Llama 3.x RoPE scaling: low frequencies divided by --rope-scaling-factor (original "
+                         "context 8192, low/high frequency factors 1 and 4, as Megatron-LM)"),
+    "rope_scaling_factor": "the factor of --use-rope-scaling",
     "untie_embeddings_and_output_weights": "give the output layer its own weight instead of the input embedding's",
     "hidden_dropout": "dropout on the attention and MLP outputs",
     "attention_dropout": "dropout on the attention probabilities",

@@ -16,6 +16,8 @@ from torch import nn
 from megatron_lite import kernels
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.model.norm import Norm
+from megatron_lite.model.sliding_window import SlidingWindow
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint, get_rng_tracker
 from megatron_lite.tensor_parallel.config import TensorParallelConfig
@@ -41,12 +43,15 @@ class SelfAttention(nn.Module):
         self.checkpoint_core_attention = checkpoint_core_attention
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, tp_config=tp_config, bias=config.add_bias_linear)
+            config.hidden_size, qkv_size, tp_config=tp_config, bias=config.add_bias_linear or config.add_qkv_bias)
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, tp_config=tp_config,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True)
         # Keys and values to put before the sequence's own (prefix tuning, megatron_lite/peft/prefix_tuning.py).
         self.prefix = None
+        self.q_layernorm = qk_layernorm(config, tp_size, tp_config.params_dtype)
+        self.k_layernorm = qk_layernorm(config, tp_size, tp_config.params_dtype)
+        self.sliding_window = SlidingWindow(config.window_size[0]) if config.window_size else None
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None,
                 attention_mask: torch.Tensor | None = None, inference_context=None):
@@ -62,6 +67,7 @@ class SelfAttention(nn.Module):
         query, key, value = torch.split(
             qkv, [self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
         query = query.reshape(seq, batch, -1, self.head_dim)
+        query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_freqs is not None:
             query = kernels.apply_rotary_pos_emb(query, rotary_freqs)
             key = kernels.apply_rotary_pos_emb(key, rotary_freqs)
@@ -89,6 +95,8 @@ class SelfAttention(nn.Module):
         # Heads differ across tensor-parallel ranks, so their dropout masks must too.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         attention_mask = _mask_after_cache(attention_mask, query.shape[2], key.shape[2], query.device)
+        if self.sliding_window is not None:
+            attention_mask = self.sliding_window.mask(attention_mask, query.shape[2], key.shape[2], query.device)
         with rng:
             if self.unfused:
                 context = _unfused_attention(query, key, value, dropout, attention_mask)
@@ -98,6 +106,19 @@ class SelfAttention(nn.Module):
                 context = F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
                                                          dropout_p=dropout)
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+def qk_layernorm(config: ModelConfig, tp_size: int, params_dtype: torch.dtype) -> nn.Module:
+    """``--qk-layernorm``'s norm of every query (or key) head over its channels, else the identity.
+
+    Its weight (head_dim wide) is shared by all heads, and tensor-parallel ranks hold different heads:
+    each rank's gradient is a partial sum, all-reduced over the tensor-parallel group as sequence-parallel
+    norm weights are (``finalize_model_grads``), hence the ``sequence_parallel`` mark."""
+    if not config.qk_layernorm:
+        return nn.Identity()
+    return Norm(config.head_dim, normalization=config.normalization, eps=config.norm_epsilon,
+                apply_layernorm_1p=config.apply_layernorm_1p, sequence_parallel=tp_size > 1,
+                params_dtype=params_dtype)
 
 
 def _unfused_attention(query, key, value, dropout: float, attention_mask=None):

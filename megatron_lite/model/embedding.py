@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model.rope_scaling import scaled_inverse_frequencies
 from megatron_lite.tensor_parallel import VocabParallelEmbedding, scatter_to_sequence_parallel_region
 from megatron_lite.tensor_parallel.random import get_rng_tracker
 from megatron_lite.tensor_parallel.config import TensorParallelConfig
@@ -39,14 +40,18 @@ class LanguageModelEmbedding(nn.Module):
         return self.dropout(embeddings)
 
 
-def rotary_freqs(position_ids: torch.Tensor, rotary_dim: int, base: float) -> torch.Tensor:
+def rotary_freqs(position_ids: torch.Tensor, rotary_dim: int, base: float,
+                 scaling: ModelConfig | None = None) -> torch.Tensor:
     """Angles position * base^(-2i/d) of every token, laid out [s, b, 1, d] as cat(freqs, freqs)
     (rotate-half RoPE); position_ids is [b, s], so packed sequences can restart positions per example.
 
     ``d`` is the rotated width: the head dimension, or its first ``--rotary-percent`` (then the
     frequencies span that width, as in Megatron-LM and GPT-NeoX, and the other channels pass through).
+    ``scaling``: the model whose RoPE scaling (``rope_scaling.py``) applies, if any.
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=position_ids.device)
                                / rotary_dim))
+    if scaling is not None:
+        inv_freq = scaled_inverse_frequencies(inv_freq, scaling)
     freqs = position_ids.t().float()[..., None] * inv_freq  # [s, b, d/2]
     return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]

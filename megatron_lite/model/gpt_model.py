@@ -98,7 +98,8 @@ class GPTModel(nn.Module):
             hidden_states = self.input_tensor
         freqs = None
         if self.config.position_embedding_type == "rope":
-            freqs = rotary_freqs(position_ids.to(hidden_states.device), self.config.rotary_dim, self.config.rotary_base)
+            freqs = rotary_freqs(position_ids.to(hidden_states.device), self.config.rotary_dim, self.config.rotary_base,
+                                 scaling=self.config)
         hidden_states = self.decoder(hidden_states, freqs, attention_mask, inference_context)
         if not self.post_process:
             return hidden_states

@@ -1,0 +1,280 @@
+"""The Hugging Face model families megatron_lite imports and exports, each a spec of ``config.json``.
+
+A family is its ``model_type``, the transformers class that loads it, how its weights are named
+(``naming``: GPT-2's or Llama's, ``hf_interop``), the ModelConfig features it implies, and every
+``config.json`` field it reads. A field outside that list (and outside ``GENERIC_FIELDS``, which
+change nothing we compute) is refused by name at import, never dropped: an unread field is a
+silently different model. A null field sets nothing and passes.
+
+    family   features                                  refused
+    gpt2     LayerNorm, learned positions, GELU tanh   other activations and attention scalings
+    llama    RMSNorm, RoPE (+ linear, llama3 scaling)  attention_bias, mlp_bias, other rope types
+    qwen2    llama + bias on q/k/v (--add-qkv-bias)    use_sliding_window, non-full layer_types
+    qwen3    llama + q/k RMSNorm (--qk-layernorm),     attention_bias, use_sliding_window
+             head_dim (--kv-channels)
+    mistral  llama + sliding_window (--window-size)
+    phi3     llama + fused qkv_proj, gate_up_proj;     embd_pdrop != resid_pdrop, longrope
+             partial_rotary_factor (--rotary-percent),
+             sliding_window
+
+On export the family is the one the model's features call for (``family_of``), or the one named
+(``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from megatron_lite.checkpointing.architecture import defines_function
+from megatron_lite.config import ConfigError, ModelConfig
+
+# PretrainedConfig's own fields and the token ids: bookkeeping, no effect on the logits.
+GENERIC_FIELDS = frozenset({
+    "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label", "label2id",
+    "is_encoder_decoder", "model_type", "output_attentions", "output_hidden_states", "problem_type", "return_dict",
+    "transformers_version", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
+    "tie_word_embeddings"})
+
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh approximation, which ours computes
+ROPE_TYPES = ("default", "linear", "llama3")
+# Megatron-LM's --use-rope-scaling fixes these (see model/rope_scaling.py).
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str  # the transformers class
+    naming: str  # "gpt2" or "llama": how the weights are named (hf_interop)
+    fields: frozenset  # config.json fields it reads
+    to_ours: Callable[[dict], dict]  # config.json -> ModelConfig fields
+    to_hf: Callable[[ModelConfig], dict]  # ModelConfig -> the family's own config.json fields
+    features: dict = dataclasses.field(default_factory=dict)  # ModelConfig fields that select it on export
+
+
+def refuse(condition: bool, what: str) -> None:
+    if condition:
+        raise ConfigError(f"this Hugging Face model uses {what}, which megatron_lite's GPT does not implement.")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2
+
+
+def _gpt2_to_ours(hf: dict) -> dict:
+    refuse(hf.get("activation_function", "gelu_new") not in GPT2_ACTIVATIONS,
+           f"activation_function {hf.get('activation_function')!r} (supported: {', '.join(GPT2_ACTIVATIONS)})")
+    refuse(not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False),
+           "attention scaling other than 1/sqrt(head_dim)")
+    refuse(hf.get("add_cross_attention", False), "add_cross_attention")
+    return dict(num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
+                ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"], seq_length=hf["n_positions"],
+                max_position_embeddings=hf["n_positions"], normalization="LayerNorm",
+                norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), position_embedding_type="learned_absolute",
+                swiglu=False, add_bias_linear=True, untie_embeddings_and_output_weights=not hf.get(
+                    "tie_word_embeddings", True),
+                hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1))
+
+
+def _gpt2_to_hf(config: ModelConfig) -> dict:
+    return {"n_layer": config.num_layers, "n_embd": config.hidden_size, "n_head": config.num_attention_heads,
+            "n_inner": config.ffn_hidden_size, "n_positions": config.max_position_embeddings,
+            "activation_function": "gelu_new", "layer_norm_epsilon": config.norm_epsilon,
+            "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
+            "attn_pdrop": config.attention_dropout}
+
+
+GPT2_FIELDS = frozenset({
+    "n_layer", "n_embd", "n_head", "n_inner", "n_positions", "n_ctx", "vocab_size", "activation_function",
+    "layer_norm_epsilon", "resid_pdrop", "embd_pdrop", "attn_pdrop", "scale_attn_weights",
+    "scale_attn_by_inverse_layer_idx", "add_cross_attention",
+    "reorder_and_upcast_attn",  # float32 attention scores: ours are float32 in fp32 runs anyway
+    # The sequence-summary head of GPT2DoubleHeadsModel, which a causal LM does not have.
+    "summary_activation", "summary_first_dropout", "summary_proj_to_labels", "summary_type", "summary_use_proj"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama and the families built on it
+
+
+def _rope_to_ours(hf: dict, *, partial_rotary: bool = False) -> dict:
+    """RoPE base and scaling from ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` + ``rope_theta``;
+    with ``partial_rotary`` (Phi-3) the rotated fraction of each head too."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    refuse(rope_type not in ROPE_TYPES,
+           f"rope scaling {rope_type!r} (rope_parameters.rope_type; supported: {', '.join(ROPE_TYPES)})")
+    fields = {"rotary_base": float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))}
+    rotary_percent = float(rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    refuse(rotary_percent != 1.0 and not partial_rotary, "rope_parameters.partial_rotary_factor other than 1")
+    if partial_rotary:
+        fields["rotary_percent"] = rotary_percent
+    if rope_type == "linear":
+        fields["rotary_seq_len_interpolation_factor"] = float(rope.pop("factor"))
+    elif rope_type == "llama3":
+        fields.update(use_rope_scaling=True, rope_scaling_factor=float(rope.pop("factor")))
+        for name, value in LLAMA3_ROPE.items():
+            refuse(rope.pop(name, value) != value, f"rope_parameters.{name} other than {value} with rope_type llama3")
+    refuse(bool(rope), f"rope_parameters field(s) {', '.join(sorted(rope))} with rope_type {rope_type!r}")
+    return fields
+
+
+def _rope_to_hf(config: ModelConfig) -> dict:
+    rope = {"rope_type": "default", "rope_theta": config.rotary_base}
+    if config.rotary_seq_len_interpolation_factor is not None:
+        rope.update(rope_type="linear", factor=config.rotary_seq_len_interpolation_factor)
+    elif config.use_rope_scaling:
+        rope.update(rope_type="llama3", factor=config.rope_scaling_factor, **LLAMA3_ROPE)
+    # transformers < 5 reads rope_theta (and rope_scaling), 5 reads rope_parameters
+    legacy = {"rope_scaling": rope} if rope["rope_type"] != "default" else {}
+    return {"rope_theta": config.rotary_base, "rope_parameters": rope, **legacy}
+
+
+def _llama_to_ours(hf: dict) -> dict:
+    refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r} (SwiGLU needs silu)")
+    heads = hf["num_attention_heads"]
+    return dict(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
+                kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+                num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
+                seq_length=hf["max_position_embeddings"], max_position_embeddings=hf["max_position_embeddings"],
+                normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), position_embedding_type="rope",
+                swiglu=True, add_bias_linear=False,
+                untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+                hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0), **_rope_to_ours(hf))
+
+
+def _llama_to_hf(config: ModelConfig) -> dict:
+    return {"num_hidden_layers": config.num_layers, "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_query_groups,
+            "head_dim": config.head_dim, "intermediate_size": config.ffn_hidden_size,
+            "max_position_embeddings": config.max_position_embeddings, "rms_norm_eps": config.norm_epsilon,
+            "hidden_act": "silu", "attention_dropout": config.attention_dropout, **_rope_to_hf(config)}
+
+
+LLAMA_FIELDS = frozenset({
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim", "num_key_value_heads",
+    "intermediate_size", "vocab_size", "max_position_embeddings", "rms_norm_eps", "hidden_act", "attention_dropout",
+    "rope_parameters", "rope_scaling", "rope_theta"})
+
+
+def _without_biases(to_ours: Callable[[dict], dict]) -> Callable[[dict], dict]:
+    def read(hf: dict) -> dict:
+        refuse(hf.get("attention_bias", False), "attention_bias (biases on q, k, v and o_proj)")
+        refuse(hf.get("mlp_bias", False), "mlp_bias")
+        return to_ours(hf)
+    return read
+
+
+def _qwen_attention(to_ours: Callable[[dict], dict]) -> Callable[[dict], dict]:
+    """Qwen2/Qwen3 name a per-layer sliding window that their released dense models leave off."""
+    def read(hf: dict) -> dict:
+        refuse(hf.get("use_sliding_window", False), "use_sliding_window (sliding attention in some layers)")
+        layer_types = set(hf.get("layer_types") or ["full_attention"])
+        refuse(layer_types != {"full_attention"}, f"layer_types {sorted(layer_types)} (only full_attention)")
+        return to_ours(hf)
+    return read
+
+
+def _mistral_to_ours(hf: dict) -> dict:
+    window = hf.get("sliding_window")
+    # Mistral's key j is seen by query i when i - j < sliding_window: Megatron's window (sliding_window - 1, 0).
+    return dict(_llama_to_ours(hf), window_size=None if window is None else [window - 1, 0])
+
+
+def _mistral_to_hf(config: ModelConfig) -> dict:
+    return dict(_llama_to_hf(config), sliding_window=config.window_size[0] + 1 if config.window_size else None)
+
+
+def _phi3_to_ours(hf: dict) -> dict:
+    refuse(hf.get("resid_pdrop", 0.0) != hf.get("embd_pdrop", 0.0),
+           "embd_pdrop different from resid_pdrop (our --hidden-dropout is both)")
+    # Mistral's fields, but RoPE read again to take partial_rotary_factor, which Mistral refuses.
+    fields = dict(_mistral_to_ours({**hf, "rope_parameters": None, "rope_scaling": None}),
+                  hidden_dropout=hf.get("resid_pdrop", 0.0))
+    return dict(fields, **_rope_to_ours(hf, partial_rotary=True))
+
+
+def _phi3_to_hf(config: ModelConfig) -> dict:
+    fields = dict(_mistral_to_hf(config), resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout)
+    fields["rope_parameters"] = dict(fields["rope_parameters"], partial_rotary_factor=config.rotary_percent)
+    return fields
+
+
+QWEN_WINDOW_FIELDS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+
+FAMILIES = {family.model_type: family for family in (
+    Family("gpt2", "GPT2LMHeadModel", "gpt2", GPT2_FIELDS, _gpt2_to_ours, _gpt2_to_hf),
+    Family("llama", "LlamaForCausalLM", "llama", LLAMA_FIELDS | {"attention_bias", "mlp_bias", "pretraining_tp"},
+           _without_biases(_llama_to_ours),
+           lambda config: dict(_llama_to_hf(config), attention_bias=False, mlp_bias=False)),
+    Family("qwen2", "Qwen2ForCausalLM", "llama", LLAMA_FIELDS | QWEN_WINDOW_FIELDS,
+           _qwen_attention(lambda hf: dict(_llama_to_ours(hf), add_qkv_bias=True)),
+           lambda config: dict(_llama_to_hf(config), use_sliding_window=False),
+           features={"add_qkv_bias": True}),
+    Family("qwen3", "Qwen3ForCausalLM", "llama", LLAMA_FIELDS | QWEN_WINDOW_FIELDS | {"attention_bias"},
+           _qwen_attention(_without_biases(lambda hf: dict(_llama_to_ours(hf), qk_layernorm=True))),
+           lambda config: dict(_llama_to_hf(config), attention_bias=False, use_sliding_window=False),
+           features={"qk_layernorm": True}),
+    Family("mistral", "MistralForCausalLM", "llama", LLAMA_FIELDS | {"sliding_window"}, _mistral_to_ours,
+           _mistral_to_hf, features={"window_size": lambda window: window is not None}),
+    # Named as Llama but with q/k/v and gate/up fused; exported only when asked for (--hf-model-type phi3).
+    Family("phi3", "Phi3ForCausalLM", "phi3",
+           LLAMA_FIELDS | {"sliding_window", "resid_pdrop", "embd_pdrop", "partial_rotary_factor",
+                           "original_max_position_embeddings"},  # the context longrope scaling starts from
+           _phi3_to_ours, _phi3_to_hf),
+)}
+
+# The features only some families have, and the value each takes where it is absent.
+_OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None}
+
+
+def model_config_fields_from_hf(hf: dict) -> dict:
+    """ModelConfig fields of a ``config.json``; an unknown family, field or variant is refused by name."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConfigError(f"config.json has model_type {model_type!r}; megatron_lite imports "
+                          f"{', '.join(f'{f.model_type} ({f.architecture})' for f in FAMILIES.values())}.")
+    family = FAMILIES[model_type]
+    unknown = sorted(k for k, v in hf.items() if v is not None and k not in GENERIC_FIELDS | family.fields)
+    refuse(bool(unknown), f"config.json field(s) {', '.join(unknown)} (not read by the {model_type} import)")
+    return dict(family.to_ours(hf), vocab_size=hf["vocab_size"], init_method_std=hf.get("initializer_range", 0.02))
+
+
+def config_json(family: Family, config: ModelConfig) -> dict:
+    """The ``config.json`` of ``config`` as a model of ``family``."""
+    return {"architectures": [family.architecture], "model_type": family.model_type, **family.to_hf(config),
+            "vocab_size": config.vocab_size, "initializer_range": config.init_method_std, "dtype": "float32",
+            "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
+            # Unset unless a tokenizer names one: Phi3Config's default (32000) is past a small vocabulary.
+            "pad_token_id": None}
+
+
+def named_family(config: ModelConfig, model_type: str) -> Family:
+    """The family ``model_type`` (--hf-model-type), if its config.json can describe ``config`` exactly: the
+    model read back from it must compute what ``config`` computes."""
+    if model_type not in FAMILIES:
+        raise ConfigError(f"--hf-model-type {model_type!r}: one of {', '.join(FAMILIES)}.")
+    family = FAMILIES[model_type]
+    back = model_config_fields_from_hf(config_json(family, config))
+    differences = sorted(name for name, value in back.items()
+                         if defines_function(name, config) and getattr(config, name) != value)
+    others = [name for name, absent in _OPTIONAL_FEATURES.items()
+              if name not in back and getattr(config, name) != absent]
+    if differences or others:
+        raise ConfigError(f"--hf-model-type {model_type} cannot describe this model: it differs in "
+                          f"{', '.join(differences + others)}.")
+    return family
+
+
+def family_of(config: ModelConfig, naming: str) -> Family:
+    """The family to export ``config`` as: of those with its weight ``naming``, the one whose features
+    are exactly the model's optional features (none of them: GPT-2 or Llama)."""
+    present = {name for name, absent in _OPTIONAL_FEATURES.items() if getattr(config, name) != absent}
+    for family in FAMILIES.values():
+        if family.naming == naming and set(family.features) == present and all(
+                test(getattr(config, name)) if callable(test) else getattr(config, name) == test
+                for name, test in family.features.items()):
+            return family
+    raise ConfigError(f"no Hugging Face family has this model's combination of "
+                      f"{', '.join(sorted(present))}: export needs at most one of --add-qkv-bias (Qwen2), "
+                      f"--qk-layernorm (Qwen3) and --window-size (Mistral).")

@@ -1,0 +1,24 @@
+"""Sliding-window attention (Mistral; ``--window-size LEFT 0``): a query sees itself and the ``LEFT``
+keys before it, never further back.
+
+It is one more mask, OR-ed with whatever attention already masks (causal, packed examples, a
+generation's padding), so training, packed SFT and the generation cache all take it. Queries are
+the last ``query_length`` of ``key_length`` positions (earlier keys are cached or a prefix), and the
+window counts positions in that key sequence, as the key/value cache stores them.
+"""
+import torch
+
+
+class SlidingWindow:
+    def __init__(self, left: int):
+        self.left = left
+
+    def mask(self, attention_mask: torch.Tensor | None, query_length: int, key_length: int,
+             device) -> torch.Tensor:
+        """``attention_mask`` (True = may not attend; None = causal) with the keys outside the window added."""
+        offset = key_length - query_length  # query i is key position i + offset
+        outside = torch.ones(query_length, key_length, dtype=torch.bool, device=device).tril(offset - self.left - 1)
+        if attention_mask is None:
+            future = torch.ones(query_length, key_length, dtype=torch.bool, device=device).triu(offset + 1)
+            return future | outside
+        return attention_mask | outside

@@ -1,0 +1,78 @@
+"""What the ranks of tests/checkpointing/test_hf_families.py run: loading an imported checkpoint at a
+layout, a forward pass through the pipeline, training runs. Kept apart from the test module so
+that the spawned ranks do not import transformers and peft (seconds each, on every rank).
+"""
+import dataclasses
+
+import torch
+
+from megatron_lite.checkpointing import read_config
+from megatron_lite.config import (CheckpointConfig, DataConfig, LoggingConfig, OptimizerConfig, ParallelConfig,
+                                  PeftConfig, TrainingConfig)
+from megatron_lite.inference.loading import load_model, read_checkpoint_config
+from megatron_lite.inference.text_generation import generate
+from megatron_lite.pipeline_parallel import p2p
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.training.loop import pretrain
+
+STEPS = 5
+
+
+def load(root: str, tp: int = 1, pp: int = 1):
+    config = read_checkpoint_config(root, ParallelConfig(tensor_model_parallel_size=tp,
+                                                         pipeline_model_parallel_size=pp))
+    parallel_state = initialize_model_parallel(tp, pp)
+    return load_model(config, parallel_state), parallel_state
+
+
+def _pipelined_logits(model, parallel_state, input_ids):
+    """One forward pass through both pipeline stages: the last stage's logits, None on the first."""
+    exchange = dict(shape=(input_ids.shape[1], input_ids.shape[0], model.config.hidden_size), dtype=torch.float32,
+                    device=torch.device("cpu"), group=parallel_state.pipeline_model_parallel_group)
+    with torch.no_grad():
+        if parallel_state.is_pipeline_first_stage():
+            p2p.exchange(sends=[(model(input_ids), parallel_state.pipeline_next_rank)], receives=[], **exchange)
+            return None
+        (received,) = p2p.exchange(sends=[], receives=[parallel_state.pipeline_prev_rank], **exchange)
+        model.set_input_tensor(received)
+        return model(input_ids)
+
+
+def tp2_pp2_rank(rank, world_size, runs, prompts, generation):
+    """For each (checkpoint, input ids) of ``runs``: (logits of the input ids, greedy tokens after ``prompts``
+    with ``generation``'s settings)."""
+    results = []
+    for root, input_ids in runs:
+        model, parallel_state = load(root, tp=2, pp=2)
+        results.append((_pipelined_logits(model, parallel_state, input_ids),
+                        generate(model, prompts, greedy=True, parallel_state=parallel_state, **generation)))
+        destroy_model_parallel(parallel_state)
+    return results
+
+
+# SGD with momentum, whose steps are linear in the gradients, so the weights of two layouts differ by their
+# gradients' rounding. Adam divides each gradient by its own size: a gradient that is zero in exact
+# arithmetic (a key bias's: softmax ignores a shift of a query's scores) or a near-cancelling sum is rounding
+# noise that it turns into lr-sized, layout-dependent steps (measured: 3e-5 relative after 5 steps).
+PARITY_OPTIMIZER = OptimizerConfig(optimizer="sgd", lr=0.1, lr_decay_style="constant")
+
+
+def training_config(root: str, save: str, tp: int, pp: int, *, optimizer: OptimizerConfig = PARITY_OPTIMIZER,
+                    peft_config: PeftConfig | None = None):
+    config = read_config(root)
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        checkpoint=CheckpointConfig(pretrained_checkpoint=root, save=save, save_interval=STEPS),
+        training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=STEPS, eval_iters=1),
+        optimizer=optimizer, data=DataConfig(mock_data=True),
+        logging=LoggingConfig(log_interval=STEPS, log_memory=False), peft=peft_config or PeftConfig())
+
+
+def train(rank, world_size, runs):
+    results = []
+    for root, save, tp, pp in runs:
+        state, _, parallel_state = pretrain(training_config(root, save, tp, pp), keep_process_group=True)
+        results.append(state.losses)
+        destroy_model_parallel(parallel_state)
+    return results

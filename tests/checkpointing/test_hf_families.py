@@ -1,0 +1,235 @@
+"""Qwen2/2.5, Qwen3, Mistral and Phi-3 import, run, train, fine-tune and export exactly against transformers.
+
+Each family is a tiny random model (``from_config``, saved locally) with every feature it has
+switched on, and weights drawn wider than transformers' init (biases and norm scales included),
+so a dropped bias, swapped norm or unpermuted head changes the logits:
+
+    qwen2    q/k/v biases, tied embeddings, linear RoPE scaling
+    qwen3    q/k RMSNorm, head_dim 16 with hidden 32 / 4 heads, untied
+    mistral  sliding window 5 (shorter than the sequences), Llama 3 RoPE scaling
+    phi3     fused qkv_proj and gate_up_proj, sliding window 5, RoPE on half of each head
+
+For each: logits equal transformers' at 1 process and at tp2 x pp2; greedy generation (alone and
+batched, left-padded) equals ``generate``; HF -> ours -> HF -> ours is bit-exact; 5 training
+steps at tp2 x pp2 x dp2 equal 1 process; a LoRA export loads in peft and gives our logits.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from megatron_lite.checkpointing import hf_interop, read_config  # noqa: E402
+from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
+from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
+from megatron_lite.config import ConfigError, OptimizerConfig, PeftConfig  # noqa: E402
+from megatron_lite.inference.text_generation import generate  # noqa: E402
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
+from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+from tests.inference.test_generation_vs_transformers import (EOS, MAX_NEW_TOKENS, PAD, PROMPTS,  # noqa: E402
+                                                             _hf_generate)
+from tests.distributed_optim.toy import assert_relative_close  # noqa: E402
+from tools.checkpoint_convert import main as convert  # noqa: E402
+
+VOCAB = 100  # the vocabulary pads to 128 rows at tp 1, 256 at tp 2
+ATOL = RTOL = 1e-5
+TOKENS = dict(bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, **TOKENS)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+FAMILIES = {
+    "qwen2": lambda: transformers.Qwen2Config(
+        **SMALL, tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16, tie_word_embeddings=False,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=5, tie_word_embeddings=False,
+                                                  rope_parameters=LLAMA3_ROPE),
+    "phi3": lambda: transformers.Phi3Config(**SMALL, sliding_window=5, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}),
+}
+# Phi-3 computes what Mistral does: its fused layout is written when asked for.
+EXPORT_FLAGS = {"phi3": ["--hf-model-type", "phi3"]}
+
+
+@dataclasses.dataclass
+class Imported:
+    name: str
+    hf_model: object
+    hf_dir: str
+    root: str  # our checkpoint, written at tp2 x pp2
+    input_ids: torch.Tensor
+    logits: torch.Tensor  # transformers'
+
+
+def _import(name: str, directory) -> Imported:
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]())
+    with torch.no_grad():  # wider than the init, and no zero biases or unit norm scales
+        for parameter_name, parameter in hf_model.named_parameters():
+            parameter.normal_(1.0 if "norm" in parameter_name else 0.0, 0.2)
+    hf_model.eval().save_pretrained(directory / "hf")
+    root = str(directory / "ckpt")
+    assert convert(["--source-format", "hf", "--target-format", "megatron_lite", "--load-dir", str(directory / "hf"),
+                    "--save-dir", root, "--target-tensor-parallel-size", "2",
+                    "--target-pipeline-parallel-size", "2"]) == 0
+    input_ids = torch.randint(2, VOCAB, (2, 16))
+    with torch.no_grad():
+        logits = hf_model(input_ids).logits
+    return Imported(name, hf_model, str(directory / "hf"), root, input_ids, logits)
+
+
+@pytest.fixture(scope="module")
+def imports(tmp_path_factory):
+    """Every family's import, built once for the module (the training test needs them all)."""
+    return {name: _import(name, tmp_path_factory.mktemp(name)) for name in FAMILIES}
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request, imports) -> Imported:
+    return imports[request.param]
+
+
+def test_config_maps_every_feature(imports):
+    qwen2, qwen3, mistral = (read_config(imports[n].root).model for n in ("qwen2", "qwen3", "mistral"))
+    assert qwen2.add_qkv_bias and not qwen2.add_bias_linear and qwen2.rotary_seq_len_interpolation_factor == 2.0
+    assert not qwen2.untie_embeddings_and_output_weights
+    assert qwen3.qk_layernorm and (qwen3.kv_channels, qwen3.hidden_size) == (16, 32)
+    assert mistral.window_size == [4, 0] and mistral.use_rope_scaling and mistral.rope_scaling_factor == 8.0
+    phi3 = read_config(imports["phi3"].root).model
+    assert phi3.window_size == [4, 0] and phi3.rotary_percent == 0.5
+
+
+def test_logits_equal_transformers(family):
+    model, parallel_state = load(family.root)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(family.input_ids), family.logits, atol=ATOL, rtol=RTOL)
+    finally:
+        destroy_model_parallel(parallel_state)
+
+
+def test_greedy_generation_equals_transformers(family):
+    model, parallel_state = load(family.root)
+    try:
+        for prompt in PROMPTS:
+            assert generate(model, [prompt], max_new_tokens=MAX_NEW_TOKENS, eod=EOS, greedy=True) == _hf_generate(
+                family.hf_model, [prompt], EOS)
+        batched = _hf_generate(family.hf_model, PROMPTS, EOS)
+        # A random model that does not repeat itself, and runs to the end at least once.
+        assert len({tuple(row) for row in batched}) == len(PROMPTS) and max(map(len, batched)) == MAX_NEW_TOKENS
+        assert generate(model, PROMPTS, max_new_tokens=MAX_NEW_TOKENS, eod=EOS, greedy=True) == batched
+    finally:
+        destroy_model_parallel(parallel_state)
+
+
+def test_tp2_pp2_logits_and_generation_equal_transformers(imports):
+    """Every family in one world of 4 (one start-up for all)."""
+    names = sorted(FAMILIES)
+    generation = dict(max_new_tokens=MAX_NEW_TOKENS, eod=EOS)
+    runs = [(imports[name].root, imports[name].input_ids) for name in names]
+    per_rank = run_distributed(tp2_pp2_rank, 4, args=(runs, PROMPTS, generation))
+    for index, name in enumerate(names):
+        results = [rank_results[index] for rank_results in per_rank]
+        expected_tokens = _hf_generate(imports[name].hf_model, PROMPTS, EOS)
+        assert sum(logits is not None for logits, _ in results) == 2, name  # the last stage's two tp ranks
+        for logits, tokens in results:
+            if logits is not None:
+                torch.testing.assert_close(logits, imports[name].logits, atol=ATOL, rtol=RTOL, msg=name)
+            assert tokens == expected_tokens, name
+
+
+def _our_tensors(root: str) -> dict:
+    reader = CheckpointReader(resolve_checkpoint_dir(root))
+    return {name: reader.read(name) for name in reader.tensors}
+
+
+def test_round_trip_is_bit_exact(family, tmp_path):
+    exported, again = str(tmp_path / "hf"), str(tmp_path / "again")
+    assert convert(["--source-format", "megatron_lite", "--target-format", "hf", "--load-dir", family.root,
+                    "--save-dir", exported, *EXPORT_FLAGS.get(family.name, [])]) == 0
+    hf_config, original = hf_interop.read_hf_directory(family.hf_dir)
+    exported_config, round_trip = hf_interop.read_hf_directory(exported)
+    assert exported_config["model_type"] == family.name
+    assert hf_interop.model_config_from_hf(exported_config) == hf_interop.model_config_from_hf(hf_config)
+    assert original.keys() == round_trip.keys()
+    for key in original:
+        assert torch.equal(original[key], round_trip[key]), key
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(family.input_ids).logits, family.logits)
+    hf_interop.import_hf_checkpoint(exported, again, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    first, second = _our_tensors(family.root), _our_tensors(again)
+    assert first.keys() == second.keys()
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+
+
+# ---------------------------------------------------------------------------------------------
+# Training and LoRA
+
+def test_training_at_tp2_pp2_dp2_equals_one_process(imports, tmp_path):
+    """Every family in one world of 8 (one start-up for all): losses and the saved weights."""
+    names = sorted(FAMILIES)
+    single = [run_distributed(train, 1, args=([(imports[n].root, str(tmp_path / f"{n}_1"), 1, 1)],))[0][0]
+              for n in names]
+    runs = [(imports[n].root, str(tmp_path / f"{n}_8"), 2, 2) for n in names]
+    per_rank = run_distributed(train, 8, args=(runs,), timeout=600)
+    for index, name in enumerate(names):
+        losses = [rank_losses[index] for rank_losses in per_rank if rank_losses[index]]
+        assert losses and len(single[index]) == STEPS, name
+        for rank_losses in losses:
+            assert_relative_close(rank_losses, single[index], what=f"{name} losses")
+        reference, parallel = _our_tensors(str(tmp_path / f"{name}_1")), _our_tensors(str(tmp_path / f"{name}_8"))
+        for key, value in reference.items():
+            if not key.startswith("optimizer."):  # vocabulary rows past VOCAB are tp-dependent padding
+                actual = parallel[key][:VOCAB] if parallel[key].shape != value.shape else parallel[key]
+                assert_relative_close(actual, value[:VOCAB] if actual.shape != value.shape else value,
+                                      what=f"{name} {key}")
+
+
+def test_lora_export_loads_in_peft(family, tmp_path):
+    from megatron_lite.training.loop import pretrain
+
+    adapters, peft_dir = str(tmp_path / "lora"), str(tmp_path / "peft")
+    config = training_config(family.root, adapters, 1, 1, optimizer=OptimizerConfig(lr=3e-2),
+                             peft_config=PeftConfig(peft="lora", lora_rank=4, lora_alpha=8.0))
+    pretrain(dataclasses.replace(config, training=dataclasses.replace(config.training, train_iters=2),
+                                 checkpoint=dataclasses.replace(config.checkpoint, save_interval=2)))
+    model, parallel_state = load(adapters)
+    try:
+        with torch.no_grad():
+            ours = model(family.input_ids)
+    finally:
+        destroy_model_parallel(parallel_state)
+    assert (ours - family.logits).abs().max() > 1e-2  # LoRA moved the model
+    assert convert(["--target-format", "peft", "--load-dir", adapters, "--save-dir", peft_dir,
+                    "--base-model-name-or-path", family.hf_dir, *EXPORT_FLAGS.get(family.name, [])]) == 0
+    adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(family.hf_dir),
+                                             peft_dir).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(family.input_ids).logits, ours, atol=ATOL, rtol=RTOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals
+
+
+def test_unknown_fields_and_variants_are_refused_by_name(imports):
+    qwen2 = imports["qwen2"].hf_model.config.to_dict()
+    with pytest.raises(ConfigError, match="config.json field\\(s\\) attn_logit_softcapping "):
+        hf_interop.model_config_from_hf({**qwen2, "attn_logit_softcapping": 50.0})
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        hf_interop.model_config_from_hf({**qwen2, "use_sliding_window": True})
+    with pytest.raises(ConfigError, match="rope scaling 'yarn'"):
+        hf_interop.model_config_from_hf({**qwen2, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    llama3 = dict(LLAMA3_ROPE, low_freq_factor=2.0)
+    with pytest.raises(ConfigError, match="rope_parameters.low_freq_factor"):
+        hf_interop.model_config_from_hf({**qwen2, "rope_parameters": llama3})
+    qwen3 = imports["qwen3"].hf_model.config.to_dict()
+    with pytest.raises(ConfigError, match="attention_bias"):
+        hf_interop.model_config_from_hf({**qwen3, "attention_bias": True})
+    assert hf_interop.model_config_from_hf({**qwen3, "rope_scaling": None}).qk_layernorm  # null sets nothing
