@@ -16,11 +16,14 @@ storage the strategy allocates and the state of each bucket's collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from megatron_lite.process_groups import collectives
+
+if TYPE_CHECKING:  # the strategies build buffers, so a runtime import would be a cycle
+    from megatron_lite.distributed.sharding_strategy import StagingPool
 
 
 @dataclass(eq=False)
@@ -61,7 +64,7 @@ class ParamAndGradBucket:
     grad_shard: Optional[torch.Tensor] = None
     param_data: Optional[torch.Tensor] = None
     param_shard: Optional[torch.Tensor] = None
-    staging_pool: Optional["StagingPool"] = None  # ZeRO-2/3's, shared by the buffer's buckets
+    staging_pool: Optional[StagingPool] = None  # ZeRO-2/3's, shared by the buffer's buckets
     params_with_grad: set = field(default_factory=set)
     grad_handle: object = None
     grad_sync_started: bool = False
