@@ -19,6 +19,7 @@ import typing
 from megatron_lite.checkpointing.architecture import model_args_from_checkpoint
 from megatron_lite.checkpointing.peft_base import peft_fields_from_checkpoint
 from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
+from megatron_lite.checkpointing.sft_prompt_format import prompt_format_from_checkpoint
 from megatron_lite.checkpointing.storage import CheckpointError, read_latest_iteration
 from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigError, DataConfig, ModelConfig,
                                   as_flags, flag_name, megatron_compat)
@@ -137,7 +138,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 def config_from_namespace(namespace: dict) -> Config:
     """Parsed flags (by field name, as ``build_parser`` leaves them) -> Config, with
-    --group-query-attention checked, --use-checkpoint-args applied and a resumed run's tokenizer kept."""
+    --group-query-attention checked, --use-checkpoint-args applied, a resumed run's tokenizer kept and a
+    fine-tuned checkpoint's chat template kept (``sft_prompt_format``)."""
     if "num_query_groups" in namespace and not namespace.pop("group_query_attention"):
         raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM); add the flag.")
     namespace.pop("group_query_attention", None)
@@ -145,6 +147,10 @@ def config_from_namespace(namespace: dict) -> Config:
         namespace.update(_model_args_from_checkpoint(namespace))
     else:
         namespace.update(_tokenizer_args_of_resumed_run(namespace))
+    taken = prompt_format_from_checkpoint(namespace)
+    if taken and resolve_launch_env().rank == 0:
+        print(f"note: fine-tuning on with the checkpoint's chat template: {as_flags(taken)}", flush=True)
+    namespace.update(taken)
     return config_from_dict(namespace)
 
 
