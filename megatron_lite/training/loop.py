@@ -31,6 +31,7 @@ from megatron_lite.distributed import DistributedDataParallel, finalize_model_gr
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
 from megatron_lite.checkpointing.preflight import check_checkpoint_paths
 from megatron_lite.checkpointing.save_load import checkpoint_to_load
+from megatron_lite.checkpointing.save_lock import holding_save_lock
 from megatron_lite.model.builder import (FSDP_UNIT_MODULES, build_model, count_parameters, current_device,
                                          parameters_per_stage)
 from megatron_lite.optimizer import get_megatron_optimizer
@@ -234,7 +235,9 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
         torch.cuda.reset_peak_memory_stats()
     first_iteration = state.iteration + 1
     signal_handler = DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext()
-    with signal_handler, operations.manual_garbage_collection(training), \
+    # The save lock covers every save of the run: a second run on the same --save stops before its first step.
+    with holding_save_lock(config.checkpoint.save, is_holder=parallel_state.rank == 0), signal_handler, \
+            operations.manual_garbage_collection(training), \
             operations.profiler(config, parallel_state.rank) as profiler:
         while state.iteration < train_iters:
             profiler.step()
