@@ -23,7 +23,8 @@ def _require(condition: bool, message: str) -> None:
 # Fields that default to True are turned off by these flags (Megatron's spelling).
 NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "use_fused_kernels": "--no-fused-kernels",
                   "log_memory": "--no-log-memory", "mmap_bin_files": "--no-mmap-bin-files",
-                  "manual_gc_eval": "--no-manual-gc-eval"}
+                  "manual_gc_eval": "--no-manual-gc-eval",
+                  "check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad"}
 
 
 def flag_name(field_name: str) -> str:
@@ -265,6 +266,7 @@ class TrainingConfig:
     manual_gc_interval: int = 0  # with --manual-gc: collect every N iterations (0: only around evaluation)
     manual_gc_eval: bool = True
     empty_unused_memory_level: int = 0  # torch.cuda.empty_cache(): 1 after forward-backward, 2 also after the step
+    check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or grad norm stops the run (training/nan_check.py)
 
     def __post_init__(self) -> None:
         if self.train_iters is None and self.train_samples is None:

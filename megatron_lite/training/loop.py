@@ -45,6 +45,7 @@ from megatron_lite.tensor_parallel.random import set_random_seeds
 from megatron_lite.training import metrics, operations
 from megatron_lite.training.data_iterators import build_data_iterators
 from megatron_lite.planner import estimate_for_config, format_memory_estimate
+from megatron_lite.training.nan_check import check_for_nan_in_loss_and_grad
 from megatron_lite.training.logger import TrainingLogger, format_startup_summary, is_last_rank, print_rank_last
 from megatron_lite.training.num_microbatches_calculator import (NumMicroBatchesCalculator,
                                                                 build_num_microbatches_calculator, get_train_iters)
@@ -247,6 +248,8 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
             loss, update_successful, grad_norm = train_step(config, parallel_state, model_chunks, optimizer,
                                                             scheduler, train_iterator, num_microbatches)
             state.iteration += 1
+            if training.check_for_nan_in_loss_and_grad and update_successful:
+                check_for_nan_in_loss_and_grad(loss, grad_norm, state.iteration)
             if config.logging.log_memory and state.iteration == first_iteration:
                 print_rank_last(metrics.format_memory_report(optimizer.memory_report(), state.iteration))
             state.consumed_train_samples += global_batch
