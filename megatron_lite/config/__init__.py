@@ -7,6 +7,7 @@ built. ``arguments.py`` maps Megatron-LM's flags onto these dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -491,6 +492,12 @@ class CheckpointConfig:
                  "--save-interval needs --save DIR to know where to write checkpoints.")
         _require(not self.use_checkpoint_args or bool(self.load or self.pretrained_checkpoint),
                  "--use-checkpoint-args needs --load or --pretrained-checkpoint: the checkpoint whose model to use.")
+        # Saving into the base would point its latest at the fine-tune's checkpoints (a PEFT run's: adapters
+        # only), so a later run from that base silently starts from them.
+        _require(not (self.save and self.pretrained_checkpoint
+                      and os.path.realpath(self.save) == os.path.realpath(self.pretrained_checkpoint)),
+                 f"--save {self.save} is the --pretrained-checkpoint directory: the fine-tune's checkpoints would "
+                 f"replace the base as its latest. Give --save (and --load, to resume) a directory of their own.")
 
 
 # --peft methods, and the linear layers --lora-target-modules may name (Megatron-Core's module names).
@@ -510,6 +517,9 @@ class PeftConfig:
     adapter_dim: int = 32
     prefix_length: int = 16
     prefix_projection_hidden_size: Optional[int] = None  # None: learn the prefixes directly
+    # The command line refuses --peft with no checkpoint to start from (adapters on random frozen weights
+    # learn nothing useful) unless this says it is meant (checkpointing/preflight.py).
+    peft_without_base_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         _require(self.peft in (None, *PEFT_METHODS),

@@ -197,6 +197,9 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     state = TrainingState()
     if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
         state = checkpointing.load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) or state
+    if state.iteration >= train_iters > 0:  # a finished run started again (a requeue): say so, rather than nothing
+        print_rank_last(f" already at --train-iters {train_iters} (the checkpoint is at iteration {state.iteration}); "
+                        f"nothing to do. Raise --train-iters (or --train-samples) to train further.")
     # Every rank holds the same consumed samples, so all raise together, before any collective of training.
     check_batches_ahead(config, calculator, state.consumed_train_samples)
     train_iterator, valid_iterator, test_iterator = build_data_iterators(
