@@ -46,3 +46,17 @@ def test_saving_into_the_pretrained_checkpoint_and_rerunning_a_finished_run(tmp_
     assert pretrain_main([*MOCK, "--save", base, "--load", base]) == 0
     assert (" already at --train-iters 2 (the checkpoint is at iteration 2); nothing to do."
             in capsys.readouterr().out)
+
+
+def test_exporting_a_prefix_checkpoint_says_what_it_can_become(tmp_path, capsys):
+    """Item 11: the export suggested --merge-lora and --target-format peft, which both refuse prefix tuning."""
+    from tools.checkpoint_convert import main as convert
+
+    ckpt = str(tmp_path / "prefix")
+    assert pretrain_main([*MOCK, "--peft", "prefix", "--prefix-length", "2", "--peft-without-base-checkpoint",
+                          "--save", ckpt]) == 0
+    capsys.readouterr()
+    assert convert(["--load-dir", ckpt, "--save-dir", str(tmp_path / "hf"), "--target-format", "hf"]) == 1
+    (error,) = _errors(capsys)
+    assert "is a --peft prefix checkpoint, which has no Hugging Face form" in error
+    assert "--fold-prefix-projection" in error and "--merge-lora" in error

@@ -334,10 +334,17 @@ def export_hf_checkpoint(load_dir: str, save_dir: str, *, tokenizer_flags: dict 
     one the checkpoint was trained with."""
     reader = CheckpointReader(resolve_checkpoint_dir(load_dir))
     config = Config.from_dict(reader.metadata["config"])
-    if config.peft.peft is not None:
-        raise ConfigError(f"{load_dir} is an adapter checkpoint (--peft {config.peft.peft}), which holds no base "
+    if config.peft.peft == "lora":
+        raise ConfigError(f"{load_dir} is an adapter checkpoint (--peft lora), which holds no base "
                           f"weights: add --merge-lora to export the base with the LoRA update merged in, or use "
                           f"--target-format peft to export the adapters alone.")
+    if config.peft.peft is not None:  # neither merges into the weights, and Hugging Face PEFT gets LoRA only
+        folding = (" (--fold-prefix-projection rewrites it without its reparametrising MLP)"
+                   if config.peft.peft == "prefix" else "")
+        raise ConfigError(f"{load_dir} is a --peft {config.peft.peft} checkpoint, which has no Hugging Face form: "
+                          f"its weights do not merge into the base (that is LoRA's --merge-lora) and the PEFT "
+                          f"export takes LoRA only. It stays a megatron_lite checkpoint{folding}: generate, evaluate "
+                          f"or fine-tune on with it as --load (its base loads with it); export its base on its own.")
     reader.verify([k for k in reader.tensors if not k.startswith(OPTIMIZER_PREFIX)])
     export_hf_weights(config, reader.read, save_dir, tokenizer_flags=tokenizer_flags)
 
