@@ -7,6 +7,7 @@ train from random weights.
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import tempfile
@@ -53,6 +54,14 @@ def check_save_dir(root: str, *, needed_bytes: int) -> None:
                               "this job can write, or fix its permissions.") from None
     free = shutil.disk_usage(root).free
     if needed_bytes > free:
-        raise CheckpointError(f"--save {root} has {free / 2**30:.1f} GiB free, but one checkpoint of this model needs "
-                              f"about {needed_bytes / 2**30:.1f} GiB (weights and optimizer state); free space or "
-                              "choose another directory.")
+        leftovers = sorted(glob.glob(os.path.join(glob.escape(root), ".iter_*.tmp")))
+        named = (f" Unfinished saves (a killed run's) hold space there: {', '.join(leftovers)}; remove them."
+                 if leftovers else "")
+        raise CheckpointError(f"--save {root} has {_gib(free)} free, but one checkpoint of this model needs "
+                              f"about {_gib(needed_bytes)} (weights and optimizer state); free space or "
+                              f"choose another directory.{named}")
+
+
+def _gib(size: int) -> str:
+    """Sizes of a tiny test model read 0.0 GiB: say MiB below a GiB."""
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
