@@ -35,6 +35,7 @@ from megatron_lite.config import Config, ConfigError, ModelConfig, ParallelConfi
 from megatron_lite.tokenizer import checkpoint_tokenizer_flags
 
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh approximation, which ours computes
+HF_SOURCE_FILE = "hf_source.json"  # beside an imported checkpoint's tracker: the directory it came from
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,7 +317,8 @@ def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokeni
 def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1,
                          pipeline_model_parallel_size: int = 1) -> str:
     """A Hugging Face GPT-2/Llama directory -> a weights-only megatron_lite checkpoint (iteration 0) that records
-    the directory's tokenizer files, if any."""
+    the directory's tokenizer files, if any, and the directory itself (``HF_SOURCE_FILE``: the base that a PEFT
+    export of adapters trained on this checkpoint names)."""
     hf_config, tensors = read_hf_directory(load_dir)
     model_config = model_config_from_hf(hf_config)
     weights = weights_from_hf(tensors, model_config)
@@ -324,7 +326,19 @@ def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size))
     config.data = dataclasses.replace(config.data, **import_tokenizer(load_dir))
-    return write_checkpoint(save_dir, config, weights.__getitem__, iteration=0)
+    written = write_checkpoint(save_dir, config, weights.__getitem__, iteration=0)
+    with open(os.path.join(save_dir, HF_SOURCE_FILE), "w") as f:
+        json.dump({"directory": os.path.abspath(load_dir)}, f)
+    return written
+
+
+def imported_from(checkpoint_root: str) -> str | None:
+    """The Hugging Face directory a checkpoint root was imported from, or None (trained here, or older)."""
+    try:
+        with open(os.path.join(checkpoint_root, HF_SOURCE_FILE)) as f:
+            return json.load(f)["directory"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def export_hf_checkpoint(load_dir: str, save_dir: str, *, tokenizer_flags: dict | None = None) -> None:
