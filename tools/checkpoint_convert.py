@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--base-checkpoint",
                       help="with --source-format peft: the megatron_lite checkpoint of the adapters' base model")
     lora.add_argument("--base-model-name-or-path",
-                      help="with --target-format peft: recorded in adapter_config.json (the Hugging Face base)")
+                      help="with --target-format peft: recorded in adapter_config.json (the Hugging Face base; "
+                           "default: the directory the base checkpoint was imported from)")
     group = parser.add_argument_group("tokenizer of an HF export (default: the one the checkpoint was trained with)")
     group.add_argument("--tokenizer-type")
     group.add_argument("--vocab-file")

@@ -38,6 +38,9 @@ from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ModelConfig, ParallelConfig
 from megatron_lite.tokenizer import checkpoint_tokenizer_flags
 
+HF_SOURCE_FILE = "hf_source.json"  # beside an imported checkpoint's tracker: the directory it came from
+
+
 # ---------------------------------------------------------------------------------------------
 # Configurations (each family's fields: hf_families)
 
@@ -302,7 +305,8 @@ def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokeni
 def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1,
                          pipeline_model_parallel_size: int = 1) -> str:
     """A Hugging Face directory (a family of ``hf_families``) -> a weights-only megatron_lite checkpoint
-    (iteration 0) that records the directory's tokenizer files, if any."""
+    (iteration 0) that records the directory's tokenizer files, if any, and the directory itself
+    (``HF_SOURCE_FILE``: the base that a PEFT export of adapters trained on this checkpoint names)."""
     hf_config, tensors = read_hf_directory(load_dir)
     model_config = model_config_from_hf(hf_config)
     weights = weights_from_hf(tensors, model_config, FAMILIES[hf_config["model_type"]].naming)
@@ -310,7 +314,19 @@ def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size))
     config.data = dataclasses.replace(config.data, **import_tokenizer(load_dir))
-    return write_checkpoint(save_dir, config, weights.__getitem__, iteration=0)
+    written = write_checkpoint(save_dir, config, weights.__getitem__, iteration=0)
+    with open(os.path.join(save_dir, HF_SOURCE_FILE), "w") as f:
+        json.dump({"directory": os.path.abspath(load_dir)}, f)
+    return written
+
+
+def imported_from(checkpoint_root: str) -> str | None:
+    """The Hugging Face directory a checkpoint root was imported from, or None (trained here, or older)."""
+    try:
+        with open(os.path.join(checkpoint_root, HF_SOURCE_FILE)) as f:
+            return json.load(f)["directory"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def export_hf_checkpoint(load_dir: str, save_dir: str, *, tokenizer_flags: dict | None = None,
@@ -321,10 +337,17 @@ def export_hf_checkpoint(load_dir: str, save_dir: str, *, tokenizer_flags: dict 
     one the checkpoint was trained with. ``hf_model_type``: the family to write (``hf_family``)."""
     reader = CheckpointReader(resolve_checkpoint_dir(load_dir))
     config = Config.from_dict(reader.metadata["config"])
-    if config.peft.peft is not None:
-        raise ConfigError(f"{load_dir} is an adapter checkpoint (--peft {config.peft.peft}), which holds no base "
+    if config.peft.peft == "lora":
+        raise ConfigError(f"{load_dir} is an adapter checkpoint (--peft lora), which holds no base "
                           f"weights: add --merge-lora to export the base with the LoRA update merged in, or use "
                           f"--target-format peft to export the adapters alone.")
+    if config.peft.peft is not None:  # neither merges into the weights, and Hugging Face PEFT gets LoRA only
+        folding = (" (--fold-prefix-projection rewrites it without its reparametrising MLP)"
+                   if config.peft.peft == "prefix" else "")
+        raise ConfigError(f"{load_dir} is a --peft {config.peft.peft} checkpoint, which has no Hugging Face form: "
+                          f"its weights do not merge into the base (that is LoRA's --merge-lora) and the PEFT "
+                          f"export takes LoRA only. It stays a megatron_lite checkpoint{folding}: generate, evaluate "
+                          f"or fine-tune on with it as --load (its base loads with it); export its base on its own.")
     reader.verify([k for k in reader.tensors if not k.startswith(OPTIMIZER_PREFIX)])
     export_hf_weights(config, reader.read, save_dir, tokenizer_flags=tokenizer_flags, hf_model_type=hf_model_type)
 

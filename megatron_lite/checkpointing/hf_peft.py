@@ -28,7 +28,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from megatron_lite.checkpointing.hf_interop import hf_architecture, hf_family, pack_qkv, unpack_qkv
+from megatron_lite.checkpointing.hf_interop import hf_architecture, hf_family, imported_from, pack_qkv, unpack_qkv
 from megatron_lite.checkpointing.hf_tokenizer import write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.peft_base import adapter_reader, pointer_to
@@ -101,6 +101,8 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
     """A LoRA adapter checkpoint (any layout) -> a PEFT directory for the Hugging Face export of its base (as
     the family ``hf_model_type``, by default the one its features call for)."""
     reader, config = adapter_reader(resolve_checkpoint_dir(load_dir), "lora")
+    if base_model_name_or_path is None:
+        base_model_name_or_path = _hf_base(reader.metadata["training_state"].get("peft_base"))
     model, peft = config.model, config.peft
     architecture = hf_family(model, hf_model_type).naming
     tensors, targets = {}, set()
@@ -125,6 +127,22 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
                                 os.path.join(save_dir, WEIGHTS_FILE), metadata={"format": "pt"})
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         os.chmod(os.path.join(save_dir, name), 0o644)
+
+
+def _hf_base(pointer: dict | None) -> str:
+    """The Hugging Face directory the adapters' base was imported from, for ``AutoPeftModelForCausalLM`` (which
+    otherwise tries to download a model named "None")."""
+    base_root = os.path.dirname(pointer["directory"]) if pointer and "directory" in pointer else None
+    source = imported_from(base_root) if base_root else None
+    if source is None:
+        raise ConfigError(f"the adapters' base ({base_root or 'a random initialisation'}) was not imported from a "
+                          f"Hugging Face directory, so there is no base to record in adapter_config.json: export "
+                          f"the base with --target-format hf and give --base-model-name-or-path with that directory "
+                          f"(or a hub name).")
+    if not os.path.isdir(source):
+        raise ConfigError(f"the adapters' base was imported from {source}, which no longer exists: give "
+                          f"--base-model-name-or-path with where it is now (or a hub name).")
+    return source
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,13 +7,14 @@ train from random weights.
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import tempfile
 
 from megatron_lite.checkpointing.save_load import checkpoint_to_load
 from megatron_lite.checkpointing.storage import CheckpointError
-from megatron_lite.config import Config
+from megatron_lite.config import Config, ConfigError
 
 # Adam's fp32 main weight and two moments per parameter, saved beside the weights.
 OPTIMIZER_BYTES_PER_PARAMETER = 12
@@ -26,6 +27,18 @@ def check_checkpoint_paths(config: Config, num_parameters: int) -> None:
         bytes_per_parameter = config.params_dtype.itemsize + OPTIMIZER_BYTES_PER_PARAMETER
         check_save_dir(checkpoint.save, needed_bytes=num_parameters * bytes_per_parameter)
     checkpoint_to_load(checkpoint)  # fine-tuning from a missing checkpoint fails here, before the model is built
+
+
+def check_peft_has_a_base(config: Config) -> None:
+    """--peft starts from a checkpoint, or says it means not to: the command line's check (the Config API
+    keeps training adapters on random weights, as tests do)."""
+    if config.peft.peft is None or config.peft.peft_without_base_checkpoint:
+        return
+    if checkpoint_to_load(config.checkpoint) is None:
+        raise ConfigError(f"--peft {config.peft.peft} trains adapters on a frozen base model, but no checkpoint is "
+                          f"given to be the base (--pretrained-checkpoint, or --load with a checkpoint): the base "
+                          f"would be random weights. Give --pretrained-checkpoint BASE, or add "
+                          f"--peft-without-base-checkpoint if that is what you mean.")
 
 
 def check_save_dir(root: str, *, needed_bytes: int) -> None:
@@ -41,6 +54,14 @@ def check_save_dir(root: str, *, needed_bytes: int) -> None:
                               "this job can write, or fix its permissions.") from None
     free = shutil.disk_usage(root).free
     if needed_bytes > free:
-        raise CheckpointError(f"--save {root} has {free / 2**30:.1f} GiB free, but one checkpoint of this model needs "
-                              f"about {needed_bytes / 2**30:.1f} GiB (weights and optimizer state); free space or "
-                              "choose another directory.")
+        leftovers = sorted(glob.glob(os.path.join(glob.escape(root), ".iter_*.tmp")))
+        named = (f" Unfinished saves (a killed run's) hold space there: {', '.join(leftovers)}; remove them."
+                 if leftovers else "")
+        raise CheckpointError(f"--save {root} has {_gib(free)} free, but one checkpoint of this model needs "
+                              f"about {_gib(needed_bytes)} (weights and optimizer state); free space or "
+                              f"choose another directory.{named}")
+
+
+def _gib(size: int) -> str:
+    """Sizes of a tiny test model read 0.0 GiB: say MiB below a GiB."""
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"

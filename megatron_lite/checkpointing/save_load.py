@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import warnings
 
@@ -119,12 +120,19 @@ def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
     staging = storage.staging_dir(root, iteration)
-    _collectively(_writing(lambda: storage.prepare_staging(root, iteration) if rank == 0 else None, root),
-                  "prepare", root)
-    _collectively(_writing(lambda: _write_rank_file(config, parallel_state, model_chunks, optimizer, state, staging),
-                           root), "write", root)
-    _collectively(_writing(lambda: _commit(config, parallel_state, scheduler, iteration) if rank == 0 else None, root),
-                  "commit", root)
+    try:
+        _collectively(_writing(lambda: storage.prepare_staging(root, iteration) if rank == 0 else None, root),
+                      "prepare", root)
+        _collectively(_writing(lambda: _write_rank_file(config, parallel_state, model_chunks, optimizer, state,
+                                                        staging), root), "write", root)
+        _collectively(_writing(lambda: _commit(config, parallel_state, scheduler, iteration) if rank == 0 else None,
+                               root), "commit", root)
+    except Exception:
+        # Every rank raises together (``_collectively``); the half-written staging directory would hold the
+        # space a disk-full restart needs, so it goes (best effort: the error being raised is what matters).
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     if rank == 0:
         print(f" saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
 

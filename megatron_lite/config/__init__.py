@@ -7,6 +7,7 @@ built. ``arguments.py`` maps Megatron-LM's flags onto these dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -23,7 +24,8 @@ def _require(condition: bool, message: str) -> None:
 # Fields that default to True are turned off by these flags (Megatron's spelling).
 NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "use_fused_kernels": "--no-fused-kernels",
                   "log_memory": "--no-log-memory", "mmap_bin_files": "--no-mmap-bin-files",
-                  "manual_gc_eval": "--no-manual-gc-eval"}
+                  "manual_gc_eval": "--no-manual-gc-eval",
+                  "check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad"}
 
 
 def flag_name(field_name: str) -> str:
@@ -284,6 +286,7 @@ class TrainingConfig:
     manual_gc_interval: int = 0  # with --manual-gc: collect every N iterations (0: only around evaluation)
     manual_gc_eval: bool = True
     empty_unused_memory_level: int = 0  # torch.cuda.empty_cache(): 1 after forward-backward, 2 also after the step
+    check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or grad norm stops the run (training/nan_check.py)
 
     def __post_init__(self) -> None:
         if self.train_iters is None and self.train_samples is None:
@@ -524,6 +527,12 @@ class CheckpointConfig:
                  "--save-interval needs --save DIR to know where to write checkpoints.")
         _require(not self.use_checkpoint_args or bool(self.load or self.pretrained_checkpoint),
                  "--use-checkpoint-args needs --load or --pretrained-checkpoint: the checkpoint whose model to use.")
+        # Saving into the base would point its latest at the fine-tune's checkpoints (a PEFT run's: adapters
+        # only), so a later run from that base silently starts from them.
+        _require(not (self.save and self.pretrained_checkpoint
+                      and os.path.realpath(self.save) == os.path.realpath(self.pretrained_checkpoint)),
+                 f"--save {self.save} is the --pretrained-checkpoint directory: the fine-tune's checkpoints would "
+                 f"replace the base as its latest. Give --save (and --load, to resume) a directory of their own.")
 
 
 # --peft methods, and the linear layers --lora-target-modules may name (Megatron-Core's module names).
@@ -543,6 +552,9 @@ class PeftConfig:
     adapter_dim: int = 32
     prefix_length: int = 16
     prefix_projection_hidden_size: Optional[int] = None  # None: learn the prefixes directly
+    # The command line refuses --peft with no checkpoint to start from (adapters on random frozen weights
+    # learn nothing useful) unless this says it is meant (checkpointing/preflight.py).
+    peft_without_base_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         _require(self.peft in (None, *PEFT_METHODS),

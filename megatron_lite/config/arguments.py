@@ -19,9 +19,11 @@ import typing
 from megatron_lite.checkpointing.architecture import model_args_from_checkpoint
 from megatron_lite.checkpointing.peft_base import peft_fields_from_checkpoint
 from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
+from megatron_lite.checkpointing.sft_prompt_format import prompt_format_from_checkpoint
 from megatron_lite.checkpointing.storage import CheckpointError, read_latest_iteration
 from megatron_lite.config import (SECTIONS, CheckpointConfig, Config, ConfigError, DataConfig, ModelConfig,
                                   as_flags, deepspeed_config, flag_name, megatron_compat)
+from megatron_lite.data.vocab_check import check_tokenizer_fits_model
 from megatron_lite.process_groups.initialize import resolve_launch_env
 from megatron_lite.config.help_text import CHOICES, HELP
 from megatron_lite.tokenizer import TOKENIZER_FIELDS
@@ -141,7 +143,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 def config_from_namespace(namespace: dict) -> Config:
     """Parsed flags (by field name, as ``build_parser`` leaves them) -> Config, with
-    --group-query-attention checked, --use-checkpoint-args applied and a resumed run's tokenizer kept."""
+    --group-query-attention checked, --use-checkpoint-args applied, a resumed run's tokenizer kept and a
+    fine-tuned checkpoint's chat template kept (``sft_prompt_format``)."""
     if "num_query_groups" in namespace and not namespace.pop("group_query_attention"):
         raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM); add the flag.")
     namespace.pop("group_query_attention", None)
@@ -149,6 +152,10 @@ def config_from_namespace(namespace: dict) -> Config:
         namespace.update(_model_args_from_checkpoint(namespace))
     else:
         namespace.update(_tokenizer_args_of_resumed_run(namespace))
+    taken = prompt_format_from_checkpoint(namespace)
+    if taken and resolve_launch_env().rank == 0:
+        print(f"note: fine-tuning on with the checkpoint's chat template: {as_flags(taken)}", flush=True)
+    namespace.update(taken)
     return config_from_dict(namespace)
 
 
@@ -217,6 +224,8 @@ def _section(values: dict, cls) -> dict:
 def config_from_dict(values: dict) -> Config:
     """Distribute flat field values into the config sections and validate them."""
     sections = {section: _section(values, cls) for section, cls in SECTIONS.items()}
+    if "vocab_size" in sections["model"] and values.get("tokenizer_type") in FIXED_VOCABULARY_TOKENIZERS:
+        _check_tokenizer_vocab_size(values, sections["model"]["vocab_size"])
     if "vocab_size" not in sections["model"] and values.get("tokenizer_type"):
         sections["model"]["vocab_size"] = _tokenizer_vocab_size(values)
     if "vocab_size" not in sections["model"]:
@@ -236,6 +245,18 @@ def config_from_dict(values: dict) -> Config:
 def _missing_model_flags(values: dict) -> list[str]:
     return [flag_name(f.name) for f in dataclasses.fields(ModelConfig)
             if f.default is dataclasses.MISSING and f.name not in values]
+
+
+# Tokenizers whose vocabulary is their own (NullTokenizer's is --vocab-size; TikTokenizer fills the model's).
+FIXED_VOCABULARY_TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer")
+
+
+def _check_tokenizer_vocab_size(values: dict, model_vocab_size: int) -> None:
+    """The tokenizer fits the model's vocabulary (``data.vocab_check``); a smaller one is said once."""
+    note = check_tokenizer_fits_model(_tokenizer_vocab_size(values), model_vocab_size,
+                                      as_flags({name: values.get(name) for name in TOKENIZER_FIELDS}))
+    if note and resolve_launch_env().rank == 0:
+        print(f"note: {note}", flush=True)
 
 
 def _tokenizer_vocab_size(values: dict) -> int:

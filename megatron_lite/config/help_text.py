@@ -118,7 +118,11 @@ HELP = {
     "check_weight_hash_across_dp_replicas_interval": "every N iterations check all data-parallel replicas agree",
     "manual_gc": "turn off Python's automatic garbage collection; collect at iteration boundaries instead",
     "manual_gc_interval": "with --manual-gc: collect every N iterations (0: only around evaluation)",
+    "peft_without_base_checkpoint": ("let --peft train adapters on a randomly initialised frozen model when no "
+                                     "--pretrained-checkpoint or --load checkpoint is given (tests, smoke runs)"),
     "manual_gc_eval": "with --manual-gc: do not collect around evaluation",
+    "check_for_nan_in_loss_and_grad": ("train on when the loss or grad norm is NaN or infinite (by default the run "
+                                       "stops with an error naming the iteration and rank, before it saves)"),
     "empty_unused_memory_level": ("torch.cuda.empty_cache(): 1 after each forward-backward and evaluation step, "
                                   "2 also after each optimizer step"),
     # optimizer

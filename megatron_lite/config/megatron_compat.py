@@ -33,6 +33,8 @@ ACCEPTED_FLAGS = {
     "--no-bias-dropout-fusion": _FUSION_NOOP,
     "--no-rope-fusion": _FUSION_NOOP,
     "--no-persist-layer-norm": _FUSION_NOOP,
+    "--check-for-nan-in-loss-and-grad": "accepted: the default (a non-finite loss or grad norm stops the run; "
+                                        "--no-check-for-nan-in-loss-and-grad turns the check off)",
     "--no-gradient-accumulation-fusion": "accepted, no effect: gradients always accumulate in the data-parallel "
                                          "gradient buffer",
 }

@@ -213,6 +213,12 @@ class IndexedDataset:
         if corrupt:
             raise IndexedDatasetError(f"{idx_path} is corrupt: it has {corrupt}. Rerun tools/preprocess_data.py.")
 
+    def all_tokens(self) -> np.ndarray:
+        """Every token of the .bin, memory-mapped whatever ``mmap`` says: for one pass over the whole file."""
+        if not self._num_tokens:
+            return np.empty(0, dtype=self.dtype)
+        return np.memmap(self._bin_path, dtype=self.dtype, mode="r")
+
     def __reduce__(self):
         # Loader workers reopen the memory map instead of receiving a pickled copy of the tokens.
         return IndexedDataset, (self.path_prefix, self.mmap)

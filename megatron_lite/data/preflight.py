@@ -16,6 +16,7 @@ from megatron_lite.data.sft.formats import is_sft_data_source
 
 def check_data_paths(data: DataConfig) -> None:
     """Raise one ConfigError naming the data flag(s), the paths that do not exist, and the files expected."""
+    _refuse_directories(data)
     if data.sft:
         flags = (("--train-data-path", data.train_data_path), ("--valid-data-path", data.valid_data_path),
                  ("--test-data-path", data.test_data_path))
@@ -34,6 +35,18 @@ def check_data_paths(data: DataConfig) -> None:
             raise ConfigError(f"--data-path: {', '.join(missing)} {_do_not_exist(missing)}; it takes each "
                               "dataset's prefix without .bin/.idx (for example my-corpus_text_document), as "
                               "written by tools/preprocess_data.py.")
+
+
+def _refuse_directories(data: DataConfig) -> None:
+    """A directory is a path that exists: say it is one, rather than that it "does not exist"."""
+    flags = (("--train-data-path", data.train_data_path), ("--valid-data-path", data.valid_data_path),
+             ("--test-data-path", data.test_data_path),
+             ("--data-path", parse_data_path(data.data_path)[1] if data.data_path else []))
+    directories = [f"{flag} {path}" for flag, paths in flags for path in paths if os.path.isdir(path)]
+    if directories:
+        raise ConfigError(f"{', '.join(directories)}: a directory, where a file is expected: give the JSONL file "
+                          "(fine-tuning) or the dataset prefix written by tools/preprocess_data.py (PREFIX for "
+                          "PREFIX.bin/.idx, or DIR/PREFIX), not the directory holding them.")
 
 
 def _do_not_exist(paths: list[str]) -> str:

@@ -22,6 +22,7 @@ the buffers store, what a gradient hook does, what runs before a forward and aft
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Optional
 
 import torch
@@ -73,8 +74,13 @@ class DistributedDataParallel(torch.nn.Module):
                 grad_device=torch.device("cpu") if config.grad_cpu_offload else None))
         self.param_to_bucket = {p: b for buf in self.grad_buffers for p, b in buf.param_to_bucket.items()}
 
+        # The hook holds the wrapper weakly: a parameter's hooks live in autograd's C++ side, where the garbage
+        # collector cannot see the cycle param -> hook -> wrapper -> param. Held strongly, the wrapper, its
+        # buffers and its process groups outlived the run; gloo's threads then ran into interpreter shutdown,
+        # which aborted finished runs ("terminate called without an active exception").
+        grad_hook = _weak_hook(self._grad_hook)
         for param in params:
-            param.register_post_accumulate_grad_hook(self._grad_hook)
+            param.register_post_accumulate_grad_hook(grad_hook)
         self.sharding.register_forward_hooks(module, units, self.param_to_bucket)
 
     @property
@@ -182,3 +188,14 @@ class DistributedDataParallel(torch.nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True):
         with self.gathered_parameters(write_back=True):
             return self.module.load_state_dict(state_dict, strict=strict)
+
+
+def _weak_hook(method):
+    """A hook calling the bound ``method`` while its object lives, holding the object only weakly."""
+    reference = weakref.WeakMethod(method)
+
+    def hook(*args):
+        live = reference()
+        if live is not None:
+            live(*args)
+    return hook

@@ -11,6 +11,7 @@ process with "terminate called without an active exception").
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -84,9 +85,9 @@ def global_rank() -> int:
 def run_command(body, *args) -> int:
     """Run a command's ``body(*args)`` and return its exit code (see the module docstring)."""
     try:
-        status = body(*args)
-        # A tool's body may return its own verdict (loss_parity's 1 for a ladder above --rtol).
-        return status if isinstance(status, int) else 0
+        # The body's result (a run's model chunks, holding process groups) is dropped here, before the
+        # teardown below: alive, it would keep the groups' gloo threads running into interpreter shutdown.
+        return _exit_code(body(*args))
     except FailedOnAnotherRank as error:
         _leave_after_the_reporting_rank()
         return USER_ERROR_EXIT_CODE if error.user_error else BUG_EXIT_CODE
@@ -106,6 +107,11 @@ def run_command(body, *args) -> int:
         destroy_process_groups()
 
 
+def _exit_code(status) -> int:
+    """A tool's body may return its own verdict (loss_parity's 1 for a ladder above --rtol); anything else is 0."""
+    return status if isinstance(status, int) else 0
+
+
 def _leave_after_the_reporting_rank() -> None:
     """A launcher stops the whole job as soon as one rank exits with an error: a quiet rank that left
     first would get the reporting rank killed before it printed, and be named the root cause. So a
@@ -123,6 +129,9 @@ def destroy_process_groups() -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
+    # Objects in reference cycles (module hooks) may still hold groups: collect them first, so the groups
+    # are destroyed with their threads now rather than at interpreter shutdown.
+    gc.collect()
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         dist.destroy_process_group()

@@ -17,7 +17,9 @@ current CUDA device's: dropout draws from whichever generator its tensor lives o
 from __future__ import annotations
 
 import contextlib
+import random
 
+import numpy as np
 import torch
 
 MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
@@ -156,5 +158,10 @@ def checkpoint(function, *args):
 def set_random_seeds(seed: int, parallel_state) -> None:
     """Pipeline stages get different default streams (Megatron's seed + 100 x stage); dropout
     inside tensor-parallel regions uses the tracker's per-tensor-rank stream."""
-    torch.manual_seed(seed + 100 * parallel_state.pipeline_model_parallel_rank)
+    stage_seed = seed + 100 * parallel_state.pipeline_model_parallel_rank
+    # Python's and NumPy's global generators too, as Megatron: checkpoints save their states, and two
+    # identical fresh runs must save the same ones.
+    random.seed(stage_seed)
+    np.random.seed(stage_seed % 2**32)
+    torch.manual_seed(stage_seed)
     model_parallel_seed(seed, parallel_state.tensor_model_parallel_rank)

@@ -8,7 +8,11 @@ import torch.distributed as dist
 
 from megatron_lite.config import Config, ConfigError, TrainingConfig
 from megatron_lite.data import MockGPTDataset, build_pretraining_data_loader, build_train_valid_test_datasets
+from megatron_lite.data.dataset_builder import parse_data_path
+from megatron_lite.data.indexed_dataset import IndexedDataset, data_file_path, output_prefix_for
 from megatron_lite.data.sft import RecordFormat, SFTDataset, load_sft_examples
+from megatron_lite.data.sft.examples import TOKENS_KEY, is_preprocessed_sft
+from megatron_lite.data.vocab_check import check_token_ids
 from megatron_lite.process_groups import failures
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.tokenizer import build_model_tokenizer
@@ -79,6 +83,7 @@ def _build_sft_datasets(config: Config, num_samples: tuple):
             datasets.append(None)
             continue
         examples = load_sft_examples(paths, tokenizer, data.sft_tokenizer_prompt_format, record_format)
+        check_preprocessed_sft_token_ids(paths, config.model.vocab_size)
         datasets.append(SFTDataset(examples, seq_length=config.model.seq_length, num_samples=count,
                                    seed=config.training.seed, pad_token=tokenizer.pad,
                                    pack_sequences=data.sft_pack_sequences))
@@ -98,12 +103,26 @@ def _build_datasets(config: Config, num_samples: tuple, train_iters: int):
     # One rank builds the sample indices and caches them; the others then load the cache. If the
     # builder fails (a bad --data-path), every rank raises instead of waiting for its cache.
     datasets = failures.run_on_every_rank(
-        lambda: build_train_valid_test_datasets(is_builder_rank=True, **kwargs) if is_builder else None,
-        "build the datasets")
+        lambda: _build_checked_datasets(kwargs, model.vocab_size) if is_builder else None, "build the datasets")
     if not is_builder:
         datasets = build_train_valid_test_datasets(is_builder_rank=False, **kwargs)
     _check_splits(config, datasets, train_iters)
     return datasets
+
+
+def _build_checked_datasets(kwargs: dict, vocab_size: int):
+    """The builder rank's datasets, once every --data-path file's ids are checked to fit the vocabulary."""
+    for prefix in parse_data_path(kwargs["data_path"])[1]:
+        check_token_ids(IndexedDataset(prefix).all_tokens(), vocab_size, data_file_path(prefix))
+    return build_train_valid_test_datasets(is_builder_rank=True, **kwargs)
+
+
+def check_preprocessed_sft_token_ids(paths: list[str], vocab_size: int) -> None:
+    """Preprocessed fine-tuning ids fit the vocabulary (JSONL is tokenized now, by a tokenizer checked to fit)."""
+    for path in paths:
+        if is_preprocessed_sft(path):
+            prefix = output_prefix_for(path, TOKENS_KEY)
+            check_token_ids(IndexedDataset(prefix).all_tokens(), vocab_size, data_file_path(prefix))
 
 
 def _check_splits(config: Config, datasets: tuple, train_iters: int) -> None:

@@ -31,6 +31,7 @@ from megatron_lite.distributed import DistributedDataParallel, finalize_model_gr
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
 from megatron_lite.checkpointing.preflight import check_checkpoint_paths
 from megatron_lite.checkpointing.save_load import checkpoint_to_load
+from megatron_lite.checkpointing.save_lock import holding_save_lock
 from megatron_lite.model.builder import (FSDP_UNIT_MODULES, build_model, count_parameters, current_device,
                                          parameters_per_stage)
 from megatron_lite.optimizer import get_megatron_optimizer
@@ -44,6 +45,7 @@ from megatron_lite.tensor_parallel.random import set_random_seeds
 from megatron_lite.training import metrics, operations
 from megatron_lite.training.data_iterators import build_data_iterators
 from megatron_lite.planner import estimate_for_config, format_memory_estimate
+from megatron_lite.training.nan_check import check_for_nan_in_loss_and_grad
 from megatron_lite.training.logger import TrainingLogger, format_startup_summary, is_last_rank, print_rank_last
 from megatron_lite.training.num_microbatches_calculator import (NumMicroBatchesCalculator,
                                                                 build_num_microbatches_calculator, get_train_iters)
@@ -207,6 +209,9 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     state = TrainingState()
     if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
         state = checkpointing.load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) or state
+    if state.iteration >= train_iters > 0:  # a finished run started again (a requeue): say so, rather than nothing
+        print_rank_last(f" already at --train-iters {train_iters} (the checkpoint is at iteration {state.iteration}); "
+                        f"nothing to do. Raise --train-iters (or --train-samples) to train further.")
     # Every rank holds the same consumed samples, so all raise together, before any collective of training.
     check_batches_ahead(config, calculator, state.consumed_train_samples)
     train_iterator, valid_iterator, test_iterator = build_data_iterators(
@@ -256,7 +261,9 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
         torch.cuda.reset_peak_memory_stats()
     first_iteration = state.iteration + 1
     signal_handler = DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext()
-    with signal_handler, operations.manual_garbage_collection(training), \
+    # The save lock covers every save of the run: a second run on the same --save stops before its first step.
+    with holding_save_lock(config.checkpoint.save, is_holder=parallel_state.rank == 0), signal_handler, \
+            operations.manual_garbage_collection(training), \
             operations.profiler(config, parallel_state.rank) as profiler:
         while state.iteration < train_iters:
             profiler.step()
@@ -266,6 +273,8 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
             loss, update_successful, grad_norm = train_step(config, parallel_state, model_chunks, optimizer,
                                                             scheduler, train_iterator, num_microbatches)
             state.iteration += 1
+            if training.check_for_nan_in_loss_and_grad and update_successful:
+                check_for_nan_in_loss_and_grad(loss, grad_norm, state.iteration)
             if config.logging.log_memory and state.iteration == first_iteration:
                 print_rank_last(metrics.format_memory_report(optimizer.memory_report(), state.iteration))
             state.consumed_train_samples += global_batch

@@ -60,12 +60,17 @@ def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: 
         line += f" throughput per GPU (TFLOP/s/GPU): {_tflops_text(tflops_per_gpu)} |"
     line += (f" learning rate: {learning_rate:.6E} |"
             f" global batch size: {global_batch_size:5d} |"
-            f" lm loss: {lm_loss:.6E} |"
+            f" lm loss: {_loss_text(lm_loss)} |"
             f" loss scale: {loss_scale:.1f} |")
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
     return line + (f" number of skipped iterations: {skipped_iterations:3d} |"
                    f" number of nan iterations: {nan_iterations:3d} |")
+
+
+def _loss_text(loss: float) -> str:
+    """Megatron's %E, and ``nan`` for an interval without a finite loss (%E would print NAN)."""
+    return f"{loss:.6E}" if math.isfinite(loss) else str(loss)
 
 
 def _tflops_text(tflops: float) -> str:

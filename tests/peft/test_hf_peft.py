@@ -174,3 +174,15 @@ def test_prefix_matches_transformers_with_the_prefix_as_a_key_value_cache(traine
     expected = _hf_logits(hf, input_ids, cache=cache, attention_mask=torch.ones(batch, 3 + seq),
                           position_ids=torch.arange(seq).expand(batch, -1), cache_position=torch.arange(3, 3 + seq))
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_the_peft_export_records_its_base_for_auto_peft_model(trained, tmp_path):
+    """Issue 22, item 14: without --base-model-name-or-path the export wrote null, and
+    AutoPeftModelForCausalLM then tried to download a model named "None"."""
+    _, hf_dir, _, adapters, input_ids, logits = trained
+    peft_dir = str(tmp_path / "peft")
+    assert convert(["--target-format", "peft", "--load-dir", adapters, "--save-dir", peft_dir]) == 0
+    with open(os.path.join(peft_dir, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == os.path.abspath(hf_dir)
+    model = peft.AutoPeftModelForCausalLM.from_pretrained(peft_dir)
+    torch.testing.assert_close(_hf_logits(model, input_ids), logits, atol=ATOL, rtol=0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_lite.data.sft.examples import SFTExamples
+from megatron_lite.data.sft.examples import SFTDataError, SFTExamples
 
 
 class SFTDataset:
@@ -34,6 +34,10 @@ class SFTDataset:
         self.num_truncated = len(truncated)
         # A prompt longer than the sequence leaves nothing to learn from; say so rather than train on nothing.
         self.num_without_loss = sum(not examples.get(int(i))[1][1:seq_length + 1].any() for i in truncated)
+        if self.num_without_loss == len(examples):  # a run on them trains on nothing (loss 0, grad norm 0)
+            raise SFTDataError(f"every one of the {len(examples)} fine-tuning examples is longer than --seq-length + 1 "
+                               f"= {seq_length + 1} tokens with a prompt that fills the sequence: none has a response "
+                               f"token to learn from. Raise --seq-length or shorten the prompts.")
         self._orders, self._bin_starts, offsets = [], [], [0]
         while offsets[-1] < num_samples:
             order = np.random.RandomState(seed + len(self._orders)).permutation(len(examples))
