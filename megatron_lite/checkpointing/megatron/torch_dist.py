@@ -1,0 +1,90 @@
+"""Megatron-LM's ``torch_dist`` checkpoints: ``torch.distributed.checkpoint`` files, read without Megatron.
+
+    iter_0001000/.metadata          pickled torch.distributed.checkpoint Metadata: every tensor's
+                                    global shape, its chunks and where each chunk's bytes are
+    iter_0001000/__0_0.distcp ...   the bytes (each chunk a torch.save'd tensor)
+    iter_0001000/common.pt          args, iteration, ... (up to Megatron-Core 0.18; later inside the .distcp)
+    iter_0001000/metadata.json      {"sharded_backend": "torch_dist", ...}
+
+Keys are global: ``model.`` prefixed (none before core 0.x's optimizer-aware layout),
+layers numbered globally, or stacked into one tensor per name with a leading layer
+dimension (``decoder.layers.mlp.linear_fc1.weight`` of shape [layers, ...]). The
+``.metadata`` pickle is read with the restricted unpickler, allowing only the
+metadata classes of ``torch.distributed.checkpoint``, and each chunk with
+``torch.load(weights_only=True)``: nothing in the files can run code.
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+
+import torch
+from torch.distributed.checkpoint import filesystem, metadata
+
+from megatron_lite.checkpointing.megatron import layout
+from megatron_lite.checkpointing.megatron.safe_unpickle import (load_pickle_file, load_torch_file,
+                                                                restricted_pickle_module)
+from megatron_lite.checkpointing.storage import CheckpointError
+
+METADATA_FILE = ".metadata"
+COMMON_FILE = "common.pt"
+_METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", name): getattr(metadata, name) for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex", "StorageMeta")} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
+                                       filesystem._StorageInfo}
+_STACKED = re.compile(r"^decoder\.layers\.(?!\d)(.+)$")
+
+
+def is_torch_dist(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, METADATA_FILE))
+
+
+def _read_bytes(directory: str, info) -> bytes:
+    with open(os.path.join(directory, info.relative_path), "rb") as f:
+        f.seek(info.offset)
+        return f.read(info.length)
+
+
+def _common_state(directory: str, storage: dict) -> dict:
+    """``common.pt`` (core <= 0.18), else the ``common`` bytes item stored in the .distcp files."""
+    path = os.path.join(directory, COMMON_FILE)
+    if os.path.isfile(path):
+        return load_torch_file(path)
+    for index, info in storage.items():
+        if index.fqn == "common" or index.fqn.endswith(".common"):
+            return torch.load(io.BytesIO(_read_bytes(directory, info)), weights_only=False, map_location="cpu",
+                              pickle_module=restricted_pickle_module(directory))
+    raise CheckpointError(f"{directory} has no common.pt nor a 'common' entry: Megatron's args are missing.")
+
+
+def read(directory: str) -> tuple:
+    """(args, iteration, {Megatron name: global tensor}) of a torch_dist iteration directory."""
+    meta = load_pickle_file(os.path.join(directory, METADATA_FILE), extra=_METADATA_CLASSES)
+    storage = meta.storage_data
+    common = _common_state(directory, storage)
+    if "args" not in common:
+        raise CheckpointError(f"{directory}: the common state has no 'args'.")
+    tensors = {}
+    for fqn, item in meta.state_dict_metadata.items():
+        if not isinstance(item, metadata.TensorStorageMetadata) or not fqn.startswith("model."):
+            continue
+        name = fqn.removeprefix("model.")
+        if layout.is_ignored(name, tied=False):
+            continue
+        full = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        for index, chunk in enumerate(item.chunks):
+            info = storage[metadata.MetadataIndex(fqn, chunk.offsets, index)]
+            piece = torch.load(io.BytesIO(_read_bytes(directory, info)), weights_only=True, map_location="cpu")
+            region = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+            full[region] = piece
+        tensors.update(_unstacked(name, full))
+    return common["args"], common.get("iteration", 0), tensors
+
+
+def _unstacked(name: str, tensor: torch.Tensor) -> dict:
+    """A stacked ``decoder.layers.<name>`` [layers, ...] as one tensor per global layer."""
+    match = _STACKED.match(name)
+    if match is None:
+        return {name: tensor}
+    return {f"decoder.layers.{i}.{match.group(1)}": t for i, t in enumerate(tensor.unbind(0))}
