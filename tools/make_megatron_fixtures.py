@@ -143,6 +143,7 @@ def cpu_stand_ins() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.manual_seed = lambda *a, **k: None
     torch.cuda.empty_cache = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self  # the tied embeddings' first all-reduce moves them there
     torch.cuda.current_device = lambda: "cpu"  # where Megatron's global memory buffer allocates
     # validate_args asks for the GPU generation to decide whether to require CUDA_DEVICE_MAX_CONNECTIONS.
     torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(major=9, minor=0, name="cpu")

@@ -109,3 +109,20 @@ def test_unsupported_megatron_args_are_refused_by_name():
     args = argparse.Namespace(num_experts=8, qk_layernorm=True, swiglu=False, bias_gelu_fusion=False)
     with pytest.raises(ConfigError, match=r"--num-experts \(mixture of experts\), --qk-layernorm .*--no-bias-gelu"):
         model_config_from_megatron_args(args, "ckpt")
+
+
+def test_training_and_generate_start_straight_from_a_megatron_dir(tmp_path, monkeypatch):
+    from megatron_lite.config.arguments import parse_args
+    from megatron_lite.inference.loading import read_checkpoint_config
+    from megatron_lite.config import ParallelConfig
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where the one-time import is cached
+    name = "llama_tp1pp1_torch"
+    tokens, reference = megatron_logits(name)
+    config = parse_args(["--pretrained-checkpoint", fixture(name), "--use-checkpoint-args", "--micro-batch-size",
+                         "2", "--global-batch-size", "2", "--train-iters", "1", "--mock-data", "--lr", "1e-4"])
+    assert config.model == read_megatron_checkpoint(fixture(name)).config.model
+    assert config.checkpoint.pretrained_checkpoint.startswith(str(tmp_path))
+    torch.testing.assert_close(our_logits(config.checkpoint.pretrained_checkpoint, tokens), reference, atol=ATOL,
+                               rtol=0)
+    generating = read_checkpoint_config(fixture(name), ParallelConfig())
+    assert generating.model == config.model and generating.checkpoint.load == config.checkpoint.pretrained_checkpoint

@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import hashlib
 import os
+import shutil
+import tempfile
 
 import torch
 
 from megatron_lite.checkpointing.megatron import layout, legacy, torch_dist
 from megatron_lite.checkpointing.megatron.args_mapping import model_config_from_megatron_args
 from megatron_lite.checkpointing.offline import stage_model, write_checkpoint
-from megatron_lite.checkpointing.storage import CheckpointError
+from megatron_lite.checkpointing.storage import CheckpointError, read_latest_iteration
 from megatron_lite.config import Config, ParallelConfig
 from megatron_lite.tensor_parallel import gather_shards
 
@@ -108,3 +112,30 @@ def import_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size))
     return write_checkpoint(save_dir, config, checkpoint.tensors.__getitem__, iteration=checkpoint.iteration)
+
+
+def is_megatron_checkpoint(path: str) -> bool:
+    directory = legacy.iteration_dir(path) if path and os.path.isdir(path) else ""
+    return bool(directory) and (bool(legacy.rank_files(directory)) or torch_dist.is_torch_dist(directory))
+
+
+def as_megatron_lite_checkpoint(path: str) -> str:
+    """``path`` itself, or for a Megatron-LM checkpoint its import (at tensor/pipeline size 1; any layout
+    loads it), made once into a cache directory keyed by the checkpoint's path and modification time.
+
+    Every rank of a job calls this before process groups exist; a file lock makes one of them
+    import while the others wait, then all read the same import.
+    """
+    if not is_megatron_checkpoint(path):
+        return path
+    directory = legacy.iteration_dir(path)
+    key = hashlib.sha256(f"{os.path.abspath(directory)}:{os.stat(directory).st_mtime_ns}".encode()).hexdigest()
+    cache = os.path.join(tempfile.gettempdir(), "megatron_lite", "megatron_imports")  # $TMPDIR moves it
+    os.makedirs(cache, exist_ok=True)
+    target = os.path.join(cache, key[:16])
+    with open(os.path.join(cache, f"{key[:16]}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if read_latest_iteration(target) is None:
+            shutil.rmtree(target, ignore_errors=True)
+            import_megatron_checkpoint(path, target)
+    return target
