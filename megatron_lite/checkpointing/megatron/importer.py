@@ -48,6 +48,9 @@ def read_megatron_checkpoint(path: str) -> MegatronCheckpoint:
         args, iteration, tensors = _read_legacy(directory)
     else:
         args, iteration, tensors = torch_dist.read(directory)
+        tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+        tensors = {layout.ours_from_megatron(name, 0): t for name, t in tensors.items()
+                   if not layout.is_ignored(name, tied=tied)}
     config = Config(model=model_config_from_megatron_args(args, path))
     tensors = _checked(tensors, config, path)
     return MegatronCheckpoint(config, iteration, tensors, ckpt_format, args)

@@ -6,9 +6,10 @@
     iter_0001000/common.pt          args, iteration, ... (up to Megatron-Core 0.18; later inside the .distcp)
     iter_0001000/metadata.json      {"sharded_backend": "torch_dist", ...}
 
-Keys are global: ``model.`` prefixed (none before core 0.x's optimizer-aware layout),
-layers numbered globally, or stacked into one tensor per name with a leading layer
-dimension (``decoder.layers.mlp.linear_fc1.weight`` of shape [layers, ...]). The
+Keys are global and unsharded (each ``.distcp`` holds chunks of them): the layers are
+stacked into one tensor per name with a leading layer dimension
+(``decoder.layers.mlp.linear_fc1.weight`` of shape [layers, ...]) and the norms carry
+Transformer Engine's names (``linear_qkv.layer_norm_weight``) even with local layers. The
 ``.metadata`` pickle is read with the restricted unpickler, allowing only the
 metadata classes of ``torch.distributed.checkpoint``, and each chunk with
 ``torch.load(weights_only=True)``: nothing in the files can run code.
@@ -20,19 +21,25 @@ import os
 import re
 
 import torch
-from torch.distributed.checkpoint import filesystem, metadata
+from torch.distributed.checkpoint import filesystem, metadata, planner
 
-from megatron_lite.checkpointing.megatron import layout
 from megatron_lite.checkpointing.megatron.safe_unpickle import (load_pickle_file, load_torch_file,
                                                                 restricted_pickle_module)
 from megatron_lite.checkpointing.storage import CheckpointError
 
 METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
-_METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", name): getattr(metadata, name) for name in (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-    "MetadataIndex", "StorageMeta")} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
-                                       filesystem._StorageInfo}
+# What the .metadata pickle may name: torch.distributed.checkpoint's metadata and save-plan classes (plain
+# dataclasses and enums) and the function that turns a layout's name into torch.strided.
+_METADATA_CLASSES = {
+    **{("torch.distributed.checkpoint.metadata", name): getattr(metadata, name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+    **{("torch.distributed.checkpoint.planner", name): getattr(planner, name) for name in (
+        "SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+}
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d)(.+)$")
 
 
@@ -59,22 +66,22 @@ def _common_state(directory: str, storage: dict) -> dict:
 
 
 def read(directory: str) -> tuple:
-    """(args, iteration, {Megatron name: global tensor}) of a torch_dist iteration directory."""
+    """(args, iteration, {Megatron name, layers numbered globally: global tensor}) of a torch_dist directory;
+    byte entries (``_extra_state``) and the optimizer's and RNG's tensors are left out."""
     meta = load_pickle_file(os.path.join(directory, METADATA_FILE), extra=_METADATA_CLASSES)
     storage = meta.storage_data
     common = _common_state(directory, storage)
     if "args" not in common:
         raise CheckpointError(f"{directory}: the common state has no 'args'.")
+    where = {(index.fqn, tuple(index.offset or ())): info for index, info in storage.items()}
     tensors = {}
     for fqn, item in meta.state_dict_metadata.items():
-        if not isinstance(item, metadata.TensorStorageMetadata) or not fqn.startswith("model."):
-            continue
         name = fqn.removeprefix("model.")
-        if layout.is_ignored(name, tied=False):
+        if not isinstance(item, metadata.TensorStorageMetadata) or name.startswith(("optimizer", "rng_state")):
             continue
         full = torch.empty(tuple(item.size), dtype=item.properties.dtype)
-        for index, chunk in enumerate(item.chunks):
-            info = storage[metadata.MetadataIndex(fqn, chunk.offsets, index)]
+        for chunk in item.chunks:
+            info = where[fqn, tuple(chunk.offsets)]
             piece = torch.load(io.BytesIO(_read_bytes(directory, info)), weights_only=True, map_location="cpu")
             region = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
             full[region] = piece
