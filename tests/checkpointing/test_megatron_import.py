@@ -126,3 +126,28 @@ def test_training_and_generate_start_straight_from_a_megatron_dir(tmp_path, monk
                                rtol=0)
     generating = read_checkpoint_config(fixture(name), ParallelConfig())
     assert generating.model == config.model and generating.checkpoint.load == config.checkpoint.pretrained_checkpoint
+
+
+def test_transformer_engine_layer_names_load_too(tmp_path):
+    """A legacy file whose layers carry Transformer Engine's names (the norm inside the next linear),
+    made from the Megatron fixture by renaming its tensors: the same logits."""
+    from megatron_lite.checkpointing.megatron.safe_unpickle import StandIn, load_torch_file
+    name = "llama_tp1pp1_torch"
+    tokens, reference = megatron_logits(name)
+    source = os.path.join(fixture(name), "iter_0000010", "mp_rank_00", "model_optim_rng.pt")
+    state = load_torch_file(source)
+    for key, value in vars(state["args"]).items():  # stand-ins name no importable class: save them as None
+        if isinstance(value, StandIn):
+            setattr(state["args"], key, None)
+    renames = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    state["model"] = {next((k.replace(ours, te) for ours, te in renames.items() if k.endswith(ours)), k): v
+                      for k, v in state["model"].items()}
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in state["model"]
+    te_dir = tmp_path / "te" / "iter_0000010" / "mp_rank_00"
+    te_dir.mkdir(parents=True)
+    torch.save(state, te_dir / "model_optim_rng.pt")
+    (tmp_path / "te" / "latest_checkpointed_iteration.txt").write_text("10")
+    root = str(tmp_path / "ours")
+    assert convert(["--source-format", "megatron", "--load-dir", str(tmp_path / "te"), "--save-dir", root]) == 0
+    torch.testing.assert_close(our_logits(root, tokens), reference, atol=ATOL, rtol=0)
