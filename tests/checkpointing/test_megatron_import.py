@@ -99,7 +99,7 @@ def test_the_saved_args_map_to_our_config():
     # GQA on: the groups are args.num_query_groups; the padded vocabulary is the model's; epsilon from norm_epsilon.
     assert (config.num_query_groups, config.vocab_size, config.norm_epsilon) == (2, 56, 1e-6)
     assert config.swiglu and config.untie_embeddings_and_output_weights and config.position_embedding_type == "rope"
-    gpt2 = read_megatron_checkpoint(fixture("gpt2_tp2pp2_torch")).config.model
+    gpt2 = read_megatron_checkpoint(fixture("gpt2_tp1pp1_torch")).config.model
     assert gpt2.num_query_groups == gpt2.num_attention_heads == 4  # args hold num_query_groups=1 with GQA off
 
 
