@@ -50,11 +50,12 @@ FIXTURES = {
 }
 COMMON = ["--seq-length", "8", "--micro-batch-size", "2", "--global-batch-size", "2", "--tokenizer-type",
           "NullTokenizer", "--vocab-size", "50", "--make-vocab-size-divisible-by", "8", "--transformer-impl", "local",
-          "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-          "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm", "--attention-dropout", "0",
-          "--hidden-dropout", "0", "--use-cpu-initialization", "--no-save-optim", "--no-save-rng",
-          "--train-iters", "10", "--save-interval", "10", "--lr", "1e-4", "--seed", "1234", "--attention-backend", "unfused"]
-TOKENS = [[3, 17, 42, 8, 0, 25, 11, 49], [5, 5, 30, 1, 44, 19, 2, 7]]  # the fixed batch: [batch, sequence]
+          "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
+          "--no-rope-fusion", "--no-persist-layer-norm", "--attention-dropout", "0", "--hidden-dropout", "0",
+          "--use-cpu-initialization", "--no-save-optim", "--no-save-rng", "--train-iters", "10", "--save-interval",
+          "10", "--lr", "1e-4", "--seed", "1234", "--attention-backend", "unfused"]
+# The fixed batch whose logits are saved: [batch, sequence].
+TOKENS = [[3, 17, 42, 8, 0, 25, 11, 49], [5, 5, 30, 1, 44, 19, 2, 7]]
 ITERATION = 10
 
 
@@ -150,6 +151,8 @@ def megatron_args(job: dict, world_size: int):
     args = parse_args()
     args.world_size, args.rank = world_size, int(os.environ["RANK"])
     validate_args(args, {})
+    from megatron.core.enums import ModelType
+    args.model_type = ModelType.encoder_or_decoder  # what pretrain_gpt.py hands to Megatron's pretrain()
     set_global_variables(args, build_tokenizer=True)
     return args
 
