@@ -63,8 +63,7 @@ def _stage_forward(model, tokens, parallel_state, hidden_size):
 
 
 LEGACY = ["gpt2_tp1pp1_torch", "llama_tp1pp1_torch", "gpt2_tp2pp2_torch", "llama_tp2pp2_torch",
-          "llama_tp2pp2_torch_bf16", "gpt2_tp1pp1_legacy_model", "gpt2_tp2pp2_legacy_model",
-          "gpt2_tp2pp1_torch_dist", "llama_tp2pp1_torch_dist"]
+          "llama_tp2pp2_torch_bf16", "gpt2_tp2pp1_torch_dist", "llama_tp2pp1_torch_dist"]
 
 
 @pytest.mark.parametrize("name", LEGACY)
