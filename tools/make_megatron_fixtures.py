@@ -219,7 +219,7 @@ def forward(model, args):
     if not mpu.is_pipeline_last_stage():
         dist.send(output.contiguous(), dst=mpu.get_pipeline_model_parallel_next_rank())
         return None
-    # Both model classes return vocabulary-parallel logits [batch, sequence, vocab / tp].
+    # GPTModel returns vocabulary-parallel logits [batch, sequence, vocab / tp].
     return tensor_parallel.gather_from_tensor_model_parallel_region(output).float()
 
 
