@@ -18,6 +18,10 @@
     # prefix tuning's reparametrising MLP replaced by the prefixes it computes
     python tools/checkpoint_convert.py --fold-prefix-projection --load-dir prefix-ckpt --save-dir prefix-folded
 
+    # a Megatron-LM checkpoint (--ckpt-format torch or torch_dist, any TP/PP) -> megatron_lite at any layout
+    python tools/checkpoint_convert.py --source-format megatron --load-dir megatron-ckpt --save-dir ckpt \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+
     # LoRA adapters <-> a Hugging Face PEFT directory (adapter_config.json, adapter_model.safetensors)
     python tools/checkpoint_convert.py --target-format peft --load-dir lora-ckpt --save-dir peft-dir
     python tools/checkpoint_convert.py --source-format peft --load-dir peft-dir --save-dir lora-ckpt \\
@@ -35,20 +39,22 @@ import sys
 
 from megatron_lite.checkpointing import hf_interop, hf_peft
 from megatron_lite.checkpointing.hf_families import FAMILIES
+from megatron_lite.checkpointing.megatron.importer import import_megatron_checkpoint
 from megatron_lite.checkpointing.offline import reshard_checkpoint, write_checkpoint
 from megatron_lite.checkpointing.peft_base import folded_prefix, merged_lora
 from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
 from megatron_lite.config import ConfigError, ParallelConfig
 from megatron_lite.config.arguments import ArgumentParser
 
-FORMATS = ("megatron_lite", "hf", "peft")
+FORMATS = ("megatron_lite", "hf", "peft", "megatron")
 
 
 def build_parser() -> argparse.ArgumentParser:
     # One `error:` line naming the flag (and the nearest known one), not argparse's usage block.
     parser = ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--load-dir", required=True,
-                        help="source: a checkpoint root or iter_* directory, or a Hugging Face model directory")
+                        help="source: a checkpoint root or iter_* directory (ours or Megatron-LM's), or a Hugging Face "
+                             "model directory")
     parser.add_argument("--save-dir", required=True, help="where to write the converted checkpoint")
     parser.add_argument("--source-format", choices=FORMATS, default="megatron_lite")
     parser.add_argument("--target-format", choices=FORMATS, default="megatron_lite")
@@ -107,6 +113,8 @@ def _convert(args, sizes: dict) -> str:
         raise ConfigError("--fold-prefix-projection rewrites a megatron_lite prefix-tuning checkpoint as one.")
     if source == "hf" and target == "megatron_lite":
         return hf_interop.import_hf_checkpoint(args.load_dir, args.save_dir, **sizes)
+    if source == "megatron" and target == "megatron_lite":
+        return import_megatron_checkpoint(args.load_dir, args.save_dir, **sizes)
     if source == "peft" and target == "megatron_lite":
         if not args.base_checkpoint:
             raise ConfigError("--source-format peft needs --base-checkpoint: the megatron_lite checkpoint of the "
@@ -136,7 +144,7 @@ def _convert(args, sizes: dict) -> str:
     if source == "megatron_lite" and target == "megatron_lite":
         return reshard_checkpoint(args.load_dir, args.save_dir, **sizes)
     raise ConfigError(f"no conversion from --source-format {source} to --target-format {target}: hf and peft "
-                      f"convert to and from megatron_lite.")
+                      f"convert to and from megatron_lite, megatron to it.")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import sys
 import typing
 
 from megatron_lite.checkpointing.architecture import model_args_from_checkpoint
+from megatron_lite.checkpointing.megatron.importer import as_megatron_lite_checkpoint
 from megatron_lite.checkpointing.peft_base import peft_fields_from_checkpoint
 from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
 from megatron_lite.checkpointing.sft_prompt_format import prompt_format_from_checkpoint
@@ -148,6 +149,7 @@ def config_from_namespace(namespace: dict) -> Config:
     if "num_query_groups" in namespace and not namespace.pop("group_query_attention"):
         raise ConfigError("--num-query-groups needs --group-query-attention (as in Megatron-LM); add the flag.")
     namespace.pop("group_query_attention", None)
+    namespace.update(_megatron_checkpoints_imported(namespace))
     if namespace.get("use_checkpoint_args"):
         namespace.update(_model_args_from_checkpoint(namespace))
     else:
@@ -157,6 +159,12 @@ def config_from_namespace(namespace: dict) -> Config:
         print(f"note: fine-tuning on with the checkpoint's chat template: {as_flags(taken)}", flush=True)
     namespace.update(taken)
     return config_from_dict(namespace)
+
+
+def _megatron_checkpoints_imported(values: dict) -> dict:
+    """--load / --pretrained-checkpoint naming a Megatron-LM checkpoint: the same flags naming its import."""
+    return {flag: as_megatron_lite_checkpoint(values[flag]) for flag in ("load", "pretrained_checkpoint")
+            if values.get(flag)}
 
 
 def _model_args_from_checkpoint(values: dict) -> dict:

@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 from megatron_lite.checkpointing import CheckpointError, load_checkpoint, read_config
+from megatron_lite.checkpointing.megatron.importer import as_megatron_lite_checkpoint
 from megatron_lite.checkpointing.storage import TRACKER_FILE, read_latest_iteration
 from megatron_lite.config import CheckpointConfig, Config, ConfigError, ParallelConfig
 from megatron_lite.model.builder import build_model
@@ -23,6 +24,7 @@ def read_checkpoint_config(load_dir: str, parallel: ParallelConfig) -> Config:
     if not os.path.isdir(load_dir or ""):
         raise CheckpointError(f"--load {load_dir!r}: no such directory. Give the --save directory of a training "
                               f"run, or one written by tools/checkpoint_convert.py.")
+    load_dir = as_megatron_lite_checkpoint(load_dir)  # a Megatron-LM checkpoint: its import
     if read_latest_iteration(load_dir) is None:
         raise CheckpointError(f"--load {load_dir} holds no checkpoint ({TRACKER_FILE} is missing). Give the --save "
                               f"directory of a training run (the one holding {TRACKER_FILE}), or one written by "

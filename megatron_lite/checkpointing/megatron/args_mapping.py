@@ -1,0 +1,76 @@
+"""Megatron-LM's saved ``args`` -> our ModelConfig, refusing by name what we do not implement.
+
+The gotchas (docs/reference.md, "Megatron-LM checkpoints"):
+
+- ``num_query_groups`` is 1 in ``args`` when ``--group-query-attention`` is off: the
+  model then has one group per head.
+- The norm epsilon was ``layernorm_epsilon`` before Megatron-Core renamed it ``norm_epsilon``.
+- GeLU: Megatron computes the tanh approximation when ``bias_gelu_fusion`` is on (its
+  default) and the exact erf otherwise; megatron_lite computes the tanh one, so the
+  other is refused.
+- The vocabulary: ``args`` hold ``padded_vocab_size`` (every embedding row, the padding
+  rows included, is a trained parameter); the tokenizer's own size is not always saved.
+  Our vocabulary is the padded one, so the logits keep Megatron's width.
+"""
+from __future__ import annotations
+
+from megatron_lite.config import ConfigError, ModelConfig
+
+# args that change what the model computes and that megatron_lite does not implement: (name, what it is).
+_UNSUPPORTED = (("num_experts", "mixture of experts"), ("multi_latent_attention", "multi-latent attention"),
+                ("qk_layernorm", "query/key layer norms"), ("squared_relu", "squared ReLU"),
+                ("openai_gelu", "OpenAI's GeLU"), ("mtp_num_layers", "multi-token prediction layers"),
+                ("apply_residual_connection_post_layernorm", "residuals after the norm"),
+                ("use_rope_scaling", "rope scaling"), ("rotary_interleaved", "interleaved rotary embeddings"),
+                ("heterogeneous_layers_config_path", "heterogeneous layers"),
+                ("experimental_attention_variant", "an experimental attention variant"),
+                ("qk_l2_norm", "query/key L2 norms"))
+
+
+def _arg(args, name: str, default=None):
+    return getattr(args, name, default)
+
+
+def refuse_unsupported(args, source: str) -> None:
+    """One ConfigError naming every model-changing arg of ``args`` that megatron_lite does not implement."""
+    found = [f"--{name.replace('_', '-')} ({what})" for name, what in _UNSUPPORTED
+             if what is not None and _arg(args, name) not in (None, False, 0)]
+    if _arg(args, "add_qkv_bias") and not _arg(args, "add_bias_linear", True):
+        found.append("--add-qkv-bias without --add-bias-linear (biases on the QKV projection alone)")
+    if not _arg(args, "swiglu") and not _arg(args, "bias_gelu_fusion", True):
+        found.append("--no-bias-gelu-fusion (the exact erf GeLU; megatron_lite computes the tanh approximation)")
+    if _arg(args, "normalization", "LayerNorm") not in ("LayerNorm", "RMSNorm"):
+        found.append(f"--normalization {args.normalization}")
+    if _position_embedding_type(args) not in ("learned_absolute", "rope"):
+        found.append(f"--position-embedding-type {args.position_embedding_type}")
+    if found:
+        raise ConfigError(f"the Megatron-LM checkpoint {source} was trained with settings megatron_lite does not "
+                          f"implement: {', '.join(found)}.")
+
+
+def _position_embedding_type(args) -> str:
+    if _arg(args, "use_rotary_position_embeddings"):  # before --position-embedding-type existed
+        return "rope"
+    return _arg(args, "position_embedding_type", "learned_absolute")
+
+
+def model_config_from_megatron_args(args, source: str) -> ModelConfig:
+    """Our ModelConfig for the model Megatron's ``args`` describe."""
+    refuse_unsupported(args, source)
+    heads = args.num_attention_heads
+    epsilon = _arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))
+    return ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+        num_query_groups=args.num_query_groups if _arg(args, "group_query_attention") else heads,
+        kv_channels=_arg(args, "kv_channels") or args.hidden_size // heads,
+        ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.padded_vocab_size,
+        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+        normalization=_arg(args, "normalization", "LayerNorm"), norm_epsilon=epsilon,
+        apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False)),
+        position_embedding_type=_position_embedding_type(args), rotary_base=float(_arg(args, "rotary_base", 10000)),
+        rotary_percent=float(_arg(args, "rotary_percent", 1.0)), swiglu=bool(_arg(args, "swiglu", False)),
+        add_bias_linear=bool(_arg(args, "add_bias_linear", True)),
+        untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
+        hidden_dropout=_arg(args, "hidden_dropout", 0.1), attention_dropout=_arg(args, "attention_dropout", 0.1),
+        init_method_std=_arg(args, "init_method_std", 0.02),
+        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128))

@@ -1,0 +1,87 @@
+"""How Megatron-LM names and splits a GPT's tensors, as megatron_lite's names.
+
+Megatron-Core names (``decoder.layers.3.self_attention.linear_qkv.weight``) are ours
+but for three things: the final norm (``decoder.final_layernorm`` here, ``final_layernorm``
+in ours), Transformer Engine's fused norms (the norm before a linear is stored inside
+it: ``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), and the older
+model of ``--use-legacy-models``, whose state dict nests
+``language_model.{embedding,encoder,output_layer}`` and names layers after the GPT-2
+paper (``query_key_value``, ``dense_h_to_4h``...). Files of one pipeline stage number
+their layers from 0.
+
+The splits are ours too (Megatron's column-parallel layers split dim 0 and row-parallel
+layers dim 1; the fused QKV holds whole query groups ``[q heads of the group; k; v]``
+per rank, SwiGLU's fc1 ``[gate_r; up_r]`` per rank), so one tensor-parallel rank's
+shards are cut and joined with our model's own ``partition_dim``/``partition_stride``.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+# (Megatron's name inside a layer, ours): Transformer Engine's and the legacy model's layer names.
+LAYER_RENAMES = (
+    ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+    ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
+    ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+    ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"),
+    ("input_norm.", "input_layernorm."),
+    ("post_attention_norm.", "pre_mlp_layernorm."),
+    ("post_attention_layernorm.", "pre_mlp_layernorm."),
+    ("self_attention.query_key_value.", "self_attention.linear_qkv."),
+    ("self_attention.dense.", "self_attention.linear_proj."),
+    ("mlp.dense_h_to_4h.", "mlp.linear_fc1."),
+    ("mlp.dense_4h_to_h.", "mlp.linear_fc2."),
+)
+# Outside the layers: Megatron-Core's and the legacy model's names -> ours (None: a copy we drop).
+TOP_RENAMES = {
+    "decoder.final_layernorm.weight": "final_layernorm.weight",
+    "decoder.final_layernorm.bias": "final_layernorm.bias",
+    "language_model.embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+    "language_model.embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+    "language_model.encoder.final_norm.weight": "final_layernorm.weight",
+    "language_model.encoder.final_norm.bias": "final_layernorm.bias",
+    "language_model.encoder.final_layernorm.weight": "final_layernorm.weight",
+    "language_model.encoder.final_layernorm.bias": "final_layernorm.bias",
+    "language_model.output_layer.weight": "output_layer.weight",
+}
+_LAYER = re.compile(r"^(?:decoder|language_model\.encoder|language_model\.transformer)\.layers\.(\d+)\.(.+)$")
+TIED_OUTPUT_COPIES = ("output_layer.weight", "word_embeddings_for_head.weight")
+
+
+def flatten(state: dict, prefix: str = "") -> dict:
+    """The legacy model's nested state dict as dotted names (a flat one is returned as it is)."""
+    flat = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def local_layer(name: str) -> Optional[tuple[int, str]]:
+    """(layer number in its file, our name inside the layer) for a layer tensor, else None."""
+    match = _LAYER.match(name)
+    if match is None:
+        return None
+    inner = match.group(2)
+    for theirs, ours in LAYER_RENAMES:
+        if inner.startswith(theirs) or inner == theirs:
+            inner = ours + inner[len(theirs):]
+            break
+    return int(match.group(1)), inner
+
+
+def is_ignored(name: str, *, tied: bool) -> bool:
+    """Tensors that are not weights (``_extra_state``: Transformer Engine's FP8 metadata) and the last
+    pipeline stage's copy of tied embeddings."""
+    return name.endswith("_extra_state") or (tied and name in TIED_OUTPUT_COPIES)
+
+
+def ours_from_megatron(name: str, layer_offset: int) -> str:
+    """Our global name for Megatron's ``name`` in a file whose first layer is global layer ``layer_offset``."""
+    layer = local_layer(name)
+    if layer is not None:
+        return f"decoder.layers.{layer[0] + layer_offset}.{layer[1]}"
+    return TOP_RENAMES.get(name, name)

@@ -1,0 +1,58 @@
+"""Megatron-LM's legacy ``--ckpt-format torch`` checkpoints: one pickle per model-parallel rank.
+
+    ROOT/latest_checkpointed_iteration.txt          "1000" (or "release")
+    ROOT/iter_0001000/mp_rank_00/model_optim_rng.pt           pipeline size 1: mp_rank_{tp:02d}
+    ROOT/iter_0001000/mp_rank_01_002/model_optim_rng.pt       else mp_rank_{tp:02d}_{pp:03d}
+
+Each file holds ``model`` (that rank's shards), ``args``, ``iteration``,
+``checkpoint_version``, optionally ``optimizer``, ``opt_param_scheduler`` and
+``rng_state``. Only ``model``, ``args`` and ``iteration`` are read: the optimizer state
+of a legacy file is the flattened state of Megatron's optimizer wrappers, which does
+not map exactly onto ours, so an import starts it fresh.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from megatron_lite.checkpointing.megatron.safe_unpickle import load_torch_file
+from megatron_lite.checkpointing.storage import CheckpointError
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+def iteration_dir(path: str) -> str:
+    """The ``iter_*`` (or ``release``) directory of a checkpoint root, or ``path`` if it is one."""
+    tracker = os.path.join(path, TRACKER_FILE)
+    if not os.path.isfile(tracker):
+        return path
+    with open(tracker) as f:
+        marker = f.read().strip()
+    return os.path.join(path, "release" if marker == "release" else f"iter_{int(marker):07d}")
+
+
+def rank_files(directory: str) -> dict:
+    """{(tensor rank, pipeline rank): file} of a legacy iteration directory."""
+    files = {}
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        match = _RANK_DIR.match(name)
+        if match and os.path.isfile(os.path.join(directory, name, MODEL_FILE)):
+            files[int(match.group(1)), int(match.group(2) or 0)] = os.path.join(directory, name, MODEL_FILE)
+    return files
+
+
+def read_rank_file(path: str) -> dict:
+    """One rank's file, read with the restricted unpickler; refuses what we cannot interpret."""
+    state = load_torch_file(path)
+    if "model" not in state:
+        names = sorted(k for k in state if k.startswith("model"))
+        what = f"virtual-pipeline chunks {names}" if names else f"no 'model' entry (keys: {sorted(state)[:8]})"
+        raise CheckpointError(f"{path} holds {what}: megatron_lite imports checkpoints saved without "
+                              f"--num-layers-per-virtual-pipeline-stage.")
+    version = state.get("checkpoint_version", 0)
+    if version < 2.0:
+        raise CheckpointError(f"{path} has checkpoint_version {version}: its fused QKV is ordered as before "
+                              f"Megatron-LM's version 2.0; load and re-save it with Megatron-LM first.")
+    return state

@@ -1,0 +1,152 @@
+"""Real Megatron-LM checkpoints (tests/fixtures/megatron, built by tools/make_megatron_fixtures.py with
+Megatron-LM's own code) import into megatron_lite and give Megatron's logits, at 1 process and tp2 x pp2."""
+import dataclasses
+import os
+
+import pytest
+import safetensors.torch
+import torch
+
+from megatron_lite.checkpointing import load_checkpoint, read_config
+from megatron_lite.checkpointing.megatron.importer import read_megatron_checkpoint
+from megatron_lite.config import CheckpointConfig, ConfigError
+from megatron_lite.model.builder import build_model
+from megatron_lite.pipeline_parallel import p2p
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+from tests.distributed import run_distributed
+from tools.checkpoint_convert import main as convert
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron")
+ATOL = 1e-5
+
+
+def fixture(name: str) -> str:
+    path = os.path.join(FIXTURES, name)
+    if not os.path.isdir(path):
+        pytest.skip(f"{name} was not built by tools/make_megatron_fixtures.py")
+    return path
+
+
+def megatron_logits(name: str) -> tuple:
+    saved = safetensors.torch.load_file(os.path.join(fixture(name), "logits.safetensors"))
+    return saved["tokens"], saved["logits"]
+
+
+def our_logits(root: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1):
+    """Our model loaded from ``root`` at (tp, pp) in this process's world: the logits on the last stage."""
+    config = read_config(root)
+    config = dataclasses.replace(config, checkpoint=CheckpointConfig(load=root), parallel=dataclasses.replace(
+        config.parallel, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
+    parallel_state = initialize_model_parallel(tp, pp)
+    try:
+        (model,) = build_model(config, parallel_state)
+        load_checkpoint(config, parallel_state, [model], None, None)
+        model.eval()
+        with torch.no_grad():
+            return _stage_forward(model, tokens, parallel_state, config.model.hidden_size)
+    finally:
+        destroy_model_parallel(parallel_state)
+
+
+def _stage_forward(model, tokens, parallel_state, hidden_size):
+    """This stage's forward; the stages hand activations [s, b, h] on. The last stage's logits, else None."""
+    exchange = dict(shape=(tokens.shape[1], tokens.shape[0], hidden_size), dtype=torch.float32,
+                    device=torch.device("cpu"), group=parallel_state.pipeline_model_parallel_group)
+    if not parallel_state.is_pipeline_first_stage():
+        (received,) = p2p.exchange(sends=[], receives=[parallel_state.pipeline_prev_rank], **exchange)
+        model.set_input_tensor(received)
+    output = model(tokens)
+    if not parallel_state.is_pipeline_last_stage():
+        p2p.exchange(sends=[(output, parallel_state.pipeline_next_rank)], receives=[], **exchange)
+        return None
+    return output
+
+
+LEGACY = ["gpt2_tp1pp1_torch", "llama_tp1pp1_torch", "gpt2_tp2pp2_torch", "llama_tp2pp2_torch",
+          "llama_tp2pp2_torch_bf16", "gpt2_tp2pp1_torch_dist", "llama_tp2pp1_torch_dist"]
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_import_gives_megatrons_logits(name, tmp_path):
+    tokens, reference = megatron_logits(name)
+    root = str(tmp_path / "ours")
+    assert convert(["--source-format", "megatron", "--load-dir", fixture(name), "--save-dir", root]) == 0
+    logits = our_logits(root, tokens)
+    atol = 2e-2 if "bf16" in name else ATOL  # bf16 weights, Megatron's forward in bf16 and ours in fp32
+    torch.testing.assert_close(logits, reference, atol=atol, rtol=0)
+
+
+def _pipeline_logits(rank, world_size, root, tokens):
+    return our_logits(root, tokens, tp=2, pp=2)
+
+
+@pytest.mark.parametrize("name", ["gpt2_tp2pp2_torch", "llama_tp2pp2_torch"])
+def test_import_at_tp2_pp2_gives_megatrons_logits(name, tmp_path):
+    tokens, reference = megatron_logits(name)
+    root = str(tmp_path / "ours")
+    assert convert(["--source-format", "megatron", "--load-dir", fixture(name), "--save-dir", root,
+                    "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]) == 0
+    results = run_distributed(_pipeline_logits, 4, args=(root, tokens))
+    last_stage = [r for r in results if r is not None]
+    assert len(last_stage) == 2
+    for logits in last_stage:
+        torch.testing.assert_close(logits, reference, atol=ATOL, rtol=0)
+
+
+def test_the_saved_args_map_to_our_config():
+    config = read_megatron_checkpoint(fixture("llama_tp1pp1_torch")).config.model
+    # GQA on: the groups are args.num_query_groups; the padded vocabulary is the model's; epsilon from norm_epsilon.
+    assert (config.num_query_groups, config.vocab_size, config.norm_epsilon) == (2, 56, 1e-6)
+    assert config.swiglu and config.untie_embeddings_and_output_weights and config.position_embedding_type == "rope"
+    gpt2 = read_megatron_checkpoint(fixture("gpt2_tp1pp1_torch")).config.model
+    assert gpt2.num_query_groups == gpt2.num_attention_heads == 4  # args hold num_query_groups=1 with GQA off
+
+
+def test_unsupported_megatron_args_are_refused_by_name():
+    import argparse
+    from megatron_lite.checkpointing.megatron.args_mapping import model_config_from_megatron_args
+    args = argparse.Namespace(num_experts=8, qk_layernorm=True, swiglu=False, bias_gelu_fusion=False)
+    with pytest.raises(ConfigError, match=r"--num-experts \(mixture of experts\), --qk-layernorm .*--no-bias-gelu"):
+        model_config_from_megatron_args(args, "ckpt")
+
+
+def test_training_and_generate_start_straight_from_a_megatron_dir(tmp_path, monkeypatch):
+    from megatron_lite.config.arguments import parse_args
+    from megatron_lite.inference.loading import read_checkpoint_config
+    from megatron_lite.config import ParallelConfig
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where the one-time import is cached
+    name = "llama_tp1pp1_torch"
+    tokens, reference = megatron_logits(name)
+    config = parse_args(["--pretrained-checkpoint", fixture(name), "--use-checkpoint-args", "--micro-batch-size",
+                         "2", "--global-batch-size", "2", "--train-iters", "1", "--mock-data", "--lr", "1e-4"])
+    assert config.model == read_megatron_checkpoint(fixture(name)).config.model
+    assert config.checkpoint.pretrained_checkpoint.startswith(str(tmp_path))
+    torch.testing.assert_close(our_logits(config.checkpoint.pretrained_checkpoint, tokens), reference, atol=ATOL,
+                               rtol=0)
+    generating = read_checkpoint_config(fixture(name), ParallelConfig())
+    assert generating.model == config.model and generating.checkpoint.load == config.checkpoint.pretrained_checkpoint
+
+
+def test_transformer_engine_layer_names_load_too(tmp_path):
+    """A legacy file whose layers carry Transformer Engine's names (the norm inside the next linear),
+    made from the Megatron fixture by renaming its tensors: the same logits."""
+    from megatron_lite.checkpointing.megatron.safe_unpickle import StandIn, load_torch_file
+    name = "llama_tp1pp1_torch"
+    tokens, reference = megatron_logits(name)
+    source = os.path.join(fixture(name), "iter_0000010", "mp_rank_00", "model_optim_rng.pt")
+    state = load_torch_file(source)
+    for key, value in vars(state["args"]).items():  # stand-ins name no importable class: save them as None
+        if isinstance(value, StandIn):
+            setattr(state["args"], key, None)
+    renames = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    state["model"] = {next((k.replace(ours, te) for ours, te in renames.items() if k.endswith(ours)), k): v
+                      for k, v in state["model"].items()}
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in state["model"]
+    te_dir = tmp_path / "te" / "iter_0000010" / "mp_rank_00"
+    te_dir.mkdir(parents=True)
+    torch.save(state, te_dir / "model_optim_rng.pt")
+    (tmp_path / "te" / "latest_checkpointed_iteration.txt").write_text("10")
+    root = str(tmp_path / "ours")
+    assert convert(["--source-format", "megatron", "--load-dir", str(tmp_path / "te"), "--save-dir", root]) == 0
+    torch.testing.assert_close(our_logits(root, tokens), reference, atol=ATOL, rtol=0)
