@@ -6,7 +6,7 @@ import pytest
 from megatron_lite.training import data_iterators, loop, metrics
 from megatron_lite.training.logger import TrainingLogger
 from megatron_lite.checkpointing.training_state import TrainingState
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
         "--vocab-size", "128", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",

@@ -7,7 +7,7 @@ Takes a few seconds, downloads nothing, and skips work whose outputs already exi
 import argparse
 import sys
 
-from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.data.demo_corpus import DEMO_VOCAB_SIZE, build_demo_data
 from megatron_lite.process_groups.failures import run_command
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 import time
 
-from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.process_groups.failures import run_command
 from megatron_lite.training.loss_parity import Layout, max_relative_difference, run_layout
 

@@ -16,10 +16,10 @@ import argparse
 import sys
 
 from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError
-from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.data.indexed_dataset import output_prefix_for
 from megatron_lite.data.preprocess import PreprocessError, preprocess_jsonl
-from megatron_lite.tokenizer import TOKENIZER_TYPES
+from megatron_lite.config import TOKENIZER_TYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:

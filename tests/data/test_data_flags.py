@@ -5,7 +5,7 @@ import os
 import numpy as np
 import torch
 
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 from megatron_lite.data import IndexedDatasetBuilder
 from megatron_lite.inference.loading import checkpoint_tokenizer
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
