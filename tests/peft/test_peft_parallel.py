@@ -48,6 +48,7 @@ def _train(rank, world_size, runs):
     from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_lite.tensor_parallel.random import set_random_seeds
     from megatron_lite.training.data_iterators import build_data_iterators
+    from megatron_lite.training.run_plan import plan_run
     from megatron_lite.training.loop import build_optimizer_and_scheduler, get_model, train_step
 
     kernels.configure(False)
@@ -62,7 +63,7 @@ def _train(rank, world_size, runs):
         optimizer, scheduler = build_optimizer_and_scheduler(config, ps, chunks)
         frozen = {name: p.detach().clone() for chunk in chunks for name, p in chunk.module.named_parameters()
                   if not p.requires_grad}
-        iterator = build_data_iterators(config, ps, 0)[0]
+        iterator = build_data_iterators(config, ps, plan_run(config, ps), 0)[0]
         losses, grads = [], []
         for _ in range(STEPS):
             loss, _, _ = train_step(config, ps, chunks, optimizer, scheduler, iterator,

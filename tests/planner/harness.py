@@ -81,6 +81,7 @@ def run_layout(config, *, timed_steps: int = 0) -> dict:
     from megatron_lite.tensor_parallel.random import set_random_seeds
     from megatron_lite.training.data_iterators import build_data_iterators
     from megatron_lite.training.loop import build_optimizer_and_scheduler, get_model, train_step
+    from megatron_lite.training.run_plan import plan_run
 
     parallel = config.parallel
     state = initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
@@ -88,7 +89,7 @@ def run_layout(config, *, timed_steps: int = 0) -> dict:
     set_random_seeds(config.training.seed, state)
     chunks = get_model(config, state)
     optimizer, scheduler = build_optimizer_and_scheduler(config, state, chunks)
-    data = build_data_iterators(config, state, 0)[0]
+    data = build_data_iterators(config, state, plan_run(config, state), 0)[0]
     num_microbatches = config.training.num_microbatches(state.data_parallel_world_size)
     parameters = [p for chunk in chunks for p in chunk.module.parameters()]
     with SavedActivationPeak(parameters) as tracker:
