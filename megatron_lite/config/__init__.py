@@ -233,6 +233,15 @@ class ParallelConfig:
         """ZeRO-3: each rank keeps only its shard of the parameters between uses."""
         return self.data_parallel_sharding_strategy == "optim_grads_params"
 
+    def check_interleaved_microbatches(self, num_microbatches: int) -> None:
+        """With virtual pipeline stages, Megatron's interleaved schedule walks micro-batches in groups of p."""
+        pp = self.pipeline_model_parallel_size
+        _require((self.virtual_pipeline_model_parallel_size or 1) == 1 or num_microbatches % pp == 0,
+                 f"the interleaved pipeline schedule needs the number of micro-batches (--global-batch-size / "
+                 f"(--micro-batch-size x data-parallel size) = {num_microbatches}) to be a multiple of "
+                 f"--pipeline-model-parallel-size ({pp}); change --global-batch-size or --micro-batch-size, or drop "
+                 f"--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage.")
+
     def data_parallel_size(self, world_size: int) -> int:
         model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         _require(world_size % model_parallel == 0,
@@ -281,6 +290,8 @@ class TrainingConfig:
         if self.train_iters is None and self.train_samples is None:
             self.train_iters = 100
         _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}.")
+        _require(self.global_batch_size is None or self.global_batch_size >= 1,
+                 f"--global-batch-size must be >= 1, got {self.global_batch_size}.")
         _require(self.train_iters is None or self.train_samples is None,
                  "--train-iters and --train-samples are mutually exclusive: give the run's length in "
                  "iterations or in samples.")

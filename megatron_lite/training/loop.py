@@ -33,7 +33,6 @@ from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_
 from megatron_lite.model.builder import FSDP_UNIT_MODULES, build_model, current_device
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.optimizer.optimizer_param_scheduler import get_optimizer_param_scheduler
-from megatron_lite.pipeline_parallel.schedule_table import check_interleaved_microbatches
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
 from megatron_lite.process_groups import collectives, failures
 from megatron_lite.process_groups.initialize import initialize_distributed
@@ -204,9 +203,8 @@ def check_batches_ahead(config: Config, calculator: NumMicroBatchesCalculator, c
     a multiple of the pipeline stages. Only those ahead, as Megatron checks each batch when it comes: a run
     may resume with more data-parallel ranks once the small early batches are behind it."""
     calculator.check_batches_ahead(consumed_samples)
-    if (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1:
-        for count in calculator.microbatch_counts(consumed_samples):
-            check_interleaved_microbatches(count, config.parallel.pipeline_model_parallel_size)
+    for count in calculator.microbatch_counts(consumed_samples):
+        config.parallel.check_interleaved_microbatches(count)
 
 
 def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
