@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError, ParallelConfig
-from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.data import IndexedDataset
 from megatron_lite.data.data_samplers import collate_gpt_batch
 from megatron_lite.data.sft import format_prompt, load_sft_examples, response_text, split_last_response

@@ -25,7 +25,7 @@ import sys
 import torch
 
 from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError, ParallelConfig
-from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.data.jsonl import read_jsonl_lines
 from megatron_lite.data.sft.prompt_format import ROLES, format_prompt, response_text
 from megatron_lite.inference.loading import (add_tokenizer_arguments, checkpoint_tokenizer, load_model,

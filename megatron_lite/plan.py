@@ -22,7 +22,7 @@ import os
 import sys
 
 from megatron_lite.config import ConfigError
-from megatron_lite.config.arguments import build_parser, config_from_namespace
+from megatron_lite.cli.arguments import build_parser, config_from_namespace
 from megatron_lite.planner.cluster import PRESETS, customise
 from megatron_lite.planner.estimate import estimate
 from megatron_lite.planner.layouts import Layout, check_layout, enumerate_layouts

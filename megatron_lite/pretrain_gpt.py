@@ -9,7 +9,7 @@ from ``--pretrained-checkpoint CKPT`` or ``--load CKPT --finetune``.
 import sys
 
 from megatron_lite.checkpointing.preflight import check_peft_has_a_base
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 from megatron_lite.process_groups.failures import run_command
 from megatron_lite.training.loop import pretrain
 

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_lite.checkpointing import storage
 from megatron_lite.config import ConfigError
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 from megatron_lite.training.num_microbatches_calculator import (NumMicroBatchesCalculator,
                                                                 build_num_microbatches_calculator)
 from tests.distributed import run_distributed

@@ -1,9 +1,9 @@
 """Flags parse into validated config; bad combinations fail naming the flag and the fix."""
 import pytest
 
-from megatron_lite.config.arguments import parse_args
-from megatron_lite.config import ConfigError
-from megatron_lite.config.megatron_compat import ACCEPTED_FLAGS, REFUSED_FLAGS
+from megatron_lite.cli.arguments import parse_args
+from megatron_lite.config import ConfigError, flag_name
+from megatron_lite.cli.megatron_compat import ACCEPTED_FLAGS, REFUSED_FLAGS
 from megatron_lite.pretrain_gpt import main
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -120,19 +120,45 @@ def test_config_round_trips_through_dict():
 
 
 def test_every_flag_has_a_line_of_help():
-    from megatron_lite.config.arguments import build_parser
+    from megatron_lite.cli.arguments import build_parser
 
     silent = [action.option_strings[0] for action in build_parser()._actions if not action.help]
     assert silent == [], f"flags without --help text (add them to config/help_text.py): {silent}"
 
 
-def test_help_choices_are_the_ones_the_code_accepts():
-    from megatron_lite.config.help_text import CHOICES
-    from megatron_lite.optimizer.optimizer_param_scheduler import LR_DECAY_STYLES, WD_INCR_STYLES
-    from megatron_lite.tokenizer import TOKENIZER_TYPES
+def test_a_config_built_in_code_refuses_every_choice_the_parser_refuses():
+    """One definition per flag: the parser's choices are the field's, and the section refuses the rest."""
+    import dataclasses
 
-    assert CHOICES["tokenizer_type"] == TOKENIZER_TYPES
-    assert CHOICES["lr_decay_style"] == LR_DECAY_STYLES and CHOICES["weight_decay_incr_style"] == WD_INCR_STYLES
+    from megatron_lite.cli.arguments import build_parser
+    from megatron_lite.config import SECTIONS
+
+    parser_choices = {action.dest: tuple(action.choices) for action in build_parser()._actions if action.choices}
+    field_choices = {f.name: tuple(f.metadata["choices"]) for cls in SECTIONS.values() for f in dataclasses.fields(cls)
+                     if "choices" in f.metadata}
+    assert parser_choices == field_choices
+    model = dict(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=10)
+    for cls in SECTIONS.values():
+        for f in dataclasses.fields(cls):
+            if "choices" in f.metadata:
+                bad = ["nonsense"] if "list" in str(f.type) else "nonsense"
+                with pytest.raises(ConfigError, match=f"{flag_name(f.name)} must be one of .*got 'nonsense'"):
+                    cls(**(model if cls.__name__ == "ModelConfig" else {}), **{f.name: bad})
+
+
+def test_choices_are_the_ones_the_code_accepts():
+    from megatron_lite.config import WEIGHT_DECAY_INCR_STYLES, WSD_DECAY_STYLES
+    from megatron_lite.optimizer.optimizer_param_scheduler import WSD_DECAY_COEFFICIENTS, OptimizerParamScheduler
+
+    assert sorted(WSD_DECAY_COEFFICIENTS) == sorted(WSD_DECAY_STYLES)
+    for style in WEIGHT_DECAY_INCR_STYLES:  # each is a schedule the scheduler builds
+        OptimizerParamScheduler(_FakeOptimizer(), max_lr=1.0, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=10,
+                                lr_decay_style="linear", start_wd=0.1, end_wd=0.1 if style == "constant" else 0.2,
+                                wd_incr_steps=10, wd_incr_style=style)
+
+
+class _FakeOptimizer:
+    param_groups = [{"params": []}]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from megatron_lite.config import ConfigError
-from megatron_lite.config.arguments import parse_args
-from megatron_lite.config.deepspeed_config import translate
+from megatron_lite.cli.arguments import parse_args
+from megatron_lite.cli.deepspeed_config import translate
 from megatron_lite.training.loop import pretrain
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "deepspeed_configs")

@@ -11,7 +11,7 @@ import struct
 import pytest
 
 from megatron_lite.config import ConfigError
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 from megatron_lite.pretrain_gpt import main as pretrain_main
 from tools.plot_training import main as plot_main
 from tools.plot_training import read_log

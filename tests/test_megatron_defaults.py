@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from megatron_lite.config import SECTIONS, default_ffn_hidden_size
-from megatron_lite.config.arguments import build_parser, parse_args
+from megatron_lite.cli.arguments import build_parser, parse_args
 from megatron_lite.config.help_text import HELP
 
 MEGATRON_COMMIT = "d98e8a64dd"

@@ -21,7 +21,7 @@ import types
 
 import pytest
 
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 from megatron_lite.optimizer.optimizer import get_param_groups
 from megatron_lite.optimizer.optimizer_param_scheduler import get_optimizer_param_scheduler
 from megatron_lite.training import loop

@@ -20,8 +20,8 @@ import shlex
 import pytest
 
 from megatron_lite.config import ConfigError
-from megatron_lite.config.arguments import build_parser, parse_args
-from megatron_lite.config.megatron_compat import REFUSED_FLAGS
+from megatron_lite.cli.arguments import build_parser, parse_args
+from megatron_lite.cli.megatron_compat import REFUSED_FLAGS
 from megatron_lite.pretrain_gpt import main
 from tools.build_demo_data import build_demo_data
 

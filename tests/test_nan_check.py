@@ -61,7 +61,7 @@ def test_every_pipeline_stage_stops_when_the_last_one_sees_nan(run_distributed):
 
 @pytest.mark.parametrize("flag", ["--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad"])
 def test_the_flag_parses(flag):
-    from megatron_lite.config.arguments import parse_args
+    from megatron_lite.cli.arguments import parse_args
 
     config = parse_args([*DIVERGING, flag])
     assert config.training.check_for_nan_in_loss_and_grad == (flag == "--check-for-nan-in-loss-and-grad")

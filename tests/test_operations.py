@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_lite.config import ParallelConfig
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 from megatron_lite.training import operations
 from tests.distributed import run_distributed
 

@@ -6,7 +6,7 @@ import pytest
 from megatron_lite.training import data_iterators, loop
 from megatron_lite.training.logger import TrainingLogger
 from megatron_lite.checkpointing.training_state import TrainingState
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
         "--vocab-size", "128", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -110,18 +110,28 @@ def test_user_errors_print_the_fix_without_a_traceback(tmp_path, capsys):
 
 
 def test_start_up_summary_counts_parameters_per_stage_and_the_batch():
-    from megatron_lite.model.builder import count_parameters, parameters_per_stage
+    import dataclasses
+
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.model.builder import count_parameters
     from megatron_lite.process_groups.parallel_state import mock_parallel_state
     from megatron_lite.training.logger import format_startup_summary
+    from megatron_lite.training.num_microbatches_calculator import build_num_microbatches_calculator
+    from megatron_lite.training.run_plan import RunPlan
 
     config = parse_args(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
                          "32", "--vocab-size", "1000", "--mock-data", "--pipeline-model-parallel-size", "2",
                          "--micro-batch-size", "2", "--global-batch-size", "16", "--save", "/ckpt"])
-    total, stages = count_parameters(config), parameters_per_stage(config)
+    parallel_state = mock_parallel_state(rank=0, world_size=4, tensor_model_parallel_size=1,
+                                         pipeline_model_parallel_size=2)
+    counts = count_parameters(config)
+    total, stages = counts.total, counts.per_stage
     embedding = config.model.padded_vocab_size(1) * 64  # tied: held by the first and the last stage
     assert sum(stages) == total + embedding and len(stages) == 2
-    summary = format_startup_summary(config, mock_parallel_state(rank=0, world_size=4, tensor_model_parallel_size=1,
-                                                                 pipeline_model_parallel_size=2), stages, total)
+    assert total == count_parameters(dataclasses.replace(config, parallel=ParallelConfig())).total  # one stage
+    plan = RunPlan(calculator=build_num_microbatches_calculator(config, data_parallel_size=2), train_iters=100,
+                   parameters=counts, checkpoint=None)
+    summary = format_startup_summary(config, parallel_state, plan)
     assert f"{total:,} parameters" in summary
     assert "4 processes = tensor 1 x pipeline 2 x data 2" in summary
     assert "16 sequences = micro-batch 2 x 4 micro-batches x data 2; 512 tokens per iteration" in summary

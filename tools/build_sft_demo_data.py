@@ -14,7 +14,7 @@ import os
 import random
 import sys
 
-from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.process_groups.failures import run_command
 
 LETTERS = range(1, 9)

@@ -44,7 +44,7 @@ from megatron_lite.checkpointing.offline import reshard_checkpoint, write_checkp
 from megatron_lite.checkpointing.peft_base import folded_prefix, merged_lora
 from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
 from megatron_lite.config import ConfigError, ParallelConfig
-from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.cli.parser import ArgumentParser
 
 FORMATS = ("megatron_lite", "hf", "peft", "megatron")
 

@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.process_groups.failures import run_command
 
 LOSS_PATTERN = re.compile(r"\| lm loss: ([0-9.E+-]+) \|")

@@ -10,7 +10,7 @@ import os
 import sys
 
 from megatron_lite.config import ConfigError
-from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, data_file_path, index_file_path
 from megatron_lite.process_groups.failures import run_command
 

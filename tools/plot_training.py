@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.cli.parser import ArgumentParser
 
 PANELS = (("lm loss", "loss"), ("learning rate", "learning rate"), ("grad norm", "grad norm"),
           ("tokens per second", "tokens per second"))

@@ -19,11 +19,11 @@ import sys
 
 from megatron_lite.config import SFT_FORMATS, SFT_PROMPT_FORMATS, ConfigError, DataConfig
 from megatron_lite.config.help_text import HELP
-from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.data.indexed_dataset import output_prefix_for
 from megatron_lite.data.preprocess import PreprocessError, preprocess_jsonl
 from megatron_lite.data.sft import RecordFormat
-from megatron_lite.tokenizer import TOKENIZER_TYPES
+from megatron_lite.config import TOKENIZER_TYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:

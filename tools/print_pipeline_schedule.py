@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.pipeline_parallel.schedule_table import build_schedule, in_flight_bound, peak_in_flight
 from megatron_lite.pipeline_parallel.timeline import simulate
 from megatron_lite.process_groups.failures import run_command

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import sys
 
-from megatron_lite.config.arguments import ArgumentParser, parse_args
+from megatron_lite.cli.arguments import parse_args
+from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.process_groups.failures import run_command
 from megatron_lite.process_groups.parallel_state import RankLayout

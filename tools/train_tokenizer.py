@@ -15,7 +15,7 @@ import os
 import sys
 
 from megatron_lite.config import ConfigError
-from megatron_lite.config.arguments import ArgumentParser
+from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe
 from megatron_lite.tokenizer.sentencepiece_tokenizer import train_sentencepiece
 

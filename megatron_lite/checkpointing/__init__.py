@@ -2,6 +2,7 @@
 
     save_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler, state)
     load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) -> TrainingState | None
+    load_checkpoint_from(source, config, ...)   (the same, when the caller has found the checkpoint already)
     read_config(load_dir) -> Config      (the configuration a checkpoint was saved with)
 
 ``storage`` is the on-disk format (safetensors + JSON, atomic commit, checksums),
@@ -11,7 +12,7 @@ checkpoints from global tensors (``tools/checkpoint_convert.py``), and ``hf_inte
 maps Hugging Face GPT-2 and Llama checkpoints to ours and back; ``training_state`` is the
 loop's progress that a checkpoint restores.
 """
-from megatron_lite.checkpointing.save_load import load_checkpoint, read_config, save_checkpoint
+from megatron_lite.checkpointing.save_load import load_checkpoint, load_checkpoint_from, read_config, save_checkpoint
 from megatron_lite.checkpointing.storage import CheckpointError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_config", "CheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_checkpoint_from", "read_config", "CheckpointError"]

@@ -20,13 +20,14 @@ from megatron_lite.config import Config, ConfigError
 OPTIMIZER_BYTES_PER_PARAMETER = 12
 
 
-def check_checkpoint_paths(config: Config, num_parameters: int) -> None:
-    """Raise CheckpointError naming the path and the fix; call on every rank (each writes its own file)."""
+def check_checkpoint_paths(config: Config, num_parameters: int) -> tuple[str, int, bool] | None:
+    """Raise CheckpointError naming the path and the fix; call on every rank (each writes its own file).
+    Returns the checkpoint the run starts from (``checkpoint_to_load``), None for a fresh start."""
     checkpoint = config.checkpoint
     if checkpoint.save:
         bytes_per_parameter = config.params_dtype.itemsize + OPTIMIZER_BYTES_PER_PARAMETER
         check_save_dir(checkpoint.save, needed_bytes=num_parameters * bytes_per_parameter)
-    checkpoint_to_load(checkpoint)  # fine-tuning from a missing checkpoint fails here, before the model is built
+    return checkpoint_to_load(checkpoint)  # fine-tuning from a missing checkpoint fails here, before the model
 
 
 def check_peft_has_a_base(config: Config) -> None:

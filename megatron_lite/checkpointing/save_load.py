@@ -291,6 +291,14 @@ def load_checkpoint(config: Config, parallel_state, model_chunks, optimizer, sch
     checkpoint = config.checkpoint
     source = _collectively(lambda: checkpoint_to_load(checkpoint), "open",
                            checkpoint.load or checkpoint.pretrained_checkpoint)
+    return load_checkpoint_from(source, config, parallel_state, model_chunks, optimizer, scheduler)
+
+
+def load_checkpoint_from(source: tuple[str, int, bool] | None, config: Config, parallel_state, model_chunks,
+                         optimizer, scheduler):
+    """``load_checkpoint`` of the checkpoint ``checkpoint_to_load`` found (its ``source``, the same on every
+    rank): the trainer finds it once at start-up (``training.run_plan``)."""
+    checkpoint = config.checkpoint
     if source is None:
         if parallel_state.rank == 0:  # Megatron's resume-or-start, which launch scripts rely on: say it loudly
             print(f" WARNING: no checkpoint in --load {checkpoint.load} ({storage.TRACKER_FILE} is missing): "

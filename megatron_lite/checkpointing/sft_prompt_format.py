@@ -17,7 +17,7 @@ from megatron_lite.config import CheckpointConfig, ConfigError
 
 def prompt_format_from_checkpoint(values: dict) -> dict:
     """``{"sft_tokenizer_prompt_format": ...}`` taken from the checkpoint to load, or {} (parsed flags by
-    field name, as ``config.arguments`` holds them; rank-independent, read before any process group)."""
+    field name, as ``cli.arguments`` holds them; rank-independent, read before any process group)."""
     if not values.get("sft"):
         return {}
     checkpoint = CheckpointConfig(**{name: values[name] for name in ("load", "pretrained_checkpoint", "finetune")

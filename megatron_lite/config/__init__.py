@@ -2,7 +2,10 @@
 
 Every error names the command-line flag at fault and what to do about it, so a
 user who mistypes a launch script learns the fix before any process group is
-built. ``arguments.py`` maps Megatron-LM's flags onto these dataclasses.
+built. Each field is one flag (``megatron_lite/cli/`` maps Megatron-LM's flags onto these
+dataclasses; how to add one is in its docstring): a field's ``choices`` metadata and its
+section's ``__post_init__`` are the whole validation, so a Config built in code is checked
+exactly as one parsed from flags. This package imports nothing of megatron_lite above it.
 """
 from __future__ import annotations
 
@@ -19,6 +22,18 @@ from megatron_lite.config.errors import ConfigError, UserError  # noqa: F401 (im
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _check_choices(section) -> None:
+    """Each field whose metadata lists ``choices`` holds one of them (every element, for a list field); the
+    parser offers the same list. None passes where it is the field's default ("not given")."""
+    for f in dataclasses.fields(section):
+        choices, value = f.metadata.get("choices"), getattr(section, f.name)
+        if choices is None or (value is None and f.default is None):
+            continue
+        bad = [v for v in (value if isinstance(value, list) else [value]) if v not in choices]
+        _require(not bad, f"{flag_name(f.name)} must be one of {', '.join(map(str, choices))}, "
+                          f"got {', '.join(map(repr, bad))}.")
 
 
 # Fields that default to True are turned off by these flags (Megatron's spelling).
@@ -55,6 +70,8 @@ def as_flags(values: dict) -> str:
 # and auto, run torch's scaled_dot_product_attention (which picks a flash or memory-efficient kernel
 # itself). unfused and local run the explicit QK^T -> masked softmax -> V path.
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -78,13 +95,13 @@ class ModelConfig:
     num_query_groups: Optional[int] = None  # grouped-query attention; default = heads
     max_position_embeddings: Optional[int] = None  # default seq_length
     kv_channels: Optional[int] = None  # width of each head; default hidden_size / num_attention_heads
-    normalization: str = "LayerNorm"
+    normalization: str = field(default="LayerNorm", metadata={"choices": NORMALIZATIONS})
     norm_epsilon: float = 1e-5
     apply_layernorm_1p: bool = False  # norm weights hold scale - 1 (Megatron's zero-centred gamma)
-    position_embedding_type: str = "learned_absolute"
+    position_embedding_type: str = field(default="learned_absolute", metadata={"choices": POSITION_EMBEDDING_TYPES})
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # fraction of each head's channels that rotary embeddings rotate
-    attention_backend: str = "auto"  # see ATTENTION_BACKENDS
+    attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     swiglu: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # a bias on the fused QKV alone, even with --disable-bias-linear (Qwen2)
@@ -102,6 +119,7 @@ class ModelConfig:
     use_fused_kernels: bool = True
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
             _require(self.ffn_hidden_size > 0,
@@ -127,17 +145,10 @@ class ModelConfig:
         _require(self.num_attention_heads % self.num_query_groups == 0,
                  f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                  f"--num-query-groups ({self.num_query_groups}): each query group shares one key/value head.")
-        _require(self.normalization in ("LayerNorm", "RMSNorm"),
-                 f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}.")
-        _require(self.position_embedding_type in ("learned_absolute", "rope"),
-                 f"--position-embedding-type must be learned_absolute or rope, got "
-                 f"{self.position_embedding_type!r}.")
         _require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}.")
         _require(self.position_embedding_type != "rope" or (self.rotary_dim > 0 and self.rotary_dim % 2 == 0),
                  f"--position-embedding-type rope rotates pairs of channels: head dimension {self.head_dim} x "
                  f"--rotary-percent {self.rotary_percent} = {self.rotary_dim} channels must be even and positive.")
-        _require(self.attention_backend in ATTENTION_BACKENDS,
-                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}.")
         _require(self.seq_length <= self.max_position_embeddings,
                  f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                  f"({self.max_position_embeddings}); raise --max-position-embeddings.")
@@ -191,21 +202,19 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False  # the same as data_parallel_sharding_strategy "optim"
     # What data-parallel ranks shard (ZeRO stages 0-3); None = "optim" with --use-distributed-optimizer,
     # else "no_shard". See megatron_lite/distributed/distributed_data_parallel.py.
-    data_parallel_sharding_strategy: Optional[str] = None
+    data_parallel_sharding_strategy: Optional[str] = field(default=None, metadata={"choices": SHARDING_STRATEGIES})
     grad_cpu_offload: bool = False  # ZeRO-2/3: the fp32 gradient shards live in host memory
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     ddp_bucket_size: Optional[int] = None  # elements; None = Megatron's default (max(40M, 1M * dp))
     accumulate_allreduce_grads_in_fp32: bool = False
     grad_reduce_in_bf16: bool = False  # with --bf16: bf16 gradient buffers and reductions (main grads stay fp32)
-    distributed_backend: Optional[str] = None  # None = nccl on CUDA, gloo otherwise
+    distributed_backend: Optional[str] = field(default=None, metadata={"choices": ("nccl", "gloo")})  # None: by device
     distributed_timeout_minutes: int = 10  # every process group's collective timeout
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         strategy = self.data_parallel_sharding_strategy
-        _require(strategy in (None,) + SHARDING_STRATEGIES,
-                 f"--data-parallel-sharding-strategy must be one of {', '.join(SHARDING_STRATEGIES)}, "
-                 f"got {strategy!r}.")
         _require(not (strategy == "no_shard" and self.use_distributed_optimizer),
                  "--use-distributed-optimizer shards the optimizer state, but --data-parallel-sharding-strategy is "
                  "no_shard: drop one of them (--use-distributed-optimizer is the same as the strategy optim).")
@@ -245,6 +254,15 @@ class ParallelConfig:
         """ZeRO-3: each rank keeps only its shard of the parameters between uses."""
         return self.data_parallel_sharding_strategy == "optim_grads_params"
 
+    def check_interleaved_microbatches(self, num_microbatches: int) -> None:
+        """With virtual pipeline stages, Megatron's interleaved schedule walks micro-batches in groups of p."""
+        pp = self.pipeline_model_parallel_size
+        _require((self.virtual_pipeline_model_parallel_size or 1) == 1 or num_microbatches % pp == 0,
+                 f"the interleaved pipeline schedule needs the number of micro-batches (--global-batch-size / "
+                 f"(--micro-batch-size x data-parallel size) = {num_microbatches}) to be a multiple of "
+                 f"--pipeline-model-parallel-size ({pp}); change --global-batch-size or --micro-batch-size, or drop "
+                 f"--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage.")
+
     def data_parallel_size(self, world_size: int) -> int:
         model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         _require(world_size % model_parallel == 0,
@@ -273,8 +291,8 @@ class TrainingConfig:
     seed: int = 1234
     bf16: bool = False
     fp16: bool = False
-    recompute_granularity: Optional[str] = None  # "full" or "selective"
-    recompute_method: Optional[str] = None  # "uniform" or "block"
+    recompute_granularity: Optional[str] = field(default=None, metadata={"choices": ("full", "selective")})
+    recompute_method: Optional[str] = field(default=None, metadata={"choices": ("uniform", "block")})
     recompute_num_layers: Optional[int] = None
     eval_interval: int = 1000
     eval_iters: int = 100
@@ -285,13 +303,17 @@ class TrainingConfig:
     manual_gc: bool = False  # no automatic garbage collection: collect at the same iterations on every rank
     manual_gc_interval: int = 0  # with --manual-gc: collect every N iterations (0: only around evaluation)
     manual_gc_eval: bool = True
-    empty_unused_memory_level: int = 0  # torch.cuda.empty_cache(): 1 after forward-backward, 2 also after the step
+    # torch.cuda.empty_cache(): 1 after forward-backward, 2 also after the step.
+    empty_unused_memory_level: int = field(default=0, metadata={"choices": (0, 1, 2)})
     check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or grad norm stops the run (training/nan_check.py)
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         if self.train_iters is None and self.train_samples is None:
             self.train_iters = 100
         _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}.")
+        _require(self.global_batch_size is None or self.global_batch_size >= 1,
+                 f"--global-batch-size must be >= 1, got {self.global_batch_size}.")
         _require(self.train_iters is None or self.train_samples is None,
                  "--train-iters and --train-samples are mutually exclusive: give the run's length in "
                  "iterations or in samples.")
@@ -303,10 +325,6 @@ class TrainingConfig:
                  f"--rampup-batch-size takes three numbers (START INCREMENT SAMPLES), got {self.rampup_batch_size}.")
         self._check_step_batch_size_schedule()
         _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive; pick one.")
-        _require(self.recompute_granularity in (None, "full", "selective"),
-                 f"--recompute-granularity must be full or selective, got {self.recompute_granularity!r}.")
-        _require(self.recompute_method in (None, "uniform", "block"),
-                 f"--recompute-method must be uniform or block, got {self.recompute_method!r}.")
         _require(self.recompute_granularity == "full" or self.recompute_method is None,
                  "--recompute-method only applies with --recompute-granularity full.")
         _require(self.eval_interval >= 1, f"--eval-interval must be >= 1, got {self.eval_interval}.")
@@ -316,8 +334,6 @@ class TrainingConfig:
         _require(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
                  f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}.")
         _require(self.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}.")
-        _require(self.empty_unused_memory_level in (0, 1, 2),
-                 f"--empty-unused-memory-level must be 0, 1 or 2, got {self.empty_unused_memory_level}.")
 
     def _check_step_batch_size_schedule(self) -> None:
         """The schedule's last batch is the global batch: --global-batch-size may repeat it (Megatron-LM's
@@ -358,14 +374,15 @@ class TrainingConfig:
 # --lr-decay-style and --lr-wsd-decay-style values (Megatron-LM's); the formulas are in optimizer_param_scheduler.py.
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+WEIGHT_DECAY_INCR_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    optimizer: str = "adam"
+    optimizer: str = field(default="adam", metadata={"choices": ("adam", "sgd")})
     lr: float = 3e-4
     min_lr: float = 0.0
-    lr_decay_style: str = "linear"
+    lr_decay_style: str = field(default="linear", metadata={"choices": LR_DECAY_STYLES})
     # Warmup and decay in iterations (with --train-iters) or in samples (with --train-samples);
     # --lr-warmup-fraction gives the warmup as a fraction of the decay instead.
     lr_warmup_iters: int = 0
@@ -375,7 +392,7 @@ class OptimizerConfig:
     lr_warmup_fraction: Optional[float] = None
     lr_warmup_init: float = 0.0  # warmup rises from this to --lr
     # --lr-decay-style WSD: stable at --lr, then anneals over the last iterations (or samples) of the decay.
-    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_style: str = field(default="exponential", metadata={"choices": WSD_DECAY_STYLES})
     lr_wsd_decay_iters: Optional[int] = None
     lr_wsd_decay_samples: Optional[int] = None
     decoupled_lr: Optional[float] = None  # the word embedding and output layer's own peak learning rate
@@ -383,7 +400,7 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     start_weight_decay: Optional[float] = None  # with end_weight_decay: a weight-decay schedule
     end_weight_decay: Optional[float] = None
-    weight_decay_incr_style: str = "constant"
+    weight_decay_incr_style: str = field(default="constant", metadata={"choices": WEIGHT_DECAY_INCR_STYLES})
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -399,11 +416,7 @@ class OptimizerConfig:
     use_checkpoint_opt_param_scheduler: bool = False  # on resume, the checkpoint's LR schedule replaces this run's
 
     def __post_init__(self) -> None:
-        _require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, got {self.optimizer!r}.")
-        _require(self.lr_decay_style in LR_DECAY_STYLES,
-                 f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {self.lr_decay_style!r}.")
-        _require(self.lr_wsd_decay_style in WSD_DECAY_STYLES,
-                 f"--lr-wsd-decay-style must be one of {', '.join(WSD_DECAY_STYLES)}, got {self.lr_wsd_decay_style!r}.")
+        _check_choices(self)
         _require(0 <= self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must be between 0 and --lr ({self.lr}).")
         _require(0 <= self.lr_warmup_init <= self.lr,
                  f"--lr-warmup-init ({self.lr_warmup_init}) must be between 0 and --lr ({self.lr}).")
@@ -433,6 +446,9 @@ SFT_PROMPT_FORMATS = ("plain", "chatml", "default")
 SFT_FORMATS = ("auto", "prompt_response", "messages", "alpaca", "sharegpt")
 SFT_DATA_KEY_NAMES = ("prompt", "response", "messages", "instruction", "input", "output", "system", "history",
                       "conversations")
+# --tokenizer-type values (megatron_lite/tokenizer/ builds each).
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer",
+                   "NullTokenizer")
 
 
 @dataclass(kw_only=True)
@@ -440,11 +456,12 @@ class DataConfig:
     data_path: list = field(default_factory=list)  # [path] or [w1, path1, w2, path2, ...]
     split: str = "969,30,1"
     mock_data: bool = False
-    tokenizer_type: Optional[str] = None
+    tokenizer_type: Optional[str] = field(default=None, metadata={"choices": TOKENIZER_TYPES})
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
     tokenizer_model: Optional[str] = None
-    tiktoken_pattern: Optional[str] = None  # v1 or v2 pre-tokenisation; only TikTokenizer reads it
+    # v1 or v2 pre-tokenisation; only TikTokenizer reads it.
+    tiktoken_pattern: Optional[str] = field(default=None, metadata={"choices": ("v1", "v2")})
     tiktoken_num_special_tokens: int = 1000
     data_cache_path: Optional[str] = None
     mmap_bin_files: bool = True  # --no-mmap-bin-files reads .bin with file reads (for filesystems mmap is slow on)
@@ -455,12 +472,13 @@ class DataConfig:
     train_data_path: list = field(default_factory=list)
     valid_data_path: list = field(default_factory=list)
     test_data_path: list = field(default_factory=list)
-    sft_tokenizer_prompt_format: str = "plain"
+    sft_tokenizer_prompt_format: str = field(default="plain", metadata={"choices": SFT_PROMPT_FORMATS})
     sft_pack_sequences: bool = False
-    sft_format: str = "auto"  # per record, from its keys
+    sft_format: str = field(default="auto", metadata={"choices": SFT_FORMATS})  # per record, from its keys
     sft_data_keys: list = field(default_factory=list)  # NAME=COLUMN: read COLUMN as NAME (see SFT_DATA_KEY_NAMES)
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         # Megatron reads only the numbers in --split, so a launcher's literal quotes ('99,1,0', as
         # Megatron-LM's Llama 3 example passes them) are harmless there; strip them here too.
         self.split = self.split.strip("'\"")
@@ -482,8 +500,6 @@ class DataConfig:
                  "(GPT2BPETokenizer for GPT-2's vocab.json and merges.txt).")
         _require(not self.eod_mask_loss or self.tokenizer_type is not None,
                  "--eod-mask-loss needs --tokenizer-type (and its files) to know the end-of-document token.")
-        _require(self.tiktoken_pattern in (None, "v1", "v2"),
-                 f"--tiktoken-pattern must be v1 or v2, got {self.tiktoken_pattern!r}.")
         _require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}.")
         parts = self.split.replace("/", ",").split(",")
         _require(all(p.strip().replace(".", "", 1).isdigit() for p in parts) and len(parts) <= 3,
@@ -497,11 +513,6 @@ class DataConfig:
                  "--sft reads --train-data-path (and --valid-data-path, --test-data-path); "
                  "drop --data-path/--mock-data.")
         _require(self.tokenizer_type is not None, "--sft needs --tokenizer-type (and its files): the data is text.")
-        _require(self.sft_tokenizer_prompt_format in SFT_PROMPT_FORMATS,
-                 f"--sft-tokenizer-prompt-format must be one of {', '.join(SFT_PROMPT_FORMATS)}, "
-                 f"got {self.sft_tokenizer_prompt_format!r}.")
-        _require(self.sft_format in SFT_FORMATS,
-                 f"--sft-format must be one of {', '.join(SFT_FORMATS)}, got {self.sft_format!r}.")
         for entry in self.sft_data_keys:
             name, _, column = entry.partition("=")
             _require(name in SFT_DATA_KEY_NAMES and bool(column),
@@ -521,6 +532,7 @@ class CheckpointConfig:
     use_checkpoint_args: bool = False
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _require(self.save_interval is None or self.save_interval >= 1,
                  f"--save-interval must be >= 1, got {self.save_interval}.")
         _require(self.save_interval is None or self.save is not None,
@@ -544,11 +556,12 @@ LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 class PeftConfig:
     """Parameter-efficient fine-tuning: train small added weights, keep the base model frozen."""
 
-    peft: Optional[str] = None  # None: train every weight
+    peft: Optional[str] = field(default=None, metadata={"choices": PEFT_METHODS})  # None: train every weight
     lora_rank: int = 8
     lora_alpha: float = 8.0  # the update is scaled by alpha / rank
     lora_dropout: float = 0.0
-    lora_target_modules: list = field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    lora_target_modules: list = field(default_factory=lambda: list(LORA_TARGET_MODULES),
+                                      metadata={"choices": LORA_TARGET_MODULES})
     adapter_dim: int = 32
     prefix_length: int = 16
     prefix_projection_hidden_size: Optional[int] = None  # None: learn the prefixes directly
@@ -557,14 +570,10 @@ class PeftConfig:
     peft_without_base_checkpoint: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.peft in (None, *PEFT_METHODS),
-                 f"--peft must be one of {', '.join(PEFT_METHODS)}, got {self.peft!r}.")
+        _check_choices(self)
         _require(self.lora_rank >= 1, f"--lora-rank must be >= 1, got {self.lora_rank}.")
         _require(self.lora_alpha > 0, f"--lora-alpha must be positive, got {self.lora_alpha}.")
         _require(0.0 <= self.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}.")
-        unknown = sorted(set(self.lora_target_modules) - set(LORA_TARGET_MODULES))
-        _require(not unknown, f"--lora-target-modules: unknown module(s) {', '.join(map(str, unknown))}; "
-                              f"choose from {' '.join(LORA_TARGET_MODULES)}.")
         _require(len(self.lora_target_modules) == len(set(self.lora_target_modules)) > 0,
                  f"--lora-target-modules must name each module once, got {self.lora_target_modules}.")
         self.lora_target_modules = [m for m in LORA_TARGET_MODULES if m in self.lora_target_modules]  # one order
@@ -593,6 +602,7 @@ class LoggingConfig:
     profile_ranks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _require(self.log_interval >= 1, f"--log-interval must be >= 1, got {self.log_interval}.")
         _require(bool(self.wandb_project) or not (self.wandb_exp_name or self.wandb_save_dir or self.wandb_entity),
                  "--wandb-exp-name/--wandb-save-dir/--wandb-entity configure a W&B run, which --wandb-project "
@@ -706,8 +716,20 @@ def _check_warmup_before_decay(optimizer: OptimizerConfig) -> None:
              f"--train-{unit}): lower the warmup or lengthen the decay.")
 
 
-# Config's sections by field name (``arguments.py`` makes one flag group of each).
+# Config's sections by field name (``cli/arguments.py`` makes one flag group of each).
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
             "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
             "logging": LoggingConfig, "peft": PeftConfig}
+
+
+def section_values(values: dict, section) -> dict:
+    """The entries of a flat field-name -> value dict that belong to the dataclass ``section``."""
+    names = {f.name for f in dataclasses.fields(section)}
+    return {k: v for k, v in values.items() if k in names}
+
+
+def missing_model_flags(values: dict) -> list[str]:
+    """The flags of the ModelConfig fields without a default that ``values`` (by field name) lacks."""
+    return [flag_name(f.name) for f in dataclasses.fields(ModelConfig)
+            if f.default is dataclasses.MISSING and f.name not in values]
 

@@ -1,32 +1,9 @@
-"""One line of ``--help`` per flag, and the choices of the flags that take a name.
+"""One line of ``--help`` per flag, by config field name.
 
 Kept beside the dataclasses rather than in them so the config reads as a list of
-fields; ``tests/test_config.py`` fails when a field has no line here.
+fields; ``tests/test_config.py`` fails when a field has no line here. A flag's choices
+are its field's ``choices`` metadata (``megatron_lite/cli/`` says how to add a flag).
 """
-from megatron_lite.config import (ATTENTION_BACKENDS, LORA_TARGET_MODULES, LR_DECAY_STYLES, PEFT_METHODS,
-                                  SFT_FORMATS, SFT_PROMPT_FORMATS, SHARDING_STRATEGIES, WSD_DECAY_STYLES)
-
-CHOICES = {
-    "normalization": ("LayerNorm", "RMSNorm"),
-    "attention_backend": ATTENTION_BACKENDS,
-    "tiktoken_pattern": ("v1", "v2"),
-    "position_embedding_type": ("learned_absolute", "rope"),
-    "recompute_granularity": ("full", "selective"),
-    "recompute_method": ("uniform", "block"),
-    "optimizer": ("adam", "sgd"),
-    "lr_decay_style": LR_DECAY_STYLES,
-    "lr_wsd_decay_style": WSD_DECAY_STYLES,
-    "weight_decay_incr_style": ("constant", "linear", "cosine"),
-    "tokenizer_type": ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer",
-                       "NullTokenizer"),
-    "distributed_backend": ("nccl", "gloo"),
-    "data_parallel_sharding_strategy": SHARDING_STRATEGIES,
-    "peft": PEFT_METHODS,
-    "lora_target_modules": LORA_TARGET_MODULES,
-    "sft_tokenizer_prompt_format": SFT_PROMPT_FORMATS,
-    "sft_format": SFT_FORMATS,
-    "empty_unused_memory_level": (0, 1, 2),
-}
 
 HELP = {
     # model

@@ -15,7 +15,8 @@ from megatron_lite.checkpointing.megatron.importer import as_megatron_lite_check
 from megatron_lite.checkpointing.storage import TRACKER_FILE, read_latest_iteration
 from megatron_lite.config import CheckpointConfig, Config, ConfigError, ParallelConfig
 from megatron_lite.model.builder import build_model
-from megatron_lite.tokenizer import TOKENIZER_TYPES, build_model_tokenizer, checkpoint_tokenizer_flags
+from megatron_lite.config import TOKENIZER_TYPES
+from megatron_lite.tokenizer import build_model_tokenizer, checkpoint_tokenizer_flags
 
 
 def read_checkpoint_config(load_dir: str, parallel: ParallelConfig) -> Config:

@@ -15,7 +15,7 @@ from torch import nn
 
 from megatron_lite import kernels
 from megatron_lite.process_groups import collectives
-from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.config import ModelConfig
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.sliding_window import SlidingWindow
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -33,8 +33,8 @@ class SelfAttention(nn.Module):
         self.layer_number = layer_number  # names this layer's entry in a generation's key/value cache
         tp_size = collectives.world_size(tp_config.tp_group)
         if config.num_query_groups % tp_size:
-            raise ConfigError(f"--num-query-groups ({config.num_query_groups}) must be divisible by "
-                              f"--tensor-model-parallel-size ({tp_size}).")
+            raise ValueError(f"{config.num_query_groups} key/value groups do not split over {tp_size} tensor-parallel "
+                             f"ranks: each rank holds whole groups.")
         self.head_dim = config.head_dim
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_query_groups = config.num_query_groups // tp_size

@@ -70,16 +70,19 @@ def current_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def count_parameters(config: Config, *, trainable_only: bool = False) -> int:
-    """Parameters of the whole model (PEFT weights included), or only those that train; a tied output
-    layer counts once."""
-    return parameters_per_stage(dataclasses.replace(config, parallel=ParallelConfig()),
-                                trainable_only=trainable_only)[0]
+@dataclasses.dataclass(frozen=True)
+class ParameterCounts:
+    """The model's parameters, counted without tensor parallelism; a tied embedding is held by the first
+    and the last pipeline stage, so ``per_stage`` counts it twice and ``total`` once."""
+
+    per_stage: list[int]  # each pipeline stage's (virtual stages together)
+    total: int
+    trainable: int  # all of them without --peft
 
 
-def parameters_per_stage(config: Config, *, trainable_only: bool = False) -> list[int]:
-    """Parameters of each pipeline stage without tensor parallelism (virtual stages together), built on
-    the meta device so nothing is allocated. A tied embedding is held by the first and the last stage."""
+def count_parameters(config: Config) -> ParameterCounts:
+    """Counts the model of ``config`` (PEFT weights included) from one build of every pipeline stage on the
+    meta device, so nothing is allocated."""
     whole_stages = dataclasses.replace(config, parallel=ParallelConfig(
         pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
         decoder_first_pipeline_num_layers=config.parallel.decoder_first_pipeline_num_layers,
@@ -87,4 +90,10 @@ def parameters_per_stage(config: Config, *, trainable_only: bool = False) -> lis
     with torch.device("meta"):
         stages = [build_model_chunk(whole_stages, mock_parallel_state(0, 1), pipeline_rank=rank)
                   for rank in range(config.parallel.pipeline_model_parallel_size)]
-    return [sum(p.numel() for p in stage.parameters() if p.requires_grad or not trainable_only) for stage in stages]
+    # A later stage's copy of the tied embedding is the first stage's weight again (GPTModel marks both copies).
+    owned = [[p for p in stage.parameters() if rank == 0 or not getattr(p, "shared_embedding", False)]
+             for rank, stage in enumerate(stages)]
+    return ParameterCounts(
+        per_stage=[sum(p.numel() for p in stage.parameters()) for stage in stages],
+        total=sum(p.numel() for params in owned for p in params),
+        trainable=sum(p.numel() for params in owned for p in params if p.requires_grad))

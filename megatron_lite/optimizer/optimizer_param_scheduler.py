@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from megatron_lite.config import LR_DECAY_STYLES, WSD_DECAY_STYLES, ConfigError
+from megatron_lite.config import LR_DECAY_STYLES, WEIGHT_DECAY_INCR_STYLES, WSD_DECAY_STYLES, ConfigError
 
 # The annealing curves of --lr-decay-style WSD, each falling from 1 to 0 as its ratio goes from 0 to 1.
 WSD_DECAY_COEFFICIENTS = {
@@ -38,7 +38,6 @@ WSD_DECAY_COEFFICIENTS = {
     "minus_sqrt": lambda ratio: 1.0 - math.sqrt(ratio),
 }
 assert tuple(sorted(WSD_DECAY_COEFFICIENTS)) == tuple(sorted(WSD_DECAY_STYLES))
-WD_INCR_STYLES = ("constant", "linear", "cosine")
 # The values a checkpoint must agree on for its step count to mean the same schedule.
 _WARMUP_FLAGS = "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction"
 _DECAY_FLAGS = "--lr-decay-iters/--lr-decay-samples"
@@ -97,8 +96,8 @@ class OptimizerParamScheduler:
             (0 <= lr_warmup_steps < lr_decay_steps,
              f"the warmup ({_WARMUP_FLAGS}: {lr_warmup_steps} steps) must be >= 0 and shorter than the decay "
              f"({_DECAY_FLAGS}: {lr_decay_steps} steps): lower the warmup or lengthen the decay."),
-            (wd_incr_style in WD_INCR_STYLES,
-             f"--weight-decay-incr-style must be one of {', '.join(WD_INCR_STYLES)}, got {wd_incr_style!r}."),
+            (wd_incr_style in WEIGHT_DECAY_INCR_STYLES,
+             f"--weight-decay-incr-style must be one of {', '.join(WEIGHT_DECAY_INCR_STYLES)}, got {wd_incr_style!r}."),
             ((start_wd is None) == (end_wd is None),
              "give both --start-weight-decay and --end-weight-decay, or neither."),
         ]

@@ -5,8 +5,8 @@ before anything runs: ``[seq_length (/ tp under sequence parallelism),
 micro_batch_size, hidden_size]``. The receiver allocates its buffer from that
 shape, so nothing but the data travels. A sender whose tensor does not match
 would leave the receiver with a garbled or never-completing message; the shape
-is therefore checked on the sending side, before anything is posted, and the
-error names the flags that set it.
+is therefore checked on the sending side, before anything is posted (the flags
+that set the shape are validated in ``config``, before any of this runs).
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.process_groups import collectives
-from megatron_lite.config import ConfigError
 
 
 def tensor_shape(*, seq_length: int, micro_batch_size: int, hidden_size: int,
@@ -22,9 +21,8 @@ def tensor_shape(*, seq_length: int, micro_batch_size: int, hidden_size: int,
     """Shape of the hidden state passed between pipeline stages ([sequence, batch, hidden])."""
     if sequence_parallel:
         if seq_length % tensor_model_parallel_size != 0:
-            raise ConfigError(
-                f"--sequence-parallel splits the sequence over tensor-parallel ranks: --seq-length ({seq_length}) "
-                f"must be divisible by --tensor-model-parallel-size ({tensor_model_parallel_size}).")
+            raise ValueError(f"sequence parallelism splits the sequence over the tensor-parallel ranks: a sequence "
+                             f"of {seq_length} positions does not split over {tensor_model_parallel_size} ranks.")
         seq_length //= tensor_model_parallel_size
     return (seq_length, micro_batch_size, hidden_size)
 
@@ -34,9 +32,9 @@ def check_tensor(tensor: torch.Tensor, shape: tuple, dtype: torch.dtype, what: s
     if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
         raise ValueError(
             f"pipeline {what} has shape {list(tensor.shape)} and dtype {tensor.dtype}, but the neighbouring stage "
-            f"expects {list(shape)} {dtype}: [--seq-length (divided by --tensor-model-parallel-size under "
-            f"--sequence-parallel), --micro-batch-size, --hidden-size] in the training dtype. Make every model "
-            f"chunk return its hidden state as [sequence, batch, hidden], or fix the sizes passed to the schedule.")
+            f"expects {list(shape)} {dtype}: [sequence (divided by the tensor-parallel size under sequence "
+            f"parallelism), micro-batch, hidden] in the schedule's dtype. Make every model chunk return its hidden "
+            f"state as [sequence, batch, hidden], or fix the sizes passed to the schedule.")
 
 
 def exchange(*, sends: list[tuple[torch.Tensor, int]], receives: list[int], shape: tuple, dtype: torch.dtype,

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Iterator, Union
 
-from megatron_lite.config import ConfigError
 
 class OpKind(Enum):
     """What one op of a rank's table does (``torch.distributed.pipelining``'s ``_ComputationType``);
@@ -59,14 +58,12 @@ class ScheduleOp:
 
 
 def check_interleaved_microbatches(num_microbatches: int, pipeline_model_parallel_size: int) -> None:
-    """Megatron's interleaved schedule walks micro-batches in groups of p."""
+    """Megatron's interleaved schedule walks micro-batches in groups of p (the flags that set the count are
+    checked by ``ParallelConfig.check_interleaved_microbatches``)."""
     if num_microbatches % pipeline_model_parallel_size != 0:
-        raise ConfigError(
-            f"the interleaved pipeline schedule needs the number of micro-batches "
-            f"(--global-batch-size / (--micro-batch-size x data-parallel size) = {num_microbatches}) to be a "
-            f"multiple of --pipeline-model-parallel-size ({pipeline_model_parallel_size}); change "
-            f"--global-batch-size or --micro-batch-size, or drop --virtual-pipeline-model-parallel-size / "
-            f"--num-layers-per-virtual-pipeline-stage.")
+        raise ValueError(f"the interleaved schedule runs micro-batches in groups of one per pipeline stage: "
+                         f"{num_microbatches} micro-batches is not a multiple of {pipeline_model_parallel_size} "
+                         f"stages.")
 
 
 def num_warmup_microbatches(pipeline_model_parallel_size: int, pipeline_rank: int, num_microbatches: int,
@@ -191,10 +188,10 @@ def rank_schedule(pipeline_model_parallel_size: int, pipeline_rank: int, num_mic
                   num_model_chunks: int = 1, forward_only: bool = False) -> list[ScheduleOp]:
     """One rank's op list: what ``schedules.ScheduleExecutor`` runs."""
     if num_microbatches < 1:
-        raise ConfigError(f"need at least one micro-batch per iteration, got {num_microbatches}; check "
-                          f"--global-batch-size and --micro-batch-size.")
+        raise ValueError(f"a schedule needs at least one micro-batch, got {num_microbatches}.")
     if num_model_chunks > 1 and pipeline_model_parallel_size == 1:
-        raise ConfigError("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1.")
+        raise ValueError(f"{num_model_chunks} model chunks per rank interleave over pipeline stages, but the "
+                         f"pipeline has one stage.")
     groups = compute_order(pipeline_model_parallel_size, pipeline_rank, num_microbatches, num_model_chunks,
                            forward_only)
     return add_communication(groups, pipeline_model_parallel_size, pipeline_rank, num_model_chunks)

@@ -67,9 +67,8 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model, n
         The loss dicts of the micro-batches, in order, on the last pipeline stage; ``[]`` elsewhere.
     """
     if parallel_state.pipeline_model_parallel_world_size != 1:
-        raise ConfigError("forward_backward_no_pipelining runs the whole model on one stage, but "
-                          "--pipeline-model-parallel-size is "
-                          f"{parallel_state.pipeline_model_parallel_world_size}; use get_forward_backward_func.")
+        raise ValueError("forward_backward_no_pipelining runs the whole model on one stage, but the pipeline has "
+                         f"{parallel_state.pipeline_model_parallel_world_size}; use get_forward_backward_func.")
     return _run_schedule(**locals())
 
 
@@ -100,8 +99,8 @@ def forward_backward_pipelining_with_interleaving(*, forward_step_func, data_ite
     arguments = dict(locals())
     vpp = parallel_state.virtual_pipeline_model_parallel_size
     if vpp is not None and len(_as_list(model)) != vpp:
-        raise ConfigError(f"--virtual-pipeline-model-parallel-size is {vpp} but this rank was given "
-                          f"{len(_as_list(model))} model chunks; build one chunk per virtual stage.")
+        raise ValueError(f"the parallel state has {vpp} virtual pipeline stages per rank but this rank was given "
+                         f"{len(_as_list(model))} model chunks; build one chunk per virtual stage.")
     check_interleaved_microbatches(num_microbatches, parallel_state.pipeline_model_parallel_world_size)
     return _run_schedule(**arguments)
 

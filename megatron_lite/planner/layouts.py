@@ -16,7 +16,6 @@ from typing import Iterator
 
 from megatron_lite.config import SHARDING_STRATEGIES, Config, ConfigError
 from megatron_lite.pipeline_parallel.layer_split import get_layer_numbers
-from megatron_lite.pipeline_parallel.schedule_table import check_interleaved_microbatches
 from megatron_lite.planner.cluster import Cluster
 from megatron_lite.process_groups.parallel_state import RankLayout
 
@@ -104,8 +103,7 @@ def check_layout(layout: Layout, cluster: Cluster, *, tensor_parallel_across_nod
         raise ConfigError(f"the layout is for {layout.world_size} GPUs but the cluster has {cluster.num_gpus}.")
     dp = layout.data_parallel_size  # raises when tp x pp does not divide the world
     config.training.num_microbatches(dp)
-    if layout.virtual_pipeline_model_parallel_size > 1:
-        check_interleaved_microbatches(layout.num_microbatches, p)
+    config.parallel.check_interleaved_microbatches(layout.num_microbatches)
     for rank in range(p):
         for virtual_rank in range(layout.virtual_pipeline_model_parallel_size):
             get_layer_numbers(config.model.num_layers, pipeline_model_parallel_size=p, pipeline_rank=rank,

@@ -23,7 +23,7 @@ def describe_model(model: ModelConfig) -> str:
     groups = f", {model.num_query_groups} query groups" if model.num_query_groups != model.num_attention_heads else ""
     return (f"{kind} model: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads"
             f"{groups}, ffn {model.ffn_hidden_size}, sequence {model.seq_length}, vocabulary {model.vocab_size}, "
-            f"{count_parameters(Config(model=model)) / 1e9:.2f} B parameters")
+            f"{count_parameters(Config(model=model)).total / 1e9:.2f} B parameters")
 
 
 def describe_cluster(cluster: Cluster, dtype: str) -> str:

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.process_groups import collectives
-from megatron_lite.config import ConfigError
 from megatron_lite.tensor_parallel.config import TensorParallelConfig
 from megatron_lite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -44,8 +43,7 @@ def set_tensor_model_parallel_attributes(param: torch.Tensor, *, is_parallel: bo
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator != 0:
-        raise ConfigError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator}); "
-                         f"change the model size or --tensor-model-parallel-size.")
+        raise ValueError(f"{what} ({numerator}) does not split evenly over {denominator} tensor-parallel ranks.")
     return numerator // denominator
 
 

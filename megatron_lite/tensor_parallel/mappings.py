@@ -14,15 +14,14 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.process_groups import collectives
-from megatron_lite.config import ConfigError
 
 
 def _split_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's equal chunk of ``x`` along ``dim`` (no communication)."""
     world_size = collectives.world_size(group)
     if x.size(dim) % world_size != 0:
-        raise ConfigError(f"cannot split dimension {dim} of size {x.size(dim)} over {world_size} "
-                         f"tensor-parallel ranks: it must be divisible by --tensor-model-parallel-size.")
+        raise ValueError(f"cannot split dimension {dim} of size {x.size(dim)} into {world_size} equal parts, one "
+                         f"per rank of the tensor-parallel group.")
     return x.chunk(world_size, dim=dim)[collectives.rank(group)].contiguous()
 
 
@@ -41,8 +40,8 @@ def _gather_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 def _reduce_scatter_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     world_size = collectives.world_size(group)
     if x.size(0) % world_size != 0:
-        raise ConfigError(f"cannot reduce-scatter a sequence of length {x.size(0)} over {world_size} ranks: "
-                         f"--seq-length must be divisible by --tensor-model-parallel-size with --sequence-parallel.")
+        raise ValueError(f"cannot reduce-scatter dimension 0 of size {x.size(0)} over the {world_size} ranks of the "
+                         f"tensor-parallel group: the size must be a multiple of the group size.")
     output = x.new_empty((x.size(0) // world_size,) + tuple(x.shape[1:]))
     collectives.reduce_scatter_tensor(output, x.contiguous(), group)
     return output

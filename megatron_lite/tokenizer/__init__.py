@@ -8,15 +8,13 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megatron_lite.config import ConfigError
+from megatron_lite.config import TOKENIZER_TYPES, ConfigError
 from megatron_lite.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron_lite.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
 from megatron_lite.tokenizer.null_tokenizer import NullTokenizer
 from megatron_lite.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 from megatron_lite.tokenizer.tiktoken_tokenizer import TikTokenizer
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer",
-                   "NullTokenizer")
 # The flags that name a run's tokenizer and its files, as a checkpoint's config records them.
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
@@ -68,5 +66,5 @@ def build_model_tokenizer(flags: dict, model_vocab_size: int):
                            tiktoken_num_special_tokens=flags.get("tiktoken_num_special_tokens", 1000))
 
 
-__all__ = ["build_tokenizer", "build_model_tokenizer", "checkpoint_tokenizer_flags", "TOKENIZER_TYPES",
+__all__ = ["build_tokenizer", "build_model_tokenizer", "checkpoint_tokenizer_flags",
            "GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer"]

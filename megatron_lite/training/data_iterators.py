@@ -17,11 +17,11 @@ from megatron_lite.process_groups import failures
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.tokenizer import build_model_tokenizer
 from megatron_lite.training.logger import print_rank_last
-from megatron_lite.training.num_microbatches_calculator import (NumMicroBatchesCalculator,
-                                                                build_num_microbatches_calculator, get_train_iters)
+from megatron_lite.training.num_microbatches_calculator import NumMicroBatchesCalculator
+from megatron_lite.training.run_plan import RunPlan
 
 
-def build_data_iterators(config: Config, parallel_state: ParallelState, consumed_train_samples: int,
+def build_data_iterators(config: Config, parallel_state: ParallelState, plan: RunPlan, consumed_train_samples: int,
                          iteration: int = 0):
     """(train, valid, test) micro-batch iterators positioned where ``iteration`` iterations left them (so a
     resumed run continues with the same samples); a list of them, one per chunk, when interleaving. Test
@@ -32,9 +32,8 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, consumed
     eod_token = None
     if data.eod_mask_loss:
         eod_token = build_model_tokenizer(dataclasses.asdict(data), config.model.vocab_size).eod
-    calculator = build_num_microbatches_calculator(config, parallel_state.data_parallel_world_size)
-    train_iters = get_train_iters(training, calculator)
-    num_samples = _num_samples(training, calculator, train_iters)
+    train_iters = plan.train_iters
+    num_samples = _num_samples(training, plan.calculator, train_iters)
     if data.sft:
         train_ds, valid_ds, test_ds = _build_sft_datasets(config, num_samples)
     else:

@@ -9,7 +9,7 @@ from megatron_lite.config import Config, TrainingConfig
 from megatron_lite.model import flops
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.training import metrics
-from megatron_lite.training.num_microbatches_calculator import build_num_microbatches_calculator, get_train_iters
+from megatron_lite.training.run_plan import RunPlan
 from megatron_lite.checkpointing.training_state import TrainingState
 
 
@@ -23,17 +23,16 @@ def print_rank_last(message: str) -> None:
         print(message, flush=True)
 
 
-def format_startup_summary(config: Config, parallel_state: ParallelState, stage_parameters: list[int],
-                           total_parameters: int, trainable_parameters: int | None = None) -> str:
+def format_startup_summary(config: Config, parallel_state: ParallelState, plan: RunPlan) -> str:
     """What this run is, in a few lines: model size, layout, batch, checkpoints."""
     parallel, training, checkpoint = config.parallel, config.training, config.checkpoint
     dp = parallel_state.data_parallel_world_size
     global_batch = training.global_batch(dp)
-    train_iters = get_train_iters(training, build_num_microbatches_calculator(config, dp))
-    stages = ", ".join(_count(n) for n in stage_parameters)
+    total_parameters, trainable_parameters = plan.parameters.total, plan.parameters.trainable
+    stages = ", ".join(_count(n) for n in plan.parameters.per_stage)
     saves = (f"to {checkpoint.save} every {checkpoint.save_interval} iterations and at the end"
              if checkpoint.save_interval else f"to {checkpoint.save} at the end") if checkpoint.save else "not saved"
-    trainable = "" if trainable_parameters is None else (
+    trainable = "" if config.peft.peft is None else (
         f", {_count(trainable_parameters)} of them trainable ({100 * trainable_parameters / total_parameters:.2f}%, "
         f"--peft {config.peft.peft}; the base is frozen)")
     return "\n".join([
@@ -46,7 +45,7 @@ def format_startup_summary(config: Config, parallel_state: ParallelState, stage_
         f" batch: {global_batch} sequences = micro-batch {training.micro_batch_size} x "
         f"{training.num_microbatches(dp)} micro-batches x data {dp}; "
         f"{global_batch * config.model.seq_length} tokens per iteration{_batch_growth(training)}, "
-        f"{train_iters} iterations",
+        f"{plan.train_iters} iterations",
         f" checkpoints: {saves}" + (f"; loading {checkpoint.load}" if checkpoint.load else ""),
     ])
 

@@ -2,6 +2,7 @@
 
     pretrain(config)
       initialise processes, groups and seeds
+      plan the run once: batch schedule, parameter counts, the checkpoint to load (run_plan)
       build the model chunks this rank holds, wrap them for data parallelism
       build the optimizer and LR schedule, load a checkpoint
       loop: train_step -> log -> evaluate -> save
@@ -29,14 +30,10 @@ from megatron_lite.config import Config
 from megatron_lite.data.preflight import check_data_paths
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
-from megatron_lite.checkpointing.preflight import check_checkpoint_paths
-from megatron_lite.checkpointing.save_load import checkpoint_to_load
 from megatron_lite.checkpointing.save_lock import holding_save_lock
-from megatron_lite.model.builder import (FSDP_UNIT_MODULES, build_model, count_parameters, current_device,
-                                         parameters_per_stage)
+from megatron_lite.model.builder import FSDP_UNIT_MODULES, build_model, current_device
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.optimizer.optimizer_param_scheduler import get_optimizer_param_scheduler
-from megatron_lite.pipeline_parallel.schedule_table import check_interleaved_microbatches
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
 from megatron_lite.process_groups import collectives, failures
 from megatron_lite.process_groups.initialize import initialize_distributed
@@ -47,8 +44,8 @@ from megatron_lite.training.data_iterators import build_data_iterators
 from megatron_lite.planner import estimate_for_config, format_memory_estimate
 from megatron_lite.training.nan_check import check_for_nan_in_loss_and_grad
 from megatron_lite.training.logger import TrainingLogger, format_startup_summary, is_last_rank, print_rank_last
-from megatron_lite.training.num_microbatches_calculator import (NumMicroBatchesCalculator,
-                                                                build_num_microbatches_calculator, get_train_iters)
+from megatron_lite.training.num_microbatches_calculator import NumMicroBatchesCalculator
+from megatron_lite.training.run_plan import RunPlan, plan_run
 from megatron_lite.training.signal_handler import DistributedSignalHandler
 from megatron_lite.checkpointing.training_state import TrainingState
 
@@ -186,17 +183,11 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                                                config.parallel.pipeline_model_parallel_size,
                                                config.parallel.virtual_pipeline_model_parallel_size,
                                                distributed_timeout_minutes=config.parallel.distributed_timeout_minutes)
-    calculator = build_num_microbatches_calculator(config, parallel_state.data_parallel_world_size)
-    train_iters = get_train_iters(config.training, calculator)
-    total_parameters = count_parameters(config)
-    failures.run_on_every_rank(lambda: check_checkpoint_paths(config, total_parameters),
-                               "check the --save/--load directories")
+    plan = plan_run(config, parallel_state)
     failures.run_on_every_rank(lambda: check_data_paths(config.data), "check the data paths")
-    if not _resumes(config):  # a fresh run's batches all lie ahead: any that cannot split fails now, early
-        check_batches_ahead(config, calculator, consumed_samples=0)
-    trainable_parameters = count_parameters(config, trainable_only=True) if config.peft.peft else None
-    print_rank_last(format_startup_summary(config, parallel_state, parameters_per_stage(config), total_parameters,
-                                           trainable_parameters))
+    if not plan.resumes:  # a fresh run's batches all lie ahead: any that cannot split fails now, early
+        check_batches_ahead(config, plan.calculator, consumed_samples=0)
+    print_rank_last(format_startup_summary(config, parallel_state, plan))
     model_chunks, optimizer, scheduler = setup_model_and_optimizer(config, parallel_state)
     if config.logging.log_memory:
         report = optimizer.memory_report()
@@ -208,25 +199,21 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                   flush=True)
     state = TrainingState()
     if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
-        state = checkpointing.load_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler) or state
-    if state.iteration >= train_iters > 0:  # a finished run started again (a requeue): say so, rather than nothing
-        print_rank_last(f" already at --train-iters {train_iters} (the checkpoint is at iteration {state.iteration}); "
-                        f"nothing to do. Raise --train-iters (or --train-samples) to train further.")
+        state = checkpointing.load_checkpoint_from(plan.checkpoint, config, parallel_state, model_chunks, optimizer,
+                                                   scheduler) or state
+    if state.iteration >= plan.train_iters > 0:  # a finished run started again (a requeue): say so, not nothing
+        print_rank_last(f" already at --train-iters {plan.train_iters} (the checkpoint is at iteration "
+                        f"{state.iteration}); nothing to do. Raise --train-iters (or --train-samples) to train "
+                        f"further.")
     # Every rank holds the same consumed samples, so all raise together, before any collective of training.
-    check_batches_ahead(config, calculator, state.consumed_train_samples)
+    check_batches_ahead(config, plan.calculator, state.consumed_train_samples)
     train_iterator, valid_iterator, test_iterator = build_data_iterators(
-        config, parallel_state, state.consumed_train_samples, state.iteration)
+        config, parallel_state, plan, state.consumed_train_samples, state.iteration)
     train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
-          test_iterator, calculator=calculator, train_iters=train_iters, start_time=start_time)
+          test_iterator, plan=plan, start_time=start_time)
     if not keep_process_group:
         destroy_model_parallel(parallel_state)
     return state, model_chunks, parallel_state
-
-
-def _resumes(config: Config) -> bool:
-    """Whether the run continues a --load checkpoint's progress (a fine-tuning start begins at sample 0)."""
-    source = checkpoint_to_load(config.checkpoint)
-    return source is not None and not source[2]
 
 
 def check_batches_ahead(config: Config, calculator: NumMicroBatchesCalculator, consumed_samples: int) -> None:
@@ -234,14 +221,13 @@ def check_batches_ahead(config: Config, calculator: NumMicroBatchesCalculator, c
     a multiple of the pipeline stages. Only those ahead, as Megatron checks each batch when it comes: a run
     may resume with more data-parallel ranks once the small early batches are behind it."""
     calculator.check_batches_ahead(consumed_samples)
-    if (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1:
-        for count in calculator.microbatch_counts(consumed_samples):
-            check_interleaved_microbatches(count, config.parallel.pipeline_model_parallel_size)
+    for count in calculator.microbatch_counts(consumed_samples):
+        config.parallel.check_interleaved_microbatches(count)
 
 
 def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
-          valid_iterator, state: TrainingState, test_iterator=None, *, calculator: NumMicroBatchesCalculator,
-          train_iters: int, start_time: float) -> None:
+          valid_iterator, state: TrainingState, test_iterator=None, *, plan: RunPlan, start_time: float) -> None:
+    calculator, train_iters = plan.calculator, plan.train_iters
     logger = TrainingLogger(config, parallel_state, train_iters)
     try:
         _train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,

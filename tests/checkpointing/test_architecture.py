@@ -7,7 +7,7 @@ import torch
 from megatron_lite.checkpointing import load_checkpoint
 from megatron_lite.checkpointing.architecture import ROLES, Role, check_architecture
 from megatron_lite.config import CheckpointConfig, ConfigError, ModelConfig
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 from megatron_lite.model.builder import build_model
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.training.loop import pretrain

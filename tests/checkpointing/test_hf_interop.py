@@ -18,7 +18,7 @@ from megatron_lite.checkpointing import load_checkpoint, read_config  # noqa: E4
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
 from megatron_lite.config import CheckpointConfig, ConfigError  # noqa: E402
-from megatron_lite.config.arguments import parse_args  # noqa: E402
+from megatron_lite.cli.arguments import parse_args  # noqa: E402
 from megatron_lite.data import MockGPTDataset  # noqa: E402
 from megatron_lite.pretrain_gpt import main as pretrain_gpt  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402

@@ -111,7 +111,7 @@ def test_unsupported_megatron_args_are_refused_by_name():
 
 
 def test_training_and_generate_start_straight_from_a_megatron_dir(tmp_path, monkeypatch):
-    from megatron_lite.config.arguments import parse_args
+    from megatron_lite.cli.arguments import parse_args
     from megatron_lite.inference.loading import read_checkpoint_config
     from megatron_lite.config import ParallelConfig
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where the one-time import is cached

@@ -10,6 +10,7 @@ ZeRO-3 is for models that do not fit whole on one rank, so its saves and loads m
 whole parameters than training does: every rank's peak is measured around each save and load.
 """
 import contextlib
+import functools
 from unittest import mock
 
 import pytest
@@ -57,7 +58,7 @@ def _train_measured(rank, world_size, kwargs):
     from megatron_lite.training.loop import pretrain
 
     records = {"save": [], "load": []}
-    save, load = checkpointing.save_checkpoint, checkpointing.load_checkpoint
+    save, load = checkpointing.save_checkpoint, checkpointing.load_checkpoint_from
 
     def measured(what, fn):
         def call(config, parallel_state, model_chunks, optimizer, scheduler, *state):
@@ -73,7 +74,8 @@ def _train_measured(rank, world_size, kwargs):
         return call
 
     with mock.patch.object(checkpointing, "save_checkpoint", measured("save", save)), \
-            mock.patch.object(checkpointing, "load_checkpoint", measured("load", load)):
+            mock.patch.object(checkpointing, "load_checkpoint_from",  # the trainer loads what its RunPlan found
+                              lambda source, *args: measured("load", functools.partial(load, source))(*args)):
         state, _, _ = pretrain(tiny_config(arch=GPT2, **kwargs))
     return {"losses": state.losses or None, **records}
 

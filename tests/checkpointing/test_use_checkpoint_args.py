@@ -6,7 +6,7 @@ import pytest
 from megatron_lite.checkpointing import CheckpointError, read_config, storage
 from megatron_lite.checkpointing.offline import reshard_checkpoint
 from megatron_lite.config import ConfigError
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 from megatron_lite.training.loop import pretrain
 from tests.checkpointing.common import tiny_config
 

@@ -5,11 +5,12 @@ import os
 import numpy as np
 import torch
 
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 from megatron_lite.data import IndexedDatasetBuilder
 from megatron_lite.inference.loading import checkpoint_tokenizer
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.training.data_iterators import build_data_iterators
+from megatron_lite.training.run_plan import plan_run
 from tests.data.test_gpt_dataset import write_corpus
 
 
@@ -20,8 +21,10 @@ def _config(prefix, *flags, vocab_size=10000):
                        *flags])
 
 
-def _iterators(prefix, *flags):
-    return build_data_iterators(_config(prefix, *flags), initialize_model_parallel(1, 1), consumed_train_samples=0)
+def _iterators(prefix, *flags, config=None):
+    config = config or _config(prefix, *flags)
+    parallel_state = initialize_model_parallel(1, 1)
+    return build_data_iterators(config, parallel_state, plan_run(config, parallel_state), consumed_train_samples=0)
 
 
 def test_data_flags_reach_the_loader_and_change_no_sample(tmp_path):
@@ -46,6 +49,6 @@ def test_null_tokenizer_eod_is_the_model_vocabularys_last_id_in_training_and_gen
         builder.finalize(f"{tmp_path / 'corpus'}.idx")
     config = _config(str(tmp_path / "corpus"), "--tokenizer-type", "NullTokenizer", "--eod-mask-loss", vocab_size=41)
     assert checkpoint_tokenizer(config, {}).eod == 40
-    batch = next(iter(build_data_iterators(config, initialize_model_parallel(1, 1), consumed_train_samples=0)[0]))
+    batch = next(iter(_iterators(None, config=config)[0]))
     assert (batch["tokens"] == 40).any()
     assert torch.equal(batch["loss_mask"] == 0, batch["tokens"] == 40)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_lite.training.loop import pretrain
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
 from tests.distributed import run_distributed
 

@@ -3,7 +3,7 @@ import subprocess
 
 import pytest
 
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 from megatron_lite.process_groups.parallel_state import RankLayout
 from tests.launch.helpers import LAUNCH_SCRIPTS
 

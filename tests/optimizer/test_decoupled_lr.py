@@ -10,7 +10,7 @@ import pytest
 
 from megatron_lite.checkpointing import storage
 from megatron_lite.config import ConfigError
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
         "--vocab-size", "128", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",

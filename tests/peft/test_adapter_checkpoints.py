@@ -179,7 +179,7 @@ def test_changed_base_other_settings_and_plain_runs_are_refused(base, tmp_path):
 
 
 def test_use_checkpoint_args_takes_the_peft_settings(base, tmp_path):
-    from megatron_lite.config.arguments import parse_args
+    from megatron_lite.cli.arguments import parse_args
 
     adapters = str(tmp_path / "adapters")
     pretrain(_config(iters=2, pretrained_checkpoint=base, save=adapters))

@@ -46,6 +46,7 @@ def _train(rank, world_size, runs):
     """Train each run's config; per rank: losses, each step's gradients (the slices this rank owns), base check."""
     from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_lite.training.data_iterators import build_data_iterators
+    from megatron_lite.training.run_plan import plan_run
     from megatron_lite.training.loop import setup_model_and_optimizer, train_step
 
     results = []
@@ -58,7 +59,7 @@ def _train(rank, world_size, runs):
         chunks, optimizer, scheduler = setup_model_and_optimizer(config, ps)
         frozen = {name: p.detach().clone() for chunk in chunks for name, p in chunk.module.named_parameters()
                   if not p.requires_grad}
-        iterator = build_data_iterators(config, ps, 0)[0]
+        iterator = build_data_iterators(config, ps, plan_run(config, ps), 0)[0]
         losses, grads = [], []
         for _ in range(STEPS):
             loss, _, _ = train_step(config, ps, chunks, optimizer, scheduler, iterator,

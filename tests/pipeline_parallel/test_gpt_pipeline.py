@@ -37,6 +37,7 @@ def _config(tp=1, pp=1, vpp=None, global_batch=4, sequence_parallel=False, first
 
 def _one_iteration(rank, world_size, layouts):
     from megatron_lite.training import data_iterators, loop
+    from megatron_lite.training.run_plan import plan_run
     from megatron_lite.distributed import finalize_model_grads
     from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_lite.pipeline_parallel import get_forward_backward_func
@@ -48,7 +49,7 @@ def _one_iteration(rank, world_size, layouts):
         ps = initialize_model_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                        par.virtual_pipeline_model_parallel_size)
         chunks = loop.get_model(config, ps)
-        data_iterator, _, _ = data_iterators.build_data_iterators(config, ps, consumed_train_samples=0)
+        data_iterator, _, _ = data_iterators.build_data_iterators(config, ps, plan_run(config, ps), 0)
         losses = get_forward_backward_func(ps)(
             forward_step_func=loop.forward_step, data_iterator=data_iterator, model=chunks,
             num_microbatches=config.training.num_microbatches(ps.data_parallel_world_size), seq_length=SEQ,

@@ -80,12 +80,13 @@ def run_layout(config, *, timed_steps: int = 0) -> dict:
     from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_lite.training.data_iterators import build_data_iterators
     from megatron_lite.training.loop import setup_model_and_optimizer, train_step
+    from megatron_lite.training.run_plan import plan_run
 
     parallel = config.parallel
     state = initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                       parallel.virtual_pipeline_model_parallel_size)
     chunks, optimizer, scheduler = setup_model_and_optimizer(config, state)
-    data = build_data_iterators(config, state, 0)[0]
+    data = build_data_iterators(config, state, plan_run(config, state), 0)[0]
     num_microbatches = config.training.num_microbatches(state.data_parallel_world_size)
     parameters = [p for chunk in chunks for p in chunk.module.parameters()]
     with SavedActivationPeak(parameters) as tracker:

@@ -16,7 +16,8 @@ GLOBAL_BATCH = 16
 
 
 def _pretraining_accepts(tp: int, pp: int, vpp: int, micro_batch_size: int, world: int) -> bool:
-    """Build every pipeline stage's chunks and schedule as pretraining would, without processes."""
+    """Check the batch and build every pipeline stage's chunks and schedule as pretraining would, without
+    processes (pretraining's start-up check of the micro-batch count comes before any schedule)."""
     try:
         config = Config(model=MODEL, parallel=ParallelConfig(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -24,6 +25,7 @@ def _pretraining_accepts(tp: int, pp: int, vpp: int, micro_batch_size: int, worl
             training=TrainingConfig(micro_batch_size=micro_batch_size, global_batch_size=GLOBAL_BATCH))
         dp = config.parallel.data_parallel_size(world)
         m = config.training.num_microbatches(dp)
+        config.parallel.check_interleaved_microbatches(m)
         for stage in range(pp):
             state = mock_parallel_state(stage * tp * dp, world, tp, pp)
             for chunk in range(vpp):

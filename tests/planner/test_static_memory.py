@@ -167,7 +167,7 @@ def test_bytes_per_parameter_follow_the_reference_table(bf16, fp16, unsharded, o
     fixed + sharded/d with the distributed optimizer; ZeRO-2 shards the gradients too and ZeRO-3
     everything (besides what ZeRO-2/3 stage and ZeRO-3 gathers, below)."""
     arch = dict(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=16, vocab_size=50000)
-    elements = count_parameters(_config(arch))
+    elements = count_parameters(_config(arch)).total
     d = 8
     expected = {"no_shard": unsharded, "optim": optim[0] + optim[1] / d,
                 "optim_grads": optim_grads[0] + optim_grads[1] / d, "optim_grads_params": optim_grads_params / d}
@@ -191,7 +191,7 @@ def test_zero_stages_shard_more_and_more(overlap):
     d = 64
     by = {s: static_memory(_config(arch, strategy=s, bf16=True, bucket=1, overlap=overlap), pipeline_rank=0,
                            data_parallel_size=d) for s in SHARDING_STRATEGIES}
-    psi = count_parameters(_config(arch))
+    psi = count_parameters(_config(arch)).total
     word, embedding, layer = 32000 * 1024, (32000 + 16) * 1024, 12 * 1024 ** 2 + 13 * 1024
     in_flight = 1 + overlap
     assert by["no_shard"].gradient_bytes == 4 * psi

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from megatron_lite.config import ConfigError
-from megatron_lite.config.arguments import parse_args
+from megatron_lite.cli.arguments import parse_args
 from megatron_lite.data.sft import SFTDataError, SFTDataset, load_sft_examples
 from megatron_lite.data.sft.sft_dataset import build_sample, next_fit_bins
 from megatron_lite.tokenizer import build_tokenizer

@@ -92,8 +92,10 @@ def _split_indivisible_sequence(rank, world_size):
     mappings.scatter_to_sequence_parallel_region(torch.zeros(3, 1, 4), group)
 
 
-def test_indivisible_split_names_the_flag(run_distributed):
+def test_indivisible_split_names_the_sizes(run_distributed):
+    # In its own terms; --sequence-parallel with an indivisible --seq-length is refused by name in config
+    # (tests/test_error_layers.py), before any mapping runs.
     from tests.distributed import DistributedTestError
 
-    with pytest.raises(DistributedTestError, match="--tensor-model-parallel-size"):
+    with pytest.raises(DistributedTestError, match="dimension 0 of size 3 into 2 equal parts"):
         run_distributed(_split_indivisible_sequence, 2)
