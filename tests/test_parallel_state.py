@@ -1,6 +1,6 @@
 """Process groups: the rank-order rule checked on large mocked layouts, and real groups on gloo.
 
-Rule (REFERENCE.md section 4): tensor-parallel ranks vary fastest, then data-parallel,
+Rule (docs/reference.md section 4): tensor-parallel ranks vary fastest, then data-parallel,
 then pipeline: rank = pipeline * (dp * tp) + data * tp + tensor.
 """
 import time

@@ -238,7 +238,7 @@ class MegatronOptimizer:
         parameter_bytes = storage_bytes([t for c in self.model_chunks for t in c.parameter_tensors()], counted)
         gradient_bytes = storage_bytes([t for c in self.model_chunks for t in c.gradient_tensors()], counted)
         state = [t for main in self.main_params for t in (main, main.grad_copy) if t is not None]
-        # Adam's 0-d step counters are left out: per-parameter bytes follow REFERENCE section 6's accounting.
+        # Adam's 0-d step counters are left out: per-parameter bytes follow docs/reference.md section 6's accounting.
         state += [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         gathered = max((c.peak_gathered_bytes for c in self.model_chunks), default=0)
         report = {"parameter_bytes": parameter_bytes, "gradient_bytes": gradient_bytes,

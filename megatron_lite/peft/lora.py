@@ -2,7 +2,7 @@
 
 W stays frozen; A (r x in) starts Kaiming-uniform as in Hugging Face PEFT and B
 (out x r) at zero, so the adapted model starts as the base model. Under tensor
-parallelism the factors follow the layer they adapt (REFERENCE.md section 9):
+parallelism the factors follow the layer they adapt (docs/reference.md section 9):
 
     column-parallel W (output split):  A replicated,            B split by output rows
     row-parallel W (input split):      A split by input columns, B replicated

@@ -18,7 +18,7 @@ communication estimates are on the optimistic side. Latency per hop: 5 us in a n
 10 us across nodes. The matmul efficiency (the fraction of the dense peak a
 transformer layer's compute sustains, non-matmul work included) defaults to 0.60 on
 A100 and 0.50 on H100/H200, whose larger peak is harder to feed; with them a GPT-3
-175B layout on 1,024 A100s comes out near the published 44-52% MFU (REFERENCE.md
+175B layout on 1,024 A100s comes out near the published 44-52% MFU (docs/reference.md
 section 7). The memory
 allowance (3 GB) covers the CUDA context and library workspaces, communication
 buffers and allocator fragmentation.

@@ -10,7 +10,7 @@ run, element for element (a test holds them equal for every strategy):
   an fp32 main gradient when the gradient buffer is not fp32 (or lives apart: under
   offload, unless --grad-cpu-offload keeps the gradient shards in host memory already).
 
-Per parameter that is REFERENCE.md section 6: 16 bytes for fp32, 18 for bf16 and 20 for
+Per parameter that is docs/reference.md section 6: 16 bytes for fp32, 18 for bf16 and 20 for
 fp16 unsharded; 8 + 8/d, 6 + 12/d and 4 + 16/d with the distributed optimizer; 4 + 12/d,
 2 + 16/d and 2 + 18/d under ZeRO-2, 16/d, 18/d and 20/d under ZeRO-3, plus what follows.
 

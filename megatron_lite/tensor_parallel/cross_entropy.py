@@ -1,7 +1,7 @@
 """Cross entropy over logits whose vocabulary is split across tensor-parallel ranks.
 
 The full [s, b, vocab] logits never exist on one rank. Three all-reduces of
-[s, b] tensors are enough (REFERENCE.md section 4):
+[s, b] tensors are enough (docs/reference.md section 4):
 
     m     = max over ranks of the local max            (all-reduce MAX, for stability)
     t     = the target's logit - m, from its owner      (all-reduce SUM; other ranks add 0)

@@ -5,7 +5,7 @@ on every tensor-parallel rank, while dropout on a sharded activation (attention
 probabilities of this rank's heads) must draw a different mask per rank, or the
 shards would be correlated. So there are two states: the default generator,
 seeded with ``seed`` on every rank, and a named tensor-parallel state seeded with
-``seed + 2718 + tp_rank`` (REFERENCE.md section 4), entered with
+``seed + 2718 + tp_rank`` (docs/reference.md section 4), entered with
 ``get_rng_tracker().fork()``.
 
 The tracker is module-level on purpose: it mirrors torch's own default

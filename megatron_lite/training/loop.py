@@ -79,7 +79,8 @@ def forward_step(data_iterator, model):
 def calculate_per_token_loss(config: Config) -> bool:
     """Whether the loss is summed over tokens and divided by the global batch's loss-token count
     (--calculate-per-token-loss, as Megatron) rather than averaged per micro-batch. Fine-tuning always
-    does this (REFERENCE 10): examples count by their response tokens, not by the micro-batch they landed in."""
+    does this (docs/reference.md section 10): examples count by their response tokens, not by the micro-batch
+    they landed in."""
     return config.training.calculate_per_token_loss or config.data.sft
 
 

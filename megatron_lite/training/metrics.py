@@ -17,7 +17,7 @@ import torch
 
 from megatron_lite.config import LoggingConfig
 
-# Dense bf16 peak per device, TFLOP/s (REFERENCE.md section 7).
+# Dense bf16 peak per device, TFLOP/s (docs/reference.md section 7).
 PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800": 312.0, "L40S": 362.0}
 
 

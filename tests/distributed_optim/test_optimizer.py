@@ -121,7 +121,7 @@ def _memory(rank, world_size):
 
 def test_memory_report_is_measured_and_matches_the_per_parameter_table():
     """Measured from the live tensors, per rank at dp 3 (the second bucket needs padding): the bytes per
-    parameter of REFERENCE.md section 6, sharded as each strategy says."""
+    parameter of docs/reference.md section 6, sharded as each strategy says."""
     psi = sum(p.numel() for p in toy.MLP().parameters())
     dp = 3
     results = run_distributed(_memory, dp)
@@ -129,7 +129,7 @@ def test_memory_report_is_measured_and_matches_the_per_parameter_table():
     table = {"torch.float32": (4, 4, 8), "torch.bfloat16": (2, 4, 12), "torch.float16": (2, 2, 16)}
     for dtype, (weight, grad, state) in table.items():
         unsharded = results[0][(dtype, "no_shard")]["start"]
-        # 16, 18 and 20 bytes per parameter (Adam's 0-d step counters are not counted, as in REFERENCE section 6).
+        # 16, 18 and 20 bytes per parameter (Adam's 0-d step counters are not counted: docs/reference.md section 6).
         assert unsharded["parameter_bytes"] + unsharded["gradient_bytes"] + unsharded["optimizer_state_bytes"] \
             == (weight + grad + state) * psi
         for strategy in STRATEGIES[1:]:

@@ -10,7 +10,7 @@ GRID = [(p, m, v) for p in (2, 3, 4, 8) for v in (1, 2, 3) for m in range(p, 5 *
 
 @pytest.mark.parametrize("p,m,v", GRID)
 def test_bubble_is_the_full_tables_and_the_textbook_formula(p, m, v):
-    """(p-1)/m for 1F1B and (p-1)/(v m) interleaved (REFERENCE.md section 5), from shortened tables."""
+    """(p-1)/m for 1F1B and (p-1)/(v m) interleaved (docs/reference.md section 5), from shortened tables."""
     full = simulate(build_schedule(p, m, v)).bubble_fraction
     assert bubble_fraction(p, m, v) == pytest.approx(full, abs=1e-9)
     assert bubble_fraction(p, m, v) == pytest.approx((p - 1) / (v * m), abs=1e-9)
@@ -43,6 +43,6 @@ def test_peak_activations_walk_the_full_table(p, m, v):
 
 
 def test_1f1b_holds_p_minus_rank_microbatches():
-    """REFERENCE.md section 5: at most p - r micro-batches alive on stage r."""
+    """docs/reference.md section 5: at most p - r micro-batches alive on stage r."""
     for rank in range(4):
         assert peak_activation_bytes(4, rank, 16, (1.0,)) == 4 - rank

@@ -163,7 +163,7 @@ def test_after_a_step_and_at_the_peak_of_zero3_gathers(stepped, name):
                          [(False, False, 16, (8, 8), (4, 12), 16), (True, False, 18, (6, 12), (2, 16), 18),
                           (False, True, 20, (4, 16), (2, 18), 20)])
 def test_bytes_per_parameter_follow_the_reference_table(bf16, fp16, unsharded, optim, optim_grads, optim_grads_params):
-    """REFERENCE.md section 6 for a model big enough that padding is noise: 16/18/20 bytes, and
+    """docs/reference.md section 6 for a model big enough that padding is noise: 16/18/20 bytes, and
     fixed + sharded/d with the distributed optimizer; ZeRO-2 shards the gradients too and ZeRO-3
     everything (besides what ZeRO-2/3 stage and ZeRO-3 gathers, below)."""
     arch = dict(num_layers=2, hidden_size=1024, num_attention_heads=8, seq_length=16, vocab_size=50000)

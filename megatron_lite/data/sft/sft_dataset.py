@@ -6,7 +6,7 @@ inputs ``ids[:-1]``, labels ``ids[1:]``, the loss mask of the labels, position i
   * Padding (the default): one example per sample; the remaining positions are padding without loss.
   * Packing (``--sft-pack-sequences``): examples, in order, fill a sample while they fit (next-fit).
     Position ids restart at 0 for each example and ``attention_mask`` is block-diagonal causal, so an
-    example attends only to itself and its logits and loss are what they would be alone (REFERENCE 10).
+    example attends only to itself and its logits and loss are what they would be alone (docs/reference.md section 10).
 
 Every epoch visits the examples in a new order (``numpy.random.RandomState(seed + epoch)``); as many
 epochs as ``num_samples`` needs are laid out, so every data-parallel layout reads the same samples.
