@@ -31,7 +31,7 @@ from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import (EOS, MAX_NEW_TOKENS, PAD, PROMPTS,  # noqa: E402
                                                              _hf_generate)
-from tests.distributed_optim.toy import assert_relative_close  # noqa: E402
+from tests.parity import assert_relative_close  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
 
 VOCAB = 100  # the vocabulary pads to 128 rows at tp 1, 256 at tp 2
