@@ -49,6 +49,13 @@ ROLES = {
     "add_qkv_bias": Role.ARCHITECTURE,
     "qk_layernorm": Role.ARCHITECTURE,
     "window_size": Role.ARCHITECTURE,
+    "window_attn_skip_freq": Role.ARCHITECTURE,
+    "softmax_scale": Role.ARCHITECTURE,
+    "attn_logit_softcapping": Role.ARCHITECTURE,
+    "final_logit_softcapping": Role.ARCHITECTURE,
+    "post_sublayer_norm": Role.ARCHITECTURE,
+    "scale_embeddings": Role.ARCHITECTURE,
+    "geglu": Role.ARCHITECTURE,
     "rotary_seq_len_interpolation_factor": Role.ARCHITECTURE,  # with rope only
     "use_rope_scaling": Role.ARCHITECTURE,  # with rope only
     "rope_scaling_factor": Role.ARCHITECTURE,  # with --use-rope-scaling only

@@ -16,6 +16,11 @@ silently different model. A null field sets nothing and passes.
     phi3     llama + fused qkv_proj, gate_up_proj;     embd_pdrop != resid_pdrop, longrope
              partial_rotary_factor (--rotary-percent),
              sliding_window
+    gemma2   llama + RMSNorm (1 + w), post-sublayer    attention_bias, hidden_activation other than
+             norms, sqrt(hidden) embedding scale,      gelu_pytorch_tanh, use_bidirectional_attention,
+             GeGLU, query_pre_attn_scalar, attention   layer_types other than every Nth layer global
+             and final-logit soft-capping, sliding /   (or no layer sliding)
+             global layers, tied embeddings
 
 On export the family is the one the model's features call for (``family_of``), or the one named
 (``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does.
@@ -200,6 +205,46 @@ def _phi3_to_hf(config: ModelConfig) -> dict:
     return fields
 
 
+def _gemma2_to_ours(hf: dict) -> dict:
+    refuse(hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
+           f"hidden_activation {hf.get('hidden_activation')!r} (GeGLU takes gelu_pytorch_tanh)")
+    refuse(hf.get("attention_bias", False), "attention_bias (biases on q, k, v and o_proj)")
+    refuse(hf.get("use_bidirectional_attention", False), "use_bidirectional_attention (ours is causal)")
+    window, skip_freq = _gemma2_layer_pattern(hf)
+    return dict(_llama_to_ours(hf), apply_layernorm_1p=True, post_sublayer_norm=True, scale_embeddings=True,
+                geglu=True, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
+                softmax_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+                attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+                final_logit_softcapping=hf.get("final_logit_softcapping"),
+                window_size=[window - 1, 0], window_attn_skip_freq=skip_freq)
+
+
+def _gemma2_layer_pattern(hf: dict) -> tuple:
+    """(sliding_window, --window-attn-skip-freq) of ``layer_types``: every Nth layer global (the default,
+    N = 2), or none. Other patterns, and none sliding, are refused."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    refuse(set(types) - {"sliding_attention", "full_attention"} != set(), f"layer_types {sorted(set(types))}")
+    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+    refuse(len(full) == layers or hf.get("sliding_window") is None, "no sliding_attention layer (layer_types)")
+    skip_freq = full[0] + 1 if full else None
+    refuse(bool(full) and full != list(range(skip_freq - 1, layers, skip_freq)),
+           f"layer_types with global layers {full} (only every Nth layer global: --window-attn-skip-freq)")
+    return hf["sliding_window"], skip_freq
+
+
+def _gemma2_to_hf(config: ModelConfig) -> dict:
+    fields = {k: v for k, v in _llama_to_hf(config).items() if k != "hidden_act"}
+    freq = config.window_attn_skip_freq
+    scalar = round(config.softmax_scale ** -2, 6) if config.softmax_scale else config.head_dim
+    return dict(fields, hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+                query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                attn_logit_softcapping=config.attn_logit_softcapping,
+                final_logit_softcapping=config.final_logit_softcapping, sliding_window=config.window_size[0] + 1,
+                layer_types=["full_attention" if freq and (i + 1) % freq == 0 else "sliding_attention"
+                             for i in range(config.num_layers)])
+
+
 QWEN_WINDOW_FIELDS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
 
 FAMILIES = {family.model_type: family for family in (
@@ -222,10 +267,18 @@ FAMILIES = {family.model_type: family for family in (
            LLAMA_FIELDS | {"sliding_window", "resid_pdrop", "embd_pdrop", "partial_rotary_factor",
                            "original_max_position_embeddings"},  # the context longrope scaling starts from
            _phi3_to_ours, _phi3_to_hf),
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2",
+           LLAMA_FIELDS | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
+                           "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
+                           "use_bidirectional_attention"},
+           _gemma2_to_ours, _gemma2_to_hf, features={"window_size": lambda window: window is not None}),
 )}
 
 # The features only some families have, and the value each takes where it is absent.
 _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None}
+# Gemma 2's features (its own weight naming tells it apart on export): no other family describes them.
+GEMMA_FEATURES = {"post_sublayer_norm": False, "scale_embeddings": False, "geglu": False, "softmax_scale": None,
+                  "attn_logit_softcapping": None, "final_logit_softcapping": None, "window_attn_skip_freq": None}
 
 
 def model_config_fields_from_hf(hf: dict) -> dict:
@@ -258,7 +311,7 @@ def named_family(config: ModelConfig, model_type: str) -> Family:
     back = model_config_fields_from_hf(config_json(family, config))
     differences = sorted(name for name, value in back.items()
                          if defines_function(name, config) and getattr(config, name) != value)
-    others = [name for name, absent in _OPTIONAL_FEATURES.items()
+    others = [name for name, absent in {**_OPTIONAL_FEATURES, **GEMMA_FEATURES}.items()
               if name not in back and getattr(config, name) != absent]
     if differences or others:
         raise ConfigError(f"--hf-model-type {model_type} cannot describe this model: it differs in "

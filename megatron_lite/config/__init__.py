@@ -108,6 +108,13 @@ class ModelConfig:
     qk_layernorm: bool = False  # each head's queries and keys normalised before RoPE (Qwen3)
     # Sliding-window attention, Megatron-LM's (left, right): query i sees keys i - left .. i + right.
     window_size: Optional[list[int]] = field(default=None, metadata={"nargs": 2, "metavar": ("LEFT", "RIGHT")})
+    window_attn_skip_freq: Optional[int] = None  # Megatron-Core's: every Nth layer (1-based) attends globally
+    softmax_scale: Optional[float] = None  # the attention scores' scale; default 1/sqrt(head width)
+    attn_logit_softcapping: Optional[float] = None  # attention scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: Optional[float] = None  # the output logits likewise (Gemma 2)
+    post_sublayer_norm: bool = False  # a norm on the attention and MLP outputs too, before the residual (Gemma 2)
+    scale_embeddings: bool = False  # word embeddings times sqrt(hidden_size) (Gemma)
+    geglu: bool = False  # --swiglu's gate through tanh GELU instead of SiLU (GeGLU, Gemma)
     rotary_seq_len_interpolation_factor: Optional[float] = None  # linear RoPE scaling: positions / factor
     use_rope_scaling: bool = False  # Llama 3.x's RoPE frequency scaling, by rope_scaling_factor
     rope_scaling_factor: float = 8.0
@@ -158,6 +165,14 @@ class ModelConfig:
         _require(self.window_size is None or (len(self.window_size) == 2 and self.window_size[0] >= 0
                                               and self.window_size[1] == 0),
                  f"--window-size takes LEFT 0 (a causal model sees no keys to its right), got {self.window_size}.")
+        _require(self.window_attn_skip_freq is None or (self.window_size is not None and self.window_attn_skip_freq > 0),
+                 f"--window-attn-skip-freq ({self.window_attn_skip_freq}) makes every Nth layer global among "
+                 f"sliding-window ones: it needs --window-size and a positive N.")
+        _require(not self.geglu or self.swiglu, "--geglu changes the gate of --swiglu's gated MLP: add --swiglu.")
+        for flag, cap in [("--attn-logit-softcapping", self.attn_logit_softcapping),
+                          ("--final-logit-softcapping", self.final_logit_softcapping),
+                          ("--softmax-scale", self.softmax_scale)]:
+            _require(cap is None or cap > 0, f"{flag} must be positive, got {cap}.")
         scalings = [self.rotary_seq_len_interpolation_factor is not None, self.use_rope_scaling]
         _require(self.position_embedding_type == "rope" or not any(scalings),
                  "--rotary-seq-len-interpolation-factor and --use-rope-scaling scale rotary embeddings: they need "

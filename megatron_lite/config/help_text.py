@@ -33,6 +33,15 @@ HELP = {
     "qk_layernorm": "normalise each head's queries and keys (RMSNorm over the head width) before RoPE (Qwen3)",
     "window_size": ("sliding-window attention LEFT RIGHT, RIGHT 0: a token sees itself and the LEFT tokens "
                     "before it (Mistral's sliding_window W is LEFT = W - 1); default: the whole sequence"),
+    "window_attn_skip_freq": ("with --window-size, every Nth layer (counting from 1) attends to the whole "
+                              "sequence, the others to the window (Gemma 2: 2)"),
+    "softmax_scale": "scale of the attention scores (default 1/sqrt(--kv-channels); Gemma 2: query_pre_attn_scalar^-0.5)",
+    "attn_logit_softcapping": ("cap the attention scores to cap * tanh(score / cap) before the mask and softmax "
+                               "(Gemma 2; takes the explicit attention path, not SDPA)"),
+    "final_logit_softcapping": "cap the output logits to cap * tanh(logit / cap) (Gemma 2)",
+    "post_sublayer_norm": "normalise the attention and MLP outputs too, before they join the residual (Gemma 2)",
+    "scale_embeddings": "multiply the word embeddings by sqrt(--hidden-size) (Gemma)",
+    "geglu": "with --swiglu, gate with tanh GELU instead of SiLU (GeGLU, Gemma)",
     "rotary_seq_len_interpolation_factor": "linear RoPE scaling: positions are divided by this factor",
     "use_rope_scaling": ("Llama 3.x RoPE scaling: low frequencies divided by --rope-scaling-factor (original "
                          "context 8192, low/high frequency factors 1 and 4, as Megatron-LM)"),

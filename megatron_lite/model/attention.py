@@ -17,7 +17,8 @@ from megatron_lite import kernels
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.norm import Norm
-from megatron_lite.model.sliding_window import SlidingWindow
+from megatron_lite.model.sliding_window import SlidingWindow, layer_window
+from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint, get_rng_tracker
 from megatron_lite.tensor_parallel.config import TensorParallelConfig
@@ -39,7 +40,10 @@ class SelfAttention(nn.Module):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_query_groups = config.num_query_groups // tp_size
         self.attention_dropout = config.attention_dropout
-        self.unfused = config.attention_backend in ("unfused", "local")
+        self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(self.head_dim)
+        # Capping acts between QK^T and the softmax, which only the explicit path exposes.
+        self.logit_capping = soft_capping(config.attn_logit_softcapping)
+        self.unfused = config.attention_backend in ("unfused", "local") or self.logit_capping is not None
         self.checkpoint_core_attention = checkpoint_core_attention
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
@@ -51,7 +55,7 @@ class SelfAttention(nn.Module):
         self.prefix = None
         self.q_layernorm = qk_layernorm(config, tp_size, tp_config.params_dtype)
         self.k_layernorm = qk_layernorm(config, tp_size, tp_config.params_dtype)
-        self.sliding_window = SlidingWindow(config.window_size[0]) if config.window_size else None
+        self.sliding_window = layer_window(config, layer_number)
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None,
                 attention_mask: torch.Tensor | None = None, inference_context=None):
@@ -83,7 +87,7 @@ class SelfAttention(nn.Module):
         return self.linear_proj(context)
 
     def _core_attention(self, query, key, value, attention_mask=None):
-        """softmax(QK^T / sqrt(d)) V over this rank's heads; [s, b, heads, d] -> [s, b, heads * d]."""
+        """softmax(QK^T * scale) V over this rank's heads; [s, b, heads, d] -> [s, b, heads * d]."""
         seq, batch = query.shape[:2]
         # [s, b, n, d] -> [b, n, s, d]; each key/value group serves heads_per_group query heads.
         query = query.permute(1, 2, 0, 3)
@@ -99,12 +103,14 @@ class SelfAttention(nn.Module):
             attention_mask = self.sliding_window.mask(attention_mask, query.shape[2], key.shape[2], query.device)
         with rng:
             if self.unfused:
-                context = _unfused_attention(query, key, value, dropout, attention_mask)
+                context = _unfused_attention(query, key, value, dropout, attention_mask, self.softmax_scale,
+                                             self.logit_capping)
             elif attention_mask is None:
-                context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True)
+                context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
+                                                         scale=self.softmax_scale)
             else:  # SDPA's boolean mask marks what may be attended
                 context = F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
-                                                         dropout_p=dropout)
+                                                         dropout_p=dropout, scale=self.softmax_scale)
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 
@@ -121,17 +127,20 @@ def qk_layernorm(config: ModelConfig, tp_size: int, params_dtype: torch.dtype) -
                 params_dtype=params_dtype)
 
 
-def _unfused_attention(query, key, value, dropout: float, attention_mask=None):
-    """softmax(QK^T / sqrt(d)) V with the probabilities materialised; [b, n, s, d] in and out.
+def _unfused_attention(query, key, value, dropout: float, attention_mask, scale: float, logit_capping=None):
+    """softmax(QK^T * scale) V with the probabilities materialised; [b, n, s, d] in and out.
 
-    As Megatron-LM, the 1/sqrt(d) scale goes into the QK^T matmul (so fp16 scores stay in range)
-    and the softmax kernel, which takes [b * n, sq, sk], applies the causal mask; an
-    ``attention_mask`` (True = may not attend) replaces it.
+    As Megatron-LM, the scale (1/sqrt(d) unless --softmax-scale) goes into the QK^T matmul (so fp16
+    scores stay in range) and the softmax kernel, which takes [b * n, sq, sk], applies the causal mask;
+    an ``attention_mask`` (True = may not attend) replaces it. ``logit_capping`` (soft_capping.py)
+    caps the scaled scores before the mask.
     """
     batch, heads, sq, d = query.shape
     sk = key.shape[2]
     scores = torch.baddbmm(query.new_empty(batch * heads, sq, sk), query.reshape(-1, sq, d),
-                           key.reshape(-1, sk, d).transpose(1, 2), beta=0.0, alpha=1.0 / math.sqrt(d))
+                           key.reshape(-1, sk, d).transpose(1, 2), beta=0.0, alpha=scale)
+    if logit_capping is not None:
+        scores = logit_capping(scores)
     if attention_mask is None:
         probs = kernels.scaled_upper_triang_masked_softmax(scores, 1.0)
     else:

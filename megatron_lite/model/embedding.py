@@ -26,10 +26,13 @@ class LanguageModelEmbedding(nn.Module):
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                     dtype=params_dtype)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.scale_embeddings = config.scale_embeddings
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """[b, s] token ids -> [s, b, h] (or [s/tp, b, h] under sequence parallelism)."""
         embeddings = self.word_embeddings(input_ids.t().contiguous())
+        if self.scale_embeddings:  # Gemma: the factor rounded to the embeddings' dtype, as transformers does
+            embeddings = embeddings * torch.tensor(embeddings.shape[-1] ** 0.5, dtype=embeddings.dtype)
         if self.position_embeddings is not None:
             embeddings = embeddings + self.position_embeddings(position_ids.t())
         if self.sequence_parallel:

@@ -11,6 +11,7 @@ from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_freqs
 from megatron_lite.model.norm import Norm
+from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.model.transformer_block import TransformerBlock
 from megatron_lite.tensor_parallel import (ColumnParallelLinear, TensorParallelConfig,
                                            gather_from_tensor_model_parallel_region)
@@ -30,6 +31,7 @@ class GPTModel(nn.Module):
         self.padded_vocab_size = config.padded_vocab_size(collectives.world_size(tp_config.tp_group))
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor = None
+        self.logit_capping = soft_capping(config.final_logit_softcapping)
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
 
         if pre_process:
@@ -108,6 +110,8 @@ class GPTModel(nn.Module):
         hidden_states = self.final_layernorm(hidden_states)
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=output_weight)  # [s, b, V/tp]
+        if self.logit_capping is not None:
+            logits = self.logit_capping(logits)
         if labels is None:
             logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
             return logits[..., :self.config.vocab_size].transpose(0, 1).contiguous()

@@ -1,4 +1,4 @@
-"""The feed-forward block: column-parallel up-projection, GELU or SwiGLU, row-parallel down."""
+"""The feed-forward block: column-parallel up-projection, GELU, SwiGLU or GeGLU, row-parallel down."""
 import torch
 from torch import nn
 
@@ -9,11 +9,13 @@ from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 class MLP(nn.Module):
     """SwiGLU's gate and up projections share one column-parallel weight laid out as
-    ``[gate; up]`` and sharded with stride 2, so each rank holds matching halves."""
+    ``[gate; up]`` and sharded with stride 2, so each rank holds matching halves. GeGLU (``--geglu``,
+    Gemma) is the same gated unit with a tanh-GELU gate."""
 
     def __init__(self, config: ModelConfig, *, tp_config: TensorParallelConfig):
         super().__init__()
         self.swiglu = config.swiglu
+        self.gated_activation = _geglu if config.geglu else kernels.swiglu
         fc1_size = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, fc1_size, tp_config=tp_config, bias=config.add_bias_linear,
@@ -25,7 +27,13 @@ class MLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor):
         intermediate, bias = self.linear_fc1(hidden_states)
         if self.swiglu:
-            intermediate = kernels.swiglu(intermediate if bias is None else intermediate + bias)
+            intermediate = self.gated_activation(intermediate if bias is None else intermediate + bias)
         else:
             intermediate = kernels.bias_gelu(intermediate, bias)
         return self.linear_fc2(intermediate)
+
+
+def _geglu(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` where the last dim of ``x`` is [gate, up]."""
+    gate, up = torch.chunk(x, 2, dim=-1)
+    return kernels.bias_gelu(gate, None) * up

@@ -1,5 +1,6 @@
 """Sliding-window attention (Mistral; ``--window-size LEFT 0``): a query sees itself and the ``LEFT``
-keys before it, never further back.
+keys before it, never further back. With ``--window-attn-skip-freq N`` (Gemma 2: 2) every Nth layer,
+counting from 1, attends globally instead, as Megatron-Core's ``window_attn_skip_freq``.
 
 It is one more mask, OR-ed with whatever attention already masks (causal, packed examples, a
 generation's padding), so training, packed SFT and the generation cache all take it. Queries are
@@ -7,6 +8,8 @@ the last ``query_length`` of ``key_length`` positions (earlier keys are cached o
 window counts positions in that key sequence, as the key/value cache stores them.
 """
 import torch
+
+from megatron_lite.config import ModelConfig
 
 
 class SlidingWindow:
@@ -22,3 +25,12 @@ class SlidingWindow:
             future = torch.ones(query_length, key_length, dtype=torch.bool, device=device).triu(offset + 1)
             return future | outside
         return attention_mask | outside
+
+
+def layer_window(config: ModelConfig, layer_number: int) -> SlidingWindow | None:
+    """The window of layer ``layer_number`` (global, 0-based), or None where it attends globally."""
+    if config.window_size is None:
+        return None
+    if config.window_attn_skip_freq is not None and (layer_number + 1) % config.window_attn_skip_freq == 0:
+        return None
+    return SlidingWindow(config.window_size[0])

@@ -1,4 +1,9 @@
-"""One pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
+"""One pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x)).
+
+With ``--post-sublayer-norm`` (Gemma 2) each sublayer's output is normalised too before it joins the
+residual: x + Norm(Attn(Norm(x))), then x + Norm(MLP(Norm(x))); the norms are named as Megatron-Core's
+``post_self_attn_layernorm`` and ``post_mlp_layernorm``.
+"""
 import contextlib
 
 import torch
@@ -28,13 +33,20 @@ class TransformerLayer(nn.Module):
                                             checkpoint_core_attention=checkpoint_core_attention)
         self.pre_mlp_layernorm = Norm(config.hidden_size, **norm)
         self.mlp = MLP(config, tp_config=tp_config)
+        if config.post_sublayer_norm:
+            self.post_self_attn_layernorm = Norm(config.hidden_size, **norm)
+            self.post_mlp_layernorm = Norm(config.hidden_size, **norm)
+        else:
+            self.post_self_attn_layernorm = self.post_mlp_layernorm = None
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:
         attention_output, attention_bias = self.self_attention(self.input_layernorm(hidden_states), rotary_freqs,
                                                                attention_mask, inference_context)
+        attention_output, attention_bias = _post_norm(self.post_self_attn_layernorm, attention_output, attention_bias)
         hidden_states = self._bias_dropout_add(attention_output, attention_bias, hidden_states)
         mlp_output, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        mlp_output, mlp_bias = _post_norm(self.post_mlp_layernorm, mlp_output, mlp_bias)
         return self._bias_dropout_add(mlp_output, mlp_bias, hidden_states)
 
     def _bias_dropout_add(self, x, bias, residual):
@@ -42,3 +54,10 @@ class TransformerLayer(nn.Module):
         forked = self.sequence_parallel and self.training and self.hidden_dropout > 0
         with get_rng_tracker().fork() if forked else contextlib.nullcontext():
             return kernels.bias_dropout_add(x, bias, residual, self.hidden_dropout, self.training)
+
+
+def _post_norm(norm, output, bias):
+    """(output, bias) of a sublayer, normalised (bias included) when the layer has a post-sublayer norm."""
+    if norm is None:
+        return output, bias
+    return norm(output if bias is None else output + bias), None

@@ -1,4 +1,4 @@
-"""Qwen2/2.5, Qwen3, Mistral and Phi-3 import, run, train, fine-tune and export exactly against transformers.
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3 and Gemma 2 import, run, train, fine-tune and export exactly against transformers.
 
 Each family is a tiny random model (``from_config``, saved locally) with every feature it has
 switched on, and weights drawn wider than transformers' init (biases and norm scales included),
@@ -8,6 +8,10 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
     qwen3    q/k RMSNorm, head_dim 16 with hidden 32 / 4 heads, untied
     mistral  sliding window 5 (shorter than the sequences), Llama 3 RoPE scaling
     phi3     fused qkv_proj and gate_up_proj, sliding window 5, RoPE on half of each head
+    gemma2   (1 + w) RMSNorms before and after each sublayer, sqrt(hidden) embedding scale, GeGLU,
+             query_pre_attn_scalar 24 (not head_dim 16), attention and final-logit soft-capping low
+             enough to bite (4, 5), sliding window 5 on layer 1 and global layer 2, tied embeddings;
+             transformers' eager attention as the reference
 
 For each: logits equal transformers' at 1 process and at tp2 x pp2; greedy generation (alone and
 batched, left-padded) equals ``generate``; HF -> ours -> HF -> ours is bit-exact; 5 training
@@ -50,6 +54,9 @@ FAMILIES = {
                                                   rope_parameters=LLAMA3_ROPE),
     "phi3": lambda: transformers.Phi3Config(**SMALL, sliding_window=5, tie_word_embeddings=False, rope_parameters={
         "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **SMALL, head_dim=16, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+        final_logit_softcapping=5.0, tie_word_embeddings=True, attn_implementation="eager"),
 }
 # Phi-3 computes what Mistral does: its fused layout is written when asked for.
 EXPORT_FLAGS = {"phi3": ["--hf-model-type", "phi3"]}
@@ -101,6 +108,11 @@ def test_config_maps_every_feature(imports):
     assert mistral.window_size == [4, 0] and mistral.use_rope_scaling and mistral.rope_scaling_factor == 8.0
     phi3 = read_config(imports["phi3"].root).model
     assert phi3.window_size == [4, 0] and phi3.rotary_percent == 0.5
+    gemma2 = read_config(imports["gemma2"].root).model
+    assert gemma2.apply_layernorm_1p and gemma2.post_sublayer_norm and gemma2.scale_embeddings and gemma2.geglu
+    assert gemma2.window_size == [4, 0] and gemma2.window_attn_skip_freq == 2 and gemma2.softmax_scale == 24 ** -0.5
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (4.0, 5.0)
+    assert not gemma2.untie_embeddings_and_output_weights
 
 
 def test_logits_equal_transformers(family):
