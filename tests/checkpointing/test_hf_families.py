@@ -245,3 +245,14 @@ def test_unknown_fields_and_variants_are_refused_by_name(imports):
     with pytest.raises(ConfigError, match="attention_bias"):
         hf_interop.model_config_from_hf({**qwen3, "attention_bias": True})
     assert hf_interop.model_config_from_hf({**qwen3, "rope_scaling": None}).qk_layernorm  # null sets nothing
+
+
+def test_gemma2_variants_are_refused_by_name(imports):
+    gemma2 = imports["gemma2"].hf_model.config.to_dict()
+    for field, value, message in [("hidden_activation", "gelu", "hidden_activation 'gelu'"),
+                                  ("use_bidirectional_attention", True, "use_bidirectional_attention"),
+                                  ("attention_bias", True, "attention_bias"),
+                                  ("layer_types", ["full_attention", "sliding_attention"], "global layers \\[0\\]"),
+                                  ("layer_types", ["full_attention", "full_attention"], "no sliding_attention")]:
+        with pytest.raises(ConfigError, match=message):
+            hf_interop.model_config_from_hf({**gemma2, field: value})
