@@ -165,7 +165,8 @@ class ModelConfig:
         _require(self.window_size is None or (len(self.window_size) == 2 and self.window_size[0] >= 0
                                               and self.window_size[1] == 0),
                  f"--window-size takes LEFT 0 (a causal model sees no keys to its right), got {self.window_size}.")
-        _require(self.window_attn_skip_freq is None or (self.window_size is not None and self.window_attn_skip_freq > 0),
+        skip_freq = self.window_attn_skip_freq
+        _require(skip_freq is None or (self.window_size is not None and skip_freq > 0),
                  f"--window-attn-skip-freq ({self.window_attn_skip_freq}) makes every Nth layer global among "
                  f"sliding-window ones: it needs --window-size and a positive N.")
         _require(not self.geglu or self.swiglu, "--geglu changes the gate of --swiglu's gated MLP: add --swiglu.")

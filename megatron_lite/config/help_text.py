@@ -35,7 +35,8 @@ HELP = {
                     "before it (Mistral's sliding_window W is LEFT = W - 1); default: the whole sequence"),
     "window_attn_skip_freq": ("with --window-size, every Nth layer (counting from 1) attends to the whole "
                               "sequence, the others to the window (Gemma 2: 2)"),
-    "softmax_scale": "scale of the attention scores (default 1/sqrt(--kv-channels); Gemma 2: query_pre_attn_scalar^-0.5)",
+    "softmax_scale": ("scale of the attention scores (default 1/sqrt(--kv-channels); Gemma 2: "
+                      "query_pre_attn_scalar^-0.5)"),
     "attn_logit_softcapping": ("cap the attention scores to cap * tanh(score / cap) before the mask and softmax "
                                "(Gemma 2; takes the explicit attention path, not SDPA)"),
     "final_logit_softcapping": "cap the output logits to cap * tanh(logit / cap) (Gemma 2)",

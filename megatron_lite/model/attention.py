@@ -17,7 +17,7 @@ from megatron_lite import kernels
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.norm import Norm
-from megatron_lite.model.sliding_window import SlidingWindow, layer_window
+from megatron_lite.model.sliding_window import layer_window
 from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint, get_rng_tracker

@@ -60,7 +60,9 @@ def layer_parameters(model: ModelConfig, layer_number: int, tensor_model_paralle
                       h if bias else None)
             + _norm(f"{prefix}.pre_mlp_layernorm", model)
             + _linear(f"{prefix}.mlp.linear_fc1", fc1, h, fc1 if bias else None)
-            + _linear(f"{prefix}.mlp.linear_fc2", h, model.ffn_hidden_size // t, h if bias else None))
+            + _linear(f"{prefix}.mlp.linear_fc2", h, model.ffn_hidden_size // t, h if bias else None)
+            + (_norm(f"{prefix}.post_self_attn_layernorm", model) + _norm(f"{prefix}.post_mlp_layernorm", model)
+               if model.post_sublayer_norm else []))
 
 
 def chunk_parameters(model: ModelConfig, *, tensor_model_parallel_size: int, layer_numbers: range,
