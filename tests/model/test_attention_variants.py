@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megatron_lite.config import ConfigError, ModelConfig
-from megatron_lite.model.sliding_window import SlidingWindow
+from megatron_lite.model.sliding_window import SlidingWindow, layer_window
+from megatron_lite.model.soft_capping import soft_capping
 
 BASE = dict(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
             position_embedding_type="rope")
@@ -32,3 +33,26 @@ def test_window_after_cached_keys_and_with_a_given_mask():
 def test_bad_variant_settings_are_refused_by_flag(fields, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**{**BASE, **fields})
+
+
+def test_every_nth_layer_attends_globally():
+    config = ModelConfig(**dict(BASE, num_layers=4), window_size=[3, 0], window_attn_skip_freq=2)
+    assert [layer_window(config, i) is None for i in range(4)] == [False, True, False, True]  # 1-based N-th
+    assert layer_window(ModelConfig(**BASE), 0) is None
+
+
+def test_soft_capping_bounds_and_keeps_small_values():
+    cap = soft_capping(5.0)
+    x = torch.tensor([-1e4, -0.01, 0.0, 0.01, 1e4])
+    torch.testing.assert_close(cap(x), 5.0 * torch.tanh(x / 5.0))
+    assert cap(x).abs().max() <= 5.0 and soft_capping(None) is None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(geglu=True), "--geglu changes the gate of --swiglu"),
+    (dict(window_attn_skip_freq=2), "--window-attn-skip-freq"),
+    (dict(attn_logit_softcapping=0.0), "--attn-logit-softcapping must be positive"),
+    (dict(softmax_scale=-1.0), "--softmax-scale must be positive")])
+def test_gemma_flags_are_checked(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**BASE, **flags)
