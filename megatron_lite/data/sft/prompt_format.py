@@ -95,6 +95,10 @@ def hf_chat_template(prompt_format: str, tokenizer) -> str | None:
         return None
     if prompt_format == "chatml":
         return CHATML_JINJA
+    if not hasattr(tokenizer, "chat_template"):  # an export given another tokenizer than the run's
+        raise ConfigError(f"the run was fine-tuned with --sft-tokenizer-prompt-format default, the chat template of "
+                          f"its Hugging Face tokenizer, which {type(tokenizer).__name__} lacks: export with that "
+                          f"tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model), or with none.")
     return tokenizer.chat_template  # default: the tokenizer's own, which training rendered
 
 
