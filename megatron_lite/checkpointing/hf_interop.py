@@ -292,8 +292,10 @@ def read_hf_directory(directory: str) -> tuple[dict, dict]:
     return hf_config, tensors
 
 
-def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokenizer_flags: dict | None = None) -> None:
-    """config.json, model.safetensors and, when there is a tokenizer, its files and generation_config.json.
+def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokenizer_flags: dict | None = None,
+                       prompt_format: str | None = None) -> None:
+    """config.json, model.safetensors and, when there is a tokenizer, its files and generation_config.json
+    (with the chat template of ``prompt_format``, a chat fine-tune's ``--sft-tokenizer-prompt-format``).
 
     Every file is made readable by all (0644): an export is meant to be shared, and a umask
     of 077, common on clusters, would leave it readable by its writer alone.
@@ -301,7 +303,7 @@ def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokeni
     os.makedirs(directory, exist_ok=True)
     special_ids = export_tokenizer(tokenizer_flags or {}, directory,
                                    model_max_length=hf_config.get("n_positions", hf_config.get(
-                                       "max_position_embeddings")))
+                                       "max_position_embeddings")), prompt_format=prompt_format)
     write_json(os.path.join(directory, "config.json"), {**hf_config, **special_ids})
     if special_ids["eos_token_id"] is not None:
         write_json(os.path.join(directory, "generation_config.json"), {**special_ids, "do_sample": False})
@@ -371,4 +373,5 @@ def export_hf_weights(config: Config, read, save_dir: str, *, tokenizer_flags: d
     family = hf_family(config.model, hf_model_type)
     tokenizer = checkpoint_tokenizer_flags(dataclasses.asdict(config.data), tokenizer_flags or {})
     write_hf_directory(save_dir, config_json(family, config.model), weights_to_hf(read, config.model, family.naming),
-                       tokenizer_flags=tokenizer)
+                       tokenizer_flags=tokenizer,
+                       prompt_format=config.data.sft_tokenizer_prompt_format if config.data.sft else None)

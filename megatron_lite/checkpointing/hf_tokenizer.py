@@ -3,7 +3,9 @@
 A checkpoint records the tokenizer flags it was trained with (its config's data section).
 The export copies those files under the names transformers looks for, writes a
 ``tokenizer_config.json`` naming the tokenizer class, and returns the special-token ids
-that ``config.json`` and ``generation_config.json`` carry.
+that ``config.json`` and ``generation_config.json`` carry. A chat fine-tune's export carries its chat template
+(``--sft-tokenizer-prompt-format``: chatml as Jinja, or the tokenizer's own for default), so
+``apply_chat_template`` and a chat ``pipeline`` render the text training saw.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import shutil
 import sys
 
 from megatron_lite.config import ConfigError
+from megatron_lite.data.sft.prompt_format import format_prompt, hf_chat_template
 from megatron_lite.tokenizer import build_tokenizer
 
 # (tokenizer class transformers builds, {our flag's field: the file name it expects})
@@ -21,10 +24,19 @@ _HF_LAYOUT = {
     "SentencePieceTokenizer": ("LlamaTokenizer", {"tokenizer_model": "tokenizer.model"}),
     "HuggingFaceTokenizer": ("PreTrainedTokenizerFast", {"tokenizer_model": "tokenizer.json"}),
 }
+# Conversations on which an exported chat template's ids are compared with training's.
+_PROBE_CONVERSATIONS = (
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"},
+     {"role": "assistant", "content": "Hi there!"}, {"role": "user", "content": " and then, why?\n"}],
+)
 
 
-def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: int) -> dict:
-    """Write the tokenizer files into ``save_dir``; returns {bos,eos,pad}_token_id (None without a tokenizer)."""
+def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: int,
+                     prompt_format: str | None = None) -> dict:
+    """Write the tokenizer files into ``save_dir``; returns {bos,eos,pad}_token_id (None without a tokenizer).
+
+    ``prompt_format``: the ``--sft-tokenizer-prompt-format`` of a chat fine-tune (None for pretraining)."""
     tokenizer_type = tokenizer_flags.get("tokenizer_type")
     if tokenizer_type not in _HF_LAYOUT:  # mock data, an import, or NullTokenizer: there is none to export
         print(f"note: no tokenizer exported (the checkpoint records {tokenizer_type or 'none'}), so AutoTokenizer "
@@ -50,8 +62,39 @@ def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: 
         # transformers prepends "▁" to the text unless told not to; the model itself says whether it
         # does (its add_dummy_prefix), and a leading space then tokenizes like none.
         tokenizer_config["add_prefix_space"] = tokenizer.tokenize("a") == tokenizer.tokenize(" a")
+    chat_template = hf_chat_template(prompt_format, tokenizer) if prompt_format else None
+    if chat_template:
+        tokenizer_config["chat_template"] = chat_template
     write_json(os.path.join(save_dir, "tokenizer_config.json"), tokenizer_config)
+    if prompt_format:
+        _check_chat_template(tokenizer, prompt_format, save_dir)
     return {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad}
+
+
+def _check_chat_template(tokenizer, prompt_format: str, save_dir: str) -> None:
+    """Say when ``apply_chat_template`` on the export cannot give the ids training saw.
+
+    Training tokenizes a conversation run by run (``prompt_format``); transformers tokenizes the rendered text
+    whole. The two agree where runs meet at pre-token boundaries (a byte-level BPE, or special tokens); a
+    SentencePiece model that adds a dummy prefix puts one before every run, so its ids cannot agree."""
+    if prompt_format == "plain":
+        print(f"note: the run was fine-tuned with --sft-tokenizer-prompt-format plain, which has no chat template: "
+              f"apply_chat_template and chat pipelines do not apply to {save_dir}; prompt it with the messages' "
+              f"contents back to back, as training saw them.", file=sys.stderr)
+        return
+    try:
+        import transformers
+    except ImportError:  # nothing to compare with; the template is written all the same
+        return
+    theirs = transformers.AutoTokenizer.from_pretrained(save_dir)
+    for messages in _PROBE_CONVERSATIONS:
+        rendered = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        if list(rendered["input_ids"]) != format_prompt(messages, tokenizer, prompt_format):
+            print(f"note: {save_dir}'s chat template ({prompt_format}) renders the text training saw, but its "
+                  f"tokenizer gives that text, tokenized whole, other ids than training's turn-by-turn tokenization: "
+                  f"apply_chat_template's ids differ from the ones the model was fine-tuned on; give generation the "
+                  f"ids of megatron_lite.data.sft.prompt_format.format_prompt instead.", file=sys.stderr)
+            return
 
 
 def import_tokenizer(load_dir: str) -> dict:

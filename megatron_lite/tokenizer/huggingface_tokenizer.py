@@ -52,6 +52,11 @@ class HuggingFaceTokenizer:
     def detokenize(self, ids) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    @property
+    def chat_template(self) -> str:
+        """The Jinja source of the tokenizer's own chat template (what ``apply_chat_template`` renders)."""
+        return _chat_tokenizer(self._directory).chat_template
+
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         """The conversation as text by the tokenizer's own chat template (``chat_template`` in the
         ``tokenizer_config.json`` next to ``tokenizer.json``), rendered by transformers."""

@@ -4,6 +4,9 @@ Found by a reliability pass: 17 of 176 finished 2- and 4-rank gloo runs had one 
 shutdown ("terminate called without an active exception"), so torchrun reported the job failed. The data-
 parallel wrapper was kept alive by its gradient hooks (a cycle through autograd that the garbage collector
 cannot see), and with it its process groups, whose gloo threads then ran into interpreter shutdown.
+
+The abort is a race at shutdown (about one run in ten), so running a job again and again is a slow and weak test;
+the one 2-rank job below checks its cause instead: nothing holds the WORLD group once it is torn down.
 """
 import gc
 import subprocess
@@ -30,11 +33,11 @@ def test_the_data_parallel_wrapper_does_not_outlive_the_run():
     assert wrapper() is None, "the DistributedDataParallel wrapper (and its process groups) is still alive"
 
 
-def test_a_finished_two_rank_job_exits_0_every_time(tmp_path):
-    for attempt in range(3):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-                   "megatron_lite.pretrain_gpt", *TINY, "--save", str(tmp_path / f"run{attempt}")]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=240)
-        output = result.stdout + result.stderr
-        assert result.returncode == 0 and "terminate called" not in output, (attempt, output[-3000:])
-        assert " saved checkpoint at iteration       2" in output
+def test_a_finished_two_rank_job_frees_the_world_group_and_exits_0(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+               "tests.launch.world_group_probe", *TINY, "--save", str(tmp_path / "run")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "terminate called" not in output, output[-3000:]
+    assert " saved checkpoint at iteration       2" in output
+    assert output.count("WORLD group freed after teardown: True") == 2, output[-3000:]

@@ -26,6 +26,12 @@ from megatron_lite.config import ConfigError
 
 ROLES = ("system", "user", "assistant")
 CHATML_END_OF_TURN = "<|im_end|>"
+# chatml as the Jinja template transformers renders (a Hugging Face export's ``chat_template``): the same text
+# as ``_chatml_runs``, joined.
+CHATML_JINJA = ("{% for message in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
+                "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' }}{% endfor %}"
+                "{% if add_generation_prompt %}{% if messages %}{{ '\\n' }}{% endif %}"
+                "{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 def tokenize_conversation(messages: list[dict], tokenizer, prompt_format: str) -> tuple[np.ndarray, np.ndarray]:
@@ -81,6 +87,19 @@ def render(messages: list[dict], tokenizer, prompt_format: str, *,
     else:
         raise ConfigError(f"--sft-tokenizer-prompt-format {prompt_format!r} is not one of plain, chatml, default.")
     return [(text, is_response) for text, is_response in runs if text]
+
+
+def hf_chat_template(prompt_format: str, tokenizer) -> str | None:
+    """The Jinja chat template that renders ``prompt_format``'s text (None for plain, which has none)."""
+    if prompt_format == "plain":
+        return None
+    if prompt_format == "chatml":
+        return CHATML_JINJA
+    if not hasattr(tokenizer, "chat_template"):  # an export given another tokenizer than the run's
+        raise ConfigError(f"the run was fine-tuned with --sft-tokenizer-prompt-format default, the chat template of "
+                          f"its Hugging Face tokenizer, which {type(tokenizer).__name__} lacks: export with that "
+                          f"tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model), or with none.")
+    return tokenizer.chat_template  # default: the tokenizer's own, which training rendered
 
 
 def _chatml_runs(messages: list[dict], add_generation_prompt: bool) -> list[tuple[str, bool]]:
