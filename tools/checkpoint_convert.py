@@ -22,6 +22,10 @@
     python tools/checkpoint_convert.py --source-format megatron --load-dir megatron-ckpt --save-dir ckpt \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
+    # megatron_lite (any layout) -> a Megatron-LM legacy checkpoint (--ckpt-format torch) at any TP/PP
+    python tools/checkpoint_convert.py --target-format megatron --megatron-ckpt-format torch \\
+        --load-dir ckpt --save-dir megatron-ckpt --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+
     # LoRA adapters <-> a Hugging Face PEFT directory (adapter_config.json, adapter_model.safetensors)
     python tools/checkpoint_convert.py --target-format peft --load-dir lora-ckpt --save-dir peft-dir
     python tools/checkpoint_convert.py --source-format peft --load-dir peft-dir --save-dir lora-ckpt \\
@@ -39,6 +43,7 @@ import sys
 
 from megatron_lite.checkpointing import hf_interop, hf_peft
 from megatron_lite.checkpointing.hf_families import FAMILIES
+from megatron_lite.checkpointing.megatron.exporter import export_megatron_checkpoint
 from megatron_lite.checkpointing.megatron.importer import import_megatron_checkpoint
 from megatron_lite.checkpointing.offline import reshard_checkpoint, write_checkpoint
 from megatron_lite.checkpointing.peft_base import folded_prefix, merged_lora
@@ -63,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hf-model-type", choices=sorted(FAMILIES),
                         help="the Hugging Face family an hf or peft export is written as (default: the one the "
                              "model's features call for; phi3 fuses q/k/v and gate/up)")
+    parser.add_argument("--megatron-ckpt-format", choices=("torch",), default="torch",
+                        help="with --target-format megatron: the format written, Megatron-LM's --ckpt-format "
+                             "(torch: the legacy mp_rank_* files; torch_dist is read but not yet written)")
     lora = parser.add_argument_group("adapter checkpoints (--peft)")
     lora.add_argument("--merge-lora", action="store_true",
                       help="merge the adapters of a LoRA checkpoint into its base and write the merged model")
@@ -115,6 +123,8 @@ def _convert(args, sizes: dict) -> str:
         return hf_interop.import_hf_checkpoint(args.load_dir, args.save_dir, **sizes)
     if source == "megatron" and target == "megatron_lite":
         return import_megatron_checkpoint(args.load_dir, args.save_dir, **sizes)
+    if source == "megatron_lite" and target == "megatron" and not (args.merge_lora or args.fold_prefix_projection):
+        return export_megatron_checkpoint(args.load_dir, args.save_dir, **sizes)
     if source == "peft" and target == "megatron_lite":
         if not args.base_checkpoint:
             raise ConfigError("--source-format peft needs --base-checkpoint: the megatron_lite checkpoint of the "
@@ -144,7 +154,7 @@ def _convert(args, sizes: dict) -> str:
     if source == "megatron_lite" and target == "megatron_lite":
         return reshard_checkpoint(args.load_dir, args.save_dir, **sizes)
     raise ConfigError(f"no conversion from --source-format {source} to --target-format {target}: hf and peft "
-                      f"convert to and from megatron_lite, megatron to it.")
+                      f"convert to and from megatron_lite, megatron to and from it (merge adapters before a megatron export).")
 
 
 if __name__ == "__main__":

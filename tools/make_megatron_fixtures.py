@@ -5,6 +5,12 @@ Run by hand (not in CI), on CPU with gloo, from a git directory of NVIDIA/Megatr
     python tools/make_megatron_fixtures.py --megatron-git-dir /path/to/Megatron-LM/.git \\
         --megatron-ref core_v0.17.0 --output-dir tests/fixtures/megatron
 
+    # our export, read back by Megatron-LM: each fixture imported, exported at another layout by
+    # tools/checkpoint_convert.py, loaded with Megatron's own load_checkpoint (--use-checkpoint-args:
+    # the architecture from the args we wrote) and its logits compared with the fixture's
+    PYTHONPATH=$PWD python tools/make_megatron_fixtures.py --megatron-git-dir /path/to/Megatron-LM/.git \\
+        --check-exports
+
 What it does: ``git archive`` the ref into a throwaway directory, ``pip install --target``
 its one missing pure-Python dependency (einops) beside it, and run each fixture in a
 fresh interpreter whose ``PYTHONPATH`` is that snapshot, so nothing of Megatron enters
@@ -54,6 +60,11 @@ COMMON = ["--seq-length", "8", "--micro-batch-size", "2", "--global-batch-size",
           "--no-rope-fusion", "--no-persist-layer-norm", "--attention-dropout", "0", "--hidden-dropout", "0",
           "--use-cpu-initialization", "--no-save-optim", "--no-save-rng", "--train-iters", "10", "--save-interval",
           "10", "--lr", "1e-4", "--seed", "1234", "--attention-backend", "unfused"]
+# --check-exports: (fixture, tensor size, pipeline size of the export). Megatron recomputes the padded
+# vocabulary from its tokenizer (50 tokens + EOD here), so each export's layout pads it as the source did.
+EXPORT_CHECKS = (("gpt2_tp1pp1_torch", 2, 2), ("llama_tp1pp1_torch", 2, 2), ("gpt2_tp2pp2_torch", 2, 1),
+                 ("llama_tp2pp2_torch", 2, 1))
+EXPORT_ATOL = 1e-5
 # The fixed batch whose logits are saved: [batch, sequence].
 TOKENS = [[3, 17, 42, 8, 0, 25, 11, 49], [5, 5, 30, 1, 44, 19, 2, 7]]
 ITERATION = 10
@@ -88,7 +99,9 @@ def main() -> None:
     parser.add_argument("--megatron-git-dir")
     parser.add_argument("--megatron-ref", default="core_v0.17.0")
     parser.add_argument("--output-dir", default=os.path.join("tests", "fixtures", "megatron"))
-    parser.add_argument("--only", nargs="*", help="fixture names to build (default: all)")
+    parser.add_argument("--only", nargs="*", help="fixture names to build or check (default: all)")
+    parser.add_argument("--check-exports", action="store_true",
+                        help="build nothing: load our exports of the fixtures with Megatron-LM (EXPORT_CHECKS)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -97,6 +110,9 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="megatron-fixtures-")
     try:
         pythonpath = snapshot(args.megatron_git_dir, args.megatron_ref, workdir)
+        if args.check_exports:
+            check_exports(pythonpath, workdir, args.output_dir, args.megatron_ref, args.only)
+            return
         os.makedirs(args.output_dir, exist_ok=True)
         failed = []
         for name in args.only or FIXTURES:
@@ -112,6 +128,33 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def check_exports(pythonpath: str, workdir: str, fixtures_dir: str, ref: str, only=None) -> None:
+    """Each EXPORT_CHECKS fixture through our import and export (this interpreter's megatron_lite), then
+    loaded by Megatron-LM at the export's layout; fails unless Megatron's logits are the fixture's."""
+    convert = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_convert.py")]
+    results = []
+    for name, tp, pp in [check for check in EXPORT_CHECKS if not only or check[0] in only]:
+        ours, exported = os.path.join(workdir, f"ours-{name}"), os.path.join(workdir, f"export-{name}-tp{tp}pp{pp}")
+        subprocess.run([*convert, "--source-format", "megatron", "--load-dir", os.path.join(fixtures_dir, name),
+                        "--save-dir", ours], check=True)
+        subprocess.run([*convert, "--target-format", "megatron", "--megatron-ckpt-format", "torch", "--load-dir",
+                        ours, "--save-dir", exported, "--target-tensor-parallel-size", str(tp),
+                        "--target-pipeline-parallel-size", str(pp)], check=True)
+        result = os.path.join(workdir, f"result-{name}.json")
+        run_worker(pythonpath, {"name": name, "load": exported, "tp": tp, "pp": pp, "workdir": workdir, "ref": ref,
+                                "reference": os.path.abspath(os.path.join(fixtures_dir, name, "logits.safetensors")),
+                                "result": result}, cwd=workdir)
+        with open(result) as f:
+            results.append(json.load(f))
+    for r in results:
+        print(f"{r['fixture']} exported at tp{r['tp']}pp{r['pp']}, loaded by Megatron-LM {ref}: "
+              f"max |logits - fixture's| = {r['max_abs_diff']:.3g}")
+    bad = [r["fixture"] for r in results if not r["max_abs_diff"] <= EXPORT_ATOL]
+    if bad:
+        raise SystemExit(f"Megatron-LM's logits of our exports differ from the fixtures' by more than "
+                         f"{EXPORT_ATOL}: {', '.join(bad)}")
+
+
 # ---------------------------------------------------------------------------------------------
 # The worker: Megatron's code, one process per rank
 
@@ -119,6 +162,7 @@ def main() -> None:
 def worker(job: dict) -> None:
     import torch.multiprocessing as mp
     flags, tp, pp, extra = FIXTURES[job["name"]]
+    tp, pp = job.get("tp", tp), job.get("pp", pp)
     init_file = os.path.join(job["workdir"], f"rendezvous-{job['name']}")
     if os.path.exists(init_file):
         os.remove(init_file)
@@ -138,21 +182,38 @@ def cpu_stand_ins() -> None:
     # validate_args asks for the GPU generation to decide whether to require CUDA_DEVICE_MAX_CONNECTIONS.
     torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(major=9, minor=0, name="cpu")
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    # load_checkpoint all-reduces the tracker file's iteration in a tensor it creates on device "cuda".
+    cpu_tensor = torch.tensor
+    torch.tensor = lambda *a, device=None, **k: cpu_tensor(*a, device=None if str(device).startswith("cuda")
+                                                            else device, **k)
 
 
 def megatron_args(job: dict, world_size: int):
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
     flags, tp, pp, extra = FIXTURES[job["name"]]
+    if "load" in job:  # the architecture is the args our export wrote, but for what Megatron does not restore
+        flags, tp, pp = not_restored_by_checkpoint_args(flags), job["tp"], job["pp"]
+        extra = [*extra, "--load", job["load"], "--use-checkpoint-args", "--no-load-optim", "--no-load-rng"]
+    else:
+        extra = [*extra, "--save", job["save"]]
     argv = [*flags, *COMMON, *extra, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
             str(pp)]
-    argv += ["--save", job["save"]]
     sys.argv = ["pretrain_gpt.py", *argv]
     args = parse_args()
     args.world_size, args.rank = world_size, int(os.environ["RANK"])
+    if "load" in job:
+        from megatron.training.checkpointing import load_args_from_checkpoint
+        load_args_from_checkpoint(args)  # as initialize_megatron does for --use-checkpoint-args
     validate_args(args, {})
     set_global_variables(args, build_tokenizer=True)
     return args
+
+
+def not_restored_by_checkpoint_args(flags: list) -> list:
+    """The model flags Megatron-LM's ``--use-checkpoint-args`` does not take from the saved args (its
+    load_args_from_checkpoint leaves the norm epsilon at the default): given on the command line."""
+    return [item for i, flag in enumerate(flags) if flag == "--norm-epsilon" for item in flags[i:i + 2]]
 
 
 def rank_main(rank: int, world_size: int, init_file: str, job: dict) -> None:
@@ -172,12 +233,19 @@ def rank_main(rank: int, world_size: int, init_file: str, job: dict) -> None:
     if args.bf16:
         model = model.to(torch.bfloat16)
     model.eval()
-    move_off_initial_values(model, args)
-    from megatron.training.checkpointing import save_checkpoint
-    save_checkpoint(ITERATION, [model], None, None, 0)
+    if "load" in job:
+        from megatron.training.checkpointing import load_checkpoint
+        load_checkpoint([model], None, None, strict=True)
+    else:
+        move_off_initial_values(model, args)
+        from megatron.training.checkpointing import save_checkpoint
+        save_checkpoint(ITERATION, [model], None, None, 0)
     logits = forward(model, args)
     if logits is not None and mpu.get_tensor_model_parallel_rank() == 0:
-        write_logits(os.path.join(job["save"], "logits.safetensors"), logits, job)
+        if "load" in job:
+            write_comparison(job, logits)
+        else:
+            write_logits(os.path.join(job["save"], "logits.safetensors"), logits, job)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -228,6 +296,19 @@ def write_logits(path: str, logits, job: dict) -> None:
     import torch
     safetensors.torch.save_file({"tokens": torch.tensor(TOKENS), "logits": logits.contiguous()}, path,
                                 metadata={"megatron_ref": job["ref"], "fixture": job["name"]})
+
+
+def write_comparison(job: dict, logits) -> None:
+    """Megatron's logits of our export against the fixture's, as JSON. An export at a larger tensor size
+    pads the vocabulary further with zero rows: their logits are the extra columns, compared to 0."""
+    import safetensors.torch
+    reference = safetensors.torch.load_file(job["reference"])["logits"]
+    width = reference.shape[-1]
+    difference = max((logits[..., :width] - reference).abs().max().item(), logits[..., width:].abs().max().item()
+                     if logits.shape[-1] > width else 0.0)
+    with open(job["result"], "w") as f:
+        json.dump({"fixture": job["name"], "tp": job["tp"], "pp": job["pp"], "max_abs_diff": difference,
+                   "shape": list(logits.shape), "reference_shape": list(reference.shape)}, f)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Megatron-LM's saved ``args`` -> our ModelConfig, refusing by name what we do not implement.
+"""Megatron-LM's saved ``args`` <-> our ModelConfig, refusing by name what we do not implement.
 
 The gotchas (docs/reference.md, "Megatron-LM checkpoints"):
 
@@ -14,7 +14,10 @@ The gotchas (docs/reference.md, "Megatron-LM checkpoints"):
 """
 from __future__ import annotations
 
-from megatron_lite.config import ConfigError, ModelConfig
+import argparse
+import dataclasses
+
+from megatron_lite.config import Config, ConfigError, ModelConfig
 
 # args that change what the model computes and that megatron_lite does not implement: (name, what it is).
 _UNSUPPORTED = (("num_experts", "mixture of experts"), ("multi_latent_attention", "multi-latent attention"),
@@ -74,3 +77,58 @@ def model_config_from_megatron_args(args, source: str) -> ModelConfig:
         hidden_dropout=_arg(args, "hidden_dropout", 0.1), attention_dropout=_arg(args, "attention_dropout", 0.1),
         init_method_std=_arg(args, "init_method_std", 0.02),
         make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128))
+
+
+# Our fields that do not change the weights or what they compute (kernels, attention implementation).
+_NOT_ARCHITECTURE = ("attention_backend", "use_fused_kernels")
+
+
+def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+                              iteration: int, source: str) -> argparse.Namespace:
+    """The ``args`` Megatron-LM saves, for our ``config`` at the given layout: the architecture args its
+    ``--use-checkpoint-args`` rebuilds the model from, and those ``check_checkpoint_args`` compares.
+
+    The inverse of ``model_config_from_megatron_args``, and checked by it: a model whose args do
+    not map back to the same ModelConfig is one Megatron-LM cannot rebuild, refused by field.
+    """
+    model = config.model
+    padded_vocab = model.padded_vocab_size(tensor_model_parallel_size)
+    gqa = model.num_query_groups != model.num_attention_heads  # Megatron's parser leaves 1 groups without GQA
+    args = argparse.Namespace(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads, group_query_attention=gqa,
+        num_query_groups=model.num_query_groups if gqa else 1, kv_channels=model.kv_channels or
+        model.hidden_size // model.num_attention_heads, seq_length=model.seq_length, encoder_seq_length=model.seq_length,
+        max_position_embeddings=model.max_position_embeddings, position_embedding_type=model.position_embedding_type,
+        add_position_embedding=model.position_embedding_type == "learned_absolute",
+        use_rotary_position_embeddings=False, rotary_base=int(model.rotary_base), rotary_percent=model.rotary_percent,
+        rotary_interleaved=False, rotary_seq_len_interpolation_factor=model.rotary_seq_len_interpolation_factor,
+        use_rope_scaling=model.use_rope_scaling, rope_scaling_factor=model.rope_scaling_factor,
+        normalization=model.normalization, norm_epsilon=model.norm_epsilon, layernorm_epsilon=model.norm_epsilon,
+        apply_layernorm_1p=model.apply_layernorm_1p, swiglu=model.swiglu, squared_relu=False, openai_gelu=False,
+        bias_gelu_fusion=not model.swiglu, add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias or model.add_bias_linear, qk_layernorm=model.qk_layernorm,
+        window_size=model.window_size, untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
+        apply_query_key_layer_scaling=False, apply_residual_connection_post_layernorm=False,
+        hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+        vocab_size=model.vocab_size, padded_vocab_size=padded_vocab, tokenizer_type=config.data.tokenizer_type,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        transformer_pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        bf16=config.training.bf16, fp16=config.training.fp16, params_dtype=config.params_dtype,
+        num_experts=None, mtp_num_layers=None, use_legacy_models=False, transformer_impl="local", ckpt_format="torch",
+        iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0)
+    _check_round_trip(args, model, source)
+    return args
+
+
+def _check_round_trip(args, model: ModelConfig, source: str) -> None:
+    back = model_config_from_megatron_args(args, source)  # refuses by name what Megatron-LM has and we do not map
+    differ = [f.name for f in dataclasses.fields(ModelConfig)
+              if f.name not in (*_NOT_ARCHITECTURE, "vocab_size") and getattr(back, f.name) != getattr(model, f.name)]
+    if differ:
+        raise ConfigError(f"{source} cannot be written as a Megatron-LM checkpoint: its model settings "
+                          f"{', '.join('--' + name.replace('_', '-') for name in differ)} have no Megatron-LM args "
+                          f"that megatron_lite maps back.")

@@ -33,10 +33,13 @@ LAYER_RENAMES = (
     ("mlp.dense_h_to_4h.", "mlp.linear_fc1."),
     ("mlp.dense_4h_to_h.", "mlp.linear_fc2."),
 )
-# Outside the layers: Megatron-Core's and the legacy model's names -> ours (None: a copy we drop).
-TOP_RENAMES = {
+# Outside the layers: Megatron-Core's names -> ours (the export writes them back), then the legacy model's.
+MCORE_TOP_RENAMES = {
     "decoder.final_layernorm.weight": "final_layernorm.weight",
     "decoder.final_layernorm.bias": "final_layernorm.bias",
+}
+TOP_RENAMES = {
+    **MCORE_TOP_RENAMES,
     "language_model.embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
     "language_model.embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
     "language_model.encoder.final_norm.weight": "final_layernorm.weight",
@@ -85,3 +88,15 @@ def ours_from_megatron(name: str, layer_offset: int) -> str:
     if layer is not None:
         return f"decoder.layers.{layer[0] + layer_offset}.{layer[1]}"
     return TOP_RENAMES.get(name, name)
+
+
+_MCORE_FROM_OURS = {ours: theirs for theirs, ours in MCORE_TOP_RENAMES.items()}
+
+
+def megatron_from_ours(name: str, layer_offset: int) -> str:
+    """Megatron-Core's local-layer name for our global ``name`` in the file of the pipeline stage whose
+    first layer is global layer ``layer_offset`` (the inverse of ``ours_from_megatron`` for that model)."""
+    layer = local_layer(name)
+    if layer is not None:
+        return f"decoder.layers.{layer[0] - layer_offset}.{layer[1]}"
+    return _MCORE_FROM_OURS.get(name, name)

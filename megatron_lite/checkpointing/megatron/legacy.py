@@ -8,18 +8,24 @@ Each file holds ``model`` (that rank's shards), ``args``, ``iteration``,
 ``checkpoint_version``, optionally ``optimizer``, ``opt_param_scheduler`` and
 ``rng_state``. Only ``model``, ``args`` and ``iteration`` are read: the optimizer state
 of a legacy file is the flattened state of Megatron's optimizer wrappers, which does
-not map exactly onto ours, so an import starts it fresh.
+not map exactly onto ours, so an import starts it fresh. An export writes the same
+files with ``model``, ``args``, ``iteration`` and ``checkpoint_version`` 3.0 (no optimizer,
+scheduler or RNG state: Megatron-LM then starts them fresh, as with ``--finetune``).
 """
 from __future__ import annotations
 
 import os
 import re
 
+import torch
+
 from megatron_lite.checkpointing.megatron.safe_unpickle import load_torch_file
 from megatron_lite.checkpointing.storage import CheckpointError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
+# Version 3.0: the fused QKV grouped per query group, the layout Megatron-Core writes.
+CHECKPOINT_VERSION = 3.0
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
@@ -56,3 +62,25 @@ def read_rank_file(path: str) -> dict:
         raise CheckpointError(f"{path} has checkpoint_version {version}: its fused QKV is ordered as before "
                               f"Megatron-LM's version 2.0; load and re-save it with Megatron-LM first.")
     return state
+
+
+def rank_dir_name(tensor_rank: int, pipeline_rank: int, pipeline_size: int) -> str:
+    """``mp_rank_TT`` (pipeline size 1) or ``mp_rank_TT_PPP``, as Megatron-LM names a rank's directory."""
+    return f"mp_rank_{tensor_rank:02d}" if pipeline_size == 1 else f"mp_rank_{tensor_rank:02d}_{pipeline_rank:03d}"
+
+
+def write_rank_file(root: str, iteration: int, tensor_rank: int, pipeline_rank: int, pipeline_size: int, *,
+                    model: dict, args) -> str:
+    """One rank's ``model_optim_rng.pt`` under ``root/iter_{iteration:07d}``."""
+    directory = os.path.join(root, f"iter_{iteration:07d}", rank_dir_name(tensor_rank, pipeline_rank, pipeline_size))
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, MODEL_FILE)
+    torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "model": model,
+                "num_floating_point_operations_so_far": 0}, path)
+    return path
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """``latest_checkpointed_iteration.txt``, written last: Megatron-LM reads a checkpoint only once it names it."""
+    with open(os.path.join(root, TRACKER_FILE), "w") as f:
+        f.write(str(iteration))
