@@ -3,6 +3,7 @@ documented keys translate and train with the losses of the equivalent flags; the
 DeepSpeed checks it; unsupported keys and keys contradicting a flag are one error each."""
 import json
 import os
+import re
 
 import pytest
 
@@ -89,6 +90,31 @@ def test_unsupported_keys_are_listed_in_one_error():
                  'scheduler.params.warmup_type log (DeepSpeed\'s default is log; megatron_lite warms up linearly: '
                  'give "warmup_type": "linear")'):
         assert part in message
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "abc"}},
+     'zero_optimization.reduce_bucket_size is "abc"; expected an integer'),
+    ({"gradient_clipping": [1]}, "gradient_clipping is [1]; expected a number"),
+    ({"train_micro_batch_size_per_gpu": 2.5}, "train_micro_batch_size_per_gpu is 2.5; expected an integer"),
+    ({"fp16": {"enabled": "yes"}}, 'fp16.enabled is "yes"; expected true or false'),
+    ({"fp16": {"enabled": True, "initial_scale_power": "16"}}, 'fp16.initial_scale_power is "16"; expected an integer'),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, "x"]}}},
+     'optimizer.params.betas[1] is "x"; expected a number'),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": 0.9}}}, "optimizer.params.betas is 0.9; expected two numbers"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": True}}},
+     "scheduler.params.warmup_max_lr is true; expected a number"),
+])
+def test_a_value_of_the_wrong_type_is_one_error_naming_key_value_and_type(config, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(f"--deepspeed-config ds.json: {message}")):
+        translate(config, {}, 1, source="ds.json")
+
+
+def test_json_numbers_that_are_whole_serve_as_integers():
+    config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}, "steps_per_print": 10.0}
+    fields, _ = translate(config, {}, 1)
+    assert (fields["ddp_bucket_size"], fields["log_interval"]) == (500000000, 10)
+    assert type(fields["ddp_bucket_size"]) is int
 
 
 def test_a_key_contradicting_an_explicit_flag_is_one_error_naming_both(tmp_path):
