@@ -374,6 +374,8 @@ class TrainingConfig:
 # --lr-decay-style and --lr-wsd-decay-style values (Megatron-LM's); the formulas are in optimizer_param_scheduler.py.
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+# --lr-warmup-style values: Megatron-LM's linear warmup, and DeepSpeed's log warmup (its WarmupLR default).
+LR_WARMUP_STYLES = ("linear", "log")
 WEIGHT_DECAY_INCR_STYLES = ("constant", "linear", "cosine")
 
 
@@ -391,6 +393,7 @@ class OptimizerConfig:
     lr_decay_samples: Optional[int] = None  # default train_samples
     lr_warmup_fraction: Optional[float] = None
     lr_warmup_init: float = 0.0  # warmup rises from this to --lr
+    lr_warmup_style: str = field(default="linear", metadata={"choices": LR_WARMUP_STYLES})  # ours, not Megatron's
     # --lr-decay-style WSD: stable at --lr, then anneals over the last iterations (or samples) of the decay.
     lr_wsd_decay_style: str = field(default="exponential", metadata={"choices": WSD_DECAY_STYLES})
     lr_wsd_decay_iters: Optional[int] = None
