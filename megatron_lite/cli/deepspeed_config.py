@@ -19,7 +19,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from megatron_lite.config import SHARDING_STRATEGIES, ConfigError, OptimizerConfig, as_flags, flag_name
+from megatron_lite.config import (LR_WARMUP_STYLES, SHARDING_STRATEGIES, ConfigError, OptimizerConfig, as_flags,
+                                  flag_name)
 
 DEEPSPEED_SPELLINGS = ("--deepspeed-config", "--deepspeed_config")
 
@@ -283,9 +284,11 @@ _ADAM_PARAMS = {"lr": "lr", "eps": "adam_eps", "weight_decay": "weight_decay"}  
 
 
 def _scheduler(t: _Translation, value, explicit: dict) -> None:
-    """WarmupLR: linear warmup from warmup_min_lr to warmup_max_lr, then constant; WarmupDecayLR: then linear
-    decay back to warmup_min_lr at total_num_steps; WarmupCosineLR: warmup from warmup_min_ratio x lr, then
-    cosine decay to cos_min_ratio x lr (ratios of the optimizer's lr). Steps are optimizer steps: iterations."""
+    """WarmupLR: warmup from warmup_min_lr to warmup_max_lr (default: the optimizer's lr), then constant;
+    WarmupDecayLR: then linear decay back to warmup_min_lr at total_num_steps; WarmupCosineLR: warmup from
+    warmup_min_ratio x lr, then cosine decay to cos_min_ratio x lr (ratios of the optimizer's lr). The warmup is
+    warmup_type log (DeepSpeed's default: --lr-warmup-style log) or linear, over at least 2 steps (DeepSpeed
+    raises a shorter warmup_num_steps to 2). Steps are optimizer steps: iterations."""
     if value is None:
         return
     scheduler = _section(t, value, "scheduler")
@@ -295,12 +298,13 @@ def _scheduler(t: _Translation, value, explicit: dict) -> None:
         t.unsupported.append(f"scheduler.type {kind} (only {', '.join(SCHEDULERS)})")
         return
     path = "scheduler.params."
-    warmup_steps = params.pop("warmup_num_steps", 1000)  # DeepSpeed's defaults, where a key is absent
-    warmup_type = params.pop("warmup_type", "log")
-    if warmup_type != "linear" and warmup_steps not in (0, "auto"):
-        t.unsupported.append(f'{path}warmup_type {warmup_type} (DeepSpeed\'s default is log; megatron_lite warms '
-                             f'up linearly: give "warmup_type": "linear")')
-    t.set("lr_warmup_iters", t.typed(warmup_steps, path + "warmup_num_steps", int), path + "warmup_num_steps")
+    warmup_steps = t.typed(params.pop("warmup_num_steps", 1000), path + "warmup_num_steps", int)  # DeepSpeed's
+    warmup_type = params.pop("warmup_type", "log")  # defaults, where a key is absent
+    if warmup_type not in LR_WARMUP_STYLES:
+        t.unsupported.append(f"{path}warmup_type {warmup_type} (only {' and '.join(LR_WARMUP_STYLES)})")
+    t.set("lr_warmup_style", warmup_type, path + "warmup_type")
+    t.set("lr_warmup_iters", warmup_steps if warmup_steps == "auto" else max(2, warmup_steps),
+          path + "warmup_num_steps")
     if kind == "WarmupCosineLR":
         lr = t.value("lr", explicit, OptimizerConfig().lr)
         min_ratio = t.typed(params.pop("warmup_min_ratio", 0.0), path + "warmup_min_ratio", float)
@@ -310,7 +314,7 @@ def _scheduler(t: _Translation, value, explicit: dict) -> None:
         t.set("lr_decay_style", "cosine", "scheduler.type")
     else:
         min_lr = t.typed(params.pop("warmup_min_lr", 0.0), path + "warmup_min_lr", float)
-        max_lr = t.typed(params.pop("warmup_max_lr", 0.001), path + "warmup_max_lr", float)
+        max_lr = t.typed(params.pop("warmup_max_lr", "auto"), path + "warmup_max_lr", float)  # absent: the lr's
         t.set("lr", max_lr, path + "warmup_max_lr")
         t.set("lr_warmup_init", min_lr, path + "warmup_min_lr")
         if kind == "WarmupDecayLR":
