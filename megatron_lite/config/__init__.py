@@ -516,11 +516,17 @@ class DataConfig:
                  "--sft reads --train-data-path (and --valid-data-path, --test-data-path); "
                  "drop --data-path/--mock-data.")
         _require(self.tokenizer_type is not None, "--sft needs --tokenizer-type (and its files): the data is text.")
-        for entry in self.sft_data_keys:
-            name, _, column = entry.partition("=")
-            _require(name in SFT_DATA_KEY_NAMES and bool(column),
-                     f"--sft-data-keys takes NAME=COLUMN with NAME among {', '.join(SFT_DATA_KEY_NAMES)} "
-                     f"(e.g. prompt=question), got {entry!r}.")
+        check_sft_data_keys(self.sft_data_keys)
+
+
+def check_sft_data_keys(entries: list[str]) -> None:
+    """--sft-data-keys NAME=COLUMN ...: each NAME one the record formats read; the tools with their own parser
+    (evaluate, preprocess_data) check theirs here too."""
+    for entry in entries:
+        name, _, column = entry.partition("=")
+        _require(name in SFT_DATA_KEY_NAMES and bool(column),
+                 f"--sft-data-keys takes NAME=COLUMN with NAME among {', '.join(SFT_DATA_KEY_NAMES)} "
+                 f"(e.g. prompt=question), got {entry!r}.")
 
 
 @dataclass(kw_only=True)
