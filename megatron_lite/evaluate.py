@@ -32,6 +32,7 @@ from megatron_lite.data import IndexedDataset
 from megatron_lite.data.data_samplers import collate_gpt_batch
 from megatron_lite.data.sft import format_prompt, load_sft_examples, response_text, split_last_response
 from megatron_lite.data.sft.examples import read_conversations
+from megatron_lite.data.sft.formats import RecordFormat, add_record_format_arguments
 from megatron_lite.data.sft.sft_dataset import build_sample
 from megatron_lite.inference.loading import (add_tokenizer_arguments, checkpoint_tokenizer, load_model,
                                              read_checkpoint_config)
@@ -51,6 +52,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--sft", action="store_true", help="fine-tuning data: the loss covers response tokens only")
     parser.add_argument("--sft-tokenizer-prompt-format", choices=SFT_PROMPT_FORMATS,
                         help="with --sft: the chat template (default: the one the checkpoint was fine-tuned with)")
+    add_record_format_arguments(parser)  # --sft-format, --sft-data-keys: the data read as in training
     parser.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward for perplexity")
     parser.add_argument("--max-samples", type=int, help="stop the perplexity after this many samples")
     parser.add_argument("--exact-match", action="store_true",
@@ -75,21 +77,24 @@ def evaluate_checkpoint(args: argparse.Namespace) -> dict:
         raise ConfigError("--exact-match compares answers with the responses of fine-tuning data: add --sft.")
     if args.micro_batch_size < 1:
         raise ConfigError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}.")
+    if not args.sft and (args.sft_format != "auto" or args.sft_data_keys):
+        raise ConfigError("--sft-format and --sft-data-keys say how to read fine-tuning data: add --sft.")
+    record_format = RecordFormat.from_flags(args.sft_format, args.sft_data_keys)
     config = read_checkpoint_config(args.load, ParallelConfig())
     tokenizer = checkpoint_tokenizer(config, {name: getattr(args, name) for name in TOKENIZER_FIELDS})
     prompt_format = args.sft_tokenizer_prompt_format or config.data.sft_tokenizer_prompt_format
     parallel_state = initialize_model_parallel(1, 1)
     try:
         model = load_model(config, parallel_state)
-        return _evaluate(model, config, tokenizer, prompt_format, args)
+        return _evaluate(model, config, tokenizer, prompt_format, record_format, args)
     finally:
         destroy_model_parallel(parallel_state)
 
 
-def _evaluate(model, config, tokenizer, prompt_format: str, args) -> dict:
+def _evaluate(model, config, tokenizer, prompt_format: str, record_format: RecordFormat, args) -> dict:
     seq_length = config.model.seq_length
     if args.sft:
-        examples = load_sft_examples(args.data_path, tokenizer, prompt_format)
+        examples = load_sft_examples(args.data_path, tokenizer, prompt_format, record_format)
         samples = (build_sample([examples.get(i)], seq_length=seq_length, pad_token=tokenizer.pad,
                                 pack_sequences=False) for i in range(len(examples)))
         collate = torch.utils.data.default_collate
@@ -100,7 +105,7 @@ def _evaluate(model, config, tokenizer, prompt_format: str, args) -> dict:
     lm_loss = loss_sum / max(num_tokens, 1)
     results = {"lm loss": lm_loss, "ppl": math.exp(min(20.0, lm_loss)), "tokens": num_tokens}
     if args.exact_match:
-        results.update(_exact_match(model, tokenizer, prompt_format, args))
+        results.update(_exact_match(model, tokenizer, prompt_format, record_format, args))
     return results
 
 
@@ -139,12 +144,12 @@ def _loss_sum_and_count(model, samples, collate, micro_batch_size: int, max_samp
     return loss_sum, num_tokens
 
 
-def _exact_match(model, tokenizer, prompt_format: str, args) -> dict:
+def _exact_match(model, tokenizer, prompt_format: str, record_format: RecordFormat, args) -> dict:
     matches, count = 0, 0
     output = open(args.output_file, "w", encoding="utf-8") if args.output_file else None
     try:
         for path in args.data_path:
-            for line_number, messages in read_conversations(path):
+            for line_number, messages in read_conversations(path, record_format):
                 prompt, reference = split_last_response(messages)
                 prompt_ids = format_prompt(prompt, tokenizer, prompt_format) or [tokenizer.eod]
                 answer_ids = generate(model, [prompt_ids], max_new_tokens=args.max_new_tokens, eod=tokenizer.eod,

@@ -197,6 +197,13 @@ def test_harmless_values_and_no_op_flags_change_nothing(capsys):
     assert "note: --ckpt-format torch_dist: saving megatron_lite's own reshardable format" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("local_rank", [["--local_rank=3"], ["--local-rank", "3"], ["--local-rank=3"],
+                                        ["--local_rank", "3"]])
+def test_launchers_local_rank_flag_is_accepted_and_changes_nothing(local_rank):
+    # DeepSpeed's launcher and torch.distributed.launch append it; the rank is read from LOCAL_RANK instead.
+    assert parse_args(BASE + local_rank) == parse_args(BASE)
+
+
 def test_refusal_wins_over_an_unknown_flag_and_unknown_flags_still_fail():
     with pytest.raises(ConfigError, match="--fp8-format is not supported"):
         parse_args(BASE + ["--no-such-flag", "--fp8-format", "hybrid"])

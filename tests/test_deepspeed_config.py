@@ -2,13 +2,18 @@
 documented keys translate and train with the losses of the equivalent flags; the batch triad is checked as
 DeepSpeed checks it; unsupported keys and keys contradicting a flag are one error each."""
 import json
+import math
 import os
+import re
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron_lite.config import ConfigError
 from megatron_lite.cli.arguments import parse_args
 from megatron_lite.cli.deepspeed_config import translate
+from megatron_lite.optimizer.optimizer_param_scheduler import get_optimizer_param_scheduler
 from megatron_lite.training.loop import pretrain
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "deepspeed_configs")
@@ -78,7 +83,7 @@ def test_a_batch_triad_that_does_not_add_up_is_one_error():
 def test_unsupported_keys_are_listed_in_one_error():
     config = {**_config("ds_z2_config.json"), "activation_checkpointing": {"partition_activations": True},
               "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "exp"}}}
     config["zero_optimization"] = {**config["zero_optimization"], "offload_optimizer": {"device": "nvme"}}
     with pytest.raises(ConfigError) as raised:
         translate(config, {}, 2, source="ds.json")
@@ -86,9 +91,33 @@ def test_unsupported_keys_are_listed_in_one_error():
     assert message.startswith("--deepspeed-config ds.json: megatron_lite does not implement ")
     for part in ("activation_checkpointing", "optimizer.type Lamb (only Adam and AdamW)",
                  "zero_optimization.offload_optimizer.device nvme (only cpu)",
-                 'scheduler.params.warmup_type log (DeepSpeed\'s default is log; megatron_lite warms up linearly: '
-                 'give "warmup_type": "linear")'):
+                 "scheduler.params.warmup_type exp (only linear and log)"):
         assert part in message
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "abc"}},
+     'zero_optimization.reduce_bucket_size is "abc"; expected an integer'),
+    ({"gradient_clipping": [1]}, "gradient_clipping is [1]; expected a number"),
+    ({"train_micro_batch_size_per_gpu": 2.5}, "train_micro_batch_size_per_gpu is 2.5; expected an integer"),
+    ({"fp16": {"enabled": "yes"}}, 'fp16.enabled is "yes"; expected true or false'),
+    ({"fp16": {"enabled": True, "initial_scale_power": "16"}}, 'fp16.initial_scale_power is "16"; expected an integer'),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, "x"]}}},
+     'optimizer.params.betas[1] is "x"; expected a number'),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": 0.9}}}, "optimizer.params.betas is 0.9; expected two numbers"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": True}}},
+     "scheduler.params.warmup_max_lr is true; expected a number"),
+])
+def test_a_value_of_the_wrong_type_is_one_error_naming_key_value_and_type(config, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(f"--deepspeed-config ds.json: {message}")):
+        translate(config, {}, 1, source="ds.json")
+
+
+def test_json_numbers_that_are_whole_serve_as_integers():
+    config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}, "steps_per_print": 10.0}
+    fields, _ = translate(config, {}, 1)
+    assert (fields["ddp_bucket_size"], fields["log_interval"]) == (500000000, 10)
+    assert type(fields["ddp_bucket_size"]) is int
 
 
 def test_a_key_contradicting_an_explicit_flag_is_one_error_naming_both(tmp_path):
@@ -113,8 +142,51 @@ def test_the_summary_prints_the_flags_the_file_became(capsys):
     assert (" became: --log-interval 1 --clip-grad 1.0 --optimizer adam --lr 0.001 --adam-beta1 0.8 --adam-beta2 "
             "0.999 --adam-eps 1e-08 --weight-decay 3e-07 --fp16 --initial-loss-scale 65536.0 --loss-scale-window 1000 "
             "--hysteresis 2 --min-loss-scale 1.0 --data-parallel-sharding-strategy no_shard --micro-batch-size 2 "
-            "--global-batch-size 4 --lr-warmup-iters 2 --lr-warmup-init 0.0 --lr-decay-style constant\n") in out
+            "--global-batch-size 4 --lr-warmup-style linear --lr-warmup-iters 2 --lr-warmup-init 0.0 --lr-decay-style "
+            "constant\n") in out
     assert "ignored" not in out  # wall_clock_breakdown false asks for nothing
+
+
+def _translated_lrs(tmp_path, scheduler: dict, iterations: int, global_batch: int = 4) -> list[float]:
+    """The learning rate of each iteration of a run given ``scheduler`` (and optimizer lr 0.05) in a DeepSpeed file:
+    the schedule the training loop builds from the parsed flags, stepped by one global batch per iteration."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 0.05}}, "scheduler": scheduler}))
+    config = parse_args([*MODEL, "--train-iters", str(iterations), "--micro-batch-size", str(global_batch),
+                         "--global-batch-size", str(global_batch), "--deepspeed-config", str(path)])
+    schedule = get_optimizer_param_scheduler(SimpleNamespace(param_groups=[{}]), config, global_batch)
+    lrs = []
+    for _ in range(iterations):
+        lrs.append(schedule.get_lr())
+        schedule.step(increment=global_batch)
+    return lrs
+
+
+def test_warmup_lr_without_warmup_type_warms_up_as_deepspeeds_log(tmp_path):
+    """DeepSpeed's documented WarmupLR example leaves warmup_type out: its default, log. By hand, as DeepSpeed's
+    engine counts: the scheduler sets warmup_min_lr when built and steps after each optimizer step, so iteration k
+    runs at count n = k - 1 with lr = min + (max - min) x ln(n + 1) / ln(warmup_num_steps), until n reaches it."""
+    params = {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 10}
+    expected = [0.01] + [0.01 + 0.09 * math.log(n + 1) / math.log(10) if n < 10 else 0.1 for n in range(13)]
+    assert _translated_lrs(tmp_path, {"type": "WarmupLR", "params": params}, 14) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("scheduler", [
+    {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 10}},
+    {"type": "WarmupLR", "params": {"warmup_num_steps": 1}},  # max lr: the optimizer's; the warmup raised to 2
+    {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5, "total_num_steps": 12, "cos_min_ratio": 0.01}},
+])
+def test_log_warmup_equals_deepspeeds_own_scheduler(tmp_path, scheduler):
+    """Against DeepSpeed's own class (when installed), driven as its engine drives it."""
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.05)
+    deepspeed_scheduler = getattr(lr_schedules, scheduler["type"])(optimizer, **scheduler["params"])
+    deepspeed_lrs = []
+    for _ in range(15):
+        deepspeed_lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        deepspeed_scheduler.step()
+    assert _translated_lrs(tmp_path, scheduler, 15) == pytest.approx(deepspeed_lrs, abs=1e-12)
 
 
 def _losses(flags: list[str]) -> list[float]:
@@ -124,7 +196,8 @@ def _losses(flags: list[str]) -> list[float]:
 
 FP16_FLAGS = ["--micro-batch-size", "2", "--global-batch-size", "4", "--clip-grad", "1.0", "--optimizer", "adam",
               "--lr", "0.001", "--adam-beta1", "0.8", "--adam-beta2", "0.999", "--adam-eps", "1e-8", "--weight-decay",
-              "3e-7", "--lr-warmup-init", "0", "--lr-warmup-iters", "2", "--lr-decay-style", "constant", "--fp16",
+              "3e-7", "--lr-warmup-init", "0", "--lr-warmup-iters", "2", "--lr-warmup-style", "linear",
+              "--lr-decay-style", "constant", "--fp16",
               "--initial-loss-scale", "65536", "--loss-scale-window", "1000", "--hysteresis", "2",
               "--min-loss-scale", "1"]
 

@@ -17,12 +17,12 @@ datasets.save_to_disk directory; see docs/coming_from_hf_and_deepspeed.md) and w
 import argparse
 import sys
 
-from megatron_lite.config import SFT_FORMATS, SFT_PROMPT_FORMATS, ConfigError, DataConfig
-from megatron_lite.config.help_text import HELP
+from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError, DataConfig
 from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.data.indexed_dataset import output_prefix_for
 from megatron_lite.data.preprocess import PreprocessError, preprocess_jsonl
 from megatron_lite.data.sft import RecordFormat
+from megatron_lite.data.sft.formats import add_record_format_arguments
 from megatron_lite.config import TOKENIZER_TYPES
 
 
@@ -38,8 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help='fine-tuning lines ({"prompt", "response"} or {"messages"}): write ids and loss mask')
     group.add_argument("--sft-tokenizer-prompt-format", choices=SFT_PROMPT_FORMATS, default="plain",
                        help="how --sft conversations become text (default: plain)")
-    group.add_argument("--sft-format", choices=SFT_FORMATS, default="auto", help=HELP["sft_format"])
-    group.add_argument("--sft-data-keys", nargs="+", default=[], metavar="NAME=COLUMN", help=HELP["sft_data_keys"])
+    add_record_format_arguments(group)
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json")

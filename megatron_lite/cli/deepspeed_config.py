@@ -19,7 +19,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from megatron_lite.config import SHARDING_STRATEGIES, ConfigError, OptimizerConfig, as_flags, flag_name
+from megatron_lite.config import (LR_WARMUP_STYLES, SHARDING_STRATEGIES, ConfigError, OptimizerConfig, as_flags,
+                                  flag_name)
 
 DEEPSPEED_SPELLINGS = ("--deepspeed-config", "--deepspeed_config")
 
@@ -105,6 +106,21 @@ class _Translation:
         """The value a field will have: the file's, else the command line's, else ``default``."""
         return self.fields[name][0] if name in self.fields else explicit.get(name, default)
 
+    def typed(self, value, key: str, kind: type):
+        """``value`` as ``kind`` (bool, int or float), "auto" kept. JSON gives numbers as int or float (5e8 is a
+        float, an integral one is an int here); anything else (a string, a list, true for a number) is one
+        ConfigError naming the key, the value and the type, where DeepSpeed would fail later in a traceback."""
+        if value == "auto":
+            return value
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind is bool and isinstance(value, bool) or kind is float and is_number:
+            return kind(value)
+        if kind is int and is_number and float(value).is_integer():
+            return int(value)
+        expected = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+        raise ConfigError(f"--deepspeed-config {self.source}: {key} is {json.dumps(value)}; expected {expected} "
+                          '(or "auto" to keep the flag\'s value).')
+
 
 def translate(config: dict, explicit: dict, world_size: int, *, source: str = "ds.json") -> tuple[dict, list[str]]:
     """(field values the DeepSpeed ``config`` becomes, the performance keys ignored); raises ConfigError for
@@ -143,10 +159,10 @@ def _section(t: _Translation, value, key: str) -> dict:
     return value
 
 
-def _direct(name: str, kind=None):
+def _direct(name: str, kind: type):
     """A key that is one field: ``gradient_clipping`` -> clip_grad."""
     def handle(t: _Translation, value, key: str) -> None:
-        t.set(name, value if kind is None or value == "auto" else kind(value), key)
+        t.set(name, t.typed(value, key, kind), key)
     return handle
 
 
@@ -166,9 +182,9 @@ def _zero_optimization(t: _Translation, value, key: str) -> None:
         elif name == "offload_param":
             _offload(t, item, path, stage, parameters=True)
         elif name == "overlap_comm":
-            t.set("overlap_grad_reduce", bool(item), path)
+            t.set("overlap_grad_reduce", t.typed(item, path, bool), path)
         elif name == "reduce_bucket_size":
-            t.set("ddp_bucket_size", item if item == "auto" else int(item), path)
+            t.set("ddp_bucket_size", t.typed(item, path, int), path)
         elif name == "contiguous_gradients" and item is False:
             t.ignored.append(f"{path} false (gradients always live in one contiguous buffer here)")
         elif name in PERFORMANCE_KNOBS["zero_optimization"]:
@@ -209,7 +225,7 @@ def _fp16(t: _Translation, value, key: str) -> None:
     """fp16.loss_scale 0 means dynamic scaling (our --loss-scale unset); initial_scale_power N means 2^N."""
     fp16 = _section(t, value, key)
     enabled = fp16.get("enabled", False)
-    t.set("fp16", enabled if enabled == "auto" else bool(enabled), f"{key}.enabled")
+    t.set("fp16", t.typed(enabled, f"{key}.enabled", bool), f"{key}.enabled")
     if enabled is False:
         return  # its scaler settings configure nothing
     for name, item in fp16.items():
@@ -217,13 +233,13 @@ def _fp16(t: _Translation, value, key: str) -> None:
         if name == "enabled" or item == "auto":
             continue
         if name == "loss_scale":
-            t.set("loss_scale", None if item == 0 else float(item), path)
+            t.set("loss_scale", None if item == 0 else t.typed(item, path, float), path)
         elif name == "initial_scale_power":
-            t.set("initial_loss_scale", float(2 ** item), path)
+            t.set("initial_loss_scale", float(2 ** t.typed(item, path, int)), path)
         elif name in ("loss_scale_window", "hysteresis"):
-            t.set(name, int(item), path)
+            t.set(name, t.typed(item, path, int), path)
         elif name == "min_loss_scale":
-            t.set("min_loss_scale", float(item), path)
+            t.set("min_loss_scale", t.typed(item, path, float), path)
         else:
             _harmless_or_unsupported(t, path, item)
 
@@ -231,7 +247,7 @@ def _fp16(t: _Translation, value, key: str) -> None:
 def _bf16(t: _Translation, value, key: str) -> None:
     bf16 = _section(t, value, key)
     enabled = bf16.get("enabled", False)
-    t.set("bf16", enabled if enabled == "auto" else bool(enabled), f"{key}.enabled")
+    t.set("bf16", t.typed(enabled, f"{key}.enabled", bool), f"{key}.enabled")
     for name, item in bf16.items():
         if name != "enabled":
             _harmless_or_unsupported(t, f"{key}.{name}", item)
@@ -247,15 +263,14 @@ def _optimizer(t: _Translation, value, key: str) -> None:
     params = _section(t, optimizer.get("params", {}), f"{key}.params")
     for name, item in params.items():
         path = f"{key}.params.{name}"
-        if name == "lr":
-            t.set("lr", item if item == "auto" else float(item), path)
+        if name in _ADAM_PARAMS:
+            t.set(_ADAM_PARAMS[name], t.typed(item, path, float), path)
         elif name == "betas" and item != "auto":
-            t.set("adam_beta1", float(item[0]), path)
-            t.set("adam_beta2", float(item[1]), path)
-        elif name == "eps":
-            t.set("adam_eps", item if item == "auto" else float(item), path)
-        elif name == "weight_decay":
-            t.set("weight_decay", item if item == "auto" else float(item), path)
+            if not isinstance(item, list) or len(item) != 2:
+                raise ConfigError(f"--deepspeed-config {t.source}: {path} is {json.dumps(item)}; expected two "
+                                  "numbers, [beta1, beta2].")
+            t.set("adam_beta1", t.typed(item[0], path + "[0]", float), path)
+            t.set("adam_beta2", t.typed(item[1], path + "[1]", float), path)
         elif name in PERFORMANCE_KNOBS["optimizer.params"]:
             t.ignored.append(path)
         elif item != "auto":
@@ -265,10 +280,15 @@ def _optimizer(t: _Translation, value, key: str) -> None:
             _harmless_or_unsupported(t, f"{key}.{name}", item)
 
 
+_ADAM_PARAMS = {"lr": "lr", "eps": "adam_eps", "weight_decay": "weight_decay"}  # DeepSpeed's name -> our field
+
+
 def _scheduler(t: _Translation, value, explicit: dict) -> None:
-    """WarmupLR: linear warmup from warmup_min_lr to warmup_max_lr, then constant; WarmupDecayLR: then linear
-    decay back to warmup_min_lr at total_num_steps; WarmupCosineLR: warmup from warmup_min_ratio x lr, then
-    cosine decay to cos_min_ratio x lr (ratios of the optimizer's lr). Steps are optimizer steps: iterations."""
+    """WarmupLR: warmup from warmup_min_lr to warmup_max_lr (default: the optimizer's lr), then constant;
+    WarmupDecayLR: then linear decay back to warmup_min_lr at total_num_steps; WarmupCosineLR: warmup from
+    warmup_min_ratio x lr, then cosine decay to cos_min_ratio x lr (ratios of the optimizer's lr). The warmup is
+    warmup_type log (DeepSpeed's default: --lr-warmup-style log) or linear, over at least 2 steps (DeepSpeed
+    raises a shorter warmup_num_steps to 2). Steps are optimizer steps: iterations."""
     if value is None:
         return
     scheduler = _section(t, value, "scheduler")
@@ -278,28 +298,31 @@ def _scheduler(t: _Translation, value, explicit: dict) -> None:
         t.unsupported.append(f"scheduler.type {kind} (only {', '.join(SCHEDULERS)})")
         return
     path = "scheduler.params."
-    warmup_steps = params.pop("warmup_num_steps", 1000)  # DeepSpeed's defaults, where a key is absent
-    warmup_type = params.pop("warmup_type", "log")
-    if warmup_type != "linear" and warmup_steps not in (0, "auto"):
-        t.unsupported.append(f'{path}warmup_type {warmup_type} (DeepSpeed\'s default is log; megatron_lite warms '
-                             f'up linearly: give "warmup_type": "linear")')
-    t.set("lr_warmup_iters", warmup_steps if warmup_steps == "auto" else int(warmup_steps), path + "warmup_num_steps")
+    warmup_steps = t.typed(params.pop("warmup_num_steps", 1000), path + "warmup_num_steps", int)  # DeepSpeed's
+    warmup_type = params.pop("warmup_type", "log")  # defaults, where a key is absent
+    if warmup_type not in LR_WARMUP_STYLES:
+        t.unsupported.append(f"{path}warmup_type {warmup_type} (only {' and '.join(LR_WARMUP_STYLES)})")
+    t.set("lr_warmup_style", warmup_type, path + "warmup_type")
+    t.set("lr_warmup_iters", warmup_steps if warmup_steps == "auto" else max(2, warmup_steps),
+          path + "warmup_num_steps")
     if kind == "WarmupCosineLR":
         lr = t.value("lr", explicit, OptimizerConfig().lr)
-        min_ratio, cos_ratio = params.pop("warmup_min_ratio", 0.0), params.pop("cos_min_ratio", 0.0001)
+        min_ratio = t.typed(params.pop("warmup_min_ratio", 0.0), path + "warmup_min_ratio", float)
+        cos_ratio = t.typed(params.pop("cos_min_ratio", 0.0001), path + "cos_min_ratio", float)
         t.set("lr_warmup_init", lr * min_ratio, path + "warmup_min_ratio")
         t.set("min_lr", lr * cos_ratio, path + "cos_min_ratio")
         t.set("lr_decay_style", "cosine", "scheduler.type")
     else:
-        min_lr, max_lr = params.pop("warmup_min_lr", 0.0), params.pop("warmup_max_lr", 0.001)
-        t.set("lr", max_lr if max_lr == "auto" else float(max_lr), path + "warmup_max_lr")
-        t.set("lr_warmup_init", min_lr if min_lr == "auto" else float(min_lr), path + "warmup_min_lr")
+        min_lr = t.typed(params.pop("warmup_min_lr", 0.0), path + "warmup_min_lr", float)
+        max_lr = t.typed(params.pop("warmup_max_lr", "auto"), path + "warmup_max_lr", float)  # absent: the lr's
+        t.set("lr", max_lr, path + "warmup_max_lr")
+        t.set("lr_warmup_init", min_lr, path + "warmup_min_lr")
         if kind == "WarmupDecayLR":
-            t.set("min_lr", min_lr if min_lr == "auto" else float(min_lr), path + "warmup_min_lr")
+            t.set("min_lr", min_lr, path + "warmup_min_lr")
         t.set("lr_decay_style", "constant" if kind == "WarmupLR" else "linear", "scheduler.type")
     if kind != "WarmupLR":
         total = params.pop("total_num_steps", "auto")
-        t.set("lr_decay_iters", total if total == "auto" else int(total), path + "total_num_steps")
+        t.set("lr_decay_iters", t.typed(total, path + "total_num_steps", int), path + "total_num_steps")
     for name, item in params.items():
         _harmless_or_unsupported(t, path + name, item)
     for name, item in scheduler.items():
@@ -334,7 +357,7 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 
 def _batch_triad(t: _Translation, config: dict, explicit: dict, world_size: int) -> None:
     """DeepSpeed's rule, train = micro x accumulation x data-parallel size; "auto" or absent: from the flags."""
-    given = {key: config[key] for key in _BATCH_KEYS if config.get(key, "auto") != "auto"}
+    given = {key: t.typed(config[key], key, int) for key in _BATCH_KEYS if config.get(key, "auto") != "auto"}
     if not given:
         return
     model_parallel = explicit.get("tensor_model_parallel_size", 1) * explicit.get("pipeline_model_parallel_size", 1)

@@ -39,6 +39,14 @@ ACCEPTED_FLAGS = {
                                          "gradient buffer",
 }
 
+# Flags with a value, accepted with no effect: each row is the spellings of one flag and what it means here.
+# DeepSpeed's launcher passes --local_rank=N, torch.distributed.launch --local-rank N, Megatron-LM takes both;
+# the same rank is in the environment as LOCAL_RANK, which every launcher sets and we read.
+ACCEPTED_VALUE_FLAGS = {
+    ("--local-rank", "--local_rank"): "accepted, no effect: the local rank is read from the launcher's LOCAL_RANK "
+                                      "(or SLURM_LOCALID) environment variable",
+}
+
 _NO_FP8 = "megatron_lite has no FP8 path (needs Transformer Engine on Hopper)"
 _NO_FP4 = "megatron_lite has no FP4 path (needs Transformer Engine on Blackwell)"
 _NO_MOE = "megatron_lite builds dense GPT models only (no mixture of experts)"
@@ -113,6 +121,9 @@ def add_megatron_only_flags(parser) -> None:
     group = parser.add_argument_group("Megatron-LM flags without a megatron_lite setting")
     for flag, meaning in ACCEPTED_FLAGS.items():
         group.add_argument(flag, dest=dest(flag), action="store_true", default=argparse.SUPPRESS, help=meaning)
+    for spellings, meaning in ACCEPTED_VALUE_FLAGS.items():
+        group.add_argument(*spellings, dest=dest(spellings[0]), metavar="VALUE", default=argparse.SUPPRESS,
+                           help=meaning)
     for flag, refusal in REFUSED_FLAGS.items():
         accepted = f"accepted only as {flag} {' or '.join(refusal.harmless)}; " if refusal.harmless else ""
         kind = dict(metavar="VALUE") if refusal.takes_value else dict(action="store_true")
@@ -133,7 +144,7 @@ def check_megatron_only_flags(values: dict) -> list[str]:
         given = f"{flag} {value}" if refusal.harmless else flag  # the value matters only where some are fine
         fix = f"remove it or give {flag} {refusal.harmless[0]}" if refusal.harmless else "remove it"
         raise ConfigError(f"{given} is not supported: {refusal.reason}; {fix}.")
-    for flag in ACCEPTED_FLAGS:
+    for flag in [*ACCEPTED_FLAGS, *(spellings[0] for spellings in ACCEPTED_VALUE_FLAGS)]:
         values.pop(dest(flag), None)
     return notices
 

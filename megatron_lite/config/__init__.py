@@ -390,6 +390,8 @@ class TrainingConfig:
 # --lr-decay-style and --lr-wsd-decay-style values (Megatron-LM's); the formulas are in optimizer_param_scheduler.py.
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+# --lr-warmup-style values: Megatron-LM's linear warmup, and DeepSpeed's log warmup (its WarmupLR default).
+LR_WARMUP_STYLES = ("linear", "log")
 WEIGHT_DECAY_INCR_STYLES = ("constant", "linear", "cosine")
 
 
@@ -407,6 +409,7 @@ class OptimizerConfig:
     lr_decay_samples: Optional[int] = None  # default train_samples
     lr_warmup_fraction: Optional[float] = None
     lr_warmup_init: float = 0.0  # warmup rises from this to --lr
+    lr_warmup_style: str = field(default="linear", metadata={"choices": LR_WARMUP_STYLES})  # ours, not Megatron's
     # --lr-decay-style WSD: stable at --lr, then anneals over the last iterations (or samples) of the decay.
     lr_wsd_decay_style: str = field(default="exponential", metadata={"choices": WSD_DECAY_STYLES})
     lr_wsd_decay_iters: Optional[int] = None
@@ -529,11 +532,17 @@ class DataConfig:
                  "--sft reads --train-data-path (and --valid-data-path, --test-data-path); "
                  "drop --data-path/--mock-data.")
         _require(self.tokenizer_type is not None, "--sft needs --tokenizer-type (and its files): the data is text.")
-        for entry in self.sft_data_keys:
-            name, _, column = entry.partition("=")
-            _require(name in SFT_DATA_KEY_NAMES and bool(column),
-                     f"--sft-data-keys takes NAME=COLUMN with NAME among {', '.join(SFT_DATA_KEY_NAMES)} "
-                     f"(e.g. prompt=question), got {entry!r}.")
+        check_sft_data_keys(self.sft_data_keys)
+
+
+def check_sft_data_keys(entries: list[str]) -> None:
+    """--sft-data-keys NAME=COLUMN ...: each NAME one the record formats read; the tools with their own parser
+    (evaluate, preprocess_data) check theirs here too."""
+    for entry in entries:
+        name, _, column = entry.partition("=")
+        _require(name in SFT_DATA_KEY_NAMES and bool(column),
+                 f"--sft-data-keys takes NAME=COLUMN with NAME among {', '.join(SFT_DATA_KEY_NAMES)} "
+                 f"(e.g. prompt=question), got {entry!r}.")
 
 
 @dataclass(kw_only=True)

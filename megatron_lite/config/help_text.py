@@ -122,10 +122,13 @@ HELP = {
     "lr_wsd_decay_style": "with --lr-decay-style WSD: the annealing curve (exponential, linear, cosine, minus_sqrt)",
     "lr_wsd_decay_iters": "with --lr-decay-style WSD: iterations of annealing, ending at --lr-decay-iters",
     "lr_wsd_decay_samples": "with --lr-decay-style WSD and --train-samples: samples of annealing",
-    "lr_warmup_init": "learning rate at the start of warmup, rising linearly to --lr",
-    "lr_warmup_iters": "iterations of linear warmup from 0",
+    "lr_warmup_init": "learning rate at the start of warmup, rising to --lr (--lr-warmup-style)",
+    "lr_warmup_style": ("warmup curve from --lr-warmup-init to --lr: linear (Megatron-LM's), or log (DeepSpeed's "
+                        "WarmupLR default): init + (lr - init) x ln(1 + iteration) / ln(warmup iterations), at least "
+                        "2 of them. megatron_lite's own flag (Megatron-LM has none); --deepspeed-config sets it"),
+    "lr_warmup_iters": "iterations of warmup (linear unless --lr-warmup-style log)",
     "lr_decay_iters": "iteration at which the decay reaches --min-lr (default --train-iters)",
-    "lr_warmup_samples": "with --train-samples: samples of linear warmup from 0",
+    "lr_warmup_samples": "with --train-samples: samples of warmup (linear unless --lr-warmup-style log)",
     "lr_decay_samples": "with --train-samples: sample at which the decay reaches --min-lr (default --train-samples)",
     "lr_warmup_fraction": "warmup as this fraction of the decay (instead of --lr-warmup-iters/-samples)",
     "decoupled_lr": "peak learning rate of the word embedding and output layer (same warmup and decay shape)",

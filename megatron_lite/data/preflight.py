@@ -38,11 +38,13 @@ def check_data_paths(data: DataConfig) -> None:
 
 
 def _refuse_directories(data: DataConfig) -> None:
-    """A directory is a path that exists: say it is one, rather than that it "does not exist"."""
+    """A directory is a path that exists: say it is one, rather than that it "does not exist". A
+    datasets.save_to_disk directory is fine-tuning data, not such a mistake."""
     flags = (("--train-data-path", data.train_data_path), ("--valid-data-path", data.valid_data_path),
              ("--test-data-path", data.test_data_path),
              ("--data-path", parse_data_path(data.data_path)[1] if data.data_path else []))
-    directories = [f"{flag} {path}" for flag, paths in flags for path in paths if os.path.isdir(path)]
+    directories = [f"{flag} {path}" for flag, paths in flags for path in paths
+                   if os.path.isdir(path) and not (flag != "--data-path" and is_sft_data_source(path))]
     if directories:
         raise ConfigError(f"{', '.join(directories)}: a directory, where a file is expected: give the JSONL file "
                           "(fine-tuning) or the dataset prefix written by tools/preprocess_data.py (PREFIX for "

@@ -1,6 +1,12 @@
 """Learning-rate warmup and decay, and weight-decay increment, with Megatron-LM's formulas.
 
     step <= warmup:            lr = init_lr + (max_lr - init_lr) * step / warmup   (init_lr: --lr-warmup-init)
+                               log warmup (DeepSpeed's WarmupLR default, --lr-warmup-style log), in iterations
+                               i = step / samples_per_iteration and W = warmup / samples_per_iteration:
+                               lr = init_lr + (max_lr - init_lr) * ln(max(i, 1)) / ln(W), W >= 2
+                               (DeepSpeed's ln(1 + n) / ln(W) at its scheduler count n = i - 1: its engine
+                               steps the scheduler after each optimizer step, so iteration i runs at n = i - 1
+                               and iterations 0 and 1 both at init_lr)
     warmup < step <= decay:    lr = min_lr + (max_lr - min_lr) * coeff(ratio),
                                ratio = (step - warmup) / (decay - warmup)
                                linear: coeff = 1 - ratio
@@ -28,7 +34,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from megatron_lite.config import LR_DECAY_STYLES, WEIGHT_DECAY_INCR_STYLES, WSD_DECAY_STYLES, ConfigError
+from megatron_lite.config import (LR_DECAY_STYLES, LR_WARMUP_STYLES, WEIGHT_DECAY_INCR_STYLES, WSD_DECAY_STYLES,
+                                  ConfigError)
 
 # The annealing curves of --lr-decay-style WSD, each falling from 1 to 0 as its ratio goes from 0 to 1.
 WSD_DECAY_COEFFICIENTS = {
@@ -47,10 +54,12 @@ _SCHEDULE_FIELDS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": _
                     "wd_incr_steps": "--train-iters/--train-samples", "wd_incr_style": "--weight-decay-incr-style",
                     "group_lrs": "--decoupled-lr/--decoupled-min-lr", "init_lr": "--lr-warmup-init",
                     "wsd_decay_steps": "--lr-wsd-decay-iters/--lr-wsd-decay-samples",
-                    "lr_wsd_decay_style": "--lr-wsd-decay-style"}
+                    "lr_wsd_decay_style": "--lr-wsd-decay-style", "lr_warmup_style": "--lr-warmup-style",
+                    "samples_per_iteration": "--global-batch-size (with --lr-warmup-style log)"}
 _STEP_FIELDS = {"lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps"}
 # What a checkpoint saved before these fields existed was trained with.
-_LEGACY_VALUES = {"init_lr": 0.0, "wsd_decay_steps": None, "lr_wsd_decay_style": None}
+_LEGACY_VALUES = {"init_lr": 0.0, "wsd_decay_steps": None, "lr_wsd_decay_style": None, "lr_warmup_style": "linear",
+                  "samples_per_iteration": None}
 
 
 class OptimizerParamScheduler:
@@ -70,6 +79,9 @@ class OptimizerParamScheduler:
         lr_decay_steps: step at which decay reaches ``min_lr``, warmup included.
         lr_decay_style: one of LR_DECAY_STYLES (``--lr-decay-style``).
         init_lr: learning rate at step 0, where warmup starts (``--lr-warmup-init``).
+        lr_warmup_style: one of LR_WARMUP_STYLES (``--lr-warmup-style``).
+        samples_per_iteration: with 'log' warmup, the steps of one iteration (the global batch size): DeepSpeed's
+            log counts optimizer steps, so it is not the same curve in samples.
         wsd_decay_steps: with 'WSD', the steps before ``lr_decay_steps`` over which it anneals.
         lr_wsd_decay_style: with 'WSD', the annealing curve, one of WSD_DECAY_COEFFICIENTS.
         start_wd, end_wd: weight decay at step 0 and from ``wd_incr_steps`` on.
@@ -81,8 +93,9 @@ class OptimizerParamScheduler:
     def __init__(self, optimizer, *, max_lr: float, min_lr: float, lr_warmup_steps: float, lr_decay_steps: int,
                  lr_decay_style: str, start_wd: Optional[float] = None, end_wd: Optional[float] = None,
                  wd_incr_steps: Optional[int] = None, wd_incr_style: str = "constant", init_lr: float = 0.0,
-                 wsd_decay_steps: Optional[int] = None, lr_wsd_decay_style: Optional[str] = None):
-        wsd = lr_decay_style == "WSD"
+                 wsd_decay_steps: Optional[int] = None, lr_wsd_decay_style: Optional[str] = None,
+                 lr_warmup_style: str = "linear", samples_per_iteration: Optional[int] = None):
+        wsd, log_warmup = lr_decay_style == "WSD", lr_warmup_style == "log" and lr_warmup_steps > 0
         checks = [
             (lr_decay_style in LR_DECAY_STYLES,
              f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {lr_decay_style!r}."),
@@ -93,6 +106,13 @@ class OptimizerParamScheduler:
              f"{wsd_decay_steps}."),
             (not wsd or lr_wsd_decay_style in WSD_DECAY_COEFFICIENTS,
              f"--lr-wsd-decay-style must be one of {', '.join(WSD_DECAY_COEFFICIENTS)}, got {lr_wsd_decay_style!r}."),
+            (lr_warmup_style in LR_WARMUP_STYLES,
+             f"--lr-warmup-style must be one of {', '.join(LR_WARMUP_STYLES)}, got {lr_warmup_style!r}."),
+            (not log_warmup or (samples_per_iteration or 0) > 0, "a log warmup counts iterations: give the scheduler "
+                                                                 "samples_per_iteration (the global batch size)."),
+            (not log_warmup or lr_warmup_steps >= 2 * (samples_per_iteration or 1),
+             f"--lr-warmup-style log needs a warmup of at least 2 iterations (ln 1 = 0), got {lr_warmup_steps} steps "
+             f"of {samples_per_iteration} samples: raise --lr-warmup-iters to 2 (DeepSpeed raises it itself)."),
             (0 <= lr_warmup_steps < lr_decay_steps,
              f"the warmup ({_WARMUP_FLAGS}: {lr_warmup_steps} steps) must be >= 0 and shorter than the decay "
              f"({_DECAY_FLAGS}: {lr_decay_steps} steps): lower the warmup or lengthen the decay."),
@@ -129,6 +149,8 @@ class OptimizerParamScheduler:
         # Only WSD reads these; others keep None so a checkpoint's schedule compares equal whatever the flags say.
         self.wsd_decay_steps = wsd_decay_steps if wsd else None
         self.lr_wsd_decay_style = lr_wsd_decay_style if wsd else None
+        self.lr_warmup_style = lr_warmup_style
+        self.samples_per_iteration = samples_per_iteration if log_warmup else None  # as above: only log reads it
         self.num_steps = 0
         self.step(increment=0)
 
@@ -138,7 +160,7 @@ class OptimizerParamScheduler:
         group = param_group or {}
         max_lr, min_lr = group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)
         if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
-            return self.init_lr + (max_lr - self.init_lr) * self.num_steps / self.lr_warmup_steps
+            return self.init_lr + (max_lr - self.init_lr) * self._warmup_coefficient()
         if self.lr_decay_style == "constant":
             return max_lr
         if self.num_steps > self.lr_decay_steps:
@@ -147,6 +169,13 @@ class OptimizerParamScheduler:
             # Continuous with the warmup's end; max(..., 1) keeps step 0 finite when there is no warmup.
             return max(min_lr, max_lr * math.sqrt(max(self.lr_warmup_steps, 1)) / math.sqrt(max(self.num_steps, 1)))
         return min_lr + self._decay_coefficient() * (max_lr - min_lr)
+
+    def _warmup_coefficient(self) -> float:
+        """0 at step 0 rising to 1 at the end of warmup: linear in the steps, or DeepSpeed's log of the iterations."""
+        if self.lr_warmup_style == "linear":
+            return self.num_steps / self.lr_warmup_steps
+        iteration = self.num_steps / self.samples_per_iteration
+        return math.log(max(iteration, 1.0)) / math.log(self.lr_warmup_steps / self.samples_per_iteration)
 
     def _decay_coefficient(self) -> float:
         """1 at the end of warmup, 0 at ``lr_decay_steps``, shaped by the decay style."""
@@ -257,4 +286,5 @@ def get_optimizer_param_scheduler(optimizer, config, global_batch_size: int) -> 
                                    start_wd=opt.start_weight_decay, end_wd=opt.end_weight_decay,
                                    wd_incr_steps=None if opt.start_weight_decay is None else train_steps,
                                    wd_incr_style=opt.weight_decay_incr_style, init_lr=opt.lr_warmup_init,
-                                   wsd_decay_steps=wsd_decay_steps, lr_wsd_decay_style=opt.lr_wsd_decay_style)
+                                   wsd_decay_steps=wsd_decay_steps, lr_wsd_decay_style=opt.lr_wsd_decay_style,
+                                   lr_warmup_style=opt.lr_warmup_style, samples_per_iteration=global_batch_size)

@@ -154,6 +154,8 @@ def test_override_keeps_this_runs_schedule_and_use_checkpoint_takes_the_checkpoi
     (dict(start_wd=0.0, end_wd=0.1), "constant needs"),
     (dict(start_wd=0.0, end_wd=0.1, wd_incr_style="linear"), "wd_incr_steps"),
     (dict(wd_incr_style="exponential"), "--weight-decay-incr-style"),
+    (dict(lr_warmup_style="exp"), "--lr-warmup-style"),
+    (dict(lr_warmup_style="log", samples_per_iteration=10), "--lr-warmup-style log needs a warmup of at least 2"),
 ])
 def test_bad_settings_name_the_flag(overrides, flag):
     with pytest.raises(ConfigError, match=flag):
@@ -183,13 +185,28 @@ def test_warmup_starts_at_init_lr():
     assert _lrs_at(_scheduler("linear", init_lr=0.2), [0, 5, 10]) == pytest.approx([0.2, 0.6, 1.0], abs=1e-12)
 
 
-def test_checkpoint_from_before_init_lr_and_wsd_loads():
-    """A checkpoint saved before --lr-warmup-init and WSD existed had warmup from 0 and no WSD."""
+# Hand computation of DeepSpeed's log warmup, 4 samples per iteration, warmup 40 samples = W 10 iterations, so
+# ln(max(i, 1)) / ln(10) = log10(i): iterations 0 and 1 -> 0, 2 -> 0.301029995664, 4 -> 0.602059991328, 10 -> 1;
+# with init 0.2: 0.2 + 0.8 x that. After warmup the decay is unchanged (ends at 140; step 90: 0.55).
+def test_log_warmup_counts_iterations_as_deepspeed_does():
+    scheduler = _scheduler("cosine", init_lr=0.2, lr_warmup_style="log", samples_per_iteration=4, lr_warmup_steps=40,
+                           lr_decay_steps=140)
+    lrs = _lrs_at(scheduler, [0, 4, 8, 16, 40, 90])
+    assert lrs == pytest.approx([0.2, 0.2, 0.2 + 0.8 * 0.301029995664, 0.2 + 0.8 * 0.602059991328, 1.0, 0.55],
+                                abs=1e-12)
+
+
+def test_checkpoint_from_before_init_lr_wsd_and_warmup_style_loads():
+    """A checkpoint saved before --lr-warmup-init, WSD and --lr-warmup-style existed had linear warmup from 0 and
+    no WSD."""
     saved = _scheduler("cosine")
     saved.step(increment=30)
-    old = {k: v for k, v in saved.state_dict().items() if k not in ("init_lr", "wsd_decay_steps", "lr_wsd_decay_style")}
+    new_keys = ("init_lr", "wsd_decay_steps", "lr_wsd_decay_style", "lr_warmup_style", "samples_per_iteration")
+    old = {k: v for k, v in saved.state_dict().items() if k not in new_keys}
     resumed = _scheduler("cosine")
     resumed.load_state_dict(old)
     assert resumed.num_steps == 30 and resumed.get_lr() == saved.get_lr()
     with pytest.raises(ConfigError, match="--lr-warmup-init"):
         _scheduler("cosine", init_lr=0.1).load_state_dict(old)
+    with pytest.raises(ConfigError, match="--lr-warmup-style \\(checkpoint 'linear', this run 'log'\\)"):
+        _scheduler("cosine", lr_warmup_style="log", samples_per_iteration=1).load_state_dict(old)

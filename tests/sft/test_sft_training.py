@@ -112,6 +112,25 @@ def test_sft_command_from_a_pretrained_checkpoint_with_its_args(imported, tmp_pa
         assert logged == pytest.approx(_transformers_response_loss(model).item(), rel=1e-5)
 
 
+def test_evaluate_reads_other_formats_through_sft_format_and_data_keys(imported, tmp_path, capsys):
+    """An Alpaca JSON array with its own column names measures (and answers) what our JSONL of the same examples
+    does, read with the training flags --sft-format and --sft-data-keys."""
+    _, ckpt = imported
+    alpaca = tmp_path / "alpaca.json"
+    alpaca.write_text(json.dumps([{"question": " ".join(map(str, p)), "answer": " ".join(map(str, r))}
+                                  for p, r in PAIRS]))
+    common = ["--load", ckpt, "--tokenizer-type", "NullTokenizer", "--sft", "--exact-match", "--max-new-tokens", "2"]
+    assert evaluate_main([*common, "--data-path", _write_jsonl(tmp_path / "sft.jsonl")]) == 0
+    ours = capsys.readouterr().out
+    assert evaluate_main([*common, "--data-path", str(alpaca), "--sft-format", "alpaca",
+                          "--sft-data-keys", "instruction=question", "output=answer"]) == 0
+    assert capsys.readouterr().out == ours and "lm loss value: " in ours and "exact match: " in ours
+    assert evaluate_main([*common, "--data-path", str(alpaca)]) == 2  # its columns are none of the known names
+    assert "rename columns with --sft-data-keys NAME=COLUMN" in capsys.readouterr().err
+    assert evaluate_main([*common, "--data-path", str(alpaca), "--sft-data-keys", "question"]) == 2
+    assert "--sft-data-keys takes NAME=COLUMN" in capsys.readouterr().err
+
+
 def test_evaluate_measures_transformers_cross_entropy(imported, tmp_path, capsys):
     """On fine-tuning data (response tokens only) and on an indexed dataset (every token)."""
     model, ckpt = imported

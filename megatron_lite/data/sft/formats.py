@@ -27,7 +27,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from megatron_lite.config import UserError
+from megatron_lite.config import SFT_FORMATS, UserError, check_sft_data_keys
+from megatron_lite.config.help_text import HELP
 from megatron_lite.data.jsonl import read_jsonl_lines
 from megatron_lite.data.sft.prompt_format import ROLES
 
@@ -50,8 +51,15 @@ class RecordFormat:
 
     @classmethod
     def from_flags(cls, sft_format: str, sft_data_keys: list[str]) -> "RecordFormat":
-        """--sft-format and --sft-data-keys NAME=COLUMN ... (checked by DataConfig)."""
+        """--sft-format and --sft-data-keys NAME=COLUMN ...; raises ConfigError for a bad entry."""
+        check_sft_data_keys(sft_data_keys)
         return cls(name=sft_format, keys=tuple(tuple(entry.split("=", 1)) for entry in sft_data_keys))
+
+
+def add_record_format_arguments(group) -> None:
+    """--sft-format and --sft-data-keys for a tool with its own parser; training's are DataConfig fields."""
+    group.add_argument("--sft-format", choices=SFT_FORMATS, default="auto", help=HELP["sft_format"])
+    group.add_argument("--sft-data-keys", nargs="+", default=[], metavar="NAME=COLUMN", help=HELP["sft_data_keys"])
 
 
 def conversation_of(record, record_format: RecordFormat = RecordFormat()) -> list[dict]:
