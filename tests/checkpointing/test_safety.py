@@ -97,7 +97,7 @@ def test_missing_file_is_reported(saved):
 def test_truncated_metadata_is_reported(saved):
     path = os.path.join(storage.checkpoint_dir(saved, 2), storage.METADATA_FILE)
     os.truncate(path, os.path.getsize(path) // 2)
-    with pytest.raises(CheckpointError, match="metadata.json is not valid JSON"):
+    with pytest.raises(CheckpointError, match="metadata.json: is not valid JSON"):
         _load(saved)
 
 
