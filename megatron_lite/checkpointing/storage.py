@@ -15,7 +15,8 @@ previous, complete checkpoint. The metadata records each file's size and SHA-256
 so a truncated or corrupted file is reported instead of silently loaded.
 
 Reading checks what it reads: the metadata and the tracker against their schema
-(``metadata_schema``), every file against its size and checksum.
+(``metadata_schema``), every file against its size and checksum, and every path against
+symbolic links leading out of the checkpoint (``check_inside``).
 """
 from __future__ import annotations
 
@@ -130,6 +131,16 @@ def write_latest_iteration(root: str, iteration: int) -> None:
 # Reading and validation
 
 
+def check_inside(path: str, directory: str) -> None:
+    """Refuse ``path`` when it resolves outside ``directory``: a symbolic link to another run's checkpoint
+    (or part of one) would load it silently. A link that stays inside is a layout choice and is followed."""
+    real, boundary = os.path.realpath(path), os.path.realpath(directory)
+    if os.path.commonpath([real, boundary]) != boundary:
+        raise CheckpointError(f"{path} is a symbolic link to {real}, outside the checkpoint directory {directory}: "
+                              f"loading through it would load another checkpoint's files as this one's. Replace the "
+                              f"link with a copy of its target, or point --load at the checkpoint it belongs to.")
+
+
 def read_latest_iteration(root: str) -> int | None:
     """The iteration the tracker file names, or None when ``root`` holds no checkpoint."""
     path = os.path.join(root, TRACKER_FILE)
@@ -140,12 +151,15 @@ def read_latest_iteration(root: str) -> int | None:
                                   f"a checkpoint root: give its parent {parent} instead (the --save directory, whose "
                                   f"{TRACKER_FILE} names the iteration to load).")
         return None
+    check_inside(path, root)
     with open(path, "rb") as f:
         text = f.read(4096).decode(errors="replace").strip()  # a few digits: more is not a tracker
     try:
         iteration = parse_tracker(text)
     except SchemaError as error:
         raise CheckpointError(f"{path} {error}; write the iteration of a complete iter_* directory into it.") from None
+    if os.path.lexists(checkpoint_dir(root, iteration)):
+        check_inside(checkpoint_dir(root, iteration), root)
     return iteration
 
 
@@ -166,6 +180,7 @@ def read_metadata(directory: str) -> dict:
         raise CheckpointError(f"{directory} has no {METADATA_FILE}: it is not a megatron_lite checkpoint, or its "
                               f"save did not finish. Point --load at a checkpoint root holding "
                               f"{TRACKER_FILE}, or fix that file to name a complete iteration.")
+    check_inside(path, directory)
     with open(path, "rb") as f:
         data = f.read()
     try:
@@ -198,6 +213,8 @@ def verify_files(directory: str, metadata: dict, *, checksum: set | frozenset = 
             raise CheckpointError(f"checkpoint {directory} lists the file {name!r}, which is not a plain file name "
                                   f"inside the checkpoint directory; refusing to read it.")
         path = os.path.join(directory, name)
+        if os.path.lexists(path):
+            check_inside(path, directory)
         if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing. Restore the file, "
                                   f"or load an earlier iteration (edit {TRACKER_FILE}).")
