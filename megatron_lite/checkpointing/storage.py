@@ -29,7 +29,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from megatron_lite.checkpointing.metadata_schema import FORMAT_VERSION, SchemaError, parse_metadata, parse_tracker
+from megatron_lite.checkpointing.metadata_schema import SchemaError, parse_metadata, parse_tracker
 from megatron_lite.config import UserError
 
 METADATA_FILE = "metadata.json"

@@ -94,7 +94,8 @@ EDITS = {
     "split past the shape": (_set("tensors", LAYERNORM, "partition_dim", 3),
                              rf"tensors\['{LAYERNORM}'\].partition_dim is 3, but global_shape \[32\] has 1"),
     "shard in an unlisted file": (_set("tensors", LAYERNORM, "shards", 0, "file", "rank_00009.safetensors"),
-                                  rf"tensors\['{LAYERNORM}'\].shards\[0\].file is 'rank_00009.safetensors', which files does not list"),
+                                  rf"tensors\['{LAYERNORM}'\].shards\[0\].file is 'rank_00009.safetensors', which "
+                                  r"files does not list"),
     "rng for another rank": (_set("rng", "1", {"python": [3, None], "numpy": ["MT19937", 624, 0, 0.0]}),
                              r"rng must hold one entry per rank, 0 to 0"),
     "config of the wrong type": (_set("config", "model", "num_layers", "4"),
