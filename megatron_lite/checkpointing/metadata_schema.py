@@ -21,6 +21,7 @@ import re
 import types
 import typing
 
+from megatron_lite.checkpointing.training_state import TrainingState
 from megatron_lite.config import SECTIONS
 
 FORMAT_VERSION = "megatron_lite-checkpoint/1"
@@ -187,7 +188,8 @@ def _of_annotation(hint):
         (item,) = typing.get_args(hint)
         return _list_of(_of_annotation(item))
     # A float field written from an integer default (lr 0) is an integer in the JSON.
-    return {int: _integer(-2 ** 63, 2 ** 63), float: _number, bool: _boolean, str: _string, list: _list}[hint]
+    return {int: _integer(-2 ** 63, 2 ** 63), float: _number, bool: _boolean, str: _string, list: _list,
+            dict: _object}[hint]
 
 
 def _section(cls):
@@ -217,10 +219,12 @@ def _peft_base(value, where):
     (_BASE_CHECKPOINT if "directory" in value else _BASE_INITIALISATION)(value, where)
 
 
-# Megatron-LM's counters of a run (training_state.TrainingState); a weights-only checkpoint records its iteration only.
-_TRAINING_STATE = _record({"iteration": _count},
-                          {"consumed_train_samples": _count, "skipped_iterations": _count, "nan_iterations": _count,
-                           "losses": _list_of(_number), "peft_base": _optional(_peft_base)})
+# TrainingState's fields, by their types, and its counters in their range; a weights-only checkpoint records its
+# iteration only.
+_TRAINING_STATE = _record({"iteration": _count}, {
+    **{name: _of_annotation(hint) for name, hint in typing.get_type_hints(TrainingState).items()},
+    "consumed_train_samples": _count, "skipped_iterations": _count, "nan_iterations": _count,
+    "losses": _list_of(_number), "peft_base": _optional(_peft_base)})
 
 _LAYOUT = _record({"world_size": _rank_count, "tensor_model_parallel_size": _rank_count,
                    "pipeline_model_parallel_size": _rank_count, "data_parallel_size": _rank_count,
