@@ -22,7 +22,9 @@ MEGATRON_DEFAULTS = {
     "ffn_hidden_size": None, "kv_channels": None, "normalization": "LayerNorm", "norm_epsilon": 1e-5,
     "apply_layernorm_1p": False, "window_attn_skip_freq": None, "position_embedding_type": "learned_absolute", "rotary_base": 10000.0,
     "rotary_percent": 1.0, "attention_backend": "auto", "swiglu": False, "add_bias_linear": True,
-    "untie_embeddings_and_output_weights": False, "hidden_dropout": 0.1, "attention_dropout": 0.1,
+    "untie_embeddings_and_output_weights": False, "add_qkv_bias": False, "qk_layernorm": False,
+    "window_size": None, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
+    "rotary_seq_len_interpolation_factor": None, "hidden_dropout": 0.1, "attention_dropout": 0.1,
     "init_method_std": 0.02, "make_vocab_size_divisible_by": 128,
     # Megatron's num_query_groups default (1) is read only with --group-query-attention; without it
     # both use one group per head.
@@ -39,7 +41,7 @@ MEGATRON_DEFAULTS = {
     "fp16": False, "recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None,
     "eval_iters": 100, "exit_signal_handler": False, "exit_interval": None, "exit_duration_in_mins": None,
     "check_weight_hash_across_dp_replicas_interval": None, "manual_gc": False, "manual_gc_interval": 0,
-    "manual_gc_eval": True, "empty_unused_memory_level": 0,
+    "manual_gc_eval": True, "empty_unused_memory_level": 0, "check_for_nan_in_loss_and_grad": True,
     # optimizer
     "optimizer": "adam", "min_lr": 0.0, "lr_decay_style": "linear", "lr_wsd_decay_style": "exponential",
     "lr_wsd_decay_iters": None, "lr_wsd_decay_samples": None, "lr_warmup_init": 0.0, "lr_warmup_iters": 0,
@@ -79,7 +81,7 @@ DELIBERATE = {
 NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", "grad_cpu_offload",
                    "sft_pack_sequences", "peak_tflops", "log_memory", "peft", "lora_rank", "lora_alpha",
                    "lora_dropout", "lora_target_modules", "adapter_dim", "prefix_length",
-                   "prefix_projection_hidden_size", "sft_format", "sft_data_keys",
+                   "prefix_projection_hidden_size", "sft_format", "sft_data_keys", "peft_without_base_checkpoint", "lr_warmup_style",
                    "softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",  # Gemma 2's
                    "post_sublayer_norm", "scale_embeddings", "geglu",
                    "deepspeed_config", "deepspeed"}  # the DeepSpeed config's spellings, translated at parse time

@@ -125,15 +125,25 @@ def read_global(key: str, entry: dict, read: Callable[[str, str], torch.Tensor])
 
 def _assemble_flat(key: str, pieces: list, local_shape: list, read) -> torch.Tensor:
     """One tensor-parallel shard, from one stored tensor or from data-parallel flat slices."""
+    numel = math.prod(local_shape)
     if pieces[0]["flat_range"] is None:
-        return read(pieces[0]["file"], key).reshape(local_shape)
+        return _read_piece(read, pieces[0]["file"], key, numel).reshape(local_shape)
     pieces = sorted(pieces, key=lambda p: p["flat_range"][0])
     ranges = [tuple(p["flat_range"]) for p in pieces]
-    numel = math.prod(local_shape)
     if ranges[0][0] != 0 or ranges[-1][1] != numel or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
         raise CheckpointError(f"the data-parallel slices of {key!r} cover {ranges}, not 0:{numel} exactly once: "
                               f"the checkpoint is incomplete.")
-    return torch.cat([read(p["file"], key).reshape(-1) for p in pieces]).reshape(local_shape)
+    return torch.cat([_read_piece(read, p["file"], key, end - start).reshape(-1)
+                      for p, (start, end) in zip(pieces, ranges)]).reshape(local_shape)
+
+
+def _read_piece(read, file_name: str, key: str, numel: int) -> torch.Tensor:
+    """A stored piece, which must have the size the metadata gives it (an edited shape must not reach reshape)."""
+    piece = read(file_name, key)
+    if piece.numel() != numel:
+        raise CheckpointError(f"{file_name} holds {key!r} with {piece.numel()} elements (shape {list(piece.shape)}), "
+                              f"but metadata.json gives that piece {numel}: the metadata was edited or is corrupt.")
+    return piece
 
 
 def resize_vocab(full: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:

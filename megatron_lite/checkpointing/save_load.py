@@ -47,6 +47,7 @@ import torch
 from megatron_lite.process_groups import failures
 from megatron_lite.checkpointing import peft_base, rng, storage
 from megatron_lite.checkpointing.architecture import check_architecture
+from megatron_lite.checkpointing.metadata_schema import FORMAT_VERSION
 from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTensor, has_vocab_rows, index_of,
                                                     local_shard, merge_index)
 from megatron_lite.checkpointing.storage import CheckpointError, read_metadata, resolve_checkpoint_dir
@@ -198,7 +199,7 @@ def new_metadata(config: Config, *, iteration: int, training_state: dict, layout
     ``optimizer`` holds the optimizer's non-tensor state (param groups, loss scaler); None
     marks a weights-only checkpoint.
     """
-    return {"format": storage.FORMAT_VERSION, "iteration": iteration, "training_state": training_state,
+    return {"format": FORMAT_VERSION, "iteration": iteration, "training_state": training_state,
             "config": config.to_dict(), "layout": layout, "scheduler": scheduler, "optimizer": optimizer,
             "tensors": {}, "files": {}, "rng": {}}
 

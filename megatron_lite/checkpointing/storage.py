@@ -13,6 +13,10 @@ fsynced, the directory is renamed to ``iter_0000100`` and only then is the point
 file replaced (``os.replace``). A crash at any moment leaves the pointer naming the
 previous, complete checkpoint. The metadata records each file's size and SHA-256,
 so a truncated or corrupted file is reported instead of silently loaded.
+
+Reading checks what it reads: the metadata and the tracker against their schema
+(``metadata_schema``), every file against its size and checksum, and every path against
+symbolic links leading out of the checkpoint (``check_inside``).
 """
 from __future__ import annotations
 
@@ -25,9 +29,9 @@ import safetensors
 import safetensors.torch
 import torch
 
+from megatron_lite.checkpointing.metadata_schema import SchemaError, parse_metadata, parse_tracker
 from megatron_lite.config import UserError
 
-FORMAT_VERSION = "megatron_lite-checkpoint/1"
 METADATA_FILE = "metadata.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
@@ -127,6 +131,16 @@ def write_latest_iteration(root: str, iteration: int) -> None:
 # Reading and validation
 
 
+def check_inside(path: str, directory: str) -> None:
+    """Refuse ``path`` when it resolves outside ``directory``: a symbolic link to another run's checkpoint
+    (or part of one) would load it silently. A link that stays inside is a layout choice and is followed."""
+    real, boundary = os.path.realpath(path), os.path.realpath(directory)
+    if os.path.commonpath([real, boundary]) != boundary:
+        raise CheckpointError(f"{path} is a symbolic link to {real}, outside the checkpoint directory {directory}: "
+                              f"loading through it would load another checkpoint's files as this one's. Replace the "
+                              f"link with a copy of its target, or point --load at the checkpoint it belongs to.")
+
+
 def read_latest_iteration(root: str) -> int | None:
     """The iteration the tracker file names, or None when ``root`` holds no checkpoint."""
     path = os.path.join(root, TRACKER_FILE)
@@ -137,12 +151,16 @@ def read_latest_iteration(root: str) -> int | None:
                                   f"a checkpoint root: give its parent {parent} instead (the --save directory, whose "
                                   f"{TRACKER_FILE} names the iteration to load).")
         return None
-    with open(path) as f:
-        text = f.read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{path} should hold an iteration number but holds {text[:40]!r}; "
-                              f"write the iteration of a complete iter_* directory into it.")
-    return int(text)
+    check_inside(path, root)
+    with open(path, "rb") as f:
+        text = f.read(4096).decode(errors="replace").strip()  # a few digits: more is not a tracker
+    try:
+        iteration = parse_tracker(text)
+    except SchemaError as error:
+        raise CheckpointError(f"{path} {error}; write the iteration of a complete iter_* directory into it.") from None
+    if os.path.lexists(checkpoint_dir(root, iteration)):
+        check_inside(checkpoint_dir(root, iteration), root)
+    return iteration
 
 
 def resolve_checkpoint_dir(path: str) -> str:
@@ -162,15 +180,17 @@ def read_metadata(directory: str) -> dict:
         raise CheckpointError(f"{directory} has no {METADATA_FILE}: it is not a megatron_lite checkpoint, or its "
                               f"save did not finish. Point --load at a checkpoint root holding "
                               f"{TRACKER_FILE}, or fix that file to name a complete iteration.")
+    check_inside(path, directory)
+    with open(path, "rb") as f:
+        data = f.read()
     try:
-        with open(path) as f:
-            metadata = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path} is not valid JSON ({error}): the checkpoint is corrupt.") from None
-    if metadata.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format {metadata.get('format')!r}; this megatron_lite reads "
-                              f"{FORMAT_VERSION!r}.")
-    return metadata
+        return parse_metadata(data.decode())
+    except UnicodeDecodeError as error:
+        problem = f"is not valid JSON ({error})"
+    except SchemaError as error:
+        problem = str(error)
+    raise CheckpointError(f"{path}: {problem}. The checkpoint is corrupt or was edited: restore the file, or load "
+                          f"an earlier iteration (edit {TRACKER_FILE}).")
 
 
 def sha256_file(path: str) -> str:
@@ -193,6 +213,8 @@ def verify_files(directory: str, metadata: dict, *, checksum: set | frozenset = 
             raise CheckpointError(f"checkpoint {directory} lists the file {name!r}, which is not a plain file name "
                                   f"inside the checkpoint directory; refusing to read it.")
         path = os.path.join(directory, name)
+        if os.path.lexists(path):
+            check_inside(path, directory)
         if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing. Restore the file, "
                                   f"or load an earlier iteration (edit {TRACKER_FILE}).")
@@ -215,14 +237,20 @@ class TensorFileReader:
     def __init__(self, directory: str):
         self.directory = directory
         self._handles: dict = {}
+        self._names: dict = {}
 
     def _handle(self, file_name: str):
         if file_name not in self._handles:
             self._handles[file_name] = open_safetensors(os.path.join(self.directory, file_name))
+            self._names[file_name] = set(self._handles[file_name].keys())
         return self._handles[file_name]
 
     def get(self, file_name: str, tensor_name: str) -> torch.Tensor:
-        return self._handle(file_name).get_tensor(tensor_name)
+        handle = self._handle(file_name)
+        if tensor_name not in self._names[file_name]:
+            raise CheckpointError(f"{os.path.join(self.directory, METADATA_FILE)} places {tensor_name!r} in "
+                                  f"{file_name}, which does not hold it: the metadata was edited or is corrupt.")
+        return handle.get_tensor(tensor_name)
 
     def names(self, file_name: str) -> list:
         return list(self._handle(file_name).keys())

@@ -3,6 +3,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import signal
 import time
 
@@ -97,7 +98,7 @@ def test_missing_file_is_reported(saved):
 def test_truncated_metadata_is_reported(saved):
     path = os.path.join(storage.checkpoint_dir(saved, 2), storage.METADATA_FILE)
     os.truncate(path, os.path.getsize(path) // 2)
-    with pytest.raises(CheckpointError, match="metadata.json is not valid JSON"):
+    with pytest.raises(CheckpointError, match="metadata.json: is not valid JSON"):
         _load(saved)
 
 
@@ -217,3 +218,35 @@ def test_a_bad_file_on_one_rank_fails_every_rank(tmp_path):
     assert own_error[0] == "CheckpointError" and "rank_00001.safetensors does not match its SHA-256" in own_error[1]
     assert other_error[0] == "FailedOnAnotherRank"
     assert other_error[1].startswith("rank 1 failed to load the checkpoint at ")
+
+
+def _another_run(saved, tmp_path):
+    """A second run's checkpoint: the same files under another root."""
+    other = str(tmp_path / "other")
+    shutil.copytree(saved, other)
+    return other
+
+
+@pytest.mark.parametrize("what", ["iteration directory", "tracker", "metadata", "rank file"])
+def test_symlink_out_of_the_checkpoint_is_refused(saved, tmp_path, what):
+    """Issue 22, item 9: a link inside --load to another run's checkpoint was followed, loading it silently."""
+    other = _another_run(saved, tmp_path)
+    link = {"iteration directory": storage.checkpoint_dir(saved, 2),
+            "tracker": os.path.join(saved, storage.TRACKER_FILE),
+            "metadata": os.path.join(storage.checkpoint_dir(saved, 2), storage.METADATA_FILE),
+            "rank file": os.path.join(storage.checkpoint_dir(saved, 2), "rank_00000.safetensors")}[what]
+    target = os.path.join(other, os.path.relpath(link, saved))
+    shutil.rmtree(link) if os.path.isdir(link) else os.remove(link)
+    os.symlink(target, link)
+    with pytest.raises(CheckpointError, match=f"^{link} is a symbolic link to {os.path.realpath(target)}, outside the "
+                                              f"checkpoint directory"):
+        _load(saved, iters=3)
+
+
+def test_symlink_inside_the_checkpoint_is_followed(saved):
+    """Links that stay inside (an iteration directory kept elsewhere under --load) are a layout choice."""
+    store = os.path.join(saved, "store")
+    os.makedirs(store)
+    os.rename(storage.checkpoint_dir(saved, 2), os.path.join(store, "iter_0000002"))
+    os.symlink(os.path.join("store", "iter_0000002"), storage.checkpoint_dir(saved, 2))
+    assert _load(saved, iters=3).iteration == 3
