@@ -20,7 +20,8 @@ MEGATRON_COMMIT = "d98e8a64dd"
 MEGATRON_DEFAULTS = {
     # model (the required sizes have no default in either)
     "ffn_hidden_size": None, "kv_channels": None, "normalization": "LayerNorm", "norm_epsilon": 1e-5,
-    "apply_layernorm_1p": False, "window_attn_skip_freq": None, "position_embedding_type": "learned_absolute", "rotary_base": 10000.0,
+    "apply_layernorm_1p": False, "window_attn_skip_freq": None, "position_embedding_type": "learned_absolute",
+    "rotary_base": 10000.0,
     "rotary_percent": 1.0, "attention_backend": "auto", "swiglu": False, "add_bias_linear": True,
     "untie_embeddings_and_output_weights": False, "add_qkv_bias": False, "qk_layernorm": False,
     "window_size": None, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
@@ -81,7 +82,8 @@ DELIBERATE = {
 NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", "grad_cpu_offload",
                    "sft_pack_sequences", "peak_tflops", "log_memory", "peft", "lora_rank", "lora_alpha",
                    "lora_dropout", "lora_target_modules", "adapter_dim", "prefix_length",
-                   "prefix_projection_hidden_size", "sft_format", "sft_data_keys", "peft_without_base_checkpoint", "lr_warmup_style",
+                   "prefix_projection_hidden_size", "sft_format", "sft_data_keys", "peft_without_base_checkpoint",
+                   "lr_warmup_style",
                    "softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",  # Gemma 2's
                    "post_sublayer_norm", "scale_embeddings", "geglu",
                    "deepspeed_config", "deepspeed"}  # the DeepSpeed config's spellings, translated at parse time

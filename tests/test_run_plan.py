@@ -14,7 +14,7 @@ from megatron_lite.training.num_microbatches_calculator import NumMicroBatchesCa
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
          "--vocab-size", "64", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "2",
-         "--eval-iters", "1", "--log-interval", "1", "--peft", "lora"]
+         "--eval-iters", "1", "--log-interval", "1", "--peft", "lora", "--peft-without-base-checkpoint"]
 
 
 def _count_start_up_facts(monkeypatch) -> collections.Counter:

@@ -154,7 +154,8 @@ def _convert(args, sizes: dict) -> str:
     if source == "megatron_lite" and target == "megatron_lite":
         return reshard_checkpoint(args.load_dir, args.save_dir, **sizes)
     raise ConfigError(f"no conversion from --source-format {source} to --target-format {target}: hf and peft "
-                      f"convert to and from megatron_lite, megatron to and from it (merge adapters before a megatron export).")
+                      f"convert to and from megatron_lite, megatron to and from it (merge adapters before a megatron "
+                      f"export).")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import math
 import re
 import subprocess
 import sys
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.process_groups.failures import run_command
 
-LOSS_PATTERN = re.compile(r"\| lm loss: ([0-9.E+-]+) \|")
+# "nan": an interval with no finite loss (every iteration skipped by the fp16 loss scaler, or a NaN run).
+LOSS_PATTERN = re.compile(r"\| lm loss: ([0-9.E+-]+|nan) \|")
 DETERMINISTIC_FLAGS = ["--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1"]
 
 
@@ -81,7 +83,14 @@ def max_relative_difference(control: list[float], losses: list[float]) -> float:
     numbers of iterations or nothing at all."""
     if not control or len(control) != len(losses):
         return float("inf")
-    return max((abs(a - b) / max(abs(a), 1e-12) for a, b in zip(control, losses)), default=0.0)
+    return max((_relative_difference(a, b) for a, b in zip(control, losses)), default=0.0)
+
+
+def _relative_difference(control: float, loss: float) -> float:
+    """An interval without a finite loss in both runs (the same skipped iterations) agrees; in one only, not."""
+    if math.isnan(control) or math.isnan(loss):
+        return 0.0 if math.isnan(control) and math.isnan(loss) else float("inf")
+    return abs(control - loss) / max(abs(control), 1e-12)
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from megatron_lite.cli.parser import ArgumentParser
+from megatron_lite.config import ParallelConfig
 from megatron_lite.pipeline_parallel.schedule_table import build_schedule, in_flight_bound, peak_in_flight
 from megatron_lite.pipeline_parallel.timeline import simulate
 from megatron_lite.process_groups.failures import run_command
@@ -79,6 +80,10 @@ def print_schedule(argv) -> None:
     parser.add_argument("--backward-cost", type=int, default=2, help="backward time in forwards (default 2)")
     parser.add_argument("--ops", action="store_true", help="also list every rank's ops, communication included")
     args = parser.parse_args(argv)
+    # The flags' check, so a count the interleaved schedule cannot run is named by the flags that set it.
+    ParallelConfig(pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                   virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+                   ).check_interleaved_microbatches(args.num_microbatches)
     print(report(args.pipeline_model_parallel_size, args.num_microbatches,
                  args.virtual_pipeline_model_parallel_size, args.forward_only, args.backward_cost, args.ops))
 

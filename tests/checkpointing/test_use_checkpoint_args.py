@@ -100,11 +100,11 @@ def test_pretrained_checkpoint_is_loaded_like_finetune_then_the_run_resumes_from
 
 @pytest.fixture(scope="module")
 def pretrained_with_tokenizer(tmp_path_factory):
-    """A checkpoint whose run named a GPT-2 BPE tokenizer (the files need only exist: the vocabulary size is
-    the checkpoint's)."""
+    """A checkpoint whose run named a GPT-2 BPE tokenizer: a real, tiny one, since a run checks that its
+    tokenizer fits the model's vocabulary (the model's size is the checkpoint's)."""
     root = tmp_path_factory.mktemp("with_tokenizer")
-    for name in ("vocab.json", "merges.txt"):
-        (root / name).write_text("")
+    (root / "vocab.json").write_text('{"a": 0, "b": 1, "<|endoftext|>": 2}')
+    (root / "merges.txt").write_text("#version: 0.2\n")
     config = tiny_config(iters=1, save=str(root / "ckpt"))
     config.model.use_fused_kernels = False
     config.data = dataclasses.replace(config.data, tokenizer_type="GPT2BPETokenizer",

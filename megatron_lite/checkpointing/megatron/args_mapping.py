@@ -97,8 +97,9 @@ def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int
     args = argparse.Namespace(
         num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads, group_query_attention=gqa,
-        num_query_groups=model.num_query_groups if gqa else 1, kv_channels=model.kv_channels or
-        model.hidden_size // model.num_attention_heads, seq_length=model.seq_length, encoder_seq_length=model.seq_length,
+        num_query_groups=model.num_query_groups if gqa else 1,
+        kv_channels=model.kv_channels or model.hidden_size // model.num_attention_heads,
+        seq_length=model.seq_length, encoder_seq_length=model.seq_length,
         max_position_embeddings=model.max_position_embeddings, position_embedding_type=model.position_embedding_type,
         add_position_embedding=model.position_embedding_type == "learned_absolute",
         use_rotary_position_embeddings=False, rotary_base=int(model.rotary_base), rotary_percent=model.rotary_percent,

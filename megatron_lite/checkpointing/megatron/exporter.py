@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from megatron_lite.checkpointing.megatron import layout, legacy
 from megatron_lite.checkpointing.megatron.args_mapping import megatron_args_from_config
 from megatron_lite.checkpointing.offline import stage_model
