@@ -9,6 +9,13 @@ The full [s, b, vocab] logits never exist on one rank. Three all-reduces of
     loss  = log(Z) - t
 
 The gradient is softmax - one-hot restricted to the local slice: no communication.
+
+On one rank (tensor-parallel size 1) there is nothing to reduce, and the same loss is
+log_softmax's, one fused pass over the logits: loss = -log_softmax(logits)[target]. Its
+output is the only vocabulary-sized tensor the forward makes, and the backward turns it
+into the gradient in place (exp gives the softmax), so a step allocates one such tensor
+where the three-reduction form makes three (the logits are the largest activation of a
+small model, and on a CPU every fresh allocation of that size costs page faults).
 """
 from __future__ import annotations
 
@@ -58,6 +65,29 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_input.to(ctx.input_dtype), None, None
 
 
+class _CrossEntropy(torch.autograd.Function):
+    """The whole vocabulary on this rank: log_softmax, the target's entry, and softmax - one-hot back."""
+
+    @staticmethod
+    def forward(ctx, logits, target):
+        # In float32 (a no-op for float32 logits), as the vocab-parallel path: the loss keeps its precision.
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        loss = log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1).neg_()
+        ctx.save_for_backward(log_probs, target)
+        ctx.input_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        # The saved log-probabilities become the gradient in place; autograd's version check refuses a
+        # second backward through them (retain_graph) instead of reading the overwritten buffer.
+        log_probs, target = ctx.saved_tensors
+        grad_loss = grad_loss.unsqueeze(-1)
+        grad_input = log_probs.exp_().mul_(grad_loss)
+        grad_input.scatter_add_(-1, target.unsqueeze(-1), -grad_loss)
+        return grad_input.to(ctx.input_dtype), None
+
+
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, tp_group) -> torch.Tensor:
     """Per-token cross entropy from vocab-sharded logits.
 
@@ -73,4 +103,6 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     if vocab_parallel_logits.shape[:-1] != target.shape:
         raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(vocab_parallel_logits.shape)} and target "
                          f"{tuple(target.shape)} must agree on every dimension but the last (vocabulary).")
+    if collectives.world_size(tp_group) == 1:
+        return _CrossEntropy.apply(vocab_parallel_logits, target)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group)

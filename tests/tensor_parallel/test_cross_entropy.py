@@ -1,4 +1,5 @@
-"""Vocab-parallel cross entropy against torch.nn.functional.cross_entropy, value and gradient."""
+"""Vocab-parallel cross entropy against torch.nn.functional.cross_entropy, value and gradient: the three-reduction
+form on 2 and 4 ranks, the fused log_softmax form that one rank takes, and the two forms against each other."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,6 +7,7 @@ import torch.nn.functional as F
 from megatron_lite.process_groups.collectives import count_collectives
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tensor_parallel import vocab_parallel_cross_entropy
+from megatron_lite.tensor_parallel.cross_entropy import _CrossEntropy, _VocabParallelCrossEntropy
 
 S, B, V = 6, 3, 32
 
@@ -61,3 +63,31 @@ def test_low_precision_logits_are_reduced_in_float32():
 def test_shape_mismatch_is_explained():
     with pytest.raises(ValueError, match="must agree"):
         vocab_parallel_cross_entropy(torch.zeros(2, 3, V), torch.zeros(3, 2, dtype=torch.long), None)
+
+
+def test_one_rank_form_matches_the_vocab_parallel_form():
+    """The fused form a single rank takes against the three-reduction form run on one rank: losses and gradients
+    agree, including vocabulary padding masked to -inf (it gets no probability and no gradient)."""
+    logits, target, upstream, _, _ = _reference()
+    logits[..., -3:] = float("-inf")
+    target = target % (V - 3)  # padding is never a target
+    results = []
+    for form in (lambda x: _CrossEntropy.apply(x, target), lambda x: _VocabParallelCrossEntropy.apply(x, target, None)):
+        x = logits.clone().requires_grad_()
+        loss = form(x)
+        (loss * upstream).sum().backward()
+        results.append((loss.detach(), x.grad))
+    (fused_loss, fused_grad), (parallel_loss, parallel_grad) = results
+    torch.testing.assert_close(fused_loss, parallel_loss, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(fused_grad, parallel_grad, rtol=1e-6, atol=1e-7)
+    assert fused_loss.isfinite().all() and (fused_grad[..., -3:] == 0).all()
+
+
+def test_one_rank_form_refuses_a_second_backward():
+    """Its backward overwrites the saved log-probabilities: a retained graph cannot run it twice silently."""
+    logits, target, _, _, _ = _reference()
+    x = logits.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(x, target, None).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
