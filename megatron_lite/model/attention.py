@@ -23,6 +23,9 @@ from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron_lite.tensor_parallel.random import checkpoint, get_rng_tracker
 from megatron_lite.tensor_parallel.config import TensorParallelConfig
 
+# scaled_dot_product_attention takes grouped keys and values (enable_gqa) from PyTorch 2.5.
+SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
 
 class SelfAttention(nn.Module):
     """The fused QKV weight is laid out per query group, ``[q heads of the group, k, v]``,
@@ -92,7 +95,9 @@ class SelfAttention(nn.Module):
         # [s, b, n, d] -> [b, n, s, d]; each key/value group serves heads_per_group query heads.
         query = query.permute(1, 2, 0, 3)
         key, value = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
-        if self.heads_per_group > 1:
+        # SDPA can read each group's keys for its heads itself (enable_gqa); elsewhere they are copied out.
+        grouped_sdpa = {"enable_gqa": True} if self.heads_per_group > 1 and SDPA_HAS_GQA and not self.unfused else {}
+        if self.heads_per_group > 1 and not grouped_sdpa:
             key = key.repeat_interleave(self.heads_per_group, dim=1)
             value = value.repeat_interleave(self.heads_per_group, dim=1)
         dropout = self.attention_dropout if self.training else 0.0
@@ -107,10 +112,10 @@ class SelfAttention(nn.Module):
                                              self.logit_capping)
             elif attention_mask is None:
                 context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
-                                                         scale=self.softmax_scale)
+                                                         scale=self.softmax_scale, **grouped_sdpa)
             else:  # SDPA's boolean mask marks what may be attended
                 context = F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
-                                                         dropout_p=dropout, scale=self.softmax_scale)
+                                                         dropout_p=dropout, scale=self.softmax_scale, **grouped_sdpa)
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.model import attention
 from megatron_lite.model.sliding_window import SlidingWindow, layer_window
 from megatron_lite.model.soft_capping import soft_capping
+from tests.model.test_gpt_model import LLAMA, build
 
 BASE = dict(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
             position_embedding_type="rope")
@@ -56,3 +58,32 @@ def test_soft_capping_bounds_and_keeps_small_values():
 def test_gemma_flags_are_checked(flags, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**BASE, **flags)
+
+
+@pytest.mark.skipif(not attention.SDPA_HAS_GQA, reason="scaled_dot_product_attention has no enable_gqa before 2.5")
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed-mask"])
+def test_grouped_keys_without_copies_equal_the_repeated_keys(packed, monkeypatch):
+    """SDPA reading each key/value group for its heads (enable_gqa) against the explicit path that copies the
+    groups out with repeat_interleave: same logits, same gradients, causal and with a given (packed) mask."""
+    ids = torch.randint(0, 100, (3, 16), generator=torch.Generator().manual_seed(0))
+    mask = None
+    if packed:  # two examples per row: block-diagonal causal
+        block = torch.ones(8, 8, dtype=torch.bool).triu(1)
+        mask = torch.ones(16, 16, dtype=torch.bool)
+        mask[:8, :8] = mask[8:, 8:] = block
+        mask = mask.expand(3, 1, 16, 16)
+    sdpa, key_heads = attention.F.scaled_dot_product_attention, []
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: key_heads.append(k.shape[1]) or sdpa(q, k, v, **kw))
+    results = []
+    for native in (True, False):
+        monkeypatch.setattr(attention, "SDPA_HAS_GQA", native)
+        model = build(LLAMA)
+        loss = model(ids, attention_mask=mask, labels=ids).mean()
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    assert key_heads == [2, 2, 4, 4]  # 2 layers each: the groups as they are, then copied out per head
+    (loss, grads), (repeated_loss, repeated_grads) = results
+    torch.testing.assert_close(loss, repeated_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, repeated_grads[name], rtol=1e-5, atol=1e-6, msg=name)
