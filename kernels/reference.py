@@ -85,8 +85,10 @@ def apply_rotary_pos_emb(t, freqs):
         )
     freqs = freqs.float()
     t_rot, t_pass = t[..., :rot_dim].float(), t[..., rot_dim:]
-    out = t_rot * torch.cos(freqs) + rotate_half(t_rot) * torch.sin(freqs)
-    return torch.cat((out.to(t.dtype), t_pass), dim=-1)
+    out = (t_rot * torch.cos(freqs) + rotate_half(t_rot) * torch.sin(freqs)).to(t.dtype)
+    if rot_dim == t.shape[-1]:  # every channel rotates: nothing to join back (a cat would copy it all)
+        return out
+    return torch.cat((out, t_pass), dim=-1)
 
 
 def causal_mask(sq, sk, device):

@@ -47,6 +47,9 @@ def rotary_freqs(position_ids: torch.Tensor, rotary_dim: int, base: float,
                  scaling: ModelConfig | None = None) -> torch.Tensor:
     """Angles position * base^(-2i/d) of every token, laid out [s, b, 1, d] as cat(freqs, freqs)
     (rotate-half RoPE); position_ids is [b, s], so packed sequences can restart positions per example.
+    When every sample has the same positions (no packing) the angles are one row, [s, 1, 1, d], which
+    the rotation broadcasts over the batch: every layer then takes the sines and cosines of s positions,
+    not of s x b.
 
     ``d`` is the rotated width: the head dimension, or its first ``--rotary-percent`` (then the
     frequencies span that width, as in Megatron-LM and GPT-NeoX, and the other channels pass through).
@@ -56,5 +59,9 @@ def rotary_freqs(position_ids: torch.Tensor, rotary_dim: int, base: float,
                                / rotary_dim))
     if scaling is not None:
         inv_freq = scaled_inverse_frequencies(inv_freq, scaling)
+    if not position_ids.is_cuda and len(position_ids) > 1 and bool((position_ids == position_ids[:1]).all()):
+        # Read on the CPU only: on a GPU the comparison would wait for the device, and the fused kernel
+        # computes per-sample angles as fast as shared ones.
+        position_ids = position_ids[:1]
     freqs = position_ids.t().float()[..., None] * inv_freq  # [s, b, d/2]
     return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite import kernels
 from megatron_lite.model import attention
+from megatron_lite.model.embedding import rotary_freqs
 from megatron_lite.model.sliding_window import SlidingWindow, layer_window
 from megatron_lite.model.soft_capping import soft_capping
 from tests.model.test_gpt_model import LLAMA, build
@@ -87,3 +89,16 @@ def test_grouped_keys_without_copies_equal_the_repeated_keys(packed, monkeypatch
     torch.testing.assert_close(loss, repeated_loss, rtol=1e-6, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, repeated_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_shared_positions_take_one_row_of_rotary_angles():
+    """Samples at the same positions get one row of angles, broadcast over the batch, that rotates queries as
+    the per-sample angles do; packed samples (positions restarting) keep a row each."""
+    shared = torch.arange(8).expand(3, 8)
+    packed = torch.cat([torch.arange(8)[None], torch.arange(8).remainder(4)[None], torch.arange(8)[None]])
+    one_row, per_sample = rotary_freqs(shared, 16, 500.0), rotary_freqs(packed, 16, 500.0)
+    assert one_row.shape == (8, 1, 1, 16) and per_sample.shape == (8, 3, 1, 16)
+    query = torch.randn(8, 3, 2, 16)
+    expected = kernels.apply_rotary_pos_emb(query, rotary_freqs(shared[:1], 16, 500.0).expand(8, 3, 1, 16))
+    torch.testing.assert_close(kernels.apply_rotary_pos_emb(query, one_row), expected, rtol=0, atol=0)
+    torch.testing.assert_close(per_sample[:, 0], one_row[:, 0], rtol=0, atol=0)
