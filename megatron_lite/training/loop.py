@@ -39,7 +39,7 @@ from megatron_lite.process_groups import collectives, failures
 from megatron_lite.process_groups.initialize import initialize_distributed
 from megatron_lite.process_groups.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from megatron_lite.tensor_parallel.random import set_random_seeds
-from megatron_lite.training import metrics, operations
+from megatron_lite.training import host_memory, metrics, operations
 from megatron_lite.training.data_iterators import build_data_iterators
 from megatron_lite.planner import estimate_for_config, format_memory_estimate
 from megatron_lite.training.nan_check import check_for_nan_in_loss_and_grad
@@ -167,6 +167,8 @@ def setup_model_and_optimizer(config: Config, parallel_state: ParallelState):
     checkpoint is loaded (Megatron's setup_model_and_optimizer): what a test that steps ``train_step`` by
     hand builds too."""
     set_random_seeds(config.training.seed, parallel_state)
+    if current_device().type == "cpu":
+        host_memory.keep_freed_memory()  # each step's large tensors reuse the last step's pages
     kernels.configure(config.model.use_fused_kernels)
     kernels.load_extension()  # a JIT build, if one is needed, happens now rather than inside step 1
     model_chunks = get_model(config, parallel_state)
