@@ -70,12 +70,13 @@ class LoRA(nn.Module):
         self.lora_B.weight.full_init = zeros
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The scaling multiplies the rank-wide activation between A and B, not the layer-wide output.
         x = self._dropout(x)
         if self.row_parallel:
             hidden, _ = self.lora_A(x)
-            return self.lora_B(hidden) * self.scaling
-        output, _ = self.lora_B(self.lora_A(x))
-        return output * self.scaling
+            return self.lora_B(hidden * self.scaling)
+        output, _ = self.lora_B(self.lora_A(x) * self.scaling)
+        return output
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and self.dropout > 0):
@@ -88,9 +89,10 @@ class LoRA(nn.Module):
 
 
 def add_lora_output(module: nn.Module, args: tuple, output: tuple) -> tuple:
-    """Forward hook of an adapted linear: its (output, bias) with the LoRA branch added to the output."""
+    """Forward hook of an adapted linear: its (output, bias) with the LoRA branch added to the output, in
+    place (the base's matmul keeps its input, not its output, for backward)."""
     result, bias = output
-    return result + module.lora(args[0]), bias
+    return result.add_(module.lora(args[0])), bias
 
 
 def factor_names(module: str) -> tuple[str, str]:
