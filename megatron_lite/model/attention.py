@@ -110,8 +110,9 @@ class SelfAttention(nn.Module):
             if self.unfused:
                 context = _unfused_attention(query, key, value, dropout, attention_mask, self.softmax_scale,
                                              self.logit_capping)
-            elif attention_mask is None:
-                context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
+            elif attention_mask is None:  # causal, or one new token that sees every cached key
+                context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout,
+                                                         is_causal=query.shape[2] == key.shape[2],
                                                          scale=self.softmax_scale, **grouped_sdpa)
             else:  # SDPA's boolean mask marks what may be attended
                 context = F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
@@ -157,8 +158,8 @@ def _unfused_attention(query, key, value, dropout: float, attention_mask, scale:
 
 def _mask_after_cache(attention_mask, query_length: int, key_length: int, device):
     """The mask (True = may not attend) of queries that follow cached keys (generation) or a prefix: they
-    are the last ``query_length`` of ``key_length`` positions, each seeing the keys up to its own, so one
-    new token sees them all. A given mask, or no earlier keys (None: causal), is left as it is."""
-    if attention_mask is not None or query_length == key_length:
+    are the last ``query_length`` of ``key_length`` positions, each seeing the keys up to its own. A given
+    mask, no earlier keys (None: causal) or one new token, which sees every key (None), need none."""
+    if attention_mask is not None or query_length in (key_length, 1):
         return attention_mask
     return torch.ones(query_length, key_length, dtype=torch.bool, device=device).triu(key_length - query_length + 1)
