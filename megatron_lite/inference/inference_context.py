@@ -24,18 +24,23 @@ class StaticInferenceContext:
 
     def append_key_value(self, layer_number: int, key: torch.Tensor, value: torch.Tensor):
         """Store layer ``layer_number``'s keys and values of the new tokens ([s, b, groups, d]) after the
-        cached ones; returns the keys and values of every position so far ([offset + s, b, groups, d])."""
+        cached ones; returns the keys and values of every position so far ([offset + s, b, groups, d]).
+
+        The cache is laid out [b, groups, positions, d], the layout attention reads them in: what it is
+        handed back is a permuted view whose every head's positions are contiguous rows, so each step's
+        attention reads the cache in place instead of gathering it from rows b x groups apart."""
         end = self.sequence_len_offset + key.shape[0]
         if end > self.max_sequence_length:
             raise ValueError(f"the key/value cache holds {self.max_sequence_length} positions; "
                              f"this step needs {end}.")
         if layer_number not in self.key_value_memory_dict:
-            shape = (self.max_sequence_length, *key.shape[1:])
+            batch, groups, head_dim = key.shape[1:]
+            shape = (batch, groups, self.max_sequence_length, head_dim)
             self.key_value_memory_dict[layer_number] = (key.new_empty(shape), value.new_empty(shape))
         keys, values = self.key_value_memory_dict[layer_number]
-        keys[self.sequence_len_offset:end] = key
-        values[self.sequence_len_offset:end] = value
-        return keys[:end], values[:end]
+        keys[:, :, self.sequence_len_offset:end] = key.permute(1, 2, 0, 3)
+        values[:, :, self.sequence_len_offset:end] = value.permute(1, 2, 0, 3)
+        return keys[:, :, :end].permute(2, 0, 1, 3), values[:, :, :end].permute(2, 0, 1, 3)
 
     def increment_sequence_len_offset(self, num_tokens: int) -> None:
         """Called once a forward pass has gone through every layer of this rank."""

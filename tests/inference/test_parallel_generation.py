@@ -31,7 +31,7 @@ def _rank(rank, world_size, arch, tp, pp):
             model.set_input_tensor(torch.zeros(2, 1, model.config.hidden_size))
         model(torch.tensor([[1, 2]]), inference_context=context)
     cached = {n: tuple(k.shape) for n, (k, _) in context.key_value_memory_dict.items()}
-    shape = (8, 1, model.config.num_query_groups // tp, model.config.head_dim)
+    shape = (1, model.config.num_query_groups // tp, 8, model.config.head_dim)  # [b, groups, positions, d]
     expected = {int(n): shape for n in model.decoder.layers}
     assert cached == expected and len(cached) == model.config.num_layers // pp
     return _generations(model, parallel_state)
