@@ -170,3 +170,23 @@ def test_a_mistyped_flag_is_one_line_with_the_nearest_flag(tmp_path, bpe_files, 
                       "GPT2BPETokenizer", "--vocab-file", bpe_files[0], "--merge-file", bpe_files[1], "--apend-eod"])
     err = capsys.readouterr().err
     assert code == 2 and err == "error: unrecognized argument --apend-eod (did you mean --append-eod?)\n"
+
+
+def test_the_command_runs_without_pytorch(tmp_path, bpe_files):
+    """tools/preprocess_data.py writes indexed datasets with the tokenizer alone: importing PyTorch would be
+    most of its start-up (the whole command, two workers, in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    from tests.data.conftest import REPO_ROOT
+
+    corpus = write_jsonl(tmp_path / "in.jsonl", [json.dumps({"text": "some text"})] * 3)
+    check = ("import atexit, runpy, sys; atexit.register(lambda: print('torch' in sys.modules)); "
+             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = subprocess.run(
+        [sys.executable, "-c", check, os.path.join(REPO_ROOT, "tools", "preprocess_data.py"), "--input", corpus,
+         "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+         bpe_files[0], "--merge-file", bpe_files[1], "--workers", "2"], capture_output=True, text=True)
+    assert result.stdout.split()[-1] == "False", result.stdout + result.stderr
+    length = len(build_tokenizer(**gpt2_kwargs(bpe_files)).tokenize("some text"))
+    assert IndexedDataset(str(tmp_path / "out_text_document")).sequence_lengths.tolist() == [length] * 3
