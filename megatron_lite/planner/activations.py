@@ -157,8 +157,11 @@ def output_bytes_per_token(model: ModelConfig, setting: ActivationSetting, padde
 
 
 def loss_transient_bytes_per_token(setting: ActivationSetting, padded_vocab_size: int) -> float:
-    """Working memory of the cross entropy beyond what it keeps: two more fp32 copies of the logits
-    (shifted and exponentiated) while it runs."""
+    """Working memory of the cross entropy beyond what it keeps: over tensor-parallel ranks, two more fp32
+    copies of the logits (shifted and exponentiated) while it runs; on one rank (the fused log_softmax
+    form) none, but for 16-bit logits their fp32 copy."""
+    if setting.tensor_model_parallel_size == 1:
+        return 0 if setting.dtype_bytes == 4 else 4 * padded_vocab_size
     return 2 * 4 * padded_vocab_size / setting.tensor_model_parallel_size
 
 
