@@ -23,8 +23,12 @@ class LanguageModelEmbedding(nn.Module):
             padded_vocab_size, config.hidden_size, tp_config=dataclasses.replace(tp_config, sequence_parallel=False))
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
-                                                    dtype=params_dtype)
+            # Allocated, not initialised, like every weight here (weight_init.py initialises them all): the
+            # default init would draw normals for nothing, and on the meta device (parameter counting) its
+            # first normal_ imports PyTorch's meta kernels, a second of start-up.
+            self.position_embeddings = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size,
+                _weight=torch.empty(config.max_position_embeddings, config.hidden_size, dtype=params_dtype))
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.scale_embeddings = config.scale_embeddings
 
