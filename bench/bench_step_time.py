@@ -1,6 +1,6 @@
 """The planner's step-time estimate against measured CPU steps on this machine.
 
-Real training steps (the loop's own ``train_step``, through ``tests/planner/harness.py``) of small
+Real training steps (the loop's own ``train_step``, through ``training/measured_run.py``) of small
 layouts run on 2 gloo ranks, and ``--cluster local`` is calibrated in the same processes before and
 after each layout. On a shared machine wall-clock time is stretched by however long the ranks wait for
 a CPU: calibration times compute in CPU time, and each measured step is scaled by the smallest share of
@@ -25,8 +25,7 @@ from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig,
 from megatron_lite.planner import calibrate
 from megatron_lite.planner.estimate import estimate
 from megatron_lite.planner.layouts import Layout
-from tests.distributed import run_distributed
-from tests.planner.harness import run_layout
+from megatron_lite.training.measured_run import run_layout
 
 
 def _config(tp=1, pp=1, vpp=None):
@@ -68,7 +67,7 @@ def uncontended_seconds(rank_steps: list) -> float:
 
 def measure(configs: list, timed_steps: int) -> tuple:
     """(the local cluster as calibrated around the runs, each config's steps on each rank)."""
-    results = run_distributed(_calibrate_and_time, 2, args=(configs, timed_steps), timeout=600)
+    results = calibrate.run_on_local_processes(_calibrate_and_time, 2, configs, timed_steps)
     typical = [calibrate.Measurements.typical(calibrations) for calibrations, _ in results]
     cluster = calibrate.local_cluster(typical[0].slowest(typical[1]), num_processes=2, dtype="fp32")
     return cluster, [[runs[i]["steps"] for _, runs in results] for i in range(len(configs))]

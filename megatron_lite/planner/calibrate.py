@@ -20,6 +20,7 @@ The slowest process's numbers are the cluster's: it paces every collective.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
 import statistics
@@ -80,9 +81,11 @@ def _best_time(fn, repeats: int = REPEATS, clock=time.thread_time) -> float:
     return best
 
 
-def matmul_rate(dtype: torch.dtype, size: int = 1024) -> float:
+def matmul_rate(dtype: torch.dtype, size: int = 1024, clock=time.thread_time) -> float:
+    """FLOP/s of a size^3 matmul. The default clock is this thread's CPU time (a one-thread rank's compute,
+    whatever else runs); ``time.perf_counter`` times a multi-threaded matmul by the wall."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    return 2 * size ** 3 / _best_time(lambda: a @ b)
+    return 2 * size ** 3 / _best_time(lambda: a @ b, clock=clock)
 
 
 def memory_bandwidth(elements: int = 1 << 24) -> float:
@@ -194,33 +197,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _process(rank: int, world_size: int, port: int, model: ModelConfig, dtype: torch.dtype, micro_batch_size: int,
-             results) -> None:
+def _process(rank: int, world_size: int, port: int, target, args: tuple, results) -> None:
     torch.set_num_threads(1)  # one core per rank, as the distributed tests and CPU launches run
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        results.put(measure(model, dtype, micro_batch_size))
+        results.put((rank, target(rank, world_size, *args)))
     finally:
         dist.destroy_process_group()
+
+
+def run_on_local_processes(target, num_processes: int, *args) -> list:
+    """``target(rank, num_processes, *args)`` in ``num_processes`` fresh processes of one gloo group on this
+    machine (one intra-op thread each, as CPU training ranks run); their results, in rank order."""
+    context = torch.multiprocessing.get_context("spawn")
+    results = context.SimpleQueue()
+    port = _free_port()
+    processes = [context.Process(target=_process, args=(rank, num_processes, port, target, args, results))
+                 for rank in range(num_processes)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+    if any(p.exitcode != 0 for p in processes):
+        raise RuntimeError(f"a local process failed (exit codes {[p.exitcode for p in processes]}).")
+    return [result for _, result in sorted(results.get() for _ in processes)]
+
+
+def _measure(rank: int, world_size: int, model: ModelConfig, dtype: torch.dtype, micro_batch_size: int):
+    return measure(model, dtype, micro_batch_size)
 
 
 def calibrate_local(model: ModelConfig, dtype: torch.dtype, micro_batch_size: int, num_processes: int = 2) -> Cluster:
     """Start ``num_processes`` gloo processes on this machine, measure them, and describe them as a cluster."""
     if num_processes < 2:
         raise ValueError("calibrating communication needs at least 2 processes.")
-    context = torch.multiprocessing.get_context("spawn")
-    results = context.SimpleQueue()
-    port = _free_port()
-    processes = [context.Process(target=_process, args=(r, num_processes, port, model, dtype, micro_batch_size,
-                                                        results)) for r in range(num_processes)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join()
-    if any(p.exitcode != 0 for p in processes):
-        raise RuntimeError(f"local calibration failed (exit codes {[p.exitcode for p in processes]}).")
-    measured = results.get()
-    for _ in range(num_processes - 1):
-        measured = measured.slowest(results.get())
+    slowest = functools.reduce(Measurements.slowest, run_on_local_processes(_measure, num_processes, model, dtype,
+                                                                            micro_batch_size))
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-    return local_cluster(measured, num_processes=num_processes, dtype=name)
+    return local_cluster(slowest, num_processes=num_processes, dtype=name)

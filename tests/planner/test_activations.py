@@ -1,6 +1,6 @@
 """Activation memory: Korthikanti et al.'s formulas, and the peak this code really keeps.
 
-The measured side is ``harness.SavedActivationPeak``: every tensor autograd saves,
+The measured side is ``training.measured_run.SavedActivationPeak``: every tensor autograd saves,
 each storage once, alive from its forward until autograd frees it; the largest total
 during a training step, on every rank of small layouts.
 """
@@ -15,7 +15,7 @@ from megatron_lite.planner.memory import peak_memory, rank_memory
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tensor_parallel.random import set_random_seeds
 from tests.distributed import run_distributed
-from tests.planner.harness import SavedActivationPeak, run_layouts
+from megatron_lite.training.measured_run import SavedActivationPeak, run_layouts
 
 TOLERANCE = 0.20  # the bound asked for; the checks below land within 9%
 

@@ -1,4 +1,5 @@
-"""Measuring a real run for the planner's checks: activation memory, static memory, step time.
+"""Measuring a real run for the planner's checks: activation memory, static memory, step time
+(``tests/planner`` compares the estimates with these; ``bench/bench_step_time.py`` the step time).
 
 Activation memory is what autograd keeps for backward. ``SavedActivationPeak`` sees
 every tensor saved during the forward passes (``saved_tensors_hooks``) and learns
@@ -12,6 +13,11 @@ from __future__ import annotations
 import time
 
 import torch
+
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.training.data_iterators import build_data_iterators
+from megatron_lite.training.loop import setup_model_and_optimizer, train_step
+from megatron_lite.training.run_plan import plan_run
 
 
 class _Held:
@@ -77,11 +83,6 @@ def run_layout(config, *, timed_steps: int = 0) -> dict:
     bytes of the step, and (with ``timed_steps``) the wall, CPU and CPU-wait seconds of that
     many further steps.
     """
-    from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
-    from megatron_lite.training.data_iterators import build_data_iterators
-    from megatron_lite.training.loop import setup_model_and_optimizer, train_step
-    from megatron_lite.training.run_plan import plan_run
-
     parallel = config.parallel
     state = initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                       parallel.virtual_pipeline_model_parallel_size)
@@ -107,5 +108,5 @@ def run_layout(config, *, timed_steps: int = 0) -> dict:
 
 
 def run_layouts(rank: int, world_size: int, configs: list, timed_steps: int = 0) -> list:
-    """``run_layout`` for each config in turn (run_distributed's entry point)."""
+    """``run_layout`` for each config in turn, on one of ``world_size`` ranks (a process launcher's entry point)."""
     return [run_layout(config, timed_steps=timed_steps) for config in configs]
