@@ -1,105 +1,139 @@
-"""Generation throughput with the key/value cache vs transformers' ``generate``, same model, one process.
+"""Generation with the key/value cache against transformers' ``generate``, same weights, same tokens.
 
-A random GPT-2-shaped (or, with ``--model llama``, Llama-shaped) model is built with
-transformers, saved, and imported into megatron_lite (``checkpointing/hf_interop``), so both
-generate from the same weights.
-Both decode greedily for exactly ``--new-tokens`` tokens (no EOS) after a random prompt
-of ``--prompt-length`` tokens; runs alternate between the two so both see the same
-machine state, and the best of ``--repeats`` counts. The ratio of tokens/s is the
-number to watch (goal: >= 1.0). The generated tokens are checked to be the same.
+A random GPT-2-shaped (or, with ``--model llama``, Llama-shaped) model is built with transformers,
+saved, and imported into megatron_lite (``checkpointing/hf_interop``), so both generate from the
+same weights: the 51M shape is 8 layers x 512 with GPT-2's 50,257-token vocabulary, the 124M one
+GPT-2 small (12 x 768). Both decode greedily for exactly ``--new-tokens`` tokens (no EOS) after random
+prompts of ``--prompt-length`` tokens; the tokens must be identical (the run stops if not). Each side
+runs in a process of its own and the two alternate round by round (``side_by_side``); the ratio is
+transformers' time over ours (> 1 = we are faster).
 
-On CPU, transformers' GPT-2 keeps its weights as [in, out] (``Conv1D``), ours and Llama's
-``nn.Linear`` as [out, in]; MKL multiplies a few rows by a transposed weight up to 2x more
-slowly, which shows at batch 8 on the wider GPT-2 shapes (``--model llama`` has no such gap).
-
-    python bench/bench_generation.py [--model gpt2|llama] [--layers 8 --hidden 512 --heads 8 --vocab 50257]
-        [--batch-sizes 1 8] [--new-tokens 64] [--threads 2]
+    python bench/bench_generation.py [--models 51M 124M] [--batch-sizes 1 8 32] [--new-tokens 64] [--threads 2]
 """
+from __future__ import annotations
+
 import argparse
+import os
+import statistics
+import sys
 import tempfile
-import time
 
 import torch
 
-from megatron_lite.checkpointing import hf_interop
-from megatron_lite.config import ParallelConfig
-from megatron_lite.inference.loading import load_model, read_checkpoint_config
-from megatron_lite.inference.text_generation import generate
-from megatron_lite.process_groups.parallel_state import initialize_model_parallel
+# Run as a script, bench/ is on the path but the repository root is not.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.side_by_side import Contender, Ratio, alternate, load_average  # noqa: E402
+
+# name -> (layers, hidden, heads); both with GPT-2's vocabulary.
+SHAPES = {"51M": (8, 512, 8), "124M": (12, 768, 12)}
+VOCAB = 50257
 
 
-def build_models(args):
-    """(transformers' GPT2LMHeadModel or LlamaForCausalLM, ours imported from it), fp32, eval mode."""
+def save_hf_model(directory: str, shape: str, positions: int, family: str = "gpt2") -> int:
+    """A random transformers model of ``shape`` saved in ``directory``/hf and imported into ``directory``/ckpt;
+    returns its parameter count."""
     import transformers
 
-    positions = args.prompt_length + args.new_tokens
-    if args.model == "gpt2":
-        hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=args.vocab, n_positions=positions, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
-            bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")).eval()
+    from megatron_lite.checkpointing import hf_interop
+
+    layers, hidden, heads = SHAPES[shape]
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=heads,
+            bos_token_id=0, eos_token_id=0))
     else:
-        hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-            num_hidden_layers=args.layers, num_attention_heads=args.heads, max_position_embeddings=positions,
-            bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")).eval()
-    hf_model.generation_config.eos_token_id = None  # always generate exactly --new-tokens
-    hf_model.generation_config.pad_token_id = 0
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+            num_attention_heads=heads, max_position_embeddings=positions, bos_token_id=0, eos_token_id=0))
+    model.save_pretrained(os.path.join(directory, "hf"))
+    hf_interop.import_hf_checkpoint(os.path.join(directory, "hf"), os.path.join(directory, "ckpt"))
+    return sum(p.numel() for p in model.parameters())
+
+
+def our_generate(directory: str):
+    """(generate(prompts, new_tokens) -> new token ids, None) of megatron_lite on the imported checkpoint."""
+    from megatron_lite.config import ParallelConfig
+    from megatron_lite.inference.loading import load_model, read_checkpoint_config
+    from megatron_lite.inference.text_generation import generate
+    from megatron_lite.process_groups.parallel_state import initialize_model_parallel
+
+    config = read_checkpoint_config(os.path.join(directory, "ckpt"), ParallelConfig())
+    model = load_model(config, initialize_model_parallel(1, 1))
+    return (lambda prompts, new_tokens: generate(model, prompts.tolist(), max_new_tokens=new_tokens, greedy=True)), None
+
+
+def peer_generate(directory: str):
+    """(generate(prompts, new_tokens) -> new token ids, None) of transformers' ``generate``, greedy."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(directory, "hf"),
+                                                              attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None  # always exactly new_tokens
+    model.generation_config.pad_token_id = 0
+
+    def run(prompts, new_tokens):
+        with torch.inference_mode():
+            output = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                                    max_new_tokens=new_tokens)
+        return output[:, prompts.shape[1]:].tolist()
+    return run, None
+
+
+def compare(shape: str, batch_sizes: list, *, prompt_length: int, new_tokens: int, rounds: int, threads: int,
+            family: str = "gpt2") -> list:
+    """One row per batch size: the per-round ratio of transformers' time to ours, tokens checked equal."""
+    rows = []
     with tempfile.TemporaryDirectory() as directory:
-        hf_model.save_pretrained(f"{directory}/hf")
-        hf_interop.import_hf_checkpoint(f"{directory}/hf", f"{directory}/ckpt")
-        checkpoint_config = read_checkpoint_config(f"{directory}/ckpt", ParallelConfig())
-        model = load_model(checkpoint_config, initialize_model_parallel(1, 1))
-    return hf_model, model
+        parameters = save_hf_model(directory, shape, prompt_length + new_tokens, family)
+        with Contender(our_generate, directory, threads=threads) as ours, \
+                Contender(peer_generate, directory, threads=threads) as peer:
+            for batch_size in batch_sizes:
+                prompts = torch.randint(0, VOCAB, (batch_size, prompt_length),
+                                        generator=torch.Generator().manual_seed(batch_size))
+                seconds, tokens = alternate({"ours": ours, "peer": peer}, rounds, prompts, new_tokens)
+                if tokens["ours"] != tokens["peer"]:
+                    raise SystemExit(f"{shape} batch {batch_size}: megatron_lite's tokens differ from transformers'")
+                rate = {name: batch_size * new_tokens / statistics.median(t.wall for t in times)
+                        for name, times in seconds.items()}
+                rows.append({"model": f"{shape} ({parameters / 1e6:.0f}M parameters)", "batch": batch_size,
+                             "ratio": Ratio.of(seconds["ours"], seconds["peer"]),
+                             "cpu_ratio": Ratio.of(seconds["ours"], seconds["peer"], clock="cpu"),
+                             "ours_rate": rate["ours"], "peer_rate": rate["peer"]})
+    return rows
 
 
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
+def table(rows: list) -> str:
+    lines = ["| model | batch | ours vs transformers (wall), min / median / max | by CPU time | tokens/s, ours / peer "
+             "| tokens |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['batch']} | {r['ratio']} | {r['cpu_ratio']} | {r['ours_rate']:.0f} / "
+              f"{r['peer_rate']:.0f} | identical |" for r in rows]
+    return "\n".join(lines)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("gpt2", "llama"), default="gpt2")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=50257)
+def header(prompt_length: int, new_tokens: int, threads: int, rounds: int) -> str:
+    return (f"Generation: GPT-2-shaped models, vocab {VOCAB}, fp32, {threads} threads, greedy with the key/value "
+            f"cache; prompt {prompt_length} tokens, {new_tokens} new tokens; {rounds} alternating rounds")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    hf_model, model = build_models(args)
-    parameters = sum(p.numel() for p in hf_model.parameters())
-    print(f"{args.model} shape: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab} "
-          f"({parameters / 1e6:.1f}M parameters), fp32, CPU, {args.threads} threads; prompt {args.prompt_length} "
-          f"tokens, {args.new_tokens} new tokens, greedy, best of {args.repeats}")
-    for batch_size in args.batch_sizes:
-        prompts = torch.randint(0, args.vocab, (batch_size, args.prompt_length))
-        runs = {
-            "megatron_lite": lambda: generate(model, prompts.tolist(), max_new_tokens=args.new_tokens, greedy=True),
-            "transformers": lambda: hf_model.generate(
-                prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                max_new_tokens=args.new_tokens)[:, args.prompt_length:].tolist(),
-        }
-        best, tokens = {name: float("inf") for name in runs}, {}
-        with torch.inference_mode():
-            for name, run in runs.items():  # warm-up: allocator, first-call dispatch
-                run()
-            for _ in range(args.repeats):
-                for name, run in runs.items():
-                    seconds, tokens[name] = timed(run)
-                    best[name] = min(best[name], seconds)
-        rates = {name: batch_size * args.new_tokens / seconds for name, seconds in best.items()}
-        same = "same tokens" if tokens["megatron_lite"] == tokens["transformers"] else "TOKENS DIFFER"
-        print(f" batch {batch_size}: " + " | ".join(f"{name} {rate:8.1f} tokens/s" for name, rate in rates.items())
-              + f" | ratio megatron_lite / transformers: {rates['megatron_lite'] / rates['transformers']:.3f}"
-              + f" | {same}", flush=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    print(header(args.prompt_length, args.new_tokens, args.threads, args.rounds), flush=True)
+    rows = [row for shape in args.models for row in compare(
+        shape, args.batch_sizes, prompt_length=args.prompt_length, new_tokens=args.new_tokens, rounds=args.rounds,
+        threads=args.threads, family=args.family)]
+    print(table(rows))
+    print(load_average())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -73,24 +73,37 @@ def measure(configs: list, timed_steps: int) -> tuple:
     return cluster, [[runs[i]["steps"] for _, runs in results] for i in range(len(configs))]
 
 
+def compare(timed_steps: int) -> tuple:
+    """(the calibrated local cluster, [(layout, estimated seconds, measured seconds)])."""
+    cluster, steps = measure(list(LAYOUTS.values()), timed_steps)
+    return cluster, [(name, estimate(Layout(config, 2), cluster).time.step_time_s, uncontended_seconds(layout_steps))
+                     for (name, config), layout_steps in zip(LAYOUTS.items(), steps)]
+
+
+def outside(rows: list, tolerance: float) -> list:
+    """The layouts whose estimate is off by more than ``tolerance`` of the measurement."""
+    return [name for name, estimated, measured in rows if abs(estimated / measured - 1.0) > tolerance]
+
+
+def table(cluster, rows: list) -> str:
+    lines = [f"local cluster: matmul {cluster.peak('fp32'):.3f} TFLOP/s at efficiency {cluster.matmul_efficiency:.2f}",
+             "| layout | estimated (s) | measured (s) | estimated / measured |", "|---|---|---|---|"]
+    lines += [f"| {name} | {estimated:.3f} | {measured:.3f} | {estimated / measured:.3f} |"
+              for name, estimated, measured in rows]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per layout (the fastest counts)")
     parser.add_argument("--tolerance", type=float, default=0.30)
     args = parser.parse_args(argv)
-    cluster, steps = measure(list(LAYOUTS.values()), args.steps)
-    print(f"local cluster: matmul {cluster.peak('fp32'):.3f} TFLOP/s at efficiency {cluster.matmul_efficiency:.2f}")
-    print("| layout | estimated (s) | measured (s) | ratio |\n|---|---|---|---|")
-    outside = []
-    for (name, config), layout_steps in zip(LAYOUTS.items(), steps):
-        estimated = estimate(Layout(config, 2), cluster).time.step_time_s
-        measured = uncontended_seconds(layout_steps)
-        print(f"| {name} | {estimated:.3f} | {measured:.3f} | {estimated / measured:.3f} |")
-        if abs(estimated / measured - 1.0) > args.tolerance:
-            outside.append(name)
-    if outside:
-        print(f"outside 1 +- {args.tolerance}: {', '.join(outside)}")
-    return 1 if outside else 0
+    cluster, rows = compare(args.steps)
+    print(table(cluster, rows))
+    off = outside(rows, args.tolerance)
+    if off:
+        print(f"outside 1 +- {args.tolerance}: {', '.join(off)}")
+    return 1 if off else 0
 
 
 if __name__ == "__main__":
