@@ -1,4 +1,4 @@
-"""Times each fused CUDA kernel against the PyTorch reference, eager and torch.compile'd.
+"""Times each fused CUDA kernel against the PyTorch reference, eager and torch.compile'd, and apex's.
 
     python bench/bench_kernels.py [--dtype bf16] [--iters 20] [--no-compile] [--json PATH]
 
@@ -6,19 +6,33 @@ Shapes are a ~1B-parameter GPT's (hidden 2048, 16 heads of 128, sequence 2048,
 micro-batch 4, GELU width 8192, SwiGLU width 5632). Each time is the median over
 ``--iters`` runs, timed with CUDA events, of the forward alone and of forward +
 backward. "compiled" is the reference under ``torch.compile``, which is what a
-compiled model runs (the dispatch never hands the extension to the compiler).
+compiled model runs (the dispatch never hands the extension to the compiler); "apex"
+is apex's kernel where apex is installed and offers the op.
+
+After the table, one ``dispatch:`` line per op says whether the implementation the
+dispatch runs in an eager model (``kernels/dispatch.py``) is the fastest of the eager
+ones, forward + backward; where it is not, the line names the entry for
+``SLOWER_KERNELS`` that makes it run the faster one, and the command exits 1.
 """
 import argparse
 import json
 import statistics
 import sys
+import types
 
 import torch
 
-from megatron_lite.kernels import fused, reference
+from megatron_lite.kernels import apex_ops, dispatch, fused, reference
 
 SEQ, BATCH, HIDDEN, HEADS, HEAD_DIM = 2048, 4, 2048, 16, 128
 GELU_WIDTH, SWIGLU_WIDTH = 4 * HIDDEN, 5632
+
+
+# The dispatch's name of each case's op, and apex's implementation of it where apex has one.
+DISPATCH_OP = {"layer_norm": "layer_norm", "rms_norm": "rms_norm", "bias_gelu": "bias_gelu", "swiglu": "swiglu",
+               "bias_dropout_add": "bias_dropout_add", "rotary": "apply_rotary_pos_emb",
+               "causal_softmax": "scaled_upper_triang_masked_softmax", "masked_softmax": "scaled_masked_softmax"}
+APEX_OP = {"layer_norm": apex_ops.layer_norm_op, "rms_norm": apex_ops.rms_norm_op, "rotary": apex_ops.rotary_op}
 
 
 def _cases(dtype):
@@ -98,13 +112,17 @@ def main(argv=None):
 
     rows = []
     print(f"Device: {torch.cuda.get_device_name()}, {args.dtype}, median of {args.iters} runs")
-    print("| op | shape | pytorch eager | pytorch compiled | fused | fused speed-up vs eager / compiled (fwd+bwd) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| op | shape | pytorch eager | pytorch compiled | apex | fused | fused speed-up vs eager / compiled "
+          "(fwd+bwd) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, shape, make_inputs, make_op in _cases(dtype):
         inputs = make_inputs()
-        row = {"op": name, "shape": shape, "dtype": args.dtype}
+        row = {"op": name, "shape": shape, "dtype": args.dtype, "dispatch": dispatch_pick(name, inputs[0])}
         row["eager"] = time_op(make_op(reference), inputs, args.iters)
         row["fused"] = time_op(make_op(fused), inputs, args.iters)
+        apex = APEX_OP.get(name, lambda: None)()
+        row["apex"] = None if apex is None else time_op(
+            make_op(types.SimpleNamespace(**{DISPATCH_OP[name]: apex})), inputs, args.iters)
         row["compiled"] = None
         if not args.no_compile:
             row["compiled"] = time_op(torch.compile(make_op(reference), dynamic=False), inputs, args.iters)
@@ -112,13 +130,46 @@ def main(argv=None):
         compiled = row["compiled"]
         speedup = f"{row['eager'][1] / row['fused'][1]:.2f}x"
         speedup += f" / {compiled[1] / row['fused'][1]:.2f}x" if compiled else ""
-        print(f"| {name} | {shape} | {_pair(row['eager'])} | {_pair(compiled)} | {_pair(row['fused'])} | {speedup} |",
-              flush=True)
+        print(f"| {name} | {shape} | {_pair(row['eager'])} | {_pair(compiled)} | {_pair(row['apex'])} | "
+              f"{_pair(row['fused'])} | {speedup} |", flush=True)
         del inputs
         torch.cuda.empty_cache()
+    lines = verdicts(rows)
+    print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "dispatch": lines}, f, indent=1)
+    return 1 if any("SLOWER" in line for line in lines) else 0
+
+
+def dispatch_pick(name: str, tensor) -> str:
+    """What the dispatch runs for this case's op on ``tensor`` in an eager model: fused, apex or pytorch."""
+    apex = APEX_OP.get(name)
+    impl = dispatch.choose(DISPATCH_OP[name], tensor, "pytorch",
+                           None if apex is None else (lambda: "apex" if apex() is not None else None))
+    return impl if isinstance(impl, str) else "fused"
+
+
+def verdicts(rows: list, tolerance: float = 0.05) -> list:
+    """One ``dispatch:`` line per row: whether the implementation the dispatch runs is the fastest eager one,
+    forward + backward (within ``tolerance``), what to put in ``SLOWER_KERNELS`` if not, and how the fused
+    kernel compares with the compiled reference (what a torch.compile'd model runs instead)."""
+    lines = []
+    for row in rows:
+        op = DISPATCH_OP[row["op"]]
+        times = {"fused": row["fused"], "apex": row["apex"], "pytorch": row["eager"]}
+        times = {name: pair[1] for name, pair in times.items() if pair is not None}
+        fastest = min(times, key=times.get)
+        picked = row["dispatch"]
+        compiled = "" if row["compiled"] is None else f"; fused vs compiled {row['compiled'][1] / times['fused']:.2f}x"
+        if times[picked] <= times[fastest] * (1 + tolerance):
+            lines.append(f"dispatch: {op} runs {picked}, the fastest in eager mode{compiled}")
+        else:
+            fix = (f"remove SLOWER_KERNELS[{op!r}]" if fastest == "fused"
+                   else f"set SLOWER_KERNELS[{op!r}] = {fastest!r}")
+            lines.append(f"dispatch: {op} runs {picked} ({times[picked]:.3f} ms) but {fastest} takes "
+                         f"{times[fastest]:.3f} ms: SLOWER; {fix} in kernels/dispatch.py{compiled}")
+    return lines
 
 
 def _pair(times):
@@ -126,4 +177,4 @@ def _pair(times):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

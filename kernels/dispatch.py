@@ -1,9 +1,10 @@
 """Chooses, per op and per call, which implementation runs.
 
 The rule: our CUDA extension when it is built and the tensors are on CUDA; else
-apex when it is installed and offers the op; else the PyTorch reference. Under
-``torch.compile`` the reference is always used: Inductor fuses it into its own
-kernels, and an opaque extension call would only break the graph.
+apex when it is installed and offers the op; else the PyTorch reference. An op whose
+extension kernel measured slower than another implementation (``SLOWER_KERNELS``)
+runs that one instead. Under ``torch.compile`` the reference is always used: Inductor
+fuses it into its own kernels, and an opaque extension call would only break the graph.
 """
 import logging
 import os
@@ -18,6 +19,11 @@ DISABLE_ENV_VAR = "MEGATRON_LITE_NO_FUSED_KERNELS"
 
 _use_fused = True
 _logged = set()
+
+# Ops whose extension kernel ``bench/bench_kernels.py`` (run by tools/gpu_check.sh) measured slower, forward and
+# backward, than apex's or the PyTorch reference on a GPU, and which of the two runs instead ("apex" falls back to
+# the reference without apex). An op not listed was fastest with the extension wherever it was measured.
+SLOWER_KERNELS: dict = {}
 
 
 def configure(use_fused):
@@ -48,9 +54,10 @@ def choose(op, tensor, reference_impl, apex_impl=None):
         return reference_impl
     backend, impl = "pytorch", reference_impl
     if tensor.is_cuda and fused_enabled():
-        if fused.available():
+        instead = SLOWER_KERNELS.get(op)
+        if instead is None and fused.available():
             backend, impl = "cuda extension", getattr(fused, op)
-        elif apex_impl is not None and (apex_op := apex_impl()) is not None:
+        elif instead != "pytorch" and apex_impl is not None and (apex_op := apex_impl()) is not None:
             backend, impl = "apex", apex_op
     if (op, backend) not in _logged:
         _logged.add((op, backend))

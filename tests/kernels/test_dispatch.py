@@ -33,6 +33,16 @@ def test_apex_when_the_extension_is_missing(monkeypatch):
     assert dispatch.choose("swiglu", CUDA_LIKE, reference.swiglu) is reference.swiglu
 
 
+def test_a_kernel_measured_slower_gives_way(monkeypatch):
+    """SLOWER_KERNELS names the implementation to run instead of a slower extension kernel."""
+    monkeypatch.setattr(fused, "available", lambda: True)
+    monkeypatch.setattr(dispatch, "SLOWER_KERNELS", {"rms_norm": "apex", "layer_norm": "pytorch"})
+    assert dispatch.choose("rms_norm", CUDA_LIKE, reference.rms_norm, lambda: "apex impl") == "apex impl"
+    assert dispatch.choose("rms_norm", CUDA_LIKE, reference.rms_norm, lambda: None) is reference.rms_norm
+    assert dispatch.choose("layer_norm", CUDA_LIKE, reference.layer_norm, lambda: "apex impl") is reference.layer_norm
+    assert dispatch.choose("swiglu", CUDA_LIKE, reference.swiglu) is fused.swiglu
+
+
 def test_cpu_tensors_always_take_the_reference(monkeypatch):
     monkeypatch.setattr(fused, "available", lambda: pytest.fail("CPU tensors must not load the extension"))
     assert dispatch.choose("layer_norm", CPU_LIKE, reference.layer_norm, lambda: "apex") is reference.layer_norm
