@@ -13,6 +13,8 @@ transformers' time over ours (> 1 = we are faster).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import statistics
 import sys
@@ -22,7 +24,7 @@ import torch
 
 # Run as a script, bench/ is on the path but the repository root is not.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.side_by_side import Contender, Ratio, alternate, load_average  # noqa: E402
+from bench.side_by_side import Contender, Ratio, alternate, load_average, markdown_table  # noqa: E402
 
 # name -> (layers, hidden, heads); both with GPT-2's vocabulary.
 SHAPES = {"51M": (8, 512, 8), "124M": (12, 768, 12)}
@@ -59,7 +61,8 @@ def our_generate(directory: str):
     from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 
     config = read_checkpoint_config(os.path.join(directory, "ckpt"), ParallelConfig())
-    model = load_model(config, initialize_model_parallel(1, 1))
+    with contextlib.redirect_stdout(io.StringIO()):  # its "loaded checkpoint" line is not the benchmark's output
+        model = load_model(config, initialize_model_parallel(1, 1))
     return (lambda prompts, new_tokens: generate(model, prompts.tolist(), max_new_tokens=new_tokens, greedy=True)), None
 
 
@@ -104,11 +107,11 @@ def compare(shape: str, batch_sizes: list, *, prompt_length: int, new_tokens: in
 
 
 def table(rows: list) -> str:
-    lines = ["| model | batch | ours vs transformers (wall), min / median / max | by CPU time | tokens/s, ours / peer "
-             "| tokens |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['batch']} | {r['ratio']} | {r['cpu_ratio']} | {r['ours_rate']:.0f} / "
-              f"{r['peer_rate']:.0f} | identical |" for r in rows]
-    return "\n".join(lines)
+    return markdown_table(
+        ["model", "batch", "ours vs transformers (wall), min / median / max", "by CPU time", "tokens/s, ours / peer",
+         "tokens"],
+        [[r["model"], r["batch"], r["ratio"], r["cpu_ratio"], f"{r['ours_rate']:.0f} / {r['peer_rate']:.0f}",
+          "identical"] for r in rows])
 
 
 def header(prompt_length: int, new_tokens: int, threads: int, rounds: int) -> str:

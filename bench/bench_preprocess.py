@@ -31,7 +31,7 @@ import time
 # tools/ is not installed with the package: run as a script, the repo root is not on the path.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
-from bench.side_by_side import Ratio, Seconds, load_average  # noqa: E402
+from bench.side_by_side import Ratio, Seconds, load_average, markdown_table  # noqa: E402
 from tools.build_demo_data import demo_documents  # noqa: E402
 
 # The plain loop: ids of every document (EOD appended) into one .bin of uint16, as a user would write it.
@@ -108,20 +108,19 @@ def compare_commands(work: str, corpus: str, vocab_file: str, merge_file: str, w
 
 
 def command_table(seconds: dict, workers: list, megabytes: float) -> str:
-    most = max(workers)
-    lines = ["| command | MB/s (median) | vs the tokenizers loop, min / median / max | by CPU time |",
-             "|---|---|---|---|"]
-    for w in workers:
-        ours = seconds[f"ours_{w}"]
-        lines.append(f"| tools/preprocess_data.py --workers {w} | "
-                     f"{megabytes / statistics.median(s.wall for s in ours):.2f} | "
-                     f"{Ratio.of(ours, seconds['peer'])} | {Ratio.of(ours, seconds['peer'], clock='cpu')} |")
-    lines.append(f"| tokenizers encode_batch loop (all cores) | "
-                 f"{megabytes / statistics.median(s.wall for s in seconds['peer']):.2f} | 1 | 1 |")
+    most, peer = max(workers), seconds["peer"]
+
+    def rate(times: list) -> str:
+        return f"{megabytes / statistics.median(s.wall for s in times):.2f}"
+
+    rows = [[f"tools/preprocess_data.py --workers {w}", rate(seconds[f"ours_{w}"]),
+             Ratio.of(seconds[f"ours_{w}"], peer), Ratio.of(seconds[f"ours_{w}"], peer, clock="cpu")] for w in workers]
+    rows.append(["tokenizers encode_batch loop (all cores)", rate(peer), 1, 1])
     scaling = Ratio.of(seconds[f"ours_{most}"], seconds[f"ours_{min(workers)}"])
     same = "identical" if seconds["same_tokens"] else "DIFFERENT"
-    return "\n".join(lines) + (f"\nscaling, {min(workers)} -> {most} workers: {scaling} (min / median / max); "
-                               f"token ids {same}")
+    return (markdown_table(["command", "MB/s (median)", "vs the tokenizers loop, min / median / max", "by CPU time"],
+                           rows)
+            + f"\nscaling, {min(workers)} -> {most} workers: {scaling} (min / median / max); token ids {same}")
 
 
 def engine_table(work: str, corpus: str, vocab_file: str, merge_file: str, documents: list, workers: list,
@@ -138,8 +137,7 @@ def engine_table(work: str, corpus: str, vocab_file: str, merge_file: str, docum
                                        tokenizer_model=train_sentencepiece(documents, os.path.join(work, "sp"),
                                                                            4096)),
     }
-    lines = ["| tokenizer | workers | tokens | seconds | tokens/s | MB/s | alone, tokens/CPU-s |",
-             "|---|---|---|---|---|---|---|"]
+    rows = []
     with open(os.devnull, "w") as quiet:
         for name, kwargs in tokenizers.items():
             tokenizer = build_tokenizer(**kwargs)
@@ -149,9 +147,10 @@ def engine_table(work: str, corpus: str, vocab_file: str, merge_file: str, docum
                 stats = min((preprocess_jsonl([corpus], output_prefix=os.path.join(work, f"{name}_{w}"),
                                               tokenizer_kwargs=kwargs, append_eod=True, workers=w, log=quiet)
                              for _ in range(rounds)), key=lambda s: s.seconds)
-                lines.append(f"| {name} | {w} | {stats.tokens} | {stats.seconds:.2f} | "
-                             f"{stats.tokens / stats.seconds:,.0f} | {megabytes / stats.seconds:.2f} | {alone:,.0f} |")
-    return "\n".join(lines)
+                rows.append([name, w, stats.tokens, f"{stats.seconds:.2f}", f"{stats.tokens / stats.seconds:,.0f}",
+                             f"{megabytes / stats.seconds:.2f}", f"{alone:,.0f}"])
+    columns = ["tokenizer", "workers", "tokens", "seconds", "tokens/s", "MB/s", "alone, tokens/CPU-s"]
+    return markdown_table(columns, rows)
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,7 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
-from bench.side_by_side import Ratio, Seconds, load_average  # noqa: E402
+from bench.side_by_side import Ratio, Seconds, load_average, markdown_table  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, SEQ, MICRO_BATCH, VOCAB = 2, 128, 4, 128, 4, 8192
 
@@ -94,10 +94,8 @@ def compare(rounds: int, threads: int) -> list:
 
 
 def table(rows: list) -> str:
-    lines = ["| from a fresh process | ours vs transformers, min / median / max | seconds, ours / theirs |",
-             "|---|---|---|"]
-    lines += [f"| {what} | {ratio} | {ours:.2f} / {peer:.2f} |" for what, ratio, ours, peer in rows]
-    return "\n".join(lines)
+    columns = ["from a fresh process", "ours vs transformers, min / median / max", "seconds, ours / theirs"]
+    return markdown_table(columns, [[what, ratio, f"{ours:.2f} / {peer:.2f}"] for what, ratio, ours, peer in rows])
 
 
 def header(rounds: int, threads: int) -> str:

@@ -27,6 +27,9 @@ from megatron_lite.planner.estimate import estimate
 from megatron_lite.planner.layouts import Layout
 from megatron_lite.training.measured_run import run_layout
 
+# Run as a module (python -m bench.bench_step_time) or imported by run_all.py: the repository root is on the path.
+from bench.side_by_side import markdown_table
+
 
 def _config(tp=1, pp=1, vpp=None):
     # Big enough that matmuls dominate a step (about 40 GFLOP per rank), small enough for 2 cores.
@@ -86,11 +89,10 @@ def outside(rows: list, tolerance: float) -> list:
 
 
 def table(cluster, rows: list) -> str:
-    lines = [f"local cluster: matmul {cluster.peak('fp32'):.3f} TFLOP/s at efficiency {cluster.matmul_efficiency:.2f}",
-             "| layout | estimated (s) | measured (s) | estimated / measured |", "|---|---|---|---|"]
-    lines += [f"| {name} | {estimated:.3f} | {measured:.3f} | {estimated / measured:.3f} |"
-              for name, estimated, measured in rows]
-    return "\n".join(lines)
+    return (f"local cluster: matmul {cluster.peak('fp32'):.3f} TFLOP/s at efficiency {cluster.matmul_efficiency:.2f}\n"
+            + markdown_table(["layout", "estimated (s)", "measured (s)", "estimated / measured"],
+                             [[name, f"{estimated:.3f}", f"{measured:.3f}", f"{estimated / measured:.3f}"]
+                              for name, estimated, measured in rows]))
 
 
 def main(argv: list[str] | None = None) -> int:

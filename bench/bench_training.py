@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 # Run as a script, bench/ is on the path but the repository root is not.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.side_by_side import Contender, Ratio, alternate, load_average  # noqa: E402
+from bench.side_by_side import Contender, Ratio, alternate, load_average, markdown_table  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, QUERY_GROUPS, SEQ, MICRO_BATCH, VOCAB = 6, 512, 8, 2, 256, 8, 8192
 LORA_RANK, LORA_ALPHA = 8, 16
@@ -142,11 +142,11 @@ def compare(shape: str, lora: bool, rounds: int, threads: int) -> dict:
 
 
 def table(rows: list) -> str:
-    lines = ["| shape | ours vs transformers (wall), min / median / max | by CPU time | median step, ours / peer (s) "
-             "| of the matmul peak, ours / peer |", "|---|---|---|---|---|"]
-    lines += [f"| {r['shape']} | {r['ratio']} | {r['cpu_ratio']} | {r['ours_s']:.2f} / {r['peer_s']:.2f} | "
-              f"{r['ours_of_peak']:.2f} / {r['peer_of_peak']:.2f} |" for r in rows]
-    return "\n".join(lines)
+    return markdown_table(
+        ["shape", "ours vs transformers (wall), min / median / max", "by CPU time", "median step, ours / peer (s)",
+         "of the matmul peak, ours / peer"],
+        [[r["shape"], r["ratio"], r["cpu_ratio"], f"{r['ours_s']:.2f} / {r['peer_s']:.2f}",
+          f"{r['ours_of_peak']:.2f} / {r['peer_of_peak']:.2f}"] for r in rows])
 
 
 def header(threads: int, rounds: int) -> str:

@@ -31,7 +31,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import (bench_generation, bench_preprocess, bench_startup, bench_step_time,  # noqa: E402
                    bench_training)
-from bench.side_by_side import Ratio, load_average  # noqa: E402
+from bench.side_by_side import Ratio, load_average, markdown_table  # noqa: E402
 
 SPEED_TARGET = 1.1  # the median ratio every claimed shape should reach
 PEAK_TARGET = 0.75  # GPT-2 full's fraction of the matmul peak
@@ -95,11 +95,9 @@ def planner(args) -> tuple[list, str]:
 
 
 def summary_table(rows: list) -> str:
-    lines = ["| measure | ours vs peer (wall), min / median / max | by CPU time | target | met |",
-             "|---|---|---|---|---|"]
     verdict = {True: "yes", False: "**no**", None: ""}
-    lines += [f"| {what} | {ratio} | {cpu} | {target} | {verdict[met]} |" for what, ratio, cpu, target, met in rows]
-    return "\n".join(lines)
+    return markdown_table(["measure", "ours vs peer (wall), min / median / max", "by CPU time", "target", "met"],
+                          [[what, ratio, cpu, target, verdict[met]] for what, ratio, cpu, target, met in rows])
 
 
 SECTIONS = {"training": training, "generation": generation, "preprocessing": preprocessing, "startup": startup,

@@ -112,6 +112,12 @@ def alternate(runs: dict, rounds: int, *args, warmup: int = 1) -> tuple[dict, di
     return seconds, results
 
 
+def markdown_table(columns: list, rows: list) -> str:
+    """A Markdown table of ``rows`` (each a list of cells, formatted already) under ``columns``."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
+
+
 def load_average() -> str:
     """The 1-minute load average and the CPU count, which say how quiet the machine was."""
     return f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
