@@ -99,3 +99,23 @@ def test_a_sequence_longer_than_the_model_positions_is_an_error_naming_the_flag(
         generate(model, [[1, 2, 3]], max_new_tokens=46, greedy=True)
     with pytest.raises(ConfigError, match="--top-p"):
         generate(model, [[1]], max_new_tokens=1, top_p=1.5)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_weights_stored_for_decoding_give_the_same_model(arch):
+    """load_model stores CPU weight matrices column by column: same shapes, the same logits (to float
+    rounding: BLAS sums in another order) and the same greedy tokens as the row-major model."""
+    from megatron_lite.inference.loading import store_for_decoding
+
+    model, _ = build(arch)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids)
+    tokens = generate(model, PROMPTS, max_new_tokens=6, greedy=True)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    store_for_decoding(model)
+    assert {name: p.shape for name, p in model.named_parameters()} == shapes
+    assert all(p.t().is_contiguous() for p in model.parameters() if p.dim() == 2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+    assert generate(model, PROMPTS, max_new_tokens=6, greedy=True) == tokens
