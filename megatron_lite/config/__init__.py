@@ -40,7 +40,8 @@ def _check_choices(section) -> None:
 NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "use_fused_kernels": "--no-fused-kernels",
                   "log_memory": "--no-log-memory", "mmap_bin_files": "--no-mmap-bin-files",
                   "manual_gc_eval": "--no-manual-gc-eval",
-                  "check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad"}
+                  "check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad",
+                  "yarn_correction_range_round_to_int": "--no-yarn-correction-range-round-to-int"}
 
 
 def flag_name(field_name: str) -> str:
@@ -71,7 +72,12 @@ def as_flags(values: dict) -> str:
 # itself). unfused and local run the explicit QK^T -> masked softmax -> V path.
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+# yarn: rotary embeddings with YaRN's frequency scaling (model/rope_scaling.py), Megatron-LM's spelling for
+# attention other than multi-latent, which picks its flavour of rotary embedding with --rope-type.
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
+ROPE_TYPES = ("rope", "yarn")
+# Megatron-LM's YaRN defaults where --yarn-original-max-position-embeddings, --yarn-beta-fast/-slow are not given.
+YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS, YARN_BETA_FAST, YARN_BETA_SLOW = 4096, 32.0, 1.0
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -118,6 +124,26 @@ class ModelConfig:
     rotary_seq_len_interpolation_factor: Optional[float] = None  # linear RoPE scaling: positions / factor
     use_rope_scaling: bool = False  # Llama 3.x's RoPE frequency scaling, by rope_scaling_factor
     rope_scaling_factor: float = 8.0
+    # YaRN (--position-embedding-type yarn, or multi-latent attention's --rope-type yarn): the frequencies
+    # stretched by rotary_scaling_factor between the corrections beta_fast and beta_slow of the original context,
+    # and the "mscale" concentration of the scores (model/rope_scaling.py).
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    yarn_original_max_position_embeddings: Optional[int] = None  # default YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS
+    yarn_beta_fast: Optional[float] = None  # default YARN_BETA_FAST
+    yarn_beta_slow: Optional[float] = None  # default YARN_BETA_SLOW
+    yarn_correction_range_round_to_int: bool = True
+    # Multi-latent attention (DeepSeek-V2/V3, model/multi_latent_attention.py): queries and keys/values through
+    # low-rank latents, each head's query/key split into qk_head_dim channels without and qk_pos_emb_head_dim
+    # channels with rotary embedding (the key's shared by every head).
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None  # None: queries projected straight from the hidden state (V2-Lite)
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: Optional[str] = field(default=None, metadata={"choices": ROPE_TYPES})  # None: yarn for MLA, else rope
     untie_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -153,8 +179,9 @@ class ModelConfig:
                  f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                  f"--num-query-groups ({self.num_query_groups}): each query group shares one key/value head.")
         _require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}.")
-        _require(self.position_embedding_type != "rope" or (self.rotary_dim > 0 and self.rotary_dim % 2 == 0),
-                 f"--position-embedding-type rope rotates pairs of channels: head dimension {self.head_dim} x "
+        self._check_multi_latent_attention()
+        _require(not self.rotary or (self.rotary_dim > 0 and self.rotary_dim % 2 == 0),
+                 f"rotary embeddings rotate pairs of channels: head dimension {self.head_dim} x "
                  f"--rotary-percent {self.rotary_percent} = {self.rotary_dim} channels must be even and positive.")
         _require(self.seq_length <= self.max_position_embeddings,
                  f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
@@ -174,15 +201,53 @@ class ModelConfig:
                           ("--final-logit-softcapping", self.final_logit_softcapping),
                           ("--softmax-scale", self.softmax_scale)]:
             _require(cap is None or cap > 0, f"{flag} must be positive, got {cap}.")
-        scalings = [self.rotary_seq_len_interpolation_factor is not None, self.use_rope_scaling]
-        _require(self.position_embedding_type == "rope" or not any(scalings),
+        self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        scalings = [self.rotary_seq_len_interpolation_factor is not None, self.use_rope_scaling, self.yarn]
+        _require(self.rotary or not any(scalings),
                  "--rotary-seq-len-interpolation-factor and --use-rope-scaling scale rotary embeddings: they need "
                  "--position-embedding-type rope.")
-        _require(not all(scalings), "give one RoPE scaling: --rotary-seq-len-interpolation-factor (linear) or "
-                                    "--use-rope-scaling (Llama 3.x), not both.")
+        _require(sum(scalings) <= 1, "give one RoPE scaling: --rotary-seq-len-interpolation-factor (linear), "
+                                     "--use-rope-scaling (Llama 3.x) or YaRN (--position-embedding-type yarn), not "
+                                     "two of them.")
         for flag, factor in [("--rotary-seq-len-interpolation-factor", self.rotary_seq_len_interpolation_factor),
-                             ("--rope-scaling-factor", self.rope_scaling_factor)]:
+                             ("--rope-scaling-factor", self.rope_scaling_factor),
+                             ("--rotary-scaling-factor", self.rotary_scaling_factor)]:
             _require(factor is None or factor >= 1.0, f"{flag} must be >= 1 (it stretches positions), got {factor}.")
+        yarn_flags = {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+                      "yarn_original_max_position_embeddings": None, "yarn_beta_fast": None, "yarn_beta_slow": None,
+                      "yarn_correction_range_round_to_int": True}
+        given = [flag_name(name) for name, default in yarn_flags.items() if getattr(self, name) != default]
+        _require(self.yarn or not given,
+                 f"{', '.join(given)} configure YaRN: add --position-embedding-type yarn (with multi-latent "
+                 f"attention, --rope-type yarn, its default).")
+        _require(not self.yarn or self.yarn_original_max_position_embeddings is None
+                 or self.yarn_original_max_position_embeddings > 0,
+                 f"--yarn-original-max-position-embeddings must be positive, got "
+                 f"{self.yarn_original_max_position_embeddings}.")
+
+    def _check_multi_latent_attention(self) -> None:
+        if self.rope_type is None:
+            self.rope_type = "yarn" if self.multi_latent_attention else "rope"
+        if not self.multi_latent_attention:
+            _require(self.rope_type == "rope", "--rope-type picks multi-latent attention's rotary embedding; other "
+                                               "attention takes YaRN from --position-embedding-type yarn.")
+            return
+        for flag, value in [("--kv-lora-rank", self.kv_lora_rank), ("--qk-head-dim", self.qk_head_dim),
+                            ("--qk-pos-emb-head-dim", self.qk_pos_emb_head_dim), ("--v-head-dim", self.v_head_dim),
+                            ("--q-lora-rank", self.q_lora_rank or 1)]:
+            _require(value > 0, f"{flag} must be positive, got {value}.")
+        _require(self.position_embedding_type == "rope",
+                 f"--multi-latent-attention rotates --qk-pos-emb-head-dim channels of each head: it needs "
+                 f"--position-embedding-type rope (--rope-type picks rope or yarn), got "
+                 f"{self.position_embedding_type}.")
+        _require(self.num_query_groups == self.num_attention_heads,
+                 "--multi-latent-attention gives every head its own keys and values from the shared latent: drop "
+                 "--group-query-attention and --num-query-groups.")
+        _require(self.rotary_percent == 1.0 and not self.add_qkv_bias,
+                 "--multi-latent-attention has no --rotary-percent (it rotates --qk-pos-emb-head-dim channels) and "
+                 "no fused QKV for --add-qkv-bias: drop them.")
 
     @property
     def head_dim(self) -> int:
@@ -190,8 +255,21 @@ class ModelConfig:
         return self.kv_channels
 
     @property
+    def rotary(self) -> bool:
+        """Whether positions enter as rotary embeddings (plain or YaRN-scaled)."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    @property
+    def yarn(self) -> bool:
+        """Whether the rotary embeddings are YaRN's: --position-embedding-type yarn, or MLA's --rope-type yarn."""
+        return self.position_embedding_type == "yarn" or (self.multi_latent_attention and self.rope_type == "yarn")
+
+    @property
     def rotary_dim(self) -> int:
-        """Channels of each head that rotary embeddings rotate (the first ones); the rest pass through."""
+        """Channels of each head that rotary embeddings rotate (the first ones; the rest pass through), or
+        multi-latent attention's rotary part of each head."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.head_dim * self.rotary_percent)
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:

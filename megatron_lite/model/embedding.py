@@ -1,10 +1,11 @@
-"""Token (vocab-parallel) and position embeddings, and rotary position angles."""
+"""Token (vocab-parallel) and position embeddings, and rotary position angles and their application."""
 import contextlib
 import dataclasses
 
 import torch
 from torch import nn
 
+from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.rope_scaling import scaled_inverse_frequencies
 from megatron_lite.tensor_parallel import VocabParallelEmbedding, scatter_to_sequence_parallel_region
@@ -58,3 +59,13 @@ def rotary_freqs(position_ids: torch.Tensor, rotary_dim: int, base: float,
         inv_freq = scaled_inverse_frequencies(inv_freq, scaling)
     freqs = position_ids.t().float()[..., None] * inv_freq  # [s, b, d/2]
     return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, freqs: torch.Tensor, concentration: float = 1.0) -> torch.Tensor:
+    """x [s, b, heads, d] rotated by ``rotary_freqs``' angles (its first ``freqs.shape[-1]`` channels; the rest
+    pass through), the rotated channels then multiplied by ``concentration`` (YaRN's, ``rope_scaling.py``)."""
+    rotated = kernels.apply_rotary_pos_emb(x, freqs)
+    if concentration == 1.0:
+        return rotated
+    width = freqs.shape[-1]
+    return torch.cat([rotated[..., :width] * concentration, rotated[..., width:]], dim=-1)

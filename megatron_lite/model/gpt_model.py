@@ -99,7 +99,7 @@ class GPTModel(nn.Module):
         else:
             hidden_states = self.input_tensor
         freqs = None
-        if self.config.position_embedding_type == "rope":
+        if self.config.rotary:
             freqs = rotary_freqs(position_ids.to(hidden_states.device), self.config.rotary_dim, self.config.rotary_base,
                                  scaling=self.config)
         hidden_states = self.decoder(hidden_states, freqs, attention_mask, inference_context)

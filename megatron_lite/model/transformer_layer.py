@@ -11,8 +11,7 @@ from torch import nn
 
 from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.attention import SelfAttention
-from megatron_lite.model.mlp import MLP
+from megatron_lite.model.layer_spec import transformer_layer_spec
 from megatron_lite.model.norm import Norm
 from megatron_lite.tensor_parallel import TensorParallelConfig
 from megatron_lite.tensor_parallel.random import get_rng_tracker
@@ -28,11 +27,12 @@ class TransformerLayer(nn.Module):
         norm = dict(normalization=config.normalization, eps=config.norm_epsilon,
                     apply_layernorm_1p=config.apply_layernorm_1p, sequence_parallel=tp_config.sequence_parallel,
                     params_dtype=tp_config.params_dtype)
+        spec = transformer_layer_spec(config, layer_number)
         self.input_layernorm = Norm(config.hidden_size, **norm)
-        self.self_attention = SelfAttention(config, layer_number=layer_number, tp_config=tp_config,
-                                            checkpoint_core_attention=checkpoint_core_attention)
+        self.self_attention = spec.self_attention(config, layer_number=layer_number, tp_config=tp_config,
+                                                  checkpoint_core_attention=checkpoint_core_attention)
         self.pre_mlp_layernorm = Norm(config.hidden_size, **norm)
-        self.mlp = MLP(config, tp_config=tp_config)
+        self.mlp = spec.mlp(config, tp_config=tp_config)
         if config.post_sublayer_norm:
             self.post_self_attn_layernorm = Norm(config.hidden_size, **norm)
             self.post_mlp_layernorm = Norm(config.hidden_size, **norm)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.peft.replicated_linear import ReplicatedLinear
+from megatron_lite.tensor_parallel.replicated_linear import ReplicatedLinear
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelConfig
 from megatron_lite.tensor_parallel.random import get_rng_tracker
 
