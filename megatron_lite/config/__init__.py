@@ -76,8 +76,8 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # attention other than multi-latent, which picks its flavour of rotary embedding with --rope-type.
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
 ROPE_TYPES = ("rope", "yarn")
-# Megatron-LM's YaRN defaults where --yarn-original-max-position-embeddings, --yarn-beta-fast/-slow are not given.
-YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS, YARN_BETA_FAST, YARN_BETA_SLOW = 4096, 32.0, 1.0
+# Megatron-LM's YaRN settings where their flags are not given.
+YARN_DEFAULTS = {"yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0}
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -130,9 +130,9 @@ class ModelConfig:
     rotary_scaling_factor: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
-    yarn_original_max_position_embeddings: Optional[int] = None  # default YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS
-    yarn_beta_fast: Optional[float] = None  # default YARN_BETA_FAST
-    yarn_beta_slow: Optional[float] = None  # default YARN_BETA_SLOW
+    yarn_original_max_position_embeddings: Optional[int] = None  # None: YARN_DEFAULTS' (so the two below)
+    yarn_beta_fast: Optional[float] = None
+    yarn_beta_slow: Optional[float] = None
     yarn_correction_range_round_to_int: bool = True
     # Multi-latent attention (DeepSeek-V2/V3, model/multi_latent_attention.py): queries and keys/values through
     # low-rank latents, each head's query/key split into qk_head_dim channels without and qk_pos_emb_head_dim
@@ -215,15 +215,16 @@ class ModelConfig:
                              ("--rope-scaling-factor", self.rope_scaling_factor),
                              ("--rotary-scaling-factor", self.rotary_scaling_factor)]:
             _require(factor is None or factor >= 1.0, f"{flag} must be >= 1 (it stretches positions), got {factor}.")
+        for name, default in YARN_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         yarn_flags = {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
-                      "yarn_original_max_position_embeddings": None, "yarn_beta_fast": None, "yarn_beta_slow": None,
-                      "yarn_correction_range_round_to_int": True}
+                      "yarn_correction_range_round_to_int": True, **YARN_DEFAULTS}
         given = [flag_name(name) for name, default in yarn_flags.items() if getattr(self, name) != default]
         _require(self.yarn or not given,
                  f"{', '.join(given)} configure YaRN: add --position-embedding-type yarn (with multi-latent "
                  f"attention, --rope-type yarn, its default).")
-        _require(not self.yarn or self.yarn_original_max_position_embeddings is None
-                 or self.yarn_original_max_position_embeddings > 0,
+        _require(self.yarn_original_max_position_embeddings > 0,
                  f"--yarn-original-max-position-embeddings must be positive, got "
                  f"{self.yarn_original_max_position_embeddings}.")
 
@@ -650,9 +651,11 @@ class CheckpointConfig:
                  f"replace the base as its latest. Give --save (and --load, to resume) a directory of their own.")
 
 
-# --peft methods, and the linear layers --lora-target-modules may name (Megatron-Core's module names).
+# --peft methods, and the linear layers --lora-target-modules may name (Megatron-Core's module names; the
+# multi-latent attention ones after them).
 PEFT_METHODS = ("lora", "adapter", "prefix")
-LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj",
+                       "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
 
 
 @dataclass(kw_only=True)
@@ -663,7 +666,8 @@ class PeftConfig:
     lora_rank: int = 8
     lora_alpha: float = 8.0  # the update is scaled by alpha / rank
     lora_dropout: float = 0.0
-    lora_target_modules: list = field(default_factory=lambda: list(LORA_TARGET_MODULES),
+    # linear_qkv names multi-latent attention's query and key/value projections too (Config resolves it).
+    lora_target_modules: list = field(default_factory=lambda: list(LORA_TARGET_MODULES[:4]),
                                       metadata={"choices": LORA_TARGET_MODULES})
     adapter_dim: int = 32
     prefix_length: int = 16
@@ -759,6 +763,7 @@ class Config:
                  "--check-weight-hash-across-dp-replicas-interval compares the data-parallel replicas' weights, but "
                  "--data-parallel-sharding-strategy optim_grads_params keeps no replicas (each rank holds a "
                  "different shard): drop the flag or pick a strategy that keeps whole parameters.")
+        _check_peft_on_model(self.peft, model)
         _check_schedule_units(self.training, self.optimizer)
         self.training.step_schedule_in_samples(model.seq_length)  # thresholds closer than a sequence fail here
         if self.training.train_iters is not None and self.optimizer.lr_decay_iters is None:
@@ -782,6 +787,36 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         return cls(**{name: section(**d[name]) for name, section in SECTIONS.items() if name in d})
+
+
+def lora_targets_of(model: ModelConfig) -> tuple[str, ...]:
+    """The linear layers of ``model`` that --lora-target-modules may name."""
+    if not model.multi_latent_attention:
+        return LORA_TARGET_MODULES[:4]
+    return (*_latent_projections(model), "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def _latent_projections(model: ModelConfig) -> tuple[str, ...]:
+    """Multi-latent attention's query and key/value projections: what ``linear_qkv`` means there."""
+    query = ("linear_q_down_proj", "linear_q_up_proj") if model.q_lora_rank is not None else ("linear_q_proj",)
+    return (*query, "linear_kv_down_proj", "linear_kv_up_proj")
+
+
+def _check_peft_on_model(peft: PeftConfig, model: ModelConfig) -> None:
+    """Multi-latent attention has no prefix slot, and ``linear_qkv`` there means its query and key/value
+    projections; a target the model lacks is an error naming those it has."""
+    _require(not (peft.peft == "prefix" and model.multi_latent_attention),
+             "--peft prefix prepends keys and values to each head's, which --multi-latent-attention expands from a "
+             "latent: fine-tune it with --peft lora or adapter.")
+    if peft.peft != "lora":
+        return
+    targets = set(peft.lora_target_modules)
+    if model.multi_latent_attention and "linear_qkv" in targets:
+        targets = (targets - {"linear_qkv"}) | set(_latent_projections(model))
+    missing = sorted(targets - set(lora_targets_of(model)))
+    _require(not missing, f"--lora-target-modules {' '.join(missing)}: this model's linear layers are "
+                          f"{' '.join(lora_targets_of(model))}.")
+    peft.lora_target_modules = [m for m in LORA_TARGET_MODULES if m in targets]
 
 
 def _check_schedule_units(training: TrainingConfig, optimizer: OptimizerConfig) -> None:

@@ -239,7 +239,10 @@ HELP = {
     "lora_rank": "rank r of the LoRA update B A",
     "lora_alpha": "LoRA scale: the update is multiplied by alpha / r",
     "lora_dropout": "dropout on the input of the LoRA branch",
-    "lora_target_modules": "the linear layers LoRA adapts, any of linear_qkv linear_proj linear_fc1 linear_fc2",
+    "lora_target_modules": ("the linear layers LoRA adapts, any of linear_qkv linear_proj linear_fc1 linear_fc2 "
+                            "(default: all four) or, with --multi-latent-attention, linear_q_proj linear_q_down_proj "
+                            "linear_q_up_proj linear_kv_down_proj linear_kv_up_proj (linear_qkv: all of these "
+                            "the model has)"),
     "adapter_dim": "bottleneck width of the adapters (--peft adapter)",
     "prefix_length": "learned key/value vectors prepended in every layer (--peft prefix)",
     "prefix_projection_hidden_size": ("produce the prefixes during training through a two-layer MLP of this width "

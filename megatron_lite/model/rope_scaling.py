@@ -19,8 +19,7 @@ import math
 
 import torch
 
-from megatron_lite.config import (YARN_BETA_FAST, YARN_BETA_SLOW, YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
-                                  ModelConfig)
+from megatron_lite.config import ModelConfig
 
 LLAMA3_ORIGINAL_CONTEXT = 8192
 LLAMA3_LOW_FREQ_FACTOR = 1.0
@@ -60,13 +59,11 @@ def _yarn_correction_range(config: ModelConfig, dim: int) -> tuple[float, float]
     """The channel pairs (as fractional indices into the dim / 2 frequencies) between which YaRN blends: pair
     i turns context / (2 pi base^(2i/dim)) times over the original context, so the pair turning r times is
     dim ln(context / (2 pi r)) / (2 ln base)."""
-    context = config.yarn_original_max_position_embeddings or YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS
-
     def pair_turning(turns: float) -> float:
-        return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(config.rotary_base))
+        return (dim * math.log(config.yarn_original_max_position_embeddings / (turns * 2 * math.pi))
+                / (2 * math.log(config.rotary_base)))
 
-    low = pair_turning(config.yarn_beta_fast or YARN_BETA_FAST)
-    high = pair_turning(config.yarn_beta_slow or YARN_BETA_SLOW)
+    low, high = pair_turning(config.yarn_beta_fast), pair_turning(config.yarn_beta_slow)
     if config.yarn_correction_range_round_to_int:
         low, high = math.floor(low), math.ceil(high)
     return max(low, 0), min(high, dim - 1)
