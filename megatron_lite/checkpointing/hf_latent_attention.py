@@ -60,8 +60,8 @@ def _renames(config: ModelConfig) -> tuple:
 
 
 def latent_attention_from_hf(take, theirs: str, ours: str, config: ModelConfig, *, interleaved: bool) -> dict:
-    """One layer's attention weights but o_proj, ``take(name)`` removing them from the Hugging Face state dict; ``theirs``
-    and ``ours`` are the layer prefixes, ``interleaved`` whether the file rotates interleaved pairs."""
+    """One layer's attention weights but o_proj, ``take(name)`` removing them from the Hugging Face state dict;
+    ``theirs`` and ``ours`` are the layer prefixes, ``interleaved`` whether the file rotates interleaved pairs."""
     theirs, ours = theirs + "self_attn.", ours + "self_attention."
     query_theirs, query_ours = _query_weight_name(config)
     query, latent = take(theirs + query_theirs), take(theirs + "kv_a_proj_with_mqa.weight")

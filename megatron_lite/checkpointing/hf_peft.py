@@ -58,7 +58,8 @@ _MODULES = {
              "linear_fc1": [("mlp.gate_up_proj", ("gate", "up"))], "linear_fc2": [("mlp.down_proj", None)]},
 }
 _MODULES["gemma2"] = _MODULES["llama"]
-_MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)], "linear_q_down_proj": [("self_attn.q_a_proj", None)],
+_MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)],
+                        "linear_q_down_proj": [("self_attn.q_a_proj", None)],
                         "linear_q_up_proj": [("self_attn.q_b_proj", None)],
                         "linear_kv_down_proj": [("self_attn.kv_a_proj_with_mqa", None)],
                         "linear_kv_up_proj": [("self_attn.kv_b_proj", None)],

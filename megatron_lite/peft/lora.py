@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.tensor_parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, TensorParallelConfig
+from megatron_lite.tensor_parallel import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
+                                           TensorParallelConfig)
 from megatron_lite.tensor_parallel.random import get_rng_tracker
 
 

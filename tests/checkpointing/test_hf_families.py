@@ -32,7 +32,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from megatron_lite.checkpointing import hf_interop, read_config  # noqa: E402
+from megatron_lite.checkpointing import hf_interop, hf_peft, read_config  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
 from megatron_lite.config import ConfigError, OptimizerConfig, PeftConfig  # noqa: E402
@@ -313,3 +313,5 @@ def test_deepseek_variants_are_refused_by_name(imports):
             (v3, "moe_layer_freq", 1, "config.json field\\(s\\) moe_layer_freq ")]:
         with pytest.raises(ConfigError, match=message):
             hf_interop.model_config_from_hf({**config, field: value})
+    with pytest.raises(ConfigError, match="LoRA on linear_fc1 of a DeepSeek model has no PEFT form"):
+        hf_peft._check_peft_loads("deepseek", ["linear_proj", "linear_fc1"])

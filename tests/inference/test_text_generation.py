@@ -36,10 +36,13 @@ def test_cached_logits_equal_the_full_forward_at_every_position(arch):
             context.increment_sequence_len_offset(1)
     assert all(step.shape == (2, 1, VOCAB) for step in steps)  # logits of the last position only
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 5:], atol=1e-4, rtol=1e-4)
-    # The cache holds this rank's key/value groups of each layer for every position.
-    groups = model.config.num_query_groups
-    assert {n: k.shape for n, (k, _) in context.key_value_memory_dict.items()} == {
-        n: (20, 2, groups, model.config.head_dim) for n in range(model.config.num_layers)}
+    # The cache holds this rank's key/value groups of each layer for every position; multi-latent attention's,
+    # the key/value latent and the rotary key every head shares.
+    config = model.config
+    cached = ([(20, 2, config.kv_lora_rank), (20, 2, 1, config.qk_pos_emb_head_dim)] if config.multi_latent_attention
+              else [(20, 2, config.num_query_groups, config.head_dim)] * 2)
+    assert {n: [t.shape for t in tensors] for n, tensors in context.key_value_memory_dict.items()} == {
+        n: cached for n in range(config.num_layers)}
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -26,6 +26,10 @@ from tests.planner.harness import run_layouts
 GPT = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
 LLAMA = dict(GPT, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
              add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=96)
+# Multi-latent attention with a query latent, its latent norms, and a bias on its output projection.
+MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8,
+           qk_pos_emb_head_dim=8, v_head_dim=12, qk_layernorm=True, add_bias_linear=True)
+QWEN = dict(LLAMA, add_qkv_bias=True, qk_layernorm=True)  # q/k/v biases without others, per-head q/k norms
 WORLD = 8
 
 
@@ -61,7 +65,7 @@ def _built(config, rank):
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 4, None)]
 
 
-@pytest.mark.parametrize("arch", [GPT, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("arch", [GPT, LLAMA, MLA, QWEN], ids=["gpt", "llama", "mla", "qwen"])
 @pytest.mark.parametrize("tp,pp,vpp", LAYOUTS)
 def test_parameter_list_is_the_chunks_named_parameters(arch, tp, pp, vpp):
     """Names, sizes and order of every chunk's parameters, and the ZeRO-3 unit each belongs to
