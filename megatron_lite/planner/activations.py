@@ -40,6 +40,7 @@ class KernelTraits:
     attention_math_bytes: Optional[int]  # dtype of the unfused path's s^2 tensors
     attention_dropout_mask_bytes: Optional[int]  # its dropout mask (None: attention_math_bytes)
     attention_math_copies_qkv: bool  # the unfused path keeps its own scaled copies of q, k, v
+    flash_needs_equal_widths: bool  # flash only when values are as wide as keys (multi-latent attention's are not)
     swiglu_saved_factor: int  # multiples of ffn_hidden_size / t kept by the SwiGLU op
     sequence_parallel_keeps_gathered_input: bool
 
@@ -47,15 +48,18 @@ class KernelTraits:
 CUDA_KERNELS = KernelTraits(
     layer_norm_bytes=None, rms_norm_bytes=None, hidden_dropout_mask_bytes=0, embedding_dropout_mask_bytes=1,
     flash_attention="always", attention_math_bytes=None, attention_dropout_mask_bytes=None,
-    attention_math_copies_qkv=False, swiglu_saved_factor=2, sequence_parallel_keeps_gathered_input=True)
+    attention_math_copies_qkv=False, flash_needs_equal_widths=False, swiglu_saved_factor=2,
+    sequence_parallel_keeps_gathered_input=True)
 CPU_REFERENCE = KernelTraits(
     layer_norm_bytes=4, rms_norm_bytes=8, hidden_dropout_mask_bytes=None, embedding_dropout_mask_bytes=None,
     flash_attention="without_dropout", attention_math_bytes=4, attention_dropout_mask_bytes=None,
-    attention_math_copies_qkv=True, swiglu_saved_factor=3, sequence_parallel_keeps_gathered_input=True)
+    attention_math_copies_qkv=True, flash_needs_equal_widths=True, swiglu_saved_factor=3,
+    sequence_parallel_keeps_gathered_input=True)
 KORTHIKANTI = KernelTraits(
     layer_norm_bytes=None, rms_norm_bytes=None, hidden_dropout_mask_bytes=1, embedding_dropout_mask_bytes=1,
     flash_attention="never", attention_math_bytes=None, attention_dropout_mask_bytes=1,
-    attention_math_copies_qkv=False, swiglu_saved_factor=2, sequence_parallel_keeps_gathered_input=False)
+    attention_math_copies_qkv=False, flash_needs_equal_widths=False, swiglu_saved_factor=2,
+    sequence_parallel_keeps_gathered_input=False)
 TRAITS = {"cuda": CUDA_KERNELS, "cpu": CPU_REFERENCE}
 
 
@@ -85,6 +89,9 @@ class ActivationSetting:
 
 def _uses_flash(model: ModelConfig, setting: ActivationSetting) -> bool:
     mode = setting.traits.flash_attention
+    unequal = model.multi_latent_attention and model.qk_head_dim + model.qk_pos_emb_head_dim != model.v_head_dim
+    if unequal and setting.traits.flash_needs_equal_widths:
+        return False
     return mode == "always" or (mode == "without_dropout" and model.attention_dropout == 0)
 
 
@@ -108,33 +115,68 @@ def _query_key_value(model: ModelConfig, setting: ActivationSetting) -> float:
 
 def layer_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
     """Bytes per token one transformer layer keeps, by tensor (all divided by ``s * b``)."""
-    h, a, d, s = model.hidden_size, model.num_attention_heads, model.head_dim, model.seq_length
-    t, e, traits = setting.tensor_model_parallel_size, setting.dtype_bytes, setting.traits
-    norm = setting._bytes(traits.layer_norm_bytes if model.normalization == "LayerNorm" else traits.rms_norm_bytes)
-    terms = {"norm inputs": 2 * norm * h / setting.split,
-             "attention and MLP inputs": 2 * e * h / setting.linear_input_split,
-             "query, key, value": e * _query_key_value(model, setting),
-             "attention output": e * a * d / t}
-    math_bytes = setting._bytes(traits.attention_math_bytes)
-    if setting.selective_recompute:
-        pass  # the core's s^2 tensors (or flash statistics) are recomputed
-    elif _uses_flash(model, setting):
-        terms["softmax statistics"] = 4 * a / t
-    else:
-        # The softmax output; with dropout also its mask and the dropped probabilities.
-        scores = math_bytes
-        if model.attention_dropout > 0:
-            mask = traits.attention_dropout_mask_bytes
-            scores += math_bytes + (math_bytes if mask is None else mask)
-        terms["attention scores"] = scores * a * s / t
-        if traits.attention_math_copies_qkv:
-            terms["query, key, value"] = math_bytes * (3 * a * d) / t
+    h, t, e, traits = model.hidden_size, setting.tensor_model_parallel_size, setting.dtype_bytes, setting.traits
+    terms = {"norm inputs": 2 * _norm_bytes(model, setting) * h / setting.split,
+             "attention and MLP inputs": 2 * e * h / setting.linear_input_split}
+    terms.update(_latent_attention_terms(model, setting) if model.multi_latent_attention
+                 else _attention_terms(model, setting))
     if model.hidden_dropout > 0:
         terms["residual dropout masks"] = 2 * setting._bytes(traits.hidden_dropout_mask_bytes) * h / setting.split
     f = model.ffn_hidden_size
     terms["MLP activation input"] = e * f * (traits.swiglu_saved_factor if model.swiglu else 1) / t
     terms["MLP fc2 input"] = e * f / t
     return terms
+
+
+def _norm_bytes(model: ModelConfig, setting: ActivationSetting) -> int:
+    traits = setting.traits
+    return setting._bytes(traits.layer_norm_bytes if model.normalization == "LayerNorm" else traits.rms_norm_bytes)
+
+
+def _attention_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+    """``model/attention.py``'s: its queries, keys and values, output and the core's scores (or statistics)."""
+    a, d, t, e = model.num_attention_heads, model.head_dim, setting.tensor_model_parallel_size, setting.dtype_bytes
+    terms = {"query, key, value": e * _query_key_value(model, setting), "attention output": e * a * d / t}
+    terms.update(_core_terms(model, setting))
+    if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
+        terms["query, key, value"] = setting._bytes(setting.traits.attention_math_bytes) * (3 * a * d) / t
+    return terms
+
+
+def _latent_attention_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+    """``model/multi_latent_attention.py``'s: the latents (replicated over tensor-parallel ranks) before and after
+    their norms, queries and keys of the heads, the values (views of the up-projection's output, which they keep
+    whole: keys and values), the output and the core's scores (or statistics)."""
+    a, t, e = model.num_attention_heads, setting.tensor_model_parallel_size, setting.dtype_bytes
+    key_width, rotary = model.qk_head_dim + model.qk_pos_emb_head_dim, model.qk_pos_emb_head_dim
+    latents = model.kv_lora_rank + (model.q_lora_rank or 0)
+    up_projection_inputs = e * latents / setting.linear_input_split
+    if model.qk_layernorm:  # the norm keeps its input (the down-projection's output), the up-projection its own
+        kept = (_norm_bytes(model, setting) * latents + e * rotary) / setting.split + up_projection_inputs
+    else:  # the up-projection's input is a view of the down-projection's output, kept whole
+        kept = up_projection_inputs + e * rotary / setting.linear_input_split
+    terms = {"latents": kept, "keys and values": e * a * (model.qk_head_dim + model.v_head_dim) / t,
+             "queries and keys": e * 2 * a * key_width / t, "attention output": e * a * model.v_head_dim / t}
+    terms.update(_core_terms(model, setting))
+    if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
+        terms["queries and keys"] = setting._bytes(setting.traits.attention_math_bytes) * 2 * a * key_width / t
+    return terms
+
+
+def _core_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+    """What the core attention keeps beyond its inputs and output: the s^2 scores (with dropout, its mask and the
+    dropped probabilities) on the math path, the softmax statistics with flash, nothing recomputed."""
+    a, s, t, traits = model.num_attention_heads, model.seq_length, setting.tensor_model_parallel_size, setting.traits
+    if setting.selective_recompute:
+        return {}  # the core's s^2 tensors (or flash statistics) are recomputed
+    if _uses_flash(model, setting):
+        return {"softmax statistics": 4 * a / t}
+    math_bytes = setting._bytes(traits.attention_math_bytes)
+    scores = math_bytes
+    if model.attention_dropout > 0:
+        mask = traits.attention_dropout_mask_bytes
+        scores += math_bytes + (math_bytes if mask is None else mask)
+    return {"attention scores": scores * a * s / t}
 
 
 def layer_bytes_per_token(model: ModelConfig, setting: ActivationSetting) -> float:
