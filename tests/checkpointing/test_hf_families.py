@@ -258,9 +258,15 @@ def test_lora_export_loads_in_peft(family, tmp_path):
     assert (ours - family.logits).abs().max() > 1e-2  # LoRA moved the model
     assert convert(["--target-format", "peft", "--load-dir", adapters, "--save-dir", peft_dir,
                     "--base-model-name-or-path", family.hf_dir, *EXPORT_FLAGS.get(family.name, [])]) == 0
-    if family.name in LORA_TARGETS:  # LoRA on every MLA projection: the down-projections' rank-replicated ones too
+    if family.name in LORA_TARGETS:  # LoRA on every MLA projection (replicated down-projections too), and back
+        ours_factors = {k: v for k, v in _our_tensors(adapters).items()
+                        if ".lora." in k and not k.startswith("optimizer.")}
         assert {f"{name}.lora.lora_A.weight" for name in ("linear_kv_down_proj", "linear_kv_up_proj")} <= {
-            name.split("self_attention.")[-1] for name in _our_tensors(adapters)}
+            name.split("self_attention.")[-1] for name in ours_factors}
+        assert convert(["--source-format", "peft", "--load-dir", peft_dir, "--save-dir", str(tmp_path / "back"),
+                        "--base-checkpoint", family.root]) == 0
+        back = _our_tensors(str(tmp_path / "back"))
+        assert all(torch.equal(back[k], v) for k, v in ours_factors.items())
     adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(family.hf_dir),
                                              peft_dir).eval()
     with torch.no_grad():
