@@ -1,5 +1,6 @@
 """Multi-latent attention (DeepSeek-V2/V3, ``--multi-latent-attention``): keys and values of every head
-are expanded from one small latent per token, so a generation cache holds the latent instead of them.
+are expanded from one small latent per token, so a generation cache holds the latent instead of them
+(docs/reference.md, "Multi-latent attention").
 
     query:      hidden -> [linear_q_down_proj -> q_layernorm -> linear_q_up_proj]   (or linear_q_proj alone,
                                                                                    --q-lora-rank unset)
