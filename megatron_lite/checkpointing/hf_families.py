@@ -8,7 +8,8 @@ silently different model. A null field sets nothing and passes.
 
     family   features                                  refused
     gpt2     LayerNorm, learned positions, GELU tanh   other activations and attention scalings
-    llama    RMSNorm, RoPE (+ linear, llama3 scaling)  attention_bias, mlp_bias, other rope types
+    llama    RMSNorm, RoPE (+ linear, llama3, yarn     attention_bias, mlp_bias, other rope types
+             scaling)
     qwen2    llama + bias on q/k/v (--add-qkv-bias)    use_sliding_window, non-full layer_types
     qwen3    llama + q/k RMSNorm (--qk-layernorm),     attention_bias, use_sliding_window
              head_dim (--kv-channels)
@@ -21,9 +22,15 @@ silently different model. A null field sets nothing and passes.
              GeGLU, query_pre_attn_scalar, attention   layer_types other than every Nth layer global
              and final-logit soft-capping, sliding /   (or no layer sliding)
              global layers, tied embeddings
+    deepseek_v3, deepseek_v2:
+             llama's norms and MLP + multi-latent      mixture-of-experts layers (first_k_dense_replace
+             attention (--multi-latent-attention),     < num_hidden_layers), num_key_value_heads other
+             interleaved rotary rows, rope yarn        than the heads, attention_bias, mlp_bias, rope
+                                                       scaling other than yarn
 
 On export the family is the one the model's features call for (``family_of``), or the one named
-(``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does.
+(``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does, DeepSeek-V2
+what V3 does.
 """
 from __future__ import annotations
 

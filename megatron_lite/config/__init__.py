@@ -181,8 +181,9 @@ class ModelConfig:
         _require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}.")
         self._check_multi_latent_attention()
         _require(not self.rotary or (self.rotary_dim > 0 and self.rotary_dim % 2 == 0),
-                 f"rotary embeddings rotate pairs of channels: head dimension {self.head_dim} x "
-                 f"--rotary-percent {self.rotary_percent} = {self.rotary_dim} channels must be even and positive.")
+                 f"rotary embeddings rotate pairs of channels: the {self.rotary_dim} rotated channels (head dimension "
+                 f"{self.head_dim} x --rotary-percent {self.rotary_percent}, or --qk-pos-emb-head-dim) must be even "
+                 f"and positive.")
         _require(self.seq_length <= self.max_position_embeddings,
                  f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                  f"({self.max_position_embeddings}); raise --max-position-embeddings.")
@@ -237,7 +238,7 @@ class ModelConfig:
             return
         for flag, value in [("--kv-lora-rank", self.kv_lora_rank), ("--qk-head-dim", self.qk_head_dim),
                             ("--qk-pos-emb-head-dim", self.qk_pos_emb_head_dim), ("--v-head-dim", self.v_head_dim),
-                            ("--q-lora-rank", self.q_lora_rank or 1)]:
+                            ("--q-lora-rank", 1 if self.q_lora_rank is None else self.q_lora_rank)]:
             _require(value > 0, f"{flag} must be positive, got {value}.")
         _require(self.position_embedding_type == "rope",
                  f"--multi-latent-attention rotates --qk-pos-emb-head-dim channels of each head: it needs "

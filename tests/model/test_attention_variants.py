@@ -71,6 +71,7 @@ MLA = dict(BASE, multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk
     (dict(MLA, rotary_percent=0.5), "no --rotary-percent"),
     (dict(MLA, qk_pos_emb_head_dim=3), "must be even and positive"),
     (dict(MLA, kv_lora_rank=0), "--kv-lora-rank must be positive"),
+    (dict(MLA, q_lora_rank=0), "--q-lora-rank must be positive"),
 ])
 def test_bad_latent_attention_and_yarn_settings_are_refused_by_flag(fields, message):
     with pytest.raises(ConfigError, match=message):
