@@ -1,4 +1,4 @@
-"""Qwen2/2.5, Qwen3, Mistral, Phi-3 and Gemma 2 import, run, train, fine-tune and export exactly against transformers.
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 import, run, train, fine-tune and export exactly against transformers.
 
 Each family is a tiny random model (``from_config``, saved locally) with every feature it has
 switched on, and weights drawn wider than transformers' init (biases and norm scales included),
@@ -12,6 +12,11 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
              query_pre_attn_scalar 24 (not head_dim 16), attention and final-logit soft-capping low
              enough to bite (4, 5), sliding window 5 on layer 1 and global layer 2, tied embeddings;
              transformers' eager attention as the reference
+    gemma3   gemma2's norms, scale, GeGLU and query_pre_attn_scalar with q/k (1 + w) RMSNorms, 4 layers
+             of which every 3rd is global (layer 3 of 4, on the second pipeline stage: the global layer
+             number decides), local window 5 with its own RoPE base 50 against the global layers' 500
+             under linear scaling 2, final-logit soft-capping 5 (attention capping off, as in the
+             released models, so attention takes SDPA), tied embeddings
 
 For each: logits equal transformers' at 1 process and at tp2 x pp2; greedy generation (alone and
 batched, left-padded) equals ``generate``; HF -> ours -> HF -> ours is bit-exact; 5 training
@@ -45,6 +50,7 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, **TOKENS)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+GEMMA3_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(
         **SMALL, tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
@@ -57,6 +63,12 @@ FAMILIES = {
     "gemma2": lambda: transformers.Gemma2Config(
         **SMALL, head_dim=16, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
         final_logit_softcapping=5.0, tie_word_embeddings=True, attn_implementation="eager"),
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(
+        **dict(SMALL, num_hidden_layers=4), head_dim=16, sliding_window=5, layer_types=GEMMA3_LAYERS,
+        query_pre_attn_scalar=24, final_logit_softcapping=5.0, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}},
+        attn_implementation="eager"),
 }
 # Phi-3 computes what Mistral does: its fused layout is written when asked for.
 EXPORT_FLAGS = {"phi3": ["--hf-model-type", "phi3"]}
@@ -113,6 +125,12 @@ def test_config_maps_every_feature(imports):
     assert gemma2.window_size == [4, 0] and gemma2.window_attn_skip_freq == 2 and gemma2.softmax_scale == 24 ** -0.5
     assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (4.0, 5.0)
     assert not gemma2.untie_embeddings_and_output_weights
+    gemma3 = read_config(imports["gemma3_text"].root).model
+    assert gemma3.qk_layernorm and gemma3.apply_layernorm_1p and gemma3.post_sublayer_norm and gemma3.geglu
+    assert (gemma3.window_size, gemma3.window_attn_skip_freq, gemma3.num_layers) == ([4, 0], 3, 4)
+    assert (gemma3.rotary_base, gemma3.rotary_base_local, gemma3.rotary_seq_len_interpolation_factor) == (
+        500.0, 50.0, 2.0)
+    assert (gemma3.attn_logit_softcapping, gemma3.final_logit_softcapping) == (None, 5.0)
 
 
 def test_logits_equal_transformers(family):
@@ -170,7 +188,8 @@ def test_round_trip_is_bit_exact(family, tmp_path):
     assert original.keys() == round_trip.keys()
     for key in original:
         assert torch.equal(original[key], round_trip[key]), key
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(  # the reference's attention, for equal logits
+        exported, attn_implementation=family.hf_model.config._attn_implementation).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(family.input_ids).logits, family.logits)
     hf_interop.import_hf_checkpoint(exported, again, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
