@@ -35,6 +35,7 @@ from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E40
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
 from megatron_lite.config import ConfigError, OptimizerConfig, PeftConfig  # noqa: E402
 from megatron_lite.inference.text_generation import generate  # noqa: E402
+from megatron_lite.model.sliding_window import layer_window  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
 from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
@@ -266,7 +267,7 @@ def test_unknown_fields_and_variants_are_refused_by_name(imports):
     assert hf_interop.model_config_from_hf({**qwen3, "rope_scaling": None}).qk_layernorm  # null sets nothing
 
 
-def test_gemma2_variants_are_refused_by_name(imports):
+def test_gemma_variants_are_refused_by_name(imports):
     gemma2 = imports["gemma2"].hf_model.config.to_dict()
     for field, value, message in [("hidden_activation", "gelu", "hidden_activation 'gelu'"),
                                   ("use_bidirectional_attention", True, "use_bidirectional_attention"),
@@ -275,3 +276,40 @@ def test_gemma2_variants_are_refused_by_name(imports):
                                   ("layer_types", ["full_attention", "full_attention"], "no sliding_attention")]:
         with pytest.raises(ConfigError, match=message):
             hf_interop.model_config_from_hf({**gemma2, field: value})
+    gemma3 = imports["gemma3_text"].hf_model.config.to_dict()
+    scaled_local = {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50.0}}
+    for field, value, message in [("rope_parameters", scaled_local, "rope_parameters.sliding_attention"),
+                                  ("rope_parameters", {"rope_type": "default"}, "per layer kind"),
+                                  ("layer_types", GEMMA3_LAYERS[::-1], "global layers \\[1\\]"),
+                                  ("model_type", "gemma3", "gemma3_text \\(Gemma3ForCausalLM\\)")]:
+        with pytest.raises(ConfigError, match=message):
+            hf_interop.model_config_from_hf({**gemma3, field: value})
+
+
+# Released Gemma 3 text configs as their config.json spell them (transformers 4.50): the 1B, and the 4B's
+# text_config with linear RoPE scaling on its global layers.
+GEMMA3_1B = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", attention_bias=False, attention_dropout=0.0,
+    attn_logit_softcapping=None, bos_token_id=2, cache_implementation="hybrid", eos_token_id=[1, 106],
+    final_logit_softcapping=None, head_dim=256, hidden_activation="gelu_pytorch_tanh", hidden_size=1152,
+    initializer_range=0.02, intermediate_size=6912, max_position_embeddings=32768, num_attention_heads=4,
+    num_hidden_layers=26, num_key_value_heads=1, pad_token_id=0, query_pre_attn_scalar=256, rms_norm_eps=1e-06,
+    rope_local_base_freq=10000, rope_scaling=None, rope_theta=1000000, sliding_window=512, sliding_window_pattern=6,
+    torch_dtype="bfloat16", transformers_version="4.50.0.dev0", use_cache=True, vocab_size=262144)
+GEMMA3_4B_TEXT = dict(GEMMA3_1B, hidden_size=2560, intermediate_size=10240, num_attention_heads=8,
+                      num_key_value_heads=4, num_hidden_layers=34, sliding_window=1024, max_position_embeddings=131072,
+                      rope_scaling={"factor": 8.0, "rope_type": "linear"}, vocab_size=262208)
+
+
+@pytest.mark.parametrize("released", [GEMMA3_1B, GEMMA3_4B_TEXT], ids=["1b", "4b"])
+def test_released_gemma3_configs_read_as_transformers_reads_them(released):
+    """Our reading of the older fields (rope_local_base_freq, sliding_window_pattern, rope_scaling) against
+    transformers' own: which layers are global, and each kind's RoPE."""
+    ours = hf_interop.model_config_from_hf(released)
+    theirs = transformers.Gemma3TextConfig(**{k: v for k, v in released.items() if k != "model_type"})
+    assert [i for i in range(ours.num_layers) if layer_window(ours, i) is None] == [
+        i for i, kind in enumerate(theirs.layer_types) if kind == "full_attention"]
+    full, local = theirs.rope_parameters["full_attention"], theirs.rope_parameters["sliding_attention"]
+    assert (ours.rotary_base, ours.rotary_base_local) == (full["rope_theta"], local["rope_theta"])
+    assert ours.rotary_seq_len_interpolation_factor == full.get("factor") and local["rope_type"] == "default"
+    assert ours.window_size == [theirs.sliding_window - 1, 0] and ours.softmax_scale == 256 ** -0.5
