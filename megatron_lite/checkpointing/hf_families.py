@@ -332,7 +332,8 @@ def model_config_fields_from_hf(hf: dict) -> dict:
     model_type = hf.get("model_type")
     refuse(model_type == "gemma3", "a vision tower: config.json has model_type 'gemma3' "
            "(Gemma3ForConditionalGeneration). Import its language model alone, model_type gemma3_text "
-           "(Gemma3ForCausalLM): the directory of that model, whose config.json is this one's text_config")
+           "(Gemma3ForCausalLM): the directory of that model, whose config.json is this one's text_config "
+           "(docs/model_families.md saves it in four lines of transformers)")
     if model_type not in FAMILIES:
         raise ConfigError(f"config.json has model_type {model_type!r}; megatron_lite imports "
                           f"{', '.join(f'{f.model_type} ({f.architecture})' for f in FAMILIES.values())}.")

@@ -1,4 +1,5 @@
-"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 import, run, train, fine-tune and export exactly against transformers.
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 import, run, train, fine-tune and export exactly against
+transformers.
 
 Each family is a tiny random model (``from_config``, saved locally) with every feature it has
 switched on, and weights drawn wider than transformers' init (biases and norm scales included),
@@ -33,15 +34,18 @@ peft = pytest.importorskip("peft")
 from megatron_lite.checkpointing import hf_interop, read_config  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
-from megatron_lite.config import ConfigError, OptimizerConfig, PeftConfig  # noqa: E402
+from megatron_lite.config import (ConfigError, DataConfig, OptimizerConfig, PeftConfig,  # noqa: E402
+                                  TrainingConfig)
 from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.model.sliding_window import layer_window  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
+from megatron_lite.training.loop import pretrain  # noqa: E402
 from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import (EOS, MAX_NEW_TOKENS, PAD, PROMPTS,  # noqa: E402
                                                              _hf_generate)
 from tests.parity import assert_relative_close  # noqa: E402
+from tests.sft.test_sft_training import _transformers_response_loss, _write_jsonl  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
 
 VOCAB = 100  # the vocabulary pads to 128 rows at tp 1, 256 at tp 2
@@ -224,8 +228,6 @@ def test_training_at_tp2_pp2_dp2_equals_one_process(imports, tmp_path):
 
 
 def test_lora_export_loads_in_peft(family, tmp_path):
-    from megatron_lite.training.loop import pretrain
-
     adapters, peft_dir = str(tmp_path / "lora"), str(tmp_path / "peft")
     config = training_config(family.root, adapters, 1, 1, optimizer=OptimizerConfig(lr=3e-2),
                              peft_config=PeftConfig(peft="lora", lora_rank=4, lora_alpha=8.0))
@@ -244,6 +246,36 @@ def test_lora_export_loads_in_peft(family, tmp_path):
                                              peft_dir).eval()
     with torch.no_grad():
         torch.testing.assert_close(adapted(family.input_ids).logits, ours, atol=ATOL, rtol=RTOL)
+
+
+# (prompt, response) longer than the windows of 5, so the window acts inside each example; 37 tokens with
+# their EODs, one packed sequence.
+SFT_PAIRS = [([5, 6, 7, 8, 9, 10], [11, 12]), ([13, 14, 15], [16, 17, 18, 19, 20]),
+             ([21, 22, 23, 24, 25, 26, 27], [28, 29, 30]), ([31, 32], [33, 34, 35, 36])]
+
+
+def test_sft_first_loss_equals_transformers(family, tmp_path):
+    """--sft through the trainer: the first loss is transformers' cross-entropy over the response tokens of the
+    same examples, each run alone. With a sliding window, packed too: the window and the block-diagonal mask
+    of --sft-pack-sequences must both act (either alone lets an example see another's or too-old tokens)."""
+    data = _write_jsonl(tmp_path / "sft.jsonl", SFT_PAIRS)
+    base = training_config(family.root, str(tmp_path / "sft"), 1, 1,
+                           optimizer=OptimizerConfig(optimizer="sgd", lr=0.1, lr_decay_style="constant"))
+    windowed = read_config(family.root).model.window_size is not None
+    with torch.no_grad():
+        expected = _transformers_response_loss(family.hf_model, SFT_PAIRS).item()
+    for pack in [False, True] if windowed else [False]:
+        batch = dict(micro_batch_size=1, global_batch_size=1) if pack else dict(micro_batch_size=2,
+                                                                               global_batch_size=4)
+        config = dataclasses.replace(
+            base, model=dataclasses.replace(base.model, seq_length=48),
+            training=TrainingConfig(train_iters=1, eval_iters=1, **batch),
+            checkpoint=dataclasses.replace(base.checkpoint, save=None, save_interval=None),
+            data=DataConfig(sft=True, train_data_path=[data], tokenizer_type="NullTokenizer",
+                            sft_pack_sequences=pack))
+        state, _, parallel_state = pretrain(config, keep_process_group=True)
+        destroy_model_parallel(parallel_state)
+        assert state.losses[0] == pytest.approx(expected, rel=1e-5), f"{family.name} packed={pack}"
 
 
 # ---------------------------------------------------------------------------------------------
