@@ -49,7 +49,7 @@ class RotaryAngles:
 
     ``global_angles`` (--rotary-base, under the model's RoPE scaling) serve every layer, except that with
     --rotary-base-local (Gemma 3) the local, sliding-window layers take ``local_angles``: their own base,
-    never scaled (Gemma 3 stretches only its global layers' context)."""
+    never scaled (Gemma 3 stretches only its global layers' context; docs/reference.md section 12)."""
 
     global_angles: torch.Tensor
     local_angles: torch.Tensor | None = None

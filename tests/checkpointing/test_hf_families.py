@@ -21,7 +21,8 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
 
 For each: logits equal transformers' at 1 process and at tp2 x pp2; greedy generation (alone and
 batched, left-padded) equals ``generate``; HF -> ours -> HF -> ours is bit-exact; 5 training
-steps at tp2 x pp2 x dp2 equal 1 process; a LoRA export loads in peft and gives our logits.
+steps at tp2 x pp2 x dp2 equal 1 process; a LoRA export loads in peft and gives our logits; the
+first --sft loss (and, with a window, the packed one) is transformers' loss over the response tokens.
 """
 import dataclasses
 
