@@ -13,11 +13,11 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
              query_pre_attn_scalar 24 (not head_dim 16), attention and final-logit soft-capping low
              enough to bite (4, 5), sliding window 5 on layer 1 and global layer 2, tied embeddings;
              transformers' eager attention as the reference
-    gemma3   gemma2's norms, scale, GeGLU and query_pre_attn_scalar with q/k (1 + w) RMSNorms, 4 layers
-             of which every 3rd is global (layer 3 of 4, on the second pipeline stage: the global layer
-             number decides), local window 5 with its own RoPE base 50 against the global layers' 500
-             under linear scaling 2, final-logit soft-capping 5 (attention capping off, as in the
-             released models, so attention takes SDPA), tied embeddings
+    gemma3   gemma2's norms, scale, GeGLU and query_pre_attn_scalar with q/k (1 + w) RMSNorms, a local
+             layer (window 5, its own RoPE base 50) then a global one (base 500 under linear scaling 2;
+             at pp 2 it is the second stage's first layer: the global layer number decides),
+             final-logit soft-capping 5 (attention capping off, as in the released models, so
+             attention takes SDPA), tied embeddings
 
 For each: logits equal transformers' at 1 process and at tp2 x pp2; greedy generation (alone and
 batched, left-padded) equals ``generate``; HF -> ours -> HF -> ours is bit-exact; 5 training
@@ -56,7 +56,7 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, **TOKENS)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-GEMMA3_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+GEMMA3_LAYERS = ["sliding_attention", "full_attention"]
 FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(
         **SMALL, tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
@@ -70,7 +70,7 @@ FAMILIES = {
         **SMALL, head_dim=16, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
         final_logit_softcapping=5.0, tie_word_embeddings=True, attn_implementation="eager"),
     "gemma3_text": lambda: transformers.Gemma3TextConfig(
-        **dict(SMALL, num_hidden_layers=4), head_dim=16, sliding_window=5, layer_types=GEMMA3_LAYERS,
+        **SMALL, head_dim=16, sliding_window=5, layer_types=GEMMA3_LAYERS,
         query_pre_attn_scalar=24, final_logit_softcapping=5.0, tie_word_embeddings=True,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}},
@@ -133,7 +133,7 @@ def test_config_maps_every_feature(imports):
     assert not gemma2.untie_embeddings_and_output_weights
     gemma3 = read_config(imports["gemma3_text"].root).model
     assert gemma3.qk_layernorm and gemma3.apply_layernorm_1p and gemma3.post_sublayer_norm and gemma3.geglu
-    assert (gemma3.window_size, gemma3.window_attn_skip_freq, gemma3.num_layers) == ([4, 0], 3, 4)
+    assert (gemma3.window_size, gemma3.window_attn_skip_freq) == ([4, 0], 2)
     assert (gemma3.rotary_base, gemma3.rotary_base_local, gemma3.rotary_seq_len_interpolation_factor) == (
         500.0, 50.0, 2.0)
     assert (gemma3.attn_logit_softcapping, gemma3.final_logit_softcapping) == (None, 5.0)
@@ -313,7 +313,6 @@ def test_gemma_variants_are_refused_by_name(imports):
     scaled_local = {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50.0}}
     for field, value, message in [("rope_parameters", scaled_local, "rope_parameters.sliding_attention"),
                                   ("rope_parameters", {"rope_type": "default"}, "per layer kind"),
-                                  ("layer_types", GEMMA3_LAYERS[::-1], "global layers \\[1\\]"),
                                   ("model_type", "gemma3", "gemma3_text \\(Gemma3ForCausalLM\\)")]:
         with pytest.raises(ConfigError, match=message):
             hf_interop.model_config_from_hf({**gemma3, field: value})
