@@ -42,6 +42,7 @@ ROLES = {
     "apply_layernorm_1p": Role.ARCHITECTURE,  # the same stored weights scale by w or by 1 + w
     "position_embedding_type": Role.ARCHITECTURE,
     "rotary_base": Role.ARCHITECTURE,  # with rope only, see _ONLY_WITH
+    "rotary_base_local": Role.ARCHITECTURE,
     "rotary_percent": Role.ARCHITECTURE,  # with rope only
     "swiglu": Role.ARCHITECTURE,
     "add_bias_linear": Role.ARCHITECTURE,

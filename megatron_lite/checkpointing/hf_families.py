@@ -1,7 +1,7 @@
 """The Hugging Face model families megatron_lite imports and exports, each a spec of ``config.json``.
 
 A family is its ``model_type``, the transformers class that loads it, how its weights are named
-(``naming``: GPT-2's or Llama's, ``hf_interop``), the ModelConfig features it implies, and every
+(``naming``: GPT-2's, Llama's, Phi-3's or Gemma's, ``hf_interop``), the ModelConfig features it implies, and every
 ``config.json`` field it reads. A field outside that list (and outside ``GENERIC_FIELDS``, which
 change nothing we compute) is refused by name at import, never dropped: an unread field is a
 silently different model. A null field sets nothing and passes.
@@ -21,6 +21,10 @@ silently different model. A null field sets nothing and passes.
              GeGLU, query_pre_attn_scalar, attention   layer_types other than every Nth layer global
              and final-logit soft-capping, sliding /   (or no layer sliding)
              global layers, tied embeddings
+    gemma3   gemma2 + q/k RMSNorm (1 + w), every 6th   gemma2's; rope_parameters.sliding_attention
+    _text    layer global by default, the local        other than an unscaled rope_theta
+             layers' own RoPE base, never scaled
+             (--rotary-base-local)
 
 On export the family is the one the model's features call for (``family_of``), or the one named
 (``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does.
@@ -205,12 +209,13 @@ def _phi3_to_hf(config: ModelConfig) -> dict:
     return fields
 
 
-def _gemma2_to_ours(hf: dict) -> dict:
+def _gemma_to_ours(hf: dict, every: int) -> dict:
+    """What Gemma 2 and 3 share; ``every``: the default period of their global layers."""
     refuse(hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
            f"hidden_activation {hf.get('hidden_activation')!r} (GeGLU takes gelu_pytorch_tanh)")
     refuse(hf.get("attention_bias", False), "attention_bias (biases on q, k, v and o_proj)")
     refuse(hf.get("use_bidirectional_attention", False), "use_bidirectional_attention (ours is causal)")
-    window, skip_freq = _gemma2_layer_pattern(hf)
+    window, skip_freq = _layer_pattern(hf, every)
     return dict(_llama_to_ours(hf), apply_layernorm_1p=True, post_sublayer_norm=True, scale_embeddings=True,
                 geglu=True, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
                 softmax_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -219,11 +224,14 @@ def _gemma2_to_ours(hf: dict) -> dict:
                 window_size=[window - 1, 0], window_attn_skip_freq=skip_freq)
 
 
-def _gemma2_layer_pattern(hf: dict) -> tuple:
-    """(sliding_window, --window-attn-skip-freq) of ``layer_types``: every Nth layer global (the default,
-    N = 2), or none. Other patterns, and none sliding, are refused."""
+def _layer_pattern(hf: dict, every: int) -> tuple:
+    """(sliding_window, --window-attn-skip-freq) of ``layer_types``, which defaults to every ``every``-th layer
+    global (Gemma 3's ``sliding_window_pattern``): every Nth layer global, or none. Other patterns, and none
+    sliding, are refused."""
     layers = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    every = hf.get("sliding_window_pattern") or every
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
+                                      for i in range(layers)]
     refuse(set(types) - {"sliding_attention", "full_attention"} != set(), f"layer_types {sorted(set(types))}")
     full = [i for i, kind in enumerate(types) if kind == "full_attention"]
     refuse(len(full) == layers or hf.get("sliding_window") is None, "no sliding_attention layer (layer_types)")
@@ -233,7 +241,7 @@ def _gemma2_layer_pattern(hf: dict) -> tuple:
     return hf["sliding_window"], skip_freq
 
 
-def _gemma2_to_hf(config: ModelConfig) -> dict:
+def _gemma_to_hf(config: ModelConfig) -> dict:
     fields = {k: v for k, v in _llama_to_hf(config).items() if k != "hidden_act"}
     freq = config.window_attn_skip_freq
     scalar = round(config.softmax_scale ** -2, 6) if config.softmax_scale else config.head_dim
@@ -243,6 +251,40 @@ def _gemma2_to_hf(config: ModelConfig) -> dict:
                 final_logit_softcapping=config.final_logit_softcapping, sliding_window=config.window_size[0] + 1,
                 layer_types=["full_attention" if freq and (i + 1) % freq == 0 else "sliding_attention"
                              for i in range(config.num_layers)])
+
+
+GEMMA_FIELDS = LLAMA_FIELDS | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
+                               "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
+                               "use_bidirectional_attention"}
+# Gemma 3's defaults where its config.json leaves them out (transformers' Gemma3TextConfig).
+GEMMA3_GLOBAL_THETA, GEMMA3_LOCAL_THETA, GEMMA3_EVERY = 1_000_000.0, 10_000.0, 6
+
+
+def _gemma3_to_ours(hf: dict) -> dict:
+    """Gemma 2's fields with a period of 6, q/k norms, and RoPE per layer kind: ``rope_parameters`` holds
+    {full_attention: ..., sliding_attention: ...} (transformers 5), or older files give the global layers'
+    ``rope_theta`` and ``rope_scaling`` and the local layers' ``rope_local_base_freq``."""
+    rope = hf.get("rope_parameters") or {}
+    refuse(bool(set(rope) - {"full_attention", "sliding_attention"}),
+           f"rope_parameters keys {sorted(set(rope))} (Gemma 3's are per layer kind: full_attention, "
+           f"sliding_attention)")
+    full = {**(rope.get("full_attention") or {}), **(hf.get("rope_scaling") or {})}  # as transformers merges them
+    full.setdefault("rope_theta", hf.get("rope_theta", GEMMA3_GLOBAL_THETA))
+    local = dict(rope.get("sliding_attention") or {})
+    local_type = local.pop("rope_type", local.pop("type", "default"))
+    refuse(local_type != "default" or set(local) - {"rope_theta"} != set(),
+           f"rope_parameters.sliding_attention {rope.get('sliding_attention')} (the local layers' RoPE is "
+           f"unscaled: rope_type default)")
+    fields = _gemma_to_ours({**hf, "rope_parameters": full, "rope_scaling": None}, GEMMA3_EVERY)
+    return dict(fields, qk_layernorm=True,
+                rotary_base_local=float(local.get("rope_theta", hf.get("rope_local_base_freq", GEMMA3_LOCAL_THETA))))
+
+
+def _gemma3_to_hf(config: ModelConfig) -> dict:
+    local = {"rope_type": "default", "rope_theta": config.rotary_base_local}
+    # rope_theta, rope_scaling (Gemma 2's, the global layers') and rope_local_base_freq for transformers < 5
+    return dict(_gemma_to_hf(config), rope_local_base_freq=config.rotary_base_local, rope_parameters={
+        "full_attention": _rope_to_hf(config)["rope_parameters"], "sliding_attention": local})
 
 
 QWEN_WINDOW_FIELDS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
@@ -267,16 +309,20 @@ FAMILIES = {family.model_type: family for family in (
            LLAMA_FIELDS | {"sliding_window", "resid_pdrop", "embd_pdrop", "partial_rotary_factor",
                            "original_max_position_embeddings"},  # the context longrope scaling starts from
            _phi3_to_ours, _phi3_to_hf),
-    Family("gemma2", "Gemma2ForCausalLM", "gemma2",
-           LLAMA_FIELDS | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
-                           "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
-                           "use_bidirectional_attention"},
-           _gemma2_to_ours, _gemma2_to_hf, features={"window_size": lambda window: window is not None}),
+    Family("gemma2", "Gemma2ForCausalLM", "gemma", GEMMA_FIELDS, lambda hf: _gemma_to_ours(hf, every=2),
+           _gemma_to_hf, features={"window_size": lambda window: window is not None}),
+    Family("gemma3_text", "Gemma3ForCausalLM", "gemma",
+           GEMMA_FIELDS | {"rope_local_base_freq", "sliding_window_pattern",
+                           "_sliding_window_pattern",  # transformers' copy of the pattern, which it does not read
+                           "cache_implementation"},  # generation's cache class ("hybrid"): not the model
+           _gemma3_to_ours, _gemma3_to_hf, features={"window_size": lambda window: window is not None,
+                                                      "qk_layernorm": True,
+                                                      "rotary_base_local": lambda base: base is not None}),
 )}
 
 # The features only some families have, and the value each takes where it is absent.
-_OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None}
-# Gemma 2's features (its own weight naming tells it apart on export): no other family describes them.
+_OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None}
+# Gemma's features (its own weight naming tells it apart on export): no other family describes them.
 GEMMA_FEATURES = {"post_sublayer_norm": False, "scale_embeddings": False, "geglu": False, "softmax_scale": None,
                   "attn_logit_softcapping": None, "final_logit_softcapping": None, "window_attn_skip_freq": None}
 
@@ -284,6 +330,10 @@ GEMMA_FEATURES = {"post_sublayer_norm": False, "scale_embeddings": False, "geglu
 def model_config_fields_from_hf(hf: dict) -> dict:
     """ModelConfig fields of a ``config.json``; an unknown family, field or variant is refused by name."""
     model_type = hf.get("model_type")
+    refuse(model_type == "gemma3", "a vision tower: config.json has model_type 'gemma3' "
+           "(Gemma3ForConditionalGeneration). Import its language model alone, model_type gemma3_text "
+           "(Gemma3ForCausalLM): the directory of that model, whose config.json is this one's text_config "
+           "(docs/model_families.md saves it in four lines of transformers)")
     if model_type not in FAMILIES:
         raise ConfigError(f"config.json has model_type {model_type!r}; megatron_lite imports "
                           f"{', '.join(f'{f.model_type} ({f.architecture})' for f in FAMILIES.values())}.")
@@ -330,4 +380,6 @@ def family_of(config: ModelConfig, naming: str) -> Family:
             return family
     raise ConfigError(f"no Hugging Face family has this model's combination of "
                       f"{', '.join(sorted(present))}: export needs at most one of --add-qkv-bias (Qwen2), "
-                      f"--qk-layernorm (Qwen3) and --window-size (Mistral).")
+                      f"--qk-layernorm (Qwen3) and --window-size (Mistral), or Gemma's features with "
+                      f"--window-size (Gemma 2) or with --window-size, --qk-layernorm and --rotary-base-local "
+                      f"(Gemma 3).")

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints (GPT-2, Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2) <-> megatron_lite global
-tensors.
+"""Hugging Face checkpoints (GPT-2, Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2 and 3) <-> megatron_lite
+global tensors.
 
 A Hugging Face model directory is ``config.json`` plus safetensors weights
 (``model.safetensors``, or shards listed in ``model.safetensors.index.json``).
@@ -16,9 +16,10 @@ What differs between the two naming schemes:
 - SwiGLU: ours is one fc1 = [gate; up]; Llama has gate_proj and up_proj.
 - Qwen2's q/k/v biases are packed as their weights are; Qwen3's q_norm/k_norm are our
   q_layernorm/k_layernorm. Which ``config.json`` fields each family has: ``hf_families``.
-- Gemma 2 names its four norms input_layernorm, post_attention_layernorm (after attention, not
-  before the MLP as Llama's), pre_feedforward_layernorm and post_feedforward_layernorm, and stores
-  their weights as scale - 1, as ours do with --apply-layernorm-1p: they are copied unchanged.
+- Gemma 2 and 3 name their four norms input_layernorm, post_attention_layernorm (after attention, not
+  before the MLP as Llama's), pre_feedforward_layernorm and post_feedforward_layernorm, and store
+  their weights (Gemma 3's q_norm/k_norm too) as scale - 1, as ours do with --apply-layernorm-1p:
+  they are copied unchanged.
 - Vocabulary: ours is padded (``ModelConfig.padded_vocab_size``): zero rows are added
   on import and cut on export.
 """
@@ -56,23 +57,23 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
 
 
 def hf_architecture(config: ModelConfig) -> str:
-    """'gpt2', 'llama' or 'gemma2': the Hugging Face weight naming our model matches exactly (Qwen and Mistral
-    name theirs as Llama does), else a ConfigError."""
+    """'gpt2', 'llama' or 'gemma': the Hugging Face weight naming our model matches exactly (Qwen and Mistral
+    name theirs as Llama does, Gemma 3 as Gemma 2), else a ConfigError."""
     gpt2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
                 add_bias_linear=True, num_query_groups=config.num_attention_heads,
                 head_dim=config.hidden_size // config.num_attention_heads, qk_layernorm=False, window_size=None,
                 **GEMMA_FEATURES)
     llama = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
                  rotary_percent=1.0, **GEMMA_FEATURES)
-    gemma2 = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, geglu=True,
-                  add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False, rotary_percent=1.0,
-                  apply_layernorm_1p=True, post_sublayer_norm=True, scale_embeddings=True)
-    for name, required in (("gpt2", gpt2), ("llama", llama), ("gemma2", gemma2)):
+    gemma = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, geglu=True,
+                 add_bias_linear=False, add_qkv_bias=False, rotary_percent=1.0, apply_layernorm_1p=True,
+                 post_sublayer_norm=True, scale_embeddings=True)
+    for name, required in (("gpt2", gpt2), ("llama", llama), ("gemma", gemma)):
         if all(getattr(config, k) == v for k, v in required.items()):
             return name
     raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA, head width "
                       "hidden / heads) nor Llama-like (RMSNorm, rope on every channel, SwiGLU, no biases but "
-                      "--add-qkv-bias) nor Gemma 2 (Llama's with --apply-layernorm-1p, --post-sublayer-norm, "
+                      "--add-qkv-bias) nor Gemma (Llama's with --apply-layernorm-1p, --post-sublayer-norm, "
                       "--scale-embeddings and --geglu): Hugging Face has no matching architecture to export to.")
 
 
@@ -133,7 +134,7 @@ _LLAMA_PROJECTIONS = (("self_attn.o_proj.weight", "self_attention.linear_proj.we
                       ("mlp.down_proj.weight", "mlp.linear_fc2.weight", False),
                       ("input_layernorm.weight", "input_layernorm.weight", False))
 _LLAMA_LAYER = _LLAMA_PROJECTIONS + (("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", False),)
-_GEMMA2_LAYER = _LLAMA_PROJECTIONS + (
+_GEMMA_LAYER = _LLAMA_PROJECTIONS + (
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight", False),
     ("pre_feedforward_layernorm.weight", "pre_mlp_layernorm.weight", False),
     ("post_feedforward_layernorm.weight", "post_mlp_layernorm.weight", False))
@@ -144,7 +145,7 @@ _QK_NORMS = (("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", Fa
 
 
 def _llama_layer_table(config: ModelConfig) -> tuple:
-    return (_GEMMA2_LAYER if config.post_sublayer_norm else _LLAMA_LAYER) + (_QK_NORMS if config.qk_layernorm else ())
+    return (_GEMMA_LAYER if config.post_sublayer_norm else _LLAMA_LAYER) + (_QK_NORMS if config.qk_layernorm else ())
 
 
 def _renamed_from_hf(take, table, theirs_prefix: str, ours_prefix: str) -> dict:
@@ -212,7 +213,7 @@ def weights_to_hf(read, config: ModelConfig, naming: str | None = None) -> dict:
     """Our global tensors (``read(name)``) -> HF state dict (vocabulary padding cut), named as ``weights_from_hf``."""
     naming = naming or hf_architecture(config)
     vocab = config.vocab_size
-    if config.apply_layernorm_1p and naming != "gemma2":  # Gemma 2 stores scale - 1 as ours does
+    if config.apply_layernorm_1p and naming != "gemma":  # Gemma stores scale - 1 as ours does
         read = _with_unit_norm_scale(read)
     hf = {}
     if naming == "gpt2":

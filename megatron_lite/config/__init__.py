@@ -100,6 +100,8 @@ class ModelConfig:
     apply_layernorm_1p: bool = False  # norm weights hold scale - 1 (Megatron's zero-centred gamma)
     position_embedding_type: str = field(default="learned_absolute", metadata={"choices": POSITION_EMBEDDING_TYPES})
     rotary_base: float = 10000.0
+    # The sliding-window layers' own RoPE base, never scaled (Gemma 3's local layers; Megatron-Bridge's name).
+    rotary_base_local: Optional[float] = None
     rotary_percent: float = 1.0  # fraction of each head's channels that rotary embeddings rotate
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     swiglu: bool = False
@@ -165,15 +167,19 @@ class ModelConfig:
         _require(self.window_size is None or (len(self.window_size) == 2 and self.window_size[0] >= 0
                                               and self.window_size[1] == 0),
                  f"--window-size takes LEFT 0 (a causal model sees no keys to its right), got {self.window_size}.")
+        _require(self.rotary_base_local is None or (self.window_size is not None
+                                                    and self.position_embedding_type == "rope"),
+                 "--rotary-base-local is the RoPE base of the sliding-window layers: it needs --window-size and "
+                 "--position-embedding-type rope.")
         skip_freq = self.window_attn_skip_freq
         _require(skip_freq is None or (self.window_size is not None and skip_freq > 0),
                  f"--window-attn-skip-freq ({self.window_attn_skip_freq}) makes every Nth layer global among "
                  f"sliding-window ones: it needs --window-size and a positive N.")
         _require(not self.geglu or self.swiglu, "--geglu changes the gate of --swiglu's gated MLP: add --swiglu.")
-        for flag, cap in [("--attn-logit-softcapping", self.attn_logit_softcapping),
-                          ("--final-logit-softcapping", self.final_logit_softcapping),
-                          ("--softmax-scale", self.softmax_scale)]:
-            _require(cap is None or cap > 0, f"{flag} must be positive, got {cap}.")
+        for flag, value in [("--attn-logit-softcapping", self.attn_logit_softcapping),
+                            ("--final-logit-softcapping", self.final_logit_softcapping),
+                            ("--softmax-scale", self.softmax_scale), ("--rotary-base-local", self.rotary_base_local)]:
+            _require(value is None or value > 0, f"{flag} must be positive, got {value}.")
         scalings = [self.rotary_seq_len_interpolation_factor is not None, self.use_rope_scaling]
         _require(self.position_embedding_type == "rope" or not any(scalings),
                  "--rotary-seq-len-interpolation-factor and --use-rope-scaling scale rotary embeddings: they need "

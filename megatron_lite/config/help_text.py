@@ -23,7 +23,10 @@ HELP = {
     "norm_epsilon": "epsilon inside the norms (Llama checkpoints often use 1e-6 or 1e-5)",
     "apply_layernorm_1p": "norm weights hold scale - 1, zero at init (Megatron's zero-centred gamma; both norms)",
     "position_embedding_type": "learned_absolute (GPT-2) or rope (rotary, Llama)",
-    "rotary_base": "RoPE base frequency theta (Llama 3: 500000)",
+    "rotary_base": "RoPE base frequency theta (Llama 3: 500000); with --rotary-base-local, the global layers' only",
+    "rotary_base_local": ("RoPE base of the sliding-window (local) layers, which then rotate without RoPE scaling; "
+                          "--rotary-base and the scaling are the global layers' (Gemma 3: 10000 and 1000000; "
+                          "Megatron-Bridge's rotary_base_local, not a Megatron-LM flag)"),
     "rotary_percent": "fraction of each head's channels that RoPE rotates (the first ones; GPT-NeoX: 0.25)",
     "attention_backend": ("auto, flash, fused: torch's scaled_dot_product_attention; unfused, local: explicit "
                           "QK^T, the fused causal masked softmax, then V"),

@@ -64,7 +64,8 @@ class SelfAttention(nn.Module):
         ``attention_mask``: None for causal attention, else bool [b, 1, s, s], True where a query may not
         attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split).
         With an ``inference_context`` (generation) the new tokens attend to the cached earlier ones too:
-        the mask is then [b, 1, s, cached + s]."""
+        the mask is then [b, 1, s, cached + s] (a sliding-window layer, which caches only its window, takes
+        its last columns)."""
         qkv, _ = self.linear_qkv(hidden_states)
         seq, batch = qkv.shape[:2]
         qkv = qkv.view(seq, batch, self.local_query_groups, (self.heads_per_group + 2) * self.head_dim)
@@ -77,7 +78,10 @@ class SelfAttention(nn.Module):
             key = kernels.apply_rotary_pos_emb(key, rotary_freqs)
         if inference_context is not None:
             # Keys are cached after their rotation: a position's angle never changes.
-            key, value = inference_context.append_key_value(self.layer_number, key, value)
+            window = None if self.sliding_window is None else self.sliding_window.left
+            key, value = inference_context.append_key_value(self.layer_number, key, value, window=window)
+            if attention_mask is not None:  # a windowed cache returns the most recent keys only
+                attention_mask = attention_mask[..., -key.shape[0]:]
         if self.prefix is not None:  # after the cache, which holds the sequence's own keys only
             key, value, attention_mask = self.prefix(key, value, attention_mask)
         if self.checkpoint_core_attention and self.training:

@@ -9,7 +9,7 @@ from torch import nn
 
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_freqs
+from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_angles
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.model.transformer_block import TransformerBlock
@@ -98,11 +98,10 @@ class GPTModel(nn.Module):
             hidden_states = self.embedding(input_ids, position_ids)
         else:
             hidden_states = self.input_tensor
-        freqs = None
+        rotary = None
         if self.config.position_embedding_type == "rope":
-            freqs = rotary_freqs(position_ids.to(hidden_states.device), self.config.rotary_dim, self.config.rotary_base,
-                                 scaling=self.config)
-        hidden_states = self.decoder(hidden_states, freqs, attention_mask, inference_context)
+            rotary = rotary_angles(position_ids.to(hidden_states.device), self.config)
+        hidden_states = self.decoder(hidden_states, rotary, attention_mask, inference_context)
         if not self.post_process:
             return hidden_states
         if inference_context is not None:

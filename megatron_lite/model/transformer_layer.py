@@ -14,6 +14,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.model.attention import SelfAttention
 from megatron_lite.model.mlp import MLP
 from megatron_lite.model.norm import Norm
+from megatron_lite.model.sliding_window import is_local_layer
 from megatron_lite.tensor_parallel import TensorParallelConfig
 from megatron_lite.tensor_parallel.random import get_rng_tracker
 
@@ -23,6 +24,7 @@ class TransformerLayer(nn.Module):
                  checkpoint_core_attention: bool = False):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init do not depend on the stage
+        self.local_attention = is_local_layer(config, layer_number)  # attends through a sliding window
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = tp_config.sequence_parallel
         norm = dict(normalization=config.normalization, eps=config.norm_epsilon,
