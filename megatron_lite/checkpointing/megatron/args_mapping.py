@@ -1,6 +1,6 @@
 """Megatron-LM's saved ``args`` <-> our ModelConfig, refusing by name what we do not implement.
 
-The gotchas (docs/reference.md, "Megatron-LM checkpoints"):
+The gotchas (docs/reference.md, section 12 "Megatron-LM checkpoints"):
 
 - ``num_query_groups`` is 1 in ``args`` when ``--group-query-attention`` is off: the
   model then has one group per head.

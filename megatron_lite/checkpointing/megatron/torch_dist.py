@@ -1,4 +1,4 @@
-"""Megatron-LM's ``torch_dist`` checkpoints: ``torch.distributed.checkpoint`` files, read without Megatron.
+"""Megatron-LM's ``torch_dist`` checkpoints (docs/reference.md, section 12), read and written without Megatron.
 
     iter_0001000/.metadata          pickled torch.distributed.checkpoint Metadata: every tensor's
                                     global shape, its chunks and where each chunk's bytes are
