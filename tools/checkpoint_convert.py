@@ -75,10 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--megatron-ckpt-format", choices=CKPT_FORMATS, default="torch",
                         help="with --target-format megatron: the format written, Megatron-LM's --ckpt-format "
                              "(torch: the legacy mp_rank_* files; torch_dist: torch.distributed.checkpoint files)")
-    parser.add_argument("--megatron-common-state", choices=torch_dist.COMMON_STATE_LAYOUTS, default="common.pt",
+    parser.add_argument("--megatron-common-state", choices=torch_dist.COMMON_STATE_LAYOUTS,
                         help="with --megatron-ckpt-format torch_dist: where the args and iteration go: common.pt "
-                             "(Megatron-Core up to 0.18 writes it, every version reads it) or distcp (inside the "
-                             ".distcp files, as Megatron-Core 0.19 and later write them)")
+                             "(the default: Megatron-Core up to 0.18 writes it, every version reads it) or distcp "
+                             "(inside the .distcp files, as Megatron-Core 0.19 and later write them)")
     lora = parser.add_argument_group("adapter checkpoints (--peft)")
     lora.add_argument("--merge-lora", action="store_true",
                       help="merge the adapters of a LoRA checkpoint into its base and write the merged model")
@@ -131,9 +131,12 @@ def _convert(args, sizes: dict) -> str:
         return hf_interop.import_hf_checkpoint(args.load_dir, args.save_dir, **sizes)
     if source == "megatron" and target == "megatron_lite":
         return import_megatron_checkpoint(args.load_dir, args.save_dir, **sizes)
+    if args.megatron_common_state and (target, args.megatron_ckpt_format) != ("megatron", "torch_dist"):
+        raise ConfigError("--megatron-common-state lays out a torch_dist export: give it with --target-format "
+                          "megatron --megatron-ckpt-format torch_dist, or drop it.")
     if source == "megatron_lite" and target == "megatron" and not (args.merge_lora or args.fold_prefix_projection):
         return export_megatron_checkpoint(args.load_dir, args.save_dir, ckpt_format=args.megatron_ckpt_format,
-                                          common_state=args.megatron_common_state, **sizes)
+                                          common_state=args.megatron_common_state or "common.pt", **sizes)
     if source == "peft" and target == "megatron_lite":
         if not args.base_checkpoint:
             raise ConfigError("--source-format peft needs --base-checkpoint: the megatron_lite checkpoint of the "

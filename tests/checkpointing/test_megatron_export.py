@@ -168,3 +168,10 @@ def test_a_model_megatron_cannot_rebuild_is_refused_by_flag():
     with pytest.raises(ConfigError, match="--window-size"):
         megatron_args_from_config(windowed, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                   iteration=0, source="ckpt")
+
+
+def test_common_state_layout_is_refused_outside_a_torch_dist_export(tmp_path, capsys):
+    assert convert(["--target-format", "megatron", "--megatron-ckpt-format", "torch", "--megatron-common-state",
+                    "distcp", "--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "out")]) == 1
+    assert "--megatron-common-state lays out a torch_dist export" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
