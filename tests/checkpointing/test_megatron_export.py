@@ -21,9 +21,11 @@ from tests.checkpointing.test_megatron_import import fixture, megatron_logits, o
 from tools.checkpoint_convert import main as convert
 
 
-def _imported(name: str, tmp_path) -> str:
+def _imported(name: str, tmp_path, tp: int = 1, pp: int = 1) -> str:
+    """The fixture as our checkpoint at our layout (tp, pp)."""
     root = str(tmp_path / "ours")
-    assert convert(["--source-format", "megatron", "--load-dir", fixture(name), "--save-dir", root]) == 0
+    assert convert(["--source-format", "megatron", "--load-dir", fixture(name), "--save-dir", root,
+                    "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp)]) == 0
     return root
 
 
@@ -94,14 +96,14 @@ def _files(directory: str) -> list:
     return sorted(f for f in os.listdir(directory) if os.path.isfile(os.path.join(directory, f)))
 
 
-@pytest.mark.parametrize("name,common_state", [("gpt2_tp2pp1_torch_dist", "common.pt"),
-                                               ("llama_tp2pp1_torch_dist_core020", "distcp")])
-def test_torch_dist_export_writes_megatrons_files(name, common_state, tmp_path):
+@pytest.mark.parametrize("name,common_state,our_layout", [("gpt2_tp2pp1_torch_dist", "common.pt", (2, 2)),
+                                                          ("llama_tp2pp1_torch_dist_core020", "distcp", (1, 1))])
+def test_torch_dist_export_writes_megatrons_files(name, common_state, our_layout, tmp_path):
     """Imported from Megatron-Core's torch_dist files (core 0.17: common.pt; main: the common state inside the
-    .distcp) and exported as torch_dist at their layout: the same keys (layers stacked, Transformer Engine's norm
-    names, ``_extra_state`` objects), global shapes, dtypes, chunks, the same rank's file holding each chunk, the
-    very same values, metadata.json and common state."""
-    exported = _exported(_imported(name, tmp_path), str(tmp_path / "megatron"), 2, 1, "torch_dist",
+    .distcp) into our checkpoint at ``our_layout``, and exported as torch_dist at their layout: the same keys
+    (layers stacked, Transformer Engine's norm names, ``_extra_state`` objects), global shapes, dtypes, chunks,
+    the same rank's file holding each chunk, the very same values, metadata.json and common state."""
+    exported = _exported(_imported(name, tmp_path, *our_layout), str(tmp_path / "megatron"), 2, 1, "torch_dist",
                          "--megatron-common-state", common_state)
     theirs, ours = (os.path.join(root, "iter_0000010") for root in (fixture(name), exported))
     their_files, our_files = _torch_dist_files(theirs), _torch_dist_files(ours)
