@@ -210,7 +210,7 @@ def check_exports(snapshots: Snapshots, workdir: str, fixtures_dir: str, only=No
     bad = []
     for check, r in results:
         precision = "bf16" if "--bf16" in FIXTURES[check.fixture].extra else "fp32"
-        print(f"{check.fixture} exported as {check.ckpt_format} {' '.join(check.extra)} at tp{check.tp}pp{check.pp}, "
+        print(f"{check.fixture} exported as {' '.join((check.ckpt_format, *check.extra))} at tp{check.tp}pp{check.pp}, "
               f"loaded by Megatron-LM {check.ref[:12]}: max |logits - fixture's| = {r['max_abs_diff']:.3g} "
               f"({precision})")
         if not r["max_abs_diff"] <= EXPORT_ATOL[precision]:
