@@ -172,6 +172,15 @@ def test_a_model_megatron_cannot_rebuild_is_refused_by_flag():
                                   iteration=0, source="ckpt")
 
 
+def test_an_export_over_an_existing_iteration_is_refused(tmp_path, capsys):
+    root = _imported("gpt2_tp1pp1_legacy_model", tmp_path)
+    (tmp_path / "megatron" / "iter_0000010").mkdir(parents=True)
+    assert convert(["--target-format", "megatron", "--megatron-ckpt-format", "torch_dist", "--load-dir", root,
+                    "--save-dir", str(tmp_path / "megatron")]) == 1
+    assert "iter_0000010 exists: a Megatron-LM export is written into a new directory" in capsys.readouterr().err
+    assert not os.listdir(tmp_path / "megatron" / "iter_0000010")
+
+
 def test_common_state_layout_is_refused_outside_a_torch_dist_export(tmp_path, capsys):
     assert convert(["--target-format", "megatron", "--megatron-ckpt-format", "torch", "--megatron-common-state",
                     "distcp", "--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "out")]) == 1

@@ -18,6 +18,7 @@ The weights only: Megatron-LM starts the optimizer fresh.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -26,7 +27,7 @@ from megatron_lite.checkpointing.megatron.args_mapping import megatron_args_from
 from megatron_lite.checkpointing.offline import stage_model
 from megatron_lite.checkpointing.resharding import CheckpointReader, has_vocab_rows, resize_vocab
 from megatron_lite.checkpointing.save_load import checkpoint_name
-from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
+from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ParallelConfig
 from megatron_lite.model import GPTModel
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, shard_tensor
@@ -66,6 +67,10 @@ def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
     config = dataclasses.replace(config, parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                                                  pipeline_model_parallel_size=pp))
     iteration = reader.metadata["iteration"]
+    if os.path.exists(legacy.iteration_path(save_dir, iteration)):
+        raise CheckpointError(f"{legacy.iteration_path(save_dir, iteration)} exists: a Megatron-LM export is written "
+                              f"into a new directory (files left from another export would be read with it); give "
+                              f"another save directory or remove that one.")
     args = megatron_args_from_config(config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      iteration=iteration, source=load_dir, ckpt_format=ckpt_format)
     stages = (_stage(config, reader, pipeline_rank) for pipeline_rank in range(pp))
