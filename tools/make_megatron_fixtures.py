@@ -9,9 +9,9 @@ the refs of FIXTURES (core_v0.17.0 and a commit of main):
     # our export, read back by Megatron-LM: each fixture imported, exported by
     # tools/checkpoint_convert.py (legacy or torch_dist, at another layout), loaded with Megatron's
     # own load_checkpoint (--use-checkpoint-args: the architecture from the args we wrote) and its
-    # logits compared with the fixture's
-    PYTHONPATH=$PWD python tools/make_megatron_fixtures.py --megatron-git-dir /path/to/Megatron-LM/.git \\
-        --check-exports
+    # logits compared with the fixture's (megatron_lite installed in the same environment)
+    pip install --no-deps . && pip install regex sentencepiece tiktoken tokenizers
+    python tools/make_megatron_fixtures.py --megatron-git-dir /path/to/Megatron-LM/.git --check-exports
 
 What it does: ``git archive`` each ref into a throwaway directory, ``pip install --target``
 the few packages it imports (MEGATRON_DEPS) beside it, and run each fixture in a
@@ -24,8 +24,9 @@ logits for a fixed batch, written as ``logits.safetensors`` beside the checkpoin
 
 CPU stand-ins, in this script only: CUDA's RNG-state calls and ``synchronize`` become
 the CPU ones / no-ops, pipeline stages hand activations to each other with plain
-``send``/``recv`` (Megatron's p2p code allocates its buffers on the CUDA device), and the
-legacy model's LayerNorm gets torch's layer norm in place of apex's CUDA kernel.
+``send``/``recv`` (Megatron's p2p code allocates its buffers on the CUDA device), the
+legacy model's LayerNorm gets torch's layer norm in place of apex's CUDA kernel, and
+Megatron-LM's main gets an inert triton module and ``typing.override`` (``triton_stand_in``).
 """
 from __future__ import annotations
 
