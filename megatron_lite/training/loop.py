@@ -32,6 +32,7 @@ from megatron_lite.distributed import DistributedDataParallel, finalize_model_gr
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
 from megatron_lite.checkpointing.save_lock import holding_save_lock
 from megatron_lite.model.builder import FSDP_UNIT_MODULES, build_model, current_device
+from megatron_lite.model.moe import routing_statistics
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.optimizer.optimizer_param_scheduler import get_optimizer_param_scheduler
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
@@ -97,9 +98,13 @@ def train_step(config: Config, parallel_state: ParallelState, model_chunks, opti
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    # Mixture-of-experts routers: their losses' gradient follows the language-model loss's scaling.
+    routing_statistics.start_iteration(model_chunks, loss_scale=optimizer.get_loss_scale(),
+                                       num_microbatches=num_microbatches, per_token=calculate_per_token_loss(config))
     losses = _forward_backward(config, parallel_state, model_chunks, data_iterator, num_microbatches,
                                forward_only=False, grad_scale_func=optimizer.scale_loss,
                                forward_step_func=forward_step_func)
+    routing_statistics.update_expert_bias(model_chunks, parallel_state)  # once per global batch
     operations.empty_unused_memory(config.training, level=1)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
@@ -270,7 +275,8 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
                 state.nan_iterations += 0 if math.isfinite(loss) else 1
                 state.losses.append(loss)
             logger.record(loss, time.perf_counter() - step_start, skipped=not update_successful,
-                          global_batch=global_batch)
+                          global_batch=global_batch,
+                          routing=routing_statistics.routing_summary(model_chunks, parallel_state, config.model))
             if _every(state.iteration, training.check_weight_hash_across_dp_replicas_interval):
                 check_weight_hash_across_dp_replicas(model_chunks, parallel_state, state.iteration)
             if _every(state.iteration, config.logging.log_interval):
