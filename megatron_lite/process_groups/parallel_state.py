@@ -297,6 +297,12 @@ class ParallelState:
         return self.groups.get("expert_data", self.data_parallel_group_with_context)
 
     @property
+    def splits_experts(self) -> bool:
+        """Whether expert weights are split and replicated other than the dense ones (expert-model size
+        above one, or an expert-tensor size other than the tensor size): they then have groups of their own."""
+        return "expert_tensor_model_pipeline" in self.groups
+
+    @property
     def expert_tensor_model_pipeline_group(self):
         """The ranks of one replica of every expert (tensor x pipeline when experts are not split)."""
         return self.groups.get("expert_tensor_model_pipeline", self.groups["model"])

@@ -52,10 +52,11 @@ from megatron_lite.checkpointing.training_state import TrainingState
 
 
 def get_model(config: Config, parallel_state: ParallelState) -> list[DistributedDataParallel]:
-    """This rank's model chunks wrapped for data-parallel gradient reduction (Megatron's get_model)."""
-    group = parallel_state.data_parallel_group
-    return [DistributedDataParallel(chunk, config=config.parallel, data_parallel_group=group,
-                                    fsdp_unit_modules=FSDP_UNIT_MODULES)
+    """This rank's model chunks wrapped for data-parallel gradient reduction (Megatron's get_model): expert
+    weights over the expert-data-parallel group, the rest over the data-parallel one."""
+    groups = dict(data_parallel_group=parallel_state.data_parallel_group,
+                  expert_data_parallel_group=parallel_state.expert_data_parallel_group)
+    return [DistributedDataParallel(chunk, config=config.parallel, fsdp_unit_modules=FSDP_UNIT_MODULES, **groups)
             for chunk in build_model(config, parallel_state)]
 
 
@@ -188,6 +189,8 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     parallel_state = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
                                                config.parallel.pipeline_model_parallel_size,
                                                config.parallel.virtual_pipeline_model_parallel_size,
+                                               expert_model_parallel_size=config.parallel.expert_model_parallel_size,
+                                               expert_tensor_parallel_size=config.parallel.expert_tensor_parallel_size,
                                                distributed_timeout_minutes=config.parallel.distributed_timeout_minutes)
     plan = plan_run(config, parallel_state)
     failures.run_on_every_rank(lambda: check_data_paths(config.data), "check the data paths")

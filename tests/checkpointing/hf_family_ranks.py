@@ -18,10 +18,11 @@ from megatron_lite.training.loop import pretrain
 STEPS = 5
 
 
-def load(root: str, tp: int = 1, pp: int = 1):
+def load(root: str, tp: int = 1, pp: int = 1, ep: int = 1):
     config = read_checkpoint_config(root, ParallelConfig(tensor_model_parallel_size=tp,
-                                                         pipeline_model_parallel_size=pp))
-    parallel_state = initialize_model_parallel(tp, pp)
+                                                         pipeline_model_parallel_size=pp,
+                                                         expert_model_parallel_size=ep))
+    parallel_state = initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     return load_model(config, parallel_state), parallel_state
 
 
@@ -45,6 +46,18 @@ def tp2_pp2_rank(rank, world_size, runs, prompts, generation):
     for root, input_ids in runs:
         model, parallel_state = load(root, tp=2, pp=2)
         results.append((_pipelined_logits(model, parallel_state, input_ids),
+                        generate(model, prompts, greedy=True, parallel_state=parallel_state, **generation)))
+        destroy_model_parallel(parallel_state)
+    return results
+
+
+def layouts_rank(rank, world_size, root, input_ids, layouts, prompts, generation):
+    """For each (tp, pp, ep) of ``layouts``: (logits of the input ids on the last stage, else None; greedy tokens
+    after ``prompts`` with ``generation``'s settings)."""
+    results = []
+    for tp, pp, ep in layouts:
+        model, parallel_state = load(root, tp=tp, pp=pp, ep=ep)
+        results.append((_pipelined_logits(model, parallel_state, input_ids) if pp > 1 else model(input_ids).detach(),
                         generate(model, prompts, greedy=True, parallel_state=parallel_state, **generation)))
         destroy_model_parallel(parallel_state)
     return results

@@ -20,7 +20,8 @@ from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: 
 from megatron_lite.config import ConfigError  # noqa: E402
 from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
-from tests.checkpointing.hf_family_ranks import load  # noqa: E402
+from tests.checkpointing.hf_family_ranks import layouts_rank, load  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import EOS, MAX_NEW_TOKENS, PAD, PROMPTS, _hf_generate  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
 
@@ -92,6 +93,24 @@ def test_logits_and_greedy_generation_equal_transformers(mixtral, input_ids):
             hf_model, PROMPTS[1:2])
     finally:
         destroy_model_parallel(parallel_state)
+
+
+def test_expert_parallel_logits_and_generation_equal_transformers(mixtral, input_ids):
+    """ep2 (with dp), ep2 x tp2 and ep2 x pp2, each in the same world of 4 ranks."""
+    hf_model, _, root = mixtral
+    layouts = [(1, 1, 2), (2, 1, 2), (1, 2, 2)]
+    generation = dict(max_new_tokens=MAX_NEW_TOKENS, eod=EOS)
+    per_rank = run_distributed(layouts_rank, 4, args=(root, input_ids, layouts, PROMPTS, generation))
+    with torch.no_grad():
+        expected = hf_model(input_ids).logits
+    expected_tokens = hf_generate(hf_model, PROMPTS)
+    for index, layout in enumerate(layouts):
+        results = [rank_results[index] for rank_results in per_rank]
+        assert sum(logits is not None for logits, _ in results) == (2 if layout[1] > 1 else 4), layout
+        for logits, tokens in results:
+            if logits is not None:
+                torch.testing.assert_close(logits, expected, atol=ATOL, rtol=RTOL, msg=str(layout))
+            assert tokens == expected_tokens, layout
 
 
 def test_each_layers_load_balancing_loss_is_transformers(mixtral, input_ids):

@@ -134,7 +134,8 @@ def test_balancing_and_z_losses_equal_their_formulas_and_reach_the_router_weight
         balance = sum(E / (K * length ** 2) * (scores[s::sequences].sum(0) * counts[s::sequences].sum(0)).sum()
                       for s in range(sequences)) / sequences
     z = torch.logsumexp(logits, -1).square().mean()
-    torch.testing.assert_close(r.loss_sums["load_balancing_loss"], balance.detach())
+    logged = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}[kind]
+    torch.testing.assert_close(r.loss_sums[logged], balance.detach())
     torch.testing.assert_close(r.loss_sums["z_loss"], z.detach())
     # The router weight's gradient: the probabilities' own plus the two losses with their coefficients.
     reference = router(moe_router_load_balancing_type=kind, moe_router_score_function=function).eval()

@@ -38,6 +38,10 @@ from megatron_lite.model.moe.aux_losses import attach_loss, load_balancing_loss,
 from megatron_lite.process_groups import collectives
 
 
+# What the routers' losses are logged as (Megatron-LM's names): aux_loss's, seq_aux_loss's, the z-loss.
+LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+
+
 @dataclass(frozen=True)
 class TokenLayout:
     """Where this rank's tokens sit in the micro-batch: ``sequence_ids`` [tokens] the sequence of each,
@@ -98,7 +102,7 @@ class TopKRouter(nn.Module):
     def reset_statistics(self) -> None:
         """Start an iteration's statistics: tokens per expert, loss sums and the micro-batches they cover."""
         self.tokens_per_expert.zero_()
-        self.loss_sums = {"load_balancing_loss": 0.0, "z_loss": 0.0}
+        self.loss_sums = dict.fromkeys(LOSS_NAMES, 0.0)
         self.microbatches = 0
 
     def forward(self, tokens: torch.Tensor, layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,8 +114,8 @@ class TopKRouter(nn.Module):
                                   layout)
         probs, routing_map = self._top_k(logits)
         if training and self.load_balancing_type != "none" and self.aux_loss_coeff > 0:
-            probs = self._attach(probs, "load_balancing_loss", self._balancing_loss(logits, layout),
-                                 self.aux_loss_coeff, layout)
+            probs = self._attach(probs, LOSS_NAMES[self.load_balancing_type == "seq_aux_loss"],
+                                 self._balancing_loss(logits, layout), self.aux_loss_coeff, layout)
         if self.capacity_factor is not None:
             probs, routing_map = self._drop_past_capacity(probs, routing_map)
         if training:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.moe.router import AuxLossScale, TopKRouter
+from megatron_lite.model.moe.router import LOSS_NAMES, AuxLossScale, TopKRouter
 from megatron_lite.process_groups import collectives
 
 
@@ -76,7 +76,7 @@ def routing_summary(model_chunks: list, parallel_state, config: ModelConfig) -> 
     """This iteration's ``RoutingSummary`` (a collective over every rank; None in a model without experts)."""
     if config.num_experts is None:
         return None
-    names = ("load_balancing_loss", "z_loss")
+    names = LOSS_NAMES
     groups = _all_groups(parallel_state)
     # A row per layer: [this rank's share of each loss summed over micro-batches, micro-batches, counts...].
     table = torch.zeros(config.num_layers, len(names) + 1 + config.num_experts,
