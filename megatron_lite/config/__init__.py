@@ -716,6 +716,10 @@ class Config:
                  f"--ffn-hidden-size ({model.ffn_hidden_size}) must be divisible by "
                  f"--tensor-model-parallel-size ({tp}).")
         _check_expert_parallel(model, parallel)
+        mlp_targets = sorted({"linear_fc1", "linear_fc2"} & set(self.peft.lora_target_modules))
+        _require(model.num_experts is None or self.peft.peft != "lora" or not mlp_targets,
+                 f"--peft lora on experts is not implemented yet: with --num-experts give --lora-target-modules "
+                 f"linear_qkv linear_proj (attention only), not {' '.join(mlp_targets)}.")
         _require(not parallel.sequence_parallel or model.seq_length % tp == 0,
                  f"--sequence-parallel splits the sequence: --seq-length ({model.seq_length}) must be "
                  f"divisible by --tensor-model-parallel-size ({tp}).")

@@ -17,7 +17,7 @@ MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_
            moe_aux_loss_coeff=1e-2)
 
 
-def tiny_config(tp: int = 1, pp: int = 1, *, arch: dict = LLAMA, vpp=None, dist_opt: bool = False,
+def tiny_config(tp: int = 1, pp: int = 1, *, ep: int = 1, arch: dict = LLAMA, vpp=None, dist_opt: bool = False,
                 strategy: str | None = None, sequence_parallel: bool = False, iters: int = 4, global_batch: int = 8,
                 dropout: float = 0.0, save=None, load=None, save_interval=None, exit_interval=None,
                 **checkpoint_flags) -> Config:
@@ -26,6 +26,7 @@ def tiny_config(tp: int = 1, pp: int = 1, *, arch: dict = LLAMA, vpp=None, dist_
                           vocab_size=60, make_vocab_size_divisible_by=32, hidden_dropout=dropout,
                           attention_dropout=dropout, **arch),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                expert_model_parallel_size=ep,
                                 virtual_pipeline_model_parallel_size=vpp, use_distributed_optimizer=dist_opt,
                                 data_parallel_sharding_strategy=strategy,
                                 sequence_parallel=sequence_parallel),

@@ -20,7 +20,7 @@ from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: 
 from megatron_lite.config import ConfigError  # noqa: E402
 from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
-from tests.checkpointing.hf_family_ranks import layouts_rank, load  # noqa: E402
+from tests.checkpointing.hf_family_ranks import layouts_rank, load, sgd_step_gradients  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import EOS, MAX_NEW_TOKENS, PAD, PROMPTS, _hf_generate  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
@@ -159,6 +159,35 @@ def test_one_layer_training_loss_and_gradients_are_transformers(tmp_path, input_
                                    theirs["model.embed_tokens.weight"].grad, atol=1e-6, rtol=1e-5)
     finally:
         destroy_model_parallel(parallel_state)
+
+
+def test_router_loss_gradient_under_accumulation_and_data_parallelism_is_transformers(tmp_path):
+    """Two micro-batches, accumulated at one process and split over two data-parallel ranks: the step's gradient
+    is transformers' gradient of the mean of the two micro-batches' losses (cross entropy + coefficient x
+    aux_loss), as its Trainer accumulates them."""
+    hf_model, _, root = _imported(tmp_path, layers=1)
+    hf_model.train()
+    ids = torch.randint(2, VOCAB, (2, 2, 16), generator=torch.Generator().manual_seed(3))
+    for micro_batch in ids:
+        (hf_model(micro_batch, labels=micro_batch).loss / len(ids)).backward()
+    theirs = dict(hf_model.named_parameters())
+    # Ours predicts every position's next token: the last position, whose next token transformers does not
+    # have, is masked out of the loss (the router still sees all 16 tokens, as transformers').
+    loss_mask = torch.ones(2, 16)
+    loss_mask[:, -1] = 0
+    microbatches = [{"tokens": m, "labels": m.roll(-1, dims=1), "loss_mask": loss_mask,
+                     "position_ids": torch.arange(16).expand(2, 16)} for m in ids]
+    for world_size in (1, 2):
+        args = (root, microbatches)
+        ours = sgd_step_gradients(0, 1, *args) if world_size == 1 else run_distributed(sgd_step_gradients, 2, args)[0]
+        expected = {"decoder.layers.0.mlp.router.weight": theirs["model.layers.0.mlp.gate.weight"].grad,
+                    "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight":
+                        theirs["model.layers.0.mlp.experts.down_proj"].grad[3],
+                    "decoder.layers.0.self_attention.linear_proj.weight":
+                        theirs["model.layers.0.self_attn.o_proj.weight"].grad}
+        for name, gradient in expected.items():
+            torch.testing.assert_close(torch.from_numpy(ours[name]), gradient, atol=1e-6, rtol=1e-5,
+                                       msg=f"{name} at {world_size} process(es)")
 
 
 def _our_tensors(root: str) -> dict:

@@ -1,5 +1,6 @@
 """Expert parallelism trains like one process: 5 steps through ``pretrain`` at every layout below, losses and
-final weights (experts and their routers' expert bias included) within 1e-5 relative of the single-process run.
+final weights (experts and their routers' expert bias included) within 1e-5 relative of the single-process run,
+and the last iteration's routing statistics (the log line's auxiliary losses and tokens per expert) the same.
 
 The model: 4 layers, the first dense and three of 4 experts each (``--moe-layer-freq "([0]+[1]*3)"``), top 2,
 SGD with momentum and clipping that bites. Two
@@ -56,9 +57,13 @@ def _config(variant: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
 def _train(rank, world_size, layouts):
     from megatron_lite.training.loop import pretrain
 
+    from megatron_lite.model.moe.routing_statistics import routing_summary
+
     results = []
     for layout in layouts:
-        state, model_chunks, parallel_state = pretrain(_config(**layout), keep_process_group=True)
+        config = _config(**layout)
+        state, model_chunks, parallel_state = pretrain(config, keep_process_group=True)
+        summary = routing_summary(model_chunks, parallel_state, config.model)  # the last iteration's, everywhere
         tensors, shard_ranks = {}, {}
         for chunk in model_chunks:
             chunk.finish_param_sync()
@@ -68,7 +73,8 @@ def _train(rank, world_size, layouts):
             shard_ranks.update({name: parallel_state.tensor_split(param)[0]
                                 for name, param in chunk.module.named_parameters()})
         results.append({"losses": state.losses, "tensors": tensors, "shard_ranks": shard_ranks,
-                        "tp_rank": parallel_state.tensor_model_parallel_rank})
+                        "tp_rank": parallel_state.tensor_model_parallel_rank,
+                        "routing": (summary.losses, summary.tokens_per_expert.numpy())})
     return results
 
 
@@ -76,16 +82,22 @@ def _train(rank, world_size, layouts):
 def single_process():
     """(losses, whole weights) of each variant's reference run."""
     per_variant = run_distributed(_train, 1, args=([{"variant": v} for v in VARIANTS],))[0]
-    return {v: (result["losses"], full_tensors([result])) for v, result in zip(VARIANTS, per_variant)}
+    return {v: (result["losses"], full_tensors([result]), result["routing"])
+            for v, result in zip(VARIANTS, per_variant)}
 
 
 def _check_layouts(single_process, world_size: int, layouts: list) -> None:
     per_rank = run_distributed(_train, world_size, args=(layouts,), timeout=600)
     for index, layout in enumerate(layouts):
-        reference_losses, reference_weights = single_process[layout["variant"]]
+        reference_losses, reference_weights, (reference_losses_logged, reference_counts) = single_process[
+            layout["variant"]]
         what = f"world {world_size} {layout}"
         results = [r[index] for r in per_rank]
         assert_losses_match([r["losses"] for r in results], reference_losses, STEPS, what)
+        for logged, counts in (r["routing"] for r in results):  # the log line's routing, the same on every rank
+            assert (counts == reference_counts).all(), what
+            for name, value in logged.items():
+                assert value == pytest.approx(reference_losses_logged[name], rel=1e-5, abs=1e-7), (what, name)
         weights = full_tensors(results)
         weights.pop("output_layer.weight", None)  # the last stage's copy of the tied embedding
         assert set(weights) == set(reference_weights), what  # every expert of every layer is held somewhere

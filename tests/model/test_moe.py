@@ -1,6 +1,6 @@
 """Mixture-of-experts layers at one process: the router against its formulas written out here, the grouped
 GEMM against the loop, the layer against a token-by-token reference, the losses' gradients, the layer
-pattern, and the flags' checks (docs/reference.md, "Mixture of experts")."""
+pattern, and the flags' checks (docs/reference.md section 12)."""
 import math
 
 import pytest
@@ -268,6 +268,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--num-experts", "4", "--moe-shared-expert-gate"], "add --moe-shared-expert-intermediate-size"),
     (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "add --moe-expert-capacity-factor"),
     (["--num-experts", "4", "--moe-router-score-function", "sqrtsoftplus"], "invalid choice"),
+    (["--num-experts", "4", "--peft", "lora", "--peft-without-base-checkpoint"], "lora on experts is not implemented"),
+    (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "dispatches tokens with all-to-all only"),
 ])
 def test_moe_flags_are_checked_naming_the_flag(extra, match):
     if match is None:  # routing flags alone mean nothing: the defaults are Megatron-LM's and harmless
@@ -280,3 +282,44 @@ def test_moe_flags_are_checked_naming_the_flag(extra, match):
 def test_expert_biases_are_refused_until_implemented():
     with pytest.raises(ConfigError, match="add --disable-bias-linear"):
         parse_args(BASE[:-1] + ["--num-experts", "4"])
+
+
+def test_log_line_shows_the_routers_losses_and_expert_load(capsys):
+    from megatron_lite.config import DataConfig, LoggingConfig, TrainingConfig
+    from megatron_lite.model.moe.routing_statistics import routers
+    from megatron_lite.training.loop import pretrain
+    config = Config(model=moe_config(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
+                    training=TrainingConfig(micro_batch_size=2, global_batch_size=4, train_iters=2),
+                    data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=1, log_memory=False))
+    _, chunks, _ = pretrain(config)
+    last = [line for line in capsys.readouterr().out.splitlines() if " iteration        2/" in line][0]
+    fields = dict(part.strip().rsplit(": ", 1) for part in last.split("|") if ": " in part)
+    found = routers(chunks)  # the last iteration's statistics, 2 micro-batches
+    assert float(fields["load_balancing_loss"]) == pytest.approx(
+        sum(r.loss_sums["load_balancing_loss"].item() / r.microbatches for r in found.values()) / len(found), rel=1e-6)
+    assert float(fields["z_loss"]) == pytest.approx(
+        sum(r.loss_sums["z_loss"].item() / r.microbatches for r in found.values()) / len(found), rel=1e-6)
+    counts = torch.stack([r.tokens_per_expert for r in found.values()])
+    assert counts.sum().item() == 2 * 4 * 16 * K  # layers x sequences x tokens x top-k
+    assert float(fields["expert load max/min"]) == pytest.approx((counts.max(1).values / counts.min(1).values).max()
+                                                                  .item(), abs=0.006)
+    assert list(fields).index("load_balancing_loss") == list(fields).index("lm loss") + 1  # Megatron-LM's place
+
+
+def test_a_per_token_loss_weighs_the_router_losses_as_the_mean_of_micro_batches():
+    """Every token counts here, so --calculate-per-token-loss trains exactly as the per-micro-batch mean: its
+    router losses, multiplied by each micro-batch's tokens before the global division, too."""
+    from megatron_lite.config import DataConfig, LoggingConfig, TrainingConfig
+    from megatron_lite.training.loop import pretrain
+    runs = []
+    for per_token in (False, True):
+        config = Config(model=moe_config(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1),
+                        training=TrainingConfig(micro_batch_size=2, global_batch_size=4, train_iters=2,
+                                                calculate_per_token_loss=per_token),
+                        data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=10, log_memory=False))
+        state, chunks, _ = pretrain(config)
+        runs.append((state.losses, {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}))
+    (mean_losses, mean_weights), (token_losses, token_weights) = runs
+    assert token_losses == pytest.approx(mean_losses, rel=1e-6)
+    for name, weight in mean_weights.items():
+        torch.testing.assert_close(token_weights[name], weight, rtol=1e-5, atol=1e-7, msg=name)

@@ -1,7 +1,6 @@
 """The router's auxiliary losses, and how their gradient joins the backward pass.
 
-With E experts, top-k routing and the T tokens of a micro-batch (docs/reference.md, "Mixture of
-experts"):
+With E experts, top-k routing and the T tokens of a micro-batch (docs/reference.md section 12):
 
     aux_loss      E / (k T^2) * sum_e C_e P_e                 Switch Transformer's load balancing, as
                                                               Megatron-LM: C_e tokens routed to expert e,
