@@ -78,26 +78,17 @@ class _GatherRows(torch.autograd.Function):
         return _own(grad, ctx.sizes, ctx.group), None, None, None
 
 
-class _ReduceScatterRows(torch.autograd.Function):
+class _OwnRows(torch.autograd.Function):
+    """Forward: this rank's rows, of the sum over ranks (``reduce``) or of a tensor all hold. Backward: gather."""
+
     @staticmethod
-    def forward(ctx, x, sizes, group):
+    def forward(ctx, x, sizes, group, reduce):
         ctx.sizes, ctx.group = sizes, group
-        return _reduce_scatter(x, sizes, group)
+        return _reduce_scatter(x, sizes, group) if reduce else _own(x, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.sizes, ctx.group), None, None
-
-
-class _SplitRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _own(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.sizes, ctx.group), None, None
+        return _gather(grad, ctx.sizes, ctx.group), None, None, None
 
 
 def all_to_all(x: torch.Tensor, group, *, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
@@ -114,9 +105,9 @@ def gather_rows(x: torch.Tensor, sizes: list[int], group, *, partial_grads: bool
 
 def reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """Sum every rank's ``x`` (rows ``sizes[0]``, ``sizes[1]``, ...) and keep this rank's rows."""
-    return x if group is None else _ReduceScatterRows.apply(x, sizes, group)
+    return x if group is None else _OwnRows.apply(x, sizes, group, True)
 
 
 def split_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """This rank's rows of a tensor every rank holds whole."""
-    return x if group is None else _SplitRows.apply(x, sizes, group)
+    return x if group is None else _OwnRows.apply(x, sizes, group, False)

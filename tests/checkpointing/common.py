@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_lite.config import (CheckpointConfig, Config, LoggingConfig, ModelConfig, OptimizerConfig,
                                   ParallelConfig, TrainingConfig)
@@ -35,6 +36,15 @@ def tiny_config(tp: int = 1, pp: int = 1, *, ep: int = 1, arch: dict = LLAMA, vp
         optimizer=OptimizerConfig(lr=1e-2, lr_warmup_iters=1, lr_decay_iters=10),
         checkpoint=CheckpointConfig(save=save, load=load, save_interval=save_interval, **checkpoint_flags),
         logging=LoggingConfig(log_interval=1000, log_memory=False))
+
+
+def widen_and_save(hf_model, directory) -> None:
+    """Draw a transformers model's weights wider than its init (norm scales around 1, biases not zero), so that a
+    dropped bias, swapped norm or misplaced weight changes its output, and save it to ``directory``."""
+    with torch.no_grad():
+        for name, parameter in hf_model.named_parameters():
+            parameter.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    hf_model.eval().save_pretrained(directory)
 
 
 def train(rank, world_size, kwargs):

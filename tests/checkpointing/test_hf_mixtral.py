@@ -20,6 +20,7 @@ from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: 
 from megatron_lite.config import ConfigError  # noqa: E402
 from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
+from tests.checkpointing.common import widen_and_save  # noqa: E402
 from tests.checkpointing.hf_family_ranks import layouts_rank, load, sgd_step_gradients  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import EOS, MAX_NEW_TOKENS, PAD, PROMPTS, _hf_generate  # noqa: E402
@@ -41,10 +42,7 @@ def mixtral_config(layers: int = 2):
 def _imported(directory, layers: int = 2):
     torch.manual_seed(0)
     hf_model = transformers.MixtralForCausalLM(mixtral_config(layers))
-    with torch.no_grad():
-        for name, parameter in hf_model.named_parameters():
-            parameter.normal_(1.0 if "norm" in name else 0.0, 0.2)
-    hf_model.eval().save_pretrained(directory / "hf")
+    widen_and_save(hf_model, directory / "hf")
     root = str(directory / "ckpt")
     assert convert(["--source-format", "hf", "--target-format", "megatron_lite", "--load-dir", str(directory / "hf"),
                     "--save-dir", root, "--target-tensor-parallel-size", "2",
