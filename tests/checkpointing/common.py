@@ -13,9 +13,8 @@ LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=Tru
              untie_embeddings_and_output_weights=True, num_query_groups=4)
 GPT2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
             add_bias_linear=True, untie_embeddings_and_output_weights=False)
-# Llama with a mixture of experts in every other layer (Mixtral's router: softmax over the top 2).
-MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq="2",
-           moe_aux_loss_coeff=1e-2)
+# Llama with a mixture of 4 experts in every layer: a Mixtral (softmax over the top 2).
+MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2)
 
 
 def tiny_config(tp: int = 1, pp: int = 1, *, ep: int = 1, arch: dict = LLAMA, vpp=None, dist_opt: bool = False,

@@ -323,3 +323,9 @@ def test_a_per_token_loss_weighs_the_router_losses_as_the_mean_of_micro_batches(
     assert token_losses == pytest.approx(mean_losses, rel=1e-6)
     for name, weight in mean_weights.items():
         torch.testing.assert_close(token_weights[name], weight, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_planner_refuses_experts_it_does_not_model():
+    from megatron_lite.plan import parse_plan_args
+    with pytest.raises(ConfigError, match="does not model mixture-of-experts layers yet"):
+        parse_plan_args(BASE + ["--num-experts", "4"])
