@@ -306,26 +306,43 @@ def test_log_line_shows_the_routers_losses_and_expert_load(capsys):
     assert list(fields).index("load_balancing_loss") == list(fields).index("lm loss") + 1  # Megatron-LM's place
 
 
-def test_a_per_token_loss_weighs_the_router_losses_as_the_mean_of_micro_batches():
+def test_router_losses_follow_the_language_model_losss_scaling():
     """Every token counts here, so --calculate-per-token-loss trains exactly as the per-micro-batch mean: its
-    router losses, multiplied by each micro-batch's tokens before the global division, too."""
-    from megatron_lite.config import DataConfig, LoggingConfig, TrainingConfig
+    router losses, multiplied by each micro-batch's tokens before the global division, too. A static loss scale
+    (fp32 here, where it changes nothing) must reach the router losses' gradient as the loss's, and come off
+    with it."""
+    from megatron_lite.config import DataConfig, LoggingConfig, OptimizerConfig, TrainingConfig
     from megatron_lite.training.loop import pretrain
     runs = []
-    for per_token in (False, True):
+    for per_token, loss_scale in ((False, None), (True, None), (False, 1024.0)):
         config = Config(model=moe_config(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1),
                         training=TrainingConfig(micro_batch_size=2, global_batch_size=4, train_iters=2,
                                                 calculate_per_token_loss=per_token),
+                        optimizer=OptimizerConfig(loss_scale=loss_scale),
                         data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=10, log_memory=False))
         state, chunks, _ = pretrain(config)
         runs.append((state.losses, {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}))
-    (mean_losses, mean_weights), (token_losses, token_weights) = runs
-    assert token_losses == pytest.approx(mean_losses, rel=1e-6)
-    for name, weight in mean_weights.items():
-        torch.testing.assert_close(token_weights[name], weight, rtol=1e-5, atol=1e-7, msg=name)
+    (mean_losses, mean_weights), *variants = runs
+    for losses, weights in variants:
+        assert losses == pytest.approx(mean_losses, rel=1e-6)
+        for name, weight in mean_weights.items():
+            torch.testing.assert_close(weights[name], weight, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_the_planner_refuses_experts_it_does_not_model():
     from megatron_lite.plan import parse_plan_args
     with pytest.raises(ConfigError, match="does not model mixture-of-experts layers yet"):
         parse_plan_args(BASE + ["--num-experts", "4"])
+
+
+def test_a_bf16_router_routes_in_fp32():
+    config = moe_config()
+    half = TopKRouter(config, tensor_parallel_size=1, params_dtype=torch.bfloat16).eval()
+    full = TopKRouter(config, tensor_parallel_size=1, params_dtype=torch.float32).eval()
+    torch.nn.init.normal_(half.weight, std=0.5)
+    full.weight.data.copy_(half.weight.float())
+    x = torch.randn(16, H).bfloat16()
+    probs, routing_map = half(x, layout(16))
+    expected_probs, expected_map = full(x.float(), layout(16))
+    assert probs.dtype == torch.float32
+    assert torch.equal(routing_map, expected_map) and torch.equal(probs, expected_probs)
