@@ -46,7 +46,9 @@ def start_iteration(model_chunks: list, *, loss_scale: float, num_microbatches: 
 def update_expert_bias(model_chunks: list, parallel_state) -> None:
     """The aux-loss-free balancing step (DeepSeek-V3): each expert's bias rises by the update rate if it got
     fewer tokens than the mean over experts in this global batch, falls if more, stays if equal."""
-    biased = [r for r in routers(model_chunks).values() if r.expert_bias is not None and r.training]
+    # A frozen router (a PEFT run's base) keeps its bias, which belongs to the base checkpoint.
+    biased = [r for r in routers(model_chunks).values()
+              if r.expert_bias is not None and r.training and r.weight.requires_grad]
     if not biased:
         return
     counts = torch.stack([r.tokens_per_expert for r in biased])
