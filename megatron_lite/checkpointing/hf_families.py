@@ -16,6 +16,9 @@ silently different model. A null field sets nothing and passes.
     phi3     llama + fused qkv_proj, gate_up_proj;     embd_pdrop != resid_pdrop, longrope
              partial_rotary_factor (--rotary-percent),
              sliding_window
+    mixtral  mistral + a mixture of experts in every   router_jitter_noise
+             layer (num_local_experts, top-k softmax
+             routing; router_aux_loss_coef, see below)
     gemma2   llama + RMSNorm (1 + w), post-sublayer    attention_bias, hidden_activation other than
              norms, sqrt(hidden) embedding scale,      gelu_pytorch_tanh, use_bidirectional_attention,
              GeGLU, query_pre_attn_scalar, attention   layer_types other than every Nth layer global
@@ -28,6 +31,14 @@ silently different model. A null field sets nothing and passes.
 
 On export the family is the one the model's features call for (``family_of``), or the one named
 (``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does.
+
+Mixtral's load-balancing loss (transformers' ``load_balancing_loss_func``) pools the router statistics
+of all L layers: E / (L T)^2 * sum_e C_e P_e with C and P summed over layers, k assignments per token.
+Ours is Megatron-LM's, per layer and summed over layers, each E / (k T^2) * sum_e C_e P_e. For one
+layer the two differ by the factor k, and where the layers route alike the pooled loss is the mean
+of the per-layer ones: --moe-aux-loss-coeff = router_aux_loss_coef * k / L reproduces it exactly for
+one layer and in that case. transformers adds the loss to the training loss only with
+output_router_logits true, so an import without it trains with coefficient 0.
 """
 from __future__ import annotations
 
@@ -59,6 +70,7 @@ class Family:
     to_ours: Callable[[dict], dict]  # config.json -> ModelConfig fields
     to_hf: Callable[[ModelConfig], dict]  # ModelConfig -> the family's own config.json fields
     features: dict = dataclasses.field(default_factory=dict)  # ModelConfig fields that select it on export
+    also: frozenset = frozenset()  # optional features it may have besides (Mixtral's sliding window)
 
 
 def refuse(condition: bool, what: str) -> None:
@@ -287,6 +299,21 @@ def _gemma3_to_hf(config: ModelConfig) -> dict:
         "full_attention": _rope_to_hf(config)["rope_parameters"], "sliding_attention": local})
 
 
+def _mixtral_to_ours(hf: dict) -> dict:
+    refuse(hf.get("router_jitter_noise", 0.0) != 0.0, "router_jitter_noise (multiplicative noise on the router input)")
+    layers, topk = hf["num_hidden_layers"], hf.get("num_experts_per_tok", 2)
+    coeff = hf.get("router_aux_loss_coef", 0.001) * topk / layers if hf.get("output_router_logits") else 0.0
+    return dict(_mistral_to_ours(hf), num_experts=hf.get("num_local_experts", 8), moe_router_topk=topk,
+                moe_ffn_hidden_size=hf["intermediate_size"], moe_aux_loss_coeff=coeff)
+
+
+def _mixtral_to_hf(config: ModelConfig) -> dict:
+    return dict(_mistral_to_hf(config), intermediate_size=config.moe_ffn_hidden_size,
+                num_local_experts=config.num_experts, num_experts_per_tok=config.moe_router_topk,
+                output_router_logits=config.moe_aux_loss_coeff > 0, router_jitter_noise=0.0,
+                router_aux_loss_coef=config.moe_aux_loss_coeff * config.num_layers / config.moe_router_topk)
+
+
 QWEN_WINDOW_FIELDS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
 
 FAMILIES = {family.model_type: family for family in (
@@ -309,6 +336,11 @@ FAMILIES = {family.model_type: family for family in (
            LLAMA_FIELDS | {"sliding_window", "resid_pdrop", "embd_pdrop", "partial_rotary_factor",
                            "original_max_position_embeddings"},  # the context longrope scaling starts from
            _phi3_to_ours, _phi3_to_hf),
+    Family("mixtral", "MixtralForCausalLM", "mixtral",
+           LLAMA_FIELDS | {"sliding_window", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
+                           "output_router_logits", "router_jitter_noise"},
+           _mixtral_to_ours, _mixtral_to_hf, features={"num_experts": lambda experts: experts is not None},
+           also=frozenset({"window_size"})),
     Family("gemma2", "Gemma2ForCausalLM", "gemma", GEMMA_FIELDS, lambda hf: _gemma_to_ours(hf, every=2),
            _gemma_to_hf, features={"window_size": lambda window: window is not None}),
     Family("gemma3_text", "Gemma3ForCausalLM", "gemma",
@@ -321,7 +353,8 @@ FAMILIES = {family.model_type: family for family in (
 )}
 
 # The features only some families have, and the value each takes where it is absent.
-_OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None}
+_OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None,
+                      "num_experts": None}
 # Gemma's features (its own weight naming tells it apart on export): no other family describes them.
 GEMMA_FEATURES = {"post_sublayer_norm": False, "scale_embeddings": False, "geglu": False, "softmax_scale": None,
                   "attn_logit_softcapping": None, "final_logit_softcapping": None, "window_attn_skip_freq": None}
@@ -374,7 +407,7 @@ def family_of(config: ModelConfig, naming: str) -> Family:
     are exactly the model's optional features (none of them: GPT-2 or Llama)."""
     present = {name for name, absent in _OPTIONAL_FEATURES.items() if getattr(config, name) != absent}
     for family in FAMILIES.values():
-        if family.naming == naming and set(family.features) == present and all(
+        if family.naming == naming and set(family.features) <= present <= set(family.features) | family.also and all(
                 test(getattr(config, name)) if callable(test) else getattr(config, name) == test
                 for name, test in family.features.items()):
             return family
@@ -382,4 +415,4 @@ def family_of(config: ModelConfig, naming: str) -> Family:
                       f"{', '.join(sorted(present))}: export needs at most one of --add-qkv-bias (Qwen2), "
                       f"--qk-layernorm (Qwen3) and --window-size (Mistral), or Gemma's features with "
                       f"--window-size (Gemma 2) or with --window-size, --qk-layernorm and --rotary-base-local "
-                      f"(Gemma 3).")
+                      f"(Gemma 3), or --num-experts with or without --window-size (Mixtral).")

@@ -9,6 +9,7 @@ from torch import nn
 
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
+from megatron_lite.expert_parallel import ExpertParallelConfig
 from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_angles
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.soft_capping import soft_capping
@@ -21,7 +22,8 @@ from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_ent
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, tp_config: TensorParallelConfig, *, layer_numbers: range | None = None,
                  pre_process: bool = True, post_process: bool = True, recompute_granularity: str | None = None,
-                 recompute_method: str | None = None, recompute_num_layers: int | None = None):
+                 recompute_method: str | None = None, recompute_num_layers: int | None = None,
+                 ep_config: ExpertParallelConfig = ExpertParallelConfig()):
         super().__init__()
         self.config = config
         self.pre_process = pre_process
@@ -39,7 +41,8 @@ class GPTModel(nn.Module):
                                                     tp_config=tp_config)
         self.decoder = TransformerBlock(config, layer_numbers, recompute_granularity=recompute_granularity,
                                         recompute_method=recompute_method,
-                                        recompute_num_layers=recompute_num_layers, tp_config=tp_config)
+                                        recompute_num_layers=recompute_num_layers, tp_config=tp_config,
+                                        ep_config=ep_config)
         if post_process:
             self.final_layernorm = Norm(config.hidden_size, normalization=config.normalization,
                                         eps=config.norm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,

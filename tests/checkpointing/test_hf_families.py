@@ -41,6 +41,7 @@ from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.model.sliding_window import layer_window  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402
+from tests.checkpointing.common import widen_and_save  # noqa: E402
 from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import (EOS, MAX_NEW_TOKENS, PAD, PROMPTS,  # noqa: E402
@@ -93,10 +94,7 @@ class Imported:
 def _import(name: str, directory) -> Imported:
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]())
-    with torch.no_grad():  # wider than the init, and no zero biases or unit norm scales
-        for parameter_name, parameter in hf_model.named_parameters():
-            parameter.normal_(1.0 if "norm" in parameter_name else 0.0, 0.2)
-    hf_model.eval().save_pretrained(directory / "hf")
+    widen_and_save(hf_model, directory / "hf")
     root = str(directory / "ckpt")
     assert convert(["--source-format", "hf", "--target-format", "megatron_lite", "--load-dir", str(directory / "hf"),
                     "--save-dir", root, "--target-tensor-parallel-size", "2",
