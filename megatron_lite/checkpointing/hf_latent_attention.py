@@ -13,7 +13,7 @@ Each head's query rows are [qk_nope_head_dim; qk_rope_head_dim] in both, and so 
 DeepSeek's released weights rotate interleaved channel pairs (x0, x1), (x2, x3), ... (V2 always; V3
 when ``rope_interleave``, its default); ours rotate halves, pairing channel i with i + r/2, as Llama.
 Reordering the rotary rows of q_proj / q_b_proj (per head) and of kv_a_proj_with_mqa to [even; odd]
-makes our rotation compute exactly theirs (docs/reference.md, "Rotary embeddings and their scaling");
+makes our rotation compute exactly theirs (docs/reference.md section 12);
 export writes them back interleaved, with ``rope_interleave`` true.
 """
 from __future__ import annotations

@@ -57,7 +57,7 @@ _MODULES = {
     "phi3": {"linear_qkv": [("self_attn.qkv_proj", ("q", "k", "v"))], "linear_proj": [("self_attn.o_proj", None)],
              "linear_fc1": [("mlp.gate_up_proj", ("gate", "up"))], "linear_fc2": [("mlp.down_proj", None)]},
 }
-_MODULES["gemma2"] = _MODULES["llama"]
+_MODULES["gemma"] = _MODULES["llama"]
 _MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)],
                         "linear_q_down_proj": [("self_attn.q_a_proj", None)],
                         "linear_q_up_proj": [("self_attn.q_b_proj", None)],
@@ -70,7 +70,7 @@ _OUR_MODULE = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_a
                                                                    "linear_q_up_proj", "linear_kv_down_proj",
                                                                    "linear_kv_up_proj")}}
 _LAYERS = {"gpt2": "base_model.model.transformer.h.", "llama": "base_model.model.model.layers.",
-           "phi3": "base_model.model.model.layers.", "gemma2": "base_model.model.model.layers.",
+           "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers.",
            "deepseek": "base_model.model.model.layers."}
 # DeepSeek's rotary rows are interleaved in its files, rotate-half in ours (hf_latent_attention): B's rows follow.
 _ROTARY_ROWS = {"linear_q_proj": query_rotary_rows, "linear_q_up_proj": query_rotary_rows,

@@ -16,6 +16,11 @@ groups' keys and values (multi-latent attention's latent is every head's, so eac
 holds it whole), a pipeline stage its own layers. ``sequence_len_offset`` is
 how many positions are already cached; the new tokens of a forward pass take the
 positions after it (the model numbers them from it when given no position ids).
+
+A sliding-window layer (Mistral, Gemma's local layers) never looks further back than its
+window, so it keeps only that many positions: its memory stays the window's however long
+the sequence grows. Its keys then start later than the other layers', and the attention
+takes the last columns of the mask to match.
 """
 from __future__ import annotations
 
@@ -28,14 +33,20 @@ class StaticInferenceContext:
         self.sequence_len_offset = 0
         self.key_value_memory_dict: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def append_key_value(self, layer_number: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def append_key_value(self, layer_number: int, *tensors: torch.Tensor,
+                         window: int | None = None) -> tuple[torch.Tensor, ...]:
         """Store layer ``layer_number``'s tensors of the new tokens (each [s, b, ...]: keys and values, or a
         latent and a rotary key) after the cached ones; returns each over every position so far ([offset + s,
-        b, ...])."""
+        b, ...]).
+
+        ``window``: the layer's queries see only the ``window`` positions before their own (a sliding
+        window), so only the last ``window`` are kept, and returned before the new ones."""
         end = self.sequence_len_offset + tensors[0].shape[0]
         if end > self.max_sequence_length:
             raise ValueError(f"the key/value cache holds {self.max_sequence_length} positions; "
                              f"this step needs {end}.")
+        if window is not None:
+            return self._append_in_window(layer_number, tensors, window)
         if layer_number not in self.key_value_memory_dict:
             self.key_value_memory_dict[layer_number] = tuple(
                 t.new_empty((self.max_sequence_length, *t.shape[1:])) for t in tensors)
@@ -43,6 +54,15 @@ class StaticInferenceContext:
         for store, new in zip(cached, tensors):
             store[self.sequence_len_offset:end] = new
         return tuple(store[:end] for store in cached)
+
+    def _append_in_window(self, layer_number: int, tensors: tuple[torch.Tensor, ...], window: int):
+        cached = self.key_value_memory_dict.get(layer_number)
+        if cached is not None:
+            tensors = tuple(torch.cat([store, new]) for store, new in zip(cached, tensors))
+        first_kept = max(0, tensors[0].shape[0] - window)
+        # Copies, so the whole step's keys (a long prompt's) are not kept alive through a view.
+        self.key_value_memory_dict[layer_number] = tuple(t[first_kept:].clone() for t in tensors)
+        return tensors
 
     def increment_sequence_len_offset(self, num_tokens: int) -> None:
         """Called once a forward pass has gone through every layer of this rank."""

@@ -11,9 +11,8 @@ from torch import nn
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.dot_product_attention import DotProductAttention
-from megatron_lite.model.embedding import apply_rotary
+from megatron_lite.model.embedding import apply_rotary, layer_rotary_concentration
 from megatron_lite.model.norm import Norm
-from megatron_lite.model.rope_scaling import rotary_concentration
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint
 from megatron_lite.tensor_parallel.config import TensorParallelConfig
@@ -38,7 +37,7 @@ class SelfAttention(nn.Module):
             config, layer_number=layer_number, softmax_scale=config.softmax_scale or 1.0 / math.sqrt(self.head_dim),
             heads_per_group=self.heads_per_group)
         self.checkpoint_core_attention = checkpoint_core_attention
-        self.rotary_concentration = rotary_concentration(config)
+        self.rotary_concentration = layer_rotary_concentration(config, layer_number)
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, tp_config=tp_config, bias=config.add_bias_linear or config.add_qkv_bias)
@@ -57,7 +56,8 @@ class SelfAttention(nn.Module):
         ``attention_mask``: None for causal attention, else bool [b, 1, s, s], True where a query may not
         attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split).
         With an ``inference_context`` (generation) the new tokens attend to the cached earlier ones too:
-        the mask is then [b, 1, s, cached + s]."""
+        the mask is then [b, 1, s, cached + s] (a sliding-window layer, which caches only its window, takes
+        its last columns)."""
         qkv, _ = self.linear_qkv(hidden_states)
         seq, batch = qkv.shape[:2]
         qkv = qkv.view(seq, batch, self.local_query_groups, (self.heads_per_group + 2) * self.head_dim)
@@ -70,7 +70,11 @@ class SelfAttention(nn.Module):
             key = apply_rotary(key, rotary_freqs, self.rotary_concentration)
         if inference_context is not None:
             # Keys are cached after their rotation: a position's angle never changes.
-            key, value = inference_context.append_key_value(self.layer_number, key, value)
+            window = self.core_attention.sliding_window
+            window = None if window is None else window.left
+            key, value = inference_context.append_key_value(self.layer_number, key, value, window=window)
+            if attention_mask is not None:  # a windowed cache returns the most recent keys only
+                attention_mask = attention_mask[..., -key.shape[0]:]
         if self.prefix is not None:  # after the cache, which holds the sequence's own keys only
             key, value, attention_mask = self.prefix(key, value, attention_mask)
         if self.checkpoint_core_attention and self.training:

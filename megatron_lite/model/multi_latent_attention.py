@@ -1,6 +1,6 @@
 """Multi-latent attention (DeepSeek-V2/V3, ``--multi-latent-attention``): keys and values of every head
 are expanded from one small latent per token, so a generation cache holds the latent instead of them
-(docs/reference.md, "Multi-latent attention").
+(docs/reference.md section 15, "Multi-latent attention").
 
     query:      hidden -> [linear_q_down_proj -> q_layernorm -> linear_q_up_proj]   (or linear_q_proj alone,
                                                                                    --q-lora-rank unset)
@@ -30,9 +30,9 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.dot_product_attention import DotProductAttention
-from megatron_lite.model.embedding import apply_rotary
+from megatron_lite.model.embedding import apply_rotary, layer_rotary_concentration
 from megatron_lite.model.norm import Norm
-from megatron_lite.model.rope_scaling import mla_softmax_scale, rotary_concentration
+from megatron_lite.model.rope_scaling import mla_softmax_scale
 from megatron_lite.process_groups import collectives
 from megatron_lite.tensor_parallel import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
                                            TensorParallelConfig, copy_to_tensor_model_parallel_region,
@@ -59,7 +59,7 @@ class MultiLatentAttention(nn.Module):
         self.core_attention = DotProductAttention(config, layer_number=layer_number,
                                                   softmax_scale=mla_softmax_scale(config))
         self.checkpoint_core_attention = checkpoint_core_attention
-        self.rotary_concentration = rotary_concentration(config)
+        self.rotary_concentration = layer_rotary_concentration(config, layer_number)
         heads, hidden = config.num_attention_heads, config.hidden_size
         latent = dict(bias=False, sequence_parallel=tp_config.sequence_parallel, params_dtype=tp_config.params_dtype)
         query_width = heads * (self.qk_head_dim + self.rotary_dim)

@@ -3,7 +3,8 @@
 The list mirrors ``model/gpt_model.py`` in ``module.parameters()`` order, because
 that order decides the data-parallel buckets (``distributed/param_and_grad_buffer``)
 and so the padding a sharded optimizer adds. A test checks it against real chunks
-of every kind (GPT-2 and Llama, tensor/pipeline/virtual splits, tied or not).
+of every kind (GPT-2, Llama, the per-layer tensors of the Hugging Face families, tensor/pipeline/virtual
+splits, tied or not).
 """
 from __future__ import annotations
 
