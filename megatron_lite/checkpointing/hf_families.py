@@ -523,5 +523,5 @@ def family_of(config: ModelConfig, naming: str) -> Family:
                       f"{', '.join(sorted(present))}: export needs at most one of --add-qkv-bias (Qwen2), "
                       f"--qk-layernorm (Qwen3) and --window-size (Mistral), or Gemma's features with "
                       f"--window-size (Gemma 2) or with --window-size, --qk-layernorm and --rotary-base-local "
-                      f"(Gemma 3), or --num-experts with or without --window-size (Mixtral), or --multi-latent-attention "
-                      f"with --qk-layernorm (DeepSeek).")
+                      f"(Gemma 3), or --num-experts with or without --window-size (Mixtral), or "
+                      f"--multi-latent-attention with --qk-layernorm (DeepSeek).")
