@@ -205,10 +205,10 @@ class ModelConfig:
                  f"--num-query-groups ({self.num_query_groups}): each query group shares one key/value head.")
         _require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}.")
         self._check_multi_latent_attention()
+        rotated = (f"--qk-pos-emb-head-dim {self.rotary_dim}" if self.multi_latent_attention else
+                   f"head dimension {self.head_dim} x --rotary-percent {self.rotary_percent} = {self.rotary_dim}")
         _require(not self.rotary or (self.rotary_dim > 0 and self.rotary_dim % 2 == 0),
-                 f"rotary embeddings rotate pairs of channels: the {self.rotary_dim} rotated channels (head dimension "
-                 f"{self.head_dim} x --rotary-percent {self.rotary_percent}, or --qk-pos-emb-head-dim) must be even "
-                 f"and positive.")
+                 f"rotary embeddings rotate pairs of channels: {rotated} channels must be even and positive.")
         _require(self.seq_length <= self.max_position_embeddings,
                  f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                  f"({self.max_position_embeddings}); raise --max-position-embeddings.")
