@@ -1,5 +1,5 @@
 """FLOPs of the model: what the training log's throughput and MFU count and the planner's step time
-charges, one count for both (docs/reference.md, "FLOPs, MFU, throughput").
+charges, one count for both (docs/reference.md section 7).
 
 Every matmul is counted, forward only per token; a backward costs twice its forward.
 """
