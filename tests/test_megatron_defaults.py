@@ -31,7 +31,9 @@ MEGATRON_DEFAULTS = {
     # both use one group per head.
     "num_query_groups": None,
     # parallel
-    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+    # Megatron-LM's --cp-comm-type is a list too (one value for every layer, or one per layer).
+    "cp_comm_type": ["p2p"],
     "num_layers_per_virtual_pipeline_stage": None, "decoder_first_pipeline_num_layers": None,
     "decoder_last_pipeline_num_layers": None, "sequence_parallel": False, "use_distributed_optimizer": False,
     "overlap_grad_reduce": False, "overlap_param_gather": False, "ddp_bucket_size": None,

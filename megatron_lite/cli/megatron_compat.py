@@ -80,9 +80,6 @@ REFUSED_FLAGS = {
     "--fp4-recipe": Refusal(_NO_FP4),
     "--fp4-param-gather": Refusal(_NO_FP4, takes_value=False),
     # Parallelism we do not implement.
-    "--context-parallel-size": Refusal("megatron_lite has no context parallelism (attention split over ranks "
-                                       "along the sequence; --sequence-parallel with tensor parallelism splits "
-                                       "the other activations)", harmless=("1",)),
     "--expert-model-parallel-size": Refusal(_NO_MOE, harmless=("1",)),
     "--expert-tensor-parallel-size": Refusal(_NO_MOE, harmless=("1",)),
     "--num-experts": Refusal(_NO_MOE),

@@ -2,11 +2,13 @@
 tensor-parallel ranks: QKV is column-parallel, the output projection row-parallel, so
 each rank attends with its own heads and one all-reduce (or reduce-scatter) joins them.
 
-The core attention is torch's ``scaled_dot_product_attention`` (``--attention-backend``
-auto, flash, fused), or with unfused/local the explicit path Megatron-LM's local
-DotProductAttention takes: scaled QK^T, the fused causal masked softmax, dropout, then V.
+The core attention (``DotProductAttention``) is torch's ``scaled_dot_product_attention``
+(``--attention-backend`` auto, flash, fused), or with unfused/local the explicit path Megatron-LM's
+local DotProductAttention takes: scaled QK^T, the fused causal masked softmax, dropout, then V. Under
+context parallelism a variant that sees the whole sequence wraps it (``context_parallel/attention.py``).
 """
 import contextlib
+import functools
 import math
 
 import torch
@@ -16,6 +18,7 @@ from torch import nn
 from megatron_lite import kernels
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig, context_parallel_attention
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.sliding_window import layer_window
 from megatron_lite.model.soft_capping import soft_capping
@@ -26,10 +29,13 @@ from megatron_lite.tensor_parallel.config import TensorParallelConfig
 
 class SelfAttention(nn.Module):
     """The fused QKV weight is laid out per query group, ``[q heads of the group, k, v]``,
-    so a contiguous tensor-parallel shard holds whole groups with their keys and values."""
+    so a contiguous tensor-parallel shard holds whole groups with their keys and values.
+
+    ``context_parallel``: when given, this rank holds only its chunks of each sequence and the core
+    attention is the layer's --cp-comm-type variant (``context_parallel/attention.py``) around its own."""
 
     def __init__(self, config: ModelConfig, *, layer_number: int, tp_config: TensorParallelConfig,
-                 checkpoint_core_attention: bool = False):
+                 context_parallel: ContextParallelConfig | None = None, checkpoint_core_attention: bool = False):
         super().__init__()
         self.layer_number = layer_number  # names this layer's entry in a generation's key/value cache
         tp_size = collectives.world_size(tp_config.tp_group)
@@ -39,15 +45,13 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_query_groups = config.num_query_groups // tp_size
-        self.attention_dropout = config.attention_dropout
-        self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(self.head_dim)
-        # Capping acts between QK^T and the softmax, which only the explicit path exposes.
-        self.logit_capping = soft_capping(config.attn_logit_softcapping)
-        self.unfused = config.attention_backend in ("unfused", "local") or self.logit_capping is not None
         self.checkpoint_core_attention = checkpoint_core_attention
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, tp_config=tp_config, bias=config.add_bias_linear or config.add_qkv_bias)
+        self.core_attention = DotProductAttention(config, layer_number=layer_number)
+        if context_parallel is not None:
+            self.core_attention = context_parallel_attention(self.core_attention, context_parallel, layer_number)
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, tp_config=tp_config,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True)
@@ -55,14 +59,14 @@ class SelfAttention(nn.Module):
         self.prefix = None
         self.q_layernorm = qk_layernorm(config, tp_size, tp_config.params_dtype)
         self.k_layernorm = qk_layernorm(config, tp_size, tp_config.params_dtype)
-        self.sliding_window = layer_window(config, layer_number)
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None,
                 attention_mask: torch.Tensor | None = None, inference_context=None):
         """[s, b, h] (or [s/tp, b, h] under sequence parallelism) -> (output, bias) before the residual.
 
         ``attention_mask``: None for causal attention, else bool [b, 1, s, s], True where a query may not
-        attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split).
+        attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split; under
+        context parallelism s is this rank's positions for the rows, the whole sequence for the columns).
         With an ``inference_context`` (generation) the new tokens attend to the cached earlier ones too:
         the mask is then [b, 1, s, cached + s]."""
         qkv, _ = self.linear_qkv(hidden_states)
@@ -78,16 +82,33 @@ class SelfAttention(nn.Module):
         if inference_context is not None:
             # Keys are cached after their rotation: a position's angle never changes.
             key, value = inference_context.append_key_value(self.layer_number, key, value)
-        if self.prefix is not None:  # after the cache, which holds the sequence's own keys only
-            key, value, attention_mask = self.prefix(key, value, attention_mask)
+        # The prefix joins after the cache, which holds the sequence's own keys only.
+        core_attention = functools.partial(self.core_attention, prefix=self.prefix)
         if self.checkpoint_core_attention and self.training:
-            context = checkpoint(self._core_attention, query, key, value, attention_mask)
+            context = checkpoint(core_attention, query, key, value, attention_mask)
         else:
-            context = self._core_attention(query, key, value, attention_mask)
+            context = core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)
 
-    def _core_attention(self, query, key, value, attention_mask=None):
-        """softmax(QK^T * scale) V over this rank's heads; [s, b, heads, d] -> [s, b, heads * d]."""
+
+class DotProductAttention(nn.Module):
+    """softmax(QK^T * scale) V over this rank's heads, [s, b, heads, d] -> [s, b, heads * d] (Megatron-Core's
+    name for the local core attention): torch's SDPA, or the explicit path. ``prefix``: keys and values put
+    before the sequence's own."""
+
+    def __init__(self, config: ModelConfig, *, layer_number: int):
+        super().__init__()
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.attention_dropout = config.attention_dropout
+        self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(config.head_dim)
+        # Capping acts between QK^T and the softmax, which only the explicit path exposes.
+        self.logit_capping = soft_capping(config.attn_logit_softcapping)
+        self.unfused = config.attention_backend in ("unfused", "local") or self.logit_capping is not None
+        self.sliding_window = layer_window(config, layer_number)
+
+    def forward(self, query, key, value, attention_mask=None, prefix=None):
+        if prefix is not None:
+            key, value, attention_mask = prefix(key, value, attention_mask)
         seq, batch = query.shape[:2]
         # [s, b, n, d] -> [b, n, s, d]; each key/value group serves heads_per_group query heads.
         query = query.permute(1, 2, 0, 3)

@@ -3,12 +3,16 @@
 One class covers GPT-2 and Llama (see ModelConfig). A pipeline stage is the same
 class built with ``pre_process`` (holds the embedding), ``post_process`` (holds the
 final norm, the output layer and the loss) and the global layer numbers it runs.
+Under context parallelism (``context_parallel``) it runs on this rank's positions of each
+sequence, its inputs, position ids and labels cut to them (``context_parallel/sharding.py``);
+only attention looks across the ranks.
 """
 import torch
 from torch import nn
 
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig
 from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_freqs
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.soft_capping import soft_capping
@@ -20,7 +24,8 @@ from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_ent
 
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, tp_config: TensorParallelConfig, *, layer_numbers: range | None = None,
-                 pre_process: bool = True, post_process: bool = True, recompute_granularity: str | None = None,
+                 context_parallel: ContextParallelConfig | None = None, pre_process: bool = True,
+                 post_process: bool = True, recompute_granularity: str | None = None,
                  recompute_method: str | None = None, recompute_num_layers: int | None = None):
         super().__init__()
         self.config = config
@@ -37,7 +42,8 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, padded_vocab_size=self.padded_vocab_size,
                                                     tp_config=tp_config)
-        self.decoder = TransformerBlock(config, layer_numbers, recompute_granularity=recompute_granularity,
+        self.decoder = TransformerBlock(config, layer_numbers, context_parallel=context_parallel,
+                                        recompute_granularity=recompute_granularity,
                                         recompute_method=recompute_method,
                                         recompute_num_layers=recompute_num_layers, tp_config=tp_config)
         if post_process:

@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig
 from megatron_lite.model.transformer_layer import TransformerLayer
 from megatron_lite.tensor_parallel import TensorParallelConfig
 from megatron_lite.tensor_parallel.random import checkpoint
@@ -19,11 +20,11 @@ class TransformerBlock(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, layer_numbers: range, *, tp_config: TensorParallelConfig,
-                 recompute_granularity: str | None = None,
+                 context_parallel: ContextParallelConfig | None = None, recompute_granularity: str | None = None,
                  recompute_method: str | None = None, recompute_num_layers: int | None = None):
         super().__init__()
         self.layers = nn.ModuleDict({
-            str(n): TransformerLayer(config, layer_number=n, tp_config=tp_config,
+            str(n): TransformerLayer(config, layer_number=n, tp_config=tp_config, context_parallel=context_parallel,
                                      checkpoint_core_attention=recompute_granularity == "selective")
             for n in layer_numbers})
         self.recompute_full = recompute_granularity == "full"

@@ -11,6 +11,7 @@ from torch import nn
 
 from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig
 from megatron_lite.model.attention import SelfAttention
 from megatron_lite.model.mlp import MLP
 from megatron_lite.model.norm import Norm
@@ -20,7 +21,7 @@ from megatron_lite.tensor_parallel.random import get_rng_tracker
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, *, layer_number: int, tp_config: TensorParallelConfig,
-                 checkpoint_core_attention: bool = False):
+                 context_parallel: ContextParallelConfig | None = None, checkpoint_core_attention: bool = False):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init do not depend on the stage
         self.hidden_dropout = config.hidden_dropout
@@ -30,6 +31,7 @@ class TransformerLayer(nn.Module):
                     params_dtype=tp_config.params_dtype)
         self.input_layernorm = Norm(config.hidden_size, **norm)
         self.self_attention = SelfAttention(config, layer_number=layer_number, tp_config=tp_config,
+                                            context_parallel=context_parallel,
                                             checkpoint_core_attention=checkpoint_core_attention)
         self.pre_mlp_layernorm = Norm(config.hidden_size, **norm)
         self.mlp = MLP(config, tp_config=tp_config)

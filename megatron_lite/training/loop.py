@@ -183,6 +183,7 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     parallel_state = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
                                                config.parallel.pipeline_model_parallel_size,
                                                config.parallel.virtual_pipeline_model_parallel_size,
+                                               context_parallel_size=config.parallel.context_parallel_size,
                                                distributed_timeout_minutes=config.parallel.distributed_timeout_minutes)
     plan = plan_run(config, parallel_state)
     failures.run_on_every_rank(lambda: check_data_paths(config.data), "check the data paths")
