@@ -2,9 +2,9 @@
 
 Save: each rank writes one safetensors file with what only it holds: its
 tensor-parallel shard of its stage's weights (data-parallel rank 0 only; the other
-replicas hold the same values), its optimizer state (rank 0 of the data-parallel
-group, or every rank's own slice under the distributed optimizer) and its RNG
-states. Replicated tensors are written by tensor-parallel rank 0 only, and the tied
+replicas, context-parallel ranks included, hold the same values), its optimizer state
+(rank 0 of the data x context group, or every rank's own slice under the distributed
+optimizer) and its RNG states. Replicated tensors are written by tensor-parallel rank 0 only, and the tied
 output layer of the last pipeline stage not at all (it is the word embedding).
 Frozen weights are not written: a PEFT run's checkpoint holds its adapters and
 points at the base they were trained on (``peft_base``).
@@ -44,7 +44,7 @@ import warnings
 
 import torch
 
-from megatron_lite.process_groups import failures
+from megatron_lite.process_groups import collectives, failures
 from megatron_lite.checkpointing import peft_base, rng, storage
 from megatron_lite.checkpointing.architecture import check_architecture
 from megatron_lite.checkpointing.metadata_schema import FORMAT_VERSION
@@ -99,6 +99,12 @@ def checkpoint_name(model, name: str) -> str:
 
 def optimizer_key(state: str, name: str) -> str:
     return f"{OPTIMIZER_PREFIX}{state}.{name}"
+
+
+def _first_replica(parallel_state) -> bool:
+    """Whether this rank writes what its replicas hold too: data-parallel rank 0 of context-parallel rank 0
+    (context-parallel ranks hold whole replicas of the weights and optimizer state)."""
+    return collectives.rank(parallel_state.data_parallel_group_with_context) == 0
 
 
 def _stored_by_this_rank(model, name: str, param, tp_rank: int) -> bool:
@@ -157,7 +163,7 @@ def _write_rank_file(config: Config, parallel_state, model_chunks: list, optimiz
     models = _unwrap(model_chunks)
     pieces = _model_pieces(config, parallel_state, models, _zero3_slices(model_chunks))
     # Without the distributed optimizer the data-parallel replicas' states are identical: rank 0's is saved.
-    writes_optimizer = config.parallel.use_distributed_optimizer or parallel_state.data_parallel_rank == 0
+    writes_optimizer = config.parallel.use_distributed_optimizer or _first_replica(parallel_state)
     optimizer_state = optimizer.state_dict() if optimizer is not None and writes_optimizer else None
     if optimizer_state is not None:
         pieces += _optimizer_pieces(config, parallel_state, models, optimizer_state)
@@ -215,7 +221,7 @@ def _model_pieces(config, parallel_state, models, zero3_slices: dict) -> list[Sh
                 continue
             vocab_size = config.model.vocab_size if has_vocab_rows(name) else None
             if param not in zero3_slices:
-                if parallel_state.data_parallel_rank == 0:
+                if _first_replica(parallel_state):
                     pieces.append(ShardedTensor.of_parameter(name, param.detach(), param, tp_rank=tp_rank,
                                                              tp_size=tp_size, vocab_size=vocab_size))
             elif (held := zero3_slices[param]) is not None:

@@ -47,6 +47,7 @@ def get_batch_on_this_cp_rank(batch: dict, cp_rank: int, cp_size: int) -> dict:
 
 
 def slice_batches(iterator, cp_rank: int, cp_size: int):
-    """The micro-batches of ``iterator``, each cut to this rank's positions."""
-    for batch in iterator:
-        yield get_batch_on_this_cp_rank(batch, cp_rank, cp_size)
+    """The micro-batches of ``iterator``, each cut to this rank's positions (``iterator`` itself at cp 1)."""
+    if cp_size == 1:
+        return iterator
+    return (get_batch_on_this_cp_rank(batch, cp_rank, cp_size) for batch in iterator)

@@ -25,7 +25,8 @@ def weight_hash(model_chunks) -> int:
 
 
 def check_weight_hash_across_dp_replicas(model_chunks, parallel_state: ParallelState, iteration: int) -> None:
-    group = parallel_state.data_parallel_group
+    # Context-parallel ranks hold whole replicas of the weights too.
+    group = parallel_state.data_parallel_group_with_context
     if group is None:
         return
     for chunk in model_chunks:  # weights must be final: finish any overlapped all-gather first
@@ -36,7 +37,7 @@ def check_weight_hash_across_dp_replicas(model_chunks, parallel_state: ParallelS
     collectives.all_gather_into_tensor(hashes, local, group)
     hashes = hashes.tolist()
     if len(set(hashes)) > 1:
-        ranks = parallel_state.group_ranks["data"]
+        ranks = parallel_state.group_ranks.get("data_context", parallel_state.group_ranks["data"])
         disagreeing = [rank for rank, h in zip(ranks, hashes) if h != hashes[0]]
         raise RuntimeError(
             f"data-parallel replicas disagree at iteration {iteration}: the weights on global ranks "
