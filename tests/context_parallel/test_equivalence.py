@@ -18,7 +18,7 @@ import json
 import pytest
 
 from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                                  TrainingConfig)
+                                  PeftConfig, TrainingConfig)
 from tests.distributed import run_distributed
 from tests.parity import assert_losses_match, assert_relative_close, full_tensors, rank_tensors
 
@@ -31,7 +31,7 @@ MODELS = {"gpt": GPT, "llama": LLAMA}
 
 
 def _config(model: str, *, cp: int = 1, tp: int = 1, pp: int = 1, vpp: bool = False, comm=("p2p",),
-            strategy: str = "no_shard", sft: str | None = None) -> Config:
+            strategy: str = "no_shard", sft: str | None = None, prefix: bool = False) -> Config:
     data = DataConfig(mock_data=True) if sft is None else DataConfig(
         sft=True, train_data_path=[sft], valid_data_path=[sft], tokenizer_type="NullTokenizer",
         sft_pack_sequences=True)
@@ -47,7 +47,9 @@ def _config(model: str, *, cp: int = 1, tp: int = 1, pp: int = 1, vpp: bool = Fa
         # adam_eps above the rounding noise of gradients that are zero in exact arithmetic (the key bias's;
         # test_3d_equivalence.py says why).
         optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2, clip_grad=0.5, adam_eps=1e-6),
-        data=data, logging=LoggingConfig(log_memory=False))
+        data=data, logging=LoggingConfig(log_memory=False),
+        # Prefix tuning through its reparametrising MLP: every rank's queries see the whole prefix.
+        peft=PeftConfig(peft="prefix" if prefix else None, prefix_length=3, prefix_projection_hidden_size=16))
 
 
 def _masked_loss(iterator):
@@ -64,7 +66,7 @@ def _train(rank, world_size, runs):
 
     results = []
     for run in runs:
-        config = _config(**run)
+        config = _config(**{k: v for k, v in run.items() if k != "save"})
         parallel = config.parallel
         state = initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                           parallel.virtual_pipeline_model_parallel_size,
@@ -88,8 +90,30 @@ def _train(rank, world_size, runs):
                 tensors.update(rank_tensors(chunk.module.named_parameters()))
         results.append({"losses": losses if state.is_pipeline_last_stage() else [], "grad_norms": grad_norms,
                         "valid_loss": valid_loss, "tensors": tensors, "tp_rank": state.tensor_model_parallel_rank})
+        if "save" in run:
+            results[-1]["reloaded"] = _save_and_reload(config, state, chunks, optimizer, scheduler, run["save"])
         destroy_model_parallel(state)
     return results
+
+
+def _save_and_reload(config, state, chunks, optimizer, scheduler, directory: str) -> dict:
+    """Save, then load into the same world without context parallelism or sharding (data-parallel replicas):
+    the weights this rank then holds."""
+    from megatron_lite.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_lite.checkpointing.training_state import TrainingState
+    from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from megatron_lite.training.loop import setup_model_and_optimizer
+
+    config.checkpoint.save = directory
+    save_checkpoint(config, state, chunks, optimizer, scheduler, TrainingState(iteration=STEPS))
+    plain = dataclasses.replace(config, parallel=ParallelConfig(), checkpoint=dataclasses.replace(
+        config.checkpoint, save=None, load=directory))
+    plain_state = initialize_model_parallel(1, 1)
+    plain_chunks, plain_optimizer, plain_scheduler = setup_model_and_optimizer(plain, plain_state)
+    load_checkpoint(plain, plain_state, plain_chunks, plain_optimizer, plain_scheduler)
+    reloaded = rank_tensors(plain_chunks[0].module.named_parameters())
+    destroy_model_parallel(plain_state)
+    return reloaded
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +133,16 @@ def sft_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(sft_data):
-    """The single-process runs: pretraining and packed fine-tuning of each model."""
+    """The single-process runs: pretraining and packed fine-tuning of each model, prefix tuning of one."""
     runs = [{"model": m} for m in MODELS] + [{"model": m, "sft": sft_data} for m in MODELS]
+    runs += [{"model": "llama", "prefix": True}]
     (results,) = run_distributed(_train, 1, args=(runs,))
-    return {(run["model"], "sft" in run): result for run, result in zip(runs, results)}
+    return {_reference(run): result for run, result in zip(runs, results)}
+
+
+def _reference(run: dict) -> tuple:
+    """Which single-process run a layout is compared with."""
+    return run["model"], "sft" in run, run.get("prefix", False)
 
 
 def _check(references, world_size: int, runs: list) -> None:
@@ -120,7 +150,7 @@ def _check(references, world_size: int, runs: list) -> None:
     for index, run in enumerate(runs):
         what = f"world {world_size} {run}"
         results = [r[index] for r in per_rank]
-        reference = references[(run["model"], "sft" in run)]
+        reference = references[_reference(run)]
         assert_losses_match([r["losses"] for r in results], reference["losses"], STEPS, what)
         for result in results:
             assert_relative_close(result["grad_norms"], reference["grad_norms"], what=f"{what} grad norms")
@@ -133,16 +163,34 @@ def _check(references, world_size: int, runs: list) -> None:
             if name not in expected:  # the last pipeline stage's copy of the tied embedding
                 name = "embedding.word_embeddings.weight"
             assert_relative_close(value, expected[name], what=f"{what} {name}")
+        if "save" in run:  # the checkpoint reshards: the same weights, exactly, at dp2 without sharding
+            _check_written_once(run["save"])
+            reloaded = full_tensors([{"tensors": r["reloaded"], "tp_rank": 0} for r in results])
+            assert reloaded.keys() == weights.keys(), what
+            for name, value in reloaded.items():
+                assert_relative_close(value, weights[name], rel=0.0, what=f"{what} reloaded {name}")
 
 
-def test_cp2_matches_one_process(references, sft_data):
-    """cp2 under each comm type, under ZeRO-3 (sharded over the data x context ranks), and on packed
-    fine-tuning data (block-diagonal masks cut across the chunks, the per-token loss)."""
+def _check_written_once(directory: str) -> None:
+    """No piece of a tensor was written by two ranks (context-parallel ranks hold replicas, as data-parallel
+    ones do: one of them writes)."""
+    from megatron_lite.checkpointing.storage import read_metadata, resolve_checkpoint_dir
+    for key, entry in read_metadata(resolve_checkpoint_dir(directory))["tensors"].items():
+        pieces = [(shard["tp_rank"], tuple(shard["flat_range"] or ())) for shard in entry["shards"]]
+        assert len(pieces) == len(set(pieces)), f"{key} written more than once: {entry['shards']}"
+
+
+def test_cp2_matches_one_process(references, sft_data, tmp_path):
+    """cp2 under each comm type (a checkpoint of which loads into data-parallel replicas), under ZeRO-3
+    (sharded over the data x context ranks; its checkpoint too), on packed fine-tuning data (block-diagonal
+    masks cut across the chunks, the per-token loss), and prefix tuning."""
     runs = [{"model": m, "cp": 2, "comm": (comm,)} for m in MODELS for comm in ("p2p", "all_gather")]
+    runs[0]["save"] = str(tmp_path / "replicated")
     runs += [{"model": "gpt", "cp": 2, "strategy": "optim_grads_params"},
-             {"model": "llama", "cp": 2, "comm": ("all_gather",), "strategy": "optim_grads_params"},
+             {"model": "llama", "cp": 2, "comm": ("all_gather",), "strategy": "optim_grads_params",
+              "save": str(tmp_path / "sharded")},
              {"model": "gpt", "cp": 2, "comm": ("all_gather",), "sft": sft_data},
-             {"model": "llama", "cp": 2, "sft": sft_data}]
+             {"model": "llama", "cp": 2, "sft": sft_data}, {"model": "llama", "cp": 2, "prefix": True}]
     _check(references, 2, runs)
 
 
