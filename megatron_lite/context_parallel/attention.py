@@ -110,11 +110,8 @@ class RingAttention(nn.Module):
         _check_mask(attention_mask, local_length, self.cp.size)
         prefix_key = prefix_value = None
         if prefix is not None:
-            prefix_key, prefix_value = (t.permute(1, 2, 0, 3) for t in prefix.keys_and_values(batch, key.dtype))
-        # [s, b, heads, d] -> [b, heads, s, d]
-        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        context = _RingAttentionFunction.apply(query, key, value, prefix_key, prefix_value, attention_mask, self)
-        return context.permute(2, 0, 1, 3).reshape(local_length, batch, -1)
+            prefix_key, prefix_value = prefix.keys_and_values(batch, key.dtype)
+        return _RingAttentionFunction.apply(query, key, value, prefix_key, prefix_value, attention_mask, self)
 
     def around_the_ring(self, key_value: torch.Tensor):
         """(owner's context-parallel rank, its keys and values) of every rank, this rank's first; the next
@@ -173,12 +170,25 @@ def _halves(tensor: torch.Tensor, chunk: int):
     return tensor[:, :, :chunk], tensor[:, :, chunk:]
 
 
+def _blocks(tensor):
+    """[s, b, heads, d] -> [b, heads, s, d], the kernels' layout (a view)."""
+    return None if tensor is None else tensor.permute(1, 2, 0, 3)
+
+
+def _sequence_first(tensor):
+    """[b, heads, s, d] -> [s, b, heads, d] (a view), ``_blocks`` undone."""
+    return None if tensor is None else tensor.permute(2, 0, 1, 3)
+
+
 class _RingAttentionFunction(torch.autograd.Function):
-    """Ring attention over [b, heads, 2 chunk, d] queries and [b, groups, 2 chunk, d] keys and values, with an
-    optional [b, groups, p, d] prefix seen by every query; returns [b, heads, 2 chunk, d]."""
+    """Ring attention over [2 chunk, b, heads, d] queries and [2 chunk, b, groups, d] keys and values, with an
+    optional [p, b, groups, d] prefix seen by every query; returns [2 chunk, b, heads x d], which is also
+    what the backward keeps of the output (the output projection keeps the same tensor)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, prefix_key, prefix_value, attention_mask, ring: RingAttention):
+    def forward(ctx, *inputs):
+        query, key, value, prefix_key, prefix_value = map(_blocks, inputs[:5])
+        attention_mask, ring = inputs[5:]
         chunk = query.shape[2] // 2
         prefix_length = 0 if prefix_key is None else prefix_key.shape[2]
         queries = _halves(query, chunk)
@@ -194,14 +204,18 @@ class _RingAttentionFunction(torch.autograd.Function):
         for owner, key_value in ring.around_the_ring(torch.stack([key, value])):
             for half, key_half, mask in ring.block_pairs(owner, attention_mask, chunk, prefix_length, query.device):
                 attend(half, _halves(key_value[0], chunk)[key_half], _halves(key_value[1], chunk)[key_half], mask)
-        out, lse = torch.cat(out, dim=2).to(query.dtype), torch.cat(lse, dim=2)
-        ctx.save_for_backward(query, key, value, prefix_key, prefix_value, out, lse)
+        out = _sequence_first(torch.cat(out, dim=2).to(query.dtype))
+        out = out.reshape(out.shape[0], out.shape[1], -1)
+        ctx.save_for_backward(*inputs[:5], out, torch.cat(lse, dim=2))
         ctx.attention_mask, ctx.ring = attention_mask, ring
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, prefix_key, prefix_value, out, lse = ctx.saved_tensors
+        *inputs, out, lse = ctx.saved_tensors
+        query, key, value, prefix_key, prefix_value = map(_blocks, inputs)
+        heads = query.shape[1]
+        out, grad_out = (_blocks(t.reshape(t.shape[0], t.shape[1], heads, -1)) for t in (out, grad_out))
         ring, attention_mask = ctx.ring, ctx.attention_mask
         chunk = query.shape[2] // 2
         prefix_length = 0 if prefix_key is None else prefix_key.shape[2]
@@ -233,6 +247,7 @@ class _RingAttentionFunction(torch.autograd.Function):
             received = _RingExchange(grad_key_value, ring.cp)  # on to the next rank, which holds this block next
         grad_key, grad_value = received.wait()  # own block's, summed over every rank: it went all the way round
         grad_prefix_key, grad_prefix_value = (None, None) if grad_prefix is None else (
-            grad.to(prefix_key.dtype) for grad in grad_prefix)
-        return (torch.cat(grad_query, dim=2).to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),
-                grad_prefix_key, grad_prefix_value, None, None)
+            _sequence_first(grad.to(prefix_key.dtype)) for grad in grad_prefix)
+        grad_query = torch.cat(grad_query, dim=2).to(query.dtype)
+        return (_sequence_first(grad_query), _sequence_first(grad_key.to(key.dtype)),
+                _sequence_first(grad_value.to(value.dtype)), grad_prefix_key, grad_prefix_value, None, None)

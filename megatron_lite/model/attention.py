@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from megatron_lite import kernels
 from megatron_lite.process_groups import collectives
@@ -119,16 +120,22 @@ class DotProductAttention(nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         # Heads differ across tensor-parallel ranks, so their dropout masks must too.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
-        attention_mask = _mask_after_cache(attention_mask, query.shape[2], key.shape[2], query.device)
+        query_length, key_length = query.shape[2], key.shape[2]
+        if attention_mask is not None or self.unfused or self.sliding_window is not None:
+            attention_mask = _mask_after_cache(attention_mask, query_length, key_length, query.device)
         if self.sliding_window is not None:
-            attention_mask = self.sliding_window.mask(attention_mask, query.shape[2], key.shape[2], query.device)
+            attention_mask = self.sliding_window.mask(attention_mask, query_length, key_length, query.device)
         with rng:
             if self.unfused:
                 context = _unfused_attention(query, key, value, dropout, attention_mask, self.softmax_scale,
                                              self.logit_capping)
             elif attention_mask is None:
-                context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
-                                                         scale=self.softmax_scale)
+                # The queries are the last of the keys' positions (after cached or earlier keys): causal from the
+                # bottom right, which the CUDA kernels take without materialising a mask.
+                causal = (dict(is_causal=True) if query_length == key_length
+                          else dict(attn_mask=causal_lower_right(query_length, key_length)))
+                context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout,
+                                                         scale=self.softmax_scale, **causal)
             else:  # SDPA's boolean mask marks what may be attended
                 context = F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
                                                          dropout_p=dropout, scale=self.softmax_scale)
