@@ -31,11 +31,14 @@ CASES = {
     "prefix": dict(prefix=3),
     "prefix-window-gqa": dict(prefix=2, window_size=[6, 0], num_query_groups=2),
     "softcapping": dict(attn_logit_softcapping=2.0),
+    # bf16 against bf16 over the whole sequence: the roundings differ, not the attention.
+    "bf16-gqa": dict(num_query_groups=2, bf16=True),
+    "bf16-packed-explicit": dict(packed=True, attention_backend="unfused", bf16=True),
 }
 
 
 def _model_config(case: dict) -> ModelConfig:
-    fields = {k: v for k, v in case.items() if k not in ("packed", "prefix")}
+    fields = {k: v for k, v in case.items() if k not in ("packed", "prefix", "bf16")}
     return ModelConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, seq_length=SEQ,
                        vocab_size=64, attention_dropout=0.0, **fields)
 
@@ -52,7 +55,8 @@ def _inputs(config: ModelConfig, case: dict, seed: int) -> dict:
     groups = config.num_query_groups
 
     def draw(*shape):
-        return torch.randn(*shape, generator=generator, dtype=torch.float64).float()
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).to(
+            torch.bfloat16 if case.get("bf16") else torch.float32)
     inputs = {"query": draw(SEQ, BATCH, HEADS, HEAD_DIM), "key": draw(SEQ, BATCH, groups, HEAD_DIM),
               "value": draw(SEQ, BATCH, groups, HEAD_DIM), "grad": draw(SEQ, BATCH, HEADS * HEAD_DIM)}
     if case.get("packed"):
@@ -101,13 +105,15 @@ def _compare(rank, world_size):
             cp_attention = context_parallel_attention(DotProductAttention(config, layer_number=0),
                                                       ContextParallelConfig(group, cp.global_ranks, (comm_type,)), 0)
             got = _attend(cp_attention, inputs, prefix, positions)
-            what = f"cp{world_size} {comm_type} {name}"
+            what, rel = f"cp{world_size} {comm_type} {name}", 3e-2 if case.get("bf16") else 1e-5
             for key, value in got.items():
+                assert value.dtype == expected[key].dtype, what
                 if key == "grad prefix":  # each rank's queries' share: the whole is the sum
                     dist.all_reduce(value, group=group)
                     assert_relative_close(value, expected[key], what=f"{what} {key}")
                 else:
-                    assert_relative_close(value, expected[key].index_select(0, positions), what=f"{what} {key}")
+                    assert_relative_close(value, expected[key].index_select(0, positions), rel=rel,
+                                          what=f"{what} {key}")
             checked.append(what)
     return checked
 
