@@ -12,7 +12,7 @@ from torch import nn
 
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
-from megatron_lite.context_parallel import ContextParallelConfig
+from megatron_lite.context_parallel import ContextParallelConfig, local_positions
 from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_freqs
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.soft_capping import soft_capping
@@ -33,6 +33,7 @@ class GPTModel(nn.Module):
         self.post_process = post_process
         self.sequence_parallel = tp_config.sequence_parallel
         self.tp_group = tp_config.tp_group
+        self.context_parallel = context_parallel
         self.padded_vocab_size = config.padded_vocab_size(collectives.world_size(tp_config.tp_group))
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor = None
@@ -80,6 +81,16 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
+    def _position_ids(self, input_ids: torch.Tensor, inference_context) -> torch.Tensor:
+        """[b, s] positions of the tokens given: 0, 1, ..., counting on after a generation's cached tokens;
+        under context parallelism, this rank's positions of the whole sequence."""
+        if self.context_parallel is not None:
+            cp = self.context_parallel
+            positions = local_positions(input_ids.shape[1] * cp.size, cp.rank, cp.size).to(input_ids.device)
+            return positions.expand_as(input_ids)
+        first = inference_context.sequence_len_offset if inference_context is not None else 0
+        return torch.arange(first, first + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """The pipeline schedule hands a non-first stage its input activations here."""
         self.input_tensor = input_tensor
@@ -98,8 +109,7 @@ class GPTModel(nn.Module):
         ones it has cached: positions count on from its offset, and only the last token's logits [b, 1, V]
         are computed, the only ones sampled from."""
         if position_ids is None:
-            first = inference_context.sequence_len_offset if inference_context is not None else 0
-            position_ids = torch.arange(first, first + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            position_ids = self._position_ids(input_ids, inference_context)
         if self.pre_process:
             hidden_states = self.embedding(input_ids, position_ids)
         else:

@@ -5,8 +5,11 @@ values (and of a packed mask's rows); its output and the gradients of its querie
 must equal the same positions of the whole-sequence core attention (``DotProductAttention``), for both
 --cp-comm-type variants and every local kernel: SDPA (the CPU flash kernel under p2p) and the explicit
 path, grouped-query heads, a packed block-diagonal mask, a sliding window, a prefix (whose gradient is
-the sum over the ranks) and attention soft-capping.
+the sum over the ranks), attention soft-capping and bf16; and a whole GPT given this rank's tokens gives
+the whole sequence's logits at them.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,6 +17,10 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, context_parallel_attention, local_positions
 from megatron_lite.context_parallel.sharding import chunk_ids, get_batch_on_this_cp_rank, global_order
 from megatron_lite.model.attention import DotProductAttention
+from megatron_lite.model.gpt_model import GPTModel
+from megatron_lite.model.weight_init import initialize_weights
+from megatron_lite.process_groups.parallel_state import mock_parallel_state
+from megatron_lite.tensor_parallel import TensorParallelConfig
 from megatron_lite.peft.prefix_tuning import KeyValuePrefix
 from tests.parity import assert_relative_close
 
@@ -115,13 +122,26 @@ def _compare(rank, world_size):
                     assert_relative_close(value, expected[key].index_select(0, positions), rel=rel,
                                           what=f"{what} {key}")
             checked.append(what)
+    checked.append(_compare_model_logits(cp, positions))
     return checked
+
+
+def _compare_model_logits(cp: ContextParallelConfig, positions: torch.Tensor) -> str:
+    """A whole GPT on this rank's tokens, without position ids: its logits are the whole sequence's at them."""
+    config = dataclasses.replace(_model_config({"hidden_dropout": 0.0}), num_layers=2)
+    whole = GPTModel(config, TensorParallelConfig()).eval()
+    initialize_weights([whole], config, mock_parallel_state(0, 1), seed=0)
+    model = GPTModel(config, TensorParallelConfig(), context_parallel=cp).eval()
+    model.load_state_dict(whole.state_dict())
+    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    assert_relative_close(model(tokens[:, positions]), whole(tokens)[:, positions], what="logits")
+    return "logits"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_context_parallel_attention_equals_whole_sequence(run_distributed, world_size):
     checked = run_distributed(_compare, world_size)
-    assert all(len(c) == 2 * len(CASES) for c in checked)
+    assert all(len(c) == 2 * len(CASES) + 1 for c in checked)
 
 
 def test_chunks_are_load_balanced_and_cover_the_sequence():
