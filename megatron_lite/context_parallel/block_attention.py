@@ -1,7 +1,7 @@
 """Attention of a block of queries over one block of keys: its output and log-sum-exp, and its backward.
 
 Attention over keys cut into blocks can be computed block by block and merged (docs/reference.md
-section 14). Per query row, with s the softmax scale,
+section 15). Per query row, with s the softmax scale,
 
     o_j = softmax(s q K_j^T) V_j,   l_j = log sum exp(s q K_j^T)         one block
     l = log(exp(l_1) + exp(l_2) + ...),   o = sum_j exp(l_j - l) o_j      the whole (``merge``)

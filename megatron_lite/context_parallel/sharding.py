@@ -4,7 +4,7 @@ Causal attention does more work for late queries than for early ones (query i se
 cutting the sequence into cp contiguous pieces would leave the last rank with most of the work. The
 sequence is cut into 2 x cp equal chunks instead and rank i holds chunks i and 2 cp - 1 - i, one early
 and one late, so every rank attends over the same number of (query, key) pairs (docs/reference.md
-section 14). A rank's activations are its two chunks one after the other, [chunk i; chunk 2cp-1-i].
+section 15). A rank's activations are its two chunks one after the other, [chunk i; chunk 2cp-1-i].
 
 Every rank of a context-parallel group reads the same micro-batch (they share a data-parallel rank) and
 keeps its chunks of every per-position field: tokens, labels and loss mask (the labels are already the
