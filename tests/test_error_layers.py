@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOWER_LAYERS = ["megatron_lite/tensor_parallel", "megatron_lite/context_parallel",
                 "megatron_lite/pipeline_parallel/p2p.py",
                 "megatron_lite/pipeline_parallel/schedule_table.py", "megatron_lite/pipeline_parallel/schedules.py",
-                "megatron_lite/model/attention.py"]
+                "megatron_lite/model/attention.py", "megatron_lite/expert_parallel", "megatron_lite/model/moe"]
 BASE = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "4", "--seq-length", "8",
         "--vocab-size", "64", "--mock-data"]
 

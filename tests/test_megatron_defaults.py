@@ -30,8 +30,16 @@ MEGATRON_DEFAULTS = {
     # Megatron's num_query_groups default (1) is read only with --group-query-attention; without it
     # both use one group per head.
     "num_query_groups": None,
+    # mixture of experts (TransformerConfig's fields, which Megatron-LM's parser takes its --moe-* flags from)
+    "num_experts": None, "moe_ffn_hidden_size": None, "moe_router_topk": 2, "moe_router_score_function": "softmax",
+    "moe_router_pre_softmax": False, "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
+    "moe_router_group_topk": None, "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
+    "moe_z_loss_coeff": None, "moe_router_enable_expert_bias": False, "moe_router_bias_update_rate": 1e-3,
+    "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs",
+    "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False, "moe_grouped_gemm": False,
     # parallel
     "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
     # Megatron-LM's --cp-comm-type is a list too (one value for every layer, or one per layer).
     "cp_comm_type": ["p2p"],
     "num_layers_per_virtual_pipeline_stage": None, "decoder_first_pipeline_num_layers": None,
@@ -79,6 +87,8 @@ DELIBERATE = {
     "sft_tokenizer_prompt_format": ("nemotron-h-aligned", "plain"),  # we have no nemotron-h-aligned format
     "distributed_backend": ("nccl", None),  # None: nccl with CUDA, gloo on CPU
     "data_parallel_sharding_strategy": ("optim_grads_params", None),  # Megatron's applies to --use-megatron-fsdp only
+    "moe_layer_freq": (1, "1"),  # the flag's text, parsed when used: Megatron-LM keeps an int or an eval'd list
+    "expert_tensor_parallel_size": (1, None),  # None: the tensor-parallel size, which validate_args writes in
 }
 
 NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", "grad_cpu_offload",
@@ -88,6 +98,7 @@ NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", 
                    "lr_warmup_style",
                    "softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",  # Gemma 2's
                    "post_sublayer_norm", "scale_embeddings", "geglu",
+                   "rotary_base_local",  # Gemma 3's local layers; Megatron-Bridge's field, no Megatron-LM flag
                    "deepspeed_config", "deepspeed"}  # the DeepSpeed config's spellings, translated at parse time
 REQUIRED = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"}  # in both
 

@@ -42,6 +42,7 @@ ROLES = {
     "apply_layernorm_1p": Role.ARCHITECTURE,  # the same stored weights scale by w or by 1 + w
     "position_embedding_type": Role.ARCHITECTURE,
     "rotary_base": Role.ARCHITECTURE,  # with rope only, see _ONLY_WITH
+    "rotary_base_local": Role.ARCHITECTURE,
     "rotary_percent": Role.ARCHITECTURE,  # with rope only
     "swiglu": Role.ARCHITECTURE,
     "add_bias_linear": Role.ARCHITECTURE,
@@ -59,6 +60,28 @@ ROLES = {
     "rotary_seq_len_interpolation_factor": Role.ARCHITECTURE,  # with rope only
     "use_rope_scaling": Role.ARCHITECTURE,  # with rope only
     "rope_scaling_factor": Role.ARCHITECTURE,  # with --use-rope-scaling only
+    "num_experts": Role.ARCHITECTURE,
+    "moe_ffn_hidden_size": Role.ARCHITECTURE,
+    "moe_layer_freq": Role.ARCHITECTURE,
+    "moe_router_topk": Role.ARCHITECTURE,
+    "moe_router_score_function": Role.ARCHITECTURE,
+    "moe_router_pre_softmax": Role.ARCHITECTURE,
+    "moe_router_topk_scaling_factor": Role.ARCHITECTURE,
+    "moe_router_num_groups": Role.ARCHITECTURE,
+    "moe_router_group_topk": Role.ARCHITECTURE,
+    "moe_router_enable_expert_bias": Role.ARCHITECTURE,  # the bias is stored with the weights and routes
+    "moe_shared_expert_intermediate_size": Role.ARCHITECTURE,
+    "moe_shared_expert_gate": Role.ARCHITECTURE,
+    # Dropping tokens past capacity changes the output in evaluation too, as in Megatron-LM.
+    "moe_expert_capacity_factor": Role.ARCHITECTURE,
+    "moe_pad_expert_input_to_capacity": Role.ARCHITECTURE,
+    "moe_token_drop_policy": Role.ARCHITECTURE,
+    # How the router is trained: its losses and the expert bias's step.
+    "moe_router_load_balancing_type": Role.TRAINING,
+    "moe_aux_loss_coeff": Role.TRAINING,
+    "moe_z_loss_coeff": Role.TRAINING,
+    "moe_router_bias_update_rate": Role.TRAINING,
+    "moe_grouped_gemm": Role.MACHINE,  # the same experts, multiplied in one grouped GEMM
     # Positions are bounded by max_position_embeddings; seq_length is only how long the samples are.
     "seq_length": Role.TRAINING,
     "hidden_dropout": Role.TRAINING,

@@ -1,7 +1,7 @@
 """The Hugging Face model families megatron_lite imports and exports, each a spec of ``config.json``.
 
 A family is its ``model_type``, the transformers class that loads it, how its weights are named
-(``naming``: GPT-2's or Llama's, ``hf_interop``), the ModelConfig features it implies, and every
+(``naming``: GPT-2's, Llama's, Phi-3's or Gemma's, ``hf_interop``), the ModelConfig features it implies, and every
 ``config.json`` field it reads. A field outside that list (and outside ``GENERIC_FIELDS``, which
 change nothing we compute) is refused by name at import, never dropped: an unread field is a
 silently different model. A null field sets nothing and passes.
@@ -16,14 +16,29 @@ silently different model. A null field sets nothing and passes.
     phi3     llama + fused qkv_proj, gate_up_proj;     embd_pdrop != resid_pdrop, longrope
              partial_rotary_factor (--rotary-percent),
              sliding_window
+    mixtral  mistral + a mixture of experts in every   router_jitter_noise
+             layer (num_local_experts, top-k softmax
+             routing; router_aux_loss_coef, see below)
     gemma2   llama + RMSNorm (1 + w), post-sublayer    attention_bias, hidden_activation other than
              norms, sqrt(hidden) embedding scale,      gelu_pytorch_tanh, use_bidirectional_attention,
              GeGLU, query_pre_attn_scalar, attention   layer_types other than every Nth layer global
              and final-logit soft-capping, sliding /   (or no layer sliding)
              global layers, tied embeddings
+    gemma3   gemma2 + q/k RMSNorm (1 + w), every 6th   gemma2's; rope_parameters.sliding_attention
+    _text    layer global by default, the local        other than an unscaled rope_theta
+             layers' own RoPE base, never scaled
+             (--rotary-base-local)
 
 On export the family is the one the model's features call for (``family_of``), or the one named
 (``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does.
+
+Mixtral's load-balancing loss (transformers' ``load_balancing_loss_func``) pools the router statistics
+of all L layers: E / (L T)^2 * sum_e C_e P_e with C and P summed over layers, k assignments per token.
+Ours is Megatron-LM's, per layer and summed over layers, each E / (k T^2) * sum_e C_e P_e. For one
+layer the two differ by the factor k, and where the layers route alike the pooled loss is the mean
+of the per-layer ones: --moe-aux-loss-coeff = router_aux_loss_coef * k / L reproduces it exactly for
+one layer and in that case. transformers adds the loss to the training loss only with
+output_router_logits true, so an import without it trains with coefficient 0.
 """
 from __future__ import annotations
 
@@ -55,6 +70,7 @@ class Family:
     to_ours: Callable[[dict], dict]  # config.json -> ModelConfig fields
     to_hf: Callable[[ModelConfig], dict]  # ModelConfig -> the family's own config.json fields
     features: dict = dataclasses.field(default_factory=dict)  # ModelConfig fields that select it on export
+    also: frozenset = frozenset()  # optional features it may have besides (Mixtral's sliding window)
 
 
 def refuse(condition: bool, what: str) -> None:
@@ -205,12 +221,13 @@ def _phi3_to_hf(config: ModelConfig) -> dict:
     return fields
 
 
-def _gemma2_to_ours(hf: dict) -> dict:
+def _gemma_to_ours(hf: dict, every: int) -> dict:
+    """What Gemma 2 and 3 share; ``every``: the default period of their global layers."""
     refuse(hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
            f"hidden_activation {hf.get('hidden_activation')!r} (GeGLU takes gelu_pytorch_tanh)")
     refuse(hf.get("attention_bias", False), "attention_bias (biases on q, k, v and o_proj)")
     refuse(hf.get("use_bidirectional_attention", False), "use_bidirectional_attention (ours is causal)")
-    window, skip_freq = _gemma2_layer_pattern(hf)
+    window, skip_freq = _layer_pattern(hf, every)
     return dict(_llama_to_ours(hf), apply_layernorm_1p=True, post_sublayer_norm=True, scale_embeddings=True,
                 geglu=True, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
                 softmax_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -219,11 +236,14 @@ def _gemma2_to_ours(hf: dict) -> dict:
                 window_size=[window - 1, 0], window_attn_skip_freq=skip_freq)
 
 
-def _gemma2_layer_pattern(hf: dict) -> tuple:
-    """(sliding_window, --window-attn-skip-freq) of ``layer_types``: every Nth layer global (the default,
-    N = 2), or none. Other patterns, and none sliding, are refused."""
+def _layer_pattern(hf: dict, every: int) -> tuple:
+    """(sliding_window, --window-attn-skip-freq) of ``layer_types``, which defaults to every ``every``-th layer
+    global (Gemma 3's ``sliding_window_pattern``): every Nth layer global, or none. Other patterns, and none
+    sliding, are refused."""
     layers = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    every = hf.get("sliding_window_pattern") or every
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
+                                      for i in range(layers)]
     refuse(set(types) - {"sliding_attention", "full_attention"} != set(), f"layer_types {sorted(set(types))}")
     full = [i for i, kind in enumerate(types) if kind == "full_attention"]
     refuse(len(full) == layers or hf.get("sliding_window") is None, "no sliding_attention layer (layer_types)")
@@ -233,7 +253,7 @@ def _gemma2_layer_pattern(hf: dict) -> tuple:
     return hf["sliding_window"], skip_freq
 
 
-def _gemma2_to_hf(config: ModelConfig) -> dict:
+def _gemma_to_hf(config: ModelConfig) -> dict:
     fields = {k: v for k, v in _llama_to_hf(config).items() if k != "hidden_act"}
     freq = config.window_attn_skip_freq
     scalar = round(config.softmax_scale ** -2, 6) if config.softmax_scale else config.head_dim
@@ -243,6 +263,55 @@ def _gemma2_to_hf(config: ModelConfig) -> dict:
                 final_logit_softcapping=config.final_logit_softcapping, sliding_window=config.window_size[0] + 1,
                 layer_types=["full_attention" if freq and (i + 1) % freq == 0 else "sliding_attention"
                              for i in range(config.num_layers)])
+
+
+GEMMA_FIELDS = LLAMA_FIELDS | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
+                               "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
+                               "use_bidirectional_attention"}
+# Gemma 3's defaults where its config.json leaves them out (transformers' Gemma3TextConfig).
+GEMMA3_GLOBAL_THETA, GEMMA3_LOCAL_THETA, GEMMA3_EVERY = 1_000_000.0, 10_000.0, 6
+
+
+def _gemma3_to_ours(hf: dict) -> dict:
+    """Gemma 2's fields with a period of 6, q/k norms, and RoPE per layer kind: ``rope_parameters`` holds
+    {full_attention: ..., sliding_attention: ...} (transformers 5), or older files give the global layers'
+    ``rope_theta`` and ``rope_scaling`` and the local layers' ``rope_local_base_freq``."""
+    rope = hf.get("rope_parameters") or {}
+    refuse(bool(set(rope) - {"full_attention", "sliding_attention"}),
+           f"rope_parameters keys {sorted(set(rope))} (Gemma 3's are per layer kind: full_attention, "
+           f"sliding_attention)")
+    full = {**(rope.get("full_attention") or {}), **(hf.get("rope_scaling") or {})}  # as transformers merges them
+    full.setdefault("rope_theta", hf.get("rope_theta", GEMMA3_GLOBAL_THETA))
+    local = dict(rope.get("sliding_attention") or {})
+    local_type = local.pop("rope_type", local.pop("type", "default"))
+    refuse(local_type != "default" or set(local) - {"rope_theta"} != set(),
+           f"rope_parameters.sliding_attention {rope.get('sliding_attention')} (the local layers' RoPE is "
+           f"unscaled: rope_type default)")
+    fields = _gemma_to_ours({**hf, "rope_parameters": full, "rope_scaling": None}, GEMMA3_EVERY)
+    return dict(fields, qk_layernorm=True,
+                rotary_base_local=float(local.get("rope_theta", hf.get("rope_local_base_freq", GEMMA3_LOCAL_THETA))))
+
+
+def _gemma3_to_hf(config: ModelConfig) -> dict:
+    local = {"rope_type": "default", "rope_theta": config.rotary_base_local}
+    # rope_theta, rope_scaling (Gemma 2's, the global layers') and rope_local_base_freq for transformers < 5
+    return dict(_gemma_to_hf(config), rope_local_base_freq=config.rotary_base_local, rope_parameters={
+        "full_attention": _rope_to_hf(config)["rope_parameters"], "sliding_attention": local})
+
+
+def _mixtral_to_ours(hf: dict) -> dict:
+    refuse(hf.get("router_jitter_noise", 0.0) != 0.0, "router_jitter_noise (multiplicative noise on the router input)")
+    layers, topk = hf["num_hidden_layers"], hf.get("num_experts_per_tok", 2)
+    coeff = hf.get("router_aux_loss_coef", 0.001) * topk / layers if hf.get("output_router_logits") else 0.0
+    return dict(_mistral_to_ours(hf), num_experts=hf.get("num_local_experts", 8), moe_router_topk=topk,
+                moe_ffn_hidden_size=hf["intermediate_size"], moe_aux_loss_coeff=coeff)
+
+
+def _mixtral_to_hf(config: ModelConfig) -> dict:
+    return dict(_mistral_to_hf(config), intermediate_size=config.moe_ffn_hidden_size,
+                num_local_experts=config.num_experts, num_experts_per_tok=config.moe_router_topk,
+                output_router_logits=config.moe_aux_loss_coeff > 0, router_jitter_noise=0.0,
+                router_aux_loss_coef=config.moe_aux_loss_coeff * config.num_layers / config.moe_router_topk)
 
 
 QWEN_WINDOW_FIELDS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
@@ -267,16 +336,26 @@ FAMILIES = {family.model_type: family for family in (
            LLAMA_FIELDS | {"sliding_window", "resid_pdrop", "embd_pdrop", "partial_rotary_factor",
                            "original_max_position_embeddings"},  # the context longrope scaling starts from
            _phi3_to_ours, _phi3_to_hf),
-    Family("gemma2", "Gemma2ForCausalLM", "gemma2",
-           LLAMA_FIELDS | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
-                           "layer_types", "attn_logit_softcapping", "final_logit_softcapping",
-                           "use_bidirectional_attention"},
-           _gemma2_to_ours, _gemma2_to_hf, features={"window_size": lambda window: window is not None}),
+    Family("mixtral", "MixtralForCausalLM", "mixtral",
+           LLAMA_FIELDS | {"sliding_window", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
+                           "output_router_logits", "router_jitter_noise"},
+           _mixtral_to_ours, _mixtral_to_hf, features={"num_experts": lambda experts: experts is not None},
+           also=frozenset({"window_size"})),
+    Family("gemma2", "Gemma2ForCausalLM", "gemma", GEMMA_FIELDS, lambda hf: _gemma_to_ours(hf, every=2),
+           _gemma_to_hf, features={"window_size": lambda window: window is not None}),
+    Family("gemma3_text", "Gemma3ForCausalLM", "gemma",
+           GEMMA_FIELDS | {"rope_local_base_freq", "sliding_window_pattern",
+                           "_sliding_window_pattern",  # transformers' copy of the pattern, which it does not read
+                           "cache_implementation"},  # generation's cache class ("hybrid"): not the model
+           _gemma3_to_ours, _gemma3_to_hf, features={"window_size": lambda window: window is not None,
+                                                      "qk_layernorm": True,
+                                                      "rotary_base_local": lambda base: base is not None}),
 )}
 
 # The features only some families have, and the value each takes where it is absent.
-_OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None}
-# Gemma 2's features (its own weight naming tells it apart on export): no other family describes them.
+_OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None,
+                      "num_experts": None}
+# Gemma's features (its own weight naming tells it apart on export): no other family describes them.
 GEMMA_FEATURES = {"post_sublayer_norm": False, "scale_embeddings": False, "geglu": False, "softmax_scale": None,
                   "attn_logit_softcapping": None, "final_logit_softcapping": None, "window_attn_skip_freq": None}
 
@@ -284,6 +363,10 @@ GEMMA_FEATURES = {"post_sublayer_norm": False, "scale_embeddings": False, "geglu
 def model_config_fields_from_hf(hf: dict) -> dict:
     """ModelConfig fields of a ``config.json``; an unknown family, field or variant is refused by name."""
     model_type = hf.get("model_type")
+    refuse(model_type == "gemma3", "a vision tower: config.json has model_type 'gemma3' "
+           "(Gemma3ForConditionalGeneration). Import its language model alone, model_type gemma3_text "
+           "(Gemma3ForCausalLM): the directory of that model, whose config.json is this one's text_config "
+           "(docs/model_families.md saves it in four lines of transformers)")
     if model_type not in FAMILIES:
         raise ConfigError(f"config.json has model_type {model_type!r}; megatron_lite imports "
                           f"{', '.join(f'{f.model_type} ({f.architecture})' for f in FAMILIES.values())}.")
@@ -324,10 +407,12 @@ def family_of(config: ModelConfig, naming: str) -> Family:
     are exactly the model's optional features (none of them: GPT-2 or Llama)."""
     present = {name for name, absent in _OPTIONAL_FEATURES.items() if getattr(config, name) != absent}
     for family in FAMILIES.values():
-        if family.naming == naming and set(family.features) == present and all(
+        if family.naming == naming and set(family.features) <= present <= set(family.features) | family.also and all(
                 test(getattr(config, name)) if callable(test) else getattr(config, name) == test
                 for name, test in family.features.items()):
             return family
     raise ConfigError(f"no Hugging Face family has this model's combination of "
                       f"{', '.join(sorted(present))}: export needs at most one of --add-qkv-bias (Qwen2), "
-                      f"--qk-layernorm (Qwen3) and --window-size (Mistral).")
+                      f"--qk-layernorm (Qwen3) and --window-size (Mistral), or Gemma's features with "
+                      f"--window-size (Gemma 2) or with --window-size, --qk-layernorm and --rotary-base-local "
+                      f"(Gemma 3), or --num-experts with or without --window-size (Mixtral).")

@@ -51,11 +51,11 @@ _MODULES = {
     "phi3": {"linear_qkv": [("self_attn.qkv_proj", ("q", "k", "v"))], "linear_proj": [("self_attn.o_proj", None)],
              "linear_fc1": [("mlp.gate_up_proj", ("gate", "up"))], "linear_fc2": [("mlp.down_proj", None)]},
 }
-_MODULES["gemma2"] = _MODULES["llama"]
+_MODULES["gemma"] = _MODULES["llama"]
 _OUR_MODULE = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
                "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
 _LAYERS = {"gpt2": "base_model.model.transformer.h.", "llama": "base_model.model.model.layers.",
-           "phi3": "base_model.model.model.layers.", "gemma2": "base_model.model.model.layers."}
+           "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers."}
 
 
 def _row_blocks(target: str, rows: torch.Tensor, config: ModelConfig) -> dict:

@@ -52,6 +52,10 @@ def write_checkpoint(root: str, config: Config, read: Callable[[str], torch.Tens
         The checkpoint directory.
     """
     tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
+    if config.parallel.expert_model_parallel_size != 1 or config.parallel.expert_tensor_size != tp:
+        raise ValueError("checkpoints are written offline with every expert on every rank, each split as a dense "
+                         "MLP (expert-model-parallel size 1, expert-tensor size = tensor size); any expert "
+                         "layout loads them.")
     layout = RankLayout(tp * pp, tp, pp)
     staging = storage.prepare_staging(root, iteration)
     metadata = new_metadata(
@@ -132,7 +136,8 @@ def reshard_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_si
     same_pipeline = pipeline_model_parallel_size == config.parallel.pipeline_model_parallel_size
     parallel = dataclasses.replace(
         config.parallel, tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size, virtual_pipeline_model_parallel_size=None,
+        pipeline_model_parallel_size=pipeline_model_parallel_size, expert_model_parallel_size=1,
+        expert_tensor_parallel_size=None, virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None,
         decoder_first_pipeline_num_layers=config.parallel.decoder_first_pipeline_num_layers if same_pipeline else None,
         decoder_last_pipeline_num_layers=config.parallel.decoder_last_pipeline_num_layers if same_pipeline else None)

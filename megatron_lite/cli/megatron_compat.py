@@ -37,6 +37,8 @@ ACCEPTED_FLAGS = {
                                         "--no-check-for-nan-in-loss-and-grad turns the check off)",
     "--no-gradient-accumulation-fusion": "accepted, no effect: gradients always accumulate in the data-parallel "
                                          "gradient buffer",
+    "--moe-permute-fusion": "accepted, no effect: tokens are permuted to their experts by PyTorch ops",
+    "--moe-router-fusion": "accepted, no effect: the router's top-k and losses are PyTorch ops",
 }
 
 # Flags with a value, accepted with no effect: each row is the spellings of one flag and what it means here.
@@ -49,7 +51,8 @@ ACCEPTED_VALUE_FLAGS = {
 
 _NO_FP8 = "megatron_lite has no FP8 path (needs Transformer Engine on Hopper)"
 _NO_FP4 = "megatron_lite has no FP4 path (needs Transformer Engine on Blackwell)"
-_NO_MOE = "megatron_lite builds dense GPT models only (no mixture of experts)"
+_NO_MOE = ("megatron_lite's mixture of experts takes the --moe-* flags listed in --help "
+           "(docs/moe.md), not this one")
 _NO_TE = ("megatron_lite's layers are its own PyTorch modules (Megatron's 'local' implementation), "
           "not Transformer Engine")
 _NO_CUDA_GRAPHS = "megatron_lite does not capture CUDA graphs"
@@ -79,10 +82,11 @@ REFUSED_FLAGS = {
     "--fp4-format": Refusal(_NO_FP4),
     "--fp4-recipe": Refusal(_NO_FP4),
     "--fp4-param-gather": Refusal(_NO_FP4, takes_value=False),
-    # Parallelism we do not implement.
-    "--expert-model-parallel-size": Refusal(_NO_MOE, harmless=("1",)),
-    "--expert-tensor-parallel-size": Refusal(_NO_MOE, harmless=("1",)),
-    "--num-experts": Refusal(_NO_MOE),
+    # Mixture of experts: one dispatcher (all-to-all) and one router precision (fp32).
+    "--moe-token-dispatcher-type": Refusal(
+        "megatron_lite dispatches tokens with all-to-all only", harmless=("alltoall", "allgather"),
+        notice="--moe-token-dispatcher-type: tokens are dispatched with all-to-all (allgather computes the same)."),
+    "--moe-router-dtype": Refusal("megatron_lite's router always computes in fp32", harmless=("fp32",)),
     # Transformer Engine.
     "--transformer-impl": Refusal(_NO_TE, harmless=("local",)),
     "--tp-comm-overlap": Refusal(_NO_TE + " (its userbuffers overlap tensor-parallel communication with GEMMs)",

@@ -17,6 +17,8 @@ from typing import Optional
 
 from megatron_lite.config.batch_size_schedule import parse_step_batch_size_schedule, schedule_in_samples
 from megatron_lite.config.errors import ConfigError, UserError  # noqa: F401 (imported from here everywhere)
+from megatron_lite.config.moe import (LOAD_BALANCING_TYPES, ROUTER_SCORE_FUNCTIONS, TOKEN_DROP_POLICIES,
+                                      check_moe_fields, moe_layer_pattern)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -100,6 +102,8 @@ class ModelConfig:
     apply_layernorm_1p: bool = False  # norm weights hold scale - 1 (Megatron's zero-centred gamma)
     position_embedding_type: str = field(default="learned_absolute", metadata={"choices": POSITION_EMBEDDING_TYPES})
     rotary_base: float = 10000.0
+    # The sliding-window layers' own RoPE base, never scaled (Gemma 3's local layers; Megatron-Bridge's name).
+    rotary_base_local: Optional[float] = None
     rotary_percent: float = 1.0  # fraction of each head's channels that rotary embeddings rotate
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     swiglu: bool = False
@@ -124,6 +128,27 @@ class ModelConfig:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     use_fused_kernels: bool = True
+    # Mixture of experts (Megatron-LM's --num-experts and --moe-* flags; checked in config/moe.py).
+    num_experts: Optional[int] = None  # None: every MLP is dense
+    moe_ffn_hidden_size: Optional[int] = None  # each expert's inner width; default --ffn-hidden-size
+    moe_layer_freq: str = "1"  # N (every Nth layer) or a 0/1 list expression, one per layer
+    moe_router_topk: int = 2
+    moe_router_score_function: str = field(default="softmax", metadata={"choices": ROUTER_SCORE_FUNCTIONS})
+    moe_router_pre_softmax: bool = False  # softmax over all experts before the top-k (no renormalisation)
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many groups ...
+    moe_router_group_topk: Optional[int] = None  # ... of which each token may use this many
+    moe_router_load_balancing_type: str = field(default="aux_loss", metadata={"choices": LOAD_BALANCING_TYPES})
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3)
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = field(default="probs", metadata={"choices": TOKEN_DROP_POLICIES})
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    moe_grouped_gemm: bool = False  # the experts as one grouped GEMM (torch._grouped_mm) instead of a loop
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -165,15 +190,19 @@ class ModelConfig:
         _require(self.window_size is None or (len(self.window_size) == 2 and self.window_size[0] >= 0
                                               and self.window_size[1] == 0),
                  f"--window-size takes LEFT 0 (a causal model sees no keys to its right), got {self.window_size}.")
+        _require(self.rotary_base_local is None or (self.window_size is not None
+                                                    and self.position_embedding_type == "rope"),
+                 "--rotary-base-local is the RoPE base of the sliding-window layers: it needs --window-size and "
+                 "--position-embedding-type rope.")
         skip_freq = self.window_attn_skip_freq
         _require(skip_freq is None or (self.window_size is not None and skip_freq > 0),
                  f"--window-attn-skip-freq ({self.window_attn_skip_freq}) makes every Nth layer global among "
                  f"sliding-window ones: it needs --window-size and a positive N.")
         _require(not self.geglu or self.swiglu, "--geglu changes the gate of --swiglu's gated MLP: add --swiglu.")
-        for flag, cap in [("--attn-logit-softcapping", self.attn_logit_softcapping),
-                          ("--final-logit-softcapping", self.final_logit_softcapping),
-                          ("--softmax-scale", self.softmax_scale)]:
-            _require(cap is None or cap > 0, f"{flag} must be positive, got {cap}.")
+        for flag, value in [("--attn-logit-softcapping", self.attn_logit_softcapping),
+                            ("--final-logit-softcapping", self.final_logit_softcapping),
+                            ("--softmax-scale", self.softmax_scale), ("--rotary-base-local", self.rotary_base_local)]:
+            _require(value is None or value > 0, f"{flag} must be positive, got {value}.")
         scalings = [self.rotary_seq_len_interpolation_factor is not None, self.use_rope_scaling]
         _require(self.position_embedding_type == "rope" or not any(scalings),
                  "--rotary-seq-len-interpolation-factor and --use-rope-scaling scale rotary embeddings: they need "
@@ -183,6 +212,10 @@ class ModelConfig:
         for flag, factor in [("--rotary-seq-len-interpolation-factor", self.rotary_seq_len_interpolation_factor),
                              ("--rope-scaling-factor", self.rope_scaling_factor)]:
             _require(factor is None or factor >= 1.0, f"{flag} must be >= 1 (it stretches positions), got {factor}.")
+        self.moe_layer_freq = str(self.moe_layer_freq)  # Megatron-LM's int or list, given in code
+        if self.num_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size  # as Megatron-LM
+        check_moe_fields(self)
 
     @property
     def head_dim(self) -> int:
@@ -193,6 +226,10 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Channels of each head that rotary embeddings rotate (the first ones); the rest pass through."""
         return int(self.head_dim * self.rotary_percent)
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether layer ``layer_number`` (global, 0-based) has a mixture of experts for its MLP."""
+        return moe_layer_pattern(self.num_experts, self.moe_layer_freq, self.num_layers)[layer_number]
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
         """Megatron pads the vocabulary so every tensor-parallel shard is a multiple of 128."""
@@ -217,6 +254,10 @@ class ParallelConfig:
     context_parallel_size: int = 1  # every sequence split over this many ranks (megatron_lite/context_parallel/)
     # How context-parallel attention exchanges keys and values: one value for every layer, or one per layer.
     cp_comm_type: list = field(default_factory=lambda: ["p2p"], metadata={"choices": CP_COMM_TYPES})
+    # Mixture-of-experts layers: experts split over expert-model-parallel ranks, each expert's weights over
+    # expert-tensor-parallel ranks (None: the tensor-parallel size, as Megatron-LM).
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
     virtual_pipeline_model_parallel_size: Optional[int] = None
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     decoder_first_pipeline_num_layers: Optional[int] = None
@@ -255,6 +296,10 @@ class ParallelConfig:
         _require(self.context_parallel_size >= 1,
                  f"--context-parallel-size must be >= 1, got {self.context_parallel_size}.")
         self.cp_comm_type = ["all_gather" if kind == "allgather" else kind for kind in self.cp_comm_type]
+        _require(self.expert_model_parallel_size >= 1,
+                 f"--expert-model-parallel-size must be >= 1, got {self.expert_model_parallel_size}.")
+        _require(self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
+                 f"--expert-tensor-parallel-size must be >= 1, got {self.expert_tensor_parallel_size}.")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # As Megatron-LM: with one tensor-parallel rank there is no sequence to split.
             warnings.warn("--sequence-parallel has no effect at --tensor-model-parallel-size 1; turning it off.")
@@ -289,6 +334,11 @@ class ParallelConfig:
                  f"--pipeline-model-parallel-size ({pp}); change --global-batch-size or --micro-batch-size, or drop "
                  f"--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage.")
 
+    @property
+    def expert_tensor_size(self) -> int:
+        """The expert-tensor-parallel size: --expert-tensor-parallel-size, else the tensor-parallel size."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
     def data_parallel_size(self, world_size: int) -> int:
         model_parallel = (self.tensor_model_parallel_size * self.context_parallel_size
                           * self.pipeline_model_parallel_size)
@@ -299,6 +349,13 @@ class ParallelConfig:
                  f"({self.tensor_model_parallel_size}){context} x --pipeline-model-parallel-size "
                  f"({self.pipeline_model_parallel_size}) = {model_parallel}; launch a multiple of "
                  f"{model_parallel} processes or change the parallel sizes.")
+        stage, experts = world_size // self.pipeline_model_parallel_size, (
+            self.expert_tensor_size * self.expert_model_parallel_size)
+        _require(stage % experts == 0,
+                 f"the {stage} processes of each pipeline stage do not split into --expert-tensor-parallel-size "
+                 f"({self.expert_tensor_size}) x --expert-model-parallel-size ({self.expert_model_parallel_size}) "
+                 f"= {experts} expert shards; launch a multiple of {experts * self.pipeline_model_parallel_size} "
+                 f"processes or change the expert sizes.")
         return world_size // model_parallel
 
 
@@ -677,6 +734,11 @@ class Config:
         _require(model.ffn_hidden_size % tp == 0,
                  f"--ffn-hidden-size ({model.ffn_hidden_size}) must be divisible by "
                  f"--tensor-model-parallel-size ({tp}).")
+        _check_expert_parallel(model, parallel)
+        mlp_targets = sorted({"linear_fc1", "linear_fc2"} & set(self.peft.lora_target_modules))
+        _require(model.num_experts is None or self.peft.peft != "lora" or not mlp_targets,
+                 f"--peft lora on experts is not implemented yet: with --num-experts give --lora-target-modules "
+                 f"linear_qkv linear_proj (attention only), not {' '.join(mlp_targets)}.")
         _require(not parallel.sequence_parallel or model.seq_length % tp == 0,
                  f"--sequence-parallel splits the sequence: --seq-length ({model.seq_length}) must be "
                  f"divisible by --tensor-model-parallel-size ({tp}).")
@@ -740,6 +802,31 @@ def _check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> Non
              f"--cp-comm-type p2p computes attention block by block without keeping the probabilities, so it has no "
              f"attention dropout: give --attention-dropout 0 (--attention-dropout {model.attention_dropout} now; "
              f"Megatron-LM's default is 0.1), or --cp-comm-type all_gather.")
+    # Measured: without the load-balancing loss a mixture of experts at cp2 equals one process; with it, each
+    # rank balances its own tokens' routing, not the sequence's, and the weights drift apart.
+    _require(model.num_experts is None or model.moe_aux_loss_coeff == 0
+             or model.moe_router_load_balancing_type == "none",
+             f"--moe-router-load-balancing-type {model.moe_router_load_balancing_type} under --context-parallel-size "
+             f"{cp} would balance each rank's share of a sequence instead of the sequence: give --moe-aux-loss-coeff "
+             f"0 (or --moe-router-load-balancing-type none), or drop --context-parallel-size.")
+
+
+def _check_expert_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_size
+    if model.num_experts is None:
+        _require(ep == 1, "--expert-model-parallel-size splits the experts of mixture-of-experts layers: add "
+                          "--num-experts N, or drop it.")
+        return
+    _require(model.num_experts % ep == 0,
+             f"--num-experts ({model.num_experts}) must be divisible by --expert-model-parallel-size ({ep}): each "
+             f"expert-parallel rank holds the same number of experts.")
+    _require(model.moe_ffn_hidden_size % etp == 0,
+             f"--moe-ffn-hidden-size ({model.moe_ffn_hidden_size}) must be divisible by the expert-tensor-parallel "
+             f"size ({etp}, --expert-tensor-parallel-size, default --tensor-model-parallel-size).")
+    shared = model.moe_shared_expert_intermediate_size
+    _require(shared is None or shared % parallel.tensor_model_parallel_size == 0,
+             f"--moe-shared-expert-intermediate-size ({shared}) must be divisible by --tensor-model-parallel-size "
+             f"({parallel.tensor_model_parallel_size}): the shared expert is split as a dense MLP.")
 
 
 def _check_schedule_units(training: TrainingConfig, optimizer: OptimizerConfig) -> None:

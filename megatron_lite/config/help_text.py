@@ -23,7 +23,10 @@ HELP = {
     "norm_epsilon": "epsilon inside the norms (Llama checkpoints often use 1e-6 or 1e-5)",
     "apply_layernorm_1p": "norm weights hold scale - 1, zero at init (Megatron's zero-centred gamma; both norms)",
     "position_embedding_type": "learned_absolute (GPT-2) or rope (rotary, Llama)",
-    "rotary_base": "RoPE base frequency theta (Llama 3: 500000)",
+    "rotary_base": "RoPE base frequency theta (Llama 3: 500000); with --rotary-base-local, the global layers' only",
+    "rotary_base_local": ("RoPE base of the sliding-window (local) layers, which then rotate without RoPE scaling; "
+                          "--rotary-base and the scaling are the global layers' (Gemma 3: 10000 and 1000000; "
+                          "Megatron-Bridge's rotary_base_local, not a Megatron-LM flag)"),
     "rotary_percent": "fraction of each head's channels that RoPE rotates (the first ones; GPT-NeoX: 0.25)",
     "attention_backend": ("auto, flash, fused: torch's scaled_dot_product_attention; unfused, local: explicit "
                           "QK^T, the fused causal masked softmax, then V"),
@@ -53,6 +56,36 @@ HELP = {
     "init_method_std": "standard deviation of the normal weight init (output projections are scaled by depth)",
     "make_vocab_size_divisible_by": "pad the vocabulary to a multiple of this x tensor-parallel size",
     "use_fused_kernels": "use the PyTorch reference ops instead of the fused CUDA kernels",
+    "num_experts": "experts of each mixture-of-experts layer (default: none, every MLP dense)",
+    "moe_ffn_hidden_size": "inner width of each expert (default --ffn-hidden-size)",
+    "moe_layer_freq": ('which layers are mixture-of-experts: N (every Nth, from the first) or a list of 0s and 1s '
+                       'per layer, e.g. "([0]+[1]*23)" for a first dense layer (parsed, not eval\'d as in '
+                       'Megatron-LM, which also keeps the text as an int)'),
+    "moe_router_topk": "experts each token is routed to",
+    "moe_router_score_function": ("router scores: softmax (Mixtral, Qwen-MoE) or sigmoid, normalised over the "
+                                  "top-k (DeepSeek-V3)"),
+    "moe_router_pre_softmax": ("softmax over all experts before choosing the top-k, which are then not "
+                               "renormalised (OLMoE, Qwen2-MoE); default: softmax over the top-k logits"),
+    "moe_router_topk_scaling_factor": "multiply the top-k routing weights by this (DeepSeek's routed_scaling_factor)",
+    "moe_router_num_groups": ("group-limited routing: the experts form this many groups, and each token picks "
+                              "--moe-router-group-topk groups first (DeepSeek's device/node-limited routing)"),
+    "moe_router_group_topk": "with --moe-router-num-groups: groups each token's experts may come from",
+    "moe_router_load_balancing_type": ("aux_loss (Switch Transformer's, per micro-batch), seq_aux_loss (per "
+                                       "sequence, DeepSeek) or none"),
+    "moe_aux_loss_coeff": "weight of the load-balancing loss in the training loss (1e-2 is a common start)",
+    "moe_z_loss_coeff": "weight of the router z-loss, the mean squared log-sum-exp of the router logits (ST-MoE)",
+    "moe_router_enable_expert_bias": ("aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the sigmoid "
+                                      "scores, used only to choose experts, moved once per global batch towards "
+                                      "an equal token count"),
+    "moe_router_bias_update_rate": "with --moe-router-enable-expert-bias: the bias step per global batch",
+    "moe_expert_capacity_factor": ("drop tokens past capacity = factor x tokens x top-k / experts per expert and "
+                                   "micro-batch (default: dropless)"),
+    "moe_pad_expert_input_to_capacity": "with --moe-expert-capacity-factor: every expert computes exactly its capacity",
+    "moe_token_drop_policy": "which tokens past capacity are dropped: lowest routing probability, or last in position",
+    "moe_shared_expert_intermediate_size": "inner width of the shared expert every token also passes through",
+    "moe_shared_expert_gate": "scale the shared expert's output by sigmoid of a learned projection (Qwen2-MoE)",
+    "moe_grouped_gemm": ("run each rank's experts as one grouped GEMM (torch._grouped_mm) instead of a loop over "
+                         "experts"),
     # parallel
     "tensor_model_parallel_size": "GPUs each layer is split across (keep within a node)",
     "pipeline_model_parallel_size": "pipeline stages the layers are split into",
@@ -61,6 +94,9 @@ HELP = {
                              "2 x size - 1 - i",
     "cp_comm_type": "how context-parallel attention exchanges keys and values: p2p (a ring, overlapped with each "
                     "block's attention) or all_gather (Megatron-LM: allgather); one value, or one per layer",
+    "expert_model_parallel_size": "ranks the experts of each mixture-of-experts layer are divided over",
+    "expert_tensor_parallel_size": ("ranks each expert's weights are split across (default "
+                                    "--tensor-model-parallel-size, which Megatron-LM's validation writes in)"),
     "virtual_pipeline_model_parallel_size": "model chunks per pipeline stage (interleaved 1F1B)",
     "num_layers_per_virtual_pipeline_stage": "layers per model chunk; sets --virtual-pipeline-model-parallel-size",
     "decoder_first_pipeline_num_layers": "layers on the first pipeline stage (uneven split)",

@@ -69,7 +69,8 @@ class SelfAttention(nn.Module):
         attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split; under
         context parallelism s is this rank's positions for the rows, the whole sequence for the columns).
         With an ``inference_context`` (generation) the new tokens attend to the cached earlier ones too:
-        the mask is then [b, 1, s, cached + s]."""
+        the mask is then [b, 1, s, cached + s] (a sliding-window layer, which caches only its window, takes
+        its last columns)."""
         qkv, _ = self.linear_qkv(hidden_states)
         seq, batch = qkv.shape[:2]
         qkv = qkv.view(seq, batch, self.local_query_groups, (self.heads_per_group + 2) * self.head_dim)
@@ -82,7 +83,12 @@ class SelfAttention(nn.Module):
             key = kernels.apply_rotary_pos_emb(key, rotary_freqs)
         if inference_context is not None:
             # Keys are cached after their rotation: a position's angle never changes.
-            key, value = inference_context.append_key_value(self.layer_number, key, value)
+            # Generation runs without context parallelism: the core is the layer's own DotProductAttention.
+            sliding_window = self.core_attention.sliding_window
+            window = None if sliding_window is None else sliding_window.left
+            key, value = inference_context.append_key_value(self.layer_number, key, value, window=window)
+            if attention_mask is not None:  # a windowed cache returns the most recent keys only
+                attention_mask = attention_mask[..., -key.shape[0]:]
         # The prefix joins after the cache, which holds the sequence's own keys only.
         core_attention = functools.partial(self.core_attention, prefix=self.prefix)
         if self.checkpoint_core_attention and self.training:

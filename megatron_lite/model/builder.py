@@ -13,6 +13,7 @@ import torch
 
 from megatron_lite.config import Config, ParallelConfig
 from megatron_lite.context_parallel import ContextParallelConfig
+from megatron_lite.expert_parallel import ExpertParallelConfig
 from megatron_lite.model.embedding import LanguageModelEmbedding
 from megatron_lite.model.gpt_model import GPTModel
 from megatron_lite.model.transformer_layer import TransformerLayer
@@ -47,7 +48,9 @@ def build_model_chunk(config: Config, parallel_state: ParallelState, *, pipeline
         pre_process=pipeline_rank == 0 and virtual_rank == 0,
         post_process=pipeline_rank == pp - 1 and virtual_rank == vpp - 1,
         recompute_granularity=training.recompute_granularity, recompute_method=training.recompute_method,
-        recompute_num_layers=training.recompute_num_layers)
+        recompute_num_layers=training.recompute_num_layers,
+        ep_config=ExpertParallelConfig(ep_group=parallel_state.expert_model_parallel_group,
+                                       etp_group=parallel_state.expert_tensor_parallel_group))
     apply_peft(model, config)
     return model
 

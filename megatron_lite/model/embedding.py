@@ -43,6 +43,29 @@ class LanguageModelEmbedding(nn.Module):
         return self.dropout(embeddings)
 
 
+@dataclasses.dataclass(frozen=True)
+class RotaryAngles:
+    """The rotary angles of a batch's positions for every layer, each [s, b, 1, d] (``rotary_freqs``).
+
+    ``global_angles`` (--rotary-base, under the model's RoPE scaling) serve every layer, except that with
+    --rotary-base-local (Gemma 3) the local, sliding-window layers take ``local_angles``: their own base,
+    never scaled (Gemma 3 stretches only its global layers' context; docs/reference.md section 12)."""
+
+    global_angles: torch.Tensor
+    local_angles: torch.Tensor | None = None
+
+    def of_layer(self, local: bool) -> torch.Tensor:
+        """The angles of a layer that is ``local`` (attends through a window) or global."""
+        return self.local_angles if local and self.local_angles is not None else self.global_angles
+
+
+def rotary_angles(position_ids: torch.Tensor, config: ModelConfig) -> RotaryAngles:
+    """The angles of ``position_ids`` [b, s] for every layer of the model ``config``."""
+    local = config.rotary_base_local
+    return RotaryAngles(rotary_freqs(position_ids, config.rotary_dim, config.rotary_base, scaling=config),
+                        None if local is None else rotary_freqs(position_ids, config.rotary_dim, local))
+
+
 def rotary_freqs(position_ids: torch.Tensor, rotary_dim: int, base: float,
                  scaling: ModelConfig | None = None) -> torch.Tensor:
     """Angles position * base^(-2i/d) of every token, laid out [s, b, 1, d] as cat(freqs, freqs)

@@ -13,7 +13,8 @@ from torch import nn
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, local_positions
-from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_freqs
+from megatron_lite.expert_parallel import ExpertParallelConfig
+from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_angles
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.model.transformer_block import TransformerBlock
@@ -26,7 +27,8 @@ class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, tp_config: TensorParallelConfig, *, layer_numbers: range | None = None,
                  context_parallel: ContextParallelConfig | None = None, pre_process: bool = True,
                  post_process: bool = True, recompute_granularity: str | None = None,
-                 recompute_method: str | None = None, recompute_num_layers: int | None = None):
+                 recompute_method: str | None = None, recompute_num_layers: int | None = None,
+                 ep_config: ExpertParallelConfig = ExpertParallelConfig()):
         super().__init__()
         self.config = config
         self.pre_process = pre_process
@@ -46,7 +48,8 @@ class GPTModel(nn.Module):
         self.decoder = TransformerBlock(config, layer_numbers, context_parallel=context_parallel,
                                         recompute_granularity=recompute_granularity,
                                         recompute_method=recompute_method,
-                                        recompute_num_layers=recompute_num_layers, tp_config=tp_config)
+                                        recompute_num_layers=recompute_num_layers, tp_config=tp_config,
+                                        ep_config=ep_config)
         if post_process:
             self.final_layernorm = Norm(config.hidden_size, normalization=config.normalization,
                                         eps=config.norm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,
@@ -114,11 +117,10 @@ class GPTModel(nn.Module):
             hidden_states = self.embedding(input_ids, position_ids)
         else:
             hidden_states = self.input_tensor
-        freqs = None
+        rotary = None
         if self.config.position_embedding_type == "rope":
-            freqs = rotary_freqs(position_ids.to(hidden_states.device), self.config.rotary_dim, self.config.rotary_base,
-                                 scaling=self.config)
-        hidden_states = self.decoder(hidden_states, freqs, attention_mask, inference_context)
+            rotary = rotary_angles(position_ids.to(hidden_states.device), self.config)
+        hidden_states = self.decoder(hidden_states, rotary, attention_mask, inference_context)
         if not self.post_process:
             return hidden_states
         if inference_context is not None:

@@ -1,5 +1,5 @@
 """RoPE frequency scaling, which stretches a model's context: each variant maps the inverse
-frequencies base^(-2i/d) to new ones (see docs/reference.md, "Rotary embeddings and their scaling").
+frequencies base^(-2i/d) to new ones (see docs/reference.md section 12, "Rotary embeddings and their scaling").
 
 - linear (``--rotary-seq-len-interpolation-factor f``): every frequency / f, i.e. positions / f.
 - Llama 3.x (``--use-rope-scaling``, factor f): wavelengths 2 pi / freq shorter than the original

@@ -34,6 +34,9 @@ class DistributedOptimizer(MegatronOptimizer):
     def _data_parallel_group_for_grads(self):
         return self.parallel_state.data_parallel_group_with_context
 
+    def _expert_data_parallel_group_for_grads(self):
+        return self.parallel_state.expert_data_parallel_group
+
     def _after_main_params_copied(self) -> None:
         for chunk in self.model_chunks:
             chunk.start_param_sync()

@@ -3,7 +3,8 @@
 The list mirrors ``model/gpt_model.py`` in ``module.parameters()`` order, because
 that order decides the data-parallel buckets (``distributed/param_and_grad_buffer``)
 and so the padding a sharded optimizer adds. A test checks it against real chunks
-of every kind (GPT-2 and Llama, tensor/pipeline/virtual splits, tied or not).
+of every kind (GPT-2, Llama, the per-layer tensors of the Hugging Face families, tensor/pipeline/virtual
+splits, tied or not).
 """
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ def fsdp_unit(spec: ParamSpec) -> str:
     return ".".join(parts[:3]) if parts[:2] == ["decoder", "layers"] else ""
 
 
-def _norm(prefix: str, model: ModelConfig) -> list[ParamSpec]:
+def _norm(prefix: str, model: ModelConfig, width: int | None = None) -> list[ParamSpec]:
+    """A norm over ``width`` channels (default the hidden size)."""
     names = ["weight", "bias"] if model.normalization == "LayerNorm" else ["weight"]
-    return [ParamSpec(f"{prefix}.{n}", model.hidden_size) for n in names]
+    return [ParamSpec(f"{prefix}.{n}", width or model.hidden_size) for n in names]
 
 
 def _linear(prefix: str, rows: int, columns: int, bias: int | None) -> list[ParamSpec]:
@@ -54,11 +56,13 @@ def layer_parameters(model: ModelConfig, layer_number: int, tensor_model_paralle
     fc1 = model.ffn_hidden_size * (2 if model.swiglu else 1) // t
     bias = model.add_bias_linear
     prefix = f"decoder.layers.{layer_number}"
+    qk_norms = (_norm(f"{prefix}.self_attention.q_layernorm", model, model.head_dim)
+                + _norm(f"{prefix}.self_attention.k_layernorm", model, model.head_dim)) if model.qk_layernorm else []
     return (_norm(f"{prefix}.input_layernorm", model)
-            + _linear(f"{prefix}.self_attention.linear_qkv", qkv, h, qkv if bias else None)
+            + _linear(f"{prefix}.self_attention.linear_qkv", qkv, h, qkv if bias or model.add_qkv_bias else None)
             + _linear(f"{prefix}.self_attention.linear_proj", h, model.num_attention_heads * model.head_dim // t,
                       h if bias else None)
-            + _norm(f"{prefix}.pre_mlp_layernorm", model)
+            + qk_norms + _norm(f"{prefix}.pre_mlp_layernorm", model)
             + _linear(f"{prefix}.mlp.linear_fc1", fc1, h, fc1 if bias else None)
             + _linear(f"{prefix}.mlp.linear_fc2", h, model.ffn_hidden_size // t, h if bias else None)
             + (_norm(f"{prefix}.post_self_attn_layernorm", model) + _norm(f"{prefix}.post_mlp_layernorm", model)

@@ -164,7 +164,9 @@ class _Sizing:
     @classmethod
     def of(cls, config: Config) -> "_Sizing":
         parallel, optimizer, training = config.parallel, config.optimizer, config.training
-        key = (dataclasses.astuple(config.model), parallel.tensor_model_parallel_size, training.bf16, training.fp16,
+        # Lists (--window-size) as tuples, to hash.
+        model = tuple(tuple(v) if isinstance(v, list) else v for v in dataclasses.astuple(config.model))
+        key = (model, parallel.tensor_model_parallel_size, training.bf16, training.fp16,
                parallel.data_parallel_sharding_strategy, parallel.accumulate_allreduce_grads_in_fp32,
                parallel.ddp_bucket_size, parallel.overlap_grad_reduce, parallel.overlap_param_gather,
                parallel.grad_cpu_offload, optimizer.optimizer, optimizer.sgd_momentum > 0,

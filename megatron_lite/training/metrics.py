@@ -51,8 +51,9 @@ def peak_memory_mb() -> float:
 def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
                          tflops_per_gpu: float | None, learning_rate: float, global_batch_size: int, lm_loss: float,
                          loss_scale: float, grad_norm: float | None, skipped_iterations: int,
-                         nan_iterations: int) -> str:
-    """Megatron's line; the throughput field only with --log-throughput (``tflops_per_gpu`` not None)."""
+                         nan_iterations: int, routing: dict | None = None) -> str:
+    """Megatron's line; the throughput field only with --log-throughput (``tflops_per_gpu`` not None).
+    ``routing``: a mixture of experts' auxiliary losses and expert load, after the loss as Megatron-LM's."""
     line = (f" iteration {iteration:8d}/{train_iters:8d} |"
             f" consumed samples: {consumed_samples:12d} |"
             f" elapsed time per iteration (ms): {elapsed_ms:.1f} |")
@@ -60,8 +61,10 @@ def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: 
         line += f" throughput per GPU (TFLOP/s/GPU): {_tflops_text(tflops_per_gpu)} |"
     line += (f" learning rate: {learning_rate:.6E} |"
             f" global batch size: {global_batch_size:5d} |"
-            f" lm loss: {_loss_text(lm_loss)} |"
-            f" loss scale: {loss_scale:.1f} |")
+            f" lm loss: {_loss_text(lm_loss)} |")
+    for name, value in (routing or {}).items():
+        line += f" {name}: {value:.2f} |" if name == "expert load max/min" else f" {name}: {_loss_text(value)} |"
+    line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
     return line + (f" number of skipped iterations: {skipped_iterations:3d} |"

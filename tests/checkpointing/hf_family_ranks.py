@@ -6,22 +6,23 @@ import dataclasses
 
 import torch
 
-from megatron_lite.checkpointing import read_config
+from megatron_lite.checkpointing import load_checkpoint, read_config
 from megatron_lite.config import (CheckpointConfig, DataConfig, LoggingConfig, OptimizerConfig, ParallelConfig,
                                   PeftConfig, TrainingConfig)
 from megatron_lite.inference.loading import load_model, read_checkpoint_config
 from megatron_lite.inference.text_generation import generate
 from megatron_lite.pipeline_parallel import p2p
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron_lite.training.loop import pretrain
+from megatron_lite.training.loop import pretrain, setup_model_and_optimizer, train_step
 
 STEPS = 5
 
 
-def load(root: str, tp: int = 1, pp: int = 1):
+def load(root: str, tp: int = 1, pp: int = 1, ep: int = 1):
     config = read_checkpoint_config(root, ParallelConfig(tensor_model_parallel_size=tp,
-                                                         pipeline_model_parallel_size=pp))
-    parallel_state = initialize_model_parallel(tp, pp)
+                                                         pipeline_model_parallel_size=pp,
+                                                         expert_model_parallel_size=ep))
+    parallel_state = initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     return load_model(config, parallel_state), parallel_state
 
 
@@ -46,6 +47,19 @@ def tp2_pp2_rank(rank, world_size, runs, prompts, generation):
         model, parallel_state = load(root, tp=2, pp=2)
         results.append((_pipelined_logits(model, parallel_state, input_ids),
                         generate(model, prompts, greedy=True, parallel_state=parallel_state, **generation)))
+        destroy_model_parallel(parallel_state)
+    return results
+
+
+def layouts_rank(rank, world_size, root, input_ids, layouts, prompt_batches, generation):
+    """For each (tp, pp, ep) of ``layouts``: (logits of the input ids on the last stage, else None; for each batch of
+    ``prompt_batches``, the greedy tokens after its prompts with ``generation``'s settings)."""
+    results = []
+    for tp, pp, ep in layouts:
+        model, parallel_state = load(root, tp=tp, pp=pp, ep=ep)
+        results.append((_pipelined_logits(model, parallel_state, input_ids) if pp > 1 else model(input_ids).detach(),
+                        [generate(model, prompts, greedy=True, parallel_state=parallel_state, **generation)
+                         for prompts in prompt_batches]))
         destroy_model_parallel(parallel_state)
     return results
 
@@ -76,3 +90,27 @@ def train(rank, world_size, runs):
         results.append(state.losses)
         destroy_model_parallel(parallel_state)
     return results
+
+
+def sgd_step_gradients(rank, world_size, root, microbatches):
+    """The gradient one training step of the checkpoint ``root`` applies (SGD at learning rate 1: the weights'
+    change), each data-parallel rank taking its share of ``microbatches`` (dicts of tokens, labels, loss_mask,
+    position_ids), through setup_model_and_optimizer and train_step."""
+    config = dataclasses.replace(
+        read_config(root), parallel=ParallelConfig(),
+        training=TrainingConfig(micro_batch_size=microbatches[0]["tokens"].shape[0],
+                                global_batch_size=len(microbatches) * microbatches[0]["tokens"].shape[0],
+                                train_iters=1),
+        optimizer=OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0,
+                                  lr_decay_style="constant"),
+        checkpoint=CheckpointConfig(pretrained_checkpoint=root), data=DataConfig(mock_data=True),
+        logging=LoggingConfig(log_memory=False))
+    parallel_state = initialize_model_parallel()
+    chunks, optimizer, scheduler = setup_model_and_optimizer(config, parallel_state)
+    load_checkpoint(config, parallel_state, chunks, optimizer, scheduler)
+    before = {name: p.detach().clone() for name, p in chunks[0].module.named_parameters()}
+    mine = microbatches[rank::world_size]
+    train_step(config, parallel_state, chunks, optimizer, scheduler, iter(mine), len(mine))
+    gradients = {name: (before[name] - p.detach()).numpy() for name, p in chunks[0].module.named_parameters()}
+    destroy_model_parallel(parallel_state)
+    return gradients

@@ -1,4 +1,5 @@
-"""Qwen2/2.5, Qwen3, Mistral, Phi-3 and Gemma 2 import, run, train, fine-tune and export exactly against transformers.
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 import, run, train, fine-tune and export exactly against
+transformers.
 
 Each family is a tiny random model (``from_config``, saved locally) with every feature it has
 switched on, and weights drawn wider than transformers' init (biases and norm scales included),
@@ -12,10 +13,16 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
              query_pre_attn_scalar 24 (not head_dim 16), attention and final-logit soft-capping low
              enough to bite (4, 5), sliding window 5 on layer 1 and global layer 2, tied embeddings;
              transformers' eager attention as the reference
+    gemma3   gemma2's norms, scale, GeGLU and query_pre_attn_scalar with q/k (1 + w) RMSNorms, a local
+             layer (window 5, its own RoPE base 50) then a global one (base 500 under linear scaling 2;
+             at pp 2 it is the second stage's first layer: the global layer number decides),
+             final-logit soft-capping 5 (attention capping off, as in the released models, so
+             attention takes SDPA), tied embeddings
 
 For each: logits equal transformers' at 1 process and at tp2 x pp2; greedy generation (alone and
 batched, left-padded) equals ``generate``; HF -> ours -> HF -> ours is bit-exact; 5 training
-steps at tp2 x pp2 x dp2 equal 1 process; a LoRA export loads in peft and gives our logits.
+steps at tp2 x pp2 x dp2 equal 1 process; a LoRA export loads in peft and gives our logits; the
+first --sft loss (and, with a window, the packed one) is transformers' loss over the response tokens.
 """
 import dataclasses
 
@@ -28,14 +35,19 @@ peft = pytest.importorskip("peft")
 from megatron_lite.checkpointing import hf_interop, read_config  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
-from megatron_lite.config import ConfigError, OptimizerConfig, PeftConfig  # noqa: E402
+from megatron_lite.config import (ConfigError, DataConfig, OptimizerConfig, PeftConfig,  # noqa: E402
+                                  TrainingConfig)
 from megatron_lite.inference.text_generation import generate  # noqa: E402
+from megatron_lite.model.sliding_window import layer_window  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
+from megatron_lite.training.loop import pretrain  # noqa: E402
+from tests.checkpointing.common import widen_and_save  # noqa: E402
 from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import (EOS, MAX_NEW_TOKENS, PAD, PROMPTS,  # noqa: E402
                                                              _hf_generate)
 from tests.parity import assert_relative_close  # noqa: E402
+from tests.sft.test_sft_training import _transformers_response_loss, _write_jsonl  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
 
 VOCAB = 100  # the vocabulary pads to 128 rows at tp 1, 256 at tp 2
@@ -45,6 +57,7 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, **TOKENS)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+GEMMA3_LAYERS = ["sliding_attention", "full_attention"]
 FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(
         **SMALL, tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
@@ -57,6 +70,12 @@ FAMILIES = {
     "gemma2": lambda: transformers.Gemma2Config(
         **SMALL, head_dim=16, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
         final_logit_softcapping=5.0, tie_word_embeddings=True, attn_implementation="eager"),
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(
+        **SMALL, head_dim=16, sliding_window=5, layer_types=GEMMA3_LAYERS,
+        query_pre_attn_scalar=24, final_logit_softcapping=5.0, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}},
+        attn_implementation="eager"),
 }
 # Phi-3 computes what Mistral does: its fused layout is written when asked for.
 EXPORT_FLAGS = {"phi3": ["--hf-model-type", "phi3"]}
@@ -75,10 +94,7 @@ class Imported:
 def _import(name: str, directory) -> Imported:
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]())
-    with torch.no_grad():  # wider than the init, and no zero biases or unit norm scales
-        for parameter_name, parameter in hf_model.named_parameters():
-            parameter.normal_(1.0 if "norm" in parameter_name else 0.0, 0.2)
-    hf_model.eval().save_pretrained(directory / "hf")
+    widen_and_save(hf_model, directory / "hf")
     root = str(directory / "ckpt")
     assert convert(["--source-format", "hf", "--target-format", "megatron_lite", "--load-dir", str(directory / "hf"),
                     "--save-dir", root, "--target-tensor-parallel-size", "2",
@@ -113,6 +129,12 @@ def test_config_maps_every_feature(imports):
     assert gemma2.window_size == [4, 0] and gemma2.window_attn_skip_freq == 2 and gemma2.softmax_scale == 24 ** -0.5
     assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (4.0, 5.0)
     assert not gemma2.untie_embeddings_and_output_weights
+    gemma3 = read_config(imports["gemma3_text"].root).model
+    assert gemma3.qk_layernorm and gemma3.apply_layernorm_1p and gemma3.post_sublayer_norm and gemma3.geglu
+    assert (gemma3.window_size, gemma3.window_attn_skip_freq) == ([4, 0], 2)
+    assert (gemma3.rotary_base, gemma3.rotary_base_local, gemma3.rotary_seq_len_interpolation_factor) == (
+        500.0, 50.0, 2.0)
+    assert (gemma3.attn_logit_softcapping, gemma3.final_logit_softcapping) == (None, 5.0)
 
 
 def test_logits_equal_transformers(family):
@@ -170,7 +192,8 @@ def test_round_trip_is_bit_exact(family, tmp_path):
     assert original.keys() == round_trip.keys()
     for key in original:
         assert torch.equal(original[key], round_trip[key]), key
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(  # the reference's attention, for equal logits
+        exported, attn_implementation=family.hf_model.config._attn_implementation).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(family.input_ids).logits, family.logits)
     hf_interop.import_hf_checkpoint(exported, again, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
@@ -204,8 +227,6 @@ def test_training_at_tp2_pp2_dp2_equals_one_process(imports, tmp_path):
 
 
 def test_lora_export_loads_in_peft(family, tmp_path):
-    from megatron_lite.training.loop import pretrain
-
     adapters, peft_dir = str(tmp_path / "lora"), str(tmp_path / "peft")
     config = training_config(family.root, adapters, 1, 1, optimizer=OptimizerConfig(lr=3e-2),
                              peft_config=PeftConfig(peft="lora", lora_rank=4, lora_alpha=8.0))
@@ -224,6 +245,36 @@ def test_lora_export_loads_in_peft(family, tmp_path):
                                              peft_dir).eval()
     with torch.no_grad():
         torch.testing.assert_close(adapted(family.input_ids).logits, ours, atol=ATOL, rtol=RTOL)
+
+
+# (prompt, response) longer than the windows of 5, so the window acts inside each example; 37 tokens with
+# their EODs, one packed sequence.
+SFT_PAIRS = [([5, 6, 7, 8, 9, 10], [11, 12]), ([13, 14, 15], [16, 17, 18, 19, 20]),
+             ([21, 22, 23, 24, 25, 26, 27], [28, 29, 30]), ([31, 32], [33, 34, 35, 36])]
+
+
+def test_sft_first_loss_equals_transformers(family, tmp_path):
+    """--sft through the trainer: the first loss is transformers' cross-entropy over the response tokens of the
+    same examples, each run alone. With a sliding window, packed too: the window and the block-diagonal mask
+    of --sft-pack-sequences must both act (either alone lets an example see another's or too-old tokens)."""
+    data = _write_jsonl(tmp_path / "sft.jsonl", SFT_PAIRS)
+    base = training_config(family.root, str(tmp_path / "sft"), 1, 1,
+                           optimizer=OptimizerConfig(optimizer="sgd", lr=0.1, lr_decay_style="constant"))
+    windowed = read_config(family.root).model.window_size is not None
+    with torch.no_grad():
+        expected = _transformers_response_loss(family.hf_model, SFT_PAIRS).item()
+    for pack in [False, True] if windowed else [False]:
+        batch = dict(micro_batch_size=1, global_batch_size=1) if pack else dict(micro_batch_size=2,
+                                                                               global_batch_size=4)
+        config = dataclasses.replace(
+            base, model=dataclasses.replace(base.model, seq_length=48),
+            training=TrainingConfig(train_iters=1, eval_iters=1, **batch),
+            checkpoint=dataclasses.replace(base.checkpoint, save=None, save_interval=None),
+            data=DataConfig(sft=True, train_data_path=[data], tokenizer_type="NullTokenizer",
+                            sft_pack_sequences=pack))
+        state, _, parallel_state = pretrain(config, keep_process_group=True)
+        destroy_model_parallel(parallel_state)
+        assert state.losses[0] == pytest.approx(expected, rel=1e-5), f"{family.name} packed={pack}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +298,7 @@ def test_unknown_fields_and_variants_are_refused_by_name(imports):
     assert hf_interop.model_config_from_hf({**qwen3, "rope_scaling": None}).qk_layernorm  # null sets nothing
 
 
-def test_gemma2_variants_are_refused_by_name(imports):
+def test_gemma_variants_are_refused_by_name(imports):
     gemma2 = imports["gemma2"].hf_model.config.to_dict()
     for field, value, message in [("hidden_activation", "gelu", "hidden_activation 'gelu'"),
                                   ("use_bidirectional_attention", True, "use_bidirectional_attention"),
@@ -256,3 +307,39 @@ def test_gemma2_variants_are_refused_by_name(imports):
                                   ("layer_types", ["full_attention", "full_attention"], "no sliding_attention")]:
         with pytest.raises(ConfigError, match=message):
             hf_interop.model_config_from_hf({**gemma2, field: value})
+    gemma3 = imports["gemma3_text"].hf_model.config.to_dict()
+    scaled_local = {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50.0}}
+    for field, value, message in [("rope_parameters", scaled_local, "rope_parameters.sliding_attention"),
+                                  ("rope_parameters", {"rope_type": "default"}, "per layer kind"),
+                                  ("model_type", "gemma3", "gemma3_text \\(Gemma3ForCausalLM\\)")]:
+        with pytest.raises(ConfigError, match=message):
+            hf_interop.model_config_from_hf({**gemma3, field: value})
+
+
+# Released Gemma 3 text configs as their config.json spell them (transformers 4.50): the 1B, and the 4B's
+# text_config with linear RoPE scaling on its global layers.
+GEMMA3_1B = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", attention_bias=False, attention_dropout=0.0,
+    attn_logit_softcapping=None, bos_token_id=2, cache_implementation="hybrid", eos_token_id=[1, 106],
+    final_logit_softcapping=None, head_dim=256, hidden_activation="gelu_pytorch_tanh", hidden_size=1152,
+    initializer_range=0.02, intermediate_size=6912, max_position_embeddings=32768, num_attention_heads=4,
+    num_hidden_layers=26, num_key_value_heads=1, pad_token_id=0, query_pre_attn_scalar=256, rms_norm_eps=1e-06,
+    rope_local_base_freq=10000, rope_scaling=None, rope_theta=1000000, sliding_window=512, sliding_window_pattern=6,
+    torch_dtype="bfloat16", transformers_version="4.50.0.dev0", use_cache=True, vocab_size=262144)
+GEMMA3_4B_TEXT = dict(GEMMA3_1B, hidden_size=2560, intermediate_size=10240, num_attention_heads=8,
+                      num_key_value_heads=4, num_hidden_layers=34, sliding_window=1024, max_position_embeddings=131072,
+                      rope_scaling={"factor": 8.0, "rope_type": "linear"}, vocab_size=262208)
+
+
+@pytest.mark.parametrize("released", [GEMMA3_1B, GEMMA3_4B_TEXT], ids=["1b", "4b"])
+def test_released_gemma3_configs_read_as_transformers_reads_them(released):
+    """Our reading of the older fields (rope_local_base_freq, sliding_window_pattern, rope_scaling) against
+    transformers' own: which layers are global, and each kind's RoPE."""
+    ours = hf_interop.model_config_from_hf(released)
+    theirs = transformers.Gemma3TextConfig(**{k: v for k, v in released.items() if k != "model_type"})
+    assert [i for i in range(ours.num_layers) if layer_window(ours, i) is None] == [
+        i for i, kind in enumerate(theirs.layer_types) if kind == "full_attention"]
+    full, local = theirs.rope_parameters["full_attention"], theirs.rope_parameters["sliding_attention"]
+    assert (ours.rotary_base, ours.rotary_base_local) == (full["rope_theta"], local["rope_theta"])
+    assert ours.rotary_seq_len_interpolation_factor == full.get("factor") and local["rope_type"] == "default"
+    assert ours.window_size == [theirs.sliding_window - 1, 0] and ours.softmax_scale == 256 ** -0.5

@@ -5,7 +5,8 @@ the trainer's own path (``plan_run``, ``setup_model_and_optimizer``, ``build_dat
 then ``evaluate``) at cp2 under each --cp-comm-type, cp2 under ZeRO-3, cp2 with packed fine-tuning data,
 cp4, cp2 x tp2 with sequence parallelism, and cp2 x pp2 x dp2 with the 1F1B and the interleaved schedules;
 the combined layouts give their layers alternating comm types (``--cp-comm-type`` per layer), so each run
-exercises both, and two of them recompute (full, selective); prefix tuning runs at cp2. Everything must
+exercises both, and two of them recompute (full, selective); prefix tuning and a mixture of experts (with
+its z-loss) run at cp2. Everything must
 equal the single-process run within 1e-5 (float32), and the context-parallel replicas of every weight must
 agree exactly; two cp2 checkpoints are written once per piece and load into data-parallel replicas.
 
@@ -28,7 +29,9 @@ MIXED = ["p2p", "all_gather", "all_gather", "p2p"]  # one --cp-comm-type per lay
 GPT = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=256)
 LLAMA = dict(GPT, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
              add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=64)
-MODELS = {"gpt": GPT, "llama": LLAMA}
+# A mixture of experts (4 experts, top-2, z-loss; the load-balancing loss is refused under context parallelism).
+MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_z_loss_coeff=0.01)
+MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE}
 
 
 def _config(model: str, *, cp: int = 1, tp: int = 1, pp: int = 1, vpp: bool = False, comm=("p2p",),
@@ -137,7 +140,7 @@ def sft_data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(sft_data):
     """The single-process runs: pretraining and packed fine-tuning of each model, prefix tuning of one."""
-    runs = [{"model": m} for m in MODELS] + [{"model": m, "sft": sft_data} for m in MODELS]
+    runs = [{"model": m} for m in MODELS] + [{"model": m, "sft": sft_data} for m in ("gpt", "llama")]
     runs += [{"model": "llama", "prefix": True}]
     (results,) = run_distributed(_train, 1, args=(runs,))
     return {_reference(run): result for run, result in zip(runs, results)}
@@ -187,13 +190,14 @@ def test_cp2_matches_one_process(references, sft_data, tmp_path):
     """cp2 under each comm type (a checkpoint of which loads into data-parallel replicas), under ZeRO-3
     (sharded over the data x context ranks; its checkpoint too), on packed fine-tuning data (block-diagonal
     masks cut across the chunks, the per-token loss), and prefix tuning."""
-    runs = [{"model": m, "cp": 2, "comm": (comm,)} for m in MODELS for comm in ("p2p", "all_gather")]
+    runs = [{"model": m, "cp": 2, "comm": (comm,)} for m in ("gpt", "llama") for comm in ("p2p", "all_gather")]
     runs[0]["save"] = str(tmp_path / "replicated")
     runs += [{"model": "gpt", "cp": 2, "strategy": "optim_grads_params"},
              {"model": "llama", "cp": 2, "comm": ("all_gather",), "strategy": "optim_grads_params",
               "save": str(tmp_path / "sharded")},
              {"model": "gpt", "cp": 2, "comm": ("all_gather",), "sft": sft_data},
-             {"model": "llama", "cp": 2, "sft": sft_data}, {"model": "llama", "cp": 2, "prefix": True}]
+             {"model": "llama", "cp": 2, "sft": sft_data}, {"model": "llama", "cp": 2, "prefix": True},
+             {"model": "moe", "cp": 2, "comm": MIXED}]
     _check(references, 2, runs)
 
 
@@ -225,5 +229,9 @@ def test_config_checks_name_the_flags():
     with pytest.raises(ConfigError, match=r"make --seq-length divisible by 2 x 4"):
         Config(model=ModelConfig(**dict(GPT, num_attention_heads=4, seq_length=20), attention_dropout=0.0),
                parallel=ParallelConfig(context_parallel_size=2, tensor_model_parallel_size=4, sequence_parallel=True))
+    with pytest.raises(ConfigError, match=r"--moe-router-load-balancing-type aux_loss under --context-parallel-size 2 "
+                                          r"would balance each rank's share"):
+        Config(model=ModelConfig(**dict(MOE, moe_aux_loss_coeff=0.01), attention_dropout=0.0),
+               parallel=ParallelConfig(context_parallel_size=2))
     config = dataclasses.replace(_config("gpt", cp=2, comm=("allgather",)))
     assert config.parallel.cp_comm_type == ["all_gather"]  # Megatron-LM's spelling

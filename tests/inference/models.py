@@ -1,5 +1,5 @@
 """Tiny GPTs for the generation tests: learned positions or RoPE, full or grouped-query attention,
-torch's fused attention or the unfused one.
+local (sliding-window) and global layers, torch's fused attention or the unfused one.
 
 A wider initialisation than training's makes a random model's next-token choice depend on
 the whole context (at std 0.02 a tied GPT-2 mostly repeats its last token), so a token that
@@ -17,6 +17,10 @@ ARCHS = {
     "rope_gqa": dict(BASE, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
                      add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=96),
     "rope_mha": dict(BASE, position_embedding_type="rope"),
+    # Gemma 3's layers: a window of 3 tokens before each, every 2nd layer global, the local ones on their own RoPE
+    # base; the windowed layers' cache keeps the window only.
+    "rope_local_global": dict(BASE, position_embedding_type="rope", window_size=[3, 0], window_attn_skip_freq=2,
+                              rotary_base_local=100.0),
     # Megatron-LM's local attention: scaled QK^T and the masked softmax kernel instead of SDPA.
     "learned_mha_unfused": dict(BASE, attention_backend="unfused"),
 }

@@ -51,6 +51,8 @@ def test_soft_capping_bounds_and_keeps_small_values():
 @pytest.mark.parametrize("flags, message", [
     (dict(geglu=True), "--geglu changes the gate of --swiglu"),
     (dict(window_attn_skip_freq=2), "--window-attn-skip-freq"),
+    (dict(rotary_base_local=100.0), "--rotary-base-local is the RoPE base of the sliding-window layers"),
+    (dict(rotary_base_local=-1.0, window_size=[3, 0]), "--rotary-base-local must be positive"),
     (dict(attn_logit_softcapping=0.0), "--attn-logit-softcapping must be positive"),
     (dict(softmax_scale=-1.0), "--softmax-scale must be positive")])
 def test_gemma_flags_are_checked(flags, message):

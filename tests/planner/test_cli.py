@@ -103,6 +103,31 @@ def test_model_from_a_hugging_face_config(tmp_path, capsys):
     assert json.loads(out)["model"]["swiglu"] is True
 
 
+# google/gemma-3-1b's config.json (transformers 4.50 spelling): local/global layers, two RoPE bases, q/k norms.
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+    "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid",
+    "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 1152, "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+    "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0,
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None,
+    "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 262144}
+
+
+def test_gemma3_from_its_hugging_face_config(tmp_path, capsys):
+    """Its parameters counted as transformers' Gemma3ForCausalLM of this config counts them (999,885,952, on the
+    meta device), in fp32 bytes."""
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_1B))
+    code, out, _ = _run(capsys, "--hf-config", str(tmp_path), "--seq-length", "1024", "--global-batch-size", "8",
+                        "--num-gpus", "2", "--micro-batch-size", "1", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert round(result["memory"]["parameters_gb"] * GB) == 999_885_952 * 4
+    assert (result["model"]["rotary_base_local"], result["model"]["window_attn_skip_freq"]) == (10000.0, 6)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--tensor-model-parallel-size", "3"], "--num-attention-heads (16) must be divisible"),
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load or --pretrained-checkpoint"),
