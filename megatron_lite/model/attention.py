@@ -2,20 +2,24 @@
 tensor-parallel ranks: QKV is column-parallel, the output projection row-parallel, so
 each rank attends with its own heads and one all-reduce (or reduce-scatter) joins them.
 
-The core attention is torch's ``scaled_dot_product_attention`` (``--attention-backend``
-auto, flash, fused), or with unfused/local the explicit path Megatron-LM's local
-DotProductAttention takes: scaled QK^T, the fused causal masked softmax, dropout, then V.
+The core attention (``DotProductAttention``) is torch's ``scaled_dot_product_attention``
+(``--attention-backend`` auto, flash, fused), or with unfused/local the explicit path Megatron-LM's
+local DotProductAttention takes: scaled QK^T, the fused causal masked softmax, dropout, then V. Under
+context parallelism a variant that sees the whole sequence wraps it (``context_parallel/attention.py``).
 """
 import contextlib
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from megatron_lite import kernels
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig, context_parallel_attention
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.sliding_window import layer_window
 from megatron_lite.model.soft_capping import soft_capping
@@ -26,10 +30,13 @@ from megatron_lite.tensor_parallel.config import TensorParallelConfig
 
 class SelfAttention(nn.Module):
     """The fused QKV weight is laid out per query group, ``[q heads of the group, k, v]``,
-    so a contiguous tensor-parallel shard holds whole groups with their keys and values."""
+    so a contiguous tensor-parallel shard holds whole groups with their keys and values.
+
+    ``context_parallel``: when given, this rank holds only its chunks of each sequence and the core
+    attention is the layer's --cp-comm-type variant (``context_parallel/attention.py``) around its own."""
 
     def __init__(self, config: ModelConfig, *, layer_number: int, tp_config: TensorParallelConfig,
-                 checkpoint_core_attention: bool = False):
+                 context_parallel: ContextParallelConfig | None = None, checkpoint_core_attention: bool = False):
         super().__init__()
         self.layer_number = layer_number  # names this layer's entry in a generation's key/value cache
         tp_size = collectives.world_size(tp_config.tp_group)
@@ -39,15 +46,13 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_query_groups = config.num_query_groups // tp_size
-        self.attention_dropout = config.attention_dropout
-        self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(self.head_dim)
-        # Capping acts between QK^T and the softmax, which only the explicit path exposes.
-        self.logit_capping = soft_capping(config.attn_logit_softcapping)
-        self.unfused = config.attention_backend in ("unfused", "local") or self.logit_capping is not None
         self.checkpoint_core_attention = checkpoint_core_attention
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, tp_config=tp_config, bias=config.add_bias_linear or config.add_qkv_bias)
+        self.core_attention = DotProductAttention(config, layer_number=layer_number)
+        if context_parallel is not None:
+            self.core_attention = context_parallel_attention(self.core_attention, context_parallel, layer_number)
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, tp_config=tp_config,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True)
@@ -55,14 +60,14 @@ class SelfAttention(nn.Module):
         self.prefix = None
         self.q_layernorm = qk_layernorm(config, tp_size, tp_config.params_dtype)
         self.k_layernorm = qk_layernorm(config, tp_size, tp_config.params_dtype)
-        self.sliding_window = layer_window(config, layer_number)
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None,
                 attention_mask: torch.Tensor | None = None, inference_context=None):
         """[s, b, h] (or [s/tp, b, h] under sequence parallelism) -> (output, bias) before the residual.
 
         ``attention_mask``: None for causal attention, else bool [b, 1, s, s], True where a query may not
-        attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split).
+        attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split; under
+        context parallelism s is this rank's positions for the rows, the whole sequence for the columns).
         With an ``inference_context`` (generation) the new tokens attend to the cached earlier ones too:
         the mask is then [b, 1, s, cached + s] (a sliding-window layer, which caches only its window, takes
         its last columns)."""
@@ -78,20 +83,39 @@ class SelfAttention(nn.Module):
             key = kernels.apply_rotary_pos_emb(key, rotary_freqs)
         if inference_context is not None:
             # Keys are cached after their rotation: a position's angle never changes.
-            window = None if self.sliding_window is None else self.sliding_window.left
+            # Generation runs without context parallelism: the core is the layer's own DotProductAttention.
+            sliding_window = self.core_attention.sliding_window
+            window = None if sliding_window is None else sliding_window.left
             key, value = inference_context.append_key_value(self.layer_number, key, value, window=window)
             if attention_mask is not None:  # a windowed cache returns the most recent keys only
                 attention_mask = attention_mask[..., -key.shape[0]:]
-        if self.prefix is not None:  # after the cache, which holds the sequence's own keys only
-            key, value, attention_mask = self.prefix(key, value, attention_mask)
+        # The prefix joins after the cache, which holds the sequence's own keys only.
+        core_attention = functools.partial(self.core_attention, prefix=self.prefix)
         if self.checkpoint_core_attention and self.training:
-            context = checkpoint(self._core_attention, query, key, value, attention_mask)
+            context = checkpoint(core_attention, query, key, value, attention_mask)
         else:
-            context = self._core_attention(query, key, value, attention_mask)
+            context = core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)
 
-    def _core_attention(self, query, key, value, attention_mask=None):
-        """softmax(QK^T * scale) V over this rank's heads; [s, b, heads, d] -> [s, b, heads * d]."""
+
+class DotProductAttention(nn.Module):
+    """softmax(QK^T * scale) V over this rank's heads, [s, b, heads, d] -> [s, b, heads * d] (Megatron-Core's
+    name for the local core attention): torch's SDPA, or the explicit path. ``prefix``: keys and values put
+    before the sequence's own."""
+
+    def __init__(self, config: ModelConfig, *, layer_number: int):
+        super().__init__()
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.attention_dropout = config.attention_dropout
+        self.softmax_scale = config.softmax_scale or 1.0 / math.sqrt(config.head_dim)
+        # Capping acts between QK^T and the softmax, which only the explicit path exposes.
+        self.logit_capping = soft_capping(config.attn_logit_softcapping)
+        self.unfused = config.attention_backend in ("unfused", "local") or self.logit_capping is not None
+        self.sliding_window = layer_window(config, layer_number)
+
+    def forward(self, query, key, value, attention_mask=None, prefix=None):
+        if prefix is not None:
+            key, value, attention_mask = prefix(key, value, attention_mask)
         seq, batch = query.shape[:2]
         # [s, b, n, d] -> [b, n, s, d]; each key/value group serves heads_per_group query heads.
         query = query.permute(1, 2, 0, 3)
@@ -102,16 +126,22 @@ class SelfAttention(nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         # Heads differ across tensor-parallel ranks, so their dropout masks must too.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
-        attention_mask = _mask_after_cache(attention_mask, query.shape[2], key.shape[2], query.device)
+        query_length, key_length = query.shape[2], key.shape[2]
+        if attention_mask is not None or self.unfused or self.sliding_window is not None:
+            attention_mask = _mask_after_cache(attention_mask, query_length, key_length, query.device)
         if self.sliding_window is not None:
-            attention_mask = self.sliding_window.mask(attention_mask, query.shape[2], key.shape[2], query.device)
+            attention_mask = self.sliding_window.mask(attention_mask, query_length, key_length, query.device)
         with rng:
             if self.unfused:
                 context = _unfused_attention(query, key, value, dropout, attention_mask, self.softmax_scale,
                                              self.logit_capping)
             elif attention_mask is None:
-                context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
-                                                         scale=self.softmax_scale)
+                # The queries are the last of the keys' positions (after cached or earlier keys): causal from the
+                # bottom right, which the CUDA kernels take without materialising a mask.
+                causal = (dict(is_causal=True) if query_length == key_length
+                          else dict(attn_mask=causal_lower_right(query_length, key_length)))
+                context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout,
+                                                         scale=self.softmax_scale, **causal)
             else:  # SDPA's boolean mask marks what may be attended
                 context = F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
                                                          dropout_p=dropout, scale=self.softmax_scale)

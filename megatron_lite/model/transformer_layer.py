@@ -13,6 +13,7 @@ from torch import nn
 
 from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig
 from megatron_lite.expert_parallel import ExpertParallelConfig
 from megatron_lite.model.attention import SelfAttention
 from megatron_lite.model.mlp import MLP
@@ -25,6 +26,7 @@ from megatron_lite.tensor_parallel.random import get_rng_tracker
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, *, layer_number: int, tp_config: TensorParallelConfig,
+                 context_parallel: ContextParallelConfig | None = None,
                  ep_config: ExpertParallelConfig = ExpertParallelConfig(), checkpoint_core_attention: bool = False):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init do not depend on the stage
@@ -36,6 +38,7 @@ class TransformerLayer(nn.Module):
                     params_dtype=tp_config.params_dtype)
         self.input_layernorm = Norm(config.hidden_size, **norm)
         self.self_attention = SelfAttention(config, layer_number=layer_number, tp_config=tp_config,
+                                            context_parallel=context_parallel,
                                             checkpoint_core_attention=checkpoint_core_attention)
         self.pre_mlp_layernorm = Norm(config.hidden_size, **norm)
         self.mlp = build_mlp(config, layer_number=layer_number, tp_config=tp_config, ep_config=ep_config)

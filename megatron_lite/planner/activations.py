@@ -19,6 +19,9 @@ attention) and follows what *this* code keeps, which differs by device:
 
 Our sequence-parallel column layers keep the *gathered* input (Megatron keeps the
 shard and gathers again in backward): two of the paper's sbh/t terms are sbh here.
+
+Under context parallelism every count is per token *this rank holds* (s/cp of each sequence), and
+the attention core keeps what its --cp-comm-type keeps (``_context_parallel_core``).
 """
 from __future__ import annotations
 
@@ -42,6 +45,9 @@ class KernelTraits:
     attention_math_copies_qkv: bool  # the unfused path keeps its own scaled copies of q, k, v
     swiglu_saved_factor: int  # multiples of ffn_hidden_size / t kept by the SwiGLU op
     sequence_parallel_keeps_gathered_input: bool
+    # A causal mask aligned to the last keys (queries after earlier keys), per (query, key): CUDA's flash kernels
+    # take it as it is (0), the CPU's is materialised as an additive float mask and kept (4).
+    lower_right_causal_mask_bytes: int = 0
 
 
 CUDA_KERNELS = KernelTraits(
@@ -51,7 +57,8 @@ CUDA_KERNELS = KernelTraits(
 CPU_REFERENCE = KernelTraits(
     layer_norm_bytes=4, rms_norm_bytes=8, hidden_dropout_mask_bytes=None, embedding_dropout_mask_bytes=None,
     flash_attention="without_dropout", attention_math_bytes=4, attention_dropout_mask_bytes=None,
-    attention_math_copies_qkv=True, swiglu_saved_factor=3, sequence_parallel_keeps_gathered_input=True)
+    attention_math_copies_qkv=True, swiglu_saved_factor=3, sequence_parallel_keeps_gathered_input=True,
+    lower_right_causal_mask_bytes=4)
 KORTHIKANTI = KernelTraits(
     layer_norm_bytes=None, rms_norm_bytes=None, hidden_dropout_mask_bytes=1, embedding_dropout_mask_bytes=1,
     flash_attention="never", attention_math_bytes=None, attention_dropout_mask_bytes=1,
@@ -68,6 +75,8 @@ class ActivationSetting:
     dtype_bytes: int = 2
     selective_recompute: bool = False
     traits: KernelTraits = CUDA_KERNELS
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"  # this layer's
 
     def _bytes(self, value: Optional[int]) -> int:
         return self.dtype_bytes if value is None else value
@@ -118,6 +127,8 @@ def layer_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, flo
     math_bytes = setting._bytes(traits.attention_math_bytes)
     if setting.selective_recompute:
         pass  # the core's s^2 tensors (or flash statistics) are recomputed
+    elif setting.context_parallel_size > 1:
+        terms.update(_context_parallel_core(model, setting))
     elif _uses_flash(model, setting):
         terms["softmax statistics"] = 4 * a / t
     else:
@@ -135,6 +146,52 @@ def layer_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, flo
     terms["MLP activation input"] = e * f * (traits.swiglu_saved_factor if model.swiglu else 1) / t
     terms["MLP fc2 input"] = e * f / t
     return terms
+
+
+def _context_parallel_core(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+    """Bytes per token of this rank that the context-parallel core keeps (``context_parallel/attention.py``).
+
+    p2p: its own query, key and value as given (views of the fused QKV, or RoPE's copies) and the fp32
+    log-sum-exp; the ring's blocks and their probabilities are not kept, whatever the kernel.
+    all_gather: the whole sequence's gathered keys and values (cp times this rank's), and the layer's own
+    core on each chunk against the keys up to its end, on average (2 cp + 1) / (4 cp) of the sequence:
+    grouped-query keys and values repeated over that span, and the math path's s^2 tensors over it.
+    """
+    a, g, d, s = model.num_attention_heads, model.num_query_groups, model.head_dim, model.seq_length
+    t, e, cp, traits = setting.tensor_model_parallel_size, setting.dtype_bytes, setting.context_parallel_size, \
+        setting.traits
+    rope, fused_qkv = model.position_embedding_type == "rope", (a + 2 * g) * d
+    if setting.cp_comm_type == "p2p":
+        kept = (a * d + g * d + fused_qkv) if rope else fused_qkv  # the value is a view of the fused QKV
+        return {"query, key, value": e * kept / t, "softmax statistics": 4 * a / t}
+    keys_seen = (2 * cp + 1) / (4 * cp)  # of the sequence, per query of this rank on average
+    terms = {"query, key, value": e * (a * d if rope else fused_qkv) / t,  # RoPE's query; else the fused QKV
+             "gathered keys and values": e * 2 * g * d * cp / t}
+    if g != a:
+        terms["grouped keys and values"] = e * 2 * a * d * keys_seen * cp / t
+    math_bytes = setting._bytes(traits.attention_math_bytes)
+    if _uses_flash(model, setting):
+        terms["softmax statistics"] = 4 * a / t
+        return terms
+    scores = math_bytes
+    if model.attention_dropout > 0:
+        mask = traits.attention_dropout_mask_bytes
+        scores += math_bytes + (math_bytes if mask is None else mask)
+    terms["attention scores"] = scores * a * s * keys_seen / t
+    if traits.attention_math_copies_qkv:
+        terms["query, key, value"] = math_bytes * (a * d + 2 * a * d * keys_seen * cp) / t
+    return terms
+
+
+def context_parallel_mask_bytes(model: ModelConfig, setting: ActivationSetting) -> float:
+    """Bytes per micro-batch (whatever its size) a layer keeps for the causal masks of its all_gather core: each
+    of a rank's two chunks (c = s / 2cp positions) against the keys up to its end, c^2 (2cp + 1) entries."""
+    cp = setting.context_parallel_size
+    if cp == 1 or setting.cp_comm_type != "all_gather" or setting.selective_recompute \
+            or not _uses_flash(model, setting):
+        return 0.0
+    chunk = model.seq_length / (2 * cp)
+    return setting.traits.lower_right_causal_mask_bytes * chunk * chunk * (2 * cp + 1)
 
 
 def layer_bytes_per_token(model: ModelConfig, setting: ActivationSetting) -> float:
