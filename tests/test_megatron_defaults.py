@@ -44,7 +44,10 @@ MEGATRON_DEFAULTS = {
     "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs",
     "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False, "moe_grouped_gemm": False,
     # parallel
-    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1,
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    # Megatron-LM's --cp-comm-type is a list too (one value for every layer, or one per layer).
+    "cp_comm_type": ["p2p"],
     "num_layers_per_virtual_pipeline_stage": None, "decoder_first_pipeline_num_layers": None,
     "decoder_last_pipeline_num_layers": None, "sequence_parallel": False, "use_distributed_optimizer": False,
     "overlap_grad_reduce": False, "overlap_param_gather": False, "ddp_bucket_size": None,

@@ -263,8 +263,7 @@ def test_whole_fp8_script_is_refused(tmp_path, capsys):
 
 def test_script_values_that_need_what_we_lack_are_refused(tmp_path):
     base = llama_argv(tmp_path)
-    with pytest.raises(ConfigError, match=r"--context-parallel-size 2 is not supported: megatron_lite has no "
-                                          r"context parallelism .*; remove it or give --context-parallel-size 1\."):
-        parse_args(base + ["--context-parallel-size", "2"])
+    with pytest.raises(ConfigError, match=r"--cp-comm-type: invalid choice: 'a2a'"):
+        parse_args(base + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"])
     with pytest.raises(ConfigError, match=r"--ckpt-format torch is not supported: .*give --ckpt-format torch_dist"):
         parse_args(base + ["--ckpt-format", "torch"])

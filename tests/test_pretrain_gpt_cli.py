@@ -38,12 +38,16 @@ def test_world_size_mismatch_fails_fast_with_the_arithmetic():
 
 
 def test_ladder_tool_reports_and_gates():
-    result = subprocess.run([sys.executable, "tools/loss_parity.py", "--layouts", "1x1x1", "1x2x1", "--", *FLAGS,
+    """Through the real command line under torchrun: context parallelism (pipelines run above) matches."""
+    result = subprocess.run([sys.executable, "tools/loss_parity.py", "--layouts", "1x1x1", "1x1x1x2", "--", *FLAGS,
                              "--train-iters", "2"], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "control" in result.stdout and "within rtol" in result.stdout
     assert "[1/2] running layout 1x1x1 on 1 process(es) ..." in result.stderr  # progress while runs take minutes
-    assert "[2/2] layout 1x2x1: 2 iterations in " in result.stderr
+    assert "[2/2] layout 1x1x1x2: 2 iterations in " in result.stderr
+    assert Layout.parse("2x1x2x4").world_size == 16 and str(Layout.parse("2x2x1")) == "2x2x1"
+    with pytest.raises(ValueError, match="TPxPPxDP or TPxPPxDPxCP"):
+        Layout.parse("2x2")
 
 
 def test_ladder_tool_fails_when_no_loss_was_logged():

@@ -86,10 +86,6 @@ REFUSED_FLAGS = {
     "--fp4-format": Refusal(_NO_FP4),
     "--fp4-recipe": Refusal(_NO_FP4),
     "--fp4-param-gather": Refusal(_NO_FP4, takes_value=False),
-    # Parallelism we do not implement.
-    "--context-parallel-size": Refusal("megatron_lite has no context parallelism (attention split over ranks "
-                                       "along the sequence; --sequence-parallel with tensor parallelism splits "
-                                       "the other activations)", harmless=("1",)),
     # Mixture of experts: one dispatcher (all-to-all) and one router precision (fp32).
     "--moe-token-dispatcher-type": Refusal(
         "megatron_lite dispatches tokens with all-to-all only", harmless=("alltoall", "allgather"),

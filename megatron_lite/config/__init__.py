@@ -316,16 +316,23 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
 
+# --cp-comm-type values: keys and values all-gathered, or passed around a ring (Megatron-LM's p2p). Megatron-LM
+# spells the first "allgather"; both spellings are taken.
+CP_COMM_TYPES = ("p2p", "all_gather", "allgather")
+
 # Megatron-LM's names for ZeRO stages 0 to 3: nothing, optimizer state, + gradients, + parameters sharded.
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """How the world is cut: tensor x data x pipeline (tensor-parallel ranks adjacent)."""
+    """How the world is cut: tensor x context x data x pipeline (tensor-parallel ranks adjacent)."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1  # every sequence split over this many ranks (megatron_lite/context_parallel/)
+    # How context-parallel attention exchanges keys and values: one value for every layer, or one per layer.
+    cp_comm_type: list = field(default_factory=lambda: ["p2p"], metadata={"choices": CP_COMM_TYPES})
     # Mixture-of-experts layers: experts split over expert-model-parallel ranks, each expert's weights over
     # expert-tensor-parallel ranks (None: the tensor-parallel size, as Megatron-LM).
     expert_model_parallel_size: int = 1
@@ -365,6 +372,9 @@ class ParallelConfig:
                  f"--tensor-model-parallel-size must be >= 1, got {self.tensor_model_parallel_size}.")
         _require(self.pipeline_model_parallel_size >= 1,
                  f"--pipeline-model-parallel-size must be >= 1, got {self.pipeline_model_parallel_size}.")
+        _require(self.context_parallel_size >= 1,
+                 f"--context-parallel-size must be >= 1, got {self.context_parallel_size}.")
+        self.cp_comm_type = ["all_gather" if kind == "allgather" else kind for kind in self.cp_comm_type]
         _require(self.expert_model_parallel_size >= 1,
                  f"--expert-model-parallel-size must be >= 1, got {self.expert_model_parallel_size}.")
         _require(self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
@@ -409,10 +419,13 @@ class ParallelConfig:
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     def data_parallel_size(self, world_size: int) -> int:
-        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        model_parallel = (self.tensor_model_parallel_size * self.context_parallel_size
+                          * self.pipeline_model_parallel_size)
+        context = (f" x --context-parallel-size ({self.context_parallel_size})"
+                   if self.context_parallel_size > 1 else "")
         _require(world_size % model_parallel == 0,
                  f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-                 f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
+                 f"({self.tensor_model_parallel_size}){context} x --pipeline-model-parallel-size "
                  f"({self.pipeline_model_parallel_size}) = {model_parallel}; launch a multiple of "
                  f"{model_parallel} processes or change the parallel sizes.")
         stage, experts = world_size // self.pipeline_model_parallel_size, (
@@ -811,6 +824,7 @@ class Config:
         _require(not parallel.sequence_parallel or model.seq_length % tp == 0,
                  f"--sequence-parallel splits the sequence: --seq-length ({model.seq_length}) must be "
                  f"divisible by --tensor-model-parallel-size ({tp}).")
+        _check_context_parallel(model, parallel)
         if parallel.num_layers_per_virtual_pipeline_stage is not None:
             per_stage = model.num_layers // pp
             _require(per_stage % parallel.num_layers_per_virtual_pipeline_stage == 0,
@@ -879,6 +893,35 @@ def _check_peft_on_model(peft: PeftConfig, model: ModelConfig) -> None:
     _require(not missing, f"--lora-target-modules {' '.join(missing)}: this model's linear layers are "
                           f"{' '.join(lora_targets_of(model))}.")
     peft.lora_target_modules = [m for m in LORA_TARGET_MODULES if m in targets]
+
+
+def _check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """The sequence splits into 2 x cp chunks (rank i holds chunks i and 2cp - 1 - i, which balances causal
+    attention), each rank's share again over tensor-parallel ranks under sequence parallelism."""
+    cp, tp = parallel.context_parallel_size, parallel.tensor_model_parallel_size
+    _require(len(parallel.cp_comm_type) in (1, model.num_layers),
+             f"--cp-comm-type takes one value for every layer or one per layer ({model.num_layers}), got "
+             f"{len(parallel.cp_comm_type)}.")
+    if cp == 1:
+        return
+    _require(model.seq_length % (2 * cp) == 0,
+             f"--context-parallel-size {cp} splits each sequence into 2 x {cp} = {2 * cp} equal chunks (rank i holds "
+             f"chunks i and {2 * cp - 1} - i, which balances causal attention): --seq-length ({model.seq_length}) must "
+             f"be divisible by {2 * cp}.")
+    _require(not parallel.sequence_parallel or (model.seq_length // cp) % tp == 0,
+             f"--sequence-parallel splits each context-parallel rank's {model.seq_length // cp} positions over "
+             f"--tensor-model-parallel-size ({tp}) ranks: make --seq-length divisible by {cp} x {tp}.")
+    _require("p2p" not in parallel.cp_comm_type or model.attention_dropout == 0,
+             f"--cp-comm-type p2p computes attention block by block without keeping the probabilities, so it has no "
+             f"attention dropout: give --attention-dropout 0 (--attention-dropout {model.attention_dropout} now; "
+             f"Megatron-LM's default is 0.1), or --cp-comm-type all_gather.")
+    # Measured: without the load-balancing loss a mixture of experts at cp2 equals one process; with it, each
+    # rank balances its own tokens' routing, not the sequence's, and the weights drift apart.
+    _require(model.num_experts is None or model.moe_aux_loss_coeff == 0
+             or model.moe_router_load_balancing_type == "none",
+             f"--moe-router-load-balancing-type {model.moe_router_load_balancing_type} under --context-parallel-size "
+             f"{cp} would balance each rank's share of a sequence instead of the sequence: give --moe-aux-loss-coeff "
+             f"0 (or --moe-router-load-balancing-type none), or drop --context-parallel-size.")
 
 
 def _check_expert_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

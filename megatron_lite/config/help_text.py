@@ -108,6 +108,11 @@ HELP = {
     # parallel
     "tensor_model_parallel_size": "GPUs each layer is split across (keep within a node)",
     "pipeline_model_parallel_size": "pipeline stages the layers are split into",
+    "context_parallel_size": "GPUs each sequence is split across (every activation; attention exchanges keys and "
+                             "values); the sequence is cut into 2 x this many chunks, rank i holding chunks i and "
+                             "2 x size - 1 - i",
+    "cp_comm_type": "how context-parallel attention exchanges keys and values: p2p (a ring, overlapped with each "
+                    "block's attention) or all_gather (Megatron-LM: allgather); one value, or one per layer",
     "expert_model_parallel_size": "ranks the experts of each mixture-of-experts layer are divided over",
     "expert_tensor_parallel_size": ("ranks each expert's weights are split across (default "
                                     "--tensor-model-parallel-size, which Megatron-LM's validation writes in)"),

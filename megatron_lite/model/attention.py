@@ -1,8 +1,10 @@
 """Causal self-attention with heads (and grouped-query key/value groups) split over
 tensor-parallel ranks: QKV is column-parallel, the output projection row-parallel, so
 each rank attends with its own heads and one all-reduce (or reduce-scatter) joins them.
-The attention itself (masks, backends, dropout) is ``dot_product_attention.py``'s.
+The attention itself (masks, backends, dropout, and under context parallelism the exchange of
+keys and values) is ``dot_product_attention.py``'s.
 """
+import functools
 import math
 
 import torch
@@ -10,7 +12,8 @@ from torch import nn
 
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.dot_product_attention import DotProductAttention
+from megatron_lite.context_parallel import ContextParallelConfig
+from megatron_lite.model.dot_product_attention import build_core_attention
 from megatron_lite.model.embedding import apply_rotary, layer_rotary_concentration
 from megatron_lite.model.norm import Norm
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -20,10 +23,13 @@ from megatron_lite.tensor_parallel.config import TensorParallelConfig
 
 class SelfAttention(nn.Module):
     """The fused QKV weight is laid out per query group, ``[q heads of the group, k, v]``,
-    so a contiguous tensor-parallel shard holds whole groups with their keys and values."""
+    so a contiguous tensor-parallel shard holds whole groups with their keys and values.
+
+    ``context_parallel``: when given, this rank holds only its chunks of each sequence and the core
+    attention exchanges keys and values with the other context-parallel ranks (``build_core_attention``)."""
 
     def __init__(self, config: ModelConfig, *, layer_number: int, tp_config: TensorParallelConfig,
-                 checkpoint_core_attention: bool = False):
+                 context_parallel: ContextParallelConfig | None = None, checkpoint_core_attention: bool = False):
         super().__init__()
         self.layer_number = layer_number  # names this layer's entry in a generation's key/value cache
         tp_size = collectives.world_size(tp_config.tp_group)
@@ -33,9 +39,9 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.local_query_groups = config.num_query_groups // tp_size
-        self.core_attention = DotProductAttention(
+        self.core_attention = build_core_attention(
             config, layer_number=layer_number, softmax_scale=config.softmax_scale or 1.0 / math.sqrt(self.head_dim),
-            heads_per_group=self.heads_per_group)
+            heads_per_group=self.heads_per_group, context_parallel=context_parallel)
         self.checkpoint_core_attention = checkpoint_core_attention
         self.rotary_concentration = layer_rotary_concentration(config, layer_number)
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
@@ -54,7 +60,8 @@ class SelfAttention(nn.Module):
         """[s, b, h] (or [s/tp, b, h] under sequence parallelism) -> (output, bias) before the residual.
 
         ``attention_mask``: None for causal attention, else bool [b, 1, s, s], True where a query may not
-        attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split).
+        attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split; under
+        context parallelism s is this rank's positions for the rows, the whole sequence for the columns).
         With an ``inference_context`` (generation) the new tokens attend to the cached earlier ones too:
         the mask is then [b, 1, s, cached + s] (a sliding-window layer, which caches only its window, takes
         its last columns)."""
@@ -70,17 +77,18 @@ class SelfAttention(nn.Module):
             key = apply_rotary(key, rotary_freqs, self.rotary_concentration)
         if inference_context is not None:
             # Keys are cached after their rotation: a position's angle never changes.
+            # Generation runs without context parallelism: the core is the layer's own DotProductAttention.
             window = self.core_attention.sliding_window
             window = None if window is None else window.left
             key, value = inference_context.append_key_value(self.layer_number, key, value, window=window)
             if attention_mask is not None:  # a windowed cache returns the most recent keys only
                 attention_mask = attention_mask[..., -key.shape[0]:]
-        if self.prefix is not None:  # after the cache, which holds the sequence's own keys only
-            key, value, attention_mask = self.prefix(key, value, attention_mask)
+        # The prefix joins after the cache, which holds the sequence's own keys only.
+        core_attention = functools.partial(self.core_attention, prefix=self.prefix)
         if self.checkpoint_core_attention and self.training:
-            context = checkpoint(self.core_attention, query, key, value, attention_mask)
+            context = checkpoint(core_attention, query, key, value, attention_mask)
         else:
-            context = self.core_attention(query, key, value, attention_mask)
+            context = core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)
 
 

@@ -2,24 +2,40 @@
 
 Every attention variant (``attention.py``'s grouped-query attention, ``multi_latent_attention.py``) makes its
 queries, keys and values its own way and hands them here, so the masks (causal, packed examples, a
-generation's padding, the sliding window), the soft-capping, the dropout and the backend choice live in one
-place. Keys and values may have different widths (multi-latent attention's values are narrower).
+generation's padding, the sliding window), a prefix's keys and values (prefix tuning), the soft-capping, the
+dropout and the backend choice live in one place. Keys and values may have different widths (multi-latent
+attention's values are narrower).
 
 The backend is torch's ``scaled_dot_product_attention`` (``--attention-backend`` auto, flash, fused), or
 with unfused/local the explicit path Megatron-LM's local DotProductAttention takes: scaled QK^T, the fused
 causal masked softmax, dropout, then V.
+
+Under context parallelism a rank holds only its chunks of the sequence, and the core a layer gets
+(``build_core_attention``) is the --cp-comm-type variant of ``context_parallel/attention.py`` wrapped around
+its own DotProductAttention, with the same interface.
 """
 import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig, context_parallel_attention
 from megatron_lite.model.sliding_window import layer_window
 from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.tensor_parallel.random import get_rng_tracker
+
+
+def build_core_attention(config: ModelConfig, *, layer_number: int, softmax_scale: float, heads_per_group: int = 1,
+                         context_parallel: ContextParallelConfig | None = None) -> nn.Module:
+    """Layer ``layer_number``'s core attention: a DotProductAttention, or under context parallelism the layer's
+    --cp-comm-type variant around one. Arguments as DotProductAttention's."""
+    core = DotProductAttention(config, layer_number=layer_number, softmax_scale=softmax_scale,
+                               heads_per_group=heads_per_group)
+    return core if context_parallel is None else context_parallel_attention(core, context_parallel, layer_number)
 
 
 class DotProductAttention(nn.Module):
@@ -40,11 +56,15 @@ class DotProductAttention(nn.Module):
         self.unfused = config.attention_backend in ("unfused", "local") or self.logit_capping is not None
         self.sliding_window = layer_window(config, layer_number)
 
-    def forward(self, query, key, value, attention_mask=None):
+    def forward(self, query, key, value, attention_mask=None, prefix=None):
         """[s, b, heads, d] queries and [sk, b, groups, d or dv] keys and values -> [s, b, heads * dv].
 
         ``attention_mask``: None for causal attention, else bool [b, 1, s, sk], True where a query may not attend.
+        ``prefix``: keys and values put before the sequence's own, which every query sees
+        (``peft/prefix_tuning.py``'s ``KeyValuePrefix``).
         """
+        if prefix is not None:
+            key, value, attention_mask = prefix(key, value, attention_mask)
         seq, batch = query.shape[:2]
         # [s, b, n, d] -> [b, n, s, d]; each key/value group serves heads_per_group query heads.
         query = query.permute(1, 2, 0, 3)
@@ -55,16 +75,22 @@ class DotProductAttention(nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         # Heads differ across tensor-parallel ranks, so their dropout masks must too.
         rng = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
-        attention_mask = _mask_after_cache(attention_mask, query.shape[2], key.shape[2], query.device)
+        query_length, key_length = query.shape[2], key.shape[2]
+        if attention_mask is not None or self.unfused or self.sliding_window is not None:
+            attention_mask = _mask_after_cache(attention_mask, query_length, key_length, query.device)
         if self.sliding_window is not None:
-            attention_mask = self.sliding_window.mask(attention_mask, query.shape[2], key.shape[2], query.device)
+            attention_mask = self.sliding_window.mask(attention_mask, query_length, key_length, query.device)
         with rng:
             if self.unfused:
                 context = _unfused_attention(query, key, value, dropout, attention_mask, self.softmax_scale,
                                              self.logit_capping)
             elif attention_mask is None:
-                context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
-                                                         scale=self.softmax_scale)
+                # The queries are the last of the keys' positions (after cached or earlier keys): causal from the
+                # bottom right, which the CUDA kernels take without materialising a mask.
+                causal = (dict(is_causal=True) if query_length == key_length
+                          else dict(attn_mask=causal_lower_right(query_length, key_length)))
+                context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout,
+                                                         scale=self.softmax_scale, **causal)
             else:  # SDPA's boolean mask marks what may be attended
                 context = F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
                                                          dropout_p=dropout, scale=self.softmax_scale)

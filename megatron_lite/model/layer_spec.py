@@ -30,7 +30,8 @@ from megatron_lite.model.multi_latent_attention import MultiLatentAttention
 
 @dataclass(frozen=True)
 class TransformerLayerSpec:
-    self_attention: Callable[..., nn.Module]  # (config, *, layer_number, tp_config, checkpoint_core_attention)
+    # (config, *, layer_number, tp_config, context_parallel, checkpoint_core_attention)
+    self_attention: Callable[..., nn.Module]
     mlp: Callable[..., nn.Module]  # (config, *, tp_config); both MLP kinds take [s, b, h], return (output, bias)
 
 

@@ -1,6 +1,6 @@
 """Multi-latent attention (DeepSeek-V2/V3, ``--multi-latent-attention``): keys and values of every head
 are expanded from one small latent per token, so a generation cache holds the latent instead of them
-(docs/reference.md section 15, "Multi-latent attention").
+(docs/reference.md section 16, "Multi-latent attention").
 
     query:      hidden -> [linear_q_down_proj -> q_layernorm -> linear_q_up_proj]   (or linear_q_proj alone,
                                                                                    --q-lora-rank unset)
@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.dot_product_attention import DotProductAttention
+from megatron_lite.context_parallel import ContextParallelConfig
+from megatron_lite.model.dot_product_attention import build_core_attention
 from megatron_lite.model.embedding import apply_rotary, layer_rotary_concentration
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.rope_scaling import mla_softmax_scale
@@ -45,7 +46,7 @@ class MultiLatentAttention(nn.Module):
     inference_context)`` -> (output, bias) before the residual."""
 
     def __init__(self, config: ModelConfig, *, layer_number: int, tp_config: TensorParallelConfig,
-                 checkpoint_core_attention: bool = False):
+                 context_parallel: ContextParallelConfig | None = None, checkpoint_core_attention: bool = False):
         super().__init__()
         self.layer_number = layer_number  # names this layer's entry in a generation's cache
         self.tp_group, self.sequence_parallel = tp_config.tp_group, tp_config.sequence_parallel
@@ -56,8 +57,9 @@ class MultiLatentAttention(nn.Module):
         self.qk_head_dim, self.rotary_dim, self.v_head_dim = (config.qk_head_dim, config.qk_pos_emb_head_dim,
                                                               config.v_head_dim)
         self.kv_lora_rank = config.kv_lora_rank
-        self.core_attention = DotProductAttention(config, layer_number=layer_number,
-                                                  softmax_scale=mla_softmax_scale(config))
+        self.core_attention = build_core_attention(config, layer_number=layer_number,
+                                                   softmax_scale=mla_softmax_scale(config),
+                                                   context_parallel=context_parallel)
         self.checkpoint_core_attention = checkpoint_core_attention
         self.rotary_concentration = layer_rotary_concentration(config, layer_number)
         heads, hidden = config.num_attention_heads, config.hidden_size

@@ -14,6 +14,7 @@ from torch import nn
 
 from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig
 from megatron_lite.expert_parallel import ExpertParallelConfig
 from megatron_lite.model.layer_spec import transformer_layer_spec
 from megatron_lite.model.norm import Norm
@@ -24,6 +25,7 @@ from megatron_lite.tensor_parallel.random import get_rng_tracker
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, *, layer_number: int, tp_config: TensorParallelConfig,
+                 context_parallel: ContextParallelConfig | None = None,
                  ep_config: ExpertParallelConfig = ExpertParallelConfig(), checkpoint_core_attention: bool = False):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init do not depend on the stage
@@ -36,6 +38,7 @@ class TransformerLayer(nn.Module):
         spec = transformer_layer_spec(config, layer_number, ep_config=ep_config)
         self.input_layernorm = Norm(config.hidden_size, **norm)
         self.self_attention = spec.self_attention(config, layer_number=layer_number, tp_config=tp_config,
+                                                  context_parallel=context_parallel,
                                                   checkpoint_core_attention=checkpoint_core_attention)
         self.pre_mlp_layernorm = Norm(config.hidden_size, **norm)
         self.mlp = spec.mlp(config, tp_config=tp_config)

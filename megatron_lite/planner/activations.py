@@ -19,6 +19,9 @@ attention) and follows what *this* code keeps, which differs by device:
 
 Our sequence-parallel column layers keep the *gathered* input (Megatron keeps the
 shard and gathers again in backward): two of the paper's sbh/t terms are sbh here.
+
+Under context parallelism every count is per token *this rank holds* (s/cp of each sequence), and
+the attention core keeps what its --cp-comm-type keeps (``_context_parallel_core``).
 """
 from __future__ import annotations
 
@@ -43,6 +46,9 @@ class KernelTraits:
     flash_needs_equal_widths: bool  # flash only when values are as wide as keys (multi-latent attention's are not)
     swiglu_saved_factor: int  # multiples of ffn_hidden_size / t kept by the SwiGLU op
     sequence_parallel_keeps_gathered_input: bool
+    # A causal mask aligned to the last keys (queries after earlier keys), per (query, key): CUDA's flash kernels
+    # take it as it is (0), the CPU's is materialised as an additive float mask and kept (4).
+    lower_right_causal_mask_bytes: int = 0
 
 
 CUDA_KERNELS = KernelTraits(
@@ -54,7 +60,7 @@ CPU_REFERENCE = KernelTraits(
     layer_norm_bytes=4, rms_norm_bytes=8, hidden_dropout_mask_bytes=None, embedding_dropout_mask_bytes=None,
     flash_attention="without_dropout", attention_math_bytes=4, attention_dropout_mask_bytes=None,
     attention_math_copies_qkv=True, flash_needs_equal_widths=True, swiglu_saved_factor=3,
-    sequence_parallel_keeps_gathered_input=True)
+    sequence_parallel_keeps_gathered_input=True, lower_right_causal_mask_bytes=4)
 KORTHIKANTI = KernelTraits(
     layer_norm_bytes=None, rms_norm_bytes=None, hidden_dropout_mask_bytes=1, embedding_dropout_mask_bytes=1,
     flash_attention="never", attention_math_bytes=None, attention_dropout_mask_bytes=1,
@@ -72,6 +78,8 @@ class ActivationSetting:
     dtype_bytes: int = 2
     selective_recompute: bool = False
     traits: KernelTraits = CUDA_KERNELS
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"  # this layer's
 
     def _bytes(self, value: Optional[int]) -> int:
         return self.dtype_bytes if value is None else value
@@ -133,10 +141,18 @@ def _norm_bytes(model: ModelConfig, setting: ActivationSetting) -> int:
     return setting._bytes(traits.layer_norm_bytes if model.normalization == "LayerNorm" else traits.rms_norm_bytes)
 
 
+def _context_parallel(setting: ActivationSetting) -> bool:
+    """Whether the core is context-parallel and keeps what its --cp-comm-type keeps (recomputed, it keeps nothing)."""
+    return setting.context_parallel_size > 1 and not setting.selective_recompute
+
+
 def _attention_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
     """``model/attention.py``'s: its queries, keys and values, output and the core's scores (or statistics)."""
     a, d, t, e = model.num_attention_heads, model.head_dim, setting.tensor_model_parallel_size, setting.dtype_bytes
     terms = {"query, key, value": e * _query_key_value(model, setting), "attention output": e * a * d / t}
+    if _context_parallel(setting):
+        terms.update(_context_parallel_core(model, setting))
+        return terms
     terms.update(_core_terms(model, setting))
     if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
         terms["query, key, value"] = setting._bytes(setting.traits.attention_math_bytes) * (3 * a * d) / t
@@ -166,17 +182,71 @@ def _latent_attention_terms(model: ModelConfig, setting: ActivationSetting) -> d
 def _core_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
     """What the core attention keeps beyond its inputs and output: the s^2 scores (with dropout, its mask and the
     dropped probabilities) on the math path, the softmax statistics with flash, nothing recomputed."""
-    a, s, t, traits = model.num_attention_heads, model.seq_length, setting.tensor_model_parallel_size, setting.traits
+    a, s, t = model.num_attention_heads, model.seq_length, setting.tensor_model_parallel_size
     if setting.selective_recompute:
         return {}  # the core's s^2 tensors (or flash statistics) are recomputed
     if _uses_flash(model, setting):
         return {"softmax statistics": 4 * a / t}
-    math_bytes = setting._bytes(traits.attention_math_bytes)
-    scores = math_bytes
-    if model.attention_dropout > 0:
-        mask = traits.attention_dropout_mask_bytes
-        scores += math_bytes + (math_bytes if mask is None else mask)
-    return {"attention scores": scores * a * s / t}
+    return {"attention scores": _score_bytes(model, setting) * a * s / t}
+
+
+def _score_bytes(model: ModelConfig, setting: ActivationSetting) -> int:
+    """Bytes the math path keeps per (query, key, head): the softmax output; with dropout also its mask and the
+    dropped probabilities."""
+    math_bytes = setting._bytes(setting.traits.attention_math_bytes)
+    if model.attention_dropout == 0:
+        return math_bytes
+    mask = setting.traits.attention_dropout_mask_bytes
+    return 2 * math_bytes + (math_bytes if mask is None else mask)
+
+
+def _keys_seen(setting: ActivationSetting) -> float:
+    """The share of the sequence's keys the all_gather core attends to per query of this rank, on average: each of
+    its two chunks (c and 2cp - 1 - c of 2cp) sees the keys up to its end, (2 cp + 1) / (4 cp) together."""
+    cp = setting.context_parallel_size
+    return (2 * cp + 1) / (4 * cp)
+
+
+def _context_parallel_core(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+    """Bytes per token of this rank that the context-parallel core keeps (``context_parallel/attention.py``).
+
+    p2p: its own query, key and value as given (views of the fused QKV, or RoPE's copies) and the fp32
+    log-sum-exp; the ring's blocks and their probabilities are not kept, whatever the kernel.
+    all_gather: the whole sequence's gathered keys and values (cp times this rank's), and the layer's own
+    core on each chunk against the keys up to its end (``_keys_seen``): grouped-query keys and values
+    repeated over that span, and the math path's s^2 tensors over it.
+    """
+    a, g, d, s = model.num_attention_heads, model.num_query_groups, model.head_dim, model.seq_length
+    t, e, cp = setting.tensor_model_parallel_size, setting.dtype_bytes, setting.context_parallel_size
+    rope, fused_qkv = model.position_embedding_type == "rope", (a + 2 * g) * d
+    if setting.cp_comm_type == "p2p":
+        kept = (a * d + g * d + fused_qkv) if rope else fused_qkv  # the value is a view of the fused QKV
+        return {"query, key, value": e * kept / t, "softmax statistics": 4 * a / t}
+    keys_seen = _keys_seen(setting)
+    terms = {"query, key, value": e * (a * d if rope else fused_qkv) / t,  # RoPE's query; else the fused QKV
+             "gathered keys and values": e * 2 * g * d * cp / t}
+    if g != a:
+        terms["grouped keys and values"] = e * 2 * a * d * keys_seen * cp / t
+    if _uses_flash(model, setting):
+        terms["softmax statistics"] = 4 * a / t
+        return terms
+    terms["attention scores"] = _score_bytes(model, setting) * a * s * keys_seen / t
+    if setting.traits.attention_math_copies_qkv:
+        math_bytes = setting._bytes(setting.traits.attention_math_bytes)
+        terms["query, key, value"] = math_bytes * (a * d + 2 * a * d * keys_seen * cp) / t
+    return terms
+
+
+def context_parallel_mask_bytes(model: ModelConfig, setting: ActivationSetting) -> float:
+    """Bytes per micro-batch (whatever its size) a layer keeps for the causal masks of its all_gather core: each
+    of a rank's two chunks (c = s / 2cp positions) against the keys up to its end, c^2 (2cp + 1) entries."""
+    cp = setting.context_parallel_size
+    if cp == 1 or setting.cp_comm_type != "all_gather" or setting.selective_recompute \
+            or not _uses_flash(model, setting):
+        return 0.0
+    chunk = model.seq_length / (2 * cp)
+    return setting.traits.lower_right_causal_mask_bytes * chunk * chunk * (2 * cp + 1)
+
 
 
 def layer_bytes_per_token(model: ModelConfig, setting: ActivationSetting) -> float:

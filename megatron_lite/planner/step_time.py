@@ -10,7 +10,12 @@ Per pipeline stage and micro-batch, a model chunk's forward and backward take
   the same bytes), plus the embedding's and the output layer's, over NVLink when the
   group fits in a node; none of it overlapped (ours is not);
 - pipeline parallelism: one activation or gradient exchange with each neighbour per
-  forward and per backward.
+  forward and per backward;
+- context parallelism: a rank computes for its s/cp positions, and each layer exchanges keys
+  and values (``_context_parallel_s``): all_gather gathers every rank's forward and
+  reduce-scatters their gradients backward, exposed; p2p passes one rank's block per step
+  while the previous one is attended to (backward: the blocks again, with their fp32
+  gradients), exposed only where a step's message outlasts a block's attention.
 
 The slowest stage paces the pipeline: ``m x (its forward + backward) x (1 + bubble)``,
 the bubble read off our schedule tables. Then data-parallel communication (ring
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from megatron_lite.model import flops
 from megatron_lite.planner.cluster import Cluster, Link
 from megatron_lite.planner.layouts import Layout
+from megatron_lite.planner.memory import tokens_per_rank
 from megatron_lite.planner.parameters import ChunkShape, distinct_stages, rank_chunk_shapes
 from megatron_lite.planner.pipeline import bubble_fraction
 from megatron_lite.planner.static_memory import (StaticMemory, dtype_bytes, gradient_dtype_bytes, planned_sharding,
@@ -66,11 +72,13 @@ class ChunkTime:
     forward_compute: float = 0.0
     backward_compute: float = 0.0
     tensor_parallel: float = 0.0
+    context_parallel: float = 0.0
     pipeline_p2p: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.forward_compute + self.backward_compute + self.tensor_parallel + self.pipeline_p2p
+        return (self.forward_compute + self.backward_compute + self.tensor_parallel + self.context_parallel
+                + self.pipeline_p2p)
 
 
 @dataclass
@@ -94,7 +102,7 @@ def chunk_time(layout: Layout, cluster: Cluster, chunk: ChunkShape) -> ChunkTime
     layers, pre_process, post_process = len(chunk.layer_numbers), chunk.pre_process, chunk.post_process
     t, p, d = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
     sp = config.parallel.sequence_parallel
-    tokens = model.seq_length * layout.micro_batch_size
+    tokens = tokens_per_rank(layout)
     rate = cluster.peak(training_dtype(layout)) * 1e12 * cluster.matmul_efficiency
     layer_flops = flops.transformer_layer_flops_per_token(model)
     forward = tokens * (layers * layer_flops + (flops.output_layer_flops_per_token(
@@ -113,9 +121,38 @@ def chunk_time(layout: Layout, cluster: Cluster, chunk: ChunkShape) -> ChunkTime
     if post_process:  # the output layer's input gradient, and the loss's three [s, b] all-reduces
         tp += one_all_reduce + 3 * all_reduce_s(tokens * 4, t, tp_link)
     time.tensor_parallel = tp
+    attention_forward = tokens * flops.attention_core_flops_per_token(model) / t / rate
+    recomputed = set(chunk.layer_numbers[:recomputed_layers])
+    if config.training.recompute_granularity == "selective":
+        recomputed = set(chunk.layer_numbers)
+    time.context_parallel = sum(_context_parallel_s(layout, cluster, layout.cp_comm_types[n], attention_forward,
+                                                    recomputed=n in recomputed) for n in chunk.layer_numbers)
     if p > 1:
-        time.pipeline_p2p = 2 * p2p_s(activation / (t if sp else 1), cluster.link(t * d, p))
+        stride = t * layout.context_parallel_size * d
+        time.pipeline_p2p = 2 * p2p_s(activation / (t if sp else 1), cluster.link(stride, p))
     return time
+
+
+def _context_parallel_s(layout: Layout, cluster: Cluster, comm_type: str, attention_forward: float, *,
+                        recomputed: bool) -> float:
+    """Exposed key/value exchange of one layer for one micro-batch (forward, backward, and the forward again
+    when the layer is recomputed); ``attention_forward``: this rank's attention-core forward seconds."""
+    cp, t = layout.context_parallel_size, layout.tensor_model_parallel_size
+    if cp == 1:
+        return 0.0
+    model = layout.config.model
+    own = 2 * tokens_per_rank(layout) * model.num_query_groups * model.head_dim * dtype_bytes(layout.config) / t
+    link = cluster.link(t, cp)
+    if comm_type == "all_gather":
+        forward = backward = gather_or_scatter_s(own * cp, cp, link)
+    else:
+        block, send, send_gradient = attention_forward / cp, p2p_s(own, link), p2p_s(own * 4 / dtype_bytes(
+            layout.config), link)
+        forward = (cp - 1) * max(send - block, 0.0)
+        # Each backward step sends a block on and its gradient so far, next to a block's backward (2 forwards);
+        # the last gradient, on its way home, has nothing left to hide behind.
+        backward = (cp - 1) * max(send + send_gradient - 2 * block, 0.0) + send_gradient
+    return forward * (2 if recomputed else 1) + backward
 
 
 def training_dtype(layout: Layout) -> str:
@@ -127,7 +164,8 @@ def _data_parallel_s(layout: Layout, cluster: Cluster, memory: StaticMemory, sta
                      stage_backward: float) -> float:
     """Exposed data-parallel communication of one stage per step."""
     config = layout.config
-    t, d, m = layout.tensor_model_parallel_size, layout.data_parallel_size, layout.num_microbatches
+    # Gradients are reduced over the data x context ranks (context-parallel ranks next to each other).
+    t, d, m = layout.tensor_model_parallel_size, layout.data_parallel_size_with_context, layout.num_microbatches
     if d == 1:
         return 0.0
     link = cluster.link(t, d)
@@ -163,7 +201,7 @@ def step_time(layout: Layout, cluster: Cluster) -> StepTime:
         forward = sum(c.forward_compute for c in chunks)
         backward = sum(c.backward_compute for c in chunks)
         memory = static_memory(layout.config, pipeline_rank=ranks[0],
-                               data_parallel_size=layout.data_parallel_size)
+                               data_parallel_size=layout.data_parallel_size_with_context)
         stages.append((chunks, _data_parallel_s(layout, cluster, memory, forward, backward),
                        _optimizer_s(layout, cluster, memory)))
     chunks = max((chunks for chunks, _, _ in stages), key=lambda cs: sum(c.total for c in cs))
@@ -171,6 +209,7 @@ def step_time(layout: Layout, cluster: Cluster) -> StepTime:
     data_parallel, optimizer = max(((dp, opt) for _, dp, opt in stages), key=sum)
     breakdown = {"compute": m * sum(c.forward_compute + c.backward_compute for c in chunks),
                  "tensor_parallel": m * sum(c.tensor_parallel for c in chunks),
+                 "context_parallel": m * sum(c.context_parallel for c in chunks),
                  "pipeline_p2p": m * sum(c.pipeline_p2p for c in chunks),
                  "pipeline_bubble": m * sum(c.total for c in chunks) * bubble,
                  "data_parallel": data_parallel, "optimizer": optimizer}

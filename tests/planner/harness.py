@@ -84,7 +84,8 @@ def run_layout(config, *, timed_steps: int = 0) -> dict:
 
     parallel = config.parallel
     state = initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                                      parallel.virtual_pipeline_model_parallel_size)
+                                      parallel.virtual_pipeline_model_parallel_size,
+                                      context_parallel_size=parallel.context_parallel_size)
     chunks, optimizer, scheduler = setup_model_and_optimizer(config, state)
     data = build_data_iterators(config, state, plan_run(config, state), 0)[0]
     num_microbatches = config.training.num_microbatches(state.data_parallel_world_size)
