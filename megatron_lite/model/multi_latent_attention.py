@@ -24,6 +24,12 @@ by this rank's heads only, so it goes through the same conjugate pair by hand: a
 gradient, or under sequence parallelism an all-gather of the sequence whose backward reduce-scatters.
 Under sequence parallelism the down-projections and latent norms see this rank's tokens only, and their
 gradients are summed over the group by ``finalize_model_grads`` like other norm weights'.
+
+Under context parallelism everything up to the core attention works on this rank's positions (the rotary
+channels rotated at their true positions), and the core exchanges the expanded keys and values of this
+rank's heads as it does grouped-query attention's (``context_parallel/attention.py``). Exchanging the latent
+instead would send fewer bytes (kv_lora_rank + qk_pos_emb_head_dim per token against heads x (qk_head_dim +
+qk_pos_emb_head_dim + v_head_dim)) but needs the up-projection of every rank's keys on every rank.
 """
 import torch
 from torch import nn

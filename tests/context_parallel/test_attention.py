@@ -5,7 +5,8 @@ values (and of a packed mask's rows); its output and the gradients of its querie
 must equal the same positions of the whole-sequence core attention (``DotProductAttention``), for both
 --cp-comm-type variants and every local kernel: SDPA (the CPU flash kernel under p2p) and the explicit
 path, grouped-query heads, a packed block-diagonal mask, a sliding window, a prefix (whose gradient is
-the sum over the ranks), attention soft-capping and bf16; and a whole GPT given this rank's tokens gives
+the sum over the ranks), attention soft-capping, bf16, and values narrower than keys with a softmax scale of
+their own (multi-latent attention's); and a whole GPT given this rank's tokens gives
 the whole sequence's logits at them.
 """
 import dataclasses
@@ -42,11 +43,15 @@ CASES = {
     # bf16 against bf16 over the whole sequence: the roundings differ, not the attention.
     "bf16-gqa": dict(num_query_groups=2, bf16=True),
     "bf16-packed-explicit": dict(packed=True, attention_backend="unfused", bf16=True),
+    # Multi-latent attention's core: values narrower than keys (which the CPU flash kernel does not take), a
+    # softmax scale of its own.
+    "narrow-values": dict(value_dim=HEAD_DIM // 2, softmax_scale=0.3),
+    "narrow-values-packed-explicit": dict(value_dim=HEAD_DIM // 2, packed=True, attention_backend="unfused"),
 }
 
 
 def _model_config(case: dict) -> ModelConfig:
-    fields = {k: v for k, v in case.items() if k not in ("packed", "prefix", "bf16")}
+    fields = {k: v for k, v in case.items() if k not in ("packed", "prefix", "bf16", "value_dim")}
     return ModelConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, seq_length=SEQ,
                        vocab_size=64, attention_dropout=0.0, **fields)
 
@@ -65,8 +70,9 @@ def _inputs(config: ModelConfig, case: dict, seed: int) -> dict:
     def draw(*shape):
         return torch.randn(*shape, generator=generator, dtype=torch.float64).to(
             torch.bfloat16 if case.get("bf16") else torch.float32)
+    value_dim = case.get("value_dim", HEAD_DIM)
     inputs = {"query": draw(SEQ, BATCH, HEADS, HEAD_DIM), "key": draw(SEQ, BATCH, groups, HEAD_DIM),
-              "value": draw(SEQ, BATCH, groups, HEAD_DIM), "grad": draw(SEQ, BATCH, HEADS * HEAD_DIM)}
+              "value": draw(SEQ, BATCH, groups, value_dim), "grad": draw(SEQ, BATCH, HEADS * value_dim)}
     if case.get("packed"):
         inputs["mask"] = _packed_mask()
     return inputs
