@@ -173,6 +173,9 @@ def _latent_attention_terms(model: ModelConfig, setting: ActivationSetting) -> d
         kept = up_projection_inputs + e * rotary / setting.linear_input_split
     terms = {"latents": kept, "keys and values": e * a * (model.qk_head_dim + model.v_head_dim) / t,
              "queries and keys": e * 2 * a * key_width / t, "attention output": e * a * model.v_head_dim / t}
+    if _context_parallel(setting):
+        terms.update(_latent_context_parallel_core(model, setting))
+        return terms
     terms.update(_core_terms(model, setting))
     if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
         terms["queries and keys"] = setting._bytes(setting.traits.attention_math_bytes) * 2 * a * key_width / t
@@ -234,6 +237,26 @@ def _context_parallel_core(model: ModelConfig, setting: ActivationSetting) -> di
     if setting.traits.attention_math_copies_qkv:
         math_bytes = setting._bytes(setting.traits.attention_math_bytes)
         terms["query, key, value"] = math_bytes * (a * d + 2 * a * d * keys_seen * cp) / t
+    return terms
+
+
+def _latent_context_parallel_core(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+    """``_context_parallel_core`` for multi-latent attention, whose queries, keys and values it already counts
+    (``_latent_attention_terms``): p2p keeps them as given and the log-sum-exp; all_gather the whole sequence's
+    keys and values of this rank's heads (dk + dv wide), and its core's tensors over the keys each chunk sees."""
+    a, s, t, e = model.num_attention_heads, model.seq_length, setting.tensor_model_parallel_size, setting.dtype_bytes
+    key_width, cp = model.qk_head_dim + model.qk_pos_emb_head_dim, setting.context_parallel_size
+    if setting.cp_comm_type == "p2p":
+        return {"softmax statistics": 4 * a / t}
+    keys_seen = _keys_seen(setting)
+    terms = {"gathered keys and values": e * a * (key_width + model.v_head_dim) * cp / t}
+    if _uses_flash(model, setting):
+        terms["softmax statistics"] = 4 * a / t
+        return terms
+    terms["attention scores"] = _score_bytes(model, setting) * a * s * keys_seen / t
+    if setting.traits.attention_math_copies_qkv:
+        math_bytes = setting._bytes(setting.traits.attention_math_bytes)
+        terms["queries and keys"] = math_bytes * a * key_width * (1 + keys_seen * cp) / t
     return terms
 
 
