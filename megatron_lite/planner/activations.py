@@ -219,7 +219,7 @@ def _context_parallel_core(model: ModelConfig, setting: ActivationSetting) -> di
     core on each chunk against the keys up to its end (``_keys_seen``): grouped-query keys and values
     repeated over that span, and the math path's s^2 tensors over it.
     """
-    a, g, d, s = model.num_attention_heads, model.num_query_groups, model.head_dim, model.seq_length
+    a, g, d = model.num_attention_heads, model.num_query_groups, model.head_dim
     t, e, cp = setting.tensor_model_parallel_size, setting.dtype_bytes, setting.context_parallel_size
     rope, fused_qkv = model.position_embedding_type == "rope", (a + 2 * g) * d
     if setting.cp_comm_type == "p2p":
@@ -230,11 +230,8 @@ def _context_parallel_core(model: ModelConfig, setting: ActivationSetting) -> di
              "gathered keys and values": e * 2 * g * d * cp / t}
     if g != a:
         terms["grouped keys and values"] = e * 2 * a * d * keys_seen * cp / t
-    if _uses_flash(model, setting):
-        terms["softmax statistics"] = 4 * a / t
-        return terms
-    terms["attention scores"] = _score_bytes(model, setting) * a * s * keys_seen / t
-    if setting.traits.attention_math_copies_qkv:
+    terms.update(_all_gather_core_terms(model, setting))
+    if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
         math_bytes = setting._bytes(setting.traits.attention_math_bytes)
         terms["query, key, value"] = math_bytes * (a * d + 2 * a * d * keys_seen * cp) / t
     return terms
@@ -244,20 +241,25 @@ def _latent_context_parallel_core(model: ModelConfig, setting: ActivationSetting
     """``_context_parallel_core`` for multi-latent attention, whose queries, keys and values it already counts
     (``_latent_attention_terms``): p2p keeps them as given and the log-sum-exp; all_gather the whole sequence's
     keys and values of this rank's heads (dk + dv wide), and its core's tensors over the keys each chunk sees."""
-    a, s, t, e = model.num_attention_heads, model.seq_length, setting.tensor_model_parallel_size, setting.dtype_bytes
+    a, t, e = model.num_attention_heads, setting.tensor_model_parallel_size, setting.dtype_bytes
     key_width, cp = model.qk_head_dim + model.qk_pos_emb_head_dim, setting.context_parallel_size
     if setting.cp_comm_type == "p2p":
         return {"softmax statistics": 4 * a / t}
-    keys_seen = _keys_seen(setting)
     terms = {"gathered keys and values": e * a * (key_width + model.v_head_dim) * cp / t}
-    if _uses_flash(model, setting):
-        terms["softmax statistics"] = 4 * a / t
-        return terms
-    terms["attention scores"] = _score_bytes(model, setting) * a * s * keys_seen / t
-    if setting.traits.attention_math_copies_qkv:
+    terms.update(_all_gather_core_terms(model, setting))
+    if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
         math_bytes = setting._bytes(setting.traits.attention_math_bytes)
-        terms["queries and keys"] = math_bytes * a * key_width * (1 + keys_seen * cp) / t
+        terms["queries and keys"] = math_bytes * a * key_width * (1 + _keys_seen(setting) * cp) / t
     return terms
+
+
+def _all_gather_core_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+    """What the all_gather core keeps beyond its inputs: the flash statistics, or the math path's s^2 tensors over
+    the keys each chunk sees."""
+    a, s, t = model.num_attention_heads, model.seq_length, setting.tensor_model_parallel_size
+    if _uses_flash(model, setting):
+        return {"softmax statistics": 4 * a / t}
+    return {"attention scores": _score_bytes(model, setting) * a * s * _keys_seen(setting) / t}
 
 
 def context_parallel_mask_bytes(model: ModelConfig, setting: ActivationSetting) -> float:
