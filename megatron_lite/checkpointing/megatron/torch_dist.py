@@ -21,7 +21,6 @@ import os
 import re
 
 import torch
-from torch.distributed.checkpoint import filesystem, metadata, planner
 
 from megatron_lite.checkpointing.megatron.safe_unpickle import (load_pickle_file, load_torch_file,
                                                                 restricted_pickle_module)
@@ -29,18 +28,27 @@ from megatron_lite.checkpointing.storage import CheckpointError
 
 METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
-# What the .metadata pickle may name: torch.distributed.checkpoint's metadata and save-plan classes (plain
-# dataclasses and enums) and the function that turns a layout's name into torch.strided.
-_METADATA_CLASSES = {
-    **{("torch.distributed.checkpoint.metadata", name): getattr(metadata, name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
-    **{("torch.distributed.checkpoint.planner", name): getattr(planner, name) for name in (
-        "SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")},
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-}
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d)(.+)$")
+
+
+def _metadata_classes() -> dict:
+    """What the .metadata pickle may name: torch.distributed.checkpoint's metadata and save-plan classes (plain
+    dataclasses and enums) and the function that turns a layout's name into torch.strided.
+
+    torch.distributed.checkpoint is imported here, when a torch_dist checkpoint is read, not with this module:
+    it brings DTensor and sympy, a second or more of every command's start-up (the command line imports this
+    module to recognise a Megatron-LM --load)."""
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+
+    return {
+        **{("torch.distributed.checkpoint.metadata", name): getattr(metadata, name) for name in (
+            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+            "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+        **{("torch.distributed.checkpoint.planner", name): getattr(planner, name) for name in (
+            "SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")},
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    }
 
 
 def is_torch_dist(directory: str) -> bool:
@@ -68,7 +76,9 @@ def _common_state(directory: str, storage: dict) -> dict:
 def read(directory: str) -> tuple:
     """(args, iteration, {Megatron name, layers numbered globally: global tensor}) of a torch_dist directory;
     byte entries (``_extra_state``) and the optimizer's and RNG's tensors are left out."""
-    meta = load_pickle_file(os.path.join(directory, METADATA_FILE), extra=_METADATA_CLASSES)
+    from torch.distributed.checkpoint import metadata
+
+    meta = load_pickle_file(os.path.join(directory, METADATA_FILE), extra=_metadata_classes())
     storage = meta.storage_data
     common = _common_state(directory, storage)
     if "args" not in common:
