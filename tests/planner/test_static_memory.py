@@ -21,7 +21,7 @@ from megatron_lite.planner.parameters import fsdp_unit, rank_chunks
 from megatron_lite.planner.static_memory import gradient_dtype_bytes, static_memory
 from megatron_lite.process_groups.parallel_state import mock_parallel_state
 from tests.distributed import run_distributed
-from tests.planner.harness import run_layouts
+from bench.harness import run_layouts
 
 GPT = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
 LLAMA = dict(GPT, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
