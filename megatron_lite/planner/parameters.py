@@ -35,9 +35,10 @@ def fsdp_unit(spec: ParamSpec) -> str:
     return ".".join(parts[:3]) if parts[:2] == ["decoder", "layers"] else ""
 
 
-def _norm(prefix: str, model: ModelConfig) -> list[ParamSpec]:
+def _norm(prefix: str, model: ModelConfig, width: int | None = None) -> list[ParamSpec]:
+    """A norm over ``width`` channels (the hidden size unless given; --qk-layernorm's are one head wide)."""
     names = ["weight", "bias"] if model.normalization == "LayerNorm" else ["weight"]
-    return [ParamSpec(f"{prefix}.{n}", model.hidden_size) for n in names]
+    return [ParamSpec(f"{prefix}.{n}", width or model.hidden_size) for n in names]
 
 
 def _linear(prefix: str, rows: int, columns: int, bias: int | None) -> list[ParamSpec]:
@@ -55,9 +56,11 @@ def layer_parameters(model: ModelConfig, layer_number: int, tensor_model_paralle
     bias = model.add_bias_linear
     prefix = f"decoder.layers.{layer_number}"
     return (_norm(f"{prefix}.input_layernorm", model)
-            + _linear(f"{prefix}.self_attention.linear_qkv", qkv, h, qkv if bias else None)
+            + _linear(f"{prefix}.self_attention.linear_qkv", qkv, h, qkv if bias or model.add_qkv_bias else None)
             + _linear(f"{prefix}.self_attention.linear_proj", h, model.num_attention_heads * model.head_dim // t,
                       h if bias else None)
+            + (_norm(f"{prefix}.self_attention.q_layernorm", model, model.head_dim)
+               + _norm(f"{prefix}.self_attention.k_layernorm", model, model.head_dim) if model.qk_layernorm else [])
             + _norm(f"{prefix}.pre_mlp_layernorm", model)
             + _linear(f"{prefix}.mlp.linear_fc1", fc1, h, fc1 if bias else None)
             + _linear(f"{prefix}.mlp.linear_fc2", h, model.ffn_hidden_size // t, h if bias else None)
