@@ -1,4 +1,5 @@
-"""Measuring a real run for the planner's checks: activation memory, static memory, step time.
+"""Measuring a real run for the planner: activation memory and static memory (tests/planner), step time
+(bench_step_time). Here, not in tests/, because benchmarks never import the tests; tests may import it.
 
 Activation memory is what autograd keeps for backward. ``SavedActivationPeak`` sees
 every tensor saved during the forward passes (``saved_tensors_hooks``) and learns
