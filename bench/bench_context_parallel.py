@@ -4,7 +4,7 @@ A GPT whose attention dominates (sequences of 2048 positions, hidden 256) trains
 batch of whole sequences four ways: one process (cp1), two data-parallel processes (cp1 x dp2, each
 rank a whole sequence), and two context-parallel processes (cp2, each rank half of every sequence)
 under --cp-comm-type p2p and all_gather. Each rank's steps run through the loop's own ``train_step``
-(``tests/planner/harness.py``); a step's time is the fastest of ``--steps``, scaled by the smallest
+(``bench/harness.py``); a step's time is the fastest of ``--steps``, scaled by the smallest
 share of CPU the ranks got while runnable (``bench_step_time.uncontended_seconds``), so a shared machine
 reads as an idle one. Beside each: the activation peak of a rank (the planner's counter) and the
 planner's estimates for a local cluster calibrated in the same processes.
@@ -19,8 +19,7 @@ import sys
 from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.planner.layouts import Layout
 from megatron_lite.planner.memory import rank_memory
-from tests.distributed import run_distributed
-from tests.planner.harness import run_layouts
+from bench.harness import launch_layouts
 from bench.bench_step_time import uncontended_seconds
 
 MB = 2 ** 20
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
            "cp2 all_gather": _config(args.seq_length, 2, "all_gather")}
     results = {}
     for world, layouts in ((1, one), (2, two)):
-        per_rank = run_distributed(run_layouts, world, args=(list(layouts.values()), args.steps), timeout=1800)
+        per_rank = launch_layouts(world, list(layouts.values()), args.steps)
         for index, (name, config) in enumerate(layouts.items()):
             runs = [rank[index] for rank in per_rank]
             results[name] = (config, world, uncontended_seconds([run["steps"] for run in runs]),

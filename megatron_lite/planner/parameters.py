@@ -37,7 +37,7 @@ def fsdp_unit(spec: ParamSpec) -> str:
 
 
 def _norm(prefix: str, model: ModelConfig, width: int | None = None) -> list[ParamSpec]:
-    """A norm over ``width`` channels (default the hidden size)."""
+    """A norm over ``width`` channels (the hidden size unless given; --qk-layernorm's are one head wide)."""
     names = ["weight", "bias"] if model.normalization == "LayerNorm" else ["weight"]
     return [ParamSpec(f"{prefix}.{n}", width or model.hidden_size) for n in names]
 

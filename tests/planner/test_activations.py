@@ -15,7 +15,7 @@ from megatron_lite.planner.memory import peak_memory, rank_memory
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tensor_parallel.random import set_random_seeds
 from tests.distributed import run_distributed
-from tests.planner.harness import SavedActivationPeak, run_layouts
+from bench.harness import SavedActivationPeak, run_layouts
 
 TOLERANCE = 0.20  # the bound asked for; the checks below land within 9%
 

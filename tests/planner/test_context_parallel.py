@@ -15,7 +15,7 @@ from megatron_lite.planner.estimate import estimate, estimate_for_config
 from megatron_lite.planner.layouts import Layout, enumerate_layouts
 from megatron_lite.planner.memory import rank_memory
 from tests.distributed import run_distributed
-from tests.planner.harness import run_layouts
+from bench.harness import run_layouts
 from tests.planner.test_activations import TOLERANCE
 
 GPT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=256, hidden_dropout=0.1,

@@ -21,7 +21,7 @@ from megatron_lite.planner.parameters import fsdp_unit, rank_chunks
 from megatron_lite.planner.static_memory import gradient_dtype_bytes, static_memory
 from megatron_lite.process_groups.parallel_state import mock_parallel_state
 from tests.distributed import run_distributed
-from tests.planner.harness import run_layouts
+from bench.harness import run_layouts
 
 GPT = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
 LLAMA = dict(GPT, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
@@ -81,6 +81,31 @@ def test_parameter_list_is_the_chunks_named_parameters(arch, tp, pp, vpp):
             units = FullyShardedUnits.units_of(chunk, FSDP_UNIT_MODULES)
             paths = {module: path for path, module in chunk.named_modules()}
             assert [fsdp_unit(s) for s in specs] == [paths[units[p]] for p in chunk.parameters()]
+
+
+# Each ModelConfig field that changes what a chunk holds, on a tiny model.
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=200)
+FIELDS = {"gpt": {}, "rmsnorm": dict(normalization="RMSNorm"), "no-bias": dict(add_bias_linear=False),
+          "qkv-bias": dict(add_bias_linear=False, add_qkv_bias=True), "qk-layernorm": dict(qk_layernorm=True),
+          "qk-rmsnorm": dict(qk_layernorm=True, normalization="RMSNorm"), "kv-channels": dict(kv_channels=16),
+          "query-groups": dict(num_query_groups=2), "ffn-hidden": dict(ffn_hidden_size=48),
+          "swiglu": dict(swiglu=True, ffn_hidden_size=48), "geglu": dict(swiglu=True, geglu=True, ffn_hidden_size=48),
+          "post-sublayer-norm": dict(post_sublayer_norm=True), "untied": dict(untie_embeddings_and_output_weights=True),
+          "rope": dict(position_embedding_type="rope"), "max-positions": dict(max_position_embeddings=64),
+          "vocab-padding": dict(make_vocab_size_divisible_by=1)}
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_the_parameter_count_follows_every_model_field(field):
+    """The planner's parameters against the real chunks' ``sum(p.numel())`` (and each name and size), on every
+    rank of tp 2 x pp 2: the biases, norms and widths each field adds or removes, split as the model splits them."""
+    config = _config(dict(TINY, **FIELDS[field]), tp=2, pp=2)
+    for rank in range(0, WORLD, 2):
+        state, chunks, _, _ = _built(config, rank)
+        planned = rank_chunks(config, state.pipeline_model_parallel_rank)
+        assert sum(s.elements for c in planned for s in c) == sum(p.numel() for c in chunks for p in c.parameters())
+        assert [[(s.name, s.elements) for s in c] for c in planned] == [
+            [(n, p.numel()) for n, p in chunk.named_parameters()] for chunk in chunks]
 
 
 CASES = {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True), "bucket=3000": dict(bucket=3000),
