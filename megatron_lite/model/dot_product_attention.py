@@ -19,7 +19,6 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
@@ -88,7 +87,7 @@ class DotProductAttention(nn.Module):
                 # The queries are the last of the keys' positions (after cached or earlier keys): causal from the
                 # bottom right, which the CUDA kernels take without materialising a mask.
                 causal = (dict(is_causal=True) if query_length == key_length
-                          else dict(attn_mask=causal_lower_right(query_length, key_length)))
+                          else dict(attn_mask=_causal_lower_right(query_length, key_length)))
                 context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout,
                                                          scale=self.softmax_scale, **causal)
             else:  # SDPA's boolean mask marks what may be attended
@@ -118,6 +117,13 @@ def _unfused_attention(query, key, value, dropout: float, attention_mask, scale:
     if dropout > 0:
         probs = F.dropout(probs, p=dropout)
     return torch.bmm(probs, value.reshape(-1, sk, dv)).view(batch, heads, sq, dv)
+
+
+def _causal_lower_right(query_length: int, key_length: int):
+    """torch's bottom-right-aligned causal bias, which SDPA's CUDA kernels apply without a mask. Imported here:
+    ``torch.nn.attention.bias`` imports torch._dynamo and DTensor, about a second of every command's start-up."""
+    from torch.nn.attention.bias import causal_lower_right
+    return causal_lower_right(query_length, key_length)
 
 
 def _mask_after_cache(attention_mask, query_length: int, key_length: int, device):
