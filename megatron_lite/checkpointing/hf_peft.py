@@ -17,6 +17,11 @@ block-diagonal in our row layout, each block already scaled: exact, at rank
 r x (modules per fused layer), padded with zeros to the largest such rank, and
 alpha = that rank (scale 1). Adapters that share A, rank and scale (ours, exported)
 come back unchanged.
+
+DeepSeek's multi-latent attention projections are one Hugging Face module each (q_a_proj,
+q_b_proj, kv_a_proj_with_mqa, ...; ``hf_latent_attention``); B's rows of the projections that
+produce rotated channels are reordered as the weights' are (files interleave the rotary rows, on
+import taken to be as DeepSeek's released weights have them).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import safetensors.torch
 import torch
 
 from megatron_lite.checkpointing.hf_interop import hf_architecture, hf_family, imported_from, pack_qkv, unpack_qkv
+from megatron_lite.checkpointing.hf_latent_attention import latent_rotary_rows, query_rotary_rows
 from megatron_lite.checkpointing.hf_tokenizer import write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.peft_base import adapter_reader, pointer_to
@@ -52,10 +58,29 @@ _MODULES = {
              "linear_fc1": [("mlp.gate_up_proj", ("gate", "up"))], "linear_fc2": [("mlp.down_proj", None)]},
 }
 _MODULES["gemma"] = _MODULES["llama"]
+_MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)],
+                        "linear_q_down_proj": [("self_attn.q_a_proj", None)],
+                        "linear_q_up_proj": [("self_attn.q_b_proj", None)],
+                        "linear_kv_down_proj": [("self_attn.kv_a_proj_with_mqa", None)],
+                        "linear_kv_up_proj": [("self_attn.kv_b_proj", None)],
+                        **{target: _MODULES["llama"][target] for target in ("linear_proj", "linear_fc1", "linear_fc2")}}
 _OUR_MODULE = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
-               "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
+               "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2",
+               **{target: f"self_attention.{target}" for target in ("linear_q_proj", "linear_q_down_proj",
+                                                                   "linear_q_up_proj", "linear_kv_down_proj",
+                                                                   "linear_kv_up_proj")}}
 _LAYERS = {"gpt2": "base_model.model.transformer.h.", "llama": "base_model.model.model.layers.",
-           "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers."}
+           "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers.",
+           "deepseek": "base_model.model.model.layers."}
+# DeepSeek's rotary rows are interleaved in its files, rotate-half in ours (hf_latent_attention): B's rows follow.
+_ROTARY_ROWS = {"linear_q_proj": query_rotary_rows, "linear_q_up_proj": query_rotary_rows,
+                "linear_kv_down_proj": latent_rotary_rows}
+
+
+def _hf_rows(target: str, lora_b: torch.Tensor, config: ModelConfig, *, to_hf: bool) -> torch.Tensor:
+    """B's rows in the other naming's order (only DeepSeek's rotary rows move)."""
+    reorder = _ROTARY_ROWS.get(target)
+    return lora_b if reorder is None else reorder(lora_b, config, to_interleaved=to_hf)
 
 
 def _row_blocks(target: str, rows: torch.Tensor, config: ModelConfig) -> dict:
@@ -83,14 +108,23 @@ def _block_rows(target: str, config: ModelConfig) -> dict:
 
 
 def _inputs(target: str, config: ModelConfig) -> int:
-    return {"linear_qkv": config.hidden_size, "linear_fc1": config.hidden_size,
-            "linear_proj": config.num_attention_heads * config.head_dim, "linear_fc2": config.ffn_hidden_size}[target]
+    heads = config.num_attention_heads
+    value_width = config.v_head_dim if config.multi_latent_attention else config.head_dim
+    return {"linear_qkv": config.hidden_size, "linear_fc1": config.hidden_size, "linear_proj": heads * value_width,
+            "linear_fc2": config.ffn_hidden_size, "linear_q_proj": config.hidden_size,
+            "linear_q_down_proj": config.hidden_size, "linear_q_up_proj": config.q_lora_rank,
+            "linear_kv_down_proj": config.hidden_size, "linear_kv_up_proj": config.kv_lora_rank}[target]
 
 
 def _full_rows(target: str, config: ModelConfig) -> int:
-    return {"linear_qkv": (config.num_attention_heads + 2 * config.num_query_groups) * config.head_dim,
+    heads, rotary = config.num_attention_heads, config.qk_pos_emb_head_dim
+    return {"linear_qkv": (heads + 2 * config.num_query_groups) * config.head_dim,
             "linear_proj": config.hidden_size, "linear_fc2": config.hidden_size,
-            "linear_fc1": config.ffn_hidden_size * (2 if config.swiglu else 1)}[target]
+            "linear_fc1": config.ffn_hidden_size * (2 if config.swiglu else 1),
+            "linear_q_proj": heads * (config.qk_head_dim + rotary), "linear_q_down_proj": config.q_lora_rank,
+            "linear_q_up_proj": heads * (config.qk_head_dim + rotary),
+            "linear_kv_down_proj": config.kv_lora_rank + rotary,
+            "linear_kv_up_proj": heads * (config.qk_head_dim + config.v_head_dim)}[target]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,10 +140,12 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
         base_model_name_or_path = _hf_base(reader.metadata["training_state"].get("peft_base"))
     model, peft = config.model, config.peft
     architecture = hf_family(model, hf_model_type).naming
+    _check_peft_loads(architecture, peft.lora_target_modules)
     tensors, targets = {}, set()
     for layer in range(model.num_layers):
         for target in peft.lora_target_modules:
             lora_a, lora_b = (reader.read(n) for n in factor_names(f"decoder.layers.{layer}.{_OUR_MODULE[target]}"))
+            lora_b = _hf_rows(target, lora_b, model, to_hf=True)
             blocks = _row_blocks(target, lora_b, model)
             for hf_module, covered in _MODULES[architecture][target]:
                 prefix = f"{_LAYERS[architecture]}{layer}.{hf_module}"
@@ -128,6 +164,17 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
                                 os.path.join(save_dir, WEIGHTS_FILE), metadata={"format": "pt"})
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         os.chmod(os.path.join(save_dir, name), 0o644)
+
+
+def _check_peft_loads(architecture: str, targets: list) -> None:
+    """peft (0.21) takes gate_proj, up_proj and down_proj of a DeepSeek model for its experts' fused parameters,
+    so on dense DeepSeek layers it would load an MLP adapter onto nothing, silently: refused."""
+    mlp = [target for target in targets if target in ("linear_fc1", "linear_fc2")]
+    if architecture == "deepseek" and mlp:
+        raise ConfigError(f"LoRA on {' and '.join(mlp)} of a DeepSeek model has no PEFT form that peft loads: it "
+                          f"remaps DeepSeek's mlp.gate_proj/up_proj/down_proj to mixture-of-experts parameters and "
+                          f"drops the adapter on dense layers. Export adapters trained with --lora-target-modules "
+                          f"linear_qkv linear_proj (attention), or merge them into the base (--merge-lora).")
 
 
 def _hf_base(pointer: dict | None) -> str:
@@ -226,7 +273,7 @@ def _updates_by_target(peft_config: dict, tensors: dict, architecture: str, mode
                 names = (f"{key}.lora_A.weight", f"{key}.lora_B.weight")
                 if names[0] not in tensors:
                     continue
-                lora_a, lora_b = tensors[names[0]], tensors[names[1]]
+                lora_a, lora_b = tensors[names[0]], _hf_rows(target, tensors[names[1]], model, to_hf=False)
                 updates.setdefault((layer, target), {})[covered] = (
                     lora_a, lora_b, _scale(peft_config, key.removeprefix("base_model.model."), lora_a.shape[0]))
                 used.update(names)

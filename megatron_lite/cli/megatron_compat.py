@@ -35,6 +35,10 @@ ACCEPTED_FLAGS = {
     "--no-persist-layer-norm": _FUSION_NOOP,
     "--check-for-nan-in-loss-and-grad": "accepted: the default (a non-finite loss or grad norm stops the run; "
                                         "--no-check-for-nan-in-loss-and-grad turns the check off)",
+    "--cache-mla-latents": "accepted, no effect: multi-latent attention's generation always caches its latents",
+    "--mla-down-proj-fusion": _FUSION_NOOP,
+    "--yarn-correction-range-round-to-int": "accepted: the default (YaRN's blended channel range is rounded out; "
+                                            "--no-yarn-correction-range-round-to-int keeps it unrounded)",
     "--no-gradient-accumulation-fusion": "accepted, no effect: gradients always accumulate in the data-parallel "
                                          "gradient buffer",
     "--moe-permute-fusion": "accepted, no effect: tokens are permuted to their experts by PyTorch ops",

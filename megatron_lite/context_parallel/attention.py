@@ -2,8 +2,10 @@
 
 Each rank holds the queries, keys and values of its two chunks (``sharding.py``: chunks i and
 2 cp - 1 - i of 2 cp); a query must still see every key before it. Both variants wrap the layer's own
-core attention (``model/attention.py``'s DotProductAttention) and keep its interface:
-``(query, key, value, attention_mask, prefix) -> context``, [s/cp, b, heads, d] in, [s/cp, b, heads x d] out.
+core attention (``model/dot_product_attention.py``'s DotProductAttention) and keep its interface:
+``(query, key, value, attention_mask, prefix) -> context``, [s/cp, b, heads, d] queries and keys and
+[s/cp, b, groups, dv] values in, [s/cp, b, heads x dv] out. Values may be narrower than keys (multi-latent
+attention's): keys and values travel together, joined along their channels.
 
 ``AllGatherAttention`` (--cp-comm-type all_gather): the keys and values of every rank are all-gathered
 (their gradients reduce-scattered back in the backward, ``gather_from_sequence_parallel_region``'s pair)
@@ -58,12 +60,12 @@ class AllGatherAttention(nn.Module):
         self.cp = cp
 
     def forward(self, query, key, value, attention_mask=None, prefix=None):
-        local_length, groups = query.shape[0], key.shape[2]
+        local_length = query.shape[0]
         _check_mask(attention_mask, local_length, self.cp.size)
         chunk = local_length // 2
-        key_value = gather_from_sequence_parallel_region(torch.cat([key, value], dim=2), self.cp.cp_group)
+        key_value = gather_from_sequence_parallel_region(_join(key, value), self.cp.cp_group)
         key_value = key_value.index_select(0, global_order(self.cp.size, chunk).to(key_value.device))
-        key, value = key_value[:, :, :groups], key_value[:, :, groups:]
+        key, value = _split(key_value, key.shape[-1])
         if prefix is not None:
             key, value, attention_mask = prefix(key, value, attention_mask)
         prefix_length = key.shape[0] - local_length * self.cp.size
@@ -75,6 +77,16 @@ class AllGatherAttention(nn.Module):
             mask = None if attention_mask is None else attention_mask[:, :, rows, :end]
             outputs.append(self.local_attention(query[rows], key[:end], value[:end], mask))
         return torch.cat(outputs)
+
+
+def _join(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Keys and values as one tensor to send, joined along their channels (the last dimension): dk + dv."""
+    return torch.cat([key, value], dim=-1)
+
+
+def _split(key_value: torch.Tensor, key_width: int) -> tuple:
+    """``_join`` undone (views)."""
+    return key_value[..., :key_width], key_value[..., key_width:]
 
 
 class _RingExchange:
@@ -181,9 +193,9 @@ def _sequence_first(tensor):
 
 
 class _RingAttentionFunction(torch.autograd.Function):
-    """Ring attention over [2 chunk, b, heads, d] queries and [2 chunk, b, groups, d] keys and values, with an
-    optional [p, b, groups, d] prefix seen by every query; returns [2 chunk, b, heads x d], which is also
-    what the backward keeps of the output (the output projection keeps the same tensor)."""
+    """Ring attention over [2 chunk, b, heads, d] queries, [2 chunk, b, groups, d] keys and [2 chunk, b, groups, dv]
+    values, with an optional [p, b, groups, d or dv] prefix seen by every query; returns [2 chunk, b, heads x dv],
+    which is also what the backward keeps of the output (the output projection keeps the same tensor)."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -192,7 +204,7 @@ class _RingAttentionFunction(torch.autograd.Function):
         chunk = query.shape[2] // 2
         prefix_length = 0 if prefix_key is None else prefix_key.shape[2]
         queries = _halves(query, chunk)
-        out = [torch.zeros(q.shape, dtype=torch.float32, device=q.device) for q in queries]
+        out = [torch.zeros(*q.shape[:3], value.shape[-1], dtype=torch.float32, device=q.device) for q in queries]
         lse = [torch.full(q.shape[:3], float("-inf"), device=q.device) for q in queries]
 
         def attend(half, block_key, block_value, mask):
@@ -201,9 +213,9 @@ class _RingAttentionFunction(torch.autograd.Function):
 
         for half, mask in ring.prefix_masks(chunk, prefix_length, query.device) if prefix_key is not None else ():
             attend(half, prefix_key, prefix_value, mask)
-        for owner, key_value in ring.around_the_ring(torch.stack([key, value])):
+        for owner, key_value in ring.around_the_ring(_join(key, value)):
             for half, key_half, mask in ring.block_pairs(owner, attention_mask, chunk, prefix_length, query.device):
-                attend(half, _halves(key_value[0], chunk)[key_half], _halves(key_value[1], chunk)[key_half], mask)
+                attend(half, *_split(_halves(key_value, chunk)[key_half], key.shape[-1]), mask)
         out = _sequence_first(torch.cat(out, dim=2).to(query.dtype))
         out = out.reshape(out.shape[0], out.shape[1], -1)
         ctx.save_for_backward(*inputs[:5], out, torch.cat(lse, dim=2))
@@ -235,17 +247,19 @@ class _RingAttentionFunction(torch.autograd.Function):
                 for grad, block_grad in zip(grad_prefix, backward_of(half, prefix_key, prefix_value, mask)):
                     grad += block_grad
         received = None  # the gradient of the block in hand, from the ranks that saw it before this one
-        for owner, key_value in ring.around_the_ring(torch.stack([key, value])):
+        width = key.shape[-1]
+        for owner, key_value in ring.around_the_ring(_join(key, value)):
             grad_key_value = torch.zeros(key_value.shape, dtype=torch.float32, device=key_value.device)
             for half, key_half, mask in ring.block_pairs(owner, attention_mask, chunk, prefix_length, query.device):
-                keys, values = _halves(key_value[0], chunk)[key_half], _halves(key_value[1], chunk)[key_half]
-                grad_k, grad_v = backward_of(half, keys, values, mask)
-                _halves(grad_key_value[0], chunk)[key_half].add_(grad_k)
-                _halves(grad_key_value[1], chunk)[key_half].add_(grad_v)
+                grad_k, grad_v = backward_of(half, *_split(_halves(key_value, chunk)[key_half], width), mask)
+                grad_key_block, grad_value_block = _split(_halves(grad_key_value, chunk)[key_half], width)
+                grad_key_block.add_(grad_k)
+                grad_value_block.add_(grad_v)
             if received is not None:
                 grad_key_value += received.wait()
             received = _RingExchange(grad_key_value, ring.cp)  # on to the next rank, which holds this block next
-        grad_key, grad_value = received.wait()  # own block's, summed over every rank: it went all the way round
+        # The own block's, summed over every rank: it went all the way round.
+        grad_key, grad_value = _split(received.wait(), width)
         grad_prefix_key, grad_prefix_value = (None, None) if grad_prefix is None else (
             _sequence_first(grad.to(prefix_key.dtype)) for grad in grad_prefix)
         grad_query = torch.cat(grad_query, dim=2).to(query.dtype)

@@ -19,7 +19,9 @@ Two kernels compute a block, chosen as ``--attention-backend`` chooses for the w
 between QK^T and the softmax); ``FlashBlockAttention`` runs the flash kernel torch's
 scaled_dot_product_attention runs on the CPU, which returns the log-sum-exp and whose backward takes the
 final (o, l). On other devices it falls back to the explicit formulas: their SDPA kernels return the
-log-sum-exp through device-specific entry points no test here can run.
+log-sum-exp through device-specific entry points no test here can run. It falls back too when values are
+narrower than keys (multi-latent attention), which the CPU kernel does not take (SDPA itself then takes
+its math path).
 
 Blocks are [b, heads, s, d]; grouped-query keys and values carry fewer heads and are repeated for the
 kernel, their gradients summed back. A mask is ``CAUSAL`` (a diagonal block: query i sees keys 0..i), None
@@ -108,8 +110,11 @@ class FlashBlockAttention:
             return mask is CAUSAL, None
         return False, torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(mask, float("-inf"))
 
+    def _runs(self, query, key, value) -> bool:
+        return query.is_cpu and key.shape[-1] == value.shape[-1]
+
     def forward(self, query, key, value, mask):
-        if not query.is_cpu:
+        if not self._runs(query, key, value):
             return self.explicit.forward(query, key, value, mask)
         heads = query.shape[1]
         is_causal, additive = self._additive(query, mask)
@@ -122,7 +127,7 @@ class FlashBlockAttention:
         return out, lse
 
     def backward(self, grad_out, query, key, value, out, lse, mask):
-        if not query.is_cpu:
+        if not self._runs(query, key, value):
             return self.explicit.backward(grad_out, query, key, value, out, lse, mask)
         groups, heads = key.shape[1], query.shape[1]
         is_causal, additive = self._additive(query, mask)

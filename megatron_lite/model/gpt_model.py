@@ -118,7 +118,7 @@ class GPTModel(nn.Module):
         else:
             hidden_states = self.input_tensor
         rotary = None
-        if self.config.position_embedding_type == "rope":
+        if self.config.rotary:
             rotary = rotary_angles(position_ids.to(hidden_states.device), self.config)
         hidden_states = self.decoder(hidden_states, rotary, attention_mask, inference_context)
         if not self.post_process:

@@ -16,7 +16,7 @@ from megatron_lite.config import Config
 from megatron_lite.peft.adapter import BottleneckAdapter, apply_adapter
 from megatron_lite.peft.lora import LoRA, add_lora_output
 from megatron_lite.peft.prefix_tuning import KeyValuePrefix
-from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.tensor_parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 
 def apply_peft(model: nn.Module, config: Config) -> None:
@@ -47,8 +47,8 @@ def apply_peft(model: nn.Module, config: Config) -> None:
 
 
 def _add_lora(module: nn.Module, peft) -> None:
-    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-        raise TypeError(f"--lora-target-modules names a {type(module).__name__}; LoRA adapts column- and "
-                        f"row-parallel linear layers.")
+    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
+        raise TypeError(f"--lora-target-modules names a {type(module).__name__}; LoRA adapts column-parallel, "
+                        f"row-parallel and replicated linear layers.")
     module.lora = LoRA(module, rank=peft.lora_rank, alpha=peft.lora_alpha, dropout=peft.lora_dropout)
     module.register_forward_hook(add_lora_output)

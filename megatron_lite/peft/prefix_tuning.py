@@ -24,7 +24,7 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.peft.lora import kaiming_uniform
-from megatron_lite.peft.replicated_linear import ReplicatedLinear
+from megatron_lite.tensor_parallel.replicated_linear import ReplicatedLinear
 from megatron_lite.process_groups import collectives
 from megatron_lite.tensor_parallel import (ColumnParallelLinear, TensorParallelConfig,
                                            set_tensor_model_parallel_attributes)

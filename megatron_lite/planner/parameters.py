@@ -52,21 +52,47 @@ def layer_parameters(model: ModelConfig, layer_number: int, tensor_model_paralle
     """One transformer layer's shards: column-parallel weights and biases are split over the rows,
     row-parallel weights over the columns, row-parallel biases and norms are replicated."""
     t, h = tensor_model_parallel_size, model.hidden_size
-    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim // t
     fc1 = model.ffn_hidden_size * (2 if model.swiglu else 1) // t
     bias = model.add_bias_linear
     prefix = f"decoder.layers.{layer_number}"
-    qk_norms = (_norm(f"{prefix}.self_attention.q_layernorm", model, model.head_dim)
-                + _norm(f"{prefix}.self_attention.k_layernorm", model, model.head_dim)) if model.qk_layernorm else []
+    attention = _latent_attention if model.multi_latent_attention else _attention
     return (_norm(f"{prefix}.input_layernorm", model)
-            + _linear(f"{prefix}.self_attention.linear_qkv", qkv, h, qkv if bias or model.add_qkv_bias else None)
-            + _linear(f"{prefix}.self_attention.linear_proj", h, model.num_attention_heads * model.head_dim // t,
-                      h if bias else None)
-            + qk_norms + _norm(f"{prefix}.pre_mlp_layernorm", model)
+            + attention(f"{prefix}.self_attention", model, t)
+            + _norm(f"{prefix}.pre_mlp_layernorm", model)
             + _linear(f"{prefix}.mlp.linear_fc1", fc1, h, fc1 if bias else None)
             + _linear(f"{prefix}.mlp.linear_fc2", h, model.ffn_hidden_size // t, h if bias else None)
             + (_norm(f"{prefix}.post_self_attn_layernorm", model) + _norm(f"{prefix}.post_mlp_layernorm", model)
                if model.post_sublayer_norm else []))
+
+
+def _attention(prefix: str, model: ModelConfig, t: int) -> list[ParamSpec]:
+    """``model/attention.py``'s: the fused QKV, the output projection, the per-head q/k norms."""
+    h, bias = model.hidden_size, model.add_bias_linear
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim // t
+    return (_linear(f"{prefix}.linear_qkv", qkv, h, qkv if bias or model.add_qkv_bias else None)
+            + _linear(f"{prefix}.linear_proj", h, model.num_attention_heads * model.head_dim // t, h if bias else None)
+            + (_norm(f"{prefix}.q_layernorm", model, model.head_dim) + _norm(f"{prefix}.k_layernorm", model,
+                                                                             model.head_dim)
+               if model.qk_layernorm else []))
+
+
+def _latent_attention(prefix: str, model: ModelConfig, t: int) -> list[ParamSpec]:
+    """``model/multi_latent_attention.py``'s: replicated down-projections (and latent norms), column-parallel
+    up-projections, the row-parallel output projection."""
+    h, heads, rotary = model.hidden_size, model.num_attention_heads, model.qk_pos_emb_head_dim
+    query_rows = heads * (model.qk_head_dim + rotary) // t
+    norm = _norm if model.qk_layernorm else (lambda *args: [])
+    if model.q_lora_rank is None:
+        query = _linear(f"{prefix}.linear_q_proj", query_rows, h, None)
+    else:
+        query = (_linear(f"{prefix}.linear_q_down_proj", model.q_lora_rank, h, None)
+                 + norm(f"{prefix}.q_layernorm", model, model.q_lora_rank)
+                 + _linear(f"{prefix}.linear_q_up_proj", query_rows, model.q_lora_rank, None))
+    return (query + _linear(f"{prefix}.linear_kv_down_proj", model.kv_lora_rank + rotary, h, None)
+            + norm(f"{prefix}.kv_layernorm", model, model.kv_lora_rank)
+            + _linear(f"{prefix}.linear_kv_up_proj", heads * (model.qk_head_dim + model.v_head_dim) // t,
+                      model.kv_lora_rank, None)
+            + _linear(f"{prefix}.linear_proj", h, heads * model.v_head_dim // t, h if model.add_bias_linear else None))
 
 
 def chunk_parameters(model: ModelConfig, *, tensor_model_parallel_size: int, layer_numbers: range,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_lite.config import ModelConfig
 from megatron_lite.model import flops
 from megatron_lite.planner.cluster import Cluster, Link
 from megatron_lite.planner.layouts import Layout
@@ -140,8 +141,7 @@ def _context_parallel_s(layout: Layout, cluster: Cluster, comm_type: str, attent
     cp, t = layout.context_parallel_size, layout.tensor_model_parallel_size
     if cp == 1:
         return 0.0
-    model = layout.config.model
-    own = 2 * tokens_per_rank(layout) * model.num_query_groups * model.head_dim * dtype_bytes(layout.config) / t
+    own = tokens_per_rank(layout) * _exchanged_key_value_width(layout.config.model) * dtype_bytes(layout.config) / t
     link = cluster.link(t, cp)
     if comm_type == "all_gather":
         forward = backward = gather_or_scatter_s(own * cp, cp, link)
@@ -153,6 +153,14 @@ def _context_parallel_s(layout: Layout, cluster: Cluster, comm_type: str, attent
         # the last gradient, on its way home, has nothing left to hide behind.
         backward = (cp - 1) * max(send + send_gradient - 2 * block, 0.0) + send_gradient
     return forward * (2 if recomputed else 1) + backward
+
+
+def _exchanged_key_value_width(model: ModelConfig) -> int:
+    """Channels per token of the keys and values context-parallel ranks exchange, over every head: 2 g d, or
+    multi-latent attention's expanded keys and values, a (qk_head_dim + qk_pos_emb_head_dim + v_head_dim)."""
+    if model.multi_latent_attention:
+        return model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim)
+    return 2 * model.num_query_groups * model.head_dim
 
 
 def training_dtype(layout: Layout) -> str:

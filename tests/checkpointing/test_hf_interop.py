@@ -146,8 +146,8 @@ def test_export_of_a_trained_checkpoint(tmp_path, layernorm_1p):
 
 def test_unsupported_variants_are_refused_by_name():
     config = _llama().config.to_dict()
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
-    with pytest.raises(ConfigError, match="rope scaling 'yarn'"):
+    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(ConfigError, match="rope scaling 'dynamic'"):
         hf_interop.model_config_from_hf(config)
     with pytest.raises(ConfigError, match="model_type 'bert'"):
         hf_interop.model_config_from_hf({"model_type": "bert"})

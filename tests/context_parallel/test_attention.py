@@ -5,10 +5,12 @@ values (and of a packed mask's rows); its output and the gradients of its querie
 must equal the same positions of the whole-sequence core attention (``DotProductAttention``), for both
 --cp-comm-type variants and every local kernel: SDPA (the CPU flash kernel under p2p) and the explicit
 path, grouped-query heads, a packed block-diagonal mask, a sliding window, a prefix (whose gradient is
-the sum over the ranks), attention soft-capping and bf16; and a whole GPT given this rank's tokens gives
+the sum over the ranks), attention soft-capping, bf16, and values narrower than keys with a softmax scale of
+their own (multi-latent attention's); and a whole GPT given this rank's tokens gives
 the whole sequence's logits at them.
 """
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, context_parallel_attention, local_positions
 from megatron_lite.context_parallel.sharding import chunk_ids, get_batch_on_this_cp_rank, global_order
-from megatron_lite.model.attention import DotProductAttention
+from megatron_lite.model.dot_product_attention import DotProductAttention
 from megatron_lite.model.gpt_model import GPTModel
 from megatron_lite.model.weight_init import initialize_weights
 from megatron_lite.process_groups.parallel_state import mock_parallel_state
@@ -41,11 +43,15 @@ CASES = {
     # bf16 against bf16 over the whole sequence: the roundings differ, not the attention.
     "bf16-gqa": dict(num_query_groups=2, bf16=True),
     "bf16-packed-explicit": dict(packed=True, attention_backend="unfused", bf16=True),
+    # Multi-latent attention's core: values narrower than keys (which the CPU flash kernel does not take), a
+    # softmax scale of its own.
+    "narrow-values": dict(value_dim=HEAD_DIM // 2, softmax_scale=0.3),
+    "narrow-values-packed-explicit": dict(value_dim=HEAD_DIM // 2, packed=True, attention_backend="unfused"),
 }
 
 
 def _model_config(case: dict) -> ModelConfig:
-    fields = {k: v for k, v in case.items() if k not in ("packed", "prefix", "bf16")}
+    fields = {k: v for k, v in case.items() if k not in ("packed", "prefix", "bf16", "value_dim")}
     return ModelConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, seq_length=SEQ,
                        vocab_size=64, attention_dropout=0.0, **fields)
 
@@ -64,11 +70,18 @@ def _inputs(config: ModelConfig, case: dict, seed: int) -> dict:
     def draw(*shape):
         return torch.randn(*shape, generator=generator, dtype=torch.float64).to(
             torch.bfloat16 if case.get("bf16") else torch.float32)
+    value_dim = case.get("value_dim", HEAD_DIM)
     inputs = {"query": draw(SEQ, BATCH, HEADS, HEAD_DIM), "key": draw(SEQ, BATCH, groups, HEAD_DIM),
-              "value": draw(SEQ, BATCH, groups, HEAD_DIM), "grad": draw(SEQ, BATCH, HEADS * HEAD_DIM)}
+              "value": draw(SEQ, BATCH, groups, value_dim), "grad": draw(SEQ, BATCH, HEADS * value_dim)}
     if case.get("packed"):
         inputs["mask"] = _packed_mask()
     return inputs
+
+
+def _core(config: ModelConfig) -> DotProductAttention:
+    """The core attention the layers build for ``config``."""
+    return DotProductAttention(config, layer_number=0, softmax_scale=config.softmax_scale or 1 / math.sqrt(HEAD_DIM),
+                               heads_per_group=HEADS // config.num_query_groups)
 
 
 def _prefix(config: ModelConfig, case: dict, seed: int):
@@ -107,9 +120,9 @@ def _compare(rank, world_size):
     for index, (name, case) in enumerate(CASES.items()):
         config = _model_config(case)
         inputs, prefix = _inputs(config, case, seed=index), _prefix(config, case, seed=100 + index)
-        expected = _attend(DotProductAttention(config, layer_number=0), inputs, prefix)
+        expected = _attend(_core(config), inputs, prefix)
         for comm_type in ("all_gather", "p2p"):
-            cp_attention = context_parallel_attention(DotProductAttention(config, layer_number=0),
+            cp_attention = context_parallel_attention(_core(config),
                                                       ContextParallelConfig(group, cp.global_ranks, (comm_type,)), 0)
             got = _attend(cp_attention, inputs, prefix, positions)
             what, rel = f"cp{world_size} {comm_type} {name}", 3e-2 if case.get("bf16") else 1e-5

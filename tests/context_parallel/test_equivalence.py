@@ -5,10 +5,10 @@ the trainer's own path (``plan_run``, ``setup_model_and_optimizer``, ``build_dat
 then ``evaluate``) at cp2 under each --cp-comm-type, cp2 under ZeRO-3, cp2 with packed fine-tuning data,
 cp4, cp2 x tp2 with sequence parallelism, and cp2 x pp2 x dp2 with the 1F1B and the interleaved schedules;
 the combined layouts give their layers alternating comm types (``--cp-comm-type`` per layer), so each run
-exercises both, and two of them recompute (full, selective); prefix tuning and a mixture of experts (with
-its z-loss) run at cp2. Everything must
-equal the single-process run within 1e-5 (float32), and the context-parallel replicas of every weight must
-agree exactly; two cp2 checkpoints are written once per piece and load into data-parallel replicas.
+exercises both, and two of them recompute (full, selective); prefix tuning, a mixture of experts (with
+its z-loss) and multi-latent attention (values narrower than keys) run at cp2, the last also at cp2 x tp2.
+Everything must equal the single-process run within 1e-5 (float32), and the context-parallel replicas of
+every weight must agree exactly; two cp2 checkpoints are written once per piece and load into data-parallel replicas.
 
 Pretraining runs mask the loss of every position whose token is a multiple of 3, so the context-parallel
 ranks count different numbers of loss tokens per micro-batch (a per-micro-batch mean taken over one rank's
@@ -31,7 +31,12 @@ LLAMA = dict(GPT, normalization="RMSNorm", position_embedding_type="rope", swigl
              add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=64)
 # A mixture of experts (4 experts, top-2, z-loss; the load-balancing loss is refused under context parallelism).
 MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_z_loss_coeff=0.01)
-MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE}
+# Multi-latent attention (a query latent, YaRN): keys 8 + 4 rotary channels wide, values 4, so the exchanged keys
+# and values differ in width and the ring's blocks take the explicit kernel.
+MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,
+           qk_pos_emb_head_dim=4, v_head_dim=4, qk_layernorm=True, rotary_scaling_factor=4.0,
+           yarn_original_max_position_embeddings=8)
+MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, "mla": MLA}
 
 
 def _config(model: str, *, cp: int = 1, tp: int = 1, pp: int = 1, vpp: bool = False, comm=("p2p",),
@@ -197,15 +202,17 @@ def test_cp2_matches_one_process(references, sft_data, tmp_path):
               "save": str(tmp_path / "sharded")},
              {"model": "gpt", "cp": 2, "comm": ("all_gather",), "sft": sft_data},
              {"model": "llama", "cp": 2, "sft": sft_data}, {"model": "llama", "cp": 2, "prefix": True},
-             {"model": "moe", "cp": 2, "comm": MIXED}]
+             {"model": "moe", "cp": 2, "comm": MIXED}, {"model": "mla", "cp": 2, "comm": MIXED}]
     _check(references, 2, runs)
 
 
 def test_cp4_and_cp2_tp2_match_one_process(references):
-    """cp4, and cp2 x tp2 with sequence parallelism; recomputed (the exchanges run again in the backward)."""
+    """cp4, and cp2 x tp2 with sequence parallelism (multi-latent attention too: its rotary key's gradient summed
+    over the tensor-parallel ranks); recomputed (the exchanges run again in the backward)."""
     runs = [{"model": "gpt", "cp": 4, "comm": MIXED, "recompute": "full"}, {"model": "llama", "cp": 4, "comm": MIXED}]
     runs += [{"model": "gpt", "cp": 2, "tp": 2, "comm": MIXED[::-1]},
-             {"model": "llama", "cp": 2, "tp": 2, "comm": MIXED[::-1], "recompute": "selective"}]
+             {"model": "llama", "cp": 2, "tp": 2, "comm": MIXED[::-1], "recompute": "selective"},
+             {"model": "mla", "cp": 2, "tp": 2, "comm": MIXED}]
     _check(references, 4, runs)
 
 

@@ -2,8 +2,8 @@
 
 Measured with the planner's own activation counter (``harness.SavedActivationPeak``) on 4 gloo ranks:
 p2p keeps 1/cp of one rank's activations (the ring's blocks are never kept), all_gather adds the
-whole sequence's keys and values; the estimate follows both within the bound the other layouts meet,
-and static memory (ZeRO over the data x context ranks) exactly.
+whole sequence's keys and values; the estimate follows both within the bound the other layouts meet, for
+grouped-query and multi-latent attention, and static memory (ZeRO over the data x context ranks) exactly.
 """
 import dataclasses
 
@@ -22,6 +22,9 @@ GPT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128, 
            attention_dropout=0.0)
 LLAMA = dict(GPT, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
              add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=160)
+# Multi-latent attention: the ranks exchange its expanded keys (16 + 8 channels) and values (16) per head.
+MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=48, kv_lora_rank=32, qk_head_dim=16,
+           qk_pos_emb_head_dim=8, v_head_dim=16, qk_layernorm=True)
 
 
 def _config(model: dict, cp: int, comm: str = "p2p", sharded: bool = False) -> Config:
@@ -35,7 +38,9 @@ def _config(model: dict, cp: int, comm: str = "p2p", sharded: bool = False) -> C
 LAYOUTS = {("gpt", 1, "p2p"): _config(GPT, 1), ("gpt", 2, "p2p"): _config(GPT, 2), ("gpt", 4, "p2p"): _config(GPT, 4),
            ("gpt", 2, "all_gather"): _config(GPT, 2, "all_gather", sharded=True),
            ("llama", 1, "p2p"): _config(LLAMA, 1), ("llama", 2, "p2p"): _config(LLAMA, 2),
-           ("llama", 4, "all_gather"): _config(LLAMA, 4, "all_gather")}
+           ("llama", 4, "all_gather"): _config(LLAMA, 4, "all_gather"),
+           ("mla", 1, "p2p"): _config(MLA, 1), ("mla", 2, "p2p"): _config(MLA, 2),
+           ("mla", 2, "all_gather"): _config(MLA, 2, "all_gather")}
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +62,12 @@ def test_activations_per_rank_shrink_with_cp_and_match_the_estimate(measured):
             assert planned.activation_bytes / got["activation_peak"] == pytest.approx(1.0, abs=TOLERANCE)
         whole = measured[(model, 1, "p2p")][0]["activation_peak"]
         ratio = measured[(model, cp, comm)][0]["activation_peak"] / whole
-        if comm == "p2p":  # measured: exactly 1/cp
+        if comm == "p2p" and model == "mla" and cp > 1:  # measured 0.40 at cp2: in one process its core keeps
+            assert ratio < 1 / cp, (model, cp, ratio)  # the s^2 scores (the CPU flash kernel takes no narrower values)
+        elif comm == "p2p":  # measured: exactly 1/cp
             assert ratio == pytest.approx(1 / cp, rel=0.05), (model, cp, ratio)
-        else:  # the gathered keys and values come on top (measured 0.63 at cp2, 0.33 at cp4 with GQA)
+        else:  # the gathered keys and values come on top (measured 0.63 at cp2, 0.33 at cp4 with GQA, 0.53 at
+            # cp2 with multi-latent attention)
             assert 1 / cp < ratio < 1.5 / cp, (model, cp, ratio)
 
 
@@ -79,6 +87,14 @@ def test_key_value_exchange_in_the_step_time():
     gathered = estimate(Layout(dataclasses.replace(cp4.config, parallel=dataclasses.replace(
         cp4.config.parallel, cp_comm_type=["all_gather"])), 8), cluster).time.breakdown["context_parallel"]
     assert 0 < ring < gathered
+    # Multi-latent attention exchanges its heads' expanded keys and values: 16 x (16 + 8 + 8) channels per token,
+    # as many as the grouped-query model's 2 x 4 x 64, so the same time.
+    latent = dataclasses.replace(model, num_query_groups=None, position_embedding_type="rope",
+                                 multi_latent_attention=True, q_lora_rank=256, kv_lora_rank=128, qk_head_dim=16,
+                                 qk_pos_emb_head_dim=8, v_head_dim=8)
+    latent_gathered = estimate(Layout(dataclasses.replace(cp4.config, model=latent, parallel=dataclasses.replace(
+        cp4.config.parallel, cp_comm_type=["all_gather"])), 8), cluster).time.breakdown["context_parallel"]
+    assert latent_gathered == pytest.approx(gathered)
     short = dataclasses.replace(base, model=dataclasses.replace(model, seq_length=2048))
     assert {layout.context_parallel_size for layout in enumerate_layouts(short, cluster)} == {1}
 

@@ -26,6 +26,9 @@ from bench.harness import run_layouts
 GPT = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
 LLAMA = dict(GPT, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
              add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=96)
+# Multi-latent attention with a query latent, its latent norms, and a bias on its output projection.
+MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8,
+           qk_pos_emb_head_dim=8, v_head_dim=12, qk_layernorm=True, add_bias_linear=True)
 # Every per-layer tensor the HF families add: Qwen2's q/k/v bias, Qwen3's and Gemma 3's q/k norms, Gemma's post norms.
 FAMILY_FEATURES = dict(LLAMA, add_qkv_bias=True, qk_layernorm=True, post_sublayer_norm=True, kv_channels=32)
 WORLD = 8
@@ -63,7 +66,7 @@ def _built(config, rank):
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 4, None)]
 
 
-@pytest.mark.parametrize("arch", [GPT, LLAMA, FAMILY_FEATURES], ids=["gpt", "llama", "family-features"])
+@pytest.mark.parametrize("arch", [GPT, LLAMA, MLA, FAMILY_FEATURES], ids=["gpt", "llama", "mla", "family-features"])
 @pytest.mark.parametrize("tp,pp,vpp", LAYOUTS)
 def test_parameter_list_is_the_chunks_named_parameters(arch, tp, pp, vpp):
     """Names, sizes and order of every chunk's parameters, and the ZeRO-3 unit each belongs to
