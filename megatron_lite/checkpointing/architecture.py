@@ -49,6 +49,7 @@ ROLES = {
     "untie_embeddings_and_output_weights": Role.ARCHITECTURE,
     "add_qkv_bias": Role.ARCHITECTURE,
     "qk_layernorm": Role.ARCHITECTURE,
+    "qk_layernorm_whole_projection": Role.ARCHITECTURE,
     "window_size": Role.ARCHITECTURE,
     "window_attn_skip_freq": Role.ARCHITECTURE,
     "softmax_scale": Role.ARCHITECTURE,

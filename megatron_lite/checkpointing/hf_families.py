@@ -1,7 +1,8 @@
 """The Hugging Face model families megatron_lite imports and exports, each a spec of ``config.json``.
 
 A family is its ``model_type``, the transformers class that loads it, how its weights are named
-(``naming``: GPT-2's, Llama's, Phi-3's or Gemma's, ``hf_interop``), the ModelConfig features it implies, and every
+(``naming``: GPT-2's, Llama's, Phi-3's or Gemma's, or Llama's with Mixtral's or Qwen-MoE's expert names,
+``hf_interop``), the ModelConfig features it implies, and every
 ``config.json`` field it reads. A field outside that list (and outside ``GENERIC_FIELDS``, which
 change nothing we compute) is refused by name at import, never dropped: an unread field is a
 silently different model. A null field sets nothing and passes.
@@ -19,6 +20,15 @@ silently different model. A null field sets nothing and passes.
     mixtral  mistral + a mixture of experts in every   router_jitter_noise
              layer (num_local_experts, top-k softmax
              routing; router_aux_loss_coef, see below)
+    qwen3    qwen3 + experts where decoder_sparse_step     qwen3's; no MoE layer at all
+    _moe     and mlp_only_layers put them (dense MLPs
+             elsewhere, intermediate_size wide), top-k
+             of a softmax renormalised (norm_topk_prob)
+             or not (--moe-router-pre-softmax)
+    olmoe    llama + q/k RMSNorm over the whole            attention_bias, clip_qkv
+             projection (--qk-layernorm-whole-
+             projection), experts in every layer,
+             norm_topk_prob as qwen3_moe
     gemma2   llama + RMSNorm (1 + w), post-sublayer    attention_bias, hidden_activation other than
              norms, sqrt(hidden) embedding scale,      gelu_pytorch_tanh, use_bidirectional_attention,
              GeGLU, query_pre_attn_scalar, attention   layer_types other than every Nth layer global
@@ -32,13 +42,13 @@ silently different model. A null field sets nothing and passes.
 On export the family is the one the model's features call for (``family_of``), or the one named
 (``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does.
 
-Mixtral's load-balancing loss (transformers' ``load_balancing_loss_func``) pools the router statistics
-of all L layers: E / (L T)^2 * sum_e C_e P_e with C and P summed over layers, k assignments per token.
-Ours is Megatron-LM's, per layer and summed over layers, each E / (k T^2) * sum_e C_e P_e. For one
-layer the two differ by the factor k, and where the layers route alike the pooled loss is the mean
-of the per-layer ones: --moe-aux-loss-coeff = router_aux_loss_coef * k / L reproduces it exactly for
-one layer and in that case. transformers adds the loss to the training loss only with
-output_router_logits true, so an import without it trains with coefficient 0.
+The MoE families' load-balancing loss (transformers' ``load_balancing_loss_func``) pools the router
+statistics of all L mixture-of-experts layers: E / (L T)^2 * sum_e C_e P_e with C and P summed over
+layers, k assignments per token. Ours is Megatron-LM's, per layer and summed over layers, each E / (k
+T^2) * sum_e C_e P_e. For one layer the two differ by the factor k, and where the layers route alike the
+pooled loss is the mean of the per-layer ones: --moe-aux-loss-coeff = router_aux_loss_coef * k / L
+reproduces it exactly for one layer and in that case. transformers adds the loss to the training loss
+only with output_router_logits true, so an import without it trains with coefficient 0.
 """
 from __future__ import annotations
 
@@ -299,22 +309,90 @@ def _gemma3_to_hf(config: ModelConfig) -> dict:
         "full_attention": _rope_to_hf(config)["rope_parameters"], "sliding_attention": local})
 
 
+# ---------------------------------------------------------------------------------------------
+# Mixtures of experts
+
+
+def _router_to_ours(hf: dict, *, num_experts: int, topk: int, coef: float, moe_layers: list[bool],
+                    norm_topk_prob: bool = True) -> dict:
+    """The routing fields every MoE family shares: E experts, top-k of a softmax (renormalised over the k,
+    ``norm_topk_prob``, or kept as they are: --moe-router-pre-softmax), which layers have experts, and
+    the load-balancing loss's coefficient (the module docstring says why k / L)."""
+    coeff = coef * topk / sum(moe_layers) if hf.get("output_router_logits") else 0.0
+    pattern = "1" if all(moe_layers) else "[" + ",".join(str(int(moe)) for moe in moe_layers) + "]"
+    return dict(num_experts=num_experts, moe_router_topk=topk, moe_router_pre_softmax=not norm_topk_prob,
+                moe_layer_freq=pattern, moe_aux_loss_coeff=coeff)
+
+
+def _router_to_hf(config: ModelConfig) -> dict:
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    return {"num_experts_per_tok": config.moe_router_topk, "output_router_logits": config.moe_aux_loss_coeff > 0,
+            "router_aux_loss_coef": config.moe_aux_loss_coeff * moe_layers / config.moe_router_topk}
+
+
 def _mixtral_to_ours(hf: dict) -> dict:
     refuse(hf.get("router_jitter_noise", 0.0) != 0.0, "router_jitter_noise (multiplicative noise on the router input)")
-    layers, topk = hf["num_hidden_layers"], hf.get("num_experts_per_tok", 2)
-    coeff = hf.get("router_aux_loss_coef", 0.001) * topk / layers if hf.get("output_router_logits") else 0.0
-    return dict(_mistral_to_ours(hf), num_experts=hf.get("num_local_experts", 8), moe_router_topk=topk,
-                moe_ffn_hidden_size=hf["intermediate_size"], moe_aux_loss_coeff=coeff)
+    layers = hf["num_hidden_layers"]
+    return dict(_mistral_to_ours(hf), moe_ffn_hidden_size=hf["intermediate_size"], **_router_to_ours(
+        hf, num_experts=hf.get("num_local_experts", 8), topk=hf.get("num_experts_per_tok", 2),
+        coef=hf.get("router_aux_loss_coef", 0.001), moe_layers=[True] * layers))
 
 
 def _mixtral_to_hf(config: ModelConfig) -> dict:
-    return dict(_mistral_to_hf(config), intermediate_size=config.moe_ffn_hidden_size,
-                num_local_experts=config.num_experts, num_experts_per_tok=config.moe_router_topk,
-                output_router_logits=config.moe_aux_loss_coeff > 0, router_jitter_noise=0.0,
-                router_aux_loss_coef=config.moe_aux_loss_coeff * config.num_layers / config.moe_router_topk)
+    return dict(_mistral_to_hf(config), **_router_to_hf(config), intermediate_size=config.moe_ffn_hidden_size,
+                num_local_experts=config.num_experts, router_jitter_noise=0.0)
+
+
+def _qwen3_moe_to_ours(hf: dict) -> dict:
+    """Qwen3 with experts in layer i when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers,
+    dense MLPs (intermediate_size wide) elsewhere; transformers 5 writes num_experts as num_local_experts."""
+    layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    moe_layers = [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+    refuse(not any(moe_layers), "no mixture-of-experts layer (decoder_sparse_step, mlp_only_layers): import it as "
+           "qwen3")
+    experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    return dict(_llama_to_ours(hf), qk_layernorm=True, moe_ffn_hidden_size=hf.get("moe_intermediate_size", 768),
+                **_router_to_ours(hf, num_experts=experts, topk=hf.get("num_experts_per_tok", 8),
+                                  coef=hf.get("router_aux_loss_coef", 0.001), moe_layers=moe_layers,
+                                  norm_topk_prob=hf.get("norm_topk_prob", False)))
+
+
+def _qwen3_moe_to_hf(config: ModelConfig) -> dict:
+    return dict(_llama_to_hf(config), **_router_to_hf(config), attention_bias=False, use_sliding_window=False,
+                num_experts=config.num_experts, moe_intermediate_size=config.moe_ffn_hidden_size,
+                norm_topk_prob=not config.moe_router_pre_softmax, decoder_sparse_step=1,
+                mlp_only_layers=[i for i in range(config.num_layers) if not config.is_moe_layer(i)])
+
+
+def _olmoe_to_ours(hf: dict) -> dict:
+    """Llama with q/k RMSNorms over the whole projections and experts (intermediate_size wide) in every layer."""
+    refuse(hf.get("clip_qkv") is not None, "clip_qkv (queries, keys and values clamped)")
+    heads = hf["num_attention_heads"]
+    refuse(hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"],
+           "head_dim x num_attention_heads other than hidden_size (OLMoE's q_norm is hidden_size wide)")
+    return dict(_llama_to_ours({"rms_norm_eps": 1e-5, **hf}), qk_layernorm=True, qk_layernorm_whole_projection=True,
+                moe_ffn_hidden_size=hf["intermediate_size"], **_router_to_ours(
+                    hf, num_experts=hf.get("num_experts", 64), topk=hf.get("num_experts_per_tok", 8),
+                    coef=hf.get("router_aux_loss_coef", 0.01), moe_layers=[True] * hf["num_hidden_layers"],
+                    norm_topk_prob=hf.get("norm_topk_prob", False)))
+
+
+def _olmoe_to_hf(config: ModelConfig) -> dict:
+    return dict(_llama_to_hf(config), **_router_to_hf(config), attention_bias=False, clip_qkv=None,
+                intermediate_size=config.moe_ffn_hidden_size, num_experts=config.num_experts,
+                norm_topk_prob=not config.moe_router_pre_softmax)
+
+
+ROUTER_FIELDS = frozenset({"num_experts_per_tok", "router_aux_loss_coef", "output_router_logits"})
 
 
 QWEN_WINDOW_FIELDS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+
+
+def _has_experts(num_experts) -> bool:
+    return num_experts is not None
+
 
 FAMILIES = {family.model_type: family for family in (
     Family("gpt2", "GPT2LMHeadModel", "gpt2", GPT2_FIELDS, _gpt2_to_ours, _gpt2_to_hf),
@@ -337,10 +415,18 @@ FAMILIES = {family.model_type: family for family in (
                            "original_max_position_embeddings"},  # the context longrope scaling starts from
            _phi3_to_ours, _phi3_to_hf),
     Family("mixtral", "MixtralForCausalLM", "mixtral",
-           LLAMA_FIELDS | {"sliding_window", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
-                           "output_router_logits", "router_jitter_noise"},
-           _mixtral_to_ours, _mixtral_to_hf, features={"num_experts": lambda experts: experts is not None},
-           also=frozenset({"window_size"})),
+           LLAMA_FIELDS | ROUTER_FIELDS | {"sliding_window", "num_local_experts", "router_jitter_noise"},
+           _mixtral_to_ours, _mixtral_to_hf, features={"num_experts": _has_experts}, also=frozenset({"window_size"})),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen_moe",
+           LLAMA_FIELDS | QWEN_WINDOW_FIELDS | ROUTER_FIELDS | {
+               "attention_bias", "num_experts", "num_local_experts", "moe_intermediate_size", "norm_topk_prob",
+               "decoder_sparse_step", "mlp_only_layers"},
+           _qwen_attention(_without_biases(_qwen3_moe_to_ours)), _qwen3_moe_to_hf,
+           features={"num_experts": _has_experts, "qk_layernorm": True}),
+    Family("olmoe", "OlmoeForCausalLM", "qwen_moe",
+           LLAMA_FIELDS | ROUTER_FIELDS | {"attention_bias", "clip_qkv", "num_experts", "norm_topk_prob"},
+           _without_biases(_olmoe_to_ours), _olmoe_to_hf,
+           features={"num_experts": _has_experts, "qk_layernorm": True, "qk_layernorm_whole_projection": True}),
     Family("gemma2", "Gemma2ForCausalLM", "gemma", GEMMA_FIELDS, lambda hf: _gemma_to_ours(hf, every=2),
            _gemma_to_hf, features={"window_size": lambda window: window is not None}),
     Family("gemma3_text", "Gemma3ForCausalLM", "gemma",
@@ -354,7 +440,9 @@ FAMILIES = {family.model_type: family for family in (
 
 # The features only some families have, and the value each takes where it is absent.
 _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None,
-                      "num_experts": None}
+                      "num_experts": None, "qk_layernorm_whole_projection": False}
+# Namings that are Llama's but for their experts' (hf_interop._EXPERT_NAMES): a Llama-like model with experts.
+EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe"})
 # Gemma's features (its own weight naming tells it apart on export): no other family describes them.
 GEMMA_FEATURES = {"post_sublayer_norm": False, "scale_embeddings": False, "geglu": False, "softmax_scale": None,
                   "attn_logit_softcapping": None, "final_logit_softcapping": None, "window_attn_skip_freq": None}
@@ -403,11 +491,13 @@ def named_family(config: ModelConfig, model_type: str) -> Family:
 
 
 def family_of(config: ModelConfig, naming: str) -> Family:
-    """The family to export ``config`` as: of those with its weight ``naming``, the one whose features
-    are exactly the model's optional features (none of them: GPT-2 or Llama)."""
+    """The family to export ``config`` as: of those with its weight ``naming`` (a Llama-like model's experts
+    may be named as any family's), the one whose features are exactly the model's optional features (none of
+    them: GPT-2 or Llama)."""
     present = {name for name, absent in _OPTIONAL_FEATURES.items() if getattr(config, name) != absent}
     for family in FAMILIES.values():
-        if family.naming == naming and set(family.features) <= present <= set(family.features) | family.also and all(
+        family_naming = "llama" if family.naming in EXPERT_NAMINGS else family.naming
+        if family_naming == naming and set(family.features) <= present <= set(family.features) | family.also and all(
                 test(getattr(config, name)) if callable(test) else getattr(config, name) == test
                 for name, test in family.features.items()):
             return family
@@ -415,4 +505,5 @@ def family_of(config: ModelConfig, naming: str) -> Family:
                       f"{', '.join(sorted(present))}: export needs at most one of --add-qkv-bias (Qwen2), "
                       f"--qk-layernorm (Qwen3) and --window-size (Mistral), or Gemma's features with "
                       f"--window-size (Gemma 2) or with --window-size, --qk-layernorm and --rotary-base-local "
-                      f"(Gemma 3), or --num-experts with or without --window-size (Mixtral).")
+                      f"(Gemma 3), or --num-experts with or without --window-size (Mixtral), with --qk-layernorm "
+                      f"(Qwen3-MoE) or with --qk-layernorm and --qk-layernorm-whole-projection (OLMoE).")

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints (GPT-2, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Phi-3, Gemma 2 and 3) <-> megatron_lite
-global tensors.
+"""Hugging Face checkpoints (GPT-2, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE, OLMoE, Phi-3, Gemma 2 and 3)
+<-> megatron_lite global tensors.
 
 A Hugging Face model directory is ``config.json`` plus safetensors weights
 (``model.safetensors``, or shards listed in ``model.safetensors.index.json``).
@@ -22,6 +22,9 @@ What differs between the two naming schemes:
   they are copied unchanged.
 - Mixtral's experts (block_sparse_moe.experts.{e}.w1/w3/w2: gate, up, down) become our experts by the same
   number, w1 and w3 fused into fc1 as SwiGLU's [gate; up]; its router (block_sparse_moe.gate) is ours.
+  Qwen3-MoE and OLMoE name them mlp.experts.{e}.gate_proj/up_proj/down_proj and the router mlp.gate;
+  Qwen3-MoE's dense layers (mlp_only_layers) are Llama's MLPs. OLMoE's q_norm/k_norm span the whole
+  projection (all heads), but are copied as Qwen3's are: only their width differs.
 - Vocabulary: ours is padded (``ModelConfig.padded_vocab_size``): zero rows are added
   on import and cut on export.
 """
@@ -60,7 +63,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
 
 def hf_architecture(config: ModelConfig) -> str:
     """'gpt2', 'llama' or 'gemma': the Hugging Face weight naming our model matches exactly (Qwen and Mistral
-    name theirs as Llama does, Gemma 3 as Gemma 2), else a ConfigError."""
+    name theirs as Llama does, Gemma 3 as Gemma 2; the mixture-of-experts families as Llama but for their
+    experts), else a ConfigError."""
     gpt2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
                 add_bias_linear=True, num_query_groups=config.num_attention_heads,
                 head_dim=config.hidden_size // config.num_attention_heads, qk_layernorm=False, window_size=None,
@@ -72,11 +76,17 @@ def hf_architecture(config: ModelConfig) -> str:
                  post_sublayer_norm=True, scale_embeddings=True)
     for name, required in (("gpt2", gpt2), ("llama", llama), ("gemma", gemma)):
         if all(getattr(config, k) == v for k, v in required.items()):
-            return "mixtral" if name == "llama" and config.num_experts is not None else name
+            return name
     raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA, head width "
                       "hidden / heads) nor Llama-like (RMSNorm, rope on every channel, SwiGLU, no biases but "
                       "--add-qkv-bias) nor Gemma (Llama's with --apply-layernorm-1p, --post-sublayer-norm, "
                       "--scale-embeddings and --geglu): Hugging Face has no matching architecture to export to.")
+
+
+def _default_naming(config: ModelConfig) -> str:
+    """The weight naming of ``config``'s architecture; with experts, that of the family it exports as."""
+    naming = hf_architecture(config)
+    return family_of(config, naming).naming if config.num_experts is not None else naming
 
 
 def hf_family(config: ModelConfig, model_type: str | None = None) -> Family:
@@ -138,7 +148,9 @@ _LLAMA_MLP = (("mlp.down_proj.weight", "mlp.linear_fc2.weight", False),)
 # A mixture-of-experts layer's router and each expert's (gate, up, down) projections, by weight naming;
 # "{e}" is the expert's number. Ours: mlp.router.weight, mlp.experts.local_experts.{e}.linear_fc1 = [gate; up].
 _EXPERT_NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.",
-                             ("w1.weight", "w3.weight", "w2.weight"))}
+                             ("w1.weight", "w3.weight", "w2.weight")),
+                 "qwen_moe": ("mlp.gate.weight", "mlp.experts.{e}.",  # Qwen3-MoE, OLMoE
+                              ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))}
 _LLAMA_LAYER = _LLAMA_PROJECTIONS + (("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", False),)
 _GEMMA_LAYER = _LLAMA_PROJECTIONS + (
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight", False),
@@ -167,7 +179,7 @@ def _renamed_to_hf(read, table, theirs_prefix: str, ours_prefix: str) -> dict:
 def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = None) -> dict:
     """HF state dict -> our global tensors by name (vocabulary padded for tensor-parallel size 1). ``naming``:
     the family's (``hf_families``), by default GPT-2's or Llama's as the model's features say."""
-    naming = naming or hf_architecture(config)
+    naming = naming or _default_naming(config)
     # Checkpoints saved from the bare GPT2Model / LlamaModel lack the prefix.
     prefix = "transformer." if naming == "gpt2" else "model."
     tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
@@ -223,7 +235,7 @@ def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = Non
 
 def weights_to_hf(read, config: ModelConfig, naming: str | None = None) -> dict:
     """Our global tensors (``read(name)``) -> HF state dict (vocabulary padding cut), named as ``weights_from_hf``."""
-    naming = naming or hf_architecture(config)
+    naming = naming or _default_naming(config)
     vocab = config.vocab_size
     if config.apply_layernorm_1p and naming != "gemma":  # Gemma stores scale - 1 as ours does
         read = _with_unit_norm_scale(read)

@@ -110,6 +110,8 @@ class ModelConfig:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # a bias on the fused QKV alone, even with --disable-bias-linear (Qwen2)
     qk_layernorm: bool = False  # each head's queries and keys normalised before RoPE (Qwen3)
+    # With --qk-layernorm: one RMSNorm over all heads' queries (and one over the keys), OLMoE's.
+    qk_layernorm_whole_projection: bool = False
     # Sliding-window attention, Megatron-LM's (left, right): query i sees keys i - left .. i + right.
     window_size: Optional[list[int]] = field(default=None, metadata={"nargs": 2, "metavar": ("LEFT", "RIGHT")})
     window_attn_skip_freq: Optional[int] = None  # Megatron-Core's: every Nth layer (1-based) attends globally
@@ -198,6 +200,10 @@ class ModelConfig:
         _require(skip_freq is None or (self.window_size is not None and skip_freq > 0),
                  f"--window-attn-skip-freq ({self.window_attn_skip_freq}) makes every Nth layer global among "
                  f"sliding-window ones: it needs --window-size and a positive N.")
+        _require(not self.qk_layernorm_whole_projection or (
+            self.qk_layernorm and self.normalization == "RMSNorm" and not self.apply_layernorm_1p),
+                 "--qk-layernorm-whole-projection widens --qk-layernorm's RMSNorm to all heads at once (OLMoE): it "
+                 "takes --qk-layernorm and --normalization RMSNorm, without --apply-layernorm-1p.")
         _require(not self.geglu or self.swiglu, "--geglu changes the gate of --swiglu's gated MLP: add --swiglu.")
         for flag, value in [("--attn-logit-softcapping", self.attn_logit_softcapping),
                             ("--final-logit-softcapping", self.final_logit_softcapping),

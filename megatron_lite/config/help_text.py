@@ -34,6 +34,9 @@ HELP = {
     "add_bias_linear": "drop the biases of every linear layer (Llama)",
     "add_qkv_bias": "a bias on the query/key/value projection only, also with --disable-bias-linear (Qwen2)",
     "qk_layernorm": "normalise each head's queries and keys (RMSNorm over the head width) before RoPE (Qwen3)",
+    "qk_layernorm_whole_projection": ("with --qk-layernorm, normalise all heads' queries together (and all keys): "
+                                      "one RMSNorm over the whole projection, a weight per channel (OLMoE; "
+                                      "Megatron-Bridge's OLMoE attention, not a Megatron-LM flag)"),
     "window_size": ("sliding-window attention LEFT RIGHT, RIGHT 0: a token sees itself and the LEFT tokens "
                     "before it (Mistral's sliding_window W is LEFT = W - 1); default: the whole sequence"),
     "window_attn_skip_freq": ("with --window-size, every Nth layer (counting from 1) attends to the whole "

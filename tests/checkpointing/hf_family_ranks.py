@@ -51,16 +51,19 @@ def tp2_pp2_rank(rank, world_size, runs, prompts, generation):
     return results
 
 
-def layouts_rank(rank, world_size, root, input_ids, layouts, prompt_batches, generation):
-    """For each (tp, pp, ep) of ``layouts``: (logits of the input ids on the last stage, else None; for each batch of
-    ``prompt_batches``, the greedy tokens after its prompts with ``generation``'s settings)."""
+def layouts_rank(rank, world_size, runs, layouts, prompt_batches, generation):
+    """For each (checkpoint, input ids) of ``runs`` and each (tp, pp, ep) of ``layouts``: (logits of the input ids
+    on the last stage, else None; for each batch of ``prompt_batches``, the greedy tokens after its prompts with
+    ``generation``'s settings)."""
     results = []
-    for tp, pp, ep in layouts:
-        model, parallel_state = load(root, tp=tp, pp=pp, ep=ep)
-        results.append((_pipelined_logits(model, parallel_state, input_ids) if pp > 1 else model(input_ids).detach(),
-                        [generate(model, prompts, greedy=True, parallel_state=parallel_state, **generation)
-                         for prompts in prompt_batches]))
-        destroy_model_parallel(parallel_state)
+    for root, input_ids in runs:
+        for tp, pp, ep in layouts:
+            model, parallel_state = load(root, tp=tp, pp=pp, ep=ep)
+            with torch.no_grad():
+                logits = _pipelined_logits(model, parallel_state, input_ids) if pp > 1 else model(input_ids)
+            results.append((logits, [generate(model, prompts, greedy=True, parallel_state=parallel_state,
+                                              **generation) for prompts in prompt_batches]))
+            destroy_model_parallel(parallel_state)
     return results
 
 

@@ -1,0 +1,311 @@
+"""The mixture-of-experts families against transformers: Mixtral, Qwen3-MoE and OLMoE import, logits, the
+router's auxiliary loss and its gradient, greedy generation, export, and every expert accounted for.
+
+Each family is a tiny random model (4 experts, top 2, weights drawn wider than the init so each expert
+computes something of its own), imported at tensor x pipeline 2 x 2 and loaded back at one process:
+
+    mixtral    2 MoE layers, sliding window 5
+    qwen3_moe  a dense layer (mlp_only_layers [0]) then an MoE layer (so at pp 2 the first stage has no
+               router), q/k norms per head, head_dim 16 with hidden 32 / 4 heads, experts 24 wide and the
+               dense MLP 48, norm_topk_prob (the top 2 renormalised)
+    olmoe      2 MoE layers, q/k norms over the whole projection (split over tensor ranks), the top 2
+               of the softmax kept as they are (norm_topk_prob false: --moe-router-pre-softmax)
+
+The load-balancing loss: transformers pools the router statistics of all layers, Megatron-LM (and we)
+sum per-layer losses, each without transformers' factor top-k (``hf_families``); so each layer's loss
+is compared with transformers' function on that layer's router logits, and a one-layer model's whole
+training loss and gradients with transformers' own.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from megatron_lite.checkpointing import hf_interop, read_config  # noqa: E402
+from megatron_lite.checkpointing.offline import write_checkpoint  # noqa: E402
+from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
+from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
+from megatron_lite.config import ConfigError  # noqa: E402
+from megatron_lite.inference.text_generation import generate  # noqa: E402
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
+from tests.checkpointing.common import widen_and_save  # noqa: E402
+from tests.checkpointing.hf_family_ranks import layouts_rank, load, sgd_step_gradients  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+from tests.inference.test_generation_vs_transformers import EOS, MAX_NEW_TOKENS, PAD, PROMPTS, _hf_generate  # noqa: E402
+from tools.checkpoint_convert import main as convert  # noqa: E402
+
+VOCAB, EXPERTS, TOPK, COEF = 100, 4, 2, 0.02
+ATOL = RTOL = 1e-5
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64, rms_norm_eps=1e-6, num_experts_per_tok=TOPK, output_router_logits=True,
+             router_aux_loss_coef=COEF, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+             tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
+FAMILIES = {
+    "mixtral": lambda layers: transformers.MixtralConfig(
+        **SMALL, intermediate_size=48, num_hidden_layers=layers, sliding_window=5, num_local_experts=EXPERTS),
+    "qwen3_moe": lambda layers: transformers.Qwen3MoeConfig(
+        **SMALL, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=layers, head_dim=16,
+        num_experts=EXPERTS, mlp_only_layers=[0], norm_topk_prob=True),
+    "olmoe": lambda layers: transformers.OlmoeConfig(
+        **SMALL, intermediate_size=48, num_hidden_layers=layers, num_experts=EXPERTS, norm_topk_prob=False),
+}
+# Where each family names expert e's gate projection.
+EXPERT_NAMES = {"mixtral": "block_sparse_moe.experts.{e}.w1.weight",
+                "qwen3_moe": "mlp.experts.{e}.gate_proj.weight", "olmoe": "mlp.experts.{e}.gate_proj.weight"}
+
+
+@dataclasses.dataclass
+class Imported:
+    name: str
+    hf_model: object
+    hf_dir: str
+    root: str  # our checkpoint, written at tp2 x pp2 (pp1 for one layer)
+    input_ids: torch.Tensor
+    logits: torch.Tensor  # transformers'
+
+    @property
+    def moe_layers(self) -> list[int]:
+        config = read_config(self.root).model
+        return [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+
+
+def _import(name: str, directory, layers: int = 2) -> Imported:
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name](layers))
+    widen_and_save(hf_model, directory / "hf")
+    root = str(directory / "ckpt")
+    assert convert(["--source-format", "hf", "--target-format", "megatron_lite", "--load-dir", str(directory / "hf"),
+                    "--save-dir", root, "--target-tensor-parallel-size", "2",
+                    "--target-pipeline-parallel-size", "2" if layers > 1 else "1"]) == 0
+    input_ids = torch.randint(2, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = hf_model(input_ids).logits
+    return Imported(name, hf_model, str(directory / "hf"), root, input_ids, logits)
+
+
+@pytest.fixture(scope="module")
+def imports(tmp_path_factory):
+    """Every family's import, built once for the module (the expert-parallel test runs them all)."""
+    return {name: _import(name, tmp_path_factory.mktemp(name)) for name in FAMILIES}
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request, imports) -> Imported:
+    return imports[request.param]
+
+
+def test_config_maps_every_feature(imports):
+    mixtral, qwen3_moe, olmoe = (read_config(imports[n].root).model for n in ("mixtral", "qwen3_moe", "olmoe"))
+    for config in (mixtral, qwen3_moe, olmoe):
+        assert (config.num_experts, config.moe_router_topk) == (EXPERTS, TOPK)
+        assert config.moe_router_score_function == "softmax"
+    assert mixtral.window_size == [4, 0] and mixtral.moe_layer_freq == "1" and not mixtral.moe_router_pre_softmax
+    assert mixtral.moe_ffn_hidden_size == 48
+    assert mixtral.moe_aux_loss_coeff == pytest.approx(COEF * TOPK / 2)  # see hf_families: k / L
+    assert qwen3_moe.moe_layer_freq == "[0,1]"
+    assert (qwen3_moe.ffn_hidden_size, qwen3_moe.moe_ffn_hidden_size) == (48, 24)
+    assert qwen3_moe.qk_layernorm and not qwen3_moe.qk_layernorm_whole_projection and qwen3_moe.kv_channels == 16
+    assert not qwen3_moe.moe_router_pre_softmax and qwen3_moe.moe_aux_loss_coeff == pytest.approx(COEF * TOPK)
+    assert olmoe.qk_layernorm and olmoe.qk_layernorm_whole_projection and olmoe.moe_router_pre_softmax
+    assert olmoe.moe_layer_freq == "1" and olmoe.moe_ffn_hidden_size == 48
+
+
+def hf_generate(hf_model, prompts):
+    """transformers' greedy tokens; its generate computes no router loss (transformers 5.24's Mixtral fails to, on
+    a left-padded batch: the attention mask is not cut to the new token)."""
+    hf_model.config.output_router_logits = False
+    try:
+        return _hf_generate(hf_model, prompts, EOS)
+    finally:
+        hf_model.config.output_router_logits = True
+
+
+def test_logits_and_greedy_generation_equal_transformers(family):
+    model, parallel_state = load(family.root)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(family.input_ids), family.logits, atol=ATOL, rtol=RTOL)
+        batched = hf_generate(family.hf_model, PROMPTS)
+        assert len({tuple(row) for row in batched}) == len(PROMPTS) and max(map(len, batched)) == MAX_NEW_TOKENS
+        assert generate(model, PROMPTS, max_new_tokens=MAX_NEW_TOKENS, eod=EOS, greedy=True) == batched
+        assert generate(model, PROMPTS[1:2], max_new_tokens=MAX_NEW_TOKENS, eod=EOS, greedy=True) == hf_generate(
+            family.hf_model, PROMPTS[1:2])
+    finally:
+        destroy_model_parallel(parallel_state)
+
+
+def test_expert_parallel_logits_and_generation_equal_transformers(imports):
+    """ep2 (with dp), ep2 x tp2 and ep2 x pp2 of every family, in one world of 4 ranks (one start-up for all).
+    Generation takes three prompts and then one: tensor-parallel ranks without sequence parallelism split a step's
+    tokens unevenly, and one of them gets none."""
+    names = sorted(FAMILIES)
+    layouts = [(1, 1, 2), (2, 1, 2), (1, 2, 2)]
+    generation = dict(max_new_tokens=MAX_NEW_TOKENS, eod=EOS)
+    batches = [PROMPTS[:3], PROMPTS[3:]]
+    runs = [(imports[name].root, imports[name].input_ids) for name in names]
+    per_rank = run_distributed(layouts_rank, 4, args=(runs, layouts, batches, generation))
+    for index, (name, layout) in enumerate((name, layout) for name in names for layout in layouts):
+        expected_tokens = [hf_generate(imports[name].hf_model, prompts) for prompts in batches]
+        results = [rank_results[index] for rank_results in per_rank]
+        assert sum(logits is not None for logits, _ in results) == (2 if layout[1] > 1 else 4), (name, layout)
+        for logits, tokens in results:
+            if logits is not None:
+                torch.testing.assert_close(logits, imports[name].logits, atol=ATOL, rtol=RTOL, msg=f"{name} {layout}")
+            assert tokens == expected_tokens, (name, layout)
+
+
+def test_each_layers_load_balancing_loss_is_transformers(family):
+    model, parallel_state = load(family.root)
+    try:
+        model.train()
+        model(family.input_ids).sum()  # a training forward: the routers compute their losses
+        with torch.no_grad():
+            router_logits = family.hf_model(family.input_ids, output_router_logits=True).router_logits
+        assert len(router_logits) == len(family.moe_layers)
+        for layer, logits in zip(family.moe_layers, router_logits):
+            hf_loss = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func((logits,), EXPERTS, TOPK)
+            router = model.decoder.layers[str(layer)].mlp.router
+            assert TOPK * router.loss_sums["load_balancing_loss"].item() == pytest.approx(hf_loss.item(), rel=1e-6)
+    finally:
+        destroy_model_parallel(parallel_state)
+
+
+def test_one_layer_training_loss_and_gradients_are_transformers(tmp_path):
+    """transformers' loss = cross entropy + router_aux_loss_coef x aux_loss; ours is the language-model loss with
+    the router's loss attached, whose gradient must be the same in every weight."""
+    imported = _import("mixtral", tmp_path, layers=1)
+    hf_model, root, input_ids = imported.hf_model, imported.root, imported.input_ids
+    hf_model.train()
+    output = hf_model(input_ids, labels=input_ids)
+    output.loss.backward()
+    model, parallel_state = load(root)
+    try:
+        model.train()
+        labels = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)  # the last position's label is unused
+        lm_loss = model(input_ids, labels=labels)[:, :-1].mean()
+        lm_loss.backward()
+        router = model.decoder.layers["0"].mlp.router
+        assert TOPK * router.loss_sums["load_balancing_loss"].item() == pytest.approx(output.aux_loss.item(), rel=1e-6)
+        torch.testing.assert_close(lm_loss + router.aux_loss_coeff * router.loss_sums["load_balancing_loss"],
+                                   output.loss.detach(), atol=1e-6, rtol=1e-6)
+        ours = {name: p.grad for name, p in model.named_parameters()}
+        theirs = dict(hf_model.named_parameters())
+        torch.testing.assert_close(ours["decoder.layers.0.mlp.router.weight"],
+                                   theirs["model.layers.0.mlp.gate.weight"].grad, atol=1e-6, rtol=1e-5)
+        gate_up = theirs["model.layers.0.mlp.experts.gate_up_proj"].grad
+        for e in range(EXPERTS):
+            torch.testing.assert_close(ours[f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight"],
+                                       gate_up[e], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(ours["embedding.word_embeddings.weight"][:VOCAB],
+                                   theirs["model.embed_tokens.weight"].grad, atol=1e-6, rtol=1e-5)
+    finally:
+        destroy_model_parallel(parallel_state)
+
+
+def test_router_loss_gradient_under_accumulation_and_data_parallelism_is_transformers(tmp_path):
+    """Two micro-batches, accumulated at one process and split over two data-parallel ranks: the step's gradient
+    is transformers' gradient of the mean of the two micro-batches' losses (cross entropy + coefficient x
+    aux_loss), as its Trainer accumulates them."""
+    imported = _import("mixtral", tmp_path, layers=1)
+    hf_model, root = imported.hf_model, imported.root
+    hf_model.train()
+    ids = torch.randint(2, VOCAB, (2, 2, 16), generator=torch.Generator().manual_seed(3))
+    for micro_batch in ids:
+        (hf_model(micro_batch, labels=micro_batch).loss / len(ids)).backward()
+    theirs = dict(hf_model.named_parameters())
+    # Ours predicts every position's next token: the last position, whose next token transformers does not
+    # have, is masked out of the loss (the router still sees all 16 tokens, as transformers').
+    loss_mask = torch.ones(2, 16)
+    loss_mask[:, -1] = 0
+    microbatches = [{"tokens": m, "labels": m.roll(-1, dims=1), "loss_mask": loss_mask,
+                     "position_ids": torch.arange(16).expand(2, 16)} for m in ids]
+    for world_size in (1, 2):
+        args = (root, microbatches)
+        ours = sgd_step_gradients(0, 1, *args) if world_size == 1 else run_distributed(sgd_step_gradients, 2, args)[0]
+        expected = {"decoder.layers.0.mlp.router.weight": theirs["model.layers.0.mlp.gate.weight"].grad,
+                    "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight":
+                        theirs["model.layers.0.mlp.experts.down_proj"].grad[3],
+                    "decoder.layers.0.self_attention.linear_proj.weight":
+                        theirs["model.layers.0.self_attn.o_proj.weight"].grad}
+        for name, gradient in expected.items():
+            torch.testing.assert_close(torch.from_numpy(ours[name]), gradient, atol=1e-6, rtol=1e-5,
+                                       msg=f"{name} at {world_size} process(es)")
+
+
+def _our_tensors(root: str) -> dict:
+    reader = CheckpointReader(resolve_checkpoint_dir(root))
+    return {name: reader.read(name) for name in reader.tensors}
+
+
+def test_round_trip_is_bit_exact(family, tmp_path):
+    exported, again = str(tmp_path / "hf"), str(tmp_path / "again")
+    assert convert(["--source-format", "megatron_lite", "--target-format", "hf", "--load-dir", family.root,
+                    "--save-dir", exported]) == 0
+    hf_config, original = hf_interop.read_hf_directory(family.hf_dir)
+    exported_config, round_trip = hf_interop.read_hf_directory(exported)
+    assert exported_config["model_type"] == family.name
+    assert exported_config["router_aux_loss_coef"] == pytest.approx(COEF) and exported_config["output_router_logits"]
+    assert hf_interop.model_config_from_hf(exported_config) == hf_interop.model_config_from_hf(hf_config)
+    assert original.keys() == round_trip.keys()
+    assert sum(".experts." in key for key in original) == len(family.moe_layers) * EXPERTS * 3
+    for key in original:
+        assert torch.equal(original[key], round_trip[key]), key
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(family.input_ids).logits, family.logits)
+    hf_interop.import_hf_checkpoint(exported, again, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    first, second = _our_tensors(family.root), _our_tensors(again)
+    assert first.keys() == second.keys()
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+
+
+def test_an_expert_missing_or_extra_in_the_files_is_refused(family):
+    hf_config, tensors = hf_interop.read_hf_directory(family.hf_dir)
+    config = hf_interop.model_config_from_hf(hf_config)
+    naming = hf_interop.FAMILIES[family.name].naming
+    layer = family.moe_layers[0]
+    missing = {k: v for k, v in tensors.items() if ".experts.3." not in k}
+    expert = f"layers.{layer}.{EXPERT_NAMES[family.name].format(e=3)}"
+    with pytest.raises(ConfigError, match=f"have no '{expert}'"):
+        hf_interop.weights_from_hf(missing, config, naming)
+    extra = dict(tensors, **{k.replace(".experts.3.", ".experts.4."): v for k, v in tensors.items()
+                             if ".experts.3." in k})
+    with pytest.raises(ConfigError, match=r"not understood .*experts\.4\."):
+        hf_interop.weights_from_hf(extra, config, naming)
+
+
+def test_a_duplicated_expert_changes_the_logits(family, tmp_path):
+    """What makes the logits test catch a converter that writes one expert's weights for another: here
+    expert 2 of the first MoE layer is replaced by expert 1, as such a converter would, and the logits move."""
+    tensors = _our_tensors(family.root)
+    for projection in ("linear_fc1", "linear_fc2"):
+        name = f"decoder.layers.{family.moe_layers[0]}.mlp.experts.local_experts.{{}}.{projection}.weight"
+        tensors[name.format(2)] = tensors[name.format(1)]
+    write_checkpoint(str(tmp_path / "dup"), read_config(family.root), tensors.__getitem__, iteration=0)
+    model, parallel_state = load(str(tmp_path / "dup"))
+    try:
+        with torch.no_grad():
+            assert (model(family.input_ids) - family.logits).abs().max() > 100 * ATOL
+    finally:
+        destroy_model_parallel(parallel_state)
+
+
+def test_unknown_fields_and_variants_are_refused_by_name(imports):
+    qwen3_moe = imports["qwen3_moe"].hf_model.config.to_dict()
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        hf_interop.model_config_from_hf({**qwen3_moe, "use_sliding_window": True})
+    with pytest.raises(ConfigError, match="no mixture-of-experts layer"):
+        hf_interop.model_config_from_hf({**qwen3_moe, "mlp_only_layers": [0, 1]})
+    with pytest.raises(ConfigError, match=r"field\(s\) shared_expert_intermediate_size"):
+        hf_interop.model_config_from_hf({**qwen3_moe, "shared_expert_intermediate_size": 16})
+    olmoe = imports["olmoe"].hf_model.config.to_dict()
+    with pytest.raises(ConfigError, match="clip_qkv"):
+        hf_interop.model_config_from_hf({**olmoe, "clip_qkv": 8.0})
+    with pytest.raises(ConfigError, match="head_dim x num_attention_heads"):
+        hf_interop.model_config_from_hf({**olmoe, "head_dim": 16})
+    mixtral = imports["mixtral"].hf_model.config.to_dict()
+    with pytest.raises(ConfigError, match="router_jitter_noise"):
+        hf_interop.model_config_from_hf({**mixtral, "router_jitter_noise": 0.1})
