@@ -43,12 +43,11 @@ On export the family is the one the model's features call for (``family_of``), o
 (``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does.
 
 The MoE families' load-balancing loss (transformers' ``load_balancing_loss_func``) pools the router
-statistics of all L mixture-of-experts layers: E / (L T)^2 * sum_e C_e P_e with C and P summed over
-layers, k assignments per token. Ours is Megatron-LM's, per layer and summed over layers, each E / (k
-T^2) * sum_e C_e P_e. For one layer the two differ by the factor k, and where the layers route alike the
-pooled loss is the mean of the per-layer ones: --moe-aux-loss-coeff = router_aux_loss_coef * k / L
-reproduces it exactly for one layer and in that case. transformers adds the loss to the training loss
-only with output_router_logits true, so an import without it trains with coefficient 0.
+statistics of all L mixture-of-experts layers, E / (L T)^2 * sum_e C_e P_e with C and P summed over
+layers and k assignments per token: our --moe-router-load-balancing-type pooled_aux_loss, set on import
+with --moe-aux-loss-coeff = router_aux_loss_coef (Megatron-LM's aux_loss sums per-layer losses, each
+E / (k T^2) * sum_e C_e P_e, which differs beyond one layer). transformers adds the loss to the training
+loss only with output_router_logits true, so an import without it trains with coefficient 0.
 """
 from __future__ import annotations
 
@@ -317,17 +316,21 @@ def _router_to_ours(hf: dict, *, num_experts: int, topk: int, coef: float, moe_l
                     norm_topk_prob: bool = True) -> dict:
     """The routing fields every MoE family shares: E experts, top-k of a softmax (renormalised over the k,
     ``norm_topk_prob``, or kept as they are: --moe-router-pre-softmax), which layers have experts, and
-    the load-balancing loss's coefficient (the module docstring says why k / L)."""
-    coeff = coef * topk / sum(moe_layers) if hf.get("output_router_logits") else 0.0
+    transformers' load-balancing loss (pooled over the layers, the module docstring says how)."""
     pattern = "1" if all(moe_layers) else "[" + ",".join(str(int(moe)) for moe in moe_layers) + "]"
     return dict(num_experts=num_experts, moe_router_topk=topk, moe_router_pre_softmax=not norm_topk_prob,
-                moe_layer_freq=pattern, moe_aux_loss_coeff=coeff)
+                moe_layer_freq=pattern, moe_router_load_balancing_type="pooled_aux_loss",
+                moe_aux_loss_coeff=coef if hf.get("output_router_logits") else 0.0)
 
 
 def _router_to_hf(config: ModelConfig) -> dict:
-    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
-    return {"num_experts_per_tok": config.moe_router_topk, "output_router_logits": config.moe_aux_loss_coeff > 0,
-            "router_aux_loss_coef": config.moe_aux_loss_coeff * moe_layers / config.moe_router_topk}
+    """A model trained here with Megatron-LM's per-layer loss gets the coefficient whose pooled loss weighs
+    the layers alike (x L / k: exact for one layer, and where the layers route alike)."""
+    coeff, balancing = config.moe_aux_loss_coeff, config.moe_router_load_balancing_type
+    if balancing == "aux_loss":
+        coeff *= sum(config.is_moe_layer(i) for i in range(config.num_layers)) / config.moe_router_topk
+    return {"num_experts_per_tok": config.moe_router_topk, "router_aux_loss_coef": coeff,
+            "output_router_logits": coeff > 0 and balancing != "none"}
 
 
 def _mixtral_to_ours(hf: dict) -> dict:

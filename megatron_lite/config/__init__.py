@@ -728,6 +728,11 @@ class Config:
                  f"--ffn-hidden-size ({model.ffn_hidden_size}) must be divisible by "
                  f"--tensor-model-parallel-size ({tp}).")
         _check_expert_parallel(model, parallel)
+        _require(model.num_experts is None or model.moe_router_load_balancing_type != "pooled_aux_loss"
+                 or self.training.recompute_granularity != "full",
+                 "--moe-router-load-balancing-type pooled_aux_loss pools each micro-batch's routing over all layers, "
+                 "which a layer recomputed in backward (--recompute-granularity full) would not see again: use "
+                 "--recompute-granularity selective, or aux_loss.")
         mlp_targets = sorted({"linear_fc1", "linear_fc2"} & set(self.peft.lora_target_modules))
         _require(model.num_experts is None or self.peft.peft != "lora" or not mlp_targets,
                  f"--peft lora on experts is not implemented yet: with --num-experts give --lora-target-modules "

@@ -73,8 +73,9 @@ HELP = {
     "moe_router_num_groups": ("group-limited routing: the experts form this many groups, and each token picks "
                               "--moe-router-group-topk groups first (DeepSeek's device/node-limited routing)"),
     "moe_router_group_topk": "with --moe-router-num-groups: groups each token's experts may come from",
-    "moe_router_load_balancing_type": ("aux_loss (Switch Transformer's, per micro-batch), seq_aux_loss (per "
-                                       "sequence, DeepSeek) or none"),
+    "moe_router_load_balancing_type": ("aux_loss (Switch Transformer's, per micro-batch and layer), seq_aux_loss "
+                                       "(per sequence, DeepSeek), pooled_aux_loss (the statistics of all layers "
+                                       "pooled, as transformers' MoE models; not a Megatron-LM type) or none"),
     "moe_aux_loss_coeff": "weight of the load-balancing loss in the training loss (1e-2 is a common start)",
     "moe_z_loss_coeff": "weight of the router z-loss, the mean squared log-sum-exp of the router logits (ST-MoE)",
     "moe_router_enable_expert_bias": ("aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the sigmoid "

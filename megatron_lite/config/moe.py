@@ -12,7 +12,7 @@ import ast
 from megatron_lite.config.errors import ConfigError
 
 ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "pooled_aux_loss", "none")
 TOKEN_DROP_POLICIES = ("probs", "position")
 
 

@@ -95,12 +95,14 @@ def train(rank, world_size, runs):
     return results
 
 
-def sgd_step_gradients(rank, world_size, root, microbatches):
+def sgd_step_gradients(rank, world_size, root, microbatches, pp: int = 1):
     """The gradient one training step of the checkpoint ``root`` applies (SGD at learning rate 1: the weights'
-    change), each data-parallel rank taking its share of ``microbatches`` (dicts of tokens, labels, loss_mask,
-    position_ids), through setup_model_and_optimizer and train_step."""
+    change) to this rank's pipeline stage, each data-parallel rank taking its share of ``microbatches`` (dicts of
+    tokens, labels, loss_mask, position_ids), through setup_model_and_optimizer and train_step."""
+    config = read_config(root)
     config = dataclasses.replace(
-        read_config(root), parallel=ParallelConfig(),
+        config, model=dataclasses.replace(config.model, seq_length=microbatches[0]["tokens"].shape[1]),
+        parallel=ParallelConfig(pipeline_model_parallel_size=pp),
         training=TrainingConfig(micro_batch_size=microbatches[0]["tokens"].shape[0],
                                 global_batch_size=len(microbatches) * microbatches[0]["tokens"].shape[0],
                                 train_iters=1),
@@ -108,11 +110,12 @@ def sgd_step_gradients(rank, world_size, root, microbatches):
                                   lr_decay_style="constant"),
         checkpoint=CheckpointConfig(pretrained_checkpoint=root), data=DataConfig(mock_data=True),
         logging=LoggingConfig(log_memory=False))
-    parallel_state = initialize_model_parallel()
+    parallel_state = initialize_model_parallel(1, pp)
     chunks, optimizer, scheduler = setup_model_and_optimizer(config, parallel_state)
     load_checkpoint(config, parallel_state, chunks, optimizer, scheduler)
     before = {name: p.detach().clone() for name, p in chunks[0].module.named_parameters()}
-    mine = microbatches[rank::world_size]
+    dp_size = parallel_state.data_parallel_world_size
+    mine = microbatches[parallel_state.data_parallel_rank::dp_size]
     train_step(config, parallel_state, chunks, optimizer, scheduler, iter(mine), len(mine))
     gradients = {name: (before[name] - p.detach()).numpy() for name, p in chunks[0].module.named_parameters()}
     destroy_model_parallel(parallel_state)

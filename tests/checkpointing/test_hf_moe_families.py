@@ -11,10 +11,9 @@ computes something of its own), imported at tensor x pipeline 2 x 2 and loaded b
     olmoe      2 MoE layers, q/k norms over the whole projection (split over tensor ranks), the top 2
                of the softmax kept as they are (norm_topk_prob false: --moe-router-pre-softmax)
 
-The load-balancing loss: transformers pools the router statistics of all layers, Megatron-LM (and we)
-sum per-layer losses, each without transformers' factor top-k (``hf_families``); so each layer's loss
-is compared with transformers' function on that layer's router logits, and a one-layer model's whole
-training loss and gradients with transformers' own.
+The load-balancing loss: transformers pools the router statistics of all MoE layers, which the import
+selects (``pooled_aux_loss``, ``hf_families``): its value, the training loss and the gradients are
+transformers', at one process and under accumulation over pp2 x dp2.
 """
 import dataclasses
 
@@ -43,13 +42,13 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_va
              router_aux_loss_coef=COEF, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
              tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
 FAMILIES = {
-    "mixtral": lambda layers: transformers.MixtralConfig(
-        **SMALL, intermediate_size=48, num_hidden_layers=layers, sliding_window=5, num_local_experts=EXPERTS),
-    "qwen3_moe": lambda layers: transformers.Qwen3MoeConfig(
-        **SMALL, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=layers, head_dim=16,
+    "mixtral": lambda: transformers.MixtralConfig(
+        **SMALL, intermediate_size=48, num_hidden_layers=2, sliding_window=5, num_local_experts=EXPERTS),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SMALL, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2, head_dim=16,
         num_experts=EXPERTS, mlp_only_layers=[0], norm_topk_prob=True),
-    "olmoe": lambda layers: transformers.OlmoeConfig(
-        **SMALL, intermediate_size=48, num_hidden_layers=layers, num_experts=EXPERTS, norm_topk_prob=False),
+    "olmoe": lambda: transformers.OlmoeConfig(
+        **SMALL, intermediate_size=48, num_hidden_layers=2, num_experts=EXPERTS, norm_topk_prob=False),
 }
 # Where each family names expert e's gate projection.
 EXPERT_NAMES = {"mixtral": "block_sparse_moe.experts.{e}.w1.weight",
@@ -61,7 +60,7 @@ class Imported:
     name: str
     hf_model: object
     hf_dir: str
-    root: str  # our checkpoint, written at tp2 x pp2 (pp1 for one layer)
+    root: str  # our checkpoint, written at tp2 x pp2
     input_ids: torch.Tensor
     logits: torch.Tensor  # transformers'
 
@@ -71,14 +70,14 @@ class Imported:
         return [i for i in range(config.num_layers) if config.is_moe_layer(i)]
 
 
-def _import(name: str, directory, layers: int = 2) -> Imported:
+def _import(name: str, directory) -> Imported:
     torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name](layers))
+    hf_model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]())
     widen_and_save(hf_model, directory / "hf")
     root = str(directory / "ckpt")
     assert convert(["--source-format", "hf", "--target-format", "megatron_lite", "--load-dir", str(directory / "hf"),
                     "--save-dir", root, "--target-tensor-parallel-size", "2",
-                    "--target-pipeline-parallel-size", "2" if layers > 1 else "1"]) == 0
+                    "--target-pipeline-parallel-size", "2"]) == 0
     input_ids = torch.randint(2, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = hf_model(input_ids).logits
@@ -101,13 +100,13 @@ def test_config_maps_every_feature(imports):
     for config in (mixtral, qwen3_moe, olmoe):
         assert (config.num_experts, config.moe_router_topk) == (EXPERTS, TOPK)
         assert config.moe_router_score_function == "softmax"
+        assert (config.moe_router_load_balancing_type, config.moe_aux_loss_coeff) == ("pooled_aux_loss", COEF)
     assert mixtral.window_size == [4, 0] and mixtral.moe_layer_freq == "1" and not mixtral.moe_router_pre_softmax
     assert mixtral.moe_ffn_hidden_size == 48
-    assert mixtral.moe_aux_loss_coeff == pytest.approx(COEF * TOPK / 2)  # see hf_families: k / L
     assert qwen3_moe.moe_layer_freq == "[0,1]"
     assert (qwen3_moe.ffn_hidden_size, qwen3_moe.moe_ffn_hidden_size) == (48, 24)
     assert qwen3_moe.qk_layernorm and not qwen3_moe.qk_layernorm_whole_projection and qwen3_moe.kv_channels == 16
-    assert not qwen3_moe.moe_router_pre_softmax and qwen3_moe.moe_aux_loss_coeff == pytest.approx(COEF * TOPK)
+    assert not qwen3_moe.moe_router_pre_softmax
     assert olmoe.qk_layernorm and olmoe.qk_layernorm_whole_projection and olmoe.moe_router_pre_softmax
     assert olmoe.moe_layer_freq == "1" and olmoe.moe_ffn_hidden_size == 48
 
@@ -156,82 +155,77 @@ def test_expert_parallel_logits_and_generation_equal_transformers(imports):
             assert tokens == expected_tokens, (name, layout)
 
 
-def test_each_layers_load_balancing_loss_is_transformers(family):
+def _labels(input_ids: torch.Tensor) -> torch.Tensor:
+    """Ours predicts every position's next token; transformers' labels are the inputs (shifted inside)."""
+    return torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)  # the last position's label is unused
+
+
+def _routers(model) -> list:
+    return [layer.mlp.router for layer in model.decoder.layers.values() if hasattr(layer.mlp, "router")]
+
+
+def test_training_loss_and_gradients_are_transformers(family):
+    """transformers' loss = cross entropy + router_aux_loss_coef x aux_loss, with its load-balancing statistics
+    pooled over the MoE layers (``pooled_aux_loss``): our language-model loss with the routers' gradient attached
+    must have the same value and the same gradient in every weight."""
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(family.hf_dir).train()
+    output = hf_model(family.input_ids, labels=family.input_ids, output_router_logits=True)
+    output.loss.backward()
     model, parallel_state = load(family.root)
     try:
         model.train()
-        model(family.input_ids).sum()  # a training forward: the routers compute their losses
-        with torch.no_grad():
-            router_logits = family.hf_model(family.input_ids, output_router_logits=True).router_logits
-        assert len(router_logits) == len(family.moe_layers)
-        for layer, logits in zip(family.moe_layers, router_logits):
-            hf_loss = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func((logits,), EXPERTS, TOPK)
-            router = model.decoder.layers[str(layer)].mlp.router
-            assert TOPK * router.loss_sums["load_balancing_loss"].item() == pytest.approx(hf_loss.item(), rel=1e-6)
-    finally:
-        destroy_model_parallel(parallel_state)
-
-
-def test_one_layer_training_loss_and_gradients_are_transformers(tmp_path):
-    """transformers' loss = cross entropy + router_aux_loss_coef x aux_loss; ours is the language-model loss with
-    the router's loss attached, whose gradient must be the same in every weight."""
-    imported = _import("mixtral", tmp_path, layers=1)
-    hf_model, root, input_ids = imported.hf_model, imported.root, imported.input_ids
-    hf_model.train()
-    output = hf_model(input_ids, labels=input_ids)
-    output.loss.backward()
-    model, parallel_state = load(root)
-    try:
-        model.train()
-        labels = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)  # the last position's label is unused
-        lm_loss = model(input_ids, labels=labels)[:, :-1].mean()
+        lm_loss = model(family.input_ids, labels=_labels(family.input_ids))[:, :-1].mean()
         lm_loss.backward()
-        router = model.decoder.layers["0"].mlp.router
-        assert TOPK * router.loss_sums["load_balancing_loss"].item() == pytest.approx(output.aux_loss.item(), rel=1e-6)
-        torch.testing.assert_close(lm_loss + router.aux_loss_coeff * router.loss_sums["load_balancing_loss"],
-                                   output.loss.detach(), atol=1e-6, rtol=1e-6)
+        routers = _routers(model)
+        pooled = sum(r.loss_sums["pooled_load_balancing_loss"] for r in routers)  # the layers' shares
+        assert pooled.item() == pytest.approx(output.aux_loss.item(), rel=1e-6)
+        torch.testing.assert_close(lm_loss + routers[0].aux_loss_coeff * pooled, output.loss.detach(), atol=1e-6,
+                                   rtol=1e-6)
         ours = {name: p.grad for name, p in model.named_parameters()}
-        theirs = dict(hf_model.named_parameters())
-        torch.testing.assert_close(ours["decoder.layers.0.mlp.router.weight"],
-                                   theirs["model.layers.0.mlp.gate.weight"].grad, atol=1e-6, rtol=1e-5)
-        gate_up = theirs["model.layers.0.mlp.experts.gate_up_proj"].grad
-        for e in range(EXPERTS):
-            torch.testing.assert_close(ours[f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight"],
-                                       gate_up[e], atol=1e-6, rtol=1e-5)
+        theirs = {name: p.grad for name, p in hf_model.named_parameters()}
+        first = family.moe_layers[0]
+        pairs = {f"decoder.layers.{i}.mlp.router.weight": theirs[f"model.layers.{i}.mlp.gate.weight"]
+                 for i in family.moe_layers}
+        pairs.update({f"decoder.layers.{first}.mlp.experts.local_experts.{e}.linear_fc1.weight":
+                      theirs[f"model.layers.{first}.mlp.experts.gate_up_proj"][e] for e in range(EXPERTS)})
+        for name, gradient in pairs.items():
+            torch.testing.assert_close(ours[name], gradient, atol=1e-6, rtol=1e-5, msg=name)
         torch.testing.assert_close(ours["embedding.word_embeddings.weight"][:VOCAB],
-                                   theirs["model.embed_tokens.weight"].grad, atol=1e-6, rtol=1e-5)
+                                   theirs["model.embed_tokens.weight"], atol=1e-6, rtol=1e-5)
     finally:
         destroy_model_parallel(parallel_state)
 
 
-def test_router_loss_gradient_under_accumulation_and_data_parallelism_is_transformers(tmp_path):
-    """Two micro-batches, accumulated at one process and split over two data-parallel ranks: the step's gradient
-    is transformers' gradient of the mean of the two micro-batches' losses (cross entropy + coefficient x
-    aux_loss), as its Trainer accumulates them."""
-    imported = _import("mixtral", tmp_path, layers=1)
-    hf_model, root = imported.hf_model, imported.root
-    hf_model.train()
-    ids = torch.randint(2, VOCAB, (2, 2, 16), generator=torch.Generator().manual_seed(3))
+def test_router_loss_gradient_under_accumulation_data_and_pipeline_parallelism_is_transformers(imports):
+    """Four micro-batches, accumulated at one process and over pp2 x dp2 (each data-parallel rank two, the
+    pooled statistics of each micro-batch travelling between the stages with its activation and its gradient):
+    the step's gradient is transformers' gradient of the mean of the micro-batches' losses (cross entropy +
+    coefficient x aux_loss), as its Trainer accumulates them."""
+    family = imports["mixtral"]  # an MoE layer on each stage
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(family.hf_dir).train()
+    ids = torch.randint(2, VOCAB, (4, 2, 16), generator=torch.Generator().manual_seed(3))
     for micro_batch in ids:
-        (hf_model(micro_batch, labels=micro_batch).loss / len(ids)).backward()
-    theirs = dict(hf_model.named_parameters())
-    # Ours predicts every position's next token: the last position, whose next token transformers does not
-    # have, is masked out of the loss (the router still sees all 16 tokens, as transformers').
+        (hf_model(micro_batch, labels=micro_batch, output_router_logits=True).loss / len(ids)).backward()
+    theirs = {name: p.grad for name, p in hf_model.named_parameters()}
+    # The last position, whose next token transformers does not have, is masked out of our loss (the router
+    # still sees all 16 tokens, as transformers').
     loss_mask = torch.ones(2, 16)
     loss_mask[:, -1] = 0
-    microbatches = [{"tokens": m, "labels": m.roll(-1, dims=1), "loss_mask": loss_mask,
+    microbatches = [{"tokens": m, "labels": _labels(m), "loss_mask": loss_mask,
                      "position_ids": torch.arange(16).expand(2, 16)} for m in ids]
-    for world_size in (1, 2):
-        args = (root, microbatches)
-        ours = sgd_step_gradients(0, 1, *args) if world_size == 1 else run_distributed(sgd_step_gradients, 2, args)[0]
-        expected = {"decoder.layers.0.mlp.router.weight": theirs["model.layers.0.mlp.gate.weight"].grad,
-                    "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight":
-                        theirs["model.layers.0.mlp.experts.down_proj"].grad[3],
-                    "decoder.layers.0.self_attention.linear_proj.weight":
-                        theirs["model.layers.0.self_attn.o_proj.weight"].grad}
+    expected = {f"decoder.layers.{i}.mlp.router.weight": theirs[f"model.layers.{i}.mlp.gate.weight"] for i in (0, 1)}
+    expected.update({"decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight":
+                     theirs["model.layers.0.mlp.experts.down_proj"][3],
+                     "decoder.layers.0.self_attention.linear_proj.weight":
+                     theirs["model.layers.0.self_attn.o_proj.weight"]})
+    single = sgd_step_gradients(0, 1, family.root, microbatches)
+    pipelined = {}
+    for rank_gradients in run_distributed(sgd_step_gradients, 4, args=(family.root, microbatches, 2)):
+        pipelined.update(rank_gradients)
+    for ours, what in ((single, "one process"), (pipelined, "pp2 x dp2")):
         for name, gradient in expected.items():
             torch.testing.assert_close(torch.from_numpy(ours[name]), gradient, atol=1e-6, rtol=1e-5,
-                                       msg=f"{name} at {world_size} process(es)")
+                                       msg=f"{name} at {what}")
 
 
 def _our_tensors(root: str) -> dict:

@@ -3,18 +3,21 @@ final weights (experts and their routers' expert bias included) within 1e-5 rela
 and the last iteration's routing statistics (the log line's auxiliary losses and tokens per expert) the same.
 
 The model: 4 layers, the first dense and three of 4 experts each (``--moe-layer-freq "([0]+[1]*3)"``), top 2,
-SGD with momentum and clipping that bites. Two
+SGD with momentum and clipping that bites. Three
 routers, each with everything it has switched on:
 
     A  softmax, load-balancing and z losses, a gated shared expert
     B  sigmoid with the expert bias (aux-loss-free balancing), group-limited top 2 of 2 groups, a scaling
        factor, the per-sequence loss, grouped GEMM experts
+    C  softmax before the top 2 and transformers' load-balancing loss, pooled over the layers of each
+       micro-batch (the pipeline carries its counts between stages)
 
 Layouts (experts over ep ranks, each expert over etp ranks, replicas over the rest of the stage):
 
     world 4  dp4 ep2 under every sharding strategy (ZeRO 0 to 3, overlap on), tp2 (sequence parallel)
-             x dp2 with etp1 (experts whole, replicated over tensor ranks), interleaved pp2 x dp2
+             x dp2 with etp1 (experts whole, replicated over tensor ranks), interleaved pp2 x dp2 (A and C)
     world 8  tp2 x pp2 x dp2 ep2 (etp2 = tp, sequence parallel), no_shard and the distributed optimizer
+             (C with the latter)
 """
 import pytest
 
@@ -30,6 +33,7 @@ VARIANTS = {
     "B": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2,
               moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2, moe_router_num_groups=2,
               moe_router_group_topk=1, moe_router_topk_scaling_factor=2.0, moe_grouped_gemm=True),
+    "C": dict(moe_router_load_balancing_type="pooled_aux_loss", moe_aux_loss_coeff=1e-2, moe_router_pre_softmax=True),
 }
 
 
@@ -110,10 +114,11 @@ def test_expert_parallel_layouts_of_four_ranks_match_one_process(single_process)
                for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params")]
     layouts += [{"variant": "B", "ep": 2, "strategy": "optim_grads_params"},
                 {"variant": "B", "tp": 2, "ep": 2, "etp": 1, "strategy": "optim"},
-                {"variant": "A", "pp": 2, "ep": 2, "vpp": True}]
+                {"variant": "A", "pp": 2, "ep": 2, "vpp": True}, {"variant": "C", "pp": 2, "ep": 2, "vpp": True}]
     _check_layouts(single_process, 4, layouts)
 
 
 def test_ep2_tp2_pp2_dp2_matches_one_process(single_process):
     _check_layouts(single_process, 8, [{"variant": "A", "tp": 2, "pp": 2, "ep": 2, "strategy": "optim"},
-                                       {"variant": "B", "tp": 2, "pp": 2, "ep": 2}])
+                                       {"variant": "B", "tp": 2, "pp": 2, "ep": 2},
+                                       {"variant": "C", "tp": 2, "pp": 2, "ep": 2, "strategy": "optim"}])

@@ -270,6 +270,9 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--num-experts", "4", "--moe-router-score-function", "sqrtsoftplus"], "invalid choice"),
     (["--num-experts", "4", "--peft", "lora", "--peft-without-base-checkpoint"], "lora on experts is not implemented"),
     (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "dispatches tokens with all-to-all only"),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "pooled_aux_loss", "--recompute-granularity", "full"],
+     "pooled_aux_loss pools each micro-batch's routing over all layers"),
+    (["--qk-layernorm-whole-projection"], "takes --qk-layernorm and --normalization RMSNorm"),
 ])
 def test_moe_flags_are_checked_naming_the_flag(extra, match):
     if match is None:  # routing flags alone mean nothing: the defaults are Megatron-LM's and harmless

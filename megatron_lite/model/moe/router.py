@@ -16,6 +16,7 @@ differences in the scores change which experts are chosen. Megatron-Core's ``Top
 
 The losses (``aux_losses.py``) are computed on the router's own view of the scores, as Megatron-LM:
 softmax over all experts (sigmoid normalised over all), with the plain top-k as the routing counted.
+The pooled one (transformers') pools the counts of every layer of the micro-batch (``routing_pool.py``).
 
 The tokens of one micro-batch may be split over ranks (``token_group``: the tensor-parallel ranks,
 whether sequence parallelism split them or ``MoELayer`` did): counts are summed over that group,
@@ -34,12 +35,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.moe.aux_losses import attach_loss, load_balancing_loss, sequence_load_balancing_loss, z_loss
+from megatron_lite.model.moe.aux_losses import (attach_gradient, attach_loss, load_balancing_loss,
+                                                sequence_load_balancing_loss, z_loss)
 from megatron_lite.process_groups import collectives
 
 
-# What the routers' losses are logged as (Megatron-LM's names): aux_loss's, seq_aux_loss's, the z-loss.
-LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+# What the routers' losses are logged as (Megatron-LM's names), by --moe-router-load-balancing-type; the z-loss.
+BALANCING_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                        "pooled_aux_loss": "pooled_load_balancing_loss"}
+LOSS_NAMES = (*BALANCING_LOSS_NAMES.values(), "z_loss")
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
         self.aux_loss_scale = AuxLossScale()  # set for each iteration by routing_statistics.start_iteration
+        self.pool = None  # pooled_aux_loss: the RoutingPool of the micro-batch being run, set by the model
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
                              persistent=False)
         self.reset_statistics()
@@ -113,8 +118,10 @@ class TopKRouter(nn.Module):
             logits = self._attach(logits, "z_loss", z_loss(logits, num_tokens=layout.num_tokens), self.z_loss_coeff,
                                   layout)
         probs, routing_map = self._top_k(logits)
-        if training and self.load_balancing_type != "none" and self.aux_loss_coeff > 0:
-            probs = self._attach(probs, LOSS_NAMES[self.load_balancing_type == "seq_aux_loss"],
+        if training and self.load_balancing_type == "pooled_aux_loss" and self.aux_loss_coeff > 0:
+            probs = self._attach_pooled(probs, logits, layout)
+        elif training and self.load_balancing_type != "none" and self.aux_loss_coeff > 0:
+            probs = self._attach(probs, BALANCING_LOSS_NAMES[self.load_balancing_type],
                                  self._balancing_loss(logits, layout), self.aux_loss_coeff, layout)
         if self.capacity_factor is not None:
             probs, routing_map = self._drop_past_capacity(probs, routing_map)
@@ -123,10 +130,25 @@ class TopKRouter(nn.Module):
             self.microbatches += 1
         return probs, routing_map
 
+    def log_loss(self, name: str, value: torch.Tensor) -> None:
+        self.loss_sums[name] += value.detach()  # logged without its coefficient, as Megatron-LM
+
     def _attach(self, activation: torch.Tensor, name: str, loss: torch.Tensor, coeff: float,
                 layout: TokenLayout) -> torch.Tensor:
-        self.loss_sums[name] += loss.detach()  # logged without its coefficient, as Megatron-LM
+        self.log_loss(name, loss)
         return attach_loss(activation, coeff * loss, self.aux_loss_scale.of(layout.num_tokens))
+
+    def _attach_pooled(self, probs: torch.Tensor, logits: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """This layer's counts join the micro-batch's pool; its score sums get the pooled loss's gradient, which
+        the pool knows once every layer has routed (``routing_pool.py``)."""
+        if self.pool is None:
+            raise RuntimeError("a pooled_aux_loss router trained outside a micro-batch: the model sets its pool "
+                               "(GPTModel.begin_microbatch, called by the pipeline schedule).")
+        pool, scores = self.pool, self._balancing_scores(logits)
+        counts = _summed(self._routed(scores).sum(dim=0), layout.token_group)
+        pool.add(self, counts, scores.sum(dim=0), num_tokens=layout.num_tokens)
+        scale = self.aux_loss_coeff * self.aux_loss_scale.of(layout.num_tokens)
+        return attach_gradient(probs, scores.sum(dim=0), lambda: pool.coefficient() * scale)
 
     # Routing.
     def _top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,13 +200,19 @@ class TopKRouter(nn.Module):
         return probs * keep, keep
 
     # Losses.
-    def _balancing_loss(self, logits: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    def _balancing_scores(self, logits: torch.Tensor) -> torch.Tensor:
         if self.score_function == "softmax":
-            scores = torch.softmax(logits, dim=-1)
-        else:
-            scores = torch.sigmoid(logits)
-            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-        routed = torch.zeros_like(scores).scatter(1, scores.topk(self.topk, dim=-1).indices, 1.0)
+            return torch.softmax(logits, dim=-1)
+        scores = torch.sigmoid(logits)
+        return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+    def _routed(self, scores: torch.Tensor) -> torch.Tensor:
+        """1 where the plain top-k of ``scores`` routes a token: what the balancing losses count."""
+        return torch.zeros_like(scores).scatter(1, scores.topk(self.topk, dim=-1).indices, 1.0)
+
+    def _balancing_loss(self, logits: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        scores = self._balancing_scores(logits)
+        routed = self._routed(scores)
         if self.load_balancing_type == "aux_loss":
             counts = _summed(routed.sum(dim=0), layout.token_group)
             return load_balancing_loss(scores, counts, num_tokens=layout.num_tokens, topk=self.topk)
