@@ -9,7 +9,10 @@ module with one A; our fused layers are several Hugging Face modules at once:
     linear_fc1  GPT-2: mlp.c_fc                           Llama: mlp.gate_proj, mlp.up_proj (SwiGLU)
 
 Export: each of those modules gets a copy of our shared A and its rows of our B
-(``hf_interop``'s q/k/v and gate/up split), so PEFT computes exactly our update.
+(``hf_interop``'s q/k/v and gate/up split), so PEFT computes exactly our update. The experts of a
+mixture-of-experts layer (Mixtral, Qwen3-MoE, OLMoE under transformers 5) are 3-D parameters, which PEFT
+adapts as ``target_parameters``, each expert with its own factors (``_EXPERT_PARAMETERS``); the dense MLPs of
+such a model have no PEFT form (``_check_dense_mlps_of_experts``), and no expert adapter is imported.
 Import: PEFT trains a separate A for q, k and v (and may adapt only some of them,
 scale modules differently or use rsLoRA), which one shared A of the same rank cannot
 hold. The modules' updates are stacked instead, A = [A_q; A_k; A_v] and B
@@ -51,11 +54,17 @@ _MODULES = {
     "phi3": {"linear_qkv": [("self_attn.qkv_proj", ("q", "k", "v"))], "linear_proj": [("self_attn.o_proj", None)],
              "linear_fc1": [("mlp.gate_up_proj", ("gate", "up"))], "linear_fc2": [("mlp.down_proj", None)]},
 }
-_MODULES["gemma"] = _MODULES["llama"]
+_MODULES["gemma"] = _MODULES["mixtral"] = _MODULES["qwen_moe"] = _MODULES["llama"]
 _OUR_MODULE = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
                "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
 _LAYERS = {"gpt2": "base_model.model.transformer.h.", "llama": "base_model.model.model.layers.",
-           "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers."}
+           "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers.",
+           "mixtral": "base_model.model.model.layers.", "qwen_moe": "base_model.model.model.layers."}
+# A mixture-of-experts layer's experts in transformers 5 (Mixtral, Qwen3-MoE, OLMoE): one 3-D parameter per
+# projection, [experts, out, in], which PEFT adapts as ``target_parameters`` (its ParamWrapper), every expert
+# with its own rank-r factors: A [E r, in] (expert e's rows e r .. e r + r - 1) and B [out, r E] (expert e's
+# columns e, E + e, ...). Both targeted, PEFT wraps gate_up_proj first, so its factors sit under base_layer.
+_EXPERT_PARAMETERS = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
 
 
 def _row_blocks(target: str, rows: torch.Tensor, config: ModelConfig) -> dict:
@@ -105,10 +114,16 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
     if base_model_name_or_path is None:
         base_model_name_or_path = _hf_base(reader.metadata["training_state"].get("peft_base"))
     model, peft = config.model, config.peft
-    architecture = hf_family(model, hf_model_type).naming
-    tensors, targets = {}, set()
+    family = hf_family(model, hf_model_type)
+    architecture = family.naming
+    _check_dense_mlps_of_experts(model, peft, family.model_type)
+    tensors, targets, expert_targets = {}, set(), set()
     for layer in range(model.num_layers):
-        for target in peft.lora_target_modules:
+        experts = [t for t in peft.lora_target_modules if t in _EXPERT_PARAMETERS and model.is_moe_layer(layer)]
+        if experts:
+            tensors.update(_expert_adapters(reader, model, layer, experts, architecture, peft))
+            expert_targets.update(_EXPERT_PARAMETERS[t] for t in experts)
+        for target in (t for t in peft.lora_target_modules if t not in experts):
             lora_a, lora_b = (reader.read(n) for n in factor_names(f"decoder.layers.{layer}.{_OUR_MODULE[target]}"))
             blocks = _row_blocks(target, lora_b, model)
             for hf_module, covered in _MODULES[architecture][target]:
@@ -121,13 +136,48 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
     write_json(os.path.join(save_dir, CONFIG_FILE), {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": peft.lora_rank, "lora_alpha": peft.lora_alpha, "lora_dropout": peft.lora_dropout,
-        "target_modules": sorted(targets), "fan_in_fan_out": architecture == "gpt2",  # GPT-2's Conv1D is [in, out]
+        "target_modules": sorted(targets), "target_parameters": sorted(expert_targets) or None,
+        "fan_in_fan_out": architecture == "gpt2",  # GPT-2's Conv1D is [in, out]
         "bias": "none", "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "modules_to_save": None})
     safetensors.torch.save_file({k: v.float().contiguous() for k, v in tensors.items()},
                                 os.path.join(save_dir, WEIGHTS_FILE), metadata={"format": "pt"})
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         os.chmod(os.path.join(save_dir, name), 0o644)
+
+
+def _check_dense_mlps_of_experts(model: ModelConfig, peft, model_type: str) -> None:
+    """PEFT (0.21, for transformers 5) reads the target modules gate_proj, up_proj and down_proj of a model with
+    experts as the experts' projections, fusing them into the experts' parameters: the adapters of a dense MLP in
+    such a model (a dense layer, a shared expert) have no PEFT form that loads as trained."""
+    mlp_targets = {"linear_fc1", "linear_fc2"} & set(peft.lora_target_modules)
+    dense = [layer for layer in range(model.num_layers) if not model.is_moe_layer(layer)]
+    shared = model.moe_shared_expert_intermediate_size is not None
+    if model.num_experts is None or not mlp_targets or not (dense or shared):
+        return
+    where = ", ".join(([f"layers {dense}"] if dense else []) + (["the shared experts"] if shared else []))
+    raise ConfigError(f"these adapters adapt the dense MLPs of a {model_type} model with experts ({where}), which "
+                      f"PEFT cannot load: it reads the target modules gate_proj, up_proj and down_proj of such a "
+                      f"model as its experts'. Export with --merge-lora (every adapter merged), or train LoRA on "
+                      f"--lora-target-modules linear_qkv linear_proj.")
+
+
+def _expert_adapters(reader, model: ModelConfig, layer: int, targets: list, architecture: str, peft) -> dict:
+    """The PEFT tensors of layer ``layer``'s per-expert adapters on ``targets`` (linear_fc1, linear_fc2): each
+    expert's A and B stacked as ``_EXPERT_PARAMETERS`` says."""
+    if peft.lora_dropout:
+        raise ConfigError(f"the adapters adapt experts with --lora-dropout {peft.lora_dropout}, which PEFT's "
+                          f"adapters on expert weights (target_parameters) refuse: export with --merge-lora (the "
+                          f"dropout does not change the merged model), or train with --lora-dropout 0.")
+    tensors = {}
+    for target in targets:
+        factors = [[reader.read(n) for n in factor_names(
+            f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{target}")] for e in range(model.num_experts)]
+        inner = len(targets) > 1 and target == "linear_fc1"
+        prefix = f"{_LAYERS[architecture]}{layer}.mlp.experts.{'base_layer.' if inner else ''}"
+        tensors[prefix + "lora_A.weight"] = torch.cat([a for a, _ in factors])
+        tensors[prefix + "lora_B.weight"] = torch.stack([b for _, b in factors], dim=-1).flatten(1)
+    return tensors
 
 
 def _hf_base(pointer: dict | None) -> str:
@@ -199,7 +249,8 @@ def _read_peft_directory(directory: str) -> tuple[dict, dict]:
         (f"peft_type {config.get('peft_type')}", config.get("peft_type") != "LORA"),
         ("DoRA (use_dora)", config.get("use_dora")),
         (f"bias {config.get('bias')!r}", config.get("bias", "none") != "none"),
-        ("modules_to_save", config.get("modules_to_save")), ("lora_bias", config.get("lora_bias"))) if used]
+        ("modules_to_save", config.get("modules_to_save")), ("lora_bias", config.get("lora_bias")),
+        ("target_parameters (adapters on experts' weights: export only)", config.get("target_parameters"))) if used]
     if unsupported:
         raise ConfigError(f"the PEFT adapter in {directory} uses {', '.join(unsupported)}; megatron_lite imports "
                           f"plain LoRA on the attention and MLP projections.")

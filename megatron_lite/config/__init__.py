@@ -733,10 +733,7 @@ class Config:
                  "--moe-router-load-balancing-type pooled_aux_loss pools each micro-batch's routing over all layers, "
                  "which a layer recomputed in backward (--recompute-granularity full) would not see again: use "
                  "--recompute-granularity selective, or aux_loss.")
-        mlp_targets = sorted({"linear_fc1", "linear_fc2"} & set(self.peft.lora_target_modules))
-        _require(model.num_experts is None or self.peft.peft != "lora" or not mlp_targets,
-                 f"--peft lora on experts is not implemented yet: with --num-experts give --lora-target-modules "
-                 f"linear_qkv linear_proj (attention only), not {' '.join(mlp_targets)}.")
+        _check_expert_lora(model, parallel, self.peft)
         _require(not parallel.sequence_parallel or model.seq_length % tp == 0,
                  f"--sequence-parallel splits the sequence: --seq-length ({model.seq_length}) must be "
                  f"divisible by --tensor-model-parallel-size ({tp}).")
@@ -795,6 +792,20 @@ def _check_expert_parallel(model: ModelConfig, parallel: ParallelConfig) -> None
     _require(shared is None or shared % parallel.tensor_model_parallel_size == 0,
              f"--moe-shared-expert-intermediate-size ({shared}) must be divisible by --tensor-model-parallel-size "
              f"({parallel.tensor_model_parallel_size}): the shared expert is split as a dense MLP.")
+
+
+def _check_expert_lora(model: ModelConfig, parallel: ParallelConfig, peft: PeftConfig) -> None:
+    """LoRA on experts' linear_fc1 / linear_fc2 (each expert its own adapters) runs with the loop over experts and
+    experts whole or split like the dense layers (their adapters' whole factors are summed over tensor ranks)."""
+    mlp_targets = sorted({"linear_fc1", "linear_fc2"} & set(peft.lora_target_modules))
+    if model.num_experts is None or peft.peft != "lora" or not mlp_targets:
+        return
+    _require(not model.moe_grouped_gemm,
+             f"--peft lora on experts ({' '.join(mlp_targets)}) adapts each expert's linears, which "
+             f"--moe-grouped-gemm bypasses: drop --moe-grouped-gemm, or target linear_qkv linear_proj only.")
+    etp, tp = parallel.expert_tensor_size, parallel.tensor_model_parallel_size
+    _require(etp in (1, tp), f"--peft lora on experts needs --expert-tensor-parallel-size 1 or the tensor-parallel "
+                             f"size ({tp}), got {etp}.")
 
 
 def _check_schedule_units(training: TrainingConfig, optimizer: OptimizerConfig) -> None:

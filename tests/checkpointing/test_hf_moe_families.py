@@ -21,18 +21,22 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 
-from megatron_lite.checkpointing import hf_interop, read_config  # noqa: E402
+from megatron_lite.checkpointing import hf_interop, hf_peft, read_config  # noqa: E402
 from megatron_lite.checkpointing.offline import write_checkpoint  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
-from megatron_lite.config import ConfigError  # noqa: E402
+from megatron_lite.config import ConfigError, DataConfig, OptimizerConfig, PeftConfig, TrainingConfig  # noqa: E402
 from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
 from tests.checkpointing.common import widen_and_save  # noqa: E402
-from tests.checkpointing.hf_family_ranks import layouts_rank, load, sgd_step_gradients  # noqa: E402
+from megatron_lite.training.loop import pretrain  # noqa: E402
+from tests.checkpointing.hf_family_ranks import layouts_rank, load, sgd_step_gradients, training_config  # noqa: E402
+from tests.checkpointing.test_hf_families import SFT_PAIRS  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import EOS, MAX_NEW_TOKENS, PAD, PROMPTS, _hf_generate  # noqa: E402
+from tests.sft.test_sft_training import _transformers_response_loss, _write_jsonl  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
 
 VOCAB, EXPERTS, TOPK, COEF = 100, 4, 2, 0.02
@@ -285,6 +289,72 @@ def test_a_duplicated_expert_changes_the_logits(family, tmp_path):
             assert (model(family.input_ids) - family.logits).abs().max() > 100 * ATOL
     finally:
         destroy_model_parallel(parallel_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning
+
+
+def test_lora_on_attention_and_experts_exports_to_peft_and_merges(family, tmp_path):
+    """LoRA on every linear (attention, each expert's fc1 and fc2, Qwen3-MoE's dense MLP), 2 steps: the merged
+    export loads in transformers and gives our logits, and so does the PEFT export (experts as PEFT's
+    target_parameters) loaded in peft, where PEFT can load it: not with Qwen3-MoE's dense layer adapted."""
+    adapters, peft_dir, merged = (str(tmp_path / name) for name in ("lora", "peft", "merged"))
+    config = training_config(family.root, adapters, 1, 1, optimizer=OptimizerConfig(lr=3e-2),
+                             peft_config=PeftConfig(peft="lora", lora_rank=4, lora_alpha=8.0))
+    pretrain(dataclasses.replace(config, training=dataclasses.replace(config.training, train_iters=2),
+                                 checkpoint=dataclasses.replace(config.checkpoint, save_interval=2)))
+    model, parallel_state = load(adapters)
+    try:
+        with torch.no_grad():
+            ours = model(family.input_ids)
+    finally:
+        destroy_model_parallel(parallel_state)
+    assert (ours - family.logits).abs().max() > 1e-2  # LoRA moved the model
+    assert convert(["--merge-lora", "--target-format", "hf", "--load-dir", adapters, "--save-dir", merged]) == 0
+    with torch.no_grad():
+        merged_logits = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(family.input_ids).logits
+    torch.testing.assert_close(merged_logits, ours, atol=ATOL, rtol=RTOL)
+    if family.name == "qwen3_moe":  # its dense layer 0: PEFT would read gate_proj etc. as the experts'
+        with pytest.raises(ConfigError, match=r"dense MLPs of a qwen3_moe model with experts \(layers \[0\]\)"):
+            hf_peft.export_peft_adapters(adapters, peft_dir, base_model_name_or_path=family.hf_dir)
+        return
+    assert convert(["--target-format", "peft", "--load-dir", adapters, "--save-dir", peft_dir,
+                    "--base-model-name-or-path", family.hf_dir]) == 0
+    adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(family.hf_dir),
+                                             peft_dir).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(family.input_ids).logits, ours, atol=ATOL, rtol=RTOL)
+    with pytest.raises(ConfigError, match="target_parameters"):  # expert adapters are exported, not imported
+        hf_peft.import_peft_adapters(peft_dir, str(tmp_path / "back"), base_checkpoint=family.root)
+
+
+def test_expert_adapters_with_dropout_export_merged_only(imports, tmp_path):
+    family = imports["olmoe"]
+    adapters = str(tmp_path / "lora")
+    config = training_config(family.root, adapters, 1, 1, peft_config=PeftConfig(
+        peft="lora", lora_rank=2, lora_dropout=0.1, lora_target_modules=["linear_fc2"]))
+    pretrain(dataclasses.replace(config, training=dataclasses.replace(config.training, train_iters=1),
+                                 checkpoint=dataclasses.replace(config.checkpoint, save_interval=1)))
+    with pytest.raises(ConfigError, match="export with --merge-lora"):
+        hf_peft.export_peft_adapters(adapters, str(tmp_path / "peft"), base_model_name_or_path=family.hf_dir)
+
+
+def test_sft_first_loss_equals_transformers(family, tmp_path):
+    """--sft through the trainer: the first loss is transformers' cross-entropy over the response tokens of the
+    same examples, each run alone (the router's loss is not part of it, in either)."""
+    data = _write_jsonl(tmp_path / "sft.jsonl", SFT_PAIRS)
+    base = training_config(family.root, str(tmp_path / "sft"), 1, 1)
+    with torch.no_grad():
+        expected = _transformers_response_loss(family.hf_model, SFT_PAIRS).item()
+    config = dataclasses.replace(
+        base, model=dataclasses.replace(base.model, seq_length=48),
+        training=TrainingConfig(train_iters=1, eval_iters=1, micro_batch_size=2, global_batch_size=4),
+        checkpoint=dataclasses.replace(base.checkpoint, save=None, save_interval=None),
+        data=DataConfig(sft=True, train_data_path=[data], tokenizer_type="NullTokenizer"))
+    state, _, parallel_state = pretrain(config, keep_process_group=True)
+    destroy_model_parallel(parallel_state)
+    assert state.losses[0] == pytest.approx(expected, rel=1e-5)
 
 
 def test_unknown_fields_and_variants_are_refused_by_name(imports):
