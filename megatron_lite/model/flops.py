@@ -13,13 +13,24 @@ def attention_core_flops_per_token(config: ModelConfig) -> float:
     return 2 * 2 * config.seq_length * config.num_attention_heads * config.head_dim
 
 
-def transformer_layer_flops_per_token(config: ModelConfig) -> float:
-    """Forward FLOPs of one transformer layer for one token, counting every matmul (GQA and SwiGLU included)."""
+def transformer_layer_flops_per_token(config: ModelConfig, layer_number: int = 0) -> float:
+    """Forward FLOPs of layer ``layer_number`` for one token, counting every matmul (GQA and SwiGLU included;
+    a mixture of experts' router, the k experts the token goes to and the shared expert)."""
     h, d = config.hidden_size, config.head_dim
     qkv = 2 * h * (config.num_attention_heads + 2 * config.num_query_groups) * d
     projection = 2 * config.num_attention_heads * d * h
-    mlp = 2 * h * config.ffn_hidden_size * (3 if config.swiglu else 2)
-    return qkv + attention_core_flops_per_token(config) + projection + mlp
+    return qkv + attention_core_flops_per_token(config) + projection + mlp_flops_per_token(config, layer_number)
+
+
+def mlp_flops_per_token(config: ModelConfig, layer_number: int) -> float:
+    def mlp(width: int) -> float:
+        return 2 * config.hidden_size * width * (3 if config.swiglu else 2)
+
+    if not config.is_moe_layer(layer_number):
+        return mlp(config.ffn_hidden_size)
+    shared = config.moe_shared_expert_intermediate_size
+    return (2 * config.hidden_size * config.num_experts + config.moe_router_topk * mlp(config.moe_ffn_hidden_size)
+            + (mlp(shared) if shared is not None else 0))
 
 
 def output_layer_flops_per_token(config: ModelConfig, padded_vocab_size: int) -> float:
@@ -32,6 +43,6 @@ def num_floating_point_operations(config: ModelConfig, batch_size: int, padded_v
     For multi-head attention and a 4h GELU MLP this is Megatron's
     72 B s l h^2 (1 + s/(6h) + V/(12 l h)); GQA and SwiGLU change the QKV and MLP terms.
     """
-    per_token_forward = (config.num_layers * transformer_layer_flops_per_token(config)
+    per_token_forward = (sum(transformer_layer_flops_per_token(config, n) for n in range(config.num_layers))
                          + output_layer_flops_per_token(config, padded_vocab_size))
     return 3.0 * batch_size * config.seq_length * per_token_forward

@@ -1,12 +1,13 @@
 """A layout to estimate, and every valid layout of a model on a cluster.
 
-A layout is a full training ``Config`` (so every check pretraining makes applies to it
-too, and the planner reads its sharding strategy, bucket size and overlap flags as
-training does) on a number of GPUs. Enumeration varies the sizes of tensor,
-pipeline and virtual pipeline parallelism, the micro-batch size, recomputation and the
-sharding strategy; everything else (precision, global batch, overlap flags) stays as the
-user gave it. Sequence parallelism is on whenever tensor parallelism is: it only saves
-memory, for the same communication volume.
+A layout is a full training ``Config`` (so every check pretraining makes applies to it too, and the
+planner reads its sharding strategy, bucket size and overlap flags as training does) on a number of
+GPUs. Enumeration varies the sizes of tensor, pipeline and virtual pipeline parallelism, expert
+parallelism (a mixture of experts': the experts over a divisor of the data-parallel size, each
+expert split like the dense layers, Megatron-LM's default), the micro-batch size, recomputation and
+the sharding strategy; everything else (precision, global batch, overlap flags) stays as the user
+gave it. Sequence parallelism is on whenever tensor parallelism is: it only saves memory, for the
+same communication volume.
 """
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ class Layout:
                           self.pipeline_model_parallel_size).data_parallel_size
 
     @property
+    def expert_model_parallel_size(self) -> int:
+        return self.config.parallel.expert_model_parallel_size
+
+    @property
     def micro_batch_size(self) -> int:
         return self.config.training.micro_batch_size
 
@@ -76,7 +81,10 @@ class Layout:
                 "data_parallel_size": self.data_parallel_size, "micro_batch_size": self.micro_batch_size,
                 "num_microbatches": self.num_microbatches, "global_batch_size": self.global_batch_size,
                 "sequence_parallel": self.config.parallel.sequence_parallel, "recompute": self.recompute,
-                "data_parallel_sharding_strategy": self.sharding_strategy}
+                "data_parallel_sharding_strategy": self.sharding_strategy,
+                **({"expert_model_parallel_size": self.expert_model_parallel_size,
+                    "expert_tensor_parallel_size": self.config.parallel.expert_tensor_size}
+                   if self.config.model.num_experts is not None else {})}
 
     def flags(self) -> str:
         """The pretraining flags that select this layout."""
@@ -84,6 +92,8 @@ class Layout:
                  f"--pipeline-model-parallel-size {self.pipeline_model_parallel_size}"]
         if self.virtual_pipeline_model_parallel_size > 1:
             parts.append(f"--virtual-pipeline-model-parallel-size {self.virtual_pipeline_model_parallel_size}")
+        if self.expert_model_parallel_size > 1:
+            parts.append(f"--expert-model-parallel-size {self.expert_model_parallel_size}")
         parts.append(f"--micro-batch-size {self.micro_batch_size}")
         if self.config.parallel.sequence_parallel:
             parts.append("--sequence-parallel")
@@ -102,6 +112,8 @@ def check_layout(layout: Layout, cluster: Cluster, *, tensor_parallel_across_nod
     if layout.world_size != cluster.num_gpus:
         raise ConfigError(f"the layout is for {layout.world_size} GPUs but the cluster has {cluster.num_gpus}.")
     dp = layout.data_parallel_size  # raises when tp x pp does not divide the world
+    RankLayout(layout.world_size, t, p, expert_model_parallel_size=layout.expert_model_parallel_size,
+               expert_tensor_parallel_size=config.parallel.expert_tensor_parallel_size)  # experts fit in a stage
     config.training.num_microbatches(dp)
     config.parallel.check_interleaved_microbatches(layout.num_microbatches)
     for rank in range(p):
@@ -127,8 +139,10 @@ def _micro_batch_sizes(global_batch: int, data_parallel_size: int) -> list[int]:
     return [b for b in _divisors(global_batch // data_parallel_size) if b <= MAX_MICRO_BATCH_SIZE]
 
 
-def _candidate(base: Config, *, tp: int, pp: int, vpp: int, micro_batch_size: int, recompute: tuple) -> Config:
+def _candidate(base: Config, *, tp: int, pp: int, vpp: int, ep: int, micro_batch_size: int,
+               recompute: tuple) -> Config:
     parallel = dataclasses.replace(base.parallel, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                   expert_model_parallel_size=ep, expert_tensor_parallel_size=None,
                                    virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                    num_layers_per_virtual_pipeline_stage=None, sequence_parallel=tp > 1,
                                    use_distributed_optimizer=False, overlap_param_gather=False)
@@ -166,11 +180,12 @@ def enumerate_layouts(base: Config, cluster: Cluster, *,
             if layers % pp:
                 continue
             dp = n // (tp * pp)
-            for vpp in [v for v in _divisors(layers // pp) if v == 1 or pp > 1]:
+            for vpp, ep in [(v, e) for v in _divisors(layers // pp) if v == 1 or pp > 1
+                            for e in _expert_parallel_sizes(base, dp)]:
                 for micro_batch_size in _micro_batch_sizes(global_batch, dp):
                     for recompute in RECOMPUTE_CHOICES:
                         try:
-                            config = _candidate(base, tp=tp, pp=pp, vpp=vpp, micro_batch_size=micro_batch_size,
+                            config = _candidate(base, tp=tp, pp=pp, vpp=vpp, ep=ep, micro_batch_size=micro_batch_size,
                                                 recompute=recompute)
                         except ConfigError:
                             continue  # e.g. heads not divisible by tp
@@ -182,3 +197,10 @@ def enumerate_layouts(base: Config, cluster: Cluster, *,
                             except ConfigError:
                                 continue
                             yield layout
+
+
+def _expert_parallel_sizes(base: Config, data_parallel_size: int) -> list[int]:
+    """The expert-model-parallel sizes to try: each divisor of the experts that also divides the data-parallel
+    size (with each expert split over the tensor ranks, ep x tp ranks hold one copy of every expert)."""
+    experts = base.model.num_experts
+    return [1] if experts is None else [e for e in _divisors(experts) if data_parallel_size % e == 0]

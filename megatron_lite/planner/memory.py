@@ -68,7 +68,9 @@ def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: Ch
     """
     model, training = layout.config.model, layout.config.training
     tokens = model.seq_length * layout.micro_batch_size
-    layer = activations.layer_bytes_per_token(model, setting)
+    etp = layout.config.parallel.expert_tensor_size
+    per_layer = [activations.layer_bytes_per_token(model, setting, n, etp) for n in chunk.layer_numbers]
+    layer = max(per_layer, default=0.0)  # what a recomputed layer rebuilds, at most
     layers, group = len(chunk.layer_numbers), training.recompute_num_layers or 1
     ends = 0.0
     if chunk.pre_process:
@@ -78,11 +80,11 @@ def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: Ch
         vocab = model.padded_vocab_size(setting.tensor_model_parallel_size)
         output = activations.output_bytes_per_token(model, setting, vocab)
     if training.recompute_granularity != "full" or not layers:
-        return (layers * layer + ends + output) * tokens, 0.0
+        return (sum(per_layer) + ends + output) * tokens, 0.0
     recomputed_input = activations.recomputed_input_bytes_per_token(model, setting)
     if training.recompute_method == "block":
         recomputed = min(group, layers)
-        whole = (layers - recomputed) * layer
+        whole = sum(per_layer[recomputed:])
         kept = recomputed * recomputed_input + whole
         rebuilt, freed = (layer - recomputed_input if recomputed else 0.0), whole + output
     else:
@@ -92,8 +94,9 @@ def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: Ch
 
 
 def rank_memory(layout: Layout, *, device: str, pipeline_rank: int, data_parallel_rank: int = 0,
-                allowance_gb: float = 0.0) -> MemoryEstimate:
-    """Memory of rank (pipeline_rank, data_parallel_rank) of ``layout``; ``device`` picks the kernels' accounting."""
+                expert_data_parallel_rank: int = 0, allowance_gb: float = 0.0) -> MemoryEstimate:
+    """Memory of rank (pipeline_rank, data_parallel_rank) of ``layout``, its experts replica
+    ``expert_data_parallel_rank``; ``device`` picks the kernels' accounting."""
     config, model = layout.config, layout.config.model
     setting = activation_setting(layout, device)
     chunks = [chunk_activation_bytes(layout, setting, shape) for shape in rank_chunk_shapes(config, pipeline_rank)]
@@ -103,8 +106,8 @@ def rank_memory(layout: Layout, *, device: str, pipeline_rank: int, data_paralle
     tokens = model.seq_length * layout.micro_batch_size
     transient = tokens * activations.loss_transient_bytes_per_token(
         setting, model.padded_vocab_size(layout.tensor_model_parallel_size)) if last else 0.0
-    static = static_memory(config, pipeline_rank=pipeline_rank,
-                           data_parallel_size=layout.data_parallel_size, data_parallel_rank=data_parallel_rank)
+    static = static_memory(config, pipeline_rank=pipeline_rank, data_parallel_size=layout.data_parallel_size,
+                           data_parallel_rank=data_parallel_rank, expert_data_parallel_rank=expert_data_parallel_rank)
     return MemoryEstimate(pipeline_rank=pipeline_rank, static=static,
                           activation_bytes=peak, loss_transient_bytes=transient,
                           allowance_bytes=allowance_gb * GB)

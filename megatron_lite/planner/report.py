@@ -6,10 +6,12 @@ from megatron_lite.model.builder import count_parameters
 from megatron_lite.planner.cluster import Cluster
 from megatron_lite.planner.estimate import Estimate
 from megatron_lite.planner.memory import GB
+from megatron_lite.planner.parameters import active_parameters
 from megatron_lite.planner.step_time import training_dtype
 
 TIME_PARTS = {"compute": "compute (recomputation included)", "tensor_parallel": "tensor-parallel communication",
-              "pipeline_p2p": "pipeline send/receive", "pipeline_bubble": "pipeline bubble",
+              "pipeline_p2p": "pipeline send/receive", "expert_parallel": "expert-parallel all-to-all",
+              "pipeline_bubble": "pipeline bubble",
               "data_parallel": "data-parallel communication, exposed", "optimizer": "optimizer step"}
 
 
@@ -21,9 +23,16 @@ def seconds_text(seconds: float) -> str:
 def describe_model(model: ModelConfig) -> str:
     kind = "Llama-style" if model.swiglu else "GPT"
     groups = f", {model.num_query_groups} query groups" if model.num_query_groups != model.num_attention_heads else ""
+    total = count_parameters(Config(model=model)).total
+    experts = ""
+    if model.num_experts is not None:
+        moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+        experts = (f", {model.num_experts} experts of ffn {model.moe_ffn_hidden_size} (top {model.moe_router_topk}) in "
+                   f"{moe_layers} layers")
+    active = f" ({active_parameters(model, total) / 1e9:.2f} B active per token)" if experts else ""
     return (f"{kind} model: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads"
-            f"{groups}, ffn {model.ffn_hidden_size}, sequence {model.seq_length}, vocabulary {model.vocab_size}, "
-            f"{count_parameters(Config(model=model)).total / 1e9:.2f} B parameters")
+            f"{groups}, ffn {model.ffn_hidden_size}{experts}, sequence {model.seq_length}, vocabulary "
+            f"{model.vocab_size}, {total / 1e9:.2f} B parameters{active}")
 
 
 def describe_cluster(cluster: Cluster, dtype: str) -> str:

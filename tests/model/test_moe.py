@@ -335,12 +335,6 @@ def test_router_losses_follow_the_language_model_losss_scaling():
             torch.testing.assert_close(weights[name], weight, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_the_planner_refuses_experts_it_does_not_model():
-    from megatron_lite.plan import parse_plan_args
-    with pytest.raises(ConfigError, match="does not model mixture-of-experts layers yet"):
-        parse_plan_args(BASE + ["--num-experts", "4"])
-
-
 def test_a_bf16_router_routes_in_fp32():
     config = moe_config()
     half = TopKRouter(config, tensor_parallel_size=1, params_dtype=torch.bfloat16).eval()
