@@ -1,6 +1,6 @@
 """The planner's step-time estimate against measured CPU steps on this machine.
 
-Real training steps (the loop's own ``train_step``, through ``tests/planner/harness.py``) of small
+Real training steps (the loop's own ``train_step``, through ``bench/harness.py``) of small
 layouts run on 2 gloo ranks, and ``--cluster local`` is calibrated in the same processes before and
 after each layout. On a shared machine wall-clock time is stretched by however long the ranks wait for
 a CPU: calibration times compute in CPU time, and each measured step is scaled by the smallest share of
@@ -20,13 +20,14 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_lite.planner import calibrate
 from megatron_lite.planner.estimate import estimate
 from megatron_lite.planner.layouts import Layout
-from tests.distributed import run_distributed
-from tests.planner.harness import run_layout
+from bench.harness import run_layout
 
 
 def _config(tp=1, pp=1, vpp=None):
@@ -43,17 +44,20 @@ LAYOUTS = {"tp2": _config(tp=2), "pp2-1f1b": _config(pp=2), "pp2-interleaved": _
            "dp2": _config()}
 
 
-def _calibrate_and_time(rank, world_size, configs, timed_steps):
+def _calibrate_and_time(configs, timed_steps):
     # Linux shares the CPU between sessions first, then between their processes: alone in its
     # session a rank keeps its own share while the other idles in a pipeline bubble, so the
     # share seen while runnable is the share it ran at throughout (what the scaling assumes).
     os.setsid()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
     model = configs[0].model
     calibrations = [calibrate.measure(model, torch.float32, 4)]
     runs = []
     for config in configs:
         runs.append(run_layout(config, timed_steps=timed_steps))
         calibrations.append(calibrate.measure(model, torch.float32, 4))
+    dist.destroy_process_group()
     return calibrations, runs
 
 
@@ -68,7 +72,10 @@ def uncontended_seconds(rank_steps: list) -> float:
 
 def measure(configs: list, timed_steps: int) -> tuple:
     """(the local cluster as calibrated around the runs, each config's steps on each rank)."""
-    results = run_distributed(_calibrate_and_time, 2, args=(configs, timed_steps), timeout=600)
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
+                          rdzv_endpoint="127.0.0.1:0", max_restarts=0, run_id="bench_step_time")
+    by_rank = elastic_launch(launch, _calibrate_and_time)(configs, timed_steps)  # torchrun's launcher, in-process
+    results = [by_rank[rank] for rank in range(2)]
     typical = [calibrate.Measurements.typical(calibrations) for calibrations, _ in results]
     cluster = calibrate.local_cluster(typical[0].slowest(typical[1]), num_processes=2, dtype="fp32")
     return cluster, [[runs[i]["steps"] for _, runs in results] for i in range(len(configs))]

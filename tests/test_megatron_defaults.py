@@ -27,6 +27,12 @@ MEGATRON_DEFAULTS = {
     "window_size": None, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
     "rotary_seq_len_interpolation_factor": None, "hidden_dropout": 0.1, "attention_dropout": 0.1,
     "init_method_std": 0.02, "make_vocab_size_divisible_by": 128,
+    "multi_latent_attention": False, "q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "rope_type": None, "rotary_scaling_factor": 1.0, "mscale": 1.0,
+    "mscale_all_dim": 0.0, "yarn_original_max_position_embeddings": None, "yarn_beta_fast": None,
+    "yarn_beta_slow": None,
+    # Megatron's None (unset) rounds, as our True does.
+    "yarn_correction_range_round_to_int": True,
     # Megatron's num_query_groups default (1) is read only with --group-query-attention; without it
     # both use one group per head.
     "num_query_groups": None,
@@ -38,7 +44,10 @@ MEGATRON_DEFAULTS = {
     "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs",
     "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False, "moe_grouped_gemm": False,
     # parallel
-    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1,
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    # Megatron-LM's --cp-comm-type is a list too (one value for every layer, or one per layer).
+    "cp_comm_type": ["p2p"],
     "num_layers_per_virtual_pipeline_stage": None, "decoder_first_pipeline_num_layers": None,
     "decoder_last_pipeline_num_layers": None, "sequence_parallel": False, "use_distributed_optimizer": False,
     "overlap_grad_reduce": False, "overlap_param_gather": False, "ddp_bucket_size": None,

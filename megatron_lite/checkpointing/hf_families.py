@@ -1,15 +1,16 @@
 """The Hugging Face model families megatron_lite imports and exports, each a spec of ``config.json``.
 
 A family is its ``model_type``, the transformers class that loads it, how its weights are named
-(``naming``: GPT-2's, Llama's, Phi-3's or Gemma's, or Llama's with Mixtral's or Qwen-MoE's expert names,
-``hf_interop``), the ModelConfig features it implies, and every
-``config.json`` field it reads. A field outside that list (and outside ``GENERIC_FIELDS``, which
-change nothing we compute) is refused by name at import, never dropped: an unread field is a
-silently different model. A null field sets nothing and passes.
+(``naming``: GPT-2's, Llama's, Phi-3's, Gemma's or DeepSeek's, or Llama's with Mixtral's or Qwen-MoE's
+expert names, ``hf_interop``), the ModelConfig features it implies, and every ``config.json`` field it
+reads. A field outside that list (and outside ``GENERIC_FIELDS``, which change nothing we compute) is
+refused by name at import, never dropped: an unread field is a silently different model. A null field
+sets nothing and passes.
 
     family   features                                  refused
     gpt2     LayerNorm, learned positions, GELU tanh   other activations and attention scalings
-    llama    RMSNorm, RoPE (+ linear, llama3 scaling)  attention_bias, mlp_bias, other rope types
+    llama    RMSNorm, RoPE (+ linear, llama3, yarn     attention_bias, mlp_bias, other rope types
+             scaling)
     qwen2    llama + bias on q/k/v (--add-qkv-bias)    use_sliding_window, non-full layer_types
     qwen3    llama + q/k RMSNorm (--qk-layernorm),     attention_bias, use_sliding_window
              head_dim (--kv-channels)
@@ -38,9 +39,15 @@ silently different model. A null field sets nothing and passes.
     _text    layer global by default, the local        other than an unscaled rope_theta
              layers' own RoPE base, never scaled
              (--rotary-base-local)
+    deepseek_v3, deepseek_v2:
+             llama's norms and MLP + multi-latent      mixture-of-experts layers (first_k_dense_replace
+             attention (--multi-latent-attention),     < num_hidden_layers), num_key_value_heads other
+             interleaved rotary rows, rope yarn        than the heads, attention_bias, mlp_bias, rope
+                                                       scaling other than yarn
 
 On export the family is the one the model's features call for (``family_of``), or the one named
-(``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does.
+(``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does, DeepSeek-V2
+what V3 does.
 
 The MoE families' load-balancing loss (transformers' ``load_balancing_loss_func``) pools the router
 statistics of all L mixture-of-experts layers, E / (L T)^2 * sum_e C_e P_e with C and P summed over
@@ -55,7 +62,7 @@ import dataclasses
 from typing import Callable
 
 from megatron_lite.checkpointing.architecture import defines_function
-from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.config import YARN_DEFAULTS, ConfigError, ModelConfig
 
 # PretrainedConfig's own fields and the token ids: bookkeeping, no effect on the logits.
 GENERIC_FIELDS = frozenset({
@@ -65,7 +72,7 @@ GENERIC_FIELDS = frozenset({
     "tie_word_embeddings"})
 
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh approximation, which ours computes
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Megatron-LM's --use-rope-scaling fixes these (see model/rope_scaling.py).
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -127,9 +134,10 @@ GPT2_FIELDS = frozenset({
 # Llama and the families built on it
 
 
-def _rope_to_ours(hf: dict, *, partial_rotary: bool = False) -> dict:
+def _rope_to_ours(hf: dict, *, partial_rotary: bool = False, latent: bool = False) -> dict:
     """RoPE base and scaling from ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` + ``rope_theta``;
-    with ``partial_rotary`` (Phi-3) the rotated fraction of each head too."""
+    with ``partial_rotary`` (Phi-3) the rotated fraction of each head too. YaRN is --position-embedding-type
+    yarn, or with multi-latent attention (``latent``, DeepSeek) --rope-type yarn."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope_type = rope.pop("rope_type", rope.pop("type", "default"))
     refuse(rope_type not in ROPE_TYPES,
@@ -145,8 +153,34 @@ def _rope_to_ours(hf: dict, *, partial_rotary: bool = False) -> dict:
         fields.update(use_rope_scaling=True, rope_scaling_factor=float(rope.pop("factor")))
         for name, value in LLAMA3_ROPE.items():
             refuse(rope.pop(name, value) != value, f"rope_parameters.{name} other than {value} with rope_type llama3")
+    elif rope_type == "yarn":
+        fields.update(_yarn_to_ours(rope, hf), **({"rope_type": "yarn"} if latent else
+                                                   {"position_embedding_type": "yarn"}))
     refuse(bool(rope), f"rope_parameters field(s) {', '.join(sorted(rope))} with rope_type {rope_type!r}")
     return fields
+
+
+def _yarn_to_ours(rope: dict, hf: dict) -> dict:
+    """YaRN's fields, taken out of ``rope``. transformers scales the rotated channels by mscale(f, mscale) /
+    mscale(f, mscale_all_dim) only when both are set (non-zero), else by mscale(f, 1): Megatron-LM's formula
+    with --mscale 1 --mscale-all-dim 0. Only one of them set means something else to each: refused."""
+    refuse("factor" not in rope, "rope_type yarn without rope_parameters.factor")
+    mscale, mscale_all_dim = rope.pop("mscale", None), rope.pop("mscale_all_dim", None)
+    refuse(bool(mscale) != bool(mscale_all_dim),
+           f"rope_parameters.mscale {mscale} with mscale_all_dim {mscale_all_dim} (transformers reads mscale only "
+           f"with a non-zero mscale_all_dim; give both or neither)")
+    refuse(rope.pop("attention_factor", None) is not None, "rope_parameters.attention_factor (YaRN's concentration "
+                                                           "given outright, not from mscale and mscale_all_dim)")
+    # transformers prefers a top-level original_max_position_embeddings (Phi-3), then rope_parameters', then
+    # the model's own context.
+    original = hf.get("original_max_position_embeddings") or rope.pop("original_max_position_embeddings",
+                                                                      hf["max_position_embeddings"])
+    rope.pop("original_max_position_embeddings", None)
+    return dict(rotary_scaling_factor=float(rope.pop("factor")), mscale=float(mscale or 1.0),
+                mscale_all_dim=float(mscale_all_dim or 0.0), yarn_original_max_position_embeddings=int(original),
+                yarn_beta_fast=float(rope.pop("beta_fast", None) or YARN_DEFAULTS["yarn_beta_fast"]),
+                yarn_beta_slow=float(rope.pop("beta_slow", None) or YARN_DEFAULTS["yarn_beta_slow"]),
+                yarn_correction_range_round_to_int=bool(rope.pop("truncate", True)))
 
 
 def _rope_to_hf(config: ModelConfig) -> dict:
@@ -155,22 +189,37 @@ def _rope_to_hf(config: ModelConfig) -> dict:
         rope.update(rope_type="linear", factor=config.rotary_seq_len_interpolation_factor)
     elif config.use_rope_scaling:
         rope.update(rope_type="llama3", factor=config.rope_scaling_factor, **LLAMA3_ROPE)
+    elif config.yarn:
+        rope.update(_yarn_to_hf(config))
     # transformers < 5 reads rope_theta (and rope_scaling), 5 reads rope_parameters
     legacy = {"rope_scaling": rope} if rope["rope_type"] != "default" else {}
     return {"rope_theta": config.rotary_base, "rope_parameters": rope, **legacy}
 
 
+def _yarn_to_hf(config: ModelConfig) -> dict:
+    mscales = (config.mscale, config.mscale_all_dim)
+    if mscales != (1.0, 0.0) and 0.0 in mscales:
+        raise ConfigError(f"--mscale {config.mscale} with --mscale-all-dim {config.mscale_all_dim} has no Hugging Face "
+                          f"form: transformers reads YaRN's mscale only when both are non-zero (or takes 1 and 0).")
+    rope = {"rope_type": "yarn", "factor": config.rotary_scaling_factor,
+            "original_max_position_embeddings": config.yarn_original_max_position_embeddings,
+            "beta_fast": config.yarn_beta_fast, "beta_slow": config.yarn_beta_slow,
+            "truncate": config.yarn_correction_range_round_to_int}
+    return rope if mscales == (1.0, 0.0) else dict(rope, mscale=config.mscale, mscale_all_dim=config.mscale_all_dim)
+
+
 def _llama_to_ours(hf: dict) -> dict:
     refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r} (SwiGLU needs silu)")
     heads = hf["num_attention_heads"]
-    return dict(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
-                kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-                num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
-                seq_length=hf["max_position_embeddings"], max_position_embeddings=hf["max_position_embeddings"],
-                normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), position_embedding_type="rope",
-                swiglu=True, add_bias_linear=False,
-                untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-                hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0), **_rope_to_ours(hf))
+    fields = dict(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
+                  kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+                  num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
+                  seq_length=hf["max_position_embeddings"], max_position_embeddings=hf["max_position_embeddings"],
+                  normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), position_embedding_type="rope",
+                  swiglu=True, add_bias_linear=False,
+                  untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+                  hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0))
+    return dict(fields, **_rope_to_ours(hf))
 
 
 def _llama_to_hf(config: ModelConfig) -> dict:
@@ -397,6 +446,56 @@ def _has_experts(num_experts) -> bool:
     return num_experts is not None
 
 
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V2/V3: multi-latent attention, dense layers only (a mixture-of-experts layer is refused)
+
+
+def _deepseek_reader(first_k_dense_default: int) -> Callable[[dict], dict]:
+    """DeepSeek-V2 or V3's config.json (their defaults for first_k_dense_replace differ: 0 and 3)."""
+    def read(hf: dict) -> dict:
+        layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace")
+        dense = first_k_dense_default if dense is None else dense
+        refuse(dense < layers, f"mixture-of-experts layers (first_k_dense_replace {dense} < num_hidden_layers "
+                               f"{layers}); DeepSeek's mixture of experts does not import yet, only its dense layers")
+        heads = hf["num_attention_heads"]
+        refuse((hf.get("num_key_value_heads") or heads) != heads,
+               f"num_key_value_heads {hf.get('num_key_value_heads')} other than num_attention_heads {heads} "
+               f"(multi-latent attention expands keys for every head)")
+        refuse(hf.get("attention_bias", False), "attention_bias (biases on q_a_proj, kv_a_proj_with_mqa and o_proj)")
+        refuse(hf.get("mlp_bias", False), "mlp_bias")
+        latent = dict(multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"),
+                      kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
+                      qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], qk_layernorm=True,
+                      rope_type="rope")
+        fields = dict(_llama_to_ours({**hf, "rope_parameters": None, "rope_scaling": None, "head_dim": None}),
+                      **latent)
+        rope = _rope_to_ours(hf, latent=True)
+        refuse(set(rope) - {"rotary_base", "rope_type"} - set(YARN_FIELDS) != set(),
+               "rope scaling other than yarn (rope_parameters.rope_type; DeepSeek's attention scales with yarn)")
+        return dict(fields, **rope)
+    return read
+
+
+def _deepseek_to_hf(config: ModelConfig) -> dict:
+    fields = {k: v for k, v in _llama_to_hf(config).items() if k != "head_dim"}
+    return dict(fields, q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
+                qk_nope_head_dim=config.qk_head_dim, qk_rope_head_dim=config.qk_pos_emb_head_dim,
+                v_head_dim=config.v_head_dim, num_key_value_heads=config.num_attention_heads,
+                first_k_dense_replace=config.num_layers, attention_bias=False)
+
+
+YARN_FIELDS = ("rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_original_max_position_embeddings",
+               "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int")
+# What a DeepSeek config.json sets for its mixture-of-experts layers; a model whose layers are all dense has
+# none, so these change nothing (a DeepSeek mixture-of-experts import would read them).
+DEEPSEEK_MOE_FIELDS = frozenset({
+    "moe_intermediate_size", "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "n_group",
+    "topk_group", "num_experts_per_tok", "norm_topk_prob", "output_router_logits", "topk_method"})
+DEEPSEEK_FIELDS = LLAMA_FIELDS | DEEPSEEK_MOE_FIELDS | {
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace",
+    "attention_bias", "pretraining_tp",
+    "qk_head_dim"}  # qk_nope_head_dim + qk_rope_head_dim, which transformers recomputes (as head_dim)
+
 FAMILIES = {family.model_type: family for family in (
     Family("gpt2", "GPT2LMHeadModel", "gpt2", GPT2_FIELDS, _gpt2_to_ours, _gpt2_to_hf),
     Family("llama", "LlamaForCausalLM", "llama", LLAMA_FIELDS | {"attention_bias", "mlp_bias", "pretraining_tp"},
@@ -439,11 +538,19 @@ FAMILIES = {family.model_type: family for family in (
            _gemma3_to_ours, _gemma3_to_hf, features={"window_size": lambda window: window is not None,
                                                       "qk_layernorm": True,
                                                       "rotary_base_local": lambda base: base is not None}),
+    # Multi-token prediction modules (num_nextn_predict_layers) are not part of transformers' forward.
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek",
+           DEEPSEEK_FIELDS | {"rope_interleave", "num_nextn_predict_layers"}, _deepseek_reader(3),
+           lambda config: dict(_deepseek_to_hf(config), rope_interleave=True, num_nextn_predict_layers=0),
+           features={"multi_latent_attention": True, "qk_layernorm": True}),
+    # The same dense model as V3; exported when asked for (--hf-model-type deepseek_v2).
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek", DEEPSEEK_FIELDS | {"mlp_bias"}, _deepseek_reader(0),
+           lambda config: dict(_deepseek_to_hf(config), mlp_bias=False)),
 )}
 
 # The features only some families have, and the value each takes where it is absent.
 _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None,
-                      "num_experts": None, "qk_layernorm_whole_projection": False}
+                      "num_experts": None, "qk_layernorm_whole_projection": False, "multi_latent_attention": False}
 # Namings that are Llama's but for their experts' (hf_interop._EXPERT_NAMES): a Llama-like model with experts.
 EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe"})
 # Gemma's features (its own weight naming tells it apart on export): no other family describes them.
@@ -509,4 +616,5 @@ def family_of(config: ModelConfig, naming: str) -> Family:
                       f"--qk-layernorm (Qwen3) and --window-size (Mistral), or Gemma's features with "
                       f"--window-size (Gemma 2) or with --window-size, --qk-layernorm and --rotary-base-local "
                       f"(Gemma 3), or --num-experts with or without --window-size (Mixtral), with --qk-layernorm "
-                      f"(Qwen3-MoE) or with --qk-layernorm and --qk-layernorm-whole-projection (OLMoE).")
+                      f"(Qwen3-MoE) or with --qk-layernorm and --qk-layernorm-whole-projection (OLMoE), or "
+                      f"--multi-latent-attention with --qk-layernorm (DeepSeek).")

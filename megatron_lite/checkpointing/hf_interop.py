@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints (GPT-2, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE, OLMoE, Phi-3, Gemma 2 and 3)
-<-> megatron_lite global tensors.
+"""Hugging Face checkpoints (GPT-2, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE, OLMoE, Phi-3, Gemma 2 and 3,
+DeepSeek-V2/V3) <-> megatron_lite global tensors.
 
 A Hugging Face model directory is ``config.json`` plus safetensors weights
 (``model.safetensors``, or shards listed in ``model.safetensors.index.json``).
@@ -25,6 +25,7 @@ What differs between the two naming schemes:
   Qwen3-MoE and OLMoE name them mlp.experts.{e}.gate_proj/up_proj/down_proj and the router mlp.gate;
   Qwen3-MoE's dense layers (mlp_only_layers) are Llama's MLPs. OLMoE's q_norm/k_norm span the whole
   projection (all heads), but are copied as Qwen3's are: only their width differs.
+- DeepSeek's multi-latent attention: ``hf_latent_attention`` (renames, and its interleaved rotary rows).
 - Vocabulary: ours is padded (``ModelConfig.padded_vocab_size``): zero rows are added
   on import and cut on export.
 """
@@ -40,6 +41,7 @@ import torch
 
 from megatron_lite.checkpointing.hf_families import (FAMILIES, GEMMA_FEATURES, Family, config_json, family_of,
                                                     model_config_fields_from_hf, named_family)
+from megatron_lite.checkpointing.hf_latent_attention import latent_attention_from_hf, latent_attention_to_hf
 from megatron_lite.checkpointing.hf_tokenizer import export_tokenizer, import_tokenizer, write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.resharding import CheckpointReader
@@ -62,25 +64,28 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
 
 
 def hf_architecture(config: ModelConfig) -> str:
-    """'gpt2', 'llama' or 'gemma': the Hugging Face weight naming our model matches exactly (Qwen and Mistral
-    name theirs as Llama does, Gemma 3 as Gemma 2; the mixture-of-experts families as Llama but for their
-    experts), else a ConfigError."""
+    """'gpt2', 'llama', 'gemma' or 'deepseek': the Hugging Face weight naming our model matches exactly (Qwen and
+    Mistral name theirs as Llama does, Gemma 3 as Gemma 2; the mixture-of-experts families as Llama but for
+    their experts), else a ConfigError."""
     gpt2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
                 add_bias_linear=True, num_query_groups=config.num_attention_heads,
                 head_dim=config.hidden_size // config.num_attention_heads, qk_layernorm=False, window_size=None,
-                **GEMMA_FEATURES)
-    llama = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
-                 rotary_percent=1.0, **GEMMA_FEATURES)
-    gemma = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, geglu=True,
-                 add_bias_linear=False, add_qkv_bias=False, rotary_percent=1.0, apply_layernorm_1p=True,
-                 post_sublayer_norm=True, scale_embeddings=True)
-    for name, required in (("gpt2", gpt2), ("llama", llama), ("gemma", gemma)):
+                multi_latent_attention=False, **GEMMA_FEATURES)
+    llama = dict(normalization="RMSNorm", rotary=True, swiglu=True, add_bias_linear=False, rotary_percent=1.0,
+                 multi_latent_attention=False, **GEMMA_FEATURES)
+    gemma = dict(normalization="RMSNorm", rotary=True, swiglu=True, geglu=True, add_bias_linear=False,
+                 add_qkv_bias=False, rotary_percent=1.0, apply_layernorm_1p=True, post_sublayer_norm=True,
+                 scale_embeddings=True, multi_latent_attention=False)
+    deepseek = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, multi_latent_attention=True,
+                    qk_layernorm=True, window_size=None, num_experts=None, **GEMMA_FEATURES)
+    for name, required in (("gpt2", gpt2), ("llama", llama), ("gemma", gemma), ("deepseek", deepseek)):
         if all(getattr(config, k) == v for k, v in required.items()):
             return name
     raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA, head width "
                       "hidden / heads) nor Llama-like (RMSNorm, rope on every channel, SwiGLU, no biases but "
                       "--add-qkv-bias) nor Gemma (Llama's with --apply-layernorm-1p, --post-sublayer-norm, "
-                      "--scale-embeddings and --geglu): Hugging Face has no matching architecture to export to.")
+                      "--scale-embeddings and --geglu) nor dense DeepSeek (Llama's with --multi-latent-attention and "
+                      "--qk-layernorm, no --num-experts): Hugging Face has no matching architecture to export to.")
 
 
 def _default_naming(config: ModelConfig) -> str:
@@ -163,7 +168,8 @@ _QK_NORMS = (("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", Fa
 
 
 def _llama_layer_table(config: ModelConfig) -> tuple:
-    return (_GEMMA_LAYER if config.post_sublayer_norm else _LLAMA_LAYER) + (_QK_NORMS if config.qk_layernorm else ())
+    qk_norms = _QK_NORMS if config.qk_layernorm and not config.multi_latent_attention else ()  # MLA's: its own
+    return (_GEMMA_LAYER if config.post_sublayer_norm else _LLAMA_LAYER) + qk_norms
 
 
 def _renamed_from_hf(take, table, theirs_prefix: str, ours_prefix: str) -> dict:
@@ -176,9 +182,11 @@ def _renamed_to_hf(read, table, theirs_prefix: str, ours_prefix: str) -> dict:
             for theirs, mine, transposed in table}
 
 
-def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = None) -> dict:
+def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = None, *,
+                    interleaved_rope: bool = True) -> dict:
     """HF state dict -> our global tensors by name (vocabulary padded for tensor-parallel size 1). ``naming``:
-    the family's (``hf_families``), by default GPT-2's or Llama's as the model's features say."""
+    the family's (``hf_families``), by default the one the model's features say; ``interleaved_rope``: whether
+    DeepSeek's rotary rows are interleaved (``hf_latent_attention``)."""
     naming = naming or _default_naming(config)
     # Checkpoints saved from the bare GPT2Model / LlamaModel lack the prefix.
     prefix = "transformer." if naming == "gpt2" else "model."
@@ -212,9 +220,12 @@ def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = Non
                 ours[layer + "mlp.linear_fc1.weight"] = take(hf + "mlp.gate_up_proj.weight")
                 ours.update(_renamed_from_hf(take, _LLAMA_MLP, hf, layer))
             else:
-                ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
-                    take(hf + "self_attn.q_proj.weight"), take(hf + "self_attn.k_proj.weight"),
-                    take(hf + "self_attn.v_proj.weight"), config)
+                if naming == "deepseek":
+                    ours.update(latent_attention_from_hf(take, hf, layer, config, interleaved=interleaved_rope))
+                else:
+                    ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
+                        take(hf + "self_attn.q_proj.weight"), take(hf + "self_attn.k_proj.weight"),
+                        take(hf + "self_attn.v_proj.weight"), config)
                 ours.update(_mlp_from_hf(take, hf, layer, config, naming, i))
             if config.add_qkv_bias:  # Qwen2's q/k/v biases
                 ours[layer + "self_attention.linear_qkv.bias"] = pack_qkv(
@@ -254,15 +265,18 @@ def weights_to_hf(read, config: ModelConfig, naming: str | None = None) -> dict:
         hf["model.embed_tokens.weight"] = read("embedding.word_embeddings.weight")[:vocab]
         for i in range(config.num_layers):
             theirs, layer = f"model.layers.{i}.", f"decoder.layers.{i}."
-            query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
             if naming == "phi3":
+                query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
                 hf[theirs + "self_attn.qkv_proj.weight"] = torch.cat([query, key, value])
                 hf[theirs + "mlp.gate_up_proj.weight"] = read(layer + "mlp.linear_fc1.weight")
                 hf.update(_renamed_to_hf(read, _LLAMA_MLP, theirs, layer))
             else:
-                hf[theirs + "self_attn.q_proj.weight"] = query
-                hf[theirs + "self_attn.k_proj.weight"] = key
-                hf[theirs + "self_attn.v_proj.weight"] = value
+                if naming == "deepseek":
+                    hf.update(latent_attention_to_hf(read, theirs, layer, config))
+                else:
+                    query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
+                    hf.update({theirs + f"self_attn.{name}_proj.weight": weight
+                               for name, weight in zip("qkv", (query, key, value))})
                 hf.update(_mlp_to_hf(read, theirs, layer, config, naming, i))
             if config.add_qkv_bias:
                 biases = unpack_qkv(read(layer + "self_attention.linear_qkv.bias"), config)
@@ -380,7 +394,8 @@ def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_
     (``HF_SOURCE_FILE``: the base that a PEFT export of adapters trained on this checkpoint names)."""
     hf_config, tensors = read_hf_directory(load_dir)
     model_config = model_config_from_hf(hf_config)
-    weights = weights_from_hf(tensors, model_config, FAMILIES[hf_config["model_type"]].naming)
+    weights = weights_from_hf(tensors, model_config, FAMILIES[hf_config["model_type"]].naming,
+                              interleaved_rope=hf_config.get("rope_interleave", True))
     config = Config(model=model_config, parallel=ParallelConfig(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size))

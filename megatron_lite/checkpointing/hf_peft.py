@@ -20,6 +20,11 @@ block-diagonal in our row layout, each block already scaled: exact, at rank
 r x (modules per fused layer), padded with zeros to the largest such rank, and
 alpha = that rank (scale 1). Adapters that share A, rank and scale (ours, exported)
 come back unchanged.
+
+DeepSeek's multi-latent attention projections are one Hugging Face module each (q_a_proj,
+q_b_proj, kv_a_proj_with_mqa, ...; ``hf_latent_attention``); B's rows of the projections that
+produce rotated channels are reordered as the weights' are (files interleave the rotary rows, on
+import taken to be as DeepSeek's released weights have them).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import safetensors.torch
 import torch
 
 from megatron_lite.checkpointing.hf_interop import hf_architecture, hf_family, imported_from, pack_qkv, unpack_qkv
+from megatron_lite.checkpointing.hf_latent_attention import latent_rotary_rows, query_rotary_rows
 from megatron_lite.checkpointing.hf_tokenizer import write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.peft_base import adapter_reader, pointer_to
@@ -55,16 +61,35 @@ _MODULES = {
              "linear_fc1": [("mlp.gate_up_proj", ("gate", "up"))], "linear_fc2": [("mlp.down_proj", None)]},
 }
 _MODULES["gemma"] = _MODULES["mixtral"] = _MODULES["qwen_moe"] = _MODULES["llama"]
+_MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)],
+                        "linear_q_down_proj": [("self_attn.q_a_proj", None)],
+                        "linear_q_up_proj": [("self_attn.q_b_proj", None)],
+                        "linear_kv_down_proj": [("self_attn.kv_a_proj_with_mqa", None)],
+                        "linear_kv_up_proj": [("self_attn.kv_b_proj", None)],
+                        **{target: _MODULES["llama"][target] for target in ("linear_proj", "linear_fc1", "linear_fc2")}}
 _OUR_MODULE = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
-               "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
+               "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2",
+               **{target: f"self_attention.{target}" for target in ("linear_q_proj", "linear_q_down_proj",
+                                                                   "linear_q_up_proj", "linear_kv_down_proj",
+                                                                   "linear_kv_up_proj")}}
 _LAYERS = {"gpt2": "base_model.model.transformer.h.", "llama": "base_model.model.model.layers.",
            "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers.",
-           "mixtral": "base_model.model.model.layers.", "qwen_moe": "base_model.model.model.layers."}
+           "mixtral": "base_model.model.model.layers.", "qwen_moe": "base_model.model.model.layers.",
+           "deepseek": "base_model.model.model.layers."}
 # A mixture-of-experts layer's experts in transformers 5 (Mixtral, Qwen3-MoE, OLMoE): one 3-D parameter per
 # projection, [experts, out, in], which PEFT adapts as ``target_parameters`` (its ParamWrapper), every expert
 # with its own rank-r factors: A [E r, in] (expert e's rows e r .. e r + r - 1) and B [out, r E] (expert e's
 # columns e, E + e, ...). Both targeted, PEFT wraps gate_up_proj first, so its factors sit under base_layer.
 _EXPERT_PARAMETERS = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
+# DeepSeek's rotary rows are interleaved in its files, rotate-half in ours (hf_latent_attention): B's rows follow.
+_ROTARY_ROWS = {"linear_q_proj": query_rotary_rows, "linear_q_up_proj": query_rotary_rows,
+                "linear_kv_down_proj": latent_rotary_rows}
+
+
+def _hf_rows(target: str, lora_b: torch.Tensor, config: ModelConfig, *, to_hf: bool) -> torch.Tensor:
+    """B's rows in the other naming's order (only DeepSeek's rotary rows move)."""
+    reorder = _ROTARY_ROWS.get(target)
+    return lora_b if reorder is None else reorder(lora_b, config, to_interleaved=to_hf)
 
 
 def _row_blocks(target: str, rows: torch.Tensor, config: ModelConfig) -> dict:
@@ -92,14 +117,23 @@ def _block_rows(target: str, config: ModelConfig) -> dict:
 
 
 def _inputs(target: str, config: ModelConfig) -> int:
-    return {"linear_qkv": config.hidden_size, "linear_fc1": config.hidden_size,
-            "linear_proj": config.num_attention_heads * config.head_dim, "linear_fc2": config.ffn_hidden_size}[target]
+    heads = config.num_attention_heads
+    value_width = config.v_head_dim if config.multi_latent_attention else config.head_dim
+    return {"linear_qkv": config.hidden_size, "linear_fc1": config.hidden_size, "linear_proj": heads * value_width,
+            "linear_fc2": config.ffn_hidden_size, "linear_q_proj": config.hidden_size,
+            "linear_q_down_proj": config.hidden_size, "linear_q_up_proj": config.q_lora_rank,
+            "linear_kv_down_proj": config.hidden_size, "linear_kv_up_proj": config.kv_lora_rank}[target]
 
 
 def _full_rows(target: str, config: ModelConfig) -> int:
-    return {"linear_qkv": (config.num_attention_heads + 2 * config.num_query_groups) * config.head_dim,
+    heads, rotary = config.num_attention_heads, config.qk_pos_emb_head_dim
+    return {"linear_qkv": (heads + 2 * config.num_query_groups) * config.head_dim,
             "linear_proj": config.hidden_size, "linear_fc2": config.hidden_size,
-            "linear_fc1": config.ffn_hidden_size * (2 if config.swiglu else 1)}[target]
+            "linear_fc1": config.ffn_hidden_size * (2 if config.swiglu else 1),
+            "linear_q_proj": heads * (config.qk_head_dim + rotary), "linear_q_down_proj": config.q_lora_rank,
+            "linear_q_up_proj": heads * (config.qk_head_dim + rotary),
+            "linear_kv_down_proj": config.kv_lora_rank + rotary,
+            "linear_kv_up_proj": heads * (config.qk_head_dim + config.v_head_dim)}[target]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +150,7 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
     model, peft = config.model, config.peft
     family = hf_family(model, hf_model_type)
     architecture = family.naming
-    _check_dense_mlps_of_experts(model, peft, family.model_type)
+    _check_peft_loads(model, peft.lora_target_modules, family)
     tensors, targets, expert_targets = {}, set(), set()
     for layer in range(model.num_layers):
         experts = [t for t in peft.lora_target_modules if t in _EXPERT_PARAMETERS and model.is_moe_layer(layer)]
@@ -125,6 +159,7 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
             expert_targets.update(_EXPERT_PARAMETERS[t] for t in experts)
         for target in (t for t in peft.lora_target_modules if t not in experts):
             lora_a, lora_b = (reader.read(n) for n in factor_names(f"decoder.layers.{layer}.{_OUR_MODULE[target]}"))
+            lora_b = _hf_rows(target, lora_b, model, to_hf=True)
             blocks = _row_blocks(target, lora_b, model)
             for hf_module, covered in _MODULES[architecture][target]:
                 prefix = f"{_LAYERS[architecture]}{layer}.{hf_module}"
@@ -146,20 +181,25 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
         os.chmod(os.path.join(save_dir, name), 0o644)
 
 
-def _check_dense_mlps_of_experts(model: ModelConfig, peft, model_type: str) -> None:
-    """PEFT (0.21, for transformers 5) reads the target modules gate_proj, up_proj and down_proj of a model with
-    experts as the experts' projections, fusing them into the experts' parameters: the adapters of a dense MLP in
-    such a model (a dense layer, a shared expert) have no PEFT form that loads as trained."""
-    mlp_targets = {"linear_fc1", "linear_fc2"} & set(peft.lora_target_modules)
+# Namings whose gate_proj, up_proj and down_proj peft (0.21, for transformers 5) takes for a mixture of experts'
+# fused parameters, in every layer: Qwen3-MoE, OLMoE and DeepSeek (not Mixtral, whose experts are w1, w3, w2).
+_PEFT_REMAPS_MLPS = frozenset({"qwen_moe", "deepseek"})
+
+
+def _check_peft_loads(model: ModelConfig, targets: list, family) -> None:
+    """Adapters on a dense MLP (a dense layer, a shared expert) of a model peft remaps would load onto nothing,
+    silently: refused."""
+    mlp = [target for target in targets if target in ("linear_fc1", "linear_fc2")]
     dense = [layer for layer in range(model.num_layers) if not model.is_moe_layer(layer)]
     shared = model.moe_shared_expert_intermediate_size is not None
-    if model.num_experts is None or not mlp_targets or not (dense or shared):
+    if family.naming not in _PEFT_REMAPS_MLPS or not mlp or not (dense or shared):
         return
     where = ", ".join(([f"layers {dense}"] if dense else []) + (["the shared experts"] if shared else []))
-    raise ConfigError(f"these adapters adapt the dense MLPs of a {model_type} model with experts ({where}), which "
-                      f"PEFT cannot load: it reads the target modules gate_proj, up_proj and down_proj of such a "
-                      f"model as its experts'. Export with --merge-lora (every adapter merged), or train LoRA on "
-                      f"--lora-target-modules linear_qkv linear_proj.")
+    raise ConfigError(f"LoRA on {' and '.join(mlp)} of a {family.model_type} model's dense MLPs ({where}) has no PEFT "
+                      f"form that peft loads: it remaps the model's mlp.gate_proj/up_proj/down_proj to "
+                      f"mixture-of-experts parameters and drops the adapters of dense MLPs. Export adapters trained "
+                      f"with --lora-target-modules linear_qkv linear_proj (attention), or merge them into the base "
+                      f"(--merge-lora).")
 
 
 def _expert_adapters(reader, model: ModelConfig, layer: int, targets: list, architecture: str, peft) -> dict:
@@ -277,7 +317,7 @@ def _updates_by_target(peft_config: dict, tensors: dict, architecture: str, mode
                 names = (f"{key}.lora_A.weight", f"{key}.lora_B.weight")
                 if names[0] not in tensors:
                     continue
-                lora_a, lora_b = tensors[names[0]], tensors[names[1]]
+                lora_a, lora_b = tensors[names[0]], _hf_rows(target, tensors[names[1]], model, to_hf=False)
                 updates.setdefault((layer, target), {})[covered] = (
                     lora_a, lora_b, _scale(peft_config, key.removeprefix("base_model.model."), lora_a.shape[0]))
                 used.update(names)

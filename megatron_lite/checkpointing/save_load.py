@@ -2,9 +2,9 @@
 
 Save: each rank writes one safetensors file with what only it holds: its
 tensor-parallel shard of its stage's weights (data-parallel rank 0 only; the other
-replicas hold the same values), its optimizer state (rank 0 of the data-parallel
-group, or every rank's own slice under the distributed optimizer) and its RNG
-states. Replicated tensors are written by tensor-parallel rank 0 only, and the tied
+replicas, context-parallel ranks included, hold the same values), its optimizer state
+(rank 0 of the data x context group, or every rank's own slice under the distributed
+optimizer) and its RNG states. Replicated tensors are written by tensor-parallel rank 0 only, and the tied
 output layer of the last pipeline stage not at all (it is the word embedding).
 Frozen weights are not written: a PEFT run's checkpoint holds its adapters and
 points at the base they were trained on (``peft_base``).

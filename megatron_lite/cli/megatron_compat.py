@@ -35,6 +35,10 @@ ACCEPTED_FLAGS = {
     "--no-persist-layer-norm": _FUSION_NOOP,
     "--check-for-nan-in-loss-and-grad": "accepted: the default (a non-finite loss or grad norm stops the run; "
                                         "--no-check-for-nan-in-loss-and-grad turns the check off)",
+    "--cache-mla-latents": "accepted, no effect: multi-latent attention's generation always caches its latents",
+    "--mla-down-proj-fusion": _FUSION_NOOP,
+    "--yarn-correction-range-round-to-int": "accepted: the default (YaRN's blended channel range is rounded out; "
+                                            "--no-yarn-correction-range-round-to-int keeps it unrounded)",
     "--no-gradient-accumulation-fusion": "accepted, no effect: gradients always accumulate in the data-parallel "
                                          "gradient buffer",
     "--moe-permute-fusion": "accepted, no effect: tokens are permuted to their experts by PyTorch ops",
@@ -82,10 +86,6 @@ REFUSED_FLAGS = {
     "--fp4-format": Refusal(_NO_FP4),
     "--fp4-recipe": Refusal(_NO_FP4),
     "--fp4-param-gather": Refusal(_NO_FP4, takes_value=False),
-    # Parallelism we do not implement.
-    "--context-parallel-size": Refusal("megatron_lite has no context parallelism (attention split over ranks "
-                                       "along the sequence; --sequence-parallel with tensor parallelism splits "
-                                       "the other activations)", harmless=("1",)),
     # Mixture of experts: one dispatcher (all-to-all) and one router precision (fp32).
     "--moe-token-dispatcher-type": Refusal(
         "megatron_lite dispatches tokens with all-to-all only", harmless=("alltoall", "allgather"),

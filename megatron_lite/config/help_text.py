@@ -22,7 +22,7 @@ HELP = {
     "normalization": "norm before attention and MLP: LayerNorm (GPT-2) or RMSNorm (Llama)",
     "norm_epsilon": "epsilon inside the norms (Llama checkpoints often use 1e-6 or 1e-5)",
     "apply_layernorm_1p": "norm weights hold scale - 1, zero at init (Megatron's zero-centred gamma; both norms)",
-    "position_embedding_type": "learned_absolute (GPT-2) or rope (rotary, Llama)",
+    "position_embedding_type": "learned_absolute (GPT-2), rope (rotary, Llama) or yarn (rotary with YaRN scaling)",
     "rotary_base": "RoPE base frequency theta (Llama 3: 500000); with --rotary-base-local, the global layers' only",
     "rotary_base_local": ("RoPE base of the sliding-window (local) layers, which then rotate without RoPE scaling; "
                           "--rotary-base and the scaling are the global layers' (Gemma 3: 10000 and 1000000; "
@@ -33,7 +33,8 @@ HELP = {
     "swiglu": "SwiGLU MLP (gated SiLU, Llama) instead of GELU",
     "add_bias_linear": "drop the biases of every linear layer (Llama)",
     "add_qkv_bias": "a bias on the query/key/value projection only, also with --disable-bias-linear (Qwen2)",
-    "qk_layernorm": "normalise each head's queries and keys (RMSNorm over the head width) before RoPE (Qwen3)",
+    "qk_layernorm": ("normalise each head's queries and keys (RMSNorm over the head width) before RoPE (Qwen3); with "
+                     "--multi-latent-attention, the query and key/value latents"),
     "qk_layernorm_whole_projection": ("with --qk-layernorm, normalise all heads' queries together (and all keys): "
                                       "one RMSNorm over the whole projection, a weight per channel (OLMoE; "
                                       "Megatron-Bridge's OLMoE attention, not a Megatron-LM flag)"),
@@ -53,6 +54,24 @@ HELP = {
     "use_rope_scaling": ("Llama 3.x RoPE scaling: low frequencies divided by --rope-scaling-factor (original "
                          "context 8192, low/high frequency factors 1 and 4, as Megatron-LM)"),
     "rope_scaling_factor": "the factor of --use-rope-scaling",
+    "rotary_scaling_factor": "YaRN's context stretch: low frequencies divided by it, high ones kept",
+    "mscale": ("YaRN: rotated channels scaled by (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) "
+               "+ 1)"),
+    "mscale_all_dim": ("YaRN: the denominator's mscale; multi-latent attention also multiplies its softmax scale by "
+                       "(0.1 mscale_all_dim ln(factor) + 1)^2"),
+    "yarn_original_max_position_embeddings": "YaRN: the context the model was trained at before the stretch "
+                                             "(default 4096)",
+    "yarn_beta_fast": "YaRN: frequencies of more than this many turns over the original context are kept (default 32)",
+    "yarn_beta_slow": "YaRN: those of fewer turns are fully stretched, in between blended (default 1)",
+    "yarn_correction_range_round_to_int": "YaRN: keep the blended range of channels unrounded (default: rounded out)",
+    "multi_latent_attention": ("multi-latent attention (DeepSeek-V2/V3): queries, keys and values from low-rank "
+                               "latents; the generation cache holds the key/value latent"),
+    "q_lora_rank": "MLA: width of the query latent (default: queries projected straight from the hidden state)",
+    "kv_lora_rank": "MLA: width of the key/value latent",
+    "qk_head_dim": "MLA: query/key channels per head without rotary embedding",
+    "qk_pos_emb_head_dim": "MLA: query/key channels per head with rotary embedding (the key's shared by all heads)",
+    "v_head_dim": "MLA: value channels per head",
+    "rope_type": "MLA's rotary embedding, rope or yarn (default: yarn; other attention: --position-embedding-type)",
     "untie_embeddings_and_output_weights": "give the output layer its own weight instead of the input embedding's",
     "hidden_dropout": "dropout on the attention and MLP outputs",
     "attention_dropout": "dropout on the attention probabilities",
@@ -93,6 +112,11 @@ HELP = {
     # parallel
     "tensor_model_parallel_size": "GPUs each layer is split across (keep within a node)",
     "pipeline_model_parallel_size": "pipeline stages the layers are split into",
+    "context_parallel_size": "GPUs each sequence is split across (every activation; attention exchanges keys and "
+                             "values); the sequence is cut into 2 x this many chunks, rank i holding chunks i and "
+                             "2 x size - 1 - i",
+    "cp_comm_type": "how context-parallel attention exchanges keys and values: p2p (a ring, overlapped with each "
+                    "block's attention) or all_gather (Megatron-LM: allgather); one value, or one per layer",
     "expert_model_parallel_size": "ranks the experts of each mixture-of-experts layer are divided over",
     "expert_tensor_parallel_size": ("ranks each expert's weights are split across (default "
                                     "--tensor-model-parallel-size, which Megatron-LM's validation writes in)"),
@@ -260,7 +284,10 @@ HELP = {
     "lora_rank": "rank r of the LoRA update B A",
     "lora_alpha": "LoRA scale: the update is multiplied by alpha / r",
     "lora_dropout": "dropout on the input of the LoRA branch",
-    "lora_target_modules": "the linear layers LoRA adapts, any of linear_qkv linear_proj linear_fc1 linear_fc2",
+    "lora_target_modules": ("the linear layers LoRA adapts, any of linear_qkv linear_proj linear_fc1 linear_fc2 "
+                            "(default: all four) or, with --multi-latent-attention, linear_q_proj linear_q_down_proj "
+                            "linear_q_up_proj linear_kv_down_proj linear_kv_up_proj (linear_qkv: all of these "
+                            "the model has)"),
     "adapter_dim": "bottleneck width of the adapters (--peft adapter)",
     "prefix_length": "learned key/value vectors prepended in every layer (--peft prefix)",
     "prefix_projection_hidden_size": ("produce the prefixes during training through a two-layer MLP of this width "

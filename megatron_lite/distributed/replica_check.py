@@ -29,14 +29,17 @@ def weight_hash(model_chunks, experts: bool | None = None) -> int:
 
 def check_weight_hash_across_dp_replicas(model_chunks, parallel_state: ParallelState, iteration: int) -> None:
     """Expert weights, where they have groups of their own, are compared over the expert-data-parallel
-    group (the ranks holding the same experts), the rest over the data-parallel one."""
+    group (the ranks holding the same experts), the rest over the data x context-parallel one (context-parallel
+    ranks hold whole replicas too)."""
     for chunk in model_chunks:  # weights must be final: finish any overlapped all-gather first
         chunk.finish_param_sync()
+    dense = "data_context" if "data_context" in parallel_state.group_ranks else "data"
     if not parallel_state.splits_experts:
-        _compare(weight_hash(model_chunks), parallel_state.data_parallel_group, "data", parallel_state, iteration)
+        _compare(weight_hash(model_chunks), parallel_state.data_parallel_group_with_context, dense, parallel_state,
+                 iteration)
         return
-    _compare(weight_hash(model_chunks, experts=False), parallel_state.data_parallel_group, "data", parallel_state,
-             iteration)
+    _compare(weight_hash(model_chunks, experts=False), parallel_state.data_parallel_group_with_context, dense,
+             parallel_state, iteration)
     _compare(weight_hash(model_chunks, experts=True), parallel_state.expert_data_parallel_group, "expert_data",
              parallel_state, iteration)
 

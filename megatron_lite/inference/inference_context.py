@@ -6,8 +6,14 @@ each attention layer stores them here instead of recomputing them, so a step cos
 token's work. The cache is allocated once per layer, at its first use, for the longest
 sequence the batch will reach, and filled in place.
 
+What a layer caches is its own affair: standard attention its keys and values,
+multi-latent attention the compressed latent they are expanded from and the rotary key
+its heads share (kv_lora_rank + qk_pos_emb_head_dim numbers per token instead of
+heads x (key + value width)).
+
 Each rank holds only what its layers compute: a tensor-parallel rank its own query
-groups' keys and values, a pipeline stage its own layers. ``sequence_len_offset`` is
+groups' keys and values (multi-latent attention's latent is every head's, so each rank
+holds it whole), a pipeline stage its own layers. ``sequence_len_offset`` is
 how many positions are already cached; the new tokens of a forward pass take the
 positions after it (the model numbers them from it when given no position ids).
 
@@ -25,36 +31,38 @@ class StaticInferenceContext:
     def __init__(self, max_sequence_length: int):
         self.max_sequence_length = max_sequence_length
         self.sequence_len_offset = 0
-        self.key_value_memory_dict: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.key_value_memory_dict: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def append_key_value(self, layer_number: int, key: torch.Tensor, value: torch.Tensor, *,
-                         window: int | None = None):
-        """Store layer ``layer_number``'s keys and values of the new tokens ([s, b, groups, d]) after the
-        cached ones; returns the keys and values of every position so far ([offset + s, b, groups, d]).
+    def append_key_value(self, layer_number: int, *tensors: torch.Tensor,
+                         window: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Store layer ``layer_number``'s tensors of the new tokens (each [s, b, ...]: keys and values, or a
+        latent and a rotary key) after the cached ones; returns each over every position so far ([offset + s,
+        b, ...]).
 
         ``window``: the layer's queries see only the ``window`` positions before their own (a sliding
         window), so only the last ``window`` are kept, and returned before the new ones."""
-        end = self.sequence_len_offset + key.shape[0]
+        end = self.sequence_len_offset + tensors[0].shape[0]
         if end > self.max_sequence_length:
             raise ValueError(f"the key/value cache holds {self.max_sequence_length} positions; "
                              f"this step needs {end}.")
         if window is not None:
-            return self._append_in_window(layer_number, key, value, window)
+            return self._append_in_window(layer_number, tensors, window)
         if layer_number not in self.key_value_memory_dict:
-            shape = (self.max_sequence_length, *key.shape[1:])
-            self.key_value_memory_dict[layer_number] = (key.new_empty(shape), value.new_empty(shape))
-        keys, values = self.key_value_memory_dict[layer_number]
-        keys[self.sequence_len_offset:end] = key
-        values[self.sequence_len_offset:end] = value
-        return keys[:end], values[:end]
+            self.key_value_memory_dict[layer_number] = tuple(
+                t.new_empty((self.max_sequence_length, *t.shape[1:])) for t in tensors)
+        cached = self.key_value_memory_dict[layer_number]
+        for store, new in zip(cached, tensors):
+            store[self.sequence_len_offset:end] = new
+        return tuple(store[:end] for store in cached)
 
-    def _append_in_window(self, layer_number: int, key: torch.Tensor, value: torch.Tensor, window: int):
+    def _append_in_window(self, layer_number: int, tensors: tuple[torch.Tensor, ...], window: int):
         cached = self.key_value_memory_dict.get(layer_number)
-        keys, values = (key, value) if cached is None else (torch.cat([cached[0], key]), torch.cat([cached[1], value]))
-        first_kept = max(0, keys.shape[0] - window)
+        if cached is not None:
+            tensors = tuple(torch.cat([store, new]) for store, new in zip(cached, tensors))
+        first_kept = max(0, tensors[0].shape[0] - window)
         # Copies, so the whole step's keys (a long prompt's) are not kept alive through a view.
-        self.key_value_memory_dict[layer_number] = (keys[first_kept:].clone(), values[first_kept:].clone())
-        return keys, values
+        self.key_value_memory_dict[layer_number] = tuple(t[first_kept:].clone() for t in tensors)
+        return tensors
 
     def increment_sequence_len_offset(self, num_tokens: int) -> None:
         """Called once a forward pass has gone through every layer of this rank."""

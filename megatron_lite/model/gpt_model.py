@@ -3,12 +3,16 @@
 One class covers GPT-2 and Llama (see ModelConfig). A pipeline stage is the same
 class built with ``pre_process`` (holds the embedding), ``post_process`` (holds the
 final norm, the output layer and the loss) and the global layer numbers it runs.
+Under context parallelism (``context_parallel``) it runs on this rank's positions of each
+sequence, its inputs, position ids and labels cut to them (``context_parallel/sharding.py``);
+only attention looks across the ranks.
 """
 import torch
 from torch import nn
 
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig, local_positions
 from megatron_lite.expert_parallel import ExpertParallelConfig
 from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_angles
 from megatron_lite.model.moe.router import TopKRouter
@@ -23,7 +27,8 @@ from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_ent
 
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, tp_config: TensorParallelConfig, *, layer_numbers: range | None = None,
-                 pre_process: bool = True, post_process: bool = True, recompute_granularity: str | None = None,
+                 context_parallel: ContextParallelConfig | None = None, pre_process: bool = True,
+                 post_process: bool = True, recompute_granularity: str | None = None,
                  recompute_method: str | None = None, recompute_num_layers: int | None = None,
                  ep_config: ExpertParallelConfig = ExpertParallelConfig()):
         super().__init__()
@@ -32,6 +37,7 @@ class GPTModel(nn.Module):
         self.post_process = post_process
         self.sequence_parallel = tp_config.sequence_parallel
         self.tp_group = tp_config.tp_group
+        self.context_parallel = context_parallel
         self.padded_vocab_size = config.padded_vocab_size(collectives.world_size(tp_config.tp_group))
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor = None
@@ -41,7 +47,8 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, padded_vocab_size=self.padded_vocab_size,
                                                     tp_config=tp_config)
-        self.decoder = TransformerBlock(config, layer_numbers, recompute_granularity=recompute_granularity,
+        self.decoder = TransformerBlock(config, layer_numbers, context_parallel=context_parallel,
+                                        recompute_granularity=recompute_granularity,
                                         recompute_method=recompute_method,
                                         recompute_num_layers=recompute_num_layers, tp_config=tp_config,
                                         ep_config=ep_config)
@@ -84,6 +91,16 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
+    def _position_ids(self, input_ids: torch.Tensor, inference_context) -> torch.Tensor:
+        """[b, s] positions of the tokens given: 0, 1, ..., counting on after a generation's cached tokens;
+        under context parallelism, this rank's positions of the whole sequence."""
+        if self.context_parallel is not None:
+            cp = self.context_parallel
+            positions = local_positions(input_ids.shape[1] * cp.size, cp.rank, cp.size).to(input_ids.device)
+            return positions.expand_as(input_ids)
+        first = inference_context.sequence_len_offset if inference_context is not None else 0
+        return torch.arange(first, first + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """The pipeline schedule hands a non-first stage its input activations here."""
         self.input_tensor = input_tensor
@@ -116,14 +133,13 @@ class GPTModel(nn.Module):
         ones it has cached: positions count on from its offset, and only the last token's logits [b, 1, V]
         are computed, the only ones sampled from."""
         if position_ids is None:
-            first = inference_context.sequence_len_offset if inference_context is not None else 0
-            position_ids = torch.arange(first, first + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            position_ids = self._position_ids(input_ids, inference_context)
         if self.pre_process:
             hidden_states = self.embedding(input_ids, position_ids)
         else:
             hidden_states = self.input_tensor
         rotary = None
-        if self.config.position_embedding_type == "rope":
+        if self.config.rotary:
             rotary = rotary_angles(position_ids.to(hidden_states.device), self.config)
         pool, self.next_pool = self.next_pool, None
         whole_model = (self.pools_routing and pool is None and self.pre_process and self.post_process

@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig
 from megatron_lite.expert_parallel import ExpertParallelConfig
 from megatron_lite.model.embedding import RotaryAngles
 from megatron_lite.model.transformer_layer import TransformerLayer
@@ -23,11 +24,13 @@ class TransformerBlock(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, layer_numbers: range, *, tp_config: TensorParallelConfig,
+                 context_parallel: ContextParallelConfig | None = None,
                  ep_config: ExpertParallelConfig = ExpertParallelConfig(), recompute_granularity: str | None = None,
                  recompute_method: str | None = None, recompute_num_layers: int | None = None):
         super().__init__()
         self.layers = nn.ModuleDict({
-            str(n): TransformerLayer(config, layer_number=n, tp_config=tp_config, ep_config=ep_config,
+            str(n): TransformerLayer(config, layer_number=n, tp_config=tp_config, context_parallel=context_parallel,
+                                     ep_config=ep_config,
                                      checkpoint_core_attention=recompute_granularity == "selective")
             for n in layer_numbers})
         self.recompute_full = recompute_granularity == "full"

@@ -1,6 +1,7 @@
 """One pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x)).
 
-The MLP is dense or a mixture of experts, as ``build_mlp`` says for the layer (``--moe-layer-freq``).
+Which attention and which MLP (dense or a mixture of experts, ``--moe-layer-freq``) the layer has is
+its spec's choice (``layer_spec.py``).
 
 With ``--post-sublayer-norm`` (Gemma 2) each sublayer's output is normalised too before it joins the
 residual: x + Norm(Attn(Norm(x))), then x + Norm(MLP(Norm(x))); the norms are named as Megatron-Core's
@@ -13,10 +14,9 @@ from torch import nn
 
 from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig
 from megatron_lite.expert_parallel import ExpertParallelConfig
-from megatron_lite.model.attention import SelfAttention
-from megatron_lite.model.mlp import MLP
-from megatron_lite.model.moe import MoELayer
+from megatron_lite.model.layer_spec import transformer_layer_spec
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.sliding_window import is_local_layer
 from megatron_lite.tensor_parallel import TensorParallelConfig
@@ -25,6 +25,7 @@ from megatron_lite.tensor_parallel.random import get_rng_tracker
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, *, layer_number: int, tp_config: TensorParallelConfig,
+                 context_parallel: ContextParallelConfig | None = None,
                  ep_config: ExpertParallelConfig = ExpertParallelConfig(), checkpoint_core_attention: bool = False):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init do not depend on the stage
@@ -34,11 +35,13 @@ class TransformerLayer(nn.Module):
         norm = dict(normalization=config.normalization, eps=config.norm_epsilon,
                     apply_layernorm_1p=config.apply_layernorm_1p, sequence_parallel=tp_config.sequence_parallel,
                     params_dtype=tp_config.params_dtype)
+        spec = transformer_layer_spec(config, layer_number, ep_config=ep_config)
         self.input_layernorm = Norm(config.hidden_size, **norm)
-        self.self_attention = SelfAttention(config, layer_number=layer_number, tp_config=tp_config,
-                                            checkpoint_core_attention=checkpoint_core_attention)
+        self.self_attention = spec.self_attention(config, layer_number=layer_number, tp_config=tp_config,
+                                                  context_parallel=context_parallel,
+                                                  checkpoint_core_attention=checkpoint_core_attention)
         self.pre_mlp_layernorm = Norm(config.hidden_size, **norm)
-        self.mlp = build_mlp(config, layer_number=layer_number, tp_config=tp_config, ep_config=ep_config)
+        self.mlp = spec.mlp(config, tp_config=tp_config)
         if config.post_sublayer_norm:
             self.post_self_attn_layernorm = Norm(config.hidden_size, **norm)
             self.post_mlp_layernorm = Norm(config.hidden_size, **norm)
@@ -60,15 +63,6 @@ class TransformerLayer(nn.Module):
         forked = self.sequence_parallel and self.training and self.hidden_dropout > 0
         with get_rng_tracker().fork() if forked else contextlib.nullcontext():
             return kernels.bias_dropout_add(x, bias, residual, self.hidden_dropout, self.training)
-
-
-def build_mlp(config: ModelConfig, *, layer_number: int, tp_config: TensorParallelConfig,
-              ep_config: ExpertParallelConfig) -> nn.Module:
-    """The MLP of layer ``layer_number``: a mixture of experts where --num-experts and --moe-layer-freq put one,
-    else dense. Both take [s, b, h] and return (output, bias), so the layer does not ask which it has."""
-    if config.is_moe_layer(layer_number):
-        return MoELayer(config, tp_config=tp_config, ep_config=ep_config)
-    return MLP(config, tp_config=tp_config)
 
 
 def _post_norm(norm, output, bias):

@@ -20,6 +20,7 @@ import torch
 
 from megatron_lite.config import ConfigError
 from megatron_lite.pipeline_parallel import p2p
+from megatron_lite.process_groups import collectives
 from megatron_lite.pipeline_parallel.schedule_table import (OpKind, ScheduleOp, check_interleaved_microbatches,
                                                             is_first_virtual_stage, is_last_virtual_stage,
                                                             rank_schedule, steps)
@@ -262,8 +263,20 @@ class ScheduleExecutor:
         self.outputs[key] = output
 
     def _loss(self, outputs: tuple):
-        """(what backward starts from, the loss dict) from what ``loss_func`` returned."""
+        """(what backward starts from, the loss dict) from what ``loss_func`` returned.
+
+        Under context parallelism each rank's ``loss_func`` sees its own positions of the micro-batch: its
+        sum and count are parts of the micro-batch's, and its loss dict holds its part (summed over the
+        context-parallel ranks with the data-parallel ones when reported). The gradient reduction averages
+        over data x context ranks, as if context-parallel ranks were replicas; they are parts of one
+        sequence, whose gradients add up, hence the factor cp on a micro-batch mean (a per-token loss is
+        scaled in finalize_model_grads)."""
+        context_parallel = self.parallel_state.context_parallel_world_size
         if len(outputs) == 2:  # a micro-batch mean
+            if context_parallel > 1:
+                raise ValueError("under context parallelism loss_func sees only this rank's part of a micro-batch, "
+                                 "whose mean is not the micro-batch's: return (loss sum, number of tokens, loss "
+                                 "dict) instead of a mean.")
             loss, loss_dict = outputs
             return loss / self.num_microbatches, loss_dict
         loss_sum, num_tokens, loss_dict = outputs
@@ -271,7 +284,9 @@ class ScheduleExecutor:
         if self.calculate_per_token_loss:
             return loss_sum, loss_dict  # the division by the global batch's token count comes in finalize
         # Each micro-batch's mean, divided by m: the accumulated gradient is that of the mean of the means.
-        return loss_sum / num_tokens.clamp(min=1) / self.num_microbatches, loss_dict
+        num_tokens = num_tokens.detach().clone()
+        collectives.all_reduce(num_tokens, self.parallel_state.context_parallel_group)
+        return loss_sum * context_parallel / num_tokens.clamp(min=1) / self.num_microbatches, loss_dict
 
     def backward(self, op: ScheduleOp) -> None:
         key = (op.microbatch, op.chunk)

@@ -38,7 +38,7 @@ def fsdp_unit(spec: ParamSpec) -> str:
 
 
 def _norm(prefix: str, model: ModelConfig, width: int | None = None) -> list[ParamSpec]:
-    """A norm over ``width`` channels (default the hidden size)."""
+    """A norm over ``width`` channels (the hidden size unless given; --qk-layernorm's are one head wide)."""
     names = ["weight", "bias"] if model.normalization == "LayerNorm" else ["weight"]
     return [ParamSpec(f"{prefix}.{n}", width or model.hidden_size) for n in names]
 
@@ -55,25 +55,16 @@ def layer_parameters(model: ModelConfig, layer_number: int, tensor_model_paralle
     """One transformer layer's shards: column-parallel weights and biases are split over the rows,
     row-parallel weights over the columns, row-parallel biases and norms are replicated; a
     mixture-of-experts layer's experts over the expert-model-parallel ranks, each over the expert-tensor ones."""
-    t, h = tensor_model_parallel_size, model.hidden_size
-    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim // t
-    bias = model.add_bias_linear
+    t = tensor_model_parallel_size
     prefix = f"decoder.layers.{layer_number}"
-    qk_norms = []
-    if model.qk_layernorm:  # per head (shared by the heads), or over a whole projection (split with the heads)
-        widths = ((model.num_attention_heads * model.head_dim // t, model.num_query_groups * model.head_dim // t)
-                  if model.qk_layernorm_whole_projection else (model.head_dim, model.head_dim))
-        qk_norms = (_norm(f"{prefix}.self_attention.q_layernorm", model, widths[0])
-                    + _norm(f"{prefix}.self_attention.k_layernorm", model, widths[1]))
+    attention = _latent_attention if model.multi_latent_attention else _attention
     if model.is_moe_layer(layer_number):
         mlp = _experts(f"{prefix}.mlp", model, t, expert_model_parallel_size, expert_tensor_parallel_size or t)
     else:
         mlp = _mlp(f"{prefix}.mlp", model, model.ffn_hidden_size, t)
     return (_norm(f"{prefix}.input_layernorm", model)
-            + _linear(f"{prefix}.self_attention.linear_qkv", qkv, h, qkv if bias or model.add_qkv_bias else None)
-            + _linear(f"{prefix}.self_attention.linear_proj", h, model.num_attention_heads * model.head_dim // t,
-                      h if bias else None)
-            + qk_norms + _norm(f"{prefix}.pre_mlp_layernorm", model) + mlp
+            + attention(f"{prefix}.self_attention", model, t)
+            + _norm(f"{prefix}.pre_mlp_layernorm", model) + mlp
             + (_norm(f"{prefix}.post_self_attn_layernorm", model) + _norm(f"{prefix}.post_mlp_layernorm", model)
                if model.post_sublayer_norm else []))
 
@@ -111,6 +102,38 @@ def active_parameters(model: ModelConfig, total: int) -> int:
     expert = model.hidden_size * model.moe_ffn_hidden_size * (3 if model.swiglu else 2)
     moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
     return total - moe_layers * (model.num_experts - model.moe_router_topk) * expert
+
+
+def _attention(prefix: str, model: ModelConfig, t: int) -> list[ParamSpec]:
+    """``model/attention.py``'s: the fused QKV, the output projection, the q/k norms: per head (shared by the
+    heads), or over a whole projection (split with the heads)."""
+    h, bias = model.hidden_size, model.add_bias_linear
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim // t
+    widths = ((model.num_attention_heads * model.head_dim // t, model.num_query_groups * model.head_dim // t)
+              if model.qk_layernorm_whole_projection else (model.head_dim, model.head_dim))
+    return (_linear(f"{prefix}.linear_qkv", qkv, h, qkv if bias or model.add_qkv_bias else None)
+            + _linear(f"{prefix}.linear_proj", h, model.num_attention_heads * model.head_dim // t, h if bias else None)
+            + (_norm(f"{prefix}.q_layernorm", model, widths[0]) + _norm(f"{prefix}.k_layernorm", model, widths[1])
+               if model.qk_layernorm else []))
+
+
+def _latent_attention(prefix: str, model: ModelConfig, t: int) -> list[ParamSpec]:
+    """``model/multi_latent_attention.py``'s: replicated down-projections (and latent norms), column-parallel
+    up-projections, the row-parallel output projection."""
+    h, heads, rotary = model.hidden_size, model.num_attention_heads, model.qk_pos_emb_head_dim
+    query_rows = heads * (model.qk_head_dim + rotary) // t
+    norm = _norm if model.qk_layernorm else (lambda *args: [])
+    if model.q_lora_rank is None:
+        query = _linear(f"{prefix}.linear_q_proj", query_rows, h, None)
+    else:
+        query = (_linear(f"{prefix}.linear_q_down_proj", model.q_lora_rank, h, None)
+                 + norm(f"{prefix}.q_layernorm", model, model.q_lora_rank)
+                 + _linear(f"{prefix}.linear_q_up_proj", query_rows, model.q_lora_rank, None))
+    return (query + _linear(f"{prefix}.linear_kv_down_proj", model.kv_lora_rank + rotary, h, None)
+            + norm(f"{prefix}.kv_layernorm", model, model.kv_lora_rank)
+            + _linear(f"{prefix}.linear_kv_up_proj", heads * (model.qk_head_dim + model.v_head_dim) // t,
+                      model.kv_lora_rank, None)
+            + _linear(f"{prefix}.linear_proj", h, heads * model.v_head_dim // t, h if model.add_bias_linear else None))
 
 
 def chunk_parameters(model: ModelConfig, *, tensor_model_parallel_size: int, layer_numbers: range,

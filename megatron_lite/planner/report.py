@@ -10,6 +10,7 @@ from megatron_lite.planner.parameters import active_parameters
 from megatron_lite.planner.step_time import training_dtype
 
 TIME_PARTS = {"compute": "compute (recomputation included)", "tensor_parallel": "tensor-parallel communication",
+              "context_parallel": "context-parallel exchange, exposed",
               "pipeline_p2p": "pipeline send/receive", "expert_parallel": "expert-parallel all-to-all",
               "pipeline_bubble": "pipeline bubble",
               "data_parallel": "data-parallel communication, exposed", "optimizer": "optimizer step"}
@@ -50,8 +51,9 @@ def format_estimate(estimate: Estimate) -> str:
     gradients_host = f" ({static.host_gradient_bytes / GB:.2f} in host memory)" if static.host_gradient_bytes else ""
     fits = "fits" if estimate.fits else "does NOT fit"
     lines = [describe_model(layout.config.model), describe_cluster(estimate.cluster, training_dtype(layout)),
-             f"layout: tensor {d['tensor_model_parallel_size']} x pipeline {d['pipeline_model_parallel_size']} "
-             f"(virtual {d['virtual_pipeline_model_parallel_size']}) x data {d['data_parallel_size']}; micro-batch "
+             f"layout: tensor {d['tensor_model_parallel_size']} x context {d['context_parallel_size']} x pipeline "
+             f"{d['pipeline_model_parallel_size']} (virtual {d['virtual_pipeline_model_parallel_size']}) x data "
+             f"{d['data_parallel_size']}; micro-batch "
              f"{d['micro_batch_size']} x {d['num_microbatches']} per step, global batch {d['global_batch_size']}; "
              f"sequence parallel {'on' if d['sequence_parallel'] else 'off'}; recompute {d['recompute']}; "
              f"sharding {d['data_parallel_sharding_strategy']}",
@@ -74,14 +76,16 @@ def format_estimate(estimate: Estimate) -> str:
     return "\n".join(lines)
 
 
-_HEADER = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>5} {'mbs':>3} {'m':>5} {'recompute':<10} {'sharding':<18} "
+_HEADER = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'dp':>5} {'mbs':>3} {'m':>5} {'recompute':<10} "
+           f"{'sharding':<18} "
            f"{'step s':>8} {'tokens/s':>10} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6} {'GB/GPU':>7}  fits")
 
 
 def _row(index: int, estimate: Estimate) -> str:
     d = estimate.layout.as_dict()
     recompute = d["recompute"].split("/")[0]
-    return (f"{index:>3} {d['tensor_model_parallel_size']:>3} {d['pipeline_model_parallel_size']:>3} "
+    return (f"{index:>3} {d['tensor_model_parallel_size']:>3} {d['context_parallel_size']:>3} "
+            f"{d['pipeline_model_parallel_size']:>3} "
             f"{d['virtual_pipeline_model_parallel_size']:>3} {d['data_parallel_size']:>5} {d['micro_batch_size']:>3} "
             f"{d['num_microbatches']:>5} {recompute:<10} {d['data_parallel_sharding_strategy']:<18} "
             f"{seconds_text(estimate.time.step_time_s):>8} {estimate.tokens_per_second:>10,.0f} "

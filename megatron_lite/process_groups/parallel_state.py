@@ -319,7 +319,8 @@ class ParallelState:
         """This rank's place among the replicas of ``param`` (0: the one that writes it to a checkpoint)."""
         if getattr(param, "expert_parallel", False):
             return self.expert_data_parallel_rank
-        return self.data_parallel_rank
+        # Data x context ranks hold replicas of the dense weights (context ranks vary faster).
+        return self.data_parallel_rank * self.context_parallel_world_size + self.context_parallel_rank
 
     # Pipeline neighbours.
     def is_pipeline_first_stage(self) -> bool:

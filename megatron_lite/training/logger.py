@@ -42,6 +42,9 @@ def format_startup_summary(config: Config, parallel_state: ParallelState, plan: 
         f"{config.model.hidden_size}); per pipeline stage: {stages}",
         f" layout: {parallel_state.world_size} processes = tensor {parallel.tensor_model_parallel_size} x pipeline "
         f"{parallel.pipeline_model_parallel_size} x data {dp}"
+        + (f" x context {parallel.context_parallel_size} (each sequence split over {parallel.context_parallel_size} "
+           f"ranks, --cp-comm-type {' '.join(sorted(set(parallel.cp_comm_type)))})"
+           if parallel.context_parallel_size > 1 else "")
         + (f", {parallel.virtual_pipeline_model_parallel_size} virtual stages"
            if parallel.virtual_pipeline_model_parallel_size else ""),
         f" batch: {global_batch} sequences = micro-batch {training.micro_batch_size} x "

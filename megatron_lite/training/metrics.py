@@ -16,19 +16,17 @@ import warnings
 import torch
 
 from megatron_lite.config import LoggingConfig
-
-# Dense bf16 peak per device, TFLOP/s (docs/reference.md section 7).
-PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800": 312.0, "L40S": 362.0}
+from megatron_lite.planner.cluster import BF16_PEAK_TFLOPS
 
 
 def device_peak_tflops(peak_tflops: float | None) -> float | None:
-    """--peak-tflops wins; else the device table for a known GPU; None on CPU or an unknown device."""
+    """--peak-tflops wins; else the planner's bf16 peak for a known GPU; None on CPU or an unknown device."""
     if peak_tflops is not None:
         return peak_tflops
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+    return next((peak for key, peak in BF16_PEAK_TFLOPS.items() if key in name), None)
 
 
 def model_flops_utilization(tflops_per_gpu: float, peak: float | None) -> float | None:

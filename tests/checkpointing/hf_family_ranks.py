@@ -75,11 +75,12 @@ PARITY_OPTIMIZER = OptimizerConfig(optimizer="sgd", lr=0.1, lr_decay_style="cons
 
 
 def training_config(root: str, save: str, tp: int, pp: int, *, optimizer: OptimizerConfig = PARITY_OPTIMIZER,
-                    peft_config: PeftConfig | None = None):
+                    peft_config: PeftConfig | None = None, sequence_parallel: bool = False):
     config = read_config(root)
     return dataclasses.replace(
         config, model=dataclasses.replace(config.model, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0),
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                sequence_parallel=sequence_parallel),
         checkpoint=CheckpointConfig(pretrained_checkpoint=root, save=save, save_interval=STEPS),
         training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=STEPS, eval_iters=1),
         optimizer=optimizer, data=DataConfig(mock_data=True),
@@ -87,9 +88,11 @@ def training_config(root: str, save: str, tp: int, pp: int, *, optimizer: Optimi
 
 
 def train(rank, world_size, runs):
+    """For each (checkpoint, save directory, tp, pp, sequence parallel?): the training losses."""
     results = []
-    for root, save, tp, pp in runs:
-        state, _, parallel_state = pretrain(training_config(root, save, tp, pp), keep_process_group=True)
+    for root, save, tp, pp, sequence_parallel in runs:
+        state, _, parallel_state = pretrain(training_config(root, save, tp, pp, sequence_parallel=sequence_parallel),
+                                            keep_process_group=True)
         results.append(state.losses)
         destroy_model_parallel(parallel_state)
     return results

@@ -316,7 +316,7 @@ def test_lora_on_attention_and_experts_exports_to_peft_and_merges(family, tmp_pa
         merged_logits = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(family.input_ids).logits
     torch.testing.assert_close(merged_logits, ours, atol=ATOL, rtol=RTOL)
     if family.name == "qwen3_moe":  # its dense layer 0: PEFT would read gate_proj etc. as the experts'
-        with pytest.raises(ConfigError, match=r"dense MLPs of a qwen3_moe model with experts \(layers \[0\]\)"):
+        with pytest.raises(ConfigError, match=r"of a qwen3_moe model's dense MLPs \(layers \[0\]\) has no PEFT form"):
             hf_peft.export_peft_adapters(adapters, peft_dir, base_model_name_or_path=family.hf_dir)
         return
     assert convert(["--target-format", "peft", "--load-dir", adapters, "--save-dir", peft_dir,

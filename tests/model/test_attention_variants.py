@@ -58,3 +58,54 @@ def test_soft_capping_bounds_and_keeps_small_values():
 def test_gemma_flags_are_checked(flags, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**BASE, **flags)
+
+
+MLA = dict(BASE, multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(rope_type="yarn"), "--rope-type picks multi-latent attention's"),
+    (dict(rotary_scaling_factor=40.0), "--rotary-scaling-factor configure YaRN"),
+    (dict(position_embedding_type="yarn", rotary_scaling_factor=0.5), "--rotary-scaling-factor must be >= 1"),
+    (dict(position_embedding_type="yarn", use_rope_scaling=True), "give one RoPE scaling"),
+    (dict(MLA, num_query_groups=2), "drop --group-query-attention"),
+    (dict(MLA, position_embedding_type="learned_absolute"), "needs --position-embedding-type rope"),
+    (dict(MLA, rotary_percent=0.5), "no --rotary-percent"),
+    (dict(MLA, qk_pos_emb_head_dim=3), "must be even and positive"),
+    (dict(MLA, kv_lora_rank=0), "--kv-lora-rank must be positive"),
+    (dict(MLA, q_lora_rank=0), "--q-lora-rank must be positive"),
+])
+def test_bad_latent_attention_and_yarn_settings_are_refused_by_flag(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**{**BASE, **fields})
+
+
+def test_megatrons_deepseek_v2_lite_flags_build_latent_attention_with_yarn():
+    """The attention flags of Megatron-LM's DeepSeek-V2-Lite script (its MoE ones are the MoE layer's): MLA takes
+    YaRN by default, --qk-layernorm puts the norms on its latents."""
+    from megatron_lite.cli.arguments import parse_args
+
+    config = parse_args("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --vocab-size 64 "
+                        "--mock-data --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type "
+                        "rope --multi-latent-attention --kv-lora-rank 32 --v-head-dim 16 --qk-head-dim 16 "
+                        "--qk-layernorm --qk-pos-emb-head-dim 8 --rotary-scaling-factor 40 --mscale 0.707 "
+                        "--mscale-all-dim 0.707 --yarn-correction-range-round-to-int".split())
+    model = config.model
+    assert model.yarn and model.rope_type == "yarn" and model.q_lora_rank is None and model.rotary_dim == 8
+    assert (model.yarn_original_max_position_embeddings, model.yarn_beta_fast, model.yarn_beta_slow) == (4096, 32, 1)
+
+
+def test_lora_targets_of_latent_attention():
+    """``linear_qkv`` is multi-latent attention's query and key/value projections; a layer it lacks is named."""
+    from megatron_lite.config import Config, PeftConfig
+
+    config = Config(model=ModelConfig(**MLA, q_lora_rank=8), peft=PeftConfig(peft="lora"))
+    assert config.peft.lora_target_modules == ["linear_proj", "linear_fc1", "linear_fc2", "linear_q_down_proj",
+                                               "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"]
+    with pytest.raises(ConfigError, match="--lora-target-modules linear_q_proj: this model's linear layers are"):
+        Config(model=ModelConfig(**MLA, q_lora_rank=8), peft=PeftConfig(peft="lora", lora_target_modules=[
+            "linear_q_proj"]))
+    with pytest.raises(ConfigError, match="--lora-target-modules linear_kv_up_proj"):
+        Config(model=ModelConfig(**BASE), peft=PeftConfig(peft="lora", lora_target_modules=["linear_kv_up_proj"]))
+    with pytest.raises(ConfigError, match="--peft prefix"):
+        Config(model=ModelConfig(**MLA), peft=PeftConfig(peft="prefix"))

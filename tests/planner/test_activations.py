@@ -15,7 +15,7 @@ from megatron_lite.planner.memory import peak_memory, rank_memory
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tensor_parallel.random import set_random_seeds
 from tests.distributed import run_distributed
-from tests.planner.harness import SavedActivationPeak, run_layouts
+from bench.harness import SavedActivationPeak, run_layouts
 
 TOLERANCE = 0.20  # the bound asked for; the checks below land within 9%
 
@@ -83,11 +83,25 @@ def test_one_process_mixture_of_experts_activation_peak(bf16):
     assert estimated / measured.peak == pytest.approx(1.0, abs=TOLERANCE)
 
 
-def _config(tp=1, pp=1, vpp=None, *, sp=False, sharded=False, bf16=False, recompute=None, llama=False):
+# Multi-latent attention: its latents are replicated over tensor-parallel ranks, its values narrower than keys.
+MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=96, kv_lora_rank=64, qk_head_dim=32,
+           qk_pos_emb_head_dim=16, v_head_dim=32, qk_layernorm=True)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("dropout", [(0.0, 0.0), (0.1, 0.1)], ids=["no-dropout", "attention"])
+@pytest.mark.parametrize("arch", [MLA, dict(MLA, q_lora_rank=None, qk_layernorm=False)],
+                         ids=["query-latent", "no-query-latent-no-norms"])
+def test_latent_attention_activation_peak(arch, dropout, recompute):
+    test_one_process_activation_peak(arch, True, dropout, recompute)
+
+
+def _config(tp=1, pp=1, vpp=None, *, sp=False, sharded=False, bf16=False, recompute=None, llama=False, mla=False):
     model = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=256,
                  hidden_dropout=0.1, attention_dropout=0.0)
-    if llama:
-        model.update(LLAMA, num_layers=4, hidden_size=64, seq_length=64, vocab_size=256, ffn_hidden_size=160)
+    if llama or mla:
+        model.update(MLA if mla else LLAMA, num_layers=4, hidden_size=64, seq_length=64, vocab_size=256,
+                     ffn_hidden_size=160)
     return Config(model=ModelConfig(**model),
                   parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                           virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp,
@@ -104,7 +118,7 @@ LAYOUTS = {"tp2": _config(tp=2), "tp2-sp": _config(tp=2, sp=True), "pp2-1f1b": _
            "tp2-sp-full": _config(tp=2, sp=True, recompute="full"),
            "pp2-llama-selective": _config(pp=2, recompute="selective", llama=True),
            "pp2-interleaved-full-bf16": _config(pp=2, vpp=2, recompute="full", bf16=True),
-           "tp2-llama-bf16": _config(tp=2, llama=True, bf16=True)}
+           "tp2-llama-bf16": _config(tp=2, llama=True, bf16=True), "tp2-sp-mla": _config(tp=2, sp=True, mla=True)}
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,9 @@ def test_one_layout_as_json(capsys):
     assert code == 0
     result = json.loads(out)
     assert KEYS <= set(result)
-    assert result["layout"] == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4,
-                                "virtual_pipeline_model_parallel_size": 1, "data_parallel_size": 2,
+    assert result["layout"] == {"tensor_model_parallel_size": 2, "context_parallel_size": 1,
+                                "pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 1,
+                                "data_parallel_size": 2,
                                 "micro_batch_size": 2, "num_microbatches": 16, "global_batch_size": 64,
                                 "sequence_parallel": False, "recompute": "none",
                                 "data_parallel_sharding_strategy": "no_shard"}

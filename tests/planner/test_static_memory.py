@@ -22,11 +22,14 @@ from megatron_lite.planner.parameters import fsdp_unit, rank_chunks
 from megatron_lite.planner.static_memory import gradient_dtype_bytes, static_memory
 from megatron_lite.process_groups.parallel_state import mock_parallel_state
 from tests.distributed import run_distributed
-from tests.planner.harness import run_layouts
+from bench.harness import run_layouts
 
 GPT = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
 LLAMA = dict(GPT, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
              add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=96)
+# Multi-latent attention with a query latent, its latent norms, and a bias on its output projection.
+MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8,
+           qk_pos_emb_head_dim=8, v_head_dim=12, qk_layernorm=True, add_bias_linear=True)
 # Every per-layer tensor the HF families add: Qwen2's q/k/v bias, Qwen3's and Gemma 3's q/k norms, Gemma's post norms.
 FAMILY_FEATURES = dict(LLAMA, add_qkv_bias=True, qk_layernorm=True, post_sublayer_norm=True, kv_channels=32)
 # A dense first layer, then mixtures of 4 experts with a gated shared expert; OLMoE's q/k norms over the projections.
@@ -70,7 +73,7 @@ def _built(config, rank):
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 4, None)]
 
 
-@pytest.mark.parametrize("arch", [GPT, LLAMA, FAMILY_FEATURES], ids=["gpt", "llama", "family-features"])
+@pytest.mark.parametrize("arch", [GPT, LLAMA, MLA, FAMILY_FEATURES], ids=["gpt", "llama", "mla", "family-features"])
 @pytest.mark.parametrize("tp,pp,vpp", LAYOUTS)
 def test_parameter_list_is_the_chunks_named_parameters(arch, tp, pp, vpp):
     """Names, sizes and order of every chunk's parameters, and the ZeRO-3 unit each belongs to
@@ -125,6 +128,31 @@ def test_every_rank_of_a_moe_layout_holds_what_the_planner_says(strategy, tp, pp
             tuple(b.numel for chunk in wrapped for b in chunk._buckets_of(sharding(chunk)))
             for sharding in (lambda c: c.sharding, lambda c: c.expert_sharding))
         assert planned.optimizer_elements == sum(r.end - r.start for r in optimizer.param_ranges)
+
+
+# Each ModelConfig field that changes what a chunk holds, on a tiny model.
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=200)
+FIELDS = {"gpt": {}, "rmsnorm": dict(normalization="RMSNorm"), "no-bias": dict(add_bias_linear=False),
+          "qkv-bias": dict(add_bias_linear=False, add_qkv_bias=True), "qk-layernorm": dict(qk_layernorm=True),
+          "qk-rmsnorm": dict(qk_layernorm=True, normalization="RMSNorm"), "kv-channels": dict(kv_channels=16),
+          "query-groups": dict(num_query_groups=2), "ffn-hidden": dict(ffn_hidden_size=48),
+          "swiglu": dict(swiglu=True, ffn_hidden_size=48), "geglu": dict(swiglu=True, geglu=True, ffn_hidden_size=48),
+          "post-sublayer-norm": dict(post_sublayer_norm=True), "untied": dict(untie_embeddings_and_output_weights=True),
+          "rope": dict(position_embedding_type="rope"), "max-positions": dict(max_position_embeddings=64),
+          "vocab-padding": dict(make_vocab_size_divisible_by=1)}
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_the_parameter_count_follows_every_model_field(field):
+    """The planner's parameters against the real chunks' ``sum(p.numel())`` (and each name and size), on every
+    rank of tp 2 x pp 2: the biases, norms and widths each field adds or removes, split as the model splits them."""
+    config = _config(dict(TINY, **FIELDS[field]), tp=2, pp=2)
+    for rank in range(0, WORLD, 2):
+        state, chunks, _, _ = _built(config, rank)
+        planned = rank_chunks(config, state.pipeline_model_parallel_rank)
+        assert sum(s.elements for c in planned for s in c) == sum(p.numel() for c in chunks for p in c.parameters())
+        assert [[(s.name, s.elements) for s in c] for c in planned] == [
+            [(n, p.numel()) for n, p in chunk.named_parameters()] for chunk in chunks]
 
 
 CASES = {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True), "bucket=3000": dict(bucket=3000),

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from megatron_lite.checkpointing.megatron import layout, legacy, torch_dist
+from megatron_lite.checkpointing.megatron import layout, legacy, torch_dist_writer
 from megatron_lite.checkpointing.megatron.args_mapping import megatron_args_from_config
 from megatron_lite.checkpointing.offline import stage_model
 from megatron_lite.checkpointing.resharding import CheckpointReader, has_vocab_rows, resize_vocab
@@ -136,7 +136,7 @@ def _write_torch_dist(save_dir: str, stages, config: Config, args, iteration: in
             ranks[stage.pipeline_rank * tp + tp_rank] = _torch_dist_items(stage, config, tp_rank=tp_rank, tp=tp)
     common = {"args": args, "checkpoint_version": legacy.CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT_METADATA)}
-    torch_dist.write(legacy.iteration_path(save_dir, iteration), ranks, common, common_state=common_state)
+    torch_dist_writer.write(legacy.iteration_path(save_dir, iteration), ranks, common, common_state=common_state)
 
 
 def _torch_dist_items(stage: Stage, config: Config, *, tp_rank: int, tp: int) -> list:
@@ -154,15 +154,15 @@ def _torch_dist_items(stage: Stage, config: Config, *, tp_rank: int, tp: int) ->
         else:
             pieces = [((0,) * full.dim(), full)] if tp_rank == 0 else []
         if layer is None:
-            items += [torch_dist.Chunk(key, tuple(full.shape), offsets, piece) for offsets, piece in pieces]
+            items += [torch_dist_writer.Chunk(key, tuple(full.shape), offsets, piece) for offsets, piece in pieces]
         else:  # a layer's piece is a [1, ...] slice of the stacked [layers, ...] tensor
-            items += [torch_dist.Chunk(key, (num_layers, *full.shape), (layer, *offsets), piece.unsqueeze(0))
+            items += [torch_dist_writer.Chunk(key, (num_layers, *full.shape), (layer, *offsets), piece.unsqueeze(0))
                       for offsets, piece in pieces]
     if tp_rank == 0:
         for name in _linear_layers(stage.model):
             key, layer = layout.torch_dist_key(f"{name}._extra_state")
             if layer is not None:  # Megatron-Core saves the layers' linears' extra state, not the output layer's
-                items.append(torch_dist.ShardedObject(key, offset=(layer,), shape=(num_layers,)))
+                items.append(torch_dist_writer.ShardedObject(key, offset=(layer,), shape=(num_layers,)))
     return items
 
 

@@ -14,25 +14,18 @@ Transformer Engine's names (``linear_qkv.layer_norm_weight``) even with local la
 metadata classes of ``torch.distributed.checkpoint``, and each chunk with
 ``torch.load(weights_only=True)``: nothing in the files can run code.
 
-Writing (``write``) lays out what Megatron-Core's ``save_checkpoint`` writes: each global
-rank's chunks in ``__{rank}_0.distcp``, written by ``torch.distributed.checkpoint``'s own
-``FileSystemWriter`` (one save plan per rank, as its collective save would make them), the
-``.metadata`` listing every tensor's chunks, ``metadata.json``, and the common state in
-``common.pt`` (read by every core version) or, as core 0.19 and later write it, as the
-``common_state`` object inside rank 0's ``.distcp``.
+Writing is ``torch_dist_writer``'s, which alone imports ``torch.distributed.checkpoint`` at load time:
+the command line imports this module to recognise a Megatron-LM ``--load``, and that package (DTensor,
+sympy) costs a second or more of every command's start-up.
 """
 from __future__ import annotations
 
-import dataclasses
 import io
-import json
 import os
 import pathlib
 import re
-from typing import Optional
 
 import torch
-from torch.distributed.checkpoint import filesystem, metadata, planner
 
 from megatron_lite.checkpointing.megatron.safe_unpickle import (load_pickle_file, load_torch_file,
                                                                 restricted_pickle_module)
@@ -44,19 +37,32 @@ CONFIG_FILE = "metadata.json"
 # Where the common state (args, iteration...) goes: its own file (core <= 0.18), or inside the .distcp (>= 0.19).
 COMMON_STATE_LAYOUTS = ("common.pt", "distcp")
 COMMON_STATE_KEY = "common_state"
-# What the .metadata pickle may name: torch.distributed.checkpoint's metadata and save-plan classes (plain
-# dataclasses and enums) and the function that turns a layout's name into torch.strided.
-_METADATA_CLASSES = {
-    **{("torch.distributed.checkpoint.metadata", name): getattr(metadata, name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
-    **{("torch.distributed.checkpoint.planner", name): getattr(planner, name) for name in (
-        "SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")},
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("pathlib", "PosixPath"): pathlib.PosixPath,  # a StorageMeta's checkpoint_id, as torch's own writer records it
-}
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d)(.+)$")
+
+
+def _metadata_classes() -> dict:
+    """What the .metadata pickle may name: torch.distributed.checkpoint's metadata and save-plan classes (plain
+    dataclasses and enums) and the function that turns a layout's name into torch.strided.
+
+    torch.distributed.checkpoint is imported here, when a torch_dist checkpoint is read, not with this module
+    (see the module's docstring)."""
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+
+    return {
+        **{("torch.distributed.checkpoint.metadata", name): getattr(metadata, name) for name in (
+            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+            "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+        **{("torch.distributed.checkpoint.planner", name): getattr(planner, name) for name in (
+            "SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")},
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("pathlib", "PosixPath"): pathlib.PosixPath,  # a StorageMeta's checkpoint_id, as torch's own writer records it
+    }
+
+
+def sharded_object_key(key: str, offset: tuple = (0,), shape: tuple = (1,)) -> str:
+    """Where Megatron-Core stores a ShardedObject's bytes: ``key/shard_{offset}_{shape}``."""
+    return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
 
 
 def is_torch_dist(directory: str) -> bool:
@@ -69,9 +75,10 @@ def _read_bytes(directory: str, info) -> bytes:
         return f.read(info.length)
 
 
-def read_metadata(directory: str) -> metadata.Metadata:
-    """The ``.metadata`` of a torch_dist directory, read with the restricted unpickler."""
-    return load_pickle_file(os.path.join(directory, METADATA_FILE), extra=_METADATA_CLASSES)
+def read_metadata(directory: str):
+    """The ``.metadata`` (a torch.distributed.checkpoint ``Metadata``) of a torch_dist directory, read with the
+    restricted unpickler."""
+    return load_pickle_file(os.path.join(directory, METADATA_FILE), extra=_metadata_classes())
 
 
 def read_common_state(directory: str) -> dict:
@@ -85,7 +92,7 @@ def _common_state(directory: str, storage: dict) -> dict:
     if os.path.isfile(path):
         return load_torch_file(path)
     for index, info in storage.items():
-        if index.fqn == ShardedObject(COMMON_STATE_KEY).unique_key:  # a list of the replicas written: one
+        if index.fqn == sharded_object_key(COMMON_STATE_KEY):  # a list of the replicas written: one
             (common,) = torch.load(io.BytesIO(_read_bytes(directory, info)), weights_only=False, map_location="cpu",
                                    pickle_module=restricted_pickle_module(directory))
             return common
@@ -96,6 +103,8 @@ def _common_state(directory: str, storage: dict) -> dict:
 def read(directory: str) -> tuple:
     """(args, iteration, {Megatron name, layers numbered globally: global tensor}) of a torch_dist directory;
     byte entries (``_extra_state``) and the optimizer's and RNG's tensors are left out."""
+    from torch.distributed.checkpoint import metadata
+
     meta = read_metadata(directory)
     storage = meta.storage_data
     common = _common_state(directory, storage)
@@ -123,102 +132,3 @@ def _unstacked(name: str, tensor: torch.Tensor) -> dict:
     if match is None:
         return {name: tensor}
     return {f"decoder.layers.{i}.{match.group(1)}": t for i, t in enumerate(tensor.unbind(0))}
-
-
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-    """A rank's piece of a global tensor: Megatron-Core's key, the global shape, where the piece starts."""
-
-    key: str
-    global_shape: tuple
-    offsets: tuple
-    tensor: torch.Tensor
-
-    def write_item(self) -> planner.WriteItem:
-        properties = metadata.TensorProperties(dtype=self.tensor.dtype)
-        chunk = metadata.ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.tensor.shape)
-        return planner.WriteItem(index=metadata.MetadataIndex(self.key, torch.Size(self.offsets)),
-                                 type=planner.WriteItemType.SHARD,
-                                 tensor_data=planner.TensorWriteData(chunk, properties, torch.Size(self.global_shape)))
-
-    def data(self):
-        return self.tensor.detach().clone().contiguous()  # torch.save of a view would save its whole storage
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedObject:
-    """A pickled object stored as bytes under ``key/shard_{offset}_{shape}`` (Megatron-Core's ShardedObject):
-    a layer's ``_extra_state``, the common state."""
-
-    key: str
-    offset: tuple = (0,)
-    shape: tuple = (1,)
-    value: object = None
-
-    @property
-    def unique_key(self) -> str:
-        return f"{self.key}/shard_{'.'.join(map(str, self.offset))}_{'.'.join(map(str, self.shape))}"
-
-    def write_item(self) -> planner.WriteItem:
-        return planner.WriteItem(index=metadata.MetadataIndex(self.unique_key), type=planner.WriteItemType.BYTE_IO)
-
-    def data(self) -> io.BytesIO:
-        buffer = io.BytesIO()
-        torch.save([self.value], buffer)  # Megatron-Core saves the list of a key's replicas on this rank
-        return buffer
-
-
-class _Writer(filesystem.FileSystemWriter):
-    """torch's writer, recording the checkpoint's directory as a string, as Megatron-Core's writer does."""
-
-    def storage_meta(self) -> metadata.StorageMeta:
-        return metadata.StorageMeta(checkpoint_id=str(self.checkpoint_id), save_id=self.save_id)
-
-
-class _Resolver:
-    """What ``FileSystemWriter.write_data`` asks of its planner: the data of each write item."""
-
-    def __init__(self, items: list):
-        self.items = {item.write_item().index: item for item in items}
-
-    def resolve_data(self, write_item: planner.WriteItem):
-        return self.items[write_item.index].data()
-
-
-def write(directory: str, ranks: list, common: dict, *, common_state: str = "common.pt") -> None:
-    """Write a torch_dist directory: ``ranks[r]`` is global rank r's list of ``Chunk``/``ShardedObject``;
-    ``common`` the common state (args, iteration, ...), laid out as ``common_state`` says."""
-    if common_state not in COMMON_STATE_LAYOUTS:
-        raise ValueError(f"common_state must be one of {COMMON_STATE_LAYOUTS}, got {common_state!r}")
-    os.makedirs(directory, exist_ok=True)
-    ranks = [list(items) for items in ranks]
-    if common_state == "distcp":
-        ranks[0].append(ShardedObject(COMMON_STATE_KEY, value=common))
-    else:
-        torch.save(common, os.path.join(directory, COMMON_FILE))
-    writer = _Writer(directory, thread_count=1)
-    writer.set_up_storage_writer(True)
-    plans = writer.prepare_global_plan([planner.SavePlan([item.write_item() for item in items]) for items in ranks])
-    results = [writer.write_data(plan, _Resolver(items)).wait() for plan, items in zip(plans, ranks)]
-    writer.finish(metadata.Metadata(_state_dict_metadata(ranks)), results)
-    config = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
-    if common_state == "common.pt":  # core <= 0.18 also names the common file's backend
-        config.update(common_backend="torch", common_backend_version=1)
-    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-        json.dump(config, f)
-
-
-def _state_dict_metadata(ranks: list) -> dict:
-    """Every key's global metadata: a tensor's shape, dtype and chunks (rank by rank), or bytes."""
-    entries: dict = {}
-    for items in ranks:
-        for item in items:
-            if isinstance(item, ShardedObject):
-                entries[item.unique_key] = metadata.BytesStorageMetadata()
-                continue
-            entry: Optional[metadata.TensorStorageMetadata] = entries.get(item.key)
-            if entry is None:
-                entry = entries[item.key] = metadata.TensorStorageMetadata(
-                    metadata.TensorProperties(dtype=item.tensor.dtype), torch.Size(item.global_shape), [])
-            entry.chunks.append(item.write_item().tensor_data.chunk)
-    return entries

@@ -1,4 +1,5 @@
-"""Measuring a real run for the planner's checks: activation memory, static memory, step time.
+"""Measuring a real run for the planner: activation memory and static memory (tests/planner), step time
+(bench_step_time). Here, not in tests/, because benchmarks never import the tests; tests may import it.
 
 Activation memory is what autograd keeps for backward. ``SavedActivationPeak`` sees
 every tensor saved during the forward passes (``saved_tensors_hooks``) and learns
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 
 class _Held:
@@ -84,7 +86,8 @@ def run_layout(config, *, timed_steps: int = 0) -> dict:
 
     parallel = config.parallel
     state = initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                                      parallel.virtual_pipeline_model_parallel_size)
+                                      parallel.virtual_pipeline_model_parallel_size,
+                                      context_parallel_size=parallel.context_parallel_size)
     chunks, optimizer, scheduler = setup_model_and_optimizer(config, state)
     data = build_data_iterators(config, state, plan_run(config, state), 0)[0]
     num_microbatches = config.training.num_microbatches(state.data_parallel_world_size)
@@ -109,3 +112,22 @@ def run_layout(config, *, timed_steps: int = 0) -> dict:
 def run_layouts(rank: int, world_size: int, configs: list, timed_steps: int = 0) -> list:
     """``run_layout`` for each config in turn (run_distributed's entry point)."""
     return [run_layout(config, timed_steps=timed_steps) for config in configs]
+
+
+def _launched_rank(configs: list, timed_steps: int) -> list:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    try:
+        return run_layouts(torch.distributed.get_rank(), torch.distributed.get_world_size(), configs, timed_steps)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def launch_layouts(world_size: int, configs: list, timed_steps: int = 0) -> list:
+    """``run_layouts`` on ``world_size`` fresh ranks started by torchrun's own launcher, in this process; one
+    result list per rank, in rank order (the benchmarks' entry point: bench does not use the tests' harness)."""
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, rdzv_backend="c10d",
+                          rdzv_endpoint="127.0.0.1:0", max_restarts=0, run_id="bench_layouts")
+    by_rank = elastic_launch(launch, _launched_rank)(configs, timed_steps)
+    return [by_rank[rank] for rank in range(world_size)]
+

@@ -1,11 +1,11 @@
-"""A small linear layer every tensor-parallel rank holds whole.
+"""A linear layer every tensor-parallel rank holds whole (Transformer Engine's "duplicated" mode).
 
-PEFT's added weights are tiny next to the layers they adapt, so some of them are
-simply replicated over the tensor-parallel ranks instead of split: each rank
-computes the same product and nothing is communicated for them. Their gradients
-are then identical on every rank, except under sequence parallelism, where each
-rank sees only its slice of the sequence and the gradient is a partial sum:
-``sequence_parallel`` marks them for ``finalize_model_grads`` to sum over the
+Some weights are too small to be worth splitting: PEFT's added weights, tiny next to the layers
+they adapt, and multi-latent attention's down-projections into its low-rank latents. They are
+replicated over the tensor-parallel ranks instead: each rank computes the same product and
+nothing is communicated for them. Their gradients are then identical on every rank, except
+under sequence parallelism, where each rank sees only its slice of the sequence and the gradient
+is a partial sum: ``sequence_parallel`` marks them for ``finalize_model_grads`` to sum over the
 tensor-parallel group, exactly as for the norm weights.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_lite.tensor_parallel import set_tensor_model_parallel_attributes
+from megatron_lite.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 
 class ReplicatedLinear(nn.Linear):
