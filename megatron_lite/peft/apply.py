@@ -14,7 +14,7 @@ from torch import nn
 
 from megatron_lite.config import Config
 from megatron_lite.peft.adapter import BottleneckAdapter, apply_adapter
-from megatron_lite.model.moe.experts import ExpertLinear
+from megatron_lite.expert_parallel import ExpertLinear
 from megatron_lite.peft.lora import ExpertLoRA, LoRA, add_lora_output
 from megatron_lite.peft.prefix_tuning import KeyValuePrefix
 from megatron_lite.tensor_parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear

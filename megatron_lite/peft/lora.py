@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.model.moe.experts import ExpertLinear
+from megatron_lite.expert_parallel import ExpertLinear
 from megatron_lite.tensor_parallel import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
                                            TensorParallelConfig)
 from megatron_lite.tensor_parallel.random import get_rng_tracker
