@@ -17,7 +17,7 @@ from typing import Optional
 
 from megatron_lite.config.batch_size_schedule import parse_step_batch_size_schedule, schedule_in_samples
 from megatron_lite.config.errors import ConfigError, UserError  # noqa: F401 (imported from here everywhere)
-from megatron_lite.config.moe import (LOAD_BALANCING_TYPES, ROUTER_SCORE_FUNCTIONS, TOKEN_DROP_POLICIES,
+from megatron_lite.config.moe import (GROUP_SCORES, LOAD_BALANCING_TYPES, ROUTER_SCORE_FUNCTIONS, TOKEN_DROP_POLICIES,
                                       check_moe_fields, moe_layer_pattern)
 
 
@@ -166,6 +166,8 @@ class ModelConfig:
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many groups ...
     moe_router_group_topk: Optional[int] = None  # ... of which each token may use this many
+    # How a group is scored: the sum of its best k / g scores (Megatron-LM's, DeepSeek-V3's), or its best (V2's).
+    moe_router_group_score: str = field(default="topk_sum", metadata={"choices": GROUP_SCORES})
     moe_router_load_balancing_type: str = field(default="aux_loss", metadata={"choices": LOAD_BALANCING_TYPES})
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None

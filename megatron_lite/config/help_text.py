@@ -92,6 +92,9 @@ HELP = {
     "moe_router_num_groups": ("group-limited routing: the experts form this many groups, and each token picks "
                               "--moe-router-group-topk groups first (DeepSeek's device/node-limited routing)"),
     "moe_router_group_topk": "with --moe-router-num-groups: groups each token's experts may come from",
+    "moe_router_group_score": ("how --moe-router-num-groups' groups are scored: topk_sum, the sum of each group's "
+                               "best topk / group-topk scores (Megatron-LM's, DeepSeek-V3's), or max, its best score "
+                               "(DeepSeek-V2's group_limited_greedy; not a Megatron-LM option)"),
     "moe_router_load_balancing_type": ("aux_loss (Switch Transformer's, per micro-batch and layer), seq_aux_loss "
                                        "(per sequence, DeepSeek), pooled_aux_loss (the statistics of all layers "
                                        "pooled, as transformers' MoE models; not a Megatron-LM type) or none"),

@@ -359,8 +359,6 @@ def test_deepseek_variants_are_refused_by_name(imports):
     v3, v2 = (imports[name].hf_model.config.to_dict() for name in ("deepseek_v3", "deepseek_v2"))
     yarn = v3["rope_parameters"]
     for config, field, value, message in [
-            (v3, "first_k_dense_replace", 1, "DeepSeek's mixture of experts does not import yet"),
-            (v2, "first_k_dense_replace", None, "first_k_dense_replace 0 < num_hidden_layers 2"),  # V2's default
             (v3, "num_key_value_heads", 2, "num_key_value_heads 2 other than num_attention_heads 4"),
             (v3, "attention_bias", True, "attention_bias"), (v2, "mlp_bias", True, "mlp_bias"),
             (v3, "rope_parameters", dict(yarn, mscale=None), "rope_parameters.mscale None with mscale_all_dim 0.6"),

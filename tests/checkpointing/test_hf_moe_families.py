@@ -10,10 +10,18 @@ computes something of its own), imported at tensor x pipeline 2 x 2 and loaded b
                dense MLP 48, norm_topk_prob (the top 2 renormalised)
     olmoe      2 MoE layers, q/k norms over the whole projection (split over tensor ranks), the top 2
                of the softmax kept as they are (norm_topk_prob false: --moe-router-pre-softmax)
+    deepseek_  multi-latent attention (with a query latent, YaRN), a dense layer then an MoE layer of
+    v3         8 experts in 2 groups (the best group by its best two, then the top 2), sigmoid scores
+               chosen with a random e_score_correction_bias (our expert bias), renormalised, x 2.5, and a
+               shared expert
+    deepseek_  V2-Lite's attention (no query latent), the same layers: the softmax's top 2 within the group
+    v2         of the best score (group_limited_greedy: --moe-router-group-score max), x 1.5, two shared
+               experts
 
 The load-balancing loss: transformers pools the router statistics of all MoE layers, which the import
 selects (``pooled_aux_loss``, ``hf_families``): its value, the training loss and the gradients are
-transformers', at one process and under accumulation over pp2 x dp2.
+transformers', at one process and under accumulation over pp2 x dp2. DeepSeek's transformers classes
+compute none, and neither does its import.
 """
 import dataclasses
 
@@ -45,6 +53,12 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_va
              max_position_embeddings=64, rms_norm_eps=1e-6, num_experts_per_tok=TOPK, output_router_logits=True,
              router_aux_loss_coef=COEF, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
              tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
+YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 16}
+DEEPSEEK = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=64, rms_norm_eps=1e-6, kv_lora_rank=16,
+                qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, n_routed_experts=8,
+                num_experts_per_tok=TOPK, moe_intermediate_size=16, tie_word_embeddings=False, bos_token_id=EOS,
+                eos_token_id=EOS, pad_token_id=PAD)
 FAMILIES = {
     "mixtral": lambda: transformers.MixtralConfig(
         **SMALL, intermediate_size=48, num_hidden_layers=2, sliding_window=5, num_local_experts=EXPERTS),
@@ -53,10 +67,21 @@ FAMILIES = {
         num_experts=EXPERTS, mlp_only_layers=[0], norm_topk_prob=True),
     "olmoe": lambda: transformers.OlmoeConfig(
         **SMALL, intermediate_size=48, num_hidden_layers=2, num_experts=EXPERTS, norm_topk_prob=False),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **DEEPSEEK, q_lora_rank=24, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+        rope_parameters=dict(YARN, mscale=0.8, mscale_all_dim=0.6)),
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **DEEPSEEK, q_lora_rank=None, n_group=2, topk_group=1, topk_method="group_limited_greedy", n_shared_experts=2,
+        routed_scaling_factor=1.5, rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.7)),
 }
 # Where each family names expert e's gate projection.
-EXPERT_NAMES = {"mixtral": "block_sparse_moe.experts.{e}.w1.weight",
-                "qwen3_moe": "mlp.experts.{e}.gate_proj.weight", "olmoe": "mlp.experts.{e}.gate_proj.weight"}
+EXPERT_NAMES = {"mixtral": "block_sparse_moe.experts.{e}.w1.weight", **{
+    name: "mlp.experts.{e}.gate_proj.weight" for name in ("qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2")}}
+DEEPSEEK_FAMILIES = ("deepseek_v3", "deepseek_v2")
+# Export needs --hf-model-type deepseek_v2 (the features call for V3, whose experts V2's are not).
+EXPORT_FLAGS = {"deepseek_v2": ["--hf-model-type", "deepseek_v2"]}
+# Dense MLPs (a dense layer, shared experts) in a model whose gate/up/down_proj peft remaps: no PEFT export of them.
+PEFT_REFUSED = ("qwen3_moe", *DEEPSEEK_FAMILIES)
 
 
 @dataclasses.dataclass
@@ -77,6 +102,9 @@ class Imported:
 def _import(name: str, directory) -> Imported:
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]())
+    for module in hf_model.modules():  # DeepSeek-V3's bias (a buffer, which widen_and_save leaves at 0)
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias.normal_(0.0, 0.5)
     widen_and_save(hf_model, directory / "hf")
     root = str(directory / "ckpt")
     assert convert(["--source-format", "hf", "--target-format", "megatron_lite", "--load-dir", str(directory / "hf"),
@@ -101,6 +129,16 @@ def family(request, imports) -> Imported:
 
 def test_config_maps_every_feature(imports):
     mixtral, qwen3_moe, olmoe = (read_config(imports[n].root).model for n in ("mixtral", "qwen3_moe", "olmoe"))
+    v3, v2 = (read_config(imports[n].root).model for n in DEEPSEEK_FAMILIES)
+    for config in (v3, v2):
+        assert (config.num_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (8, TOPK, 16)
+        assert config.multi_latent_attention and config.moe_layer_freq == "[0,1]" and config.moe_aux_loss_coeff == 0
+        assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 1)
+    assert v3.moe_router_score_function == "sigmoid" and v3.moe_router_enable_expert_bias
+    assert (v3.moe_router_group_score, v3.moe_router_topk_scaling_factor) == ("topk_sum", 2.5)
+    assert v3.moe_shared_expert_intermediate_size == 16
+    assert v2.moe_router_pre_softmax and (v2.moe_router_group_score, v2.moe_router_topk_scaling_factor) == ("max", 1.5)
+    assert v2.moe_shared_expert_intermediate_size == 32 and not v2.moe_router_enable_expert_bias
     for config in (mixtral, qwen3_moe, olmoe):
         assert (config.num_experts, config.moe_router_topk) == (EXPERTS, TOPK)
         assert config.moe_router_score_function == "softmax"
@@ -118,11 +156,11 @@ def test_config_maps_every_feature(imports):
 def hf_generate(hf_model, prompts):
     """transformers' greedy tokens; its generate computes no router loss (transformers 5.24's Mixtral fails to, on
     a left-padded batch: the attention mask is not cut to the new token)."""
-    hf_model.config.output_router_logits = False
+    kept, hf_model.config.output_router_logits = hf_model.config.output_router_logits, False
     try:
         return _hf_generate(hf_model, prompts, EOS)
     finally:
-        hf_model.config.output_router_logits = True
+        hf_model.config.output_router_logits = kept
 
 
 def test_logits_and_greedy_generation_equal_transformers(family):
@@ -182,7 +220,10 @@ def test_training_loss_and_gradients_are_transformers(family):
         lm_loss.backward()
         routers = _routers(model)
         pooled = sum(r.loss_sums["pooled_load_balancing_loss"] for r in routers)  # the layers' shares
-        assert pooled.item() == pytest.approx(output.aux_loss.item(), rel=1e-6)
+        if family.name in DEEPSEEK_FAMILIES:  # no load-balancing loss in transformers', nor in the import
+            assert getattr(output, "aux_loss", None) is None and pooled == 0
+        else:
+            assert pooled.item() == pytest.approx(output.aux_loss.item(), rel=1e-6)
         torch.testing.assert_close(lm_loss + routers[0].aux_loss_coeff * pooled, output.loss.detach(), atol=1e-6,
                                    rtol=1e-6)
         ours = {name: p.grad for name, p in model.named_parameters()}
@@ -240,14 +281,17 @@ def _our_tensors(root: str) -> dict:
 def test_round_trip_is_bit_exact(family, tmp_path):
     exported, again = str(tmp_path / "hf"), str(tmp_path / "again")
     assert convert(["--source-format", "megatron_lite", "--target-format", "hf", "--load-dir", family.root,
-                    "--save-dir", exported]) == 0
+                    "--save-dir", exported, *EXPORT_FLAGS.get(family.name, [])]) == 0
     hf_config, original = hf_interop.read_hf_directory(family.hf_dir)
     exported_config, round_trip = hf_interop.read_hf_directory(exported)
     assert exported_config["model_type"] == family.name
-    assert exported_config["router_aux_loss_coef"] == pytest.approx(COEF) and exported_config["output_router_logits"]
+    if family.name not in DEEPSEEK_FAMILIES:
+        assert exported_config["router_aux_loss_coef"] == pytest.approx(COEF)
+        assert exported_config["output_router_logits"]
     assert hf_interop.model_config_from_hf(exported_config) == hf_interop.model_config_from_hf(hf_config)
     assert original.keys() == round_trip.keys()
-    assert sum(".experts." in key for key in original) == len(family.moe_layers) * EXPERTS * 3
+    experts = read_config(family.root).model.num_experts
+    assert sum(".experts." in key for key in original) == len(family.moe_layers) * experts * 3
     for key in original:
         assert torch.equal(original[key], round_trip[key]), key
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
@@ -264,14 +308,14 @@ def test_an_expert_missing_or_extra_in_the_files_is_refused(family):
     hf_config, tensors = hf_interop.read_hf_directory(family.hf_dir)
     config = hf_interop.model_config_from_hf(hf_config)
     naming = hf_interop.FAMILIES[family.name].naming
-    layer = family.moe_layers[0]
-    missing = {k: v for k, v in tensors.items() if ".experts.3." not in k}
-    expert = f"layers.{layer}.{EXPERT_NAMES[family.name].format(e=3)}"
+    layer, last = family.moe_layers[0], config.num_experts - 1
+    missing = {k: v for k, v in tensors.items() if f".experts.{last}." not in k}
+    expert = f"layers.{layer}.{EXPERT_NAMES[family.name].format(e=last)}"
     with pytest.raises(ConfigError, match=f"have no '{expert}'"):
         hf_interop.weights_from_hf(missing, config, naming)
-    extra = dict(tensors, **{k.replace(".experts.3.", ".experts.4."): v for k, v in tensors.items()
-                             if ".experts.3." in k})
-    with pytest.raises(ConfigError, match=r"not understood .*experts\.4\."):
+    extra = dict(tensors, **{k.replace(f".experts.{last}.", f".experts.{last + 1}."): v for k, v in tensors.items()
+                             if f".experts.{last}." in k})
+    with pytest.raises(ConfigError, match=rf"not understood .*experts\.{last + 1}\."):
         hf_interop.weights_from_hf(extra, config, naming)
 
 
@@ -296,9 +340,10 @@ def test_a_duplicated_expert_changes_the_logits(family, tmp_path):
 
 
 def test_lora_on_attention_and_experts_exports_to_peft_and_merges(family, tmp_path):
-    """LoRA on every linear (attention, each expert's fc1 and fc2, Qwen3-MoE's dense MLP), 2 steps: the merged
-    export loads in transformers and gives our logits, and so does the PEFT export (experts as PEFT's
-    target_parameters) loaded in peft, where PEFT can load it: not with Qwen3-MoE's dense layer adapted."""
+    """LoRA on every linear (attention, each expert's fc1 and fc2, the dense MLPs), 2 steps: the merged export
+    loads in transformers and gives our logits, and so does the PEFT export (experts as PEFT's
+    target_parameters) loaded in peft, where peft can load it: not with dense MLPs adapted (a dense layer,
+    shared experts) in the families whose gate/up/down_proj it takes for the experts'."""
     adapters, peft_dir, merged = (str(tmp_path / name) for name in ("lora", "peft", "merged"))
     config = training_config(family.root, adapters, 1, 1, optimizer=OptimizerConfig(lr=3e-2),
                              peft_config=PeftConfig(peft="lora", lora_rank=4, lora_alpha=8.0))
@@ -311,13 +356,15 @@ def test_lora_on_attention_and_experts_exports_to_peft_and_merges(family, tmp_pa
     finally:
         destroy_model_parallel(parallel_state)
     assert (ours - family.logits).abs().max() > 1e-2  # LoRA moved the model
-    assert convert(["--merge-lora", "--target-format", "hf", "--load-dir", adapters, "--save-dir", merged]) == 0
+    assert convert(["--merge-lora", "--target-format", "hf", "--load-dir", adapters, "--save-dir", merged,
+                    *EXPORT_FLAGS.get(family.name, [])]) == 0
     with torch.no_grad():
         merged_logits = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(family.input_ids).logits
     torch.testing.assert_close(merged_logits, ours, atol=ATOL, rtol=RTOL)
-    if family.name == "qwen3_moe":  # its dense layer 0: PEFT would read gate_proj etc. as the experts'
-        with pytest.raises(ConfigError, match=r"of a qwen3_moe model's dense MLPs \(layers \[0\]\) has no PEFT form"):
-            hf_peft.export_peft_adapters(adapters, peft_dir, base_model_name_or_path=family.hf_dir)
+    if family.name in PEFT_REFUSED:  # its dense layer 0: peft would read gate_proj etc. as the experts'
+        with pytest.raises(ConfigError, match=rf"of a {family.name} model's dense MLPs \(layers \[0\]"):
+            hf_peft.export_peft_adapters(adapters, peft_dir, base_model_name_or_path=family.hf_dir,
+                                         hf_model_type=family.name)
         return
     assert convert(["--target-format", "peft", "--load-dir", adapters, "--save-dir", peft_dir,
                     "--base-model-name-or-path", family.hf_dir]) == 0
@@ -373,3 +420,12 @@ def test_unknown_fields_and_variants_are_refused_by_name(imports):
     mixtral = imports["mixtral"].hf_model.config.to_dict()
     with pytest.raises(ConfigError, match="router_jitter_noise"):
         hf_interop.model_config_from_hf({**mixtral, "router_jitter_noise": 0.1})
+    v3, v2 = (imports[name].hf_model.config.to_dict() for name in DEEPSEEK_FAMILIES)
+    for config, field, value, message in [
+            (v3, "norm_topk_prob", False, "norm_topk_prob false with sigmoid scores"),
+            (v3, "num_experts_per_tok", 4, "num_experts_per_tok 4 other than twice topk_group 1"),
+            (v3, "topk_method", "greedy", "topk_method 'greedy' \\(DeepSeek-V3's router is noaux_tc\\)"),
+            (v2, "norm_topk_prob", True, "norm_topk_prob true"), (v2, "topk_method", "noaux_tc", "topk_method")]:
+        with pytest.raises(ConfigError, match=message):
+            hf_interop.model_config_from_hf({**config, field: value})
+    assert hf_interop.model_config_from_hf({**v3, "n_group": 1}).moe_router_num_groups is None  # one group: no limit

@@ -10,8 +10,9 @@ routers, each with everything it has switched on (and LoRA on the first):
     B  sigmoid with the expert bias (aux-loss-free balancing), group-limited top 2 of 2 groups, a scaling
        factor, the per-sequence loss, grouped GEMM experts; DeepSeek-V3's multi-latent attention (query
        latent, YaRN) in every layer, so the layer spec's two choices meet under every parallelism
-    C  softmax before the top 2 and transformers' load-balancing loss, pooled over the layers of each
-       micro-batch (the pipeline carries its counts between stages)
+    C  softmax before the top 2 within the group of the best score (DeepSeek-V2's) and transformers'
+       load-balancing loss, pooled over the layers of each micro-batch (the pipeline carries its counts
+       between stages)
     D  A's, frozen, with LoRA on every linear: attention, the dense MLP, the shared expert and each expert
        (its own adapters, split over the expert-tensor ranks with the expert)
 
@@ -39,7 +40,8 @@ VARIANTS = {
               moe_router_group_topk=1, moe_router_topk_scaling_factor=2.0, moe_grouped_gemm=True,
               multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
               v_head_dim=8, qk_layernorm=True, rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=8),
-    "C": dict(moe_router_load_balancing_type="pooled_aux_loss", moe_aux_loss_coeff=1e-2, moe_router_pre_softmax=True),
+    "C": dict(moe_router_load_balancing_type="pooled_aux_loss", moe_aux_loss_coeff=1e-2, moe_router_pre_softmax=True,
+              moe_router_num_groups=2, moe_router_group_topk=1, moe_router_group_score="max"),
 }
 VARIANTS["D"] = VARIANTS["A"]
 # D: A's model frozen, LoRA on every linear (attention, the dense layer, the shared expert, each expert's own).

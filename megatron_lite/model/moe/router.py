@@ -8,7 +8,8 @@ differences in the scores change which experts are chosen. Megatron-Core's ``Top
               as they are (OLMoE). sigmoid: each expert's sigmoid, the top-k normalised to sum to 1
               (DeepSeek-V3), chosen by sigmoid + --moe-router-enable-expert-bias's bias where it is on
     groups    --moe-router-num-groups G / --moe-router-group-topk g: a token first picks the g groups of
-              E/G experts whose best k/g scores sum highest, then its top-k among them
+              E/G experts whose best k/g scores sum highest (or, --moe-router-group-score max, whose best
+              score is highest: DeepSeek-V2), then its top-k among them
     scaling   --moe-router-topk-scaling-factor multiplies the chosen weights
     capacity  --moe-expert-capacity-factor f: each expert takes at most ceil(f * tokens * k / E) of this
               rank's tokens per micro-batch, keeping the most probable (or the earliest) and dropping the
@@ -85,6 +86,7 @@ class TopKRouter(nn.Module):
         self.pre_softmax = config.moe_router_pre_softmax
         self.scaling_factor = config.moe_router_topk_scaling_factor
         self.num_groups, self.group_topk = config.moe_router_num_groups, config.moe_router_group_topk
+        self.group_score = config.moe_router_group_score
         self.load_balancing_type = config.moe_router_load_balancing_type
         self.aux_loss_coeff, self.z_loss_coeff = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
         self.capacity_factor = config.moe_expert_capacity_factor
@@ -176,11 +178,14 @@ class TopKRouter(nn.Module):
         if self.num_groups is None:
             return scores.topk(self.topk, dim=-1).indices
         tokens = scores.shape[0]
-        grouped = scores.view(tokens, self.num_groups, -1)
-        group_scores = grouped.topk(self.topk // self.group_topk, dim=-1).values.sum(dim=-1)
+        grouped = scores.view(tokens, self.num_groups, self.num_experts // self.num_groups)  # tokens may be 0
+        if self.group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(self.topk // self.group_topk, dim=-1).values.sum(dim=-1)
         chosen_groups = group_scores.topk(self.group_topk, dim=-1).indices
         allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen_groups, True)
-        allowed = allowed.unsqueeze(-1).expand_as(grouped).reshape(tokens, -1)
+        allowed = allowed.unsqueeze(-1).expand_as(grouped).reshape(tokens, self.num_experts)
         return scores.masked_fill(~allowed, float("-inf")).topk(self.topk, dim=-1).indices
 
     def _drop_past_capacity(self, probs: torch.Tensor, routing_map: torch.Tensor):
