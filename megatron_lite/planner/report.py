@@ -76,17 +76,21 @@ def format_estimate(estimate: Estimate) -> str:
     return "\n".join(lines)
 
 
-_HEADER = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'dp':>5} {'mbs':>3} {'m':>5} {'recompute':<10} "
-           f"{'sharding':<18} "
-           f"{'step s':>8} {'tokens/s':>10} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6} {'GB/GPU':>7}  fits")
+def _header(experts: bool) -> str:
+    """The ranking's column titles; a mixture of experts' has its expert-parallel size (ep) too."""
+    ep = f" {'ep':>3}" if experts else ""
+    return (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3}{ep} {'dp':>5} {'mbs':>3} {'m':>5} {'recompute':<10} "
+            f"{'sharding':<18} "
+            f"{'step s':>8} {'tokens/s':>10} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6} {'GB/GPU':>7}  fits")
 
 
-def _row(index: int, estimate: Estimate) -> str:
+def _row(index: int, estimate: Estimate, experts: bool) -> str:
     d = estimate.layout.as_dict()
     recompute = d["recompute"].split("/")[0]
+    ep = f" {d['expert_model_parallel_size']:>3}" if experts else ""
     return (f"{index:>3} {d['tensor_model_parallel_size']:>3} {d['context_parallel_size']:>3} "
             f"{d['pipeline_model_parallel_size']:>3} "
-            f"{d['virtual_pipeline_model_parallel_size']:>3} {d['data_parallel_size']:>5} {d['micro_batch_size']:>3} "
+            f"{d['virtual_pipeline_model_parallel_size']:>3}{ep} {d['data_parallel_size']:>5} {d['micro_batch_size']:>3} "
             f"{d['num_microbatches']:>5} {recompute:<10} {d['data_parallel_sharding_strategy']:<18} "
             f"{seconds_text(estimate.time.step_time_s):>8} {estimate.tokens_per_second:>10,.0f} "
             f"{estimate.tflops_per_gpu:>7.1f} "
@@ -117,8 +121,9 @@ def format_ranking(ranked: list[Estimate], top: int) -> str:
     fitting = sum(e.fits for e in ranked)
     lines = [describe_model(first.layout.config.model), describe_cluster(first.cluster, dtype),
              f"{len(ranked)} valid layouts, {fitting} fit in memory; the {min(top, fitting)} fastest that fit, and "
-             f"up to {MISFITS_SHOWN} faster ones that do not:", "", _HEADER]
-    lines += [_row(i + 1, e) for i, e in enumerate(shown(ranked, top))]
+             f"up to {MISFITS_SHOWN} faster ones that do not:", ""]
+    experts = first.layout.config.model.num_experts is not None
+    lines += [_header(experts)] + [_row(i + 1, e, experts) for i, e in enumerate(shown(ranked, top))]
     best = next((e for e in ranked if e.fits), None)
     lines += ["", f"best that fits: {best.layout.flags()}" if best else "no layout fits: add GPUs or memory"]
     return "\n".join(lines)
