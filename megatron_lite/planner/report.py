@@ -89,8 +89,8 @@ def _row(index: int, estimate: Estimate, experts: bool) -> str:
     recompute = d["recompute"].split("/")[0]
     ep = f" {d['expert_model_parallel_size']:>3}" if experts else ""
     return (f"{index:>3} {d['tensor_model_parallel_size']:>3} {d['context_parallel_size']:>3} "
-            f"{d['pipeline_model_parallel_size']:>3} "
-            f"{d['virtual_pipeline_model_parallel_size']:>3}{ep} {d['data_parallel_size']:>5} {d['micro_batch_size']:>3} "
+            f"{d['pipeline_model_parallel_size']:>3} {d['virtual_pipeline_model_parallel_size']:>3}{ep} "
+            f"{d['data_parallel_size']:>5} {d['micro_batch_size']:>3} "
             f"{d['num_microbatches']:>5} {recompute:<10} {d['data_parallel_sharding_strategy']:<18} "
             f"{seconds_text(estimate.time.step_time_s):>8} {estimate.tokens_per_second:>10,.0f} "
             f"{estimate.tflops_per_gpu:>7.1f} "

@@ -48,7 +48,7 @@ from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.model.sliding_window import layer_window  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402
-from tests.checkpointing.common import widen_and_save  # noqa: E402
+from tests.checkpointing.common import Imported, import_hf_model  # noqa: E402
 from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import (EOS, MAX_NEW_TOKENS, PAD, PROMPTS,  # noqa: E402
@@ -101,28 +101,8 @@ LORA_TARGETS = {"deepseek_v3": ["linear_qkv", "linear_proj"], "deepseek_v2": ["l
 EXPORT_FLAGS = {"phi3": ["--hf-model-type", "phi3"], "deepseek_v2": ["--hf-model-type", "deepseek_v2"]}
 
 
-@dataclasses.dataclass
-class Imported:
-    name: str
-    hf_model: object
-    hf_dir: str
-    root: str  # our checkpoint, written at tp2 x pp2
-    input_ids: torch.Tensor
-    logits: torch.Tensor  # transformers'
-
-
 def _import(name: str, directory) -> Imported:
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]())
-    widen_and_save(hf_model, directory / "hf")
-    root = str(directory / "ckpt")
-    assert convert(["--source-format", "hf", "--target-format", "megatron_lite", "--load-dir", str(directory / "hf"),
-                    "--save-dir", root, "--target-tensor-parallel-size", "2",
-                    "--target-pipeline-parallel-size", "2"]) == 0
-    input_ids = torch.randint(2, VOCAB, (2, 16))
-    with torch.no_grad():
-        logits = hf_model(input_ids).logits
-    return Imported(name, hf_model, str(directory / "hf"), root, input_ids, logits)
+    return import_hf_model(name, FAMILIES[name](), directory, vocab=VOCAB)
 
 
 @pytest.fixture(scope="module")

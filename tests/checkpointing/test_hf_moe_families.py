@@ -38,7 +38,7 @@ from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: 
 from megatron_lite.config import ConfigError, DataConfig, OptimizerConfig, PeftConfig, TrainingConfig  # noqa: E402
 from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
-from tests.checkpointing.common import widen_and_save  # noqa: E402
+from tests.checkpointing.common import Imported, import_hf_model  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402
 from tests.checkpointing.hf_family_ranks import layouts_rank, load, sgd_step_gradients, training_config  # noqa: E402
 from tests.checkpointing.test_hf_families import SFT_PAIRS  # noqa: E402
@@ -84,36 +84,20 @@ EXPORT_FLAGS = {"deepseek_v2": ["--hf-model-type", "deepseek_v2"]}
 PEFT_REFUSED = ("qwen3_moe", *DEEPSEEK_FAMILIES)
 
 
-@dataclasses.dataclass
-class Imported:
-    name: str
-    hf_model: object
-    hf_dir: str
-    root: str  # our checkpoint, written at tp2 x pp2
-    input_ids: torch.Tensor
-    logits: torch.Tensor  # transformers'
+def _moe_layers(imported: Imported) -> list[int]:
+    config = read_config(imported.root).model
+    return [i for i in range(config.num_layers) if config.is_moe_layer(i)]
 
-    @property
-    def moe_layers(self) -> list[int]:
-        config = read_config(self.root).model
-        return [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+
+def _random_expert_bias(hf_model) -> None:
+    """DeepSeek-V3's e_score_correction_bias: a buffer, which widen_and_save leaves at 0."""
+    for module in hf_model.modules():
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias.normal_(0.0, 0.5)
 
 
 def _import(name: str, directory) -> Imported:
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]())
-    for module in hf_model.modules():  # DeepSeek-V3's bias (a buffer, which widen_and_save leaves at 0)
-        if hasattr(module, "e_score_correction_bias"):
-            module.e_score_correction_bias.normal_(0.0, 0.5)
-    widen_and_save(hf_model, directory / "hf")
-    root = str(directory / "ckpt")
-    assert convert(["--source-format", "hf", "--target-format", "megatron_lite", "--load-dir", str(directory / "hf"),
-                    "--save-dir", root, "--target-tensor-parallel-size", "2",
-                    "--target-pipeline-parallel-size", "2"]) == 0
-    input_ids = torch.randint(2, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = hf_model(input_ids).logits
-    return Imported(name, hf_model, str(directory / "hf"), root, input_ids, logits)
+    return import_hf_model(name, FAMILIES[name](), directory, vocab=VOCAB, input_seed=1, prepare=_random_expert_bias)
 
 
 @pytest.fixture(scope="module")
@@ -228,9 +212,9 @@ def test_training_loss_and_gradients_are_transformers(family):
                                    rtol=1e-6)
         ours = {name: p.grad for name, p in model.named_parameters()}
         theirs = {name: p.grad for name, p in hf_model.named_parameters()}
-        first = family.moe_layers[0]
+        first = _moe_layers(family)[0]
         pairs = {f"decoder.layers.{i}.mlp.router.weight": theirs[f"model.layers.{i}.mlp.gate.weight"]
-                 for i in family.moe_layers}
+                 for i in _moe_layers(family)}
         pairs.update({f"decoder.layers.{first}.mlp.experts.local_experts.{e}.linear_fc1.weight":
                       theirs[f"model.layers.{first}.mlp.experts.gate_up_proj"][e] for e in range(EXPERTS)})
         for name, gradient in pairs.items():
@@ -291,7 +275,7 @@ def test_round_trip_is_bit_exact(family, tmp_path):
     assert hf_interop.model_config_from_hf(exported_config) == hf_interop.model_config_from_hf(hf_config)
     assert original.keys() == round_trip.keys()
     experts = read_config(family.root).model.num_experts
-    assert sum(".experts." in key for key in original) == len(family.moe_layers) * experts * 3
+    assert sum(".experts." in key for key in original) == len(_moe_layers(family)) * experts * 3
     for key in original:
         assert torch.equal(original[key], round_trip[key]), key
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
@@ -308,7 +292,7 @@ def test_an_expert_missing_or_extra_in_the_files_is_refused(family):
     hf_config, tensors = hf_interop.read_hf_directory(family.hf_dir)
     config = hf_interop.model_config_from_hf(hf_config)
     naming = hf_interop.FAMILIES[family.name].naming
-    layer, last = family.moe_layers[0], config.num_experts - 1
+    layer, last = _moe_layers(family)[0], config.num_experts - 1
     missing = {k: v for k, v in tensors.items() if f".experts.{last}." not in k}
     expert = f"layers.{layer}.{EXPERT_NAMES[family.name].format(e=last)}"
     with pytest.raises(ConfigError, match=f"have no '{expert}'"):
@@ -324,7 +308,7 @@ def test_a_duplicated_expert_changes_the_logits(family, tmp_path):
     expert 2 of the first MoE layer is replaced by expert 1, as such a converter would, and the logits move."""
     tensors = _our_tensors(family.root)
     for projection in ("linear_fc1", "linear_fc2"):
-        name = f"decoder.layers.{family.moe_layers[0]}.mlp.experts.local_experts.{{}}.{projection}.weight"
+        name = f"decoder.layers.{_moe_layers(family)[0]}.mlp.experts.local_experts.{{}}.{projection}.weight"
         tensors[name.format(2)] = tensors[name.format(1)]
     write_checkpoint(str(tmp_path / "dup"), read_config(family.root), tensors.__getitem__, iteration=0)
     model, parallel_state = load(str(tmp_path / "dup"))

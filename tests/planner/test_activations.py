@@ -71,16 +71,7 @@ def test_one_process_mixture_of_experts_activation_peak(bf16):
     the dispatch and the experts keep, within the bound (the routing of random weights is near balanced)."""
     arch = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=176, moe_layer_freq="[0,1]",
                 moe_aux_loss_coeff=1e-2, moe_shared_expert_intermediate_size=128)
-    config = Config(model=ModelConfig(**arch, hidden_dropout=0.0, attention_dropout=0.0),
-                    training=TrainingConfig(micro_batch_size=2, bf16=bf16))
-    state = initialize_model_parallel(1, 1)
-    set_random_seeds(1, state)
-    model = build_model(config, state)[0].train()
-    ids = torch.randint(0, 1000, (2, 128))
-    with SavedActivationPeak(list(model.parameters())) as measured:
-        model(ids, labels=ids).float().mean().backward()
-    estimated = rank_memory(Layout(config, 1), device="cpu", pipeline_rank=0).activation_bytes
-    assert estimated / measured.peak == pytest.approx(1.0, abs=TOLERANCE)
+    test_one_process_activation_peak(arch, bf16, (0.0, 0.0), "none")
 
 
 # Multi-latent attention: its latents are replicated over tensor-parallel ranks, its values narrower than keys.
