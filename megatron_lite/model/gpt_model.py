@@ -71,8 +71,8 @@ class GPTModel(nn.Module):
         if post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
         # --moe-router-load-balancing-type pooled_aux_loss: each micro-batch's routing counts over all layers.
-        self.pools_routing = config.num_experts is not None and config.moe_router_load_balancing_type == (
-            "pooled_aux_loss")
+        self.pools_routing = (config.num_experts is not None and config.moe_aux_loss_coeff > 0
+                              and config.moe_router_load_balancing_type == "pooled_aux_loss")
         self.routers = [m for m in self.decoder.modules() if isinstance(m, TopKRouter)]
         self.next_pool = None
 
