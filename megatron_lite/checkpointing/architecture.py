@@ -49,6 +49,7 @@ ROLES = {
     "untie_embeddings_and_output_weights": Role.ARCHITECTURE,
     "add_qkv_bias": Role.ARCHITECTURE,
     "qk_layernorm": Role.ARCHITECTURE,
+    "qk_layernorm_whole_projection": Role.ARCHITECTURE,
     "window_size": Role.ARCHITECTURE,
     "window_attn_skip_freq": Role.ARCHITECTURE,
     "softmax_scale": Role.ARCHITECTURE,
@@ -85,6 +86,7 @@ ROLES = {
     "moe_router_topk_scaling_factor": Role.ARCHITECTURE,
     "moe_router_num_groups": Role.ARCHITECTURE,
     "moe_router_group_topk": Role.ARCHITECTURE,
+    "moe_router_group_score": Role.ARCHITECTURE,
     "moe_router_enable_expert_bias": Role.ARCHITECTURE,  # the bias is stored with the weights and routes
     "moe_shared_expert_intermediate_size": Role.ARCHITECTURE,
     "moe_shared_expert_gate": Role.ARCHITECTURE,

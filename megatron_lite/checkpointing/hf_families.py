@@ -1,10 +1,11 @@
 """The Hugging Face model families megatron_lite imports and exports, each a spec of ``config.json``.
 
 A family is its ``model_type``, the transformers class that loads it, how its weights are named
-(``naming``: GPT-2's, Llama's, Phi-3's, Mixtral's, Gemma's or DeepSeek's, ``hf_interop``), the ModelConfig
-features it implies, and every ``config.json`` field it reads. A field outside that list (and outside
-``GENERIC_FIELDS``, which change nothing we compute) is refused by name at import, never dropped: an unread
-field is a silently different model. A null field sets nothing and passes.
+(``naming``: GPT-2's, Llama's, Phi-3's, Gemma's or DeepSeek's, or Llama's with Mixtral's or Qwen-MoE's
+expert names, ``hf_interop``), the ModelConfig features it implies, and every ``config.json`` field it
+reads. A field outside that list (and outside ``GENERIC_FIELDS``, which change nothing we compute) is
+refused by name at import, never dropped: an unread field is a silently different model. A null field
+sets nothing and passes.
 
     family   features                                  refused
     gpt2     LayerNorm, learned positions, GELU tanh   other activations and attention scalings
@@ -20,6 +21,15 @@ field is a silently different model. A null field sets nothing and passes.
     mixtral  mistral + a mixture of experts in every   router_jitter_noise
              layer (num_local_experts, top-k softmax
              routing; router_aux_loss_coef, see below)
+    qwen3    qwen3 + experts where decoder_sparse_step     qwen3's; no MoE layer at all
+    _moe     and mlp_only_layers put them (dense MLPs
+             elsewhere, intermediate_size wide), top-k
+             of a softmax renormalised (norm_topk_prob)
+             or not (--moe-router-pre-softmax)
+    olmoe    llama + q/k RMSNorm over the whole            attention_bias, clip_qkv
+             projection (--qk-layernorm-whole-
+             projection), experts in every layer,
+             norm_topk_prob as qwen3_moe
     gemma2   llama + RMSNorm (1 + w), post-sublayer    attention_bias, hidden_activation other than
              norms, sqrt(hidden) embedding scale,      gelu_pytorch_tanh, use_bidirectional_attention,
              GeGLU, query_pre_attn_scalar, attention   layer_types other than every Nth layer global
@@ -30,22 +40,27 @@ field is a silently different model. A null field sets nothing and passes.
              layers' own RoPE base, never scaled
              (--rotary-base-local)
     deepseek_v3, deepseek_v2:
-             llama's norms and MLP + multi-latent      mixture-of-experts layers (first_k_dense_replace
-             attention (--multi-latent-attention),     < num_hidden_layers), num_key_value_heads other
-             interleaved rotary rows, rope yarn        than the heads, attention_bias, mlp_bias, rope
-                                                       scaling other than yarn
+             llama's norms and MLP + multi-latent      num_key_value_heads other than the heads,
+             attention (--multi-latent-attention),     attention_bias, mlp_bias, rope scaling other
+             interleaved rotary rows, rope yarn; after than yarn; V3: norm_topk_prob false, groups
+             first_k_dense_replace dense layers,       not scored by their best two; V2:
+             experts and shared experts: V3 sigmoid    norm_topk_prob true, topk_method other than
+             with e_score_correction_bias (our expert  greedy and group_limited_greedy
+             bias), groups by their best two; V2 the
+             softmax's top-k, groups by their best
+             (--moe-router-group-score max); both
+             x routed_scaling_factor
 
 On export the family is the one the model's features call for (``family_of``), or the one named
 (``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does, DeepSeek-V2
-what V3 does.
+what V3 does for dense layers.
 
-Mixtral's load-balancing loss (transformers' ``load_balancing_loss_func``) pools the router statistics
-of all L layers: E / (L T)^2 * sum_e C_e P_e with C and P summed over layers, k assignments per token.
-Ours is Megatron-LM's, per layer and summed over layers, each E / (k T^2) * sum_e C_e P_e. For one
-layer the two differ by the factor k, and where the layers route alike the pooled loss is the mean
-of the per-layer ones: --moe-aux-loss-coeff = router_aux_loss_coef * k / L reproduces it exactly for
-one layer and in that case. transformers adds the loss to the training loss only with
-output_router_logits true, so an import without it trains with coefficient 0.
+The MoE families' load-balancing loss (transformers' ``load_balancing_loss_func``) pools the router
+statistics of all L mixture-of-experts layers, E / (L T)^2 * sum_e C_e P_e with C and P summed over
+layers and k assignments per token: our --moe-router-load-balancing-type pooled_aux_loss, set on import
+with --moe-aux-loss-coeff = router_aux_loss_coef (Megatron-LM's aux_loss sums per-layer losses, each
+E / (k T^2) * sum_e C_e P_e, which differs beyond one layer). transformers adds the loss to the training
+loss only with output_router_logits true, so an import without it trains with coefficient 0.
 """
 from __future__ import annotations
 
@@ -348,35 +363,105 @@ def _gemma3_to_hf(config: ModelConfig) -> dict:
         "full_attention": _rope_to_hf(config)["rope_parameters"], "sliding_attention": local})
 
 
+# ---------------------------------------------------------------------------------------------
+# Mixtures of experts
+
+
+def _router_to_ours(hf: dict, *, num_experts: int, topk: int, coef: float, moe_layers: list[bool],
+                    norm_topk_prob: bool = True) -> dict:
+    """The routing fields every MoE family shares: E experts, top-k of a softmax (renormalised over the k,
+    ``norm_topk_prob``, or kept as they are: --moe-router-pre-softmax), which layers have experts, and
+    transformers' load-balancing loss (pooled over the layers, the module docstring says how)."""
+    pattern = "1" if all(moe_layers) else "[" + ",".join(str(int(moe)) for moe in moe_layers) + "]"
+    return dict(num_experts=num_experts, moe_router_topk=topk, moe_router_pre_softmax=not norm_topk_prob,
+                moe_layer_freq=pattern, moe_router_load_balancing_type="pooled_aux_loss",
+                moe_aux_loss_coeff=coef if hf.get("output_router_logits") else 0.0)
+
+
+def _router_to_hf(config: ModelConfig) -> dict:
+    """A model trained here with Megatron-LM's per-layer loss gets the coefficient whose pooled loss weighs
+    the layers alike (x L / k: exact for one layer, and where the layers route alike)."""
+    coeff, balancing = config.moe_aux_loss_coeff, config.moe_router_load_balancing_type
+    if balancing == "aux_loss":
+        coeff *= sum(config.is_moe_layer(i) for i in range(config.num_layers)) / config.moe_router_topk
+    return {"num_experts_per_tok": config.moe_router_topk, "router_aux_loss_coef": coeff,
+            "output_router_logits": coeff > 0 and balancing != "none"}
+
+
 def _mixtral_to_ours(hf: dict) -> dict:
     refuse(hf.get("router_jitter_noise", 0.0) != 0.0, "router_jitter_noise (multiplicative noise on the router input)")
-    layers, topk = hf["num_hidden_layers"], hf.get("num_experts_per_tok", 2)
-    coeff = hf.get("router_aux_loss_coef", 0.001) * topk / layers if hf.get("output_router_logits") else 0.0
-    return dict(_mistral_to_ours(hf), num_experts=hf.get("num_local_experts", 8), moe_router_topk=topk,
-                moe_ffn_hidden_size=hf["intermediate_size"], moe_aux_loss_coeff=coeff)
+    layers = hf["num_hidden_layers"]
+    return dict(_mistral_to_ours(hf), moe_ffn_hidden_size=hf["intermediate_size"], **_router_to_ours(
+        hf, num_experts=hf.get("num_local_experts", 8), topk=hf.get("num_experts_per_tok", 2),
+        coef=hf.get("router_aux_loss_coef", 0.001), moe_layers=[True] * layers))
 
 
 def _mixtral_to_hf(config: ModelConfig) -> dict:
-    return dict(_mistral_to_hf(config), intermediate_size=config.moe_ffn_hidden_size,
-                num_local_experts=config.num_experts, num_experts_per_tok=config.moe_router_topk,
-                output_router_logits=config.moe_aux_loss_coeff > 0, router_jitter_noise=0.0,
-                router_aux_loss_coef=config.moe_aux_loss_coeff * config.num_layers / config.moe_router_topk)
+    return dict(_mistral_to_hf(config), **_router_to_hf(config), intermediate_size=config.moe_ffn_hidden_size,
+                num_local_experts=config.num_experts, router_jitter_noise=0.0)
+
+
+def _qwen3_moe_to_ours(hf: dict) -> dict:
+    """Qwen3 with experts in layer i when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers,
+    dense MLPs (intermediate_size wide) elsewhere; transformers 5 writes num_experts as num_local_experts."""
+    layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    moe_layers = [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+    refuse(not any(moe_layers), "no mixture-of-experts layer (decoder_sparse_step, mlp_only_layers): import it as "
+           "qwen3")
+    experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    return dict(_llama_to_ours(hf), qk_layernorm=True, moe_ffn_hidden_size=hf.get("moe_intermediate_size", 768),
+                **_router_to_ours(hf, num_experts=experts, topk=hf.get("num_experts_per_tok", 8),
+                                  coef=hf.get("router_aux_loss_coef", 0.001), moe_layers=moe_layers,
+                                  norm_topk_prob=hf.get("norm_topk_prob", False)))
+
+
+def _qwen3_moe_to_hf(config: ModelConfig) -> dict:
+    return dict(_llama_to_hf(config), **_router_to_hf(config), attention_bias=False, use_sliding_window=False,
+                num_experts=config.num_experts, moe_intermediate_size=config.moe_ffn_hidden_size,
+                norm_topk_prob=not config.moe_router_pre_softmax, decoder_sparse_step=1,
+                mlp_only_layers=[i for i in range(config.num_layers) if not config.is_moe_layer(i)])
+
+
+def _olmoe_to_ours(hf: dict) -> dict:
+    """Llama with q/k RMSNorms over the whole projections and experts (intermediate_size wide) in every layer."""
+    refuse(hf.get("clip_qkv") is not None, "clip_qkv (queries, keys and values clamped)")
+    heads = hf["num_attention_heads"]
+    refuse(hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"],
+           "head_dim x num_attention_heads other than hidden_size (OLMoE's q_norm is hidden_size wide)")
+    return dict(_llama_to_ours({"rms_norm_eps": 1e-5, **hf}), qk_layernorm=True, qk_layernorm_whole_projection=True,
+                moe_ffn_hidden_size=hf["intermediate_size"], **_router_to_ours(
+                    hf, num_experts=hf.get("num_experts", 64), topk=hf.get("num_experts_per_tok", 8),
+                    coef=hf.get("router_aux_loss_coef", 0.01), moe_layers=[True] * hf["num_hidden_layers"],
+                    norm_topk_prob=hf.get("norm_topk_prob", False)))
+
+
+def _olmoe_to_hf(config: ModelConfig) -> dict:
+    return dict(_llama_to_hf(config), **_router_to_hf(config), attention_bias=False, clip_qkv=None,
+                intermediate_size=config.moe_ffn_hidden_size, num_experts=config.num_experts,
+                norm_topk_prob=not config.moe_router_pre_softmax)
+
+
+ROUTER_FIELDS = frozenset({"num_experts_per_tok", "router_aux_loss_coef", "output_router_logits"})
 
 
 QWEN_WINDOW_FIELDS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
 
 
+def _has_experts(num_experts) -> bool:
+    return num_experts is not None
+
+
 # ---------------------------------------------------------------------------------------------
-# DeepSeek-V2/V3: multi-latent attention, dense layers only (a mixture-of-experts layer is refused)
+# DeepSeek-V2/V3: multi-latent attention, first dense layers then mixtures of experts
 
 
-def _deepseek_reader(first_k_dense_default: int) -> Callable[[dict], dict]:
-    """DeepSeek-V2 or V3's config.json (their defaults for first_k_dense_replace differ: 0 and 3)."""
+def _deepseek_reader(version: int) -> Callable[[dict], dict]:
+    """DeepSeek-V2 or V3's config.json: multi-latent attention, the first first_k_dense_replace layers dense (their
+    defaults differ: 0 and 3), then mixtures of experts (``_deepseek_experts``)."""
     def read(hf: dict) -> dict:
         layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace")
-        dense = first_k_dense_default if dense is None else dense
-        refuse(dense < layers, f"mixture-of-experts layers (first_k_dense_replace {dense} < num_hidden_layers "
-                               f"{layers}); DeepSeek's mixture of experts does not import yet, only its dense layers")
+        dense = DEEPSEEK_DEFAULTS[version]["first_k_dense_replace"] if dense is None else dense
         heads = hf["num_attention_heads"]
         refuse((hf.get("num_key_value_heads") or heads) != heads,
                f"num_key_value_heads {hf.get('num_key_value_heads')} other than num_attention_heads {heads} "
@@ -392,22 +477,85 @@ def _deepseek_reader(first_k_dense_default: int) -> Callable[[dict], dict]:
         rope = _rope_to_ours(hf, latent=True)
         refuse(set(rope) - {"rotary_base", "rope_type"} - set(YARN_FIELDS) != set(),
                "rope scaling other than yarn (rope_parameters.rope_type; DeepSeek's attention scales with yarn)")
+        if dense < layers:
+            fields.update(_deepseek_experts({**DEEPSEEK_DEFAULTS[version], **_set(hf)}, dense, version))
         return dict(fields, **rope)
     return read
 
 
-def _deepseek_to_hf(config: ModelConfig) -> dict:
+# transformers' DeepseekV2Config / DeepseekV3Config defaults, for the fields a config.json leaves out.
+DEEPSEEK_DEFAULTS = {
+    2: {"first_k_dense_replace": 0, "n_routed_experts": 64, "moe_intermediate_size": 1407, "n_shared_experts": 2,
+        "routed_scaling_factor": 1.0, "topk_method": "greedy", "norm_topk_prob": False},
+    3: {"first_k_dense_replace": 3, "n_routed_experts": 256, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+        "topk_method": "noaux_tc", "norm_topk_prob": True}}
+
+
+def _set(hf: dict) -> dict:
+    return {name: value for name, value in hf.items() if value is not None}
+
+
+def _deepseek_experts(hf: dict, dense: int, version: int) -> dict:
+    """DeepSeek's mixture-of-experts layers (after the first ``dense``), as transformers computes them: V2 the top-k
+    of a softmax over all experts as they are (within the groups of highest best score with topk_method
+    group_limited_greedy), V3 the top-k of sigmoid scores chosen with e_score_correction_bias (our expert bias)
+    within the groups whose best two sum highest, renormalised; both times routed_scaling_factor, plus
+    n_shared_experts shared experts as one MLP. transformers computes no load-balancing loss for either."""
+    layers, experts, topk = hf["num_hidden_layers"], hf["n_routed_experts"], hf["num_experts_per_tok"]
+    width, shared, scale = hf["moe_intermediate_size"], hf.get("n_shared_experts", 0), hf["routed_scaling_factor"]
+    groups, group_topk, method = hf.get("n_group"), hf.get("topk_group"), hf["topk_method"]
+    fields = dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=width,
+                  moe_layer_freq="[" + ",".join(["0"] * dense + ["1"] * (layers - dense)) + "]",
+                  moe_shared_expert_intermediate_size=width * shared if shared else None,
+                  moe_router_topk_scaling_factor=None if scale == 1.0 else scale, moe_aux_loss_coeff=0.0)
+    if version == 3:
+        refuse(method != "noaux_tc", f"topk_method {method!r} (DeepSeek-V3's router is noaux_tc)")
+        refuse(not hf["norm_topk_prob"], "norm_topk_prob false with sigmoid scores (ours renormalise the top-k)")
+        fields.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+        if groups not in (None, 1):  # a group scores by its best two: ours by its best topk / topk_group
+            refuse(topk != 2 * group_topk, f"num_experts_per_tok {topk} other than twice topk_group {group_topk} "
+                                           f"(a group is scored by its best two experts; ours by its best "
+                                           f"num_experts_per_tok / topk_group)")
+            fields.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+        return fields
+    refuse(hf["norm_topk_prob"], "norm_topk_prob true (transformers' DeepseekV2 router does not renormalise)")
+    refuse(method not in ("greedy", "group_limited_greedy"), f"topk_method {method!r} (greedy, group_limited_greedy)")
+    fields.update(moe_router_pre_softmax=True)
+    if method == "group_limited_greedy":
+        fields.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk, moe_router_group_score="max")
+    return fields
+
+
+def _deepseek_experts_to_hf(config: ModelConfig, version: int) -> dict:
+    """Inverse of ``_deepseek_experts`` (a dense model: every layer before first_k_dense_replace)."""
+    moe_layers = [config.is_moe_layer(i) for i in range(config.num_layers)]
+    if not any(moe_layers):
+        return {"first_k_dense_replace": config.num_layers}
+    width, shared = config.moe_ffn_hidden_size, config.moe_shared_expert_intermediate_size
+    groups = (config.moe_router_num_groups, config.moe_router_group_topk) if config.moe_router_num_groups else (1, 1)
+    fields = {"first_k_dense_replace": moe_layers.index(True), "n_routed_experts": config.num_experts,
+              "num_experts_per_tok": config.moe_router_topk, "moe_intermediate_size": width,
+              "n_shared_experts": (shared or 0) // width, "routed_scaling_factor": config.moe_router_topk_scaling_factor
+              or 1.0, "n_group": groups[0], "topk_group": groups[1]}
+    if version == 3:
+        return dict(fields, norm_topk_prob=True)
+    return dict(fields, norm_topk_prob=False,
+                topk_method="group_limited_greedy" if config.moe_router_num_groups else "greedy")
+
+
+def _deepseek_to_hf(config: ModelConfig, version: int) -> dict:
     fields = {k: v for k, v in _llama_to_hf(config).items() if k != "head_dim"}
     return dict(fields, q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
                 qk_nope_head_dim=config.qk_head_dim, qk_rope_head_dim=config.qk_pos_emb_head_dim,
-                v_head_dim=config.v_head_dim, num_key_value_heads=config.num_attention_heads,
-                first_k_dense_replace=config.num_layers, attention_bias=False)
+                v_head_dim=config.v_head_dim, num_key_value_heads=config.num_attention_heads, attention_bias=False,
+                **_deepseek_experts_to_hf(config, version))
 
 
 YARN_FIELDS = ("rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_original_max_position_embeddings",
                "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int")
-# What a DeepSeek config.json sets for its mixture-of-experts layers; a model whose layers are all dense has
-# none, so these change nothing (a DeepSeek mixture-of-experts import would read them).
+# What a DeepSeek config.json sets for its mixture-of-experts layers (``_deepseek_experts``; nothing in a model
+# whose layers are all dense; output_router_logits: transformers computes no router loss from them).
 DEEPSEEK_MOE_FIELDS = frozenset({
     "moe_intermediate_size", "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "n_group",
     "topk_group", "num_experts_per_tok", "norm_topk_prob", "output_router_logits", "topk_method"})
@@ -437,10 +585,18 @@ FAMILIES = {family.model_type: family for family in (
                            "original_max_position_embeddings"},  # the context longrope scaling starts from
            _phi3_to_ours, _phi3_to_hf),
     Family("mixtral", "MixtralForCausalLM", "mixtral",
-           LLAMA_FIELDS | {"sliding_window", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
-                           "output_router_logits", "router_jitter_noise"},
-           _mixtral_to_ours, _mixtral_to_hf, features={"num_experts": lambda experts: experts is not None},
-           also=frozenset({"window_size"})),
+           LLAMA_FIELDS | ROUTER_FIELDS | {"sliding_window", "num_local_experts", "router_jitter_noise"},
+           _mixtral_to_ours, _mixtral_to_hf, features={"num_experts": _has_experts}, also=frozenset({"window_size"})),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen_moe",
+           LLAMA_FIELDS | QWEN_WINDOW_FIELDS | ROUTER_FIELDS | {
+               "attention_bias", "num_experts", "num_local_experts", "moe_intermediate_size", "norm_topk_prob",
+               "decoder_sparse_step", "mlp_only_layers"},
+           _qwen_attention(_without_biases(_qwen3_moe_to_ours)), _qwen3_moe_to_hf,
+           features={"num_experts": _has_experts, "qk_layernorm": True}),
+    Family("olmoe", "OlmoeForCausalLM", "qwen_moe",
+           LLAMA_FIELDS | ROUTER_FIELDS | {"attention_bias", "clip_qkv", "num_experts", "norm_topk_prob"},
+           _without_biases(_olmoe_to_ours), _olmoe_to_hf,
+           features={"num_experts": _has_experts, "qk_layernorm": True, "qk_layernorm_whole_projection": True}),
     Family("gemma2", "Gemma2ForCausalLM", "gemma", GEMMA_FIELDS, lambda hf: _gemma_to_ours(hf, every=2),
            _gemma_to_hf, features={"window_size": lambda window: window is not None}),
     Family("gemma3_text", "Gemma3ForCausalLM", "gemma",
@@ -453,16 +609,18 @@ FAMILIES = {family.model_type: family for family in (
     # Multi-token prediction modules (num_nextn_predict_layers) are not part of transformers' forward.
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek",
            DEEPSEEK_FIELDS | {"rope_interleave", "num_nextn_predict_layers"}, _deepseek_reader(3),
-           lambda config: dict(_deepseek_to_hf(config), rope_interleave=True, num_nextn_predict_layers=0),
-           features={"multi_latent_attention": True, "qk_layernorm": True}),
-    # The same dense model as V3; exported when asked for (--hf-model-type deepseek_v2).
-    Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek", DEEPSEEK_FIELDS | {"mlp_bias"}, _deepseek_reader(0),
-           lambda config: dict(_deepseek_to_hf(config), mlp_bias=False)),
+           lambda config: dict(_deepseek_to_hf(config, 3), rope_interleave=True, num_nextn_predict_layers=0),
+           features={"multi_latent_attention": True, "qk_layernorm": True}, also=frozenset({"num_experts"})),
+    # Exported when asked for (--hf-model-type deepseek_v2): V3 computes its dense models, not its experts.
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek", DEEPSEEK_FIELDS | {"mlp_bias"}, _deepseek_reader(2),
+           lambda config: dict(_deepseek_to_hf(config, 2), mlp_bias=False)),
 )}
 
 # The features only some families have, and the value each takes where it is absent.
 _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None,
-                      "num_experts": None, "multi_latent_attention": False}
+                      "num_experts": None, "qk_layernorm_whole_projection": False, "multi_latent_attention": False}
+# Namings that are Llama's but for their experts' (hf_interop._EXPERT_NAMES): a Llama-like model with experts.
+EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe"})
 # Gemma's features (its own weight naming tells it apart on export): no other family describes them.
 GEMMA_FEATURES = {"post_sublayer_norm": False, "scale_embeddings": False, "geglu": False, "softmax_scale": None,
                   "attn_logit_softcapping": None, "final_logit_softcapping": None, "window_attn_skip_freq": None}
@@ -511,11 +669,13 @@ def named_family(config: ModelConfig, model_type: str) -> Family:
 
 
 def family_of(config: ModelConfig, naming: str) -> Family:
-    """The family to export ``config`` as: of those with its weight ``naming``, the one whose features
-    are exactly the model's optional features (none of them: GPT-2 or Llama)."""
+    """The family to export ``config`` as: of those with its weight ``naming`` (a Llama-like model's experts
+    may be named as any family's), the one whose features are exactly the model's optional features (none of
+    them: GPT-2 or Llama)."""
     present = {name for name, absent in _OPTIONAL_FEATURES.items() if getattr(config, name) != absent}
     for family in FAMILIES.values():
-        if family.naming == naming and set(family.features) <= present <= set(family.features) | family.also and all(
+        family_naming = "llama" if family.naming in EXPERT_NAMINGS else family.naming
+        if family_naming == naming and set(family.features) <= present <= set(family.features) | family.also and all(
                 test(getattr(config, name)) if callable(test) else getattr(config, name) == test
                 for name, test in family.features.items()):
             return family
@@ -523,5 +683,6 @@ def family_of(config: ModelConfig, naming: str) -> Family:
                       f"{', '.join(sorted(present))}: export needs at most one of --add-qkv-bias (Qwen2), "
                       f"--qk-layernorm (Qwen3) and --window-size (Mistral), or Gemma's features with "
                       f"--window-size (Gemma 2) or with --window-size, --qk-layernorm and --rotary-base-local "
-                      f"(Gemma 3), or --num-experts with or without --window-size (Mixtral), or "
+                      f"(Gemma 3), or --num-experts with or without --window-size (Mixtral), with --qk-layernorm "
+                      f"(Qwen3-MoE) or with --qk-layernorm and --qk-layernorm-whole-projection (OLMoE), or "
                       f"--multi-latent-attention with --qk-layernorm (DeepSeek).")

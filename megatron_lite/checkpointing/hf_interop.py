@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (GPT-2, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Phi-3, Gemma 2 and 3, dense
+"""Hugging Face checkpoints (GPT-2, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE, OLMoE, Phi-3, Gemma 2 and 3,
 DeepSeek-V2/V3) <-> megatron_lite global tensors.
 
 A Hugging Face model directory is ``config.json`` plus safetensors weights
@@ -22,7 +22,12 @@ What differs between the two naming schemes:
   they are copied unchanged.
 - Mixtral's experts (block_sparse_moe.experts.{e}.w1/w3/w2: gate, up, down) become our experts by the same
   number, w1 and w3 fused into fc1 as SwiGLU's [gate; up]; its router (block_sparse_moe.gate) is ours.
-- DeepSeek's multi-latent attention: ``hf_latent_attention`` (renames, and its interleaved rotary rows).
+  Qwen3-MoE and OLMoE name them mlp.experts.{e}.gate_proj/up_proj/down_proj and the router mlp.gate;
+  Qwen3-MoE's dense layers (mlp_only_layers) are Llama's MLPs. OLMoE's q_norm/k_norm span the whole
+  projection (all heads), but are copied as Qwen3's are: only their width differs.
+- DeepSeek's multi-latent attention: ``hf_latent_attention`` (renames, and its interleaved rotary rows). Its
+  experts are named as Qwen3-MoE's, its shared experts mlp.shared_experts.gate_proj/up_proj/down_proj (our
+  shared_experts' fc1 and fc2), and V3's mlp.gate.e_score_correction_bias is our router's expert_bias.
 - Vocabulary: ours is padded (``ModelConfig.padded_vocab_size``): zero rows are added
   on import and cut on export.
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import NamedTuple
 
 import safetensors
 import safetensors.torch
@@ -61,8 +67,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
 
 
 def hf_architecture(config: ModelConfig) -> str:
-    """'gpt2', 'llama', 'mixtral', 'gemma' or 'deepseek': the Hugging Face weight naming our model matches exactly
-    (Qwen and Mistral name theirs as Llama does, Gemma 3 as Gemma 2), else a ConfigError."""
+    """'gpt2', 'llama', 'gemma' or 'deepseek': the Hugging Face weight naming our model matches exactly (Qwen and
+    Mistral name theirs as Llama does, Gemma 3 as Gemma 2; the mixture-of-experts families as Llama but for
+    their experts), else a ConfigError."""
     gpt2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
                 add_bias_linear=True, num_query_groups=config.num_attention_heads,
                 head_dim=config.hidden_size // config.num_attention_heads, qk_layernorm=False, window_size=None,
@@ -73,15 +80,21 @@ def hf_architecture(config: ModelConfig) -> str:
                  add_qkv_bias=False, rotary_percent=1.0, apply_layernorm_1p=True, post_sublayer_norm=True,
                  scale_embeddings=True, multi_latent_attention=False)
     deepseek = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, multi_latent_attention=True,
-                    qk_layernorm=True, window_size=None, num_experts=None, **GEMMA_FEATURES)
+                    qk_layernorm=True, window_size=None, **GEMMA_FEATURES)
     for name, required in (("gpt2", gpt2), ("llama", llama), ("gemma", gemma), ("deepseek", deepseek)):
         if all(getattr(config, k) == v for k, v in required.items()):
-            return "mixtral" if name == "llama" and config.num_experts is not None else name
+            return name
     raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA, head width "
                       "hidden / heads) nor Llama-like (RMSNorm, rope on every channel, SwiGLU, no biases but "
                       "--add-qkv-bias) nor Gemma (Llama's with --apply-layernorm-1p, --post-sublayer-norm, "
-                      "--scale-embeddings and --geglu) nor dense DeepSeek (Llama's with --multi-latent-attention and "
-                      "--qk-layernorm, no --num-experts): Hugging Face has no matching architecture to export to.")
+                      "--scale-embeddings and --geglu) nor DeepSeek (Llama's with --multi-latent-attention and "
+                      "--qk-layernorm): Hugging Face has no matching architecture to export to.")
+
+
+def _default_naming(config: ModelConfig) -> str:
+    """The weight naming of ``config``'s architecture; with experts, that of the family it exports as."""
+    naming = hf_architecture(config)
+    return family_of(config, naming).naming if config.num_experts is not None and naming == "llama" else naming
 
 
 def hf_family(config: ModelConfig, model_type: str | None = None) -> Family:
@@ -142,8 +155,20 @@ _LLAMA_PROJECTIONS = (("self_attn.o_proj.weight", "self_attention.linear_proj.we
 _LLAMA_MLP = (("mlp.down_proj.weight", "mlp.linear_fc2.weight", False),)
 # A mixture-of-experts layer's router and each expert's (gate, up, down) projections, by weight naming;
 # "{e}" is the expert's number. Ours: mlp.router.weight, mlp.experts.local_experts.{e}.linear_fc1 = [gate; up].
-_EXPERT_NAMES = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.",
-                             ("w1.weight", "w3.weight", "w2.weight"))}
+class ExpertNames(NamedTuple):
+    router: str
+    expert: str  # "{e}": the expert's number
+    projections: tuple  # (gate, up, down)
+    shared: str | None = None  # the shared experts' MLP (gate_proj, up_proj, down_proj), as one of ours
+    expert_bias: str | None = None  # the router's bias on the scores that choose (our expert_bias)
+
+
+_QWEN_PROJECTIONS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+_EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.",
+                                        ("w1.weight", "w3.weight", "w2.weight")),
+                 "qwen_moe": ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", _QWEN_PROJECTIONS),  # Qwen3-MoE, OLMoE
+                 "deepseek": ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", _QWEN_PROJECTIONS,
+                                         shared="mlp.shared_experts.", expert_bias="mlp.gate.e_score_correction_bias")}
 _LLAMA_LAYER = _LLAMA_PROJECTIONS + (("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", False),)
 _GEMMA_LAYER = _LLAMA_PROJECTIONS + (
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight", False),
@@ -175,7 +200,7 @@ def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = Non
     """HF state dict -> our global tensors by name (vocabulary padded for tensor-parallel size 1). ``naming``:
     the family's (``hf_families``), by default the one the model's features say; ``interleaved_rope``: whether
     DeepSeek's rotary rows are interleaved (``hf_latent_attention``)."""
-    naming = naming or hf_architecture(config)
+    naming = naming or _default_naming(config)
     # Checkpoints saved from the bare GPT2Model / LlamaModel lack the prefix.
     prefix = "transformer." if naming == "gpt2" else "model."
     tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
@@ -234,7 +259,7 @@ def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = Non
 
 def weights_to_hf(read, config: ModelConfig, naming: str | None = None) -> dict:
     """Our global tensors (``read(name)``) -> HF state dict (vocabulary padding cut), named as ``weights_from_hf``."""
-    naming = naming or hf_architecture(config)
+    naming = naming or _default_naming(config)
     vocab = config.vocab_size
     if config.apply_layernorm_1p and naming != "gemma":  # Gemma stores scale - 1 as ours does
         read = _with_unit_norm_scale(read)
@@ -283,12 +308,19 @@ def _mlp_from_hf(take, theirs: str, layer: str, config: ModelConfig, naming: str
         return {layer + "mlp.linear_fc1.weight": torch.cat([take(theirs + "mlp.gate_proj.weight"),
                                                             take(theirs + "mlp.up_proj.weight")]),
                 **_renamed_from_hf(take, _LLAMA_MLP, theirs, layer)}
-    router, expert, (gate, up, down) = _EXPERT_NAMES[naming]
-    ours = {layer + "mlp.router.weight": take(theirs + router)}
+    names = _expert_names(naming, config)
+    gate, up, down = names.projections
+    ours = {layer + "mlp.router.weight": take(theirs + names.router)}
     for e in range(config.num_experts):
-        prefix, mine = theirs + expert.format(e=e), f"{layer}mlp.experts.local_experts.{e}."
+        prefix, mine = theirs + names.expert.format(e=e), f"{layer}mlp.experts.local_experts.{e}."
         ours[mine + "linear_fc1.weight"] = torch.cat([take(prefix + gate), take(prefix + up)])
         ours[mine + "linear_fc2.weight"] = take(prefix + down)
+    if config.moe_shared_expert_intermediate_size is not None:
+        prefix, mine = theirs + names.shared, f"{layer}mlp.shared_experts."
+        ours[mine + "linear_fc1.weight"] = torch.cat([take(prefix + gate), take(prefix + up)])
+        ours[mine + "linear_fc2.weight"] = take(prefix + down)
+    if config.moe_router_enable_expert_bias:
+        ours[layer + "mlp.router.expert_bias"] = take(theirs + names.expert_bias).float()
     return ours
 
 
@@ -298,14 +330,29 @@ def _mlp_to_hf(read, theirs: str, layer: str, config: ModelConfig, naming: str, 
         gate, up = read(layer + "mlp.linear_fc1.weight").chunk(2)
         return {theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
                 **_renamed_to_hf(read, _LLAMA_MLP, theirs, layer)}
-    router, expert, (gate_name, up_name, down_name) = _EXPERT_NAMES[naming]
-    hf = {theirs + router: read(layer + "mlp.router.weight")}
-    for e in range(config.num_experts):
-        prefix, mine = theirs + expert.format(e=e), f"{layer}mlp.experts.local_experts.{e}."
+    names = _expert_names(naming, config)
+    gate_name, up_name, down_name = names.projections
+    hf = {theirs + names.router: read(layer + "mlp.router.weight")}
+    mlps = [(theirs + names.expert.format(e=e), f"{layer}mlp.experts.local_experts.{e}.")
+            for e in range(config.num_experts)]
+    if config.moe_shared_expert_intermediate_size is not None:
+        mlps.append((theirs + names.shared, f"{layer}mlp.shared_experts."))
+    for prefix, mine in mlps:
         gate, up = read(mine + "linear_fc1.weight").chunk(2)
         hf.update({prefix + gate_name: gate, prefix + up_name: up,
                    prefix + down_name: read(mine + "linear_fc2.weight")})
+    if config.moe_router_enable_expert_bias:
+        hf[theirs + names.expert_bias] = read(layer + "mlp.router.expert_bias")
     return hf
+
+
+def _expert_names(naming: str, config: ModelConfig) -> ExpertNames:
+    """How ``naming`` names a mixture-of-experts layer's weights, if it names all of ``config``'s."""
+    names = _EXPERT_NAMES[naming]
+    if (config.moe_shared_expert_intermediate_size is not None and names.shared is None) or (
+            config.moe_router_enable_expert_bias and names.expert_bias is None):
+        raise ConfigError(f"the {naming} naming has no shared expert or expert bias, which this model has.")
+    return names
 
 
 def _split_qkv(rows: torch.Tensor, config: ModelConfig) -> tuple:

@@ -9,7 +9,10 @@ module with one A; our fused layers are several Hugging Face modules at once:
     linear_fc1  GPT-2: mlp.c_fc                           Llama: mlp.gate_proj, mlp.up_proj (SwiGLU)
 
 Export: each of those modules gets a copy of our shared A and its rows of our B
-(``hf_interop``'s q/k/v and gate/up split), so PEFT computes exactly our update.
+(``hf_interop``'s q/k/v and gate/up split), so PEFT computes exactly our update. The experts of a
+mixture-of-experts layer (Mixtral, Qwen3-MoE, OLMoE under transformers 5) are 3-D parameters, which PEFT
+adapts as ``target_parameters``, each expert with its own factors (``_EXPERT_PARAMETERS``); the dense MLPs of
+such a model have no PEFT form (``_check_dense_mlps_of_experts``), and no expert adapter is imported.
 Import: PEFT trains a separate A for q, k and v (and may adapt only some of them,
 scale modules differently or use rsLoRA), which one shared A of the same rank cannot
 hold. The modules' updates are stacked instead, A = [A_q; A_k; A_v] and B
@@ -57,7 +60,7 @@ _MODULES = {
     "phi3": {"linear_qkv": [("self_attn.qkv_proj", ("q", "k", "v"))], "linear_proj": [("self_attn.o_proj", None)],
              "linear_fc1": [("mlp.gate_up_proj", ("gate", "up"))], "linear_fc2": [("mlp.down_proj", None)]},
 }
-_MODULES["gemma"] = _MODULES["llama"]
+_MODULES["gemma"] = _MODULES["mixtral"] = _MODULES["qwen_moe"] = _MODULES["llama"]
 _MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)],
                         "linear_q_down_proj": [("self_attn.q_a_proj", None)],
                         "linear_q_up_proj": [("self_attn.q_b_proj", None)],
@@ -71,7 +74,13 @@ _OUR_MODULE = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_a
                                                                    "linear_kv_up_proj")}}
 _LAYERS = {"gpt2": "base_model.model.transformer.h.", "llama": "base_model.model.model.layers.",
            "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers.",
+           "mixtral": "base_model.model.model.layers.", "qwen_moe": "base_model.model.model.layers.",
            "deepseek": "base_model.model.model.layers."}
+# A mixture-of-experts layer's experts in transformers 5 (Mixtral, Qwen3-MoE, OLMoE): one 3-D parameter per
+# projection, [experts, out, in], which PEFT adapts as ``target_parameters`` (its ParamWrapper), every expert
+# with its own rank-r factors: A [E r, in] (expert e's rows e r .. e r + r - 1) and B [out, r E] (expert e's
+# columns e, E + e, ...). Both targeted, PEFT wraps gate_up_proj first, so its factors sit under base_layer.
+_EXPERT_PARAMETERS = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
 # DeepSeek's rotary rows are interleaved in its files, rotate-half in ours (hf_latent_attention): B's rows follow.
 _ROTARY_ROWS = {"linear_q_proj": query_rotary_rows, "linear_q_up_proj": query_rotary_rows,
                 "linear_kv_down_proj": latent_rotary_rows}
@@ -139,11 +148,16 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
     if base_model_name_or_path is None:
         base_model_name_or_path = _hf_base(reader.metadata["training_state"].get("peft_base"))
     model, peft = config.model, config.peft
-    architecture = hf_family(model, hf_model_type).naming
-    _check_peft_loads(architecture, peft.lora_target_modules)
-    tensors, targets = {}, set()
+    family = hf_family(model, hf_model_type)
+    architecture = family.naming
+    _check_peft_loads(model, peft.lora_target_modules, family)
+    tensors, targets, expert_targets = {}, set(), set()
     for layer in range(model.num_layers):
-        for target in peft.lora_target_modules:
+        experts = [t for t in peft.lora_target_modules if t in _EXPERT_PARAMETERS and model.is_moe_layer(layer)]
+        if experts:
+            tensors.update(_expert_adapters(reader, model, layer, experts, architecture, peft))
+            expert_targets.update(_EXPERT_PARAMETERS[t] for t in experts)
+        for target in (t for t in peft.lora_target_modules if t not in experts):
             lora_a, lora_b = (reader.read(n) for n in factor_names(f"decoder.layers.{layer}.{_OUR_MODULE[target]}"))
             lora_b = _hf_rows(target, lora_b, model, to_hf=True)
             blocks = _row_blocks(target, lora_b, model)
@@ -157,7 +171,8 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
     write_json(os.path.join(save_dir, CONFIG_FILE), {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": peft.lora_rank, "lora_alpha": peft.lora_alpha, "lora_dropout": peft.lora_dropout,
-        "target_modules": sorted(targets), "fan_in_fan_out": architecture == "gpt2",  # GPT-2's Conv1D is [in, out]
+        "target_modules": sorted(targets), "target_parameters": sorted(expert_targets) or None,
+        "fan_in_fan_out": architecture == "gpt2",  # GPT-2's Conv1D is [in, out]
         "bias": "none", "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "modules_to_save": None})
     safetensors.torch.save_file({k: v.float().contiguous() for k, v in tensors.items()},
@@ -166,15 +181,43 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
         os.chmod(os.path.join(save_dir, name), 0o644)
 
 
-def _check_peft_loads(architecture: str, targets: list) -> None:
-    """peft (0.21) takes gate_proj, up_proj and down_proj of a DeepSeek model for its experts' fused parameters,
-    so on dense DeepSeek layers it would load an MLP adapter onto nothing, silently: refused."""
+# Namings whose gate_proj, up_proj and down_proj peft (0.21, for transformers 5) takes for a mixture of experts'
+# fused parameters, in every layer: Qwen3-MoE, OLMoE and DeepSeek (not Mixtral, whose experts are w1, w3, w2).
+_PEFT_REMAPS_MLPS = frozenset({"qwen_moe", "deepseek"})
+
+
+def _check_peft_loads(model: ModelConfig, targets: list, family) -> None:
+    """Adapters on a dense MLP (a dense layer, a shared expert) of a model peft remaps would load onto nothing,
+    silently: refused."""
     mlp = [target for target in targets if target in ("linear_fc1", "linear_fc2")]
-    if architecture == "deepseek" and mlp:
-        raise ConfigError(f"LoRA on {' and '.join(mlp)} of a DeepSeek model has no PEFT form that peft loads: it "
-                          f"remaps DeepSeek's mlp.gate_proj/up_proj/down_proj to mixture-of-experts parameters and "
-                          f"drops the adapter on dense layers. Export adapters trained with --lora-target-modules "
-                          f"linear_qkv linear_proj (attention), or merge them into the base (--merge-lora).")
+    dense = [layer for layer in range(model.num_layers) if not model.is_moe_layer(layer)]
+    shared = model.moe_shared_expert_intermediate_size is not None
+    if family.naming not in _PEFT_REMAPS_MLPS or not mlp or not (dense or shared):
+        return
+    where = ", ".join(([f"layers {dense}"] if dense else []) + (["the shared experts"] if shared else []))
+    raise ConfigError(f"LoRA on {' and '.join(mlp)} of a {family.model_type} model's dense MLPs ({where}) has no PEFT "
+                      f"form that peft loads: it remaps the model's mlp.gate_proj/up_proj/down_proj to "
+                      f"mixture-of-experts parameters and drops the adapters of dense MLPs. Export adapters trained "
+                      f"with --lora-target-modules linear_qkv linear_proj (attention), or merge them into the base "
+                      f"(--merge-lora).")
+
+
+def _expert_adapters(reader, model: ModelConfig, layer: int, targets: list, architecture: str, peft) -> dict:
+    """The PEFT tensors of layer ``layer``'s per-expert adapters on ``targets`` (linear_fc1, linear_fc2): each
+    expert's A and B stacked as ``_EXPERT_PARAMETERS`` says."""
+    if peft.lora_dropout:
+        raise ConfigError(f"the adapters adapt experts with --lora-dropout {peft.lora_dropout}, which PEFT's "
+                          f"adapters on expert weights (target_parameters) refuse: export with --merge-lora (the "
+                          f"dropout does not change the merged model), or train with --lora-dropout 0.")
+    tensors = {}
+    for target in targets:
+        factors = [[reader.read(n) for n in factor_names(
+            f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{target}")] for e in range(model.num_experts)]
+        inner = len(targets) > 1 and target == "linear_fc1"
+        prefix = f"{_LAYERS[architecture]}{layer}.mlp.experts.{'base_layer.' if inner else ''}"
+        tensors[prefix + "lora_A.weight"] = torch.cat([a for a, _ in factors])
+        tensors[prefix + "lora_B.weight"] = torch.stack([b for _, b in factors], dim=-1).flatten(1)
+    return tensors
 
 
 def _hf_base(pointer: dict | None) -> str:
@@ -246,7 +289,8 @@ def _read_peft_directory(directory: str) -> tuple[dict, dict]:
         (f"peft_type {config.get('peft_type')}", config.get("peft_type") != "LORA"),
         ("DoRA (use_dora)", config.get("use_dora")),
         (f"bias {config.get('bias')!r}", config.get("bias", "none") != "none"),
-        ("modules_to_save", config.get("modules_to_save")), ("lora_bias", config.get("lora_bias"))) if used]
+        ("modules_to_save", config.get("modules_to_save")), ("lora_bias", config.get("lora_bias")),
+        ("target_parameters (adapters on experts' weights: export only)", config.get("target_parameters"))) if used]
     if unsupported:
         raise ConfigError(f"the PEFT adapter in {directory} uses {', '.join(unsupported)}; megatron_lite imports "
                           f"plain LoRA on the attention and MLP projections.")

@@ -105,7 +105,7 @@ def optimizer_key(state: str, name: str) -> str:
     return f"{OPTIMIZER_PREFIX}{state}.{name}"
 
 
-def _checkpointed(model) -> list[tuple[str, torch.Tensor]]:
+def checkpointed_tensors(model) -> list[tuple[str, torch.Tensor]]:
     """What a checkpoint holds of ``model``: its parameters, and its persistent buffers (a router's expert
     bias: state that training moves, though not the optimizer)."""
     buffers = [(name, t) for name, t in model.state_dict(keep_vars=True).items()
@@ -113,7 +113,7 @@ def _checkpointed(model) -> list[tuple[str, torch.Tensor]]:
     return list(model.named_parameters()) + buffers
 
 
-def _trained(tensor, config: Config) -> bool:
+def is_trained(tensor, config: Config) -> bool:
     """Whether ``tensor`` is this run's to train and save: a parameter that requires grad; a buffer unless
     the run trains PEFT weights on a frozen base (the base's buffers are the base's)."""
     if isinstance(tensor, torch.nn.Parameter):
@@ -125,7 +125,7 @@ def _stored_by_this_rank(model, name: str, param, parallel_state, config: Config
     """Trained tensors only (a frozen base is the base checkpoint's). The tied output copy is
     stored once, as the embedding; a tensor replicated over the ranks that split it (tensor-parallel,
     expert-tensor-parallel for expert weights) is stored once, by their rank 0."""
-    if checkpoint_name(model, name) != name or not _trained(param, config):
+    if checkpoint_name(model, name) != name or not is_trained(param, config):
         return False
     return getattr(param, "tensor_model_parallel", False) or parallel_state.tensor_split(param)[0] == 0
 
@@ -232,7 +232,7 @@ def _model_pieces(config, parallel_state, models, zero3_slices: dict) -> list[Sh
     shard holds."""
     pieces = []
     for model in models:
-        for name, param in _checkpointed(model):
+        for name, param in checkpointed_tensors(model):
             if not _stored_by_this_rank(model, name, param, parallel_state, config):
                 continue
             tp_rank, tp_size = parallel_state.tensor_split(param)
@@ -389,9 +389,9 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
     weights_only, load_optimizer, load_rng = _what_to_load(config, parallel_state, metadata, optimizer,
                                                            finetune or trainable_source is None)
 
-    params = [(model, name, p) for model in _unwrap(model_chunks) for name, p in _checkpointed(model)]
+    params = [(model, name, p) for model in _unwrap(model_chunks) for name, p in checkpointed_tensors(model)]
     trainable = [(model, name, p) for model, name, p in params if isinstance(p, torch.nn.Parameter) and p.requires_grad]
-    sources = {source: [(model, name, p) for model, name, p in params if _trained(p, config) == is_trainable]
+    sources = {source: [(model, name, p) for model, name, p in params if is_trained(p, config) == is_trainable]
                for source, is_trainable in ((frozen_source, False), (trainable_source, True)) if source is not None}
     optimizer_states = _optimizer_states(reader) if load_optimizer else {}
     for source, loaded in sources.items():

@@ -17,7 +17,7 @@ from typing import Optional
 
 from megatron_lite.config.batch_size_schedule import parse_step_batch_size_schedule, schedule_in_samples
 from megatron_lite.config.errors import ConfigError, UserError  # noqa: F401 (imported from here everywhere)
-from megatron_lite.config.moe import (LOAD_BALANCING_TYPES, ROUTER_SCORE_FUNCTIONS, TOKEN_DROP_POLICIES,
+from megatron_lite.config.moe import (GROUP_SCORES, LOAD_BALANCING_TYPES, ROUTER_SCORE_FUNCTIONS, TOKEN_DROP_POLICIES,
                                       check_moe_fields, moe_layer_pattern)
 
 
@@ -116,6 +116,8 @@ class ModelConfig:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # a bias on the fused QKV alone, even with --disable-bias-linear (Qwen2)
     qk_layernorm: bool = False  # each head's queries and keys normalised before RoPE (Qwen3)
+    # With --qk-layernorm: one RMSNorm over all heads' queries (and one over the keys), OLMoE's.
+    qk_layernorm_whole_projection: bool = False
     # Sliding-window attention, Megatron-LM's (left, right): query i sees keys i - left .. i + right.
     window_size: Optional[list[int]] = field(default=None, metadata={"nargs": 2, "metavar": ("LEFT", "RIGHT")})
     window_attn_skip_freq: Optional[int] = None  # Megatron-Core's: every Nth layer (1-based) attends globally
@@ -164,6 +166,8 @@ class ModelConfig:
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many groups ...
     moe_router_group_topk: Optional[int] = None  # ... of which each token may use this many
+    # How a group is scored: the sum of its best k / g scores (Megatron-LM's, DeepSeek-V3's), or its best (V2's).
+    moe_router_group_score: str = field(default="topk_sum", metadata={"choices": GROUP_SCORES})
     moe_router_load_balancing_type: str = field(default="aux_loss", metadata={"choices": LOAD_BALANCING_TYPES})
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
@@ -225,6 +229,10 @@ class ModelConfig:
         _require(skip_freq is None or (self.window_size is not None and skip_freq > 0),
                  f"--window-attn-skip-freq ({self.window_attn_skip_freq}) makes every Nth layer global among "
                  f"sliding-window ones: it needs --window-size and a positive N.")
+        _require(not self.qk_layernorm_whole_projection or (
+            self.qk_layernorm and self.normalization == "RMSNorm" and not self.apply_layernorm_1p),
+                 "--qk-layernorm-whole-projection widens --qk-layernorm's RMSNorm to all heads at once (OLMoE): it "
+                 "takes --qk-layernorm and --normalization RMSNorm, without --apply-layernorm-1p.")
         _require(not self.geglu or self.swiglu, "--geglu changes the gate of --swiglu's gated MLP: add --swiglu.")
         for flag, value in [("--attn-logit-softcapping", self.attn_logit_softcapping),
                             ("--final-logit-softcapping", self.final_logit_softcapping),
@@ -817,10 +825,12 @@ class Config:
                  f"--ffn-hidden-size ({model.ffn_hidden_size}) must be divisible by "
                  f"--tensor-model-parallel-size ({tp}).")
         _check_expert_parallel(model, parallel)
-        mlp_targets = sorted({"linear_fc1", "linear_fc2"} & set(self.peft.lora_target_modules))
-        _require(model.num_experts is None or self.peft.peft != "lora" or not mlp_targets,
-                 f"--peft lora on experts is not implemented yet: with --num-experts give --lora-target-modules "
-                 f"linear_qkv linear_proj (attention only), not {' '.join(mlp_targets)}.")
+        _require(model.num_experts is None or model.moe_router_load_balancing_type != "pooled_aux_loss"
+                 or self.training.recompute_granularity != "full",
+                 "--moe-router-load-balancing-type pooled_aux_loss pools each micro-batch's routing over all layers, "
+                 "which a layer recomputed in backward (--recompute-granularity full) would not see again: use "
+                 "--recompute-granularity selective, or aux_loss.")
+        _check_expert_lora(model, parallel, self.peft)
         _require(not parallel.sequence_parallel or model.seq_length % tp == 0,
                  f"--sequence-parallel splits the sequence: --seq-length ({model.seq_length}) must be "
                  f"divisible by --tensor-model-parallel-size ({tp}).")
@@ -940,6 +950,20 @@ def _check_expert_parallel(model: ModelConfig, parallel: ParallelConfig) -> None
     _require(shared is None or shared % parallel.tensor_model_parallel_size == 0,
              f"--moe-shared-expert-intermediate-size ({shared}) must be divisible by --tensor-model-parallel-size "
              f"({parallel.tensor_model_parallel_size}): the shared expert is split as a dense MLP.")
+
+
+def _check_expert_lora(model: ModelConfig, parallel: ParallelConfig, peft: PeftConfig) -> None:
+    """LoRA on experts' linear_fc1 / linear_fc2 (each expert its own adapters) runs with the loop over experts and
+    experts whole or split like the dense layers (their adapters' whole factors are summed over tensor ranks)."""
+    mlp_targets = sorted({"linear_fc1", "linear_fc2"} & set(peft.lora_target_modules))
+    if model.num_experts is None or peft.peft != "lora" or not mlp_targets:
+        return
+    _require(not model.moe_grouped_gemm,
+             f"--peft lora on experts ({' '.join(mlp_targets)}) adapts each expert's linears, which "
+             f"--moe-grouped-gemm bypasses: drop --moe-grouped-gemm, or target linear_qkv linear_proj only.")
+    etp, tp = parallel.expert_tensor_size, parallel.tensor_model_parallel_size
+    _require(etp in (1, tp), f"--peft lora on experts needs --expert-tensor-parallel-size 1 or the tensor-parallel "
+                             f"size ({tp}), got {etp}.")
 
 
 def _check_schedule_units(training: TrainingConfig, optimizer: OptimizerConfig) -> None:

@@ -35,6 +35,9 @@ HELP = {
     "add_qkv_bias": "a bias on the query/key/value projection only, also with --disable-bias-linear (Qwen2)",
     "qk_layernorm": ("normalise each head's queries and keys (RMSNorm over the head width) before RoPE (Qwen3); with "
                      "--multi-latent-attention, the query and key/value latents"),
+    "qk_layernorm_whole_projection": ("with --qk-layernorm, normalise all heads' queries together (and all keys): "
+                                      "one RMSNorm over the whole projection, a weight per channel (OLMoE; "
+                                      "Megatron-Bridge's OLMoE attention, not a Megatron-LM flag)"),
     "window_size": ("sliding-window attention LEFT RIGHT, RIGHT 0: a token sees itself and the LEFT tokens "
                     "before it (Mistral's sliding_window W is LEFT = W - 1); default: the whole sequence"),
     "window_attn_skip_freq": ("with --window-size, every Nth layer (counting from 1) attends to the whole "
@@ -89,8 +92,12 @@ HELP = {
     "moe_router_num_groups": ("group-limited routing: the experts form this many groups, and each token picks "
                               "--moe-router-group-topk groups first (DeepSeek's device/node-limited routing)"),
     "moe_router_group_topk": "with --moe-router-num-groups: groups each token's experts may come from",
-    "moe_router_load_balancing_type": ("aux_loss (Switch Transformer's, per micro-batch), seq_aux_loss (per "
-                                       "sequence, DeepSeek) or none"),
+    "moe_router_group_score": ("how --moe-router-num-groups' groups are scored: topk_sum, the sum of each group's "
+                               "best topk / group-topk scores (Megatron-LM's, DeepSeek-V3's), or max, its best score "
+                               "(DeepSeek-V2's group_limited_greedy; not a Megatron-LM option)"),
+    "moe_router_load_balancing_type": ("aux_loss (Switch Transformer's, per micro-batch and layer), seq_aux_loss "
+                                       "(per sequence, DeepSeek), pooled_aux_loss (the statistics of all layers "
+                                       "pooled, as transformers' MoE models; not a Megatron-LM type) or none"),
     "moe_aux_loss_coeff": "weight of the load-balancing loss in the training loss (1e-2 is a common start)",
     "moe_z_loss_coeff": "weight of the router z-loss, the mean squared log-sum-exp of the router logits (ST-MoE)",
     "moe_router_enable_expert_bias": ("aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the sigmoid "

@@ -12,8 +12,9 @@ import ast
 from megatron_lite.config.errors import ConfigError
 
 ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "pooled_aux_loss", "none")
 TOKEN_DROP_POLICIES = ("probs", "position")
+GROUP_SCORES = ("topk_sum", "max")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -94,12 +95,20 @@ def _check_router(model) -> None:
     groups, group_topk = model.moe_router_num_groups, model.moe_router_group_topk
     _require((groups is None) == (group_topk is None),
              "group-limited routing takes both --moe-router-num-groups and --moe-router-group-topk.")
+    _require(groups is not None or model.moe_router_group_score == "topk_sum",
+             "--moe-router-group-score scores the groups of group-limited routing: add --moe-router-num-groups and "
+             "--moe-router-group-topk.")
     if groups is not None:
         _require(groups >= 1 and experts % groups == 0,
                  f"--moe-router-num-groups ({groups}) must divide --num-experts ({experts}).")
-        _require(1 <= group_topk <= groups and topk % group_topk == 0 and topk // group_topk <= experts // groups,
-                 f"--moe-router-group-topk ({group_topk}) must be between 1 and --moe-router-num-groups ({groups}) "
-                 f"and divide --moe-router-topk ({topk}) into at most {experts // groups} experts per group.")
+        if model.moe_router_group_score == "topk_sum":
+            _require(1 <= group_topk <= groups and topk % group_topk == 0 and topk // group_topk <= experts // groups,
+                     f"--moe-router-group-topk ({group_topk}) must be between 1 and --moe-router-num-groups ({groups}) "
+                     f"and divide --moe-router-topk ({topk}) into at most {experts // groups} experts per group.")
+        else:  # a group's best expert scores it: the chosen groups need only hold k experts
+            _require(1 <= group_topk <= groups and topk <= group_topk * (experts // groups),
+                     f"--moe-router-group-topk ({group_topk}) must be between 1 and --moe-router-num-groups ({groups}) "
+                     f"and its groups hold --moe-router-topk ({topk}) experts.")
     _require(model.moe_aux_loss_coeff >= 0, f"--moe-aux-loss-coeff must be >= 0, got {model.moe_aux_loss_coeff}.")
     _require(model.moe_z_loss_coeff is None or model.moe_z_loss_coeff >= 0,
              f"--moe-z-loss-coeff must be >= 0, got {model.moe_z_loss_coeff}.")
@@ -122,6 +131,7 @@ def _moe_only_settings(model) -> dict:
             "--moe-shared-expert-intermediate-size": model.moe_shared_expert_intermediate_size is not None,
             "--moe-shared-expert-gate": model.moe_shared_expert_gate,
             "--moe-router-num-groups": model.moe_router_num_groups is not None,
+            "--moe-router-group-score": model.moe_router_group_score != "topk_sum",
             "--moe-router-enable-expert-bias": model.moe_router_enable_expert_bias,
             "--moe-expert-capacity-factor": model.moe_expert_capacity_factor is not None,
             "--moe-grouped-gemm": model.moe_grouped_gemm}

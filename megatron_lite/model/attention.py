@@ -15,7 +15,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig
 from megatron_lite.model.dot_product_attention import build_core_attention
 from megatron_lite.model.embedding import apply_rotary, layer_rotary_concentration
-from megatron_lite.model.norm import Norm
+from megatron_lite.model.norm import Norm, ProjectionRMSNorm
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint
 from megatron_lite.tensor_parallel.config import TensorParallelConfig
@@ -52,8 +52,8 @@ class SelfAttention(nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True)
         # Keys and values to put before the sequence's own (prefix tuning, megatron_lite/peft/prefix_tuning.py).
         self.prefix = None
-        self.q_layernorm = qk_layernorm(config, tp_size, tp_config.params_dtype)
-        self.k_layernorm = qk_layernorm(config, tp_size, tp_config.params_dtype)
+        self.q_layernorm = qk_layernorm(config, config.num_attention_heads, tp_config)
+        self.k_layernorm = qk_layernorm(config, config.num_query_groups, tp_config)
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None,
                 attention_mask: torch.Tensor | None = None, inference_context=None):
@@ -92,14 +92,18 @@ class SelfAttention(nn.Module):
         return self.linear_proj(context)
 
 
-def qk_layernorm(config: ModelConfig, tp_size: int, params_dtype: torch.dtype) -> nn.Module:
-    """``--qk-layernorm``'s norm of every query (or key) head over its channels, else the identity.
+def qk_layernorm(config: ModelConfig, num_heads: int, tp_config: TensorParallelConfig) -> nn.Module:
+    """``--qk-layernorm``'s norm of every query (or key) head over its channels, else the identity; with
+    ``--qk-layernorm-whole-projection`` one norm over all ``num_heads`` heads (``ProjectionRMSNorm``).
 
-    Its weight (head_dim wide) is shared by all heads, and tensor-parallel ranks hold different heads:
-    each rank's gradient is a partial sum, all-reduced over the tensor-parallel group as sequence-parallel
-    norm weights are (``finalize_model_grads``), hence the ``sequence_parallel`` mark."""
+    A per-head norm's weight (head_dim wide) is shared by all heads, and tensor-parallel ranks hold different
+    heads: each rank's gradient is a partial sum, all-reduced over the tensor-parallel group as
+    sequence-parallel norm weights are (``finalize_model_grads``), hence the ``sequence_parallel`` mark."""
     if not config.qk_layernorm:
         return nn.Identity()
+    if config.qk_layernorm_whole_projection:
+        return ProjectionRMSNorm(num_heads * config.head_dim, eps=config.norm_epsilon, tp_group=tp_config.tp_group,
+                                 params_dtype=tp_config.params_dtype)
     return Norm(config.head_dim, normalization=config.normalization, eps=config.norm_epsilon,
-                apply_layernorm_1p=config.apply_layernorm_1p, sequence_parallel=tp_size > 1,
-                params_dtype=params_dtype)
+                apply_layernorm_1p=config.apply_layernorm_1p,
+                sequence_parallel=collectives.world_size(tp_config.tp_group) > 1, params_dtype=tp_config.params_dtype)

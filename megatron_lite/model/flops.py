@@ -32,10 +32,22 @@ def attention_projection_flops_per_token(config: ModelConfig) -> float:
     return query + latent + keys_values + 2 * heads * config.v_head_dim * h
 
 
-def transformer_layer_flops_per_token(config: ModelConfig) -> float:
-    """Forward FLOPs of one transformer layer for one token, counting every matmul (GQA, MLA and SwiGLU included)."""
-    mlp = 2 * config.hidden_size * config.ffn_hidden_size * (3 if config.swiglu else 2)
-    return attention_projection_flops_per_token(config) + attention_core_flops_per_token(config) + mlp
+def transformer_layer_flops_per_token(config: ModelConfig, layer_number: int = 0) -> float:
+    """Forward FLOPs of layer ``layer_number`` for one token, counting every matmul (GQA, MLA and SwiGLU included;
+    a mixture of experts' router, the k experts the token goes to and the shared expert)."""
+    return (attention_projection_flops_per_token(config) + attention_core_flops_per_token(config)
+            + mlp_flops_per_token(config, layer_number))
+
+
+def mlp_flops_per_token(config: ModelConfig, layer_number: int) -> float:
+    def mlp(width: int) -> float:
+        return 2 * config.hidden_size * width * (3 if config.swiglu else 2)
+
+    if not config.is_moe_layer(layer_number):
+        return mlp(config.ffn_hidden_size)
+    shared = config.moe_shared_expert_intermediate_size
+    return (2 * config.hidden_size * config.num_experts + config.moe_router_topk * mlp(config.moe_ffn_hidden_size)
+            + (mlp(shared) if shared is not None else 0))
 
 
 def output_layer_flops_per_token(config: ModelConfig, padded_vocab_size: int) -> float:
@@ -48,6 +60,6 @@ def num_floating_point_operations(config: ModelConfig, batch_size: int, padded_v
     For multi-head attention and a 4h GELU MLP this is Megatron's
     72 B s l h^2 (1 + s/(6h) + V/(12 l h)); GQA, MLA and SwiGLU change the attention and MLP terms.
     """
-    per_token_forward = (config.num_layers * transformer_layer_flops_per_token(config)
+    per_token_forward = (sum(transformer_layer_flops_per_token(config, n) for n in range(config.num_layers))
                          + output_layer_flops_per_token(config, padded_vocab_size))
     return 3.0 * batch_size * config.seq_length * per_token_forward

@@ -15,6 +15,8 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, local_positions
 from megatron_lite.expert_parallel import ExpertParallelConfig
 from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_angles
+from megatron_lite.model.moe.router import TopKRouter
+from megatron_lite.model.moe.routing_pool import RoutingPool
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.model.transformer_block import TransformerBlock
@@ -68,6 +70,11 @@ class GPTModel(nn.Module):
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
+        # --moe-router-load-balancing-type pooled_aux_loss: each micro-batch's routing counts over all layers.
+        self.pools_routing = (config.num_experts is not None and config.moe_aux_loss_coeff > 0
+                              and config.moe_router_load_balancing_type == "pooled_aux_loss")
+        self.routers = [m for m in self.decoder.modules() if isinstance(m, TopKRouter)]
+        self.next_pool = None
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padding rows of the vocabulary are not tokens: keep them out of the softmax, which also
@@ -98,6 +105,20 @@ class GPTModel(nn.Module):
         """The pipeline schedule hands a non-first stage its input activations here."""
         self.input_tensor = input_tensor
 
+    @property
+    def microbatch_statistics_size(self) -> int:
+        """The floats of statistics a micro-batch carries between pipeline stages (0: none): the pooled
+        routing counts of ``pooled_aux_loss`` (``moe/routing_pool.py``)."""
+        return self.config.num_experts if self.pools_routing else 0
+
+    def begin_microbatch(self, received: torch.Tensor | None) -> RoutingPool:
+        """The next forward's routing pool, continuing from the earlier stages' counts ``received``; the pipeline
+        schedule completes it on the last stage and hands the total back before that micro-batch's backward."""
+        moe_layers = sum(self.config.is_moe_layer(i) for i in range(self.config.num_layers))
+        self.next_pool = RoutingPool(self.config.num_experts, moe_layers, received,
+                                     device=next(self.parameters()).device)
+        return self.next_pool
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 inference_context=None) -> torch.Tensor:
@@ -120,7 +141,17 @@ class GPTModel(nn.Module):
         rotary = None
         if self.config.rotary:
             rotary = rotary_angles(position_ids.to(hidden_states.device), self.config)
+        pool, self.next_pool = self.next_pool, None
+        whole_model = (self.pools_routing and pool is None and self.pre_process and self.post_process
+                       and self.training and torch.is_grad_enabled())
+        if whole_model:  # run outside a schedule: its pool is complete after this forward
+            pool = self.begin_microbatch(None)
+            self.next_pool = None
+        for router in self.routers:
+            router.pool = pool
         hidden_states = self.decoder(hidden_states, rotary, attention_mask, inference_context)
+        if whole_model:
+            pool.complete()
         if not self.post_process:
             return hidden_states
         if inference_context is not None:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.expert_parallel import ExpertLinear
 from megatron_lite.tensor_parallel import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
                                            TensorParallelConfig)
 from megatron_lite.tensor_parallel.random import get_rng_tracker
@@ -103,9 +104,38 @@ class LoRA(nn.Module):
             return F.dropout(x, p=self.dropout)
 
 
+class ExpertLoRA(nn.Module):
+    """The LoRA of one expert's linear (``ExpertLinear``): its own A and B, split over the expert-tensor ranks as
+    the expert's weight is, which needs no communication of its own (the dispatcher's gathers and reductions act
+    on its output as on the expert's):
+
+        fc1 (output rows split):  A whole on each rank, B split by rows (stride 2 for SwiGLU's [gate; up])
+        fc2 (input columns split): A split by columns, B whole; each rank's B A_r x_r is a partial sum, as its
+                                   x_r W_r^T is, and the dispatcher sums both
+
+    The whole factor's gradient is then partial on each expert-tensor rank (``ExpertLinear`` marks it)."""
+
+    def __init__(self, base, *, rank: int, alpha: float, dropout: float):
+        super().__init__()
+        self.scaling, self.dropout = alpha / rank, dropout
+        self.row_parallel = base.partition_dim == 1
+        factor = dict(etp_size=base.etp_size, params_dtype=base.weight.dtype)
+        self.lora_A = ExpertLinear(base.input_size, rank, partition_dim=1 if self.row_parallel else None, **factor)
+        self.lora_B = ExpertLinear(rank, base.output_size, partition_dim=None if self.row_parallel else 0,
+                                   partition_stride=base.partition_stride, **factor)
+        self.lora_A.weight.full_init = kaiming_uniform
+        self.lora_B.weight.full_init = zeros
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.dropout > 0:
+            with get_rng_tracker().fork():  # an expert's tokens, and a row-parallel input's features, are its own
+                x = F.dropout(x, p=self.dropout)
+        return self.lora_B(self.lora_A(x)) * self.scaling
+
+
 def add_lora_output(module: nn.Module, args: tuple, output):
-    """Forward hook of an adapted linear: its (output, bias) (a replicated linear's output alone) with the LoRA
-    branch added to the output."""
+    """Forward hook of an adapted linear: its (output, bias) (a replicated or expert linear's output alone) with the
+    LoRA branch added to the output."""
     if not isinstance(output, tuple):
         return output + module.lora(args[0])
     result, bias = output

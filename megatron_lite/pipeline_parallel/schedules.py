@@ -203,6 +203,12 @@ class ScheduleExecutor:
         self.output_grads: dict = {}  # received gradient of the output
         self.input_grads: dict = {}  # gradient of the input, to send back
         self.losses: list = []
+        # Statistics a micro-batch carries through the stages besides its activation (a model chunk's
+        # ``microbatch_statistics_size`` floats; 0: none): the running sum forward with the activation, the
+        # total back with the gradient, so every stage has the total before that micro-batch's backward.
+        self.statistics_size = 0 if forward_only else getattr(_unwrap(model[0]), "microbatch_statistics_size", 0)
+        self.statistics: dict = {}  # begun at the forward, completed before the backward
+        self.received_statistics: dict = {}  # from the previous stage (running sum) or the next (total)
 
     def _is_first(self, chunk: int) -> bool:
         return is_first_virtual_stage(self.pipeline_rank, chunk)
@@ -241,7 +247,11 @@ class ScheduleExecutor:
     def forward(self, op: ScheduleOp) -> None:
         key, chunk = (op.microbatch, op.chunk), self.model[op.chunk]
         _unwrap(chunk).set_input_tensor(self.inputs.get(key))
+        if self.statistics_size:
+            self.statistics[key] = _unwrap(chunk).begin_microbatch(self.received_statistics.pop(key, None))
         output, loss_func = self.forward_step_func(self.data_iterators[op.chunk], chunk)
+        if self.statistics_size and self._is_last(op.chunk):
+            self.statistics[key].complete()
         if self._is_last(op.chunk):
             output, loss_dict = self._loss(loss_func(output))
             self.losses.append(loss_dict)
@@ -284,6 +294,10 @@ class ScheduleExecutor:
         grad_output = self.output_grads.pop(key, None)
         if grad_output is None and self.grad_scale_func is not None:
             output = self.grad_scale_func(output)
+        if self.statistics_size and not self._is_last(op.chunk):
+            self.statistics[key].complete(self.received_statistics.pop(key))
+        if self.statistics_size and self._is_first(op.chunk):  # nothing to send back
+            del self.statistics[key]
         custom_backward(output, grad_output)
         if not self._is_first(op.chunk):
             if input_tensor.grad is None:
@@ -293,29 +307,42 @@ class ScheduleExecutor:
             self.input_grads[key] = input_tensor.grad
 
     def communicate(self, ops: tuple) -> None:
-        """One batched exchange: this step's sends and receives are posted together and waited on."""
+        """One batched exchange: this step's sends and receives are posted together and waited on.
+
+        With micro-batch statistics, each message is followed by its statistics (the running sum with an
+        activation, the total with a gradient), so both ends post the pairs in the same order however the
+        schedule groups its messages into steps."""
         ps = self.parallel_state
-        sends, receives = [], []
+        sends, receives = [], []  # (tensor, destination); (op, source, shape, dtype)
+        statistics = ((self.statistics_size,), torch.float32)
         for op in ops:
             key = (op.microbatch, op.chunk)
             if op.kind == OpKind.SEND_FORWARD:
                 sends.append((self.outputs[key], ps.pipeline_next_rank))
+                if self.statistics_size:
+                    sends.append((self.statistics[key].partial, ps.pipeline_next_rank))
             elif op.kind == OpKind.SEND_BACKWARD:
                 gradient = self.input_grads.pop(key)
                 p2p.check_tensor(gradient, self.tensor_shape, self.dtype, "input gradient")
                 sends.append((gradient, ps.pipeline_prev_rank))
-            elif op.kind == OpKind.RECV_FORWARD:
-                receives.append((op, ps.pipeline_prev_rank))
-            elif op.kind == OpKind.RECV_BACKWARD:
-                receives.append((op, ps.pipeline_next_rank))
-        received = p2p.exchange(sends=sends, receives=[source for _, source in receives], shape=self.tensor_shape,
-                                dtype=self.dtype, device=self.device, group=ps.pipeline_model_parallel_group)
-        for (op, _), tensor in zip(receives, received):
+                if self.statistics_size:
+                    sends.append((self.statistics.pop(key).total, ps.pipeline_prev_rank))
+            else:
+                source = ps.pipeline_prev_rank if op.kind == OpKind.RECV_FORWARD else ps.pipeline_next_rank
+                receives.append((op, source, self.tensor_shape, self.dtype))
+                if self.statistics_size:
+                    receives.append((None, source, *statistics))
+        received = p2p.exchange_tensors(sends=sends, receives=[r[1:] for r in receives], device=self.device,
+                                        group=ps.pipeline_model_parallel_group)
+        arrived = zip([op for op, *_ in receives], received)
+        for op, tensor in arrived:
             key = (op.microbatch, op.chunk)
             if op.kind == OpKind.RECV_FORWARD:
                 self.inputs[key] = tensor.requires_grad_(not self.forward_only)
             else:
                 self.output_grads[key] = tensor
+            if self.statistics_size:  # the message after it
+                self.received_statistics[key] = next(arrived)[1]
         # Sends have completed: an activation that was sent is only needed for its autograd graph now.
         for op in ops:
             if op.kind == OpKind.SEND_FORWARD:

@@ -121,8 +121,9 @@ def _query_key_value(model: ModelConfig, setting: ActivationSetting) -> float:
     return (copies + (fused_qkv if views_left else 0)) / t
 
 
-def layer_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
-    """Bytes per token one transformer layer keeps, by tensor (all divided by ``s * b``)."""
+def layer_terms(model: ModelConfig, setting: ActivationSetting, layer_number: int = 0,
+                expert_tensor_parallel_size: int = 1) -> dict[str, float]:
+    """Bytes per token layer ``layer_number`` keeps, by tensor (all divided by ``s * b``)."""
     h, t, e, traits = model.hidden_size, setting.tensor_model_parallel_size, setting.dtype_bytes, setting.traits
     terms = {"norm inputs": 2 * _norm_bytes(model, setting) * h / setting.split,
              "attention and MLP inputs": 2 * e * h / setting.linear_input_split}
@@ -130,9 +131,32 @@ def layer_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, flo
                  else _attention_terms(model, setting))
     if model.hidden_dropout > 0:
         terms["residual dropout masks"] = 2 * setting._bytes(traits.hidden_dropout_mask_bytes) * h / setting.split
+    if model.is_moe_layer(layer_number):
+        terms.update(_expert_terms(model, setting, expert_tensor_parallel_size))
+        return terms
     f = model.ffn_hidden_size
     terms["MLP activation input"] = e * f * (traits.swiglu_saved_factor if model.swiglu else 1) / t
     terms["MLP fc2 input"] = e * f / t
+    return terms
+
+
+def _expert_terms(model: ModelConfig, setting: ActivationSetting, etp: int) -> dict[str, float]:
+    """What a mixture-of-experts layer keeps instead of the MLP's (``moe/``), routing taken as balanced: each
+    tensor rank routes its 1/t of the tokens (sequence parallelism's share, or the layer's own split), each
+    token k rows, and an expert split over etp ranks sees the rows of all of them."""
+    h, t, e, k = model.hidden_size, setting.tensor_model_parallel_size, setting.dtype_bytes, model.moe_router_topk
+    f, swiglu = model.moe_ffn_hidden_size, setting.traits.swiglu_saved_factor if model.swiglu else 1
+    terms = {"router scores (fp32)": 4 * 3 * model.num_experts / t,  # the logits' softmax, the losses', the map
+             "routing indices and weights": (2 * 8 + 4) * k / t,  # permutation, its inverse, the row weights
+             "expert inputs": e * k * h * etp / t, "expert activation input": e * k * f * swiglu / t,
+             "expert fc2 input": e * k * f / t,
+             "expert outputs, and weighted": 2 * e * k * h / t}  # the weighting's input; index_add's source
+    if e != 4:
+        terms["router input (fp32 copy)"] = 4 * h / t
+    shared = model.moe_shared_expert_intermediate_size
+    if shared is not None:
+        terms["shared expert activation input"] = e * shared * swiglu / t
+        terms["shared expert fc2 input"] = e * shared / t
     return terms
 
 
@@ -274,8 +298,9 @@ def context_parallel_mask_bytes(model: ModelConfig, setting: ActivationSetting) 
 
 
 
-def layer_bytes_per_token(model: ModelConfig, setting: ActivationSetting) -> float:
-    return sum(layer_terms(model, setting).values())
+def layer_bytes_per_token(model: ModelConfig, setting: ActivationSetting, layer_number: int = 0,
+                          expert_tensor_parallel_size: int = 1) -> float:
+    return sum(layer_terms(model, setting, layer_number, expert_tensor_parallel_size).values())
 
 
 def embedding_bytes_per_token(model: ModelConfig, setting: ActivationSetting) -> float:

@@ -74,11 +74,15 @@ def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: Ch
     """
     model, training = layout.config.model, layout.config.training
     tokens = tokens_per_rank(layout)
+    etp = layout.config.parallel.expert_tensor_size
     layers, group = len(chunk.layer_numbers), training.recompute_num_layers or 1
-    # One layer's bytes: their mean, where --cp-comm-type differs from layer to layer.
-    settings = [dataclasses.replace(setting, cp_comm_type=layout.cp_comm_types[n]) for n in chunk.layer_numbers]
-    masks = sum(activations.context_parallel_mask_bytes(model, s) for s in settings) / max(layers, 1) / tokens
-    layer = sum(activations.layer_bytes_per_token(model, s) for s in settings) / max(layers, 1) + masks
+    # Each layer's bytes: layers differ in --cp-comm-type, and in their MLP (dense or a mixture of experts).
+    per_layer = []
+    for n in chunk.layer_numbers:
+        layer_setting = dataclasses.replace(setting, cp_comm_type=layout.cp_comm_types[n])
+        per_layer.append(activations.layer_bytes_per_token(model, layer_setting, n, etp)
+                         + activations.context_parallel_mask_bytes(model, layer_setting) / tokens)
+    layer = max(per_layer, default=0.0)  # what a recomputed layer rebuilds, at most
     ends = 0.0
     if chunk.pre_process:
         ends += activations.embedding_bytes_per_token(model, setting)
@@ -87,11 +91,11 @@ def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: Ch
         vocab = model.padded_vocab_size(setting.tensor_model_parallel_size)
         output = activations.output_bytes_per_token(model, setting, vocab)
     if training.recompute_granularity != "full" or not layers:
-        return (layers * layer + ends + output) * tokens, 0.0
+        return (sum(per_layer) + ends + output) * tokens, 0.0
     recomputed_input = activations.recomputed_input_bytes_per_token(model, setting)
     if training.recompute_method == "block":
         recomputed = min(group, layers)
-        whole = (layers - recomputed) * layer
+        whole = sum(per_layer[recomputed:])
         kept = recomputed * recomputed_input + whole
         rebuilt, freed = (layer - recomputed_input if recomputed else 0.0), whole + output
     else:
@@ -101,9 +105,10 @@ def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: Ch
 
 
 def rank_memory(layout: Layout, *, device: str, pipeline_rank: int, data_parallel_rank: int = 0,
-                allowance_gb: float = 0.0) -> MemoryEstimate:
-    """Memory of rank (pipeline_rank, data_parallel_rank) of ``layout``; ``device`` picks the kernels' accounting.
-    ``data_parallel_rank`` counts in the data x context group, which shards the optimizer state."""
+                expert_data_parallel_rank: int = 0, allowance_gb: float = 0.0) -> MemoryEstimate:
+    """Memory of rank (pipeline_rank, data_parallel_rank) of ``layout``, its experts replica
+    ``expert_data_parallel_rank``; ``device`` picks the kernels' accounting. ``data_parallel_rank`` counts in
+    the data x context group, which shards the optimizer state."""
     config, model = layout.config, layout.config.model
     setting = activation_setting(layout, device)
     chunks = [chunk_activation_bytes(layout, setting, shape) for shape in rank_chunk_shapes(config, pipeline_rank)]
@@ -114,7 +119,7 @@ def rank_memory(layout: Layout, *, device: str, pipeline_rank: int, data_paralle
         setting, model.padded_vocab_size(layout.tensor_model_parallel_size)) if last else 0.0
     static = static_memory(config, pipeline_rank=pipeline_rank,
                            data_parallel_size=layout.data_parallel_size_with_context,
-                           data_parallel_rank=data_parallel_rank)
+                           data_parallel_rank=data_parallel_rank, expert_data_parallel_rank=expert_data_parallel_rank)
     return MemoryEstimate(pipeline_rank=pipeline_rank, static=static,
                           activation_bytes=peak, loss_transient_bytes=transient,
                           allowance_bytes=allowance_gb * GB)

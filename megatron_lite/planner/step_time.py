@@ -16,12 +16,17 @@ Per pipeline stage and micro-batch, a model chunk's forward and backward take
   reduce-scatters their gradients backward, exposed; p2p passes one rank's block per step
   while the previous one is attended to (backward: the blocks again, with their fp32
   gradients), exposed only where a step's message outlasts a block's attention.
+- expert parallelism: per mixture-of-experts layer, the rows of a rank's tokens (k per token, over
+  the tensor ranks that split them) all-to-all over the expert-model-parallel group twice forward
+  (dispatch, combine) and twice backward, each gathered and reduce-scattered over the expert-tensor
+  ranks; without sequence parallelism the tensor ranks also gather the layer's output. Routing is
+  taken as balanced: each rank computes k times its tokens' rows, and (ep - 1) / ep of them leave it.
 
 The slowest stage paces the pipeline: ``m x (its forward + backward) x (1 + bubble)``,
 the bubble read off our schedule tables. Then data-parallel communication (ring
 collectives; ZeRO-2/3 reduce-scatter every micro-batch's gradients and ZeRO-3 gathers
-parameters for every forward and backward), exposed past the backward (or forward) it
-overlaps with under ``--overlap-grad-reduce`` / ``--overlap-param-gather``, but never
+parameters for every forward and backward; experts' over their own replicas), exposed past the
+backward (or forward) it overlaps with under ``--overlap-grad-reduce`` / ``--overlap-param-gather``, but never
 less than one bucket's worth; and the optimizer step, bound by memory bandwidth.
 """
 from __future__ import annotations
@@ -36,8 +41,8 @@ from megatron_lite.planner.layouts import Layout
 from megatron_lite.planner.memory import tokens_per_rank
 from megatron_lite.planner.parameters import ChunkShape, distinct_stages, rank_chunk_shapes
 from megatron_lite.planner.pipeline import bubble_fraction
-from megatron_lite.planner.static_memory import (StaticMemory, dtype_bytes, gradient_dtype_bytes, planned_sharding,
-                                                 static_memory)
+from megatron_lite.planner.static_memory import (StaticMemory, dtype_bytes, expert_data_parallel_size,
+                                                 gradient_dtype_bytes, planned_sharding, static_memory)
 
 # Bytes of memory traffic per fp32 element the optimizer owns, per step. torch.optim.AdamW
 # (foreach) makes about ten read-write passes: the two moments' updates, the denominator's
@@ -66,6 +71,14 @@ def p2p_s(message_bytes: float, link: Link) -> float:
     return link.p2p_latency_s + message_bytes / link.p2p_bytes_per_second
 
 
+def all_to_all_s(message_bytes: float, group_size: int, link: Link) -> float:
+    """Pairwise all-to-all of a rank's ``message_bytes``: k - 1 exchanges, (k - 1) / k of the bytes leave."""
+    if group_size == 1:
+        return 0.0
+    k = group_size
+    return (k - 1) * link.latency_s + (k - 1) / k * message_bytes / link.bytes_per_second
+
+
 @dataclass
 class ChunkTime:
     """One micro-batch through one model chunk, seconds."""
@@ -75,11 +88,12 @@ class ChunkTime:
     tensor_parallel: float = 0.0
     context_parallel: float = 0.0
     pipeline_p2p: float = 0.0
+    expert_parallel: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.forward_compute + self.backward_compute + self.tensor_parallel + self.context_parallel
-                + self.pipeline_p2p)
+                + self.pipeline_p2p + self.expert_parallel)
 
 
 @dataclass
@@ -90,12 +104,26 @@ class StepTime:
 
 
 def _recomputed_layers(layout: Layout, layers: int) -> int:
+    """How many of a chunk's ``layers`` full recomputation runs again (its first ones)."""
     training = layout.config.training
     if training.recompute_granularity != "full":
         return 0
     if training.recompute_method == "block":
         return min(layers, training.recompute_num_layers or 1)
     return layers
+
+
+def expert_parallel_s(layout: Layout, cluster: Cluster) -> float:
+    """One mixture-of-experts layer's forward communication for one micro-batch (its backward: the same again)."""
+    config, model = layout.config, layout.config.model
+    parallel, t = config.parallel, layout.tensor_model_parallel_size
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_size
+    activation = tokens_per_rank(layout) * model.hidden_size * dtype_bytes(config)
+    rows = activation / t * model.moe_router_topk  # this rank's tokens' rows, k each
+    dispatch = (all_to_all_s(rows, ep, cluster.link(etp, ep))
+                + gather_or_scatter_s(rows * etp, etp, cluster.link(1, etp)))
+    own_tokens = 0.0 if parallel.sequence_parallel else gather_or_scatter_s(activation, t, cluster.link(1, t))
+    return 2 * dispatch + own_tokens  # dispatch and combine
 
 
 def chunk_time(layout: Layout, cluster: Cluster, chunk: ChunkShape) -> ChunkTime:
@@ -105,11 +133,11 @@ def chunk_time(layout: Layout, cluster: Cluster, chunk: ChunkShape) -> ChunkTime
     sp = config.parallel.sequence_parallel
     tokens = tokens_per_rank(layout)
     rate = cluster.peak(training_dtype(layout)) * 1e12 * cluster.matmul_efficiency
-    layer_flops = flops.transformer_layer_flops_per_token(model)
-    forward = tokens * (layers * layer_flops + (flops.output_layer_flops_per_token(
+    layer_flops = [flops.transformer_layer_flops_per_token(model, n) for n in chunk.layer_numbers]
+    forward = tokens * (sum(layer_flops) + (flops.output_layer_flops_per_token(
         model, model.padded_vocab_size(t)) if post_process else 0)) / t
     recomputed_layers = _recomputed_layers(layout, layers)
-    recompute = tokens * recomputed_layers * layer_flops / t
+    recompute = tokens * sum(layer_flops[:recomputed_layers]) / t
     if config.training.recompute_granularity == "selective":
         recompute = tokens * layers * flops.attention_core_flops_per_token(model) / t
     time = ChunkTime(forward_compute=forward / rate, backward_compute=(2 * forward + recompute) / rate)
@@ -128,6 +156,10 @@ def chunk_time(layout: Layout, cluster: Cluster, chunk: ChunkShape) -> ChunkTime
         recomputed = set(chunk.layer_numbers)
     time.context_parallel = sum(_context_parallel_s(layout, cluster, layout.cp_comm_types[n], attention_forward,
                                                     recomputed=n in recomputed) for n in chunk.layer_numbers)
+    moe_layers = [model.is_moe_layer(n) for n in chunk.layer_numbers]
+    if any(moe_layers):  # forward, backward, and the recomputed forward
+        time.expert_parallel = (2 * sum(moe_layers) + sum(moe_layers[:recomputed_layers])) * expert_parallel_s(
+            layout, cluster)
     if p > 1:
         stride = t * layout.context_parallel_size * d
         time.pipeline_p2p = 2 * p2p_s(activation / (t if sp else 1), cluster.link(stride, p))
@@ -171,23 +203,35 @@ def training_dtype(layout: Layout) -> str:
 def _data_parallel_s(layout: Layout, cluster: Cluster, memory: StaticMemory, stage_forward: float,
                      stage_backward: float) -> float:
     """Exposed data-parallel communication of one stage per step."""
+    config, parallel = layout.config, layout.config.parallel
+    # Gradients are reduced over the data x context ranks (context-parallel ranks next to each other); experts'
+    # over their replicas, ep x etp ranks apart.
+    t, d = layout.tensor_model_parallel_size, layout.data_parallel_size_with_context
+    edp, replicas_stride = expert_data_parallel_size(config, d), parallel.expert_model_parallel_size * (
+        parallel.expert_tensor_size)
+    return (_buckets_s(layout, memory.bucket_elements, d, cluster.link(t, d), stage_forward, stage_backward)
+            + _buckets_s(layout, memory.expert_bucket_elements, edp, cluster.link(replicas_stride, edp),
+                         stage_forward, stage_backward))
+
+
+def _buckets_s(layout: Layout, bucket_elements: tuple, group_size: int, link: Link, stage_forward: float,
+               stage_backward: float) -> float:
+    """Exposed communication of one kind of buckets (dense or experts') over the group of their replicas."""
     config = layout.config
-    # Gradients are reduced over the data x context ranks (context-parallel ranks next to each other).
-    t, d, m = layout.tensor_model_parallel_size, layout.data_parallel_size_with_context, layout.num_microbatches
-    if d == 1:
+    if group_size == 1 or not bucket_elements:
         return 0.0
-    link = cluster.link(t, d)
-    padded = sum(memory.bucket_elements)
-    last_bucket = max(memory.bucket_elements) / padded  # the share no overlap can hide
+    padded = sum(bucket_elements)
+    last_bucket = max(bucket_elements) / padded  # the share no overlap can hide
     grads, params = padded * gradient_dtype_bytes(config), padded * dtype_bytes(config)
 
     def exposed(window: float):
         return lambda seconds, overlapped: max(seconds - window, seconds * last_bucket) if overlapped else seconds
 
     # Which collectives run how often, and what hides them, is the strategy's.
-    return planned_sharding(config, d).step_communication_s(
-        microbatches=m, all_reduce_s=all_reduce_s(grads, d, link), reduce_scatter_s=gather_or_scatter_s(grads, d, link),
-        all_gather_s=gather_or_scatter_s(params, d, link), exposed_in_backward=exposed(stage_backward),
+    return planned_sharding(config, group_size).step_communication_s(
+        microbatches=layout.num_microbatches, all_reduce_s=all_reduce_s(grads, group_size, link),
+        reduce_scatter_s=gather_or_scatter_s(grads, group_size, link),
+        all_gather_s=gather_or_scatter_s(params, group_size, link), exposed_in_backward=exposed(stage_backward),
         exposed_in_forward=exposed(stage_forward))
 
 
@@ -219,6 +263,8 @@ def step_time(layout: Layout, cluster: Cluster) -> StepTime:
                  "tensor_parallel": m * sum(c.tensor_parallel for c in chunks),
                  "context_parallel": m * sum(c.context_parallel for c in chunks),
                  "pipeline_p2p": m * sum(c.pipeline_p2p for c in chunks),
+                 **({"expert_parallel": m * sum(c.expert_parallel for c in chunks)}
+                    if layout.config.model.num_experts is not None else {}),
                  "pipeline_bubble": m * sum(c.total for c in chunks) * bubble,
                  "data_parallel": data_parallel, "optimizer": optimizer}
     return StepTime(step_time_s=math.fsum(breakdown.values()), bubble_fraction=bubble, breakdown=breakdown)

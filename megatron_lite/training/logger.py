@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from megatron_lite.config import Config, TrainingConfig
 from megatron_lite.model import flops
+from megatron_lite.model.moe.router import BALANCING_LOSS_NAMES
 from megatron_lite.model.moe.routing_statistics import RoutingSummary
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.training import metrics
@@ -146,8 +147,8 @@ class TrainingLogger:
         if not self.routing:
             return {}
         model = self.config.model
-        names = {"aux_loss": ["load_balancing_loss"], "seq_aux_loss": ["seq_load_balancing_loss"],
-                 "none": []}[model.moe_router_load_balancing_type] + (["z_loss"] if model.moe_z_loss_coeff else [])
+        balancing = BALANCING_LOSS_NAMES.get(model.moe_router_load_balancing_type)
+        names = ([balancing] if balancing else []) + (["z_loss"] if model.moe_z_loss_coeff else [])
         scalars = {name: sum(r.losses[name] for r in self.routing) / len(self.routing) for name in names}
         scalars["expert load max/min"] = max(r.load_imbalance for r in self.routing)
         return scalars

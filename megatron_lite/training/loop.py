@@ -204,9 +204,8 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     if config.logging.log_memory:
         report = optimizer.memory_report()
         print_rank_last(metrics.format_memory_report(report))
-        # The planner's estimate for this rank, beside what it measured (it models full training, not --peft, and
-        # dense models only).
-        if is_last_rank() and config.peft.peft is None and config.model.num_experts is None:
+        # The planner's estimate for this rank, beside what it measured (it models full training, not --peft).
+        if is_last_rank() and config.peft.peft is None:
             last = parallel_state.world_size - 1
             print(format_memory_estimate(estimate_for_config(config, parallel_state.world_size, rank=last), report),
                   flush=True)

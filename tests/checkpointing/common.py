@@ -1,6 +1,8 @@
 """Tiny training configurations and rank bodies shared by the checkpoint tests."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -44,6 +46,43 @@ def widen_and_save(hf_model, directory) -> None:
         for name, parameter in hf_model.named_parameters():
             parameter.normal_(1.0 if "norm" in name else 0.0, 0.2)
     hf_model.eval().save_pretrained(directory)
+
+
+@dataclasses.dataclass
+class Imported:
+    """A Hugging Face family's tiny random model, saved and imported (``import_hf_model``)."""
+
+    name: str
+    hf_model: object
+    hf_dir: str
+    root: str  # our checkpoint, written at tp2 x pp2
+    input_ids: torch.Tensor
+    logits: torch.Tensor  # transformers'
+
+
+def import_hf_model(name: str, hf_config, directory, *, vocab: int, input_seed: int | None = None,
+                    prepare=None) -> Imported:
+    """``hf_config``'s model (seed 0) with widened weights (and ``prepare(model)`` first: a buffer to set), saved
+    under ``directory`` and imported at tp2 x pp2; transformers' logits of [2, 16] token ids (drawn after, or
+    from a generator of ``input_seed``)."""
+    import transformers
+
+    from tools.checkpoint_convert import main as convert
+
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    if prepare is not None:
+        prepare(hf_model)
+    widen_and_save(hf_model, directory / "hf")
+    root = str(directory / "ckpt")
+    assert convert(["--source-format", "hf", "--target-format", "megatron_lite", "--load-dir", str(directory / "hf"),
+                    "--save-dir", root, "--target-tensor-parallel-size", "2",
+                    "--target-pipeline-parallel-size", "2"]) == 0
+    generator = None if input_seed is None else torch.Generator().manual_seed(input_seed)
+    input_ids = torch.randint(2, vocab, (2, 16), generator=generator)
+    with torch.no_grad():
+        logits = hf_model(input_ids).logits
+    return Imported(name, hf_model, str(directory / "hf"), root, input_ids, logits)
 
 
 def train(rank, world_size, kwargs):

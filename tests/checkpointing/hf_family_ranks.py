@@ -51,16 +51,19 @@ def tp2_pp2_rank(rank, world_size, runs, prompts, generation):
     return results
 
 
-def layouts_rank(rank, world_size, root, input_ids, layouts, prompt_batches, generation):
-    """For each (tp, pp, ep) of ``layouts``: (logits of the input ids on the last stage, else None; for each batch of
-    ``prompt_batches``, the greedy tokens after its prompts with ``generation``'s settings)."""
+def layouts_rank(rank, world_size, runs, layouts, generation):
+    """For each (checkpoint, input ids, prompt batches) of ``runs`` and each (tp, pp, ep) of ``layouts``: (logits of
+    the input ids on the last stage, else None; for each batch of prompts, the greedy tokens after its prompts with
+    ``generation``'s settings)."""
     results = []
-    for tp, pp, ep in layouts:
-        model, parallel_state = load(root, tp=tp, pp=pp, ep=ep)
-        results.append((_pipelined_logits(model, parallel_state, input_ids) if pp > 1 else model(input_ids).detach(),
-                        [generate(model, prompts, greedy=True, parallel_state=parallel_state, **generation)
-                         for prompts in prompt_batches]))
-        destroy_model_parallel(parallel_state)
+    for root, input_ids, prompt_batches in runs:
+        for tp, pp, ep in layouts:
+            model, parallel_state = load(root, tp=tp, pp=pp, ep=ep)
+            with torch.no_grad():
+                logits = _pipelined_logits(model, parallel_state, input_ids) if pp > 1 else model(input_ids)
+            results.append((logits, [generate(model, prompts, greedy=True, parallel_state=parallel_state,
+                                              **generation) for prompts in prompt_batches]))
+            destroy_model_parallel(parallel_state)
     return results
 
 
@@ -95,12 +98,14 @@ def train(rank, world_size, runs):
     return results
 
 
-def sgd_step_gradients(rank, world_size, root, microbatches):
+def sgd_step_gradients(rank, world_size, root, microbatches, pp: int = 1):
     """The gradient one training step of the checkpoint ``root`` applies (SGD at learning rate 1: the weights'
-    change), each data-parallel rank taking its share of ``microbatches`` (dicts of tokens, labels, loss_mask,
-    position_ids), through setup_model_and_optimizer and train_step."""
+    change) to this rank's pipeline stage, each data-parallel rank taking its share of ``microbatches`` (dicts of
+    tokens, labels, loss_mask, position_ids), through setup_model_and_optimizer and train_step."""
+    config = read_config(root)
     config = dataclasses.replace(
-        read_config(root), parallel=ParallelConfig(),
+        config, model=dataclasses.replace(config.model, seq_length=microbatches[0]["tokens"].shape[1]),
+        parallel=ParallelConfig(pipeline_model_parallel_size=pp),
         training=TrainingConfig(micro_batch_size=microbatches[0]["tokens"].shape[0],
                                 global_batch_size=len(microbatches) * microbatches[0]["tokens"].shape[0],
                                 train_iters=1),
@@ -108,11 +113,12 @@ def sgd_step_gradients(rank, world_size, root, microbatches):
                                   lr_decay_style="constant"),
         checkpoint=CheckpointConfig(pretrained_checkpoint=root), data=DataConfig(mock_data=True),
         logging=LoggingConfig(log_memory=False))
-    parallel_state = initialize_model_parallel()
+    parallel_state = initialize_model_parallel(1, pp)
     chunks, optimizer, scheduler = setup_model_and_optimizer(config, parallel_state)
     load_checkpoint(config, parallel_state, chunks, optimizer, scheduler)
     before = {name: p.detach().clone() for name, p in chunks[0].module.named_parameters()}
-    mine = microbatches[rank::world_size]
+    dp_size = parallel_state.data_parallel_world_size
+    mine = microbatches[parallel_state.data_parallel_rank::dp_size]
     train_step(config, parallel_state, chunks, optimizer, scheduler, iter(mine), len(mine))
     gradients = {name: (before[name] - p.detach()).numpy() for name, p in chunks[0].module.named_parameters()}
     destroy_model_parallel(parallel_state)

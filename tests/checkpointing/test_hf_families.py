@@ -48,7 +48,7 @@ from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.model.sliding_window import layer_window  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402
-from tests.checkpointing.common import widen_and_save  # noqa: E402
+from tests.checkpointing.common import Imported, import_hf_model  # noqa: E402
 from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import (EOS, MAX_NEW_TOKENS, PAD, PROMPTS,  # noqa: E402
@@ -101,28 +101,8 @@ LORA_TARGETS = {"deepseek_v3": ["linear_qkv", "linear_proj"], "deepseek_v2": ["l
 EXPORT_FLAGS = {"phi3": ["--hf-model-type", "phi3"], "deepseek_v2": ["--hf-model-type", "deepseek_v2"]}
 
 
-@dataclasses.dataclass
-class Imported:
-    name: str
-    hf_model: object
-    hf_dir: str
-    root: str  # our checkpoint, written at tp2 x pp2
-    input_ids: torch.Tensor
-    logits: torch.Tensor  # transformers'
-
-
 def _import(name: str, directory) -> Imported:
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]())
-    widen_and_save(hf_model, directory / "hf")
-    root = str(directory / "ckpt")
-    assert convert(["--source-format", "hf", "--target-format", "megatron_lite", "--load-dir", str(directory / "hf"),
-                    "--save-dir", root, "--target-tensor-parallel-size", "2",
-                    "--target-pipeline-parallel-size", "2"]) == 0
-    input_ids = torch.randint(2, VOCAB, (2, 16))
-    with torch.no_grad():
-        logits = hf_model(input_ids).logits
-    return Imported(name, hf_model, str(directory / "hf"), root, input_ids, logits)
+    return import_hf_model(name, FAMILIES[name](), directory, vocab=VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -359,8 +339,6 @@ def test_deepseek_variants_are_refused_by_name(imports):
     v3, v2 = (imports[name].hf_model.config.to_dict() for name in ("deepseek_v3", "deepseek_v2"))
     yarn = v3["rope_parameters"]
     for config, field, value, message in [
-            (v3, "first_k_dense_replace", 1, "DeepSeek's mixture of experts does not import yet"),
-            (v2, "first_k_dense_replace", None, "first_k_dense_replace 0 < num_hidden_layers 2"),  # V2's default
             (v3, "num_key_value_heads", 2, "num_key_value_heads 2 other than num_attention_heads 4"),
             (v3, "attention_bias", True, "attention_bias"), (v2, "mlp_bias", True, "mlp_bias"),
             (v3, "rope_parameters", dict(yarn, mscale=None), "rope_parameters.mscale None with mscale_all_dim 0.6"),
@@ -369,8 +347,10 @@ def test_deepseek_variants_are_refused_by_name(imports):
             (v3, "moe_layer_freq", 1, "config.json field\\(s\\) moe_layer_freq ")]:
         with pytest.raises(ConfigError, match=message):
             hf_interop.model_config_from_hf({**config, field: value})
-    with pytest.raises(ConfigError, match="LoRA on linear_fc1 of a DeepSeek model has no PEFT form"):
-        hf_peft._check_peft_loads("deepseek", ["linear_proj", "linear_fc1"])
+    with pytest.raises(ConfigError, match=r"LoRA on linear_fc1 of a deepseek_v3 model's dense MLPs \(layers \[0, 1\]\) "
+                                          r"has no PEFT form"):
+        deepseek = read_config(imports["deepseek_v3"].root).model
+        hf_peft._check_peft_loads(deepseek, ["linear_proj", "linear_fc1"], hf_interop.FAMILIES["deepseek_v3"])
 
     gemma3 = imports["gemma3_text"].hf_model.config.to_dict()
     scaled_local = {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50.0}}

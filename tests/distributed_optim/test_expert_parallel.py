@@ -3,24 +3,31 @@ final weights (experts and their routers' expert bias included) within 1e-5 rela
 and the last iteration's routing statistics (the log line's auxiliary losses and tokens per expert) the same.
 
 The model: 4 layers, the first dense and three of 4 experts each (``--moe-layer-freq "([0]+[1]*3)"``), top 2,
-SGD with momentum and clipping that bites. Two
-routers, each with everything it has switched on:
+SGD with momentum and clipping that bites. Three
+routers, each with everything it has switched on (and LoRA on the first):
 
     A  softmax, load-balancing and z losses, a gated shared expert
     B  sigmoid with the expert bias (aux-loss-free balancing), group-limited top 2 of 2 groups, a scaling
        factor, the per-sequence loss, grouped GEMM experts; DeepSeek-V3's multi-latent attention (query
        latent, YaRN) in every layer, so the layer spec's two choices meet under every parallelism
+    C  softmax before the top 2 within the group of the best score (DeepSeek-V2's) and transformers'
+       load-balancing loss, pooled over the layers of each micro-batch (the pipeline carries its counts
+       between stages)
+    D  A's, frozen, with LoRA on every linear: attention, the dense MLP, the shared expert and each expert
+       (its own adapters, split over the expert-tensor ranks with the expert)
 
 Layouts (experts over ep ranks, each expert over etp ranks, replicas over the rest of the stage):
 
     world 4  dp4 ep2 under every sharding strategy (ZeRO 0 to 3, overlap on), tp2 (sequence parallel)
-             x dp2 with etp1 (experts whole, replicated over tensor ranks), interleaved pp2 x dp2
+             x dp2 with etp1 (experts whole, replicated over tensor ranks), interleaved pp2 x dp2 (A and C),
+             dp4 ep2 with LoRA (D)
     world 8  tp2 x pp2 x dp2 ep2 (etp2 = tp, sequence parallel), no_shard and the distributed optimizer
+             (C with the latter), D with no_shard
 """
 import pytest
 
 from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                                  TrainingConfig)
+                                  PeftConfig, TrainingConfig)
 from tests.distributed import run_distributed
 from tests.parity import assert_losses_match, assert_relative_close, full_tensors, rank_tensors
 
@@ -33,7 +40,12 @@ VARIANTS = {
               moe_router_group_topk=1, moe_router_topk_scaling_factor=2.0, moe_grouped_gemm=True,
               multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
               v_head_dim=8, qk_layernorm=True, rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=8),
+    "C": dict(moe_router_load_balancing_type="pooled_aux_loss", moe_aux_loss_coeff=1e-2, moe_router_pre_softmax=True,
+              moe_router_num_groups=2, moe_router_group_topk=1, moe_router_group_score="max"),
 }
+VARIANTS["D"] = VARIANTS["A"]
+# D: A's model frozen, LoRA on every linear (attention, the dense layer, the shared expert, each expert's own).
+PEFT = {"D": PeftConfig(peft="lora", lora_rank=4, lora_alpha=8.0, peft_without_base_checkpoint=True)}
 
 
 def _config(variant: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, strategy: str = "no_shard",
@@ -54,7 +66,8 @@ def _config(variant: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None
         # SGD's steps are linear in the gradients, so a gradient off by a factor shows in the weights (Adam would
         # divide it out); clipping bites, so the norm over expert and dense gradients must be right too.
         optimizer=OptimizerConfig(optimizer="sgd", lr=0.1, lr_decay_style="constant", clip_grad=0.5),
-        data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=STEPS, log_memory=False))
+        data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=STEPS, log_memory=False),
+        peft=PEFT.get(variant, PeftConfig()))
 
 
 def _train(rank, world_size, layouts):
@@ -113,10 +126,13 @@ def test_expert_parallel_layouts_of_four_ranks_match_one_process(single_process)
                for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params")]
     layouts += [{"variant": "B", "ep": 2, "strategy": "optim_grads_params"},
                 {"variant": "B", "tp": 2, "ep": 2, "etp": 1, "strategy": "optim"},
-                {"variant": "A", "pp": 2, "ep": 2, "vpp": True}]
+                {"variant": "A", "pp": 2, "ep": 2, "vpp": True}, {"variant": "C", "pp": 2, "ep": 2, "vpp": True},
+                {"variant": "D", "ep": 2}]
     _check_layouts(single_process, 4, layouts)
 
 
 def test_ep2_tp2_pp2_dp2_matches_one_process(single_process):
     _check_layouts(single_process, 8, [{"variant": "A", "tp": 2, "pp": 2, "ep": 2, "strategy": "optim"},
-                                       {"variant": "B", "tp": 2, "pp": 2, "ep": 2}])
+                                       {"variant": "B", "tp": 2, "pp": 2, "ep": 2},
+                                       {"variant": "C", "tp": 2, "pp": 2, "ep": 2, "strategy": "optim"},
+                                       {"variant": "D", "tp": 2, "pp": 2, "ep": 2}])

@@ -44,13 +44,17 @@ def _chosen(probs):
     return [set(torch.nonzero(row).flatten().tolist()) for row in probs]
 
 
-@pytest.mark.parametrize("variant", ["softmax", "pre_softmax", "sigmoid", "sigmoid_bias", "scaled", "grouped"])
+@pytest.mark.parametrize("variant", ["softmax", "pre_softmax", "sigmoid", "sigmoid_bias", "scaled", "grouped",
+                                     "grouped_max"])
 def test_router_weights_and_choices_follow_megatrons_formulas(variant):
     options = {"softmax": {}, "pre_softmax": dict(moe_router_pre_softmax=True),
                "sigmoid": dict(moe_router_score_function="sigmoid"),
                "sigmoid_bias": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
                "scaled": dict(moe_router_topk_scaling_factor=2.5),
-               "grouped": dict(moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk=4)}[variant]
+               "grouped": dict(moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk=4),
+               # DeepSeek-V2's group_limited_greedy: pre-softmax scores, each group scored by its best one.
+               "grouped_max": dict(moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk=3,
+                                   moe_router_group_score="max", moe_router_pre_softmax=True)}[variant]
     r = router(**options).eval()
     if variant == "sigmoid_bias":
         r.expert_bias.copy_(torch.linspace(-1, 1, E))
@@ -65,6 +69,11 @@ def test_router_weights_and_choices_follow_megatrons_formulas(variant):
             allowed = torch.tensor([e // 2 in groups for e in range(E)])
             chosen = row.masked_fill(~allowed, -math.inf).topk(topk).indices
             weights = torch.softmax(row[chosen], 0)
+        elif variant == "grouped_max":  # groups of 4 experts, the group of the best score, its top 3
+            scores = torch.softmax(row, 0)
+            allowed = torch.arange(E) // 4 == scores.argmax() // 4
+            chosen = scores.masked_fill(~allowed, 0.0).topk(topk).indices
+            weights = scores[chosen]
         elif variant.startswith("sigmoid"):
             score = torch.sigmoid(row)
             bias = r.expert_bias if variant == "sigmoid_bias" else 0
@@ -265,11 +274,18 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], "gives 3 layers, but --num-layers is 2"),
     (["--num-experts", "4", "--moe-router-enable-expert-bias"], "add --moe-router-score-function sigmoid"),
     (["--num-experts", "4", "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], "must divide"),
+    (["--num-experts", "4", "--moe-router-group-score", "max"], "add --moe-router-num-groups"),
     (["--num-experts", "4", "--moe-shared-expert-gate"], "add --moe-shared-expert-intermediate-size"),
     (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "add --moe-expert-capacity-factor"),
     (["--num-experts", "4", "--moe-router-score-function", "sqrtsoftplus"], "invalid choice"),
-    (["--num-experts", "4", "--peft", "lora", "--peft-without-base-checkpoint"], "lora on experts is not implemented"),
+    (["--num-experts", "4", "--peft", "lora", "--peft-without-base-checkpoint", "--moe-grouped-gemm"],
+     "--moe-grouped-gemm bypasses"),
+    (["--num-experts", "4", "--peft", "lora", "--peft-without-base-checkpoint", "--tensor-model-parallel-size", "4",
+      "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 1 or the tensor-parallel size"),
     (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "dispatches tokens with all-to-all only"),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "pooled_aux_loss", "--recompute-granularity", "full"],
+     "pooled_aux_loss pools each micro-batch's routing over all layers"),
+    (["--qk-layernorm-whole-projection"], "takes --qk-layernorm and --normalization RMSNorm"),
 ])
 def test_moe_flags_are_checked_naming_the_flag(extra, match):
     if match is None:  # routing flags alone mean nothing: the defaults are Megatron-LM's and harmless
@@ -327,12 +343,6 @@ def test_router_losses_follow_the_language_model_losss_scaling():
         assert losses == pytest.approx(mean_losses, rel=1e-6)
         for name, weight in mean_weights.items():
             torch.testing.assert_close(weights[name], weight, rtol=1e-5, atol=1e-7, msg=name)
-
-
-def test_the_planner_refuses_experts_it_does_not_model():
-    from megatron_lite.plan import parse_plan_args
-    with pytest.raises(ConfigError, match="does not model mixture-of-experts layers yet"):
-        parse_plan_args(BASE + ["--num-experts", "4"])
 
 
 def test_a_bf16_router_routes_in_fp32():

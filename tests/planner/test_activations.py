@@ -65,6 +65,15 @@ def test_one_process_activation_peak(arch, bf16, dropout, recompute):
     assert estimated / measured.peak == pytest.approx(1.0, abs=TOLERANCE)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_one_process_mixture_of_experts_activation_peak(bf16):
+    """A dense layer then an MoE layer (4 experts, top 2, a shared expert) with its router's loss: what the router,
+    the dispatch and the experts keep, within the bound (the routing of random weights is near balanced)."""
+    arch = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=176, moe_layer_freq="[0,1]",
+                moe_aux_loss_coeff=1e-2, moe_shared_expert_intermediate_size=128)
+    test_one_process_activation_peak(arch, bf16, (0.0, 0.0), "none")
+
+
 # Multi-latent attention: its latents are replicated over tensor-parallel ranks, its values narrower than keys.
 MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=96, kv_lora_rank=64, qk_head_dim=32,
            qk_pos_emb_head_dim=16, v_head_dim=32, qk_layernorm=True)

@@ -8,6 +8,8 @@ With E experts, top-k routing and the T tokens of a micro-batch (docs/reference.
     seq_aux_loss  mean over sequences of the same, with T,    DeepSeek's per-sequence balance
                   C and P of each sequence
     z_loss        mean over tokens of logsumexp(logits)^2     ST-MoE's bound on the router logits
+    pooled_       E / (L T)^2 * sum_e Cbar_e Pbar_e: C and P  transformers' (Switch Transformer's, all
+    aux_loss      summed over the L MoE layers                layers at once), routing_pool.py
 
 C is a count (no gradient), so each loss is linear in P: a rank holding some of the micro-batch's
 tokens adds its share of P times the micro-batch's C (summed over the ranks that split the tokens),
@@ -23,22 +25,26 @@ from __future__ import annotations
 import torch
 
 
-class _AttachLoss(torch.autograd.Function):
+class _AttachGradient(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, activation, loss, scale):
-        ctx.save_for_backward(loss)
-        ctx.scale = scale
+    def forward(ctx, activation, tensor, gradient):
+        ctx.gradient = gradient
         return activation.view_as(activation)
 
     @staticmethod
     def backward(ctx, grad):
-        (loss,) = ctx.saved_tensors
-        return grad, torch.full_like(loss, ctx.scale), None
+        return grad, ctx.gradient(), None
+
+
+def attach_gradient(activation: torch.Tensor, tensor: torch.Tensor, gradient) -> torch.Tensor:
+    """``activation`` unchanged; its backward also runs ``tensor``'s with the gradient ``gradient()``, asked for
+    only then (the pooled load-balancing loss's is known once the whole model has routed, ``routing_pool.py``)."""
+    return _AttachGradient.apply(activation, tensor, gradient)
 
 
 def attach_loss(activation: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
     """``activation`` unchanged; its backward also runs ``loss``'s with the gradient ``scale``."""
-    return _AttachLoss.apply(activation, loss, scale)
+    return attach_gradient(activation, loss, lambda: torch.full_like(loss, scale))
 
 
 def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, *, num_tokens: int, topk: int) -> torch.Tensor:

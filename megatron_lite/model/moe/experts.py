@@ -4,8 +4,9 @@ Each expert is named by its global number (``local_experts.<e>``), as layers are
 the same weights whichever expert-parallel layout wrote it: expert parallelism needs no split in the
 checkpoint format, a rank simply holds (and loads) the experts it runs. Each expert's weights are
 split over the expert-tensor-parallel ranks as a dense MLP's are over the tensor-parallel ones (fc1
-by output rows, stride 2 for SwiGLU's [gate; up]; fc2 by input columns) and marked
-``expert_parallel``: ``ParallelState.tensor_split`` then says which group splits them.
+by output rows, stride 2 for SwiGLU's [gate; up]; fc2 by input columns; ``expert_parallel/layers.py``'s
+``ExpertLinear``) and marked ``expert_parallel``: ``ParallelState.tensor_split`` then says which group
+splits them.
 
 The experts communicate nothing themselves: the dispatcher gathers their input over the
 expert-tensor ranks and reduce-scatters their partial outputs.
@@ -17,32 +18,11 @@ expert-tensor ranks and reduce-scatters their partial outputs.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.expert_parallel import ExpertLinear
 from megatron_lite.model.mlp import mlp_activation
-from megatron_lite.tensor_parallel import set_tensor_model_parallel_attributes
-
-
-class ExpertLinear(nn.Module):
-    """y = x W^T for one expert's shard of W ([out, in], split along ``partition_dim`` over ``etp_size``)."""
-
-    def __init__(self, input_size: int, output_size: int, *, partition_dim: int, partition_stride: int = 1,
-                 etp_size: int, params_dtype: torch.dtype):
-        super().__init__()
-        shape = [output_size, input_size]
-        if shape[partition_dim] % etp_size:
-            raise ValueError(f"an expert's dimension {partition_dim} ({shape[partition_dim]}) does not split evenly "
-                             f"over {etp_size} expert-tensor-parallel ranks.")
-        shape[partition_dim] //= etp_size
-        self.weight = nn.Parameter(torch.empty(*shape, dtype=params_dtype))
-        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, partition_dim=partition_dim,
-                                             partition_stride=partition_stride)
-        self.weight.expert_parallel = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
 
 
 class ExpertMLP(nn.Module):

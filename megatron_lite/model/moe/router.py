@@ -8,7 +8,8 @@ differences in the scores change which experts are chosen. Megatron-Core's ``Top
               as they are (OLMoE). sigmoid: each expert's sigmoid, the top-k normalised to sum to 1
               (DeepSeek-V3), chosen by sigmoid + --moe-router-enable-expert-bias's bias where it is on
     groups    --moe-router-num-groups G / --moe-router-group-topk g: a token first picks the g groups of
-              E/G experts whose best k/g scores sum highest, then its top-k among them
+              E/G experts whose best k/g scores sum highest (or, --moe-router-group-score max, whose best
+              score is highest: DeepSeek-V2), then its top-k among them
     scaling   --moe-router-topk-scaling-factor multiplies the chosen weights
     capacity  --moe-expert-capacity-factor f: each expert takes at most ceil(f * tokens * k / E) of this
               rank's tokens per micro-batch, keeping the most probable (or the earliest) and dropping the
@@ -16,6 +17,7 @@ differences in the scores change which experts are chosen. Megatron-Core's ``Top
 
 The losses (``aux_losses.py``) are computed on the router's own view of the scores, as Megatron-LM:
 softmax over all experts (sigmoid normalised over all), with the plain top-k as the routing counted.
+The pooled one (transformers') pools the counts of every layer of the micro-batch (``routing_pool.py``).
 
 The tokens of one micro-batch may be split over ranks (``token_group``: the tensor-parallel ranks,
 whether sequence parallelism split them or ``MoELayer`` did): counts are summed over that group,
@@ -34,12 +36,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.moe.aux_losses import attach_loss, load_balancing_loss, sequence_load_balancing_loss, z_loss
+from megatron_lite.model.moe.aux_losses import (attach_gradient, attach_loss, load_balancing_loss,
+                                                sequence_load_balancing_loss, z_loss)
 from megatron_lite.process_groups import collectives
 
 
-# What the routers' losses are logged as (Megatron-LM's names): aux_loss's, seq_aux_loss's, the z-loss.
-LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+# What the routers' losses are logged as (Megatron-LM's names), by --moe-router-load-balancing-type; the z-loss.
+BALANCING_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                        "pooled_aux_loss": "pooled_load_balancing_loss"}
+LOSS_NAMES = (*BALANCING_LOSS_NAMES.values(), "z_loss")
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class TopKRouter(nn.Module):
         self.pre_softmax = config.moe_router_pre_softmax
         self.scaling_factor = config.moe_router_topk_scaling_factor
         self.num_groups, self.group_topk = config.moe_router_num_groups, config.moe_router_group_topk
+        self.group_score = config.moe_router_group_score
         self.load_balancing_type = config.moe_router_load_balancing_type
         self.aux_loss_coeff, self.z_loss_coeff = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
         self.capacity_factor = config.moe_expert_capacity_factor
@@ -95,6 +101,7 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
         self.aux_loss_scale = AuxLossScale()  # set for each iteration by routing_statistics.start_iteration
+        self.pool = None  # pooled_aux_loss: the RoutingPool of the micro-batch being run, set by the model
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
                              persistent=False)
         self.reset_statistics()
@@ -113,8 +120,10 @@ class TopKRouter(nn.Module):
             logits = self._attach(logits, "z_loss", z_loss(logits, num_tokens=layout.num_tokens), self.z_loss_coeff,
                                   layout)
         probs, routing_map = self._top_k(logits)
-        if training and self.load_balancing_type != "none" and self.aux_loss_coeff > 0:
-            probs = self._attach(probs, LOSS_NAMES[self.load_balancing_type == "seq_aux_loss"],
+        if training and self.load_balancing_type == "pooled_aux_loss" and self.aux_loss_coeff > 0:
+            probs = self._attach_pooled(probs, logits, layout)
+        elif training and self.load_balancing_type != "none" and self.aux_loss_coeff > 0:
+            probs = self._attach(probs, BALANCING_LOSS_NAMES[self.load_balancing_type],
                                  self._balancing_loss(logits, layout), self.aux_loss_coeff, layout)
         if self.capacity_factor is not None:
             probs, routing_map = self._drop_past_capacity(probs, routing_map)
@@ -123,10 +132,25 @@ class TopKRouter(nn.Module):
             self.microbatches += 1
         return probs, routing_map
 
+    def log_loss(self, name: str, value: torch.Tensor) -> None:
+        self.loss_sums[name] += value.detach()  # logged without its coefficient, as Megatron-LM
+
     def _attach(self, activation: torch.Tensor, name: str, loss: torch.Tensor, coeff: float,
                 layout: TokenLayout) -> torch.Tensor:
-        self.loss_sums[name] += loss.detach()  # logged without its coefficient, as Megatron-LM
+        self.log_loss(name, loss)
         return attach_loss(activation, coeff * loss, self.aux_loss_scale.of(layout.num_tokens))
+
+    def _attach_pooled(self, probs: torch.Tensor, logits: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """This layer's counts join the micro-batch's pool; its score sums get the pooled loss's gradient, which
+        the pool knows once every layer has routed (``routing_pool.py``)."""
+        if self.pool is None:
+            raise RuntimeError("a pooled_aux_loss router trained outside a micro-batch: the model sets its pool "
+                               "(GPTModel.begin_microbatch, called by the pipeline schedule).")
+        pool, scores = self.pool, self._balancing_scores(logits)
+        counts = _summed(self._routed(scores).sum(dim=0), layout.token_group)
+        pool.add(self, counts, scores.sum(dim=0), num_tokens=layout.num_tokens)
+        scale = self.aux_loss_coeff * self.aux_loss_scale.of(layout.num_tokens)
+        return attach_gradient(probs, scores.sum(dim=0), lambda: pool.coefficient() * scale)
 
     # Routing.
     def _top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,11 +178,14 @@ class TopKRouter(nn.Module):
         if self.num_groups is None:
             return scores.topk(self.topk, dim=-1).indices
         tokens = scores.shape[0]
-        grouped = scores.view(tokens, self.num_groups, -1)
-        group_scores = grouped.topk(self.topk // self.group_topk, dim=-1).values.sum(dim=-1)
+        grouped = scores.view(tokens, self.num_groups, self.num_experts // self.num_groups)  # tokens may be 0
+        if self.group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(self.topk // self.group_topk, dim=-1).values.sum(dim=-1)
         chosen_groups = group_scores.topk(self.group_topk, dim=-1).indices
         allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen_groups, True)
-        allowed = allowed.unsqueeze(-1).expand_as(grouped).reshape(tokens, -1)
+        allowed = allowed.unsqueeze(-1).expand_as(grouped).reshape(tokens, self.num_experts)
         return scores.masked_fill(~allowed, float("-inf")).topk(self.topk, dim=-1).indices
 
     def _drop_past_capacity(self, probs: torch.Tensor, routing_map: torch.Tensor):
@@ -178,13 +205,19 @@ class TopKRouter(nn.Module):
         return probs * keep, keep
 
     # Losses.
-    def _balancing_loss(self, logits: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    def _balancing_scores(self, logits: torch.Tensor) -> torch.Tensor:
         if self.score_function == "softmax":
-            scores = torch.softmax(logits, dim=-1)
-        else:
-            scores = torch.sigmoid(logits)
-            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-        routed = torch.zeros_like(scores).scatter(1, scores.topk(self.topk, dim=-1).indices, 1.0)
+            return torch.softmax(logits, dim=-1)
+        scores = torch.sigmoid(logits)
+        return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+    def _routed(self, scores: torch.Tensor) -> torch.Tensor:
+        """1 where the plain top-k of ``scores`` routes a token: what the balancing losses count."""
+        return torch.zeros_like(scores).scatter(1, scores.topk(self.topk, dim=-1).indices, 1.0)
+
+    def _balancing_loss(self, logits: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        scores = self._balancing_scores(logits)
+        routed = self._routed(scores)
         if self.load_balancing_type == "aux_loss":
             counts = _summed(routed.sum(dim=0), layout.token_group)
             return load_balancing_loss(scores, counts, num_tokens=layout.num_tokens, topk=self.topk)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.moe.router import LOSS_NAMES, AuxLossScale, TopKRouter
+from megatron_lite.model.moe.router import BALANCING_LOSS_NAMES, LOSS_NAMES, AuxLossScale, TopKRouter
 from megatron_lite.process_groups import collectives
 
 
@@ -58,11 +58,15 @@ def update_expert_bias(model_chunks: list, parallel_state) -> None:
         router.expert_bias += torch.sign(count.mean() - count) * router.bias_update_rate
 
 
+POOLED_LOSS_NAME = BALANCING_LOSS_NAMES["pooled_aux_loss"]
+
+
 @dataclass
 class RoutingSummary:
-    """One iteration's routing over the whole model: the mean over MoE layers of each auxiliary loss (without
-    its coefficient, averaged over micro-batches and data-parallel replicas, as Megatron-LM logs it) and the
-    tokens each layer's experts received [moe layers, experts]."""
+    """One iteration's routing over the whole model: the mean over MoE layers of each auxiliary loss (the
+    pooled one: its sum over the layers' shares), without its coefficient, averaged over micro-batches and
+    data-parallel replicas, as Megatron-LM logs it; and the tokens each layer's experts received
+    [moe layers, experts]."""
 
     losses: dict
     tokens_per_expert: torch.Tensor
@@ -93,7 +97,10 @@ def routing_summary(model_chunks: list, parallel_state, config: ModelConfig) -> 
     # Micro-batches were counted by every rank that routes tokens: the data-parallel ranks (and the
     # tensor-parallel ones, which hold shares of each micro-batch's loss).
     microbatches = table[:, len(names)].clamp(min=1) / parallel_state.tensor_model_parallel_world_size
-    losses = {name: float((table[:, i] / microbatches).mean()) for i, name in enumerate(names)}
+    per_layer = table[:, :len(names)] / microbatches.unsqueeze(1)
+    # The pooled loss is one loss of all layers, each holding its share; the others are each layer's own.
+    losses = {name: float(per_layer[:, i].sum() if name == POOLED_LOSS_NAME else per_layer[:, i].mean())
+              for i, name in enumerate(names)}
     return RoutingSummary(losses, table[:, len(names) + 1:])
 
 
