@@ -1,6 +1,6 @@
 """The planner's step-time estimate against measured CPU steps on this machine.
 
-Real training steps (the loop's own ``train_step``, through ``training/measured_run.py``) of small
+Real training steps (the loop's own ``train_step``, through ``bench/harness.py``) of small
 layouts run on 2 gloo ranks, and ``--cluster local`` is calibrated in the same processes before and
 after each layout. On a shared machine wall-clock time is stretched by however long the ranks wait for
 a CPU: calibration times compute in CPU time, and each measured step is scaled by the smallest share of
@@ -25,9 +25,8 @@ from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig,
 from megatron_lite.planner import calibrate
 from megatron_lite.planner.estimate import estimate
 from megatron_lite.planner.layouts import Layout
-from megatron_lite.training.measured_run import run_layout
-
 # Run as a module (python -m bench.bench_step_time) or imported by run_all.py: the repository root is on the path.
+from bench.harness import run_layout
 from bench.side_by_side import markdown_table
 
 

@@ -30,7 +30,8 @@ from megatron_lite.planner.report import format_estimate, format_ranking, rank, 
 from megatron_lite.process_groups.failures import run_command
 
 # Flags that choose a layout: any of them means "estimate this one".
-LAYOUT_FIELDS = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+LAYOUT_FIELDS = {"tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+                 "virtual_pipeline_model_parallel_size",
                  "num_layers_per_virtual_pipeline_stage", "micro_batch_size", "sequence_parallel",
                  "recompute_granularity", "recompute_method", "recompute_num_layers", "use_distributed_optimizer",
                  "data_parallel_sharding_strategy"}

@@ -11,9 +11,15 @@ traceback is raised in the test report.
         return something_picklable
 
     results = run_distributed(_body, world_size=4, args=(x,))   # list, one per rank
+
+``run_command_on_ranks(main, argv, world_size)`` runs a command's ``main(argv)`` on every rank, as
+torchrun would, and returns each rank's exit code and output: what a user would see, without starting
+an interpreter (and importing torch) per rank.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pickle
 import socket
@@ -109,3 +115,20 @@ def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None =
         raise DistributedTestError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
                                    f"(exit codes {codes}): a deadlock, a crash, or a mismatched collective.")
     return [outcome[r] for r in range(world_size)]
+
+
+def run_command_on_ranks(main, argv: list[str], world_size: int,
+                         timeout: float = DEFAULT_TIMEOUT_S) -> list[tuple[int, str]]:
+    """(exit code, stdout + stderr) of ``main(argv)`` (a module-level command entry point) on each rank."""
+    return run_distributed(_command_on_rank, world_size, args=(main, argv), timeout=timeout)
+
+
+def _command_on_rank(rank, world_size, main, argv):
+    from megatron_lite.process_groups import failures
+
+    # Under torchrun a quiet rank waits to be stopped once the reporting rank has exited; here nothing stops it.
+    failures.QUIET_RANK_EXIT_DELAY_S = 0
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        code = main(argv)
+    return code, output.getvalue()

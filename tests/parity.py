@@ -37,13 +37,15 @@ def rank_tensors(named_parameters, value=lambda param: param) -> dict:
 
 
 def full_tensors(rank_results: list) -> dict:
-    """name -> whole tensor from each rank's ``{"tensors": rank_tensors(...), "tp_rank": ...}``.
+    """name -> whole tensor from each rank's ``{"tensors": rank_tensors(...), "tp_rank": ...}``, where a tensor
+    split over another group names its shard in ``"shard_ranks"`` (an expert's, its expert-tensor rank).
 
-    The data-parallel replicas of each shard (the ranks reporting the same ``tp_rank``) must agree exactly."""
+    The data-parallel replicas of each shard (the ranks reporting the same shard) must agree exactly."""
     by_name: dict = {}
     for result in rank_results:
         for name, (array, split) in result["tensors"].items():
-            by_name.setdefault(name, {}).setdefault(result["tp_rank"], []).append((array, split))
+            shard = result.get("shard_ranks", {}).get(name, result["tp_rank"])
+            by_name.setdefault(name, {}).setdefault(shard, []).append((array, split))
     full = {}
     for name, per_tp in by_name.items():
         for replicas in per_tp.values():

@@ -178,8 +178,8 @@ def test_refused_flags_exit_2_naming_the_flag_without_traceback(flag, capsys):
 
 
 @pytest.mark.parametrize("argv, reason", [
-    (["--moe-router-topk", "2"], "no mixture of experts"),
-    (["--moe-grouped-gemm"], "no mixture of experts"),
+    (["--moe-use-upcycling"], "mixture of experts takes the --moe-* flags listed in --help"),
+    (["--moe-shared-expert-overlap"], "mixture of experts takes the --moe-* flags listed in --help"),
     (["--cuda-graph-scope", "full"], "does not capture CUDA graphs"),
     (["--fp8-wgrad-extra=1"], "no FP8 path"),
     (["--te-precision-config-file", "p.yaml"], "not Transformer Engine"),

@@ -56,6 +56,7 @@ def test_llama_factory_files_translate_to_our_flags(name, expected):
     ({"gradient_accumulation_steps": 2, "train_batch_size": "auto"}, {"micro_batch_size": 2}, 2, (2, 8)),
     ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto"}, {"micro_batch_size": 2,
                                                                           "tensor_model_parallel_size": 2}, 4, (2, 8)),
+    ({"train_batch_size": 8}, {"context_parallel_size": 2}, 4, (4, 8)),  # context ranks share micro-batches
 ])
 def test_the_batch_triad_is_completed_as_deepspeed_does(keys, explicit, world_size, batch):
     fields, _ = translate(keys, explicit, world_size)

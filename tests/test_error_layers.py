@@ -9,9 +9,10 @@ from megatron_lite.cli.arguments import parse_args
 from megatron_lite.config import ConfigError, ParallelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOWER_LAYERS = ["megatron_lite/tensor_parallel", "megatron_lite/pipeline_parallel/p2p.py",
+LOWER_LAYERS = ["megatron_lite/tensor_parallel", "megatron_lite/context_parallel",
+                "megatron_lite/pipeline_parallel/p2p.py",
                 "megatron_lite/pipeline_parallel/schedule_table.py", "megatron_lite/pipeline_parallel/schedules.py",
-                "megatron_lite/model/attention.py"]
+                "megatron_lite/model/attention.py", "megatron_lite/expert_parallel", "megatron_lite/model/moe"]
 BASE = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "4", "--seq-length", "8",
         "--vocab-size", "64", "--mock-data"]
 
@@ -58,6 +59,8 @@ def test_the_interleaved_micro_batch_count_in_tensors_below_and_in_flags_above()
      r"--ffn-hidden-size \(33\) must be divisible by --tensor-model-parallel-size \(2\)"),  # ColumnParallelLinear
     (["--pipeline-model-parallel-size", "1", "--virtual-pipeline-model-parallel-size", "2"],
      "--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1"),  # the schedule table
+    (["--context-parallel-size", "3", "--attention-dropout", "0"],
+     r"--seq-length \(8\) must be divisible by 6"),  # context_parallel.local_positions
 ])
 def test_the_command_line_names_the_flag_for_each_mistake_a_layer_would_meet(extra, flag):
     with pytest.raises(ConfigError, match=flag):

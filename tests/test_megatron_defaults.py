@@ -27,11 +27,27 @@ MEGATRON_DEFAULTS = {
     "window_size": None, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
     "rotary_seq_len_interpolation_factor": None, "hidden_dropout": 0.1, "attention_dropout": 0.1,
     "init_method_std": 0.02, "make_vocab_size_divisible_by": 128,
+    "multi_latent_attention": False, "q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "rope_type": None, "rotary_scaling_factor": 1.0, "mscale": 1.0,
+    "mscale_all_dim": 0.0, "yarn_original_max_position_embeddings": None, "yarn_beta_fast": None,
+    "yarn_beta_slow": None,
+    # Megatron's None (unset) rounds, as our True does.
+    "yarn_correction_range_round_to_int": True,
     # Megatron's num_query_groups default (1) is read only with --group-query-attention; without it
     # both use one group per head.
     "num_query_groups": None,
+    # mixture of experts (TransformerConfig's fields, which Megatron-LM's parser takes its --moe-* flags from)
+    "num_experts": None, "moe_ffn_hidden_size": None, "moe_router_topk": 2, "moe_router_score_function": "softmax",
+    "moe_router_pre_softmax": False, "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
+    "moe_router_group_topk": None, "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
+    "moe_z_loss_coeff": None, "moe_router_enable_expert_bias": False, "moe_router_bias_update_rate": 1e-3,
+    "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs",
+    "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False, "moe_grouped_gemm": False,
     # parallel
-    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    # Megatron-LM's --cp-comm-type is a list too (one value for every layer, or one per layer).
+    "cp_comm_type": ["p2p"],
     "num_layers_per_virtual_pipeline_stage": None, "decoder_first_pipeline_num_layers": None,
     "decoder_last_pipeline_num_layers": None, "sequence_parallel": False, "use_distributed_optimizer": False,
     "overlap_grad_reduce": False, "overlap_param_gather": False, "ddp_bucket_size": None,
@@ -77,6 +93,8 @@ DELIBERATE = {
     "sft_tokenizer_prompt_format": ("nemotron-h-aligned", "plain"),  # we have no nemotron-h-aligned format
     "distributed_backend": ("nccl", None),  # None: nccl with CUDA, gloo on CPU
     "data_parallel_sharding_strategy": ("optim_grads_params", None),  # Megatron's applies to --use-megatron-fsdp only
+    "moe_layer_freq": (1, "1"),  # the flag's text, parsed when used: Megatron-LM keeps an int or an eval'd list
+    "expert_tensor_parallel_size": (1, None),  # None: the tensor-parallel size, which validate_args writes in
 }
 
 NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", "grad_cpu_offload",
@@ -86,6 +104,9 @@ NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", 
                    "lr_warmup_style",
                    "softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",  # Gemma 2's
                    "post_sublayer_norm", "scale_embeddings", "geglu",
+                   "qk_layernorm_whole_projection",  # OLMoE's q/k norms; Megatron-Bridge has them, Megatron-LM not
+                   "moe_router_group_score",  # DeepSeek-V2's group max beside Megatron-LM's top-k sum
+                   "rotary_base_local",  # Gemma 3's local layers; Megatron-Bridge's field, no Megatron-LM flag
                    "deepspeed_config", "deepspeed"}  # the DeepSpeed config's spellings, translated at parse time
 REQUIRED = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"}  # in both
 

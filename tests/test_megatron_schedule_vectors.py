@@ -46,6 +46,9 @@ class _ParamGroupsOnly:
     def step(self):
         return True, None, None
 
+    def get_loss_scale(self) -> float:
+        return 1.0
+
 
 def _our_rows(flags: list, data_parallel_size: int, monkeypatch):
     """(train iterations, per iteration [global batch, micro-batches, lr per group, weight_decay per group]):

@@ -224,12 +224,16 @@ def test_llama3_8b_script_runs(tmp_path, capsys):
     assert any(name.endswith(".pt.trace.json") for name in os.listdir(tmp_path / "tb"))
 
 
-def test_gpt3_175b_script_under_torchrun(tmp_path, gpt2_data):
+def test_gpt3_175b_script_on_two_ranks(tmp_path, gpt2_data):
     """The 175B flag set on two ranks (its tensor x pipeline layout scaled to one pipeline split)."""
-    from tools.loss_parity import Layout, run_layout
+    from tests.distributed import run_command_on_ranks
+    from tools.loss_parity import DETERMINISTIC_FLAGS, LOSS_PATTERN
 
-    losses = run_layout(Layout(1, 2, 1), gpt3_argv(tmp_path, gpt2_data), timeout=300)
-    assert len(losses) == 3
+    argv = [*gpt3_argv(tmp_path, gpt2_data), *DETERMINISTIC_FLAGS, "--tensor-model-parallel-size", "1",
+            "--pipeline-model-parallel-size", "2"]
+    results = run_command_on_ranks(main, argv, world_size=2, timeout=300)
+    assert [code for code, _ in results] == [0, 0], results
+    assert len(LOSS_PATTERN.findall(results[1][1])) == 3  # the last stage logs the loss
     assert os.path.isdir(tmp_path / "ckpt" / "iter_0000002")
 
 
@@ -263,8 +267,7 @@ def test_whole_fp8_script_is_refused(tmp_path, capsys):
 
 def test_script_values_that_need_what_we_lack_are_refused(tmp_path):
     base = llama_argv(tmp_path)
-    with pytest.raises(ConfigError, match=r"--context-parallel-size 2 is not supported: megatron_lite has no "
-                                          r"context parallelism .*; remove it or give --context-parallel-size 1\."):
-        parse_args(base + ["--context-parallel-size", "2"])
+    with pytest.raises(ConfigError, match=r"--cp-comm-type: invalid choice: 'a2a'"):
+        parse_args(base + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"])
     with pytest.raises(ConfigError, match=r"--ckpt-format torch is not supported: .*give --ckpt-format torch_dist"):
         parse_args(base + ["--ckpt-format", "torch"])

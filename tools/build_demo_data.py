@@ -17,7 +17,7 @@ import os
 import sys
 
 from megatron_lite.cli.parser import ArgumentParser
-from megatron_lite.data.atomic_write import atomic_write
+from megatron_lite.files import atomic_write
 from megatron_lite.data.indexed_dataset import data_file_path, index_file_path, output_prefix_for
 from megatron_lite.data.preprocess import preprocess_jsonl
 from megatron_lite.process_groups.failures import run_command

@@ -22,9 +22,12 @@
     python tools/checkpoint_convert.py --source-format megatron --load-dir megatron-ckpt --save-dir ckpt \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
-    # megatron_lite (any layout) -> a Megatron-LM legacy checkpoint (--ckpt-format torch) at any TP/PP
+    # megatron_lite (any layout) -> a Megatron-LM checkpoint at any TP/PP: legacy (--ckpt-format torch) or
+    # torch_dist (--megatron-common-state distcp: the common state inside the .distcp, as core >= 0.19 writes)
     python tools/checkpoint_convert.py --target-format megatron --megatron-ckpt-format torch \\
         --load-dir ckpt --save-dir megatron-ckpt --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+    python tools/checkpoint_convert.py --target-format megatron --megatron-ckpt-format torch_dist \\
+        --load-dir ckpt --save-dir megatron-ckpt --target-tensor-parallel-size 2
 
     # LoRA adapters <-> a Hugging Face PEFT directory (adapter_config.json, adapter_model.safetensors)
     python tools/checkpoint_convert.py --target-format peft --load-dir lora-ckpt --save-dir peft-dir
@@ -43,7 +46,8 @@ import sys
 
 from megatron_lite.checkpointing import hf_interop, hf_peft
 from megatron_lite.checkpointing.hf_families import FAMILIES
-from megatron_lite.checkpointing.megatron.exporter import export_megatron_checkpoint
+from megatron_lite.checkpointing.megatron import torch_dist
+from megatron_lite.checkpointing.megatron.exporter import CKPT_FORMATS, export_megatron_checkpoint
 from megatron_lite.checkpointing.megatron.importer import import_megatron_checkpoint
 from megatron_lite.checkpointing.offline import reshard_checkpoint, write_checkpoint
 from megatron_lite.checkpointing.peft_base import folded_prefix, merged_lora
@@ -68,9 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hf-model-type", choices=sorted(FAMILIES),
                         help="the Hugging Face family an hf or peft export is written as (default: the one the "
                              "model's features call for; phi3 fuses q/k/v and gate/up)")
-    parser.add_argument("--megatron-ckpt-format", choices=("torch",), default="torch",
+    parser.add_argument("--megatron-ckpt-format", choices=CKPT_FORMATS, default="torch",
                         help="with --target-format megatron: the format written, Megatron-LM's --ckpt-format "
-                             "(torch: the legacy mp_rank_* files; torch_dist is read but not yet written)")
+                             "(torch: the legacy mp_rank_* files; torch_dist: torch.distributed.checkpoint files)")
+    parser.add_argument("--megatron-common-state", choices=torch_dist.COMMON_STATE_LAYOUTS,
+                        help="with --megatron-ckpt-format torch_dist: where the args and iteration go: common.pt "
+                             "(the default: Megatron-Core up to 0.18 writes it, every version reads it) or distcp "
+                             "(inside the .distcp files, as Megatron-Core 0.19 and later write them)")
     lora = parser.add_argument_group("adapter checkpoints (--peft)")
     lora.add_argument("--merge-lora", action="store_true",
                       help="merge the adapters of a LoRA checkpoint into its base and write the merged model")
@@ -123,8 +131,12 @@ def _convert(args, sizes: dict) -> str:
         return hf_interop.import_hf_checkpoint(args.load_dir, args.save_dir, **sizes)
     if source == "megatron" and target == "megatron_lite":
         return import_megatron_checkpoint(args.load_dir, args.save_dir, **sizes)
+    if args.megatron_common_state and (target, args.megatron_ckpt_format) != ("megatron", "torch_dist"):
+        raise ConfigError("--megatron-common-state lays out a torch_dist export: give it with --target-format "
+                          "megatron --megatron-ckpt-format torch_dist, or drop it.")
     if source == "megatron_lite" and target == "megatron" and not (args.merge_lora or args.fold_prefix_projection):
-        return export_megatron_checkpoint(args.load_dir, args.save_dir, **sizes)
+        return export_megatron_checkpoint(args.load_dir, args.save_dir, ckpt_format=args.megatron_ckpt_format,
+                                          common_state=args.megatron_common_state or "common.pt", **sizes)
     if source == "peft" and target == "megatron_lite":
         if not args.base_checkpoint:
             raise ConfigError("--source-format peft needs --base-checkpoint: the megatron_lite checkpoint of the "

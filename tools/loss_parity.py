@@ -1,12 +1,12 @@
 """Run the parity ladder: one control layout and others, same flags; print how far each drifts.
 
-    python tools/loss_parity.py --layouts 1x1x1 2x1x1 2x2x2 -- --num-layers 4 --hidden-size 256 ... --mock-data
+    python tools/loss_parity.py --layouts 1x1x1 2x1x1 2x2x2 1x1x1x2 -- --num-layers 4 --hidden-size 256 ... --mock-data
 
 The first layout is the control. Exits 1 if any layout's losses differ from the control's by
 more than --rtol (relative), so it can gate a cluster before a long run.
 
-Same flags, seed and global batch for every layout; only (tensor, pipeline, data)
-parallel sizes change. Every layout must print the control's ``lm loss`` values to
+Same flags, seed and global batch for every layout; only (tensor, pipeline, data, and
+optionally context) parallel sizes change. Every layout must print the control's ``lm loss`` values to
 float32 rounding. Dropout is switched off, because its masks legitimately depend on
 the layout (pipeline stages and tensor-parallel regions draw from different streams).
 This is what the equivalence tests check, packaged for users to run on their own
@@ -36,22 +36,27 @@ class Layout:
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
     data_parallel_size: int
+    context_parallel_size: int = 1
 
     @classmethod
     def parse(cls, text: str) -> "Layout":
-        """'2x2x2' = tensor x pipeline x data."""
+        """'2x2x2' = tensor x pipeline x data; '2x2x2x2' also x context."""
         try:
-            tp, pp, dp = (int(x) for x in text.lower().split("x"))
+            sizes = [int(x) for x in text.lower().split("x")]
         except ValueError:
-            raise ValueError(f"a layout is TPxPPxDP, e.g. 2x2x2; got {text!r}") from None
-        return cls(tp, pp, dp)
+            sizes = []
+        if len(sizes) not in (3, 4):
+            raise ValueError(f"a layout is TPxPPxDP or TPxPPxDPxCP, e.g. 2x2x2; got {text!r}")
+        return cls(*sizes)
 
     @property
     def world_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+                * self.context_parallel_size)
 
     def __str__(self) -> str:
-        return f"{self.tensor_model_parallel_size}x{self.pipeline_model_parallel_size}x{self.data_parallel_size}"
+        text = f"{self.tensor_model_parallel_size}x{self.pipeline_model_parallel_size}x{self.data_parallel_size}"
+        return text + (f"x{self.context_parallel_size}" if self.context_parallel_size > 1 else "")
 
 
 def command(layout: Layout, flags: list[str]) -> list[str]:
@@ -61,7 +66,8 @@ def command(layout: Layout, flags: list[str]) -> list[str]:
         launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(layout.world_size)]
     return launcher + ["-m", "megatron_lite.pretrain_gpt", *flags, *DETERMINISTIC_FLAGS,
                        "--tensor-model-parallel-size", str(layout.tensor_model_parallel_size),
-                       "--pipeline-model-parallel-size", str(layout.pipeline_model_parallel_size)]
+                       "--pipeline-model-parallel-size", str(layout.pipeline_model_parallel_size),
+                       "--context-parallel-size", str(layout.context_parallel_size)]
 
 
 def run_layout(layout: Layout, flags: list[str], timeout: float = 1800) -> list[float]:
@@ -100,7 +106,8 @@ def main(argv=None) -> int:
 def compare_layouts(argv) -> int:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                             allow_abbrev=False)
-    parser.add_argument("--layouts", nargs="+", type=Layout.parse, required=True, help="TPxPPxDP, control first")
+    parser.add_argument("--layouts", nargs="+", type=Layout.parse, required=True,
+                        help="TPxPPxDP (or TPxPPxDPxCP), control first")
     parser.add_argument("--rtol", type=float, default=1e-5)
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the training flags shared by every run")
     args = parser.parse_args(argv)

@@ -1,32 +1,37 @@
 """Build the Megatron-LM checkpoint fixtures of tests/fixtures/megatron with Megatron-LM's own code.
 
-Run by hand (not in CI), on CPU with gloo, from a git directory of NVIDIA/Megatron-LM:
+Run by hand (not in CI), on CPU with gloo, in a throwaway virtual environment that has
+torch (CPU), numpy and safetensors, from a git directory of NVIDIA/Megatron-LM that holds
+the refs of FIXTURES (core_v0.17.0 and a commit of main):
 
-    python tools/make_megatron_fixtures.py --megatron-git-dir /path/to/Megatron-LM/.git \\
-        --megatron-ref core_v0.17.0 --output-dir tests/fixtures/megatron
+    python tools/make_megatron_fixtures.py --megatron-git-dir /path/to/Megatron-LM/.git
 
-    # our export, read back by Megatron-LM: each fixture imported, exported at another layout by
-    # tools/checkpoint_convert.py, loaded with Megatron's own load_checkpoint (--use-checkpoint-args:
-    # the architecture from the args we wrote) and its logits compared with the fixture's
-    PYTHONPATH=$PWD python tools/make_megatron_fixtures.py --megatron-git-dir /path/to/Megatron-LM/.git \\
-        --check-exports
+    # our export, read back by Megatron-LM: each fixture imported, exported by
+    # tools/checkpoint_convert.py (legacy or torch_dist, at another layout), loaded with Megatron's
+    # own load_checkpoint (--use-checkpoint-args: the architecture from the args we wrote) and its
+    # logits compared with the fixture's (megatron_lite installed in the same environment)
+    pip install --no-deps . && pip install regex sentencepiece tiktoken tokenizers
+    python tools/make_megatron_fixtures.py --megatron-git-dir /path/to/Megatron-LM/.git --check-exports
 
-What it does: ``git archive`` the ref into a throwaway directory, ``pip install --target``
-its one missing pure-Python dependency (einops) beside it, and run each fixture in a
+What it does: ``git archive`` each ref into a throwaway directory, ``pip install --target``
+the few packages it imports (MEGATRON_DEPS) beside it, and run each fixture in a
 fresh interpreter whose ``PYTHONPATH`` is that snapshot, so nothing of Megatron enters
-this repository or this environment. Each fixture is Megatron's ``gpt_builder`` model,
-built from Megatron's own argument parser, its weights moved off their initial values
-(so that biases and norms are not 0 and 1, which would hide a mapping mistake), saved
-with Megatron's ``save_checkpoint``, and Megatron's logits for a fixed batch, written as
-``logits.safetensors`` beside the checkpoint.
+this repository. Each fixture is Megatron's ``gpt_builder`` model (Megatron-Core's GPTModel,
+or with ``--use-legacy-models`` the legacy one), built from Megatron's own argument parser,
+its weights moved off their initial values (so that biases and norms are not 0 and 1, which
+would hide a mapping mistake), saved with Megatron's ``save_checkpoint``, and Megatron's
+logits for a fixed batch, written as ``logits.safetensors`` beside the checkpoint.
 
 CPU stand-ins, in this script only: CUDA's RNG-state calls and ``synchronize`` become
-the CPU ones / no-ops, and pipeline stages hand activations to each other with plain
-``send``/``recv`` (Megatron's p2p code allocates its buffers on the CUDA device).
+the CPU ones / no-ops, pipeline stages hand activations to each other with plain
+``send``/``recv`` (Megatron's p2p code allocates its buffers on the CUDA device), the
+legacy model's LayerNorm gets torch's layer norm in place of apex's CUDA kernel, and
+Megatron-LM's main gets an inert triton module and ``typing.override`` (``triton_stand_in``).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -36,53 +41,106 @@ import tempfile
 import types
 import zlib
 
-# name -> (model flags, tensor size, pipeline size, extra flags). Tiny on purpose: the fixtures are committed.
-GPT2 = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4", "--ffn-hidden-size", "32",
-        "--max-position-embeddings", "16", "--position-embedding-type", "learned_absolute"]
-LLAMA = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4", "--ffn-hidden-size", "24",
+# Megatron-LM's refs the fixtures come from: core_v0.17.0 (common.pt beside the .distcp files) and the newest
+# snapshot of main, whose megatron/core/package_info.py says 0.20.0 (the common state inside the .distcp files,
+# as from core 0.19).
+CORE_017 = "core_v0.17.0"
+CORE_020 = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+
+
+NEEDS_TRITON_STAND_IN = (CORE_020,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fixture:
+    model: tuple  # the model's flags
+    tp: int
+    pp: int
+    extra: tuple  # format, precision, model implementation
+    ref: str = CORE_017
+
+
+# Tiny on purpose: the fixtures are committed. Each rank file carries Megatron's whole args (~30 KB of the
+# pickle), so the fixtures keep few rank files, not just small tensors.
+GPT2 = ("--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--ffn-hidden-size", "32",
+        "--max-position-embeddings", "8", "--position-embedding-type", "learned_absolute")
+LLAMA = ("--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4", "--ffn-hidden-size", "24",
          "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
          "--norm-epsilon", "1e-6", "--position-embedding-type", "rope", "--rotary-base", "10000",
-         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--max-position-embeddings", "16"]
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--max-position-embeddings", "8")
+TORCH, TORCH_DIST = ("--ckpt-format", "torch"), ("--ckpt-format", "torch_dist")
+LEGACY_MODEL = ("--use-legacy-models",)  # the nested language_model.encoder... layout
+# Every layout the tests need once: tp1pp1 and tp2pp2 of both model implementations (the tp2pp2 GPT-2 one has
+# the last stage's copy of the tied embeddings), both families, bf16, torch_dist of core 0.17 and of main.
 FIXTURES = {
-    "gpt2_tp1pp1_torch": (GPT2, 1, 1, ["--ckpt-format", "torch"]),
-    "gpt2_tp2pp2_torch": (GPT2, 2, 2, ["--ckpt-format", "torch"]),
-    "llama_tp1pp1_torch": (LLAMA, 1, 1, ["--ckpt-format", "torch"]),
-    "llama_tp2pp2_torch": (LLAMA, 2, 2, ["--ckpt-format", "torch"]),
-    "llama_tp2pp2_torch_bf16": (LLAMA, 2, 2, ["--ckpt-format", "torch", "--bf16"]),
-    "gpt2_tp2pp1_torch_dist": (GPT2, 2, 1, ["--ckpt-format", "torch_dist"]),
-    "llama_tp2pp1_torch_dist": (LLAMA, 2, 1, ["--ckpt-format", "torch_dist"]),
+    "gpt2_tp2pp2_torch": Fixture(GPT2, 2, 2, TORCH),
+    "llama_tp1pp1_torch_bf16": Fixture(LLAMA, 1, 1, (*TORCH, "--bf16")),
+    "gpt2_tp1pp1_legacy_model": Fixture(GPT2, 1, 1, (*TORCH, *LEGACY_MODEL)),
+    "llama_tp2pp2_legacy_model": Fixture(LLAMA, 2, 2, (*TORCH, *LEGACY_MODEL)),
+    "gpt2_tp2pp1_torch_dist": Fixture(GPT2, 2, 1, TORCH_DIST),
+    "llama_tp2pp1_torch_dist_core020": Fixture(LLAMA, 2, 1, TORCH_DIST, ref=CORE_020),
 }
-# No --use-legacy-models fixture: in core 0.17 the legacy model reads args its parser no longer defines
-# (model_type, apply_layernorm_1p) and its LayerNorm needs apex's CUDA extension (fused_layer_norm_cuda).
-COMMON = ["--seq-length", "8", "--micro-batch-size", "2", "--global-batch-size", "2", "--tokenizer-type",
-          "NullTokenizer", "--vocab-size", "50", "--make-vocab-size-divisible-by", "8", "--transformer-impl", "local",
+# NullTokenizer's vocabulary is --vocab-size + 1 (EOD): 28 tokens, padded to 32 at tensor sizes 1, 2 and 4 alike,
+# so an export at another tensor size pads as Megatron-LM does, and 4 padding rows are still there to get right.
+COMMON = ("--seq-length", "8", "--micro-batch-size", "2", "--global-batch-size", "2", "--tokenizer-type",
+          "NullTokenizer", "--vocab-size", "27", "--make-vocab-size-divisible-by", "8", "--transformer-impl", "local",
           "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
           "--no-rope-fusion", "--no-persist-layer-norm", "--attention-dropout", "0", "--hidden-dropout", "0",
           "--use-cpu-initialization", "--no-save-optim", "--no-save-rng", "--train-iters", "10", "--save-interval",
-          "10", "--lr", "1e-4", "--seed", "1234", "--attention-backend", "unfused"]
-# --check-exports: (fixture, tensor size, pipeline size of the export). Megatron recomputes the padded
-# vocabulary from its tokenizer (50 tokens + EOD here), so each export's layout pads it as the source did.
-EXPORT_CHECKS = (("gpt2_tp1pp1_torch", 2, 2), ("llama_tp1pp1_torch", 2, 2), ("gpt2_tp2pp2_torch", 2, 1),
-                 ("llama_tp2pp2_torch", 2, 1))
-EXPORT_ATOL = 1e-5
-# The fixed batch whose logits are saved: [batch, sequence].
-TOKENS = [[3, 17, 42, 8, 0, 25, 11, 49], [5, 5, 30, 1, 44, 19, 2, 7]]
+          "10", "--lr", "1e-4", "--seed", "1234", "--attention-backend", "unfused")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportCheck:
+    fixture: str
+    ckpt_format: str  # what our export writes: torch or torch_dist
+    tp: int
+    pp: int
+    ref: str = CORE_017  # the Megatron-LM that loads it
+    extra: tuple = ()  # more flags of tools/checkpoint_convert.py
+
+
+# --check-exports: each fixture imported, exported by tools/checkpoint_convert.py, loaded by Megatron-LM.
+EXPORT_CHECKS = (
+    ExportCheck("gpt2_tp2pp2_torch", "torch", 1, 1), ExportCheck("llama_tp2pp2_legacy_model", "torch", 2, 1),
+    ExportCheck("gpt2_tp1pp1_legacy_model", "torch", 2, 2),
+    ExportCheck("gpt2_tp2pp2_torch", "torch_dist", 2, 2), ExportCheck("llama_tp2pp2_legacy_model", "torch_dist", 1, 2),
+    ExportCheck("llama_tp1pp1_torch_bf16", "torch_dist", 2, 2),
+    ExportCheck("gpt2_tp2pp2_torch", "torch_dist", 2, 1, ref=CORE_020),
+    ExportCheck("llama_tp2pp2_legacy_model", "torch_dist", 2, 2, ref=CORE_020,
+                extra=("--megatron-common-state", "distcp")),
+)
+EXPORT_ATOL = {"fp32": 1e-5, "bf16": 2e-2}  # bf16: Megatron's forward in bf16 at another layout
+# The fixed batch whose logits are saved: [batch, sequence], tokens below the 28 of the vocabulary.
+TOKENS = [[3, 17, 22, 8, 0, 25, 11, 27], [5, 5, 20, 1, 14, 19, 2, 7]]
 ITERATION = 10
+# What Megatron-LM imports on this path beyond torch, numpy and safetensors (CPU-only packages).
+MEGATRON_DEPS = ("einops", "pyyaml", "psutil")
 
 
 # ---------------------------------------------------------------------------------------------
 # The driver: a snapshot of Megatron-LM in a throwaway directory, one interpreter per fixture
 
 
-def snapshot(git_dir: str, ref: str, workdir: str) -> str:
-    source = os.path.join(workdir, "megatron-lm")
-    os.makedirs(source, exist_ok=True)
-    archive = subprocess.run(["git", "--git-dir", git_dir, "archive", ref, "megatron", "gpt_builders.py",
-                              "model_provider.py"], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "x", "-C", source], input=archive, check=True)
-    deps = os.path.join(workdir, "deps")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", deps, "einops"], check=True)
-    return os.pathsep.join([source, deps])
+class Snapshots:
+    """One ``git archive`` of each Megatron-LM ref asked for, with its pure-Python dependencies beside it."""
+
+    def __init__(self, git_dir: str, workdir: str):
+        self.git_dir, self.workdir, self.paths = git_dir, workdir, {}
+
+    def pythonpath(self, ref: str) -> str:
+        if ref not in self.paths:
+            source = os.path.join(self.workdir, f"megatron-lm-{ref[:12]}")
+            os.makedirs(source)
+            archive = subprocess.run(["git", "--git-dir", self.git_dir, "archive", ref, "megatron",
+                                      "gpt_builders.py", "model_provider.py"], check=True, capture_output=True).stdout
+            subprocess.run(["tar", "x", "-C", source], input=archive, check=True)
+            deps = os.path.join(self.workdir, "deps")
+            if not os.path.isdir(deps):
+                subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", deps, *MEGATRON_DEPS],
+                               check=True)
+            self.paths[ref] = os.pathsep.join([source, deps])
+        return self.paths[ref]
 
 
 def run_worker(pythonpath: str, job: dict, cwd: str) -> None:
@@ -96,8 +154,7 @@ def run_worker(pythonpath: str, job: dict, cwd: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--megatron-git-dir")
-    parser.add_argument("--megatron-ref", default="core_v0.17.0")
+    parser.add_argument("--megatron-git-dir", help="a git directory of NVIDIA/Megatron-LM")
     parser.add_argument("--output-dir", default=os.path.join("tests", "fixtures", "megatron"))
     parser.add_argument("--only", nargs="*", help="fixture names to build or check (default: all)")
     parser.add_argument("--check-exports", action="store_true",
@@ -107,18 +164,21 @@ def main() -> None:
     if args.worker:
         worker(json.loads(args.worker))
         return
+    if not args.megatron_git_dir:
+        parser.error("--megatron-git-dir is required: a git directory of NVIDIA/Megatron-LM")
     workdir = tempfile.mkdtemp(prefix="megatron-fixtures-")
     try:
-        pythonpath = snapshot(args.megatron_git_dir, args.megatron_ref, workdir)
+        snapshots = Snapshots(args.megatron_git_dir, workdir)
         if args.check_exports:
-            check_exports(pythonpath, workdir, args.output_dir, args.megatron_ref, args.only)
+            check_exports(snapshots, workdir, args.output_dir, args.only)
             return
         os.makedirs(args.output_dir, exist_ok=True)
         failed = []
         for name in args.only or FIXTURES:
             shutil.rmtree(os.path.join(args.output_dir, name), ignore_errors=True)
             try:
-                run_worker(pythonpath, {"name": name, "save": name, "workdir": workdir, "ref": args.megatron_ref},
+                ref = FIXTURES[name].ref
+                run_worker(snapshots.pythonpath(ref), {"name": name, "save": name, "workdir": workdir, "ref": ref},
                            cwd=args.output_dir)
             except subprocess.CalledProcessError:
                 failed.append(name)
@@ -128,28 +188,34 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def check_exports(pythonpath: str, workdir: str, fixtures_dir: str, ref: str, only=None) -> None:
+def check_exports(snapshots: Snapshots, workdir: str, fixtures_dir: str, only=None) -> None:
     """Each EXPORT_CHECKS fixture through our import and export (this interpreter's megatron_lite), then
     loaded by Megatron-LM at the export's layout; fails unless Megatron's logits are the fixture's."""
     convert = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_convert.py")]
     results = []
-    for name, tp, pp in [check for check in EXPORT_CHECKS if not only or check[0] in only]:
-        ours, exported = os.path.join(workdir, f"ours-{name}"), os.path.join(workdir, f"export-{name}-tp{tp}pp{pp}")
-        subprocess.run([*convert, "--source-format", "megatron", "--load-dir", os.path.join(fixtures_dir, name),
-                        "--save-dir", ours], check=True)
-        subprocess.run([*convert, "--target-format", "megatron", "--megatron-ckpt-format", "torch", "--load-dir",
-                        ours, "--save-dir", exported, "--target-tensor-parallel-size", str(tp),
-                        "--target-pipeline-parallel-size", str(pp)], check=True)
-        result = os.path.join(workdir, f"result-{name}.json")
-        run_worker(pythonpath, {"name": name, "load": exported, "tp": tp, "pp": pp, "workdir": workdir, "ref": ref,
-                                "reference": os.path.abspath(os.path.join(fixtures_dir, name, "logits.safetensors")),
-                                "result": result}, cwd=workdir)
+    for number, check in enumerate(c for c in EXPORT_CHECKS if not only or c.fixture in only):
+        ours, exported = os.path.join(workdir, f"ours-{number}"), os.path.join(workdir, f"export-{number}")
+        subprocess.run([*convert, "--source-format", "megatron", "--load-dir",
+                        os.path.join(fixtures_dir, check.fixture), "--save-dir", ours], check=True)
+        subprocess.run([*convert, "--target-format", "megatron", "--megatron-ckpt-format", check.ckpt_format,
+                        "--load-dir", ours, "--save-dir", exported, "--target-tensor-parallel-size", str(check.tp),
+                        "--target-pipeline-parallel-size", str(check.pp), *check.extra], check=True)
+        result = os.path.join(workdir, f"result-{number}.json")
+        run_worker(snapshots.pythonpath(check.ref), {
+            "name": check.fixture, "load": exported, "ckpt_format": check.ckpt_format, "tp": check.tp,
+            "pp": check.pp, "workdir": workdir, "result": result, "ref": check.ref,
+            "reference": os.path.abspath(os.path.join(fixtures_dir, check.fixture, "logits.safetensors"))},
+            cwd=workdir)
         with open(result) as f:
-            results.append(json.load(f))
-    for r in results:
-        print(f"{r['fixture']} exported at tp{r['tp']}pp{r['pp']}, loaded by Megatron-LM {ref}: "
-              f"max |logits - fixture's| = {r['max_abs_diff']:.3g}")
-    bad = [r["fixture"] for r in results if not r["max_abs_diff"] <= EXPORT_ATOL]
+            results.append((check, json.load(f)))
+    bad = []
+    for check, r in results:
+        precision = "bf16" if "--bf16" in FIXTURES[check.fixture].extra else "fp32"
+        print(f"{check.fixture} exported as {' '.join((check.ckpt_format, *check.extra))} at tp{check.tp}pp{check.pp}, "
+              f"loaded by Megatron-LM {check.ref[:12]}: max |logits - fixture's| = {r['max_abs_diff']:.3g} "
+              f"({precision})")
+        if not r["max_abs_diff"] <= EXPORT_ATOL[precision]:
+            bad.append(check.fixture)
     if bad:
         raise SystemExit(f"Megatron-LM's logits of our exports differ from the fixtures' by more than "
                          f"{EXPORT_ATOL}: {', '.join(bad)}")
@@ -161,8 +227,8 @@ def check_exports(pythonpath: str, workdir: str, fixtures_dir: str, ref: str, on
 
 def worker(job: dict) -> None:
     import torch.multiprocessing as mp
-    flags, tp, pp, extra = FIXTURES[job["name"]]
-    tp, pp = job.get("tp", tp), job.get("pp", pp)
+    fixture = FIXTURES[job["name"]]
+    tp, pp = job.get("tp", fixture.tp), job.get("pp", fixture.pp)
     init_file = os.path.join(job["workdir"], f"rendezvous-{job['name']}")
     if os.path.exists(init_file):
         os.remove(init_file)
@@ -188,13 +254,71 @@ def cpu_stand_ins() -> None:
                                                             else device, **k)
 
 
+def legacy_model_stand_ins() -> None:
+    """The legacy model's LayerNorm (``MixedFusedLayerNorm``) imports apex's CUDA extension
+    ``fused_layer_norm_cuda`` and computes with apex's ``fused_layer_norm_affine``: stand-ins that
+    compute torch's layer norm, which is what apex's kernel computes."""
+    import torch
+    sys.modules["fused_layer_norm_cuda"] = types.ModuleType("fused_layer_norm_cuda")
+    fused = types.ModuleType("apex.normalization.fused_layer_norm")
+    fused.fused_layer_norm_affine = lambda input, weight, bias, normalized_shape, eps=1e-5: \
+        torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
+    for name in ("apex", "apex.normalization"):
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules["apex.normalization.fused_layer_norm"] = fused
+
+
+def triton_stand_in() -> None:
+    """Megatron-LM's main imports triton unconditionally (its MoE paged-stash kernels, which the pipeline
+    schedules import), though no triton kernel runs on this path: inert modules whose decorators return the
+    function unchanged. torch asks once whether triton is installed and keeps the answer: asked first, it
+    keeps to its CPU paths."""
+    import importlib.machinery
+
+    import torch.utils._triton
+    torch.utils._triton.has_triton_package()
+
+    class Inert:
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return Inert()
+
+        def __call__(self, *args, **kwargs):
+            return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else Inert()
+
+    # Megatron-LM's main also asks for Python >= 3.12, of which this path uses only typing.override (an
+    # identity decorator); torch's CPU wheel at hand is for Python 3.11.
+    import typing
+    if not hasattr(typing, "override"):
+        typing.override = lambda function: function
+    for name in ("triton", "triton.language"):
+        module = types.ModuleType(name)
+        module.__getattr__ = Inert().__getattr__
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        module.__version__ = "3.0.0"  # what version checks parse
+        sys.modules[name] = module
+
+
+def legacy_model_args(args) -> None:
+    """Args the legacy model reads that core 0.17's parser no longer defines, at their old defaults."""
+    from megatron.core.enums import ModelType
+    for name, value in (("model_type", ModelType.encoder_or_decoder), ("apply_layernorm_1p", False),
+                        ("fp8_interval", 1), ("fp8_wgrad", True), ("onnx_safe", None)):
+        if not hasattr(args, name):
+            setattr(args, name, value)
+
+
 def megatron_args(job: dict, world_size: int):
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
-    flags, tp, pp, extra = FIXTURES[job["name"]]
-    if "load" in job:  # the architecture is the args our export wrote, but for what Megatron does not restore
+    fixture = FIXTURES[job["name"]]
+    flags, tp, pp, extra = fixture.model, fixture.tp, fixture.pp, fixture.extra
+    if "load" in job:  # the architecture is the args our export wrote, but for what Megatron does not restore;
+        # our exports are Megatron-Core models in the format asked for, in the fixture's precision
         flags, tp, pp = not_restored_by_checkpoint_args(flags), job["tp"], job["pp"]
-        extra = [*extra, "--load", job["load"], "--use-checkpoint-args", "--no-load-optim", "--no-load-rng"]
+        extra = ["--ckpt-format", job["ckpt_format"], *(["--bf16"] if "--bf16" in extra else []), "--load",
+                 job["load"], "--use-checkpoint-args", "--no-load-optim", "--no-load-rng"]
     else:
         extra = [*extra, "--save", job["save"]]
     argv = [*flags, *COMMON, *extra, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
@@ -206,11 +330,13 @@ def megatron_args(job: dict, world_size: int):
         from megatron.training.checkpointing import load_args_from_checkpoint
         load_args_from_checkpoint(args)  # as initialize_megatron does for --use-checkpoint-args
     validate_args(args, {})
+    if getattr(args, "use_legacy_models", False):  # the flag is gone from Megatron-LM's main
+        legacy_model_args(args)
     set_global_variables(args, build_tokenizer=True)
     return args
 
 
-def not_restored_by_checkpoint_args(flags: list) -> list:
+def not_restored_by_checkpoint_args(flags: tuple) -> list:
     """The model flags Megatron-LM's ``--use-checkpoint-args`` does not take from the saved args (its
     load_args_from_checkpoint leaves the norm epsilon at the default): given on the command line."""
     return [item for i, flag in enumerate(flags) if flag == "--norm-epsilon" for item in flags[i:i + 2]]
@@ -220,6 +346,10 @@ def rank_main(rank: int, world_size: int, init_file: str, job: dict) -> None:
     import torch
     import torch.distributed as dist
     cpu_stand_ins()
+    if "load" not in job and "--use-legacy-models" in FIXTURES[job["name"]].extra:
+        legacy_model_stand_ins()  # before gpt_builders imports megatron.legacy.model
+    if job["ref"] in NEEDS_TRITON_STAND_IN:
+        triton_stand_in()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     args = megatron_args(job, world_size)
@@ -258,7 +388,9 @@ def move_off_initial_values(model, args) -> None:
     tied = not args.untie_embeddings_and_output_weights
     with torch.no_grad():
         for name, param in model.named_parameters():
-            key = "embedding.word_embeddings.weight" if tied and name.endswith("output_layer.weight") else name
+            # the last stage's copy: output_layer.weight (Megatron-Core), word_embeddings.weight (legacy model)
+            copy = name.endswith("word_embeddings.weight") or name == "output_layer.weight"
+            key = "tied embeddings" if tied and copy else name
             if getattr(param, "tensor_model_parallel", False):
                 key += f"@tp{mpu.get_tensor_model_parallel_rank()}"
             if "layers." in name:  # the same layer on any stage: global layer numbers

@@ -1,4 +1,5 @@
-"""Print which node, tensor, pipeline and data-parallel rank every process gets.
+"""Print which node, tensor, pipeline, data and context-parallel rank every process gets (and, for a
+mixture of experts, its expert-model, expert-tensor and expert-data-parallel rank).
 
 The launch scripts call this for ``--dry-run``, so a layout is checked before a
 job waits in the queue: the training flags are parsed and validated exactly as
@@ -23,14 +24,20 @@ from megatron_lite.process_groups.parallel_state import RankLayout
 
 
 def rank_map(nnodes: int, nproc_per_node: int, tensor_model_parallel_size: int,
-             pipeline_model_parallel_size: int) -> list[dict]:
-    """One row per global rank: rank, node, local_rank, tp, pp, dp."""
-    layout = RankLayout(nnodes * nproc_per_node, tensor_model_parallel_size, pipeline_model_parallel_size)
+             pipeline_model_parallel_size: int, context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+             expert_tensor_parallel_size: int | None = None) -> list[dict]:
+    """One row per global rank: rank, node, local_rank, tp, pp, dp, cp, and its expert coordinates ep, etp, edp."""
+    layout = RankLayout(nnodes * nproc_per_node, tensor_model_parallel_size, pipeline_model_parallel_size,
+                        context_parallel_size=context_parallel_size,
+                        expert_model_parallel_size=expert_model_parallel_size,
+                        expert_tensor_parallel_size=expert_tensor_parallel_size)
     rows = []
     for rank in range(layout.world_size):
         coords = layout.coordinates(rank)
         rows.append({"rank": rank, "node": rank // nproc_per_node, "local_rank": rank % nproc_per_node,
-                     "tp": coords["tensor"], "pp": coords["pipeline"], "dp": coords["data"]})
+                     "tp": coords["tensor"], "pp": coords["pipeline"], "dp": coords["data"],
+                     "cp": coords["context"], "ep": coords["expert_model"], "etp": coords["expert_tensor"],
+                     "edp": coords["expert_data"]})
     return rows
 
 
@@ -45,17 +52,24 @@ def layout_warnings(nproc_per_node: int, tensor_model_parallel_size: int) -> lis
 
 def format_rank_map(rows: list[dict], config: Config, hostnames: list[str]) -> str:
     parallel = config.parallel
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    tp, pp, cp = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                  parallel.context_parallel_size)
     world = len(rows)
     nnodes = rows[-1]["node"] + 1
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
+    experts = config.model.num_experts is not None
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_size
+    expert_text = (f"; experts: expert-tensor {etp} x expert-model {ep} x expert-data {world // (pp * ep * etp)} "
+                   f"per pipeline stage" if experts else "")
+    columns = ("tp", "pp", "dp", "cp") + (("ep", "etp", "edp") if experts else ())
     lines = [f"rank map: {world} processes on {nnodes} node(s) = tensor-parallel {tp} x pipeline-parallel {pp} "
-             f"x data-parallel {dp}; {config.training.num_microbatches(dp)} micro-batch(es) per iteration",
-             f"{'rank':>6}  {'node':<16} {'local_rank':>10} {'tp':>4} {'pp':>4} {'dp':>4}"]
+             f"x data-parallel {dp} x context-parallel {cp}{expert_text}; {config.training.num_microbatches(dp)} "
+             f"micro-batch(es) per iteration",
+             f"{'rank':>6}  {'node':<16} {'local_rank':>10}" + "".join(f" {c:>4}" for c in columns)]
     for row in rows:
         host = hostnames[row["node"]] if row["node"] < len(hostnames) else f"node{row['node']}"
-        lines.append(f"{row['rank']:>6}  {host:<16} {row['local_rank']:>10} {row['tp']:>4} {row['pp']:>4} "
-                     f"{row['dp']:>4}")
+        lines.append(f"{row['rank']:>6}  {host:<16} {row['local_rank']:>10}" + "".join(f" {row[c]:>4}"
+                                                                                      for c in columns))
     return "\n".join(lines)
 
 
@@ -74,8 +88,10 @@ def print_rank_map(argv: list[str]) -> None:
         raise ConfigError(f"--nnodes ({args.nnodes}) and --nproc-per-node ({args.nproc_per_node}) must be >= 1.")
     config = parse_args(training)
     parallel = config.parallel
+    parallel.data_parallel_size(args.nnodes * args.nproc_per_node)  # the flags' own check, naming them
     rows = rank_map(args.nnodes, args.nproc_per_node, parallel.tensor_model_parallel_size,
-                    parallel.pipeline_model_parallel_size)
+                    parallel.pipeline_model_parallel_size, parallel.context_parallel_size,
+                    parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size)
     print(format_rank_map(rows, config, args.hostnames))
     for warning in layout_warnings(args.nproc_per_node, parallel.tensor_model_parallel_size):
         print(f"warning: {warning}")

@@ -42,12 +42,14 @@ ROLES = {
     "apply_layernorm_1p": Role.ARCHITECTURE,  # the same stored weights scale by w or by 1 + w
     "position_embedding_type": Role.ARCHITECTURE,
     "rotary_base": Role.ARCHITECTURE,  # with rope only, see _ONLY_WITH
+    "rotary_base_local": Role.ARCHITECTURE,
     "rotary_percent": Role.ARCHITECTURE,  # with rope only
     "swiglu": Role.ARCHITECTURE,
     "add_bias_linear": Role.ARCHITECTURE,
     "untie_embeddings_and_output_weights": Role.ARCHITECTURE,
     "add_qkv_bias": Role.ARCHITECTURE,
     "qk_layernorm": Role.ARCHITECTURE,
+    "qk_layernorm_whole_projection": Role.ARCHITECTURE,
     "window_size": Role.ARCHITECTURE,
     "window_attn_skip_freq": Role.ARCHITECTURE,
     "softmax_scale": Role.ARCHITECTURE,
@@ -59,6 +61,45 @@ ROLES = {
     "rotary_seq_len_interpolation_factor": Role.ARCHITECTURE,  # with rope only
     "use_rope_scaling": Role.ARCHITECTURE,  # with rope only
     "rope_scaling_factor": Role.ARCHITECTURE,  # with --use-rope-scaling only
+    # YaRN's, with YaRN only
+    "rotary_scaling_factor": Role.ARCHITECTURE,
+    "mscale": Role.ARCHITECTURE,
+    "mscale_all_dim": Role.ARCHITECTURE,
+    "yarn_original_max_position_embeddings": Role.ARCHITECTURE,
+    "yarn_beta_fast": Role.ARCHITECTURE,
+    "yarn_beta_slow": Role.ARCHITECTURE,
+    "yarn_correction_range_round_to_int": Role.ARCHITECTURE,
+    # multi-latent attention's, with it only (kv_channels sizes nothing there)
+    "multi_latent_attention": Role.ARCHITECTURE,
+    "q_lora_rank": Role.ARCHITECTURE,
+    "kv_lora_rank": Role.ARCHITECTURE,
+    "qk_head_dim": Role.ARCHITECTURE,
+    "qk_pos_emb_head_dim": Role.ARCHITECTURE,
+    "v_head_dim": Role.ARCHITECTURE,
+    "rope_type": Role.ARCHITECTURE,
+    "num_experts": Role.ARCHITECTURE,
+    "moe_ffn_hidden_size": Role.ARCHITECTURE,
+    "moe_layer_freq": Role.ARCHITECTURE,
+    "moe_router_topk": Role.ARCHITECTURE,
+    "moe_router_score_function": Role.ARCHITECTURE,
+    "moe_router_pre_softmax": Role.ARCHITECTURE,
+    "moe_router_topk_scaling_factor": Role.ARCHITECTURE,
+    "moe_router_num_groups": Role.ARCHITECTURE,
+    "moe_router_group_topk": Role.ARCHITECTURE,
+    "moe_router_group_score": Role.ARCHITECTURE,
+    "moe_router_enable_expert_bias": Role.ARCHITECTURE,  # the bias is stored with the weights and routes
+    "moe_shared_expert_intermediate_size": Role.ARCHITECTURE,
+    "moe_shared_expert_gate": Role.ARCHITECTURE,
+    # Dropping tokens past capacity changes the output in evaluation too, as in Megatron-LM.
+    "moe_expert_capacity_factor": Role.ARCHITECTURE,
+    "moe_pad_expert_input_to_capacity": Role.ARCHITECTURE,
+    "moe_token_drop_policy": Role.ARCHITECTURE,
+    # How the router is trained: its losses and the expert bias's step.
+    "moe_router_load_balancing_type": Role.TRAINING,
+    "moe_aux_loss_coeff": Role.TRAINING,
+    "moe_z_loss_coeff": Role.TRAINING,
+    "moe_router_bias_update_rate": Role.TRAINING,
+    "moe_grouped_gemm": Role.MACHINE,  # the same experts, multiplied in one grouped GEMM
     # Positions are bounded by max_position_embeddings; seq_length is only how long the samples are.
     "seq_length": Role.TRAINING,
     "hidden_dropout": Role.TRAINING,
@@ -70,14 +111,20 @@ ROLES = {
     "attention_backend": Role.MACHINE,  # SDPA or the unfused path: the same attention, rounded differently
 }
 
-# Architecture in some models only: the position table exists with learned positions,
-# the rotary base matters with rotary ones. (field, the setting it depends on, its value)
-_ONLY_WITH = {"max_position_embeddings": ("position_embedding_type", "learned_absolute"),
-              "rotary_base": ("position_embedding_type", "rope"),
-              "rotary_percent": ("position_embedding_type", "rope"),
-              "rotary_seq_len_interpolation_factor": ("position_embedding_type", "rope"),
-              "use_rope_scaling": ("position_embedding_type", "rope"),
-              "rope_scaling_factor": ("use_rope_scaling", True)}
+# Architecture in some models only: the position table exists with learned positions, the rotary base
+# matters with rotary ones, and so on. (field, whether it matters in a model)
+_ROTARY = lambda model: model.rotary  # noqa: E731
+_LATENT = lambda model: model.multi_latent_attention  # noqa: E731
+_YARN = lambda model: model.yarn  # noqa: E731
+_ONLY_WITH = {"max_position_embeddings": lambda model: model.position_embedding_type == "learned_absolute",
+              "rotary_base": _ROTARY, "rotary_percent": _ROTARY, "rotary_seq_len_interpolation_factor": _ROTARY,
+              "use_rope_scaling": _ROTARY, "rope_scaling_factor": lambda model: model.use_rope_scaling,
+              "kv_channels": lambda model: not model.multi_latent_attention,
+              **{name: _YARN for name in ("rotary_scaling_factor", "mscale", "mscale_all_dim",
+                                          "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                                          "yarn_beta_slow", "yarn_correction_range_round_to_int")},
+              **{name: _LATENT for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                                            "v_head_dim", "rope_type")}}
 
 
 def role(field: str) -> Role:
@@ -88,10 +135,7 @@ def defines_function(field: str, model: ModelConfig) -> bool:
     """Whether ``field`` changes what ``model``'s weights compute."""
     if role(field) is not Role.ARCHITECTURE:
         return False
-    if field not in _ONLY_WITH:
-        return True
-    setting, value = _ONLY_WITH[field]
-    return getattr(model, setting) == value
+    return field not in _ONLY_WITH or _ONLY_WITH[field](model)
 
 
 def _shown(field: str, value) -> str:

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints (GPT-2, Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2) <-> megatron_lite global
-tensors.
+"""Hugging Face checkpoints (GPT-2, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE, OLMoE, Phi-3, Gemma 2 and 3,
+DeepSeek-V2/V3) <-> megatron_lite global tensors.
 
 A Hugging Face model directory is ``config.json`` plus safetensors weights
 (``model.safetensors``, or shards listed in ``model.safetensors.index.json``).
@@ -16,9 +16,18 @@ What differs between the two naming schemes:
 - SwiGLU: ours is one fc1 = [gate; up]; Llama has gate_proj and up_proj.
 - Qwen2's q/k/v biases are packed as their weights are; Qwen3's q_norm/k_norm are our
   q_layernorm/k_layernorm. Which ``config.json`` fields each family has: ``hf_families``.
-- Gemma 2 names its four norms input_layernorm, post_attention_layernorm (after attention, not
-  before the MLP as Llama's), pre_feedforward_layernorm and post_feedforward_layernorm, and stores
-  their weights as scale - 1, as ours do with --apply-layernorm-1p: they are copied unchanged.
+- Gemma 2 and 3 name their four norms input_layernorm, post_attention_layernorm (after attention, not
+  before the MLP as Llama's), pre_feedforward_layernorm and post_feedforward_layernorm, and store
+  their weights (Gemma 3's q_norm/k_norm too) as scale - 1, as ours do with --apply-layernorm-1p:
+  they are copied unchanged.
+- Mixtral's experts (block_sparse_moe.experts.{e}.w1/w3/w2: gate, up, down) become our experts by the same
+  number, w1 and w3 fused into fc1 as SwiGLU's [gate; up]; its router (block_sparse_moe.gate) is ours.
+  Qwen3-MoE and OLMoE name them mlp.experts.{e}.gate_proj/up_proj/down_proj and the router mlp.gate;
+  Qwen3-MoE's dense layers (mlp_only_layers) are Llama's MLPs. OLMoE's q_norm/k_norm span the whole
+  projection (all heads), but are copied as Qwen3's are: only their width differs.
+- DeepSeek's multi-latent attention: ``hf_latent_attention`` (renames, and its interleaved rotary rows). Its
+  experts are named as Qwen3-MoE's, its shared experts mlp.shared_experts.gate_proj/up_proj/down_proj (our
+  shared_experts' fc1 and fc2), and V3's mlp.gate.e_score_correction_bias is our router's expert_bias.
 - Vocabulary: ours is padded (``ModelConfig.padded_vocab_size``): zero rows are added
   on import and cut on export.
 """
@@ -27,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import NamedTuple
 
 import safetensors
 import safetensors.torch
@@ -34,6 +44,7 @@ import torch
 
 from megatron_lite.checkpointing.hf_families import (FAMILIES, GEMMA_FEATURES, Family, config_json, family_of,
                                                     model_config_fields_from_hf, named_family)
+from megatron_lite.checkpointing.hf_latent_attention import latent_attention_from_hf, latent_attention_to_hf
 from megatron_lite.checkpointing.hf_tokenizer import export_tokenizer, import_tokenizer, write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.resharding import CheckpointReader
@@ -56,30 +67,40 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
 
 
 def hf_architecture(config: ModelConfig) -> str:
-    """'gpt2', 'llama' or 'gemma2': the Hugging Face weight naming our model matches exactly (Qwen and Mistral
-    name theirs as Llama does), else a ConfigError."""
+    """'gpt2', 'llama', 'gemma' or 'deepseek': the Hugging Face weight naming our model matches exactly (Qwen and
+    Mistral name theirs as Llama does, Gemma 3 as Gemma 2; the mixture-of-experts families as Llama but for
+    their experts), else a ConfigError."""
     gpt2 = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
                 add_bias_linear=True, num_query_groups=config.num_attention_heads,
                 head_dim=config.hidden_size // config.num_attention_heads, qk_layernorm=False, window_size=None,
-                **GEMMA_FEATURES)
-    llama = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
-                 rotary_percent=1.0, **GEMMA_FEATURES)
-    gemma2 = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, geglu=True,
-                  add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False, rotary_percent=1.0,
-                  apply_layernorm_1p=True, post_sublayer_norm=True, scale_embeddings=True)
-    for name, required in (("gpt2", gpt2), ("llama", llama), ("gemma2", gemma2)):
+                multi_latent_attention=False, **GEMMA_FEATURES)
+    llama = dict(normalization="RMSNorm", rotary=True, swiglu=True, add_bias_linear=False, rotary_percent=1.0,
+                 multi_latent_attention=False, **GEMMA_FEATURES)
+    gemma = dict(normalization="RMSNorm", rotary=True, swiglu=True, geglu=True, add_bias_linear=False,
+                 add_qkv_bias=False, rotary_percent=1.0, apply_layernorm_1p=True, post_sublayer_norm=True,
+                 scale_embeddings=True, multi_latent_attention=False)
+    deepseek = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, multi_latent_attention=True,
+                    qk_layernorm=True, window_size=None, **GEMMA_FEATURES)
+    for name, required in (("gpt2", gpt2), ("llama", llama), ("gemma", gemma), ("deepseek", deepseek)):
         if all(getattr(config, k) == v for k, v in required.items()):
             return name
     raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA, head width "
                       "hidden / heads) nor Llama-like (RMSNorm, rope on every channel, SwiGLU, no biases but "
-                      "--add-qkv-bias) nor Gemma 2 (Llama's with --apply-layernorm-1p, --post-sublayer-norm, "
-                      "--scale-embeddings and --geglu): Hugging Face has no matching architecture to export to.")
+                      "--add-qkv-bias) nor Gemma (Llama's with --apply-layernorm-1p, --post-sublayer-norm, "
+                      "--scale-embeddings and --geglu) nor DeepSeek (Llama's with --multi-latent-attention and "
+                      "--qk-layernorm): Hugging Face has no matching architecture to export to.")
+
+
+def _default_naming(config: ModelConfig) -> str:
+    """The weight naming of ``config``'s architecture; with experts, that of the family it exports as."""
+    naming = hf_architecture(config)
+    return family_of(config, naming).naming if config.num_experts is not None and naming == "llama" else naming
 
 
 def hf_family(config: ModelConfig, model_type: str | None = None) -> Family:
-    """The family to export as: ``model_type`` if given (and able to describe the model), else the one the
-    model's features call for."""
-    return family_of(config, hf_architecture(config)) if model_type is None else named_family(config, model_type)
+    """The family to export as: ``model_type`` if given, else the one the model's features call for; either
+    way one whose config.json describes the model exactly (read back, it computes the same)."""
+    return named_family(config, model_type or family_of(config, hf_architecture(config)).model_type)
 
 
 def hf_config_from_model_config(config: ModelConfig, model_type: str | None = None) -> dict:
@@ -130,10 +151,26 @@ _GPT2_LAYER = (("attn.c_proj.weight", "self_attention.linear_proj.weight", True)
 _GPT2_FINAL = (("wpe.weight", "embedding.position_embeddings.weight", False),
                ("ln_f.weight", "final_layernorm.weight", False), ("ln_f.bias", "final_layernorm.bias", False))
 _LLAMA_PROJECTIONS = (("self_attn.o_proj.weight", "self_attention.linear_proj.weight", False),
-                      ("mlp.down_proj.weight", "mlp.linear_fc2.weight", False),
                       ("input_layernorm.weight", "input_layernorm.weight", False))
+_LLAMA_MLP = (("mlp.down_proj.weight", "mlp.linear_fc2.weight", False),)
+# A mixture-of-experts layer's router and each expert's (gate, up, down) projections, by weight naming;
+# "{e}" is the expert's number. Ours: mlp.router.weight, mlp.experts.local_experts.{e}.linear_fc1 = [gate; up].
+class ExpertNames(NamedTuple):
+    router: str
+    expert: str  # "{e}": the expert's number
+    projections: tuple  # (gate, up, down)
+    shared: str | None = None  # the shared experts' MLP (gate_proj, up_proj, down_proj), as one of ours
+    expert_bias: str | None = None  # the router's bias on the scores that choose (our expert_bias)
+
+
+_QWEN_PROJECTIONS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+_EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.",
+                                        ("w1.weight", "w3.weight", "w2.weight")),
+                 "qwen_moe": ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", _QWEN_PROJECTIONS),  # Qwen3-MoE, OLMoE
+                 "deepseek": ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", _QWEN_PROJECTIONS,
+                                         shared="mlp.shared_experts.", expert_bias="mlp.gate.e_score_correction_bias")}
 _LLAMA_LAYER = _LLAMA_PROJECTIONS + (("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", False),)
-_GEMMA2_LAYER = _LLAMA_PROJECTIONS + (
+_GEMMA_LAYER = _LLAMA_PROJECTIONS + (
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight", False),
     ("pre_feedforward_layernorm.weight", "pre_mlp_layernorm.weight", False),
     ("post_feedforward_layernorm.weight", "post_mlp_layernorm.weight", False))
@@ -144,7 +181,8 @@ _QK_NORMS = (("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", Fa
 
 
 def _llama_layer_table(config: ModelConfig) -> tuple:
-    return (_GEMMA2_LAYER if config.post_sublayer_norm else _LLAMA_LAYER) + (_QK_NORMS if config.qk_layernorm else ())
+    qk_norms = _QK_NORMS if config.qk_layernorm and not config.multi_latent_attention else ()  # MLA's: its own
+    return (_GEMMA_LAYER if config.post_sublayer_norm else _LLAMA_LAYER) + qk_norms
 
 
 def _renamed_from_hf(take, table, theirs_prefix: str, ours_prefix: str) -> dict:
@@ -157,15 +195,23 @@ def _renamed_to_hf(read, table, theirs_prefix: str, ours_prefix: str) -> dict:
             for theirs, mine, transposed in table}
 
 
-def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = None) -> dict:
+def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = None, *,
+                    interleaved_rope: bool = True) -> dict:
     """HF state dict -> our global tensors by name (vocabulary padded for tensor-parallel size 1). ``naming``:
-    the family's (``hf_families``), by default GPT-2's or Llama's as the model's features say."""
-    naming = naming or hf_architecture(config)
+    the family's (``hf_families``), by default the one the model's features say; ``interleaved_rope``: whether
+    DeepSeek's rotary rows are interleaved (``hf_latent_attention``)."""
+    naming = naming or _default_naming(config)
     # Checkpoints saved from the bare GPT2Model / LlamaModel lack the prefix.
     prefix = "transformer." if naming == "gpt2" else "model."
     tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
     ours = {}
-    take = tensors.pop
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ConfigError(f"the Hugging Face weights have no {name!r}, which its config.json implies: the "
+                              f"files are incomplete, or of another model.")
+        return tensors.pop(name)
+
     if naming == "gpt2":
         ours["embedding.word_embeddings.weight"] = _vocab_padded(take("wte.weight"), config)
         for i in range(config.num_layers):
@@ -185,12 +231,15 @@ def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = Non
                 ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
                     *_split_qkv(take(hf + "self_attn.qkv_proj.weight"), config), config)
                 ours[layer + "mlp.linear_fc1.weight"] = take(hf + "mlp.gate_up_proj.weight")
+                ours.update(_renamed_from_hf(take, _LLAMA_MLP, hf, layer))
             else:
-                ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
-                    take(hf + "self_attn.q_proj.weight"), take(hf + "self_attn.k_proj.weight"),
-                    take(hf + "self_attn.v_proj.weight"), config)
-                ours[layer + "mlp.linear_fc1.weight"] = torch.cat([take(hf + "mlp.gate_proj.weight"),
-                                                                   take(hf + "mlp.up_proj.weight")])
+                if naming == "deepseek":
+                    ours.update(latent_attention_from_hf(take, hf, layer, config, interleaved=interleaved_rope))
+                else:
+                    ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
+                        take(hf + "self_attn.q_proj.weight"), take(hf + "self_attn.k_proj.weight"),
+                        take(hf + "self_attn.v_proj.weight"), config)
+                ours.update(_mlp_from_hf(take, hf, layer, config, naming, i))
             if config.add_qkv_bias:  # Qwen2's q/k/v biases
                 ours[layer + "self_attention.linear_qkv.bias"] = pack_qkv(
                     take(hf + "self_attn.q_proj.bias"), take(hf + "self_attn.k_proj.bias"),
@@ -210,9 +259,9 @@ def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = Non
 
 def weights_to_hf(read, config: ModelConfig, naming: str | None = None) -> dict:
     """Our global tensors (``read(name)``) -> HF state dict (vocabulary padding cut), named as ``weights_from_hf``."""
-    naming = naming or hf_architecture(config)
+    naming = naming or _default_naming(config)
     vocab = config.vocab_size
-    if config.apply_layernorm_1p and naming != "gemma2":  # Gemma 2 stores scale - 1 as ours does
+    if config.apply_layernorm_1p and naming != "gemma":  # Gemma stores scale - 1 as ours does
         read = _with_unit_norm_scale(read)
     hf = {}
     if naming == "gpt2":
@@ -229,17 +278,19 @@ def weights_to_hf(read, config: ModelConfig, naming: str | None = None) -> dict:
         hf["model.embed_tokens.weight"] = read("embedding.word_embeddings.weight")[:vocab]
         for i in range(config.num_layers):
             theirs, layer = f"model.layers.{i}.", f"decoder.layers.{i}."
-            query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
             if naming == "phi3":
+                query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
                 hf[theirs + "self_attn.qkv_proj.weight"] = torch.cat([query, key, value])
                 hf[theirs + "mlp.gate_up_proj.weight"] = read(layer + "mlp.linear_fc1.weight")
+                hf.update(_renamed_to_hf(read, _LLAMA_MLP, theirs, layer))
             else:
-                hf[theirs + "self_attn.q_proj.weight"] = query
-                hf[theirs + "self_attn.k_proj.weight"] = key
-                hf[theirs + "self_attn.v_proj.weight"] = value
-                gate, up = read(layer + "mlp.linear_fc1.weight").chunk(2)
-                hf[theirs + "mlp.gate_proj.weight"] = gate
-                hf[theirs + "mlp.up_proj.weight"] = up
+                if naming == "deepseek":
+                    hf.update(latent_attention_to_hf(read, theirs, layer, config))
+                else:
+                    query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
+                    hf.update({theirs + f"self_attn.{name}_proj.weight": weight
+                               for name, weight in zip("qkv", (query, key, value))})
+                hf.update(_mlp_to_hf(read, theirs, layer, config, naming, i))
             if config.add_qkv_bias:
                 biases = unpack_qkv(read(layer + "self_attention.linear_qkv.bias"), config)
                 hf.update({theirs + f"self_attn.{name}_proj.bias": bias for name, bias in zip("qkv", biases)})
@@ -248,6 +299,60 @@ def weights_to_hf(read, config: ModelConfig, naming: str | None = None) -> dict:
     if config.untie_embeddings_and_output_weights:
         hf["lm_head.weight"] = read("output_layer.weight")[:vocab]
     return {name: t.contiguous() for name, t in hf.items()}
+
+
+def _mlp_from_hf(take, theirs: str, layer: str, config: ModelConfig, naming: str, number: int) -> dict:
+    """A Llama-named layer's MLP: gate_proj and up_proj into our fused fc1, or a mixture of experts', every
+    expert of it (an expert the files lack is an error; one they have beyond --num-experts is left over)."""
+    if not config.is_moe_layer(number):
+        return {layer + "mlp.linear_fc1.weight": torch.cat([take(theirs + "mlp.gate_proj.weight"),
+                                                            take(theirs + "mlp.up_proj.weight")]),
+                **_renamed_from_hf(take, _LLAMA_MLP, theirs, layer)}
+    names = _expert_names(naming, config)
+    gate, up, down = names.projections
+    ours = {layer + "mlp.router.weight": take(theirs + names.router)}
+    for e in range(config.num_experts):
+        prefix, mine = theirs + names.expert.format(e=e), f"{layer}mlp.experts.local_experts.{e}."
+        ours[mine + "linear_fc1.weight"] = torch.cat([take(prefix + gate), take(prefix + up)])
+        ours[mine + "linear_fc2.weight"] = take(prefix + down)
+    if config.moe_shared_expert_intermediate_size is not None:
+        prefix, mine = theirs + names.shared, f"{layer}mlp.shared_experts."
+        ours[mine + "linear_fc1.weight"] = torch.cat([take(prefix + gate), take(prefix + up)])
+        ours[mine + "linear_fc2.weight"] = take(prefix + down)
+    if config.moe_router_enable_expert_bias:
+        ours[layer + "mlp.router.expert_bias"] = take(theirs + names.expert_bias).float()
+    return ours
+
+
+def _mlp_to_hf(read, theirs: str, layer: str, config: ModelConfig, naming: str, number: int) -> dict:
+    """Inverse of ``_mlp_from_hf``."""
+    if not config.is_moe_layer(number):
+        gate, up = read(layer + "mlp.linear_fc1.weight").chunk(2)
+        return {theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
+                **_renamed_to_hf(read, _LLAMA_MLP, theirs, layer)}
+    names = _expert_names(naming, config)
+    gate_name, up_name, down_name = names.projections
+    hf = {theirs + names.router: read(layer + "mlp.router.weight")}
+    mlps = [(theirs + names.expert.format(e=e), f"{layer}mlp.experts.local_experts.{e}.")
+            for e in range(config.num_experts)]
+    if config.moe_shared_expert_intermediate_size is not None:
+        mlps.append((theirs + names.shared, f"{layer}mlp.shared_experts."))
+    for prefix, mine in mlps:
+        gate, up = read(mine + "linear_fc1.weight").chunk(2)
+        hf.update({prefix + gate_name: gate, prefix + up_name: up,
+                   prefix + down_name: read(mine + "linear_fc2.weight")})
+    if config.moe_router_enable_expert_bias:
+        hf[theirs + names.expert_bias] = read(layer + "mlp.router.expert_bias")
+    return hf
+
+
+def _expert_names(naming: str, config: ModelConfig) -> ExpertNames:
+    """How ``naming`` names a mixture-of-experts layer's weights, if it names all of ``config``'s."""
+    names = _EXPERT_NAMES[naming]
+    if (config.moe_shared_expert_intermediate_size is not None and names.shared is None) or (
+            config.moe_router_enable_expert_bias and names.expert_bias is None):
+        raise ConfigError(f"the {naming} naming has no shared expert or expert bias, which this model has.")
+    return names
 
 
 def _split_qkv(rows: torch.Tensor, config: ModelConfig) -> tuple:
@@ -324,7 +429,8 @@ def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_
     (``HF_SOURCE_FILE``: the base that a PEFT export of adapters trained on this checkpoint names)."""
     hf_config, tensors = read_hf_directory(load_dir)
     model_config = model_config_from_hf(hf_config)
-    weights = weights_from_hf(tensors, model_config, FAMILIES[hf_config["model_type"]].naming)
+    weights = weights_from_hf(tensors, model_config, FAMILIES[hf_config["model_type"]].naming,
+                              interleaved_rope=hf_config.get("rope_interleave", True))
     config = Config(model=model_config, parallel=ParallelConfig(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size))

@@ -9,7 +9,10 @@ module with one A; our fused layers are several Hugging Face modules at once:
     linear_fc1  GPT-2: mlp.c_fc                           Llama: mlp.gate_proj, mlp.up_proj (SwiGLU)
 
 Export: each of those modules gets a copy of our shared A and its rows of our B
-(``hf_interop``'s q/k/v and gate/up split), so PEFT computes exactly our update.
+(``hf_interop``'s q/k/v and gate/up split), so PEFT computes exactly our update. The experts of a
+mixture-of-experts layer (Mixtral, Qwen3-MoE, OLMoE under transformers 5) are 3-D parameters, which PEFT
+adapts as ``target_parameters``, each expert with its own factors (``_EXPERT_PARAMETERS``); the dense MLPs of
+such a model have no PEFT form (``_check_dense_mlps_of_experts``), and no expert adapter is imported.
 Import: PEFT trains a separate A for q, k and v (and may adapt only some of them,
 scale modules differently or use rsLoRA), which one shared A of the same rank cannot
 hold. The modules' updates are stacked instead, A = [A_q; A_k; A_v] and B
@@ -17,6 +20,11 @@ block-diagonal in our row layout, each block already scaled: exact, at rank
 r x (modules per fused layer), padded with zeros to the largest such rank, and
 alpha = that rank (scale 1). Adapters that share A, rank and scale (ours, exported)
 come back unchanged.
+
+DeepSeek's multi-latent attention projections are one Hugging Face module each (q_a_proj,
+q_b_proj, kv_a_proj_with_mqa, ...; ``hf_latent_attention``); B's rows of the projections that
+produce rotated channels are reordered as the weights' are (files interleave the rotary rows, on
+import taken to be as DeepSeek's released weights have them).
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import safetensors.torch
 import torch
 
 from megatron_lite.checkpointing.hf_interop import hf_architecture, hf_family, imported_from, pack_qkv, unpack_qkv
+from megatron_lite.checkpointing.hf_latent_attention import latent_rotary_rows, query_rotary_rows
 from megatron_lite.checkpointing.hf_tokenizer import write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.peft_base import adapter_reader, pointer_to
@@ -51,11 +60,36 @@ _MODULES = {
     "phi3": {"linear_qkv": [("self_attn.qkv_proj", ("q", "k", "v"))], "linear_proj": [("self_attn.o_proj", None)],
              "linear_fc1": [("mlp.gate_up_proj", ("gate", "up"))], "linear_fc2": [("mlp.down_proj", None)]},
 }
-_MODULES["gemma2"] = _MODULES["llama"]
+_MODULES["gemma"] = _MODULES["mixtral"] = _MODULES["qwen_moe"] = _MODULES["llama"]
+_MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)],
+                        "linear_q_down_proj": [("self_attn.q_a_proj", None)],
+                        "linear_q_up_proj": [("self_attn.q_b_proj", None)],
+                        "linear_kv_down_proj": [("self_attn.kv_a_proj_with_mqa", None)],
+                        "linear_kv_up_proj": [("self_attn.kv_b_proj", None)],
+                        **{target: _MODULES["llama"][target] for target in ("linear_proj", "linear_fc1", "linear_fc2")}}
 _OUR_MODULE = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
-               "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
+               "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2",
+               **{target: f"self_attention.{target}" for target in ("linear_q_proj", "linear_q_down_proj",
+                                                                   "linear_q_up_proj", "linear_kv_down_proj",
+                                                                   "linear_kv_up_proj")}}
 _LAYERS = {"gpt2": "base_model.model.transformer.h.", "llama": "base_model.model.model.layers.",
-           "phi3": "base_model.model.model.layers.", "gemma2": "base_model.model.model.layers."}
+           "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers.",
+           "mixtral": "base_model.model.model.layers.", "qwen_moe": "base_model.model.model.layers.",
+           "deepseek": "base_model.model.model.layers."}
+# A mixture-of-experts layer's experts in transformers 5 (Mixtral, Qwen3-MoE, OLMoE): one 3-D parameter per
+# projection, [experts, out, in], which PEFT adapts as ``target_parameters`` (its ParamWrapper), every expert
+# with its own rank-r factors: A [E r, in] (expert e's rows e r .. e r + r - 1) and B [out, r E] (expert e's
+# columns e, E + e, ...). Both targeted, PEFT wraps gate_up_proj first, so its factors sit under base_layer.
+_EXPERT_PARAMETERS = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
+# DeepSeek's rotary rows are interleaved in its files, rotate-half in ours (hf_latent_attention): B's rows follow.
+_ROTARY_ROWS = {"linear_q_proj": query_rotary_rows, "linear_q_up_proj": query_rotary_rows,
+                "linear_kv_down_proj": latent_rotary_rows}
+
+
+def _hf_rows(target: str, lora_b: torch.Tensor, config: ModelConfig, *, to_hf: bool) -> torch.Tensor:
+    """B's rows in the other naming's order (only DeepSeek's rotary rows move)."""
+    reorder = _ROTARY_ROWS.get(target)
+    return lora_b if reorder is None else reorder(lora_b, config, to_interleaved=to_hf)
 
 
 def _row_blocks(target: str, rows: torch.Tensor, config: ModelConfig) -> dict:
@@ -83,14 +117,23 @@ def _block_rows(target: str, config: ModelConfig) -> dict:
 
 
 def _inputs(target: str, config: ModelConfig) -> int:
-    return {"linear_qkv": config.hidden_size, "linear_fc1": config.hidden_size,
-            "linear_proj": config.num_attention_heads * config.head_dim, "linear_fc2": config.ffn_hidden_size}[target]
+    heads = config.num_attention_heads
+    value_width = config.v_head_dim if config.multi_latent_attention else config.head_dim
+    return {"linear_qkv": config.hidden_size, "linear_fc1": config.hidden_size, "linear_proj": heads * value_width,
+            "linear_fc2": config.ffn_hidden_size, "linear_q_proj": config.hidden_size,
+            "linear_q_down_proj": config.hidden_size, "linear_q_up_proj": config.q_lora_rank,
+            "linear_kv_down_proj": config.hidden_size, "linear_kv_up_proj": config.kv_lora_rank}[target]
 
 
 def _full_rows(target: str, config: ModelConfig) -> int:
-    return {"linear_qkv": (config.num_attention_heads + 2 * config.num_query_groups) * config.head_dim,
+    heads, rotary = config.num_attention_heads, config.qk_pos_emb_head_dim
+    return {"linear_qkv": (heads + 2 * config.num_query_groups) * config.head_dim,
             "linear_proj": config.hidden_size, "linear_fc2": config.hidden_size,
-            "linear_fc1": config.ffn_hidden_size * (2 if config.swiglu else 1)}[target]
+            "linear_fc1": config.ffn_hidden_size * (2 if config.swiglu else 1),
+            "linear_q_proj": heads * (config.qk_head_dim + rotary), "linear_q_down_proj": config.q_lora_rank,
+            "linear_q_up_proj": heads * (config.qk_head_dim + rotary),
+            "linear_kv_down_proj": config.kv_lora_rank + rotary,
+            "linear_kv_up_proj": heads * (config.qk_head_dim + config.v_head_dim)}[target]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,11 +148,18 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
     if base_model_name_or_path is None:
         base_model_name_or_path = _hf_base(reader.metadata["training_state"].get("peft_base"))
     model, peft = config.model, config.peft
-    architecture = hf_family(model, hf_model_type).naming
-    tensors, targets = {}, set()
+    family = hf_family(model, hf_model_type)
+    architecture = family.naming
+    _check_peft_loads(model, peft.lora_target_modules, family)
+    tensors, targets, expert_targets = {}, set(), set()
     for layer in range(model.num_layers):
-        for target in peft.lora_target_modules:
+        experts = [t for t in peft.lora_target_modules if t in _EXPERT_PARAMETERS and model.is_moe_layer(layer)]
+        if experts:
+            tensors.update(_expert_adapters(reader, model, layer, experts, architecture, peft))
+            expert_targets.update(_EXPERT_PARAMETERS[t] for t in experts)
+        for target in (t for t in peft.lora_target_modules if t not in experts):
             lora_a, lora_b = (reader.read(n) for n in factor_names(f"decoder.layers.{layer}.{_OUR_MODULE[target]}"))
+            lora_b = _hf_rows(target, lora_b, model, to_hf=True)
             blocks = _row_blocks(target, lora_b, model)
             for hf_module, covered in _MODULES[architecture][target]:
                 prefix = f"{_LAYERS[architecture]}{layer}.{hf_module}"
@@ -121,13 +171,53 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
     write_json(os.path.join(save_dir, CONFIG_FILE), {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": peft.lora_rank, "lora_alpha": peft.lora_alpha, "lora_dropout": peft.lora_dropout,
-        "target_modules": sorted(targets), "fan_in_fan_out": architecture == "gpt2",  # GPT-2's Conv1D is [in, out]
+        "target_modules": sorted(targets), "target_parameters": sorted(expert_targets) or None,
+        "fan_in_fan_out": architecture == "gpt2",  # GPT-2's Conv1D is [in, out]
         "bias": "none", "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "modules_to_save": None})
     safetensors.torch.save_file({k: v.float().contiguous() for k, v in tensors.items()},
                                 os.path.join(save_dir, WEIGHTS_FILE), metadata={"format": "pt"})
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         os.chmod(os.path.join(save_dir, name), 0o644)
+
+
+# Namings whose gate_proj, up_proj and down_proj peft (0.21, for transformers 5) takes for a mixture of experts'
+# fused parameters, in every layer: Qwen3-MoE, OLMoE and DeepSeek (not Mixtral, whose experts are w1, w3, w2).
+_PEFT_REMAPS_MLPS = frozenset({"qwen_moe", "deepseek"})
+
+
+def _check_peft_loads(model: ModelConfig, targets: list, family) -> None:
+    """Adapters on a dense MLP (a dense layer, a shared expert) of a model peft remaps would load onto nothing,
+    silently: refused."""
+    mlp = [target for target in targets if target in ("linear_fc1", "linear_fc2")]
+    dense = [layer for layer in range(model.num_layers) if not model.is_moe_layer(layer)]
+    shared = model.moe_shared_expert_intermediate_size is not None
+    if family.naming not in _PEFT_REMAPS_MLPS or not mlp or not (dense or shared):
+        return
+    where = ", ".join(([f"layers {dense}"] if dense else []) + (["the shared experts"] if shared else []))
+    raise ConfigError(f"LoRA on {' and '.join(mlp)} of a {family.model_type} model's dense MLPs ({where}) has no PEFT "
+                      f"form that peft loads: it remaps the model's mlp.gate_proj/up_proj/down_proj to "
+                      f"mixture-of-experts parameters and drops the adapters of dense MLPs. Export adapters trained "
+                      f"with --lora-target-modules linear_qkv linear_proj (attention), or merge them into the base "
+                      f"(--merge-lora).")
+
+
+def _expert_adapters(reader, model: ModelConfig, layer: int, targets: list, architecture: str, peft) -> dict:
+    """The PEFT tensors of layer ``layer``'s per-expert adapters on ``targets`` (linear_fc1, linear_fc2): each
+    expert's A and B stacked as ``_EXPERT_PARAMETERS`` says."""
+    if peft.lora_dropout:
+        raise ConfigError(f"the adapters adapt experts with --lora-dropout {peft.lora_dropout}, which PEFT's "
+                          f"adapters on expert weights (target_parameters) refuse: export with --merge-lora (the "
+                          f"dropout does not change the merged model), or train with --lora-dropout 0.")
+    tensors = {}
+    for target in targets:
+        factors = [[reader.read(n) for n in factor_names(
+            f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{target}")] for e in range(model.num_experts)]
+        inner = len(targets) > 1 and target == "linear_fc1"
+        prefix = f"{_LAYERS[architecture]}{layer}.mlp.experts.{'base_layer.' if inner else ''}"
+        tensors[prefix + "lora_A.weight"] = torch.cat([a for a, _ in factors])
+        tensors[prefix + "lora_B.weight"] = torch.stack([b for _, b in factors], dim=-1).flatten(1)
+    return tensors
 
 
 def _hf_base(pointer: dict | None) -> str:
@@ -199,7 +289,8 @@ def _read_peft_directory(directory: str) -> tuple[dict, dict]:
         (f"peft_type {config.get('peft_type')}", config.get("peft_type") != "LORA"),
         ("DoRA (use_dora)", config.get("use_dora")),
         (f"bias {config.get('bias')!r}", config.get("bias", "none") != "none"),
-        ("modules_to_save", config.get("modules_to_save")), ("lora_bias", config.get("lora_bias"))) if used]
+        ("modules_to_save", config.get("modules_to_save")), ("lora_bias", config.get("lora_bias")),
+        ("target_parameters (adapters on experts' weights: export only)", config.get("target_parameters"))) if used]
     if unsupported:
         raise ConfigError(f"the PEFT adapter in {directory} uses {', '.join(unsupported)}; megatron_lite imports "
                           f"plain LoRA on the attention and MLP projections.")
@@ -226,7 +317,7 @@ def _updates_by_target(peft_config: dict, tensors: dict, architecture: str, mode
                 names = (f"{key}.lora_A.weight", f"{key}.lora_B.weight")
                 if names[0] not in tensors:
                     continue
-                lora_a, lora_b = tensors[names[0]], tensors[names[1]]
+                lora_a, lora_b = tensors[names[0]], _hf_rows(target, tensors[names[1]], model, to_hf=False)
                 updates.setdefault((layer, target), {})[covered] = (
                     lora_a, lora_b, _scale(peft_config, key.removeprefix("base_model.model."), lora_a.shape[0]))
                 used.update(names)

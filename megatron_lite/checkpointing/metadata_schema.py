@@ -229,7 +229,8 @@ _TRAINING_STATE = _record({"iteration": _count}, {
 _LAYOUT = _record({"world_size": _rank_count, "tensor_model_parallel_size": _rank_count,
                    "pipeline_model_parallel_size": _rank_count, "data_parallel_size": _rank_count,
                    "virtual_pipeline_model_parallel_size": _optional(_rank_count),
-                   "use_distributed_optimizer": _boolean})
+                   "use_distributed_optimizer": _boolean},
+                  {"expert_model_parallel_size": _rank_count, "expert_tensor_parallel_size": _rank_count})
 
 _FILE = _record({"size": _integer(0, _MAX_SIZE), "sha256": _sha256},
                 {"rank": _integer(0, _MAX_RANKS), "layers": _list_of(_count),

@@ -17,7 +17,8 @@ import torch
 from megatron_lite.checkpointing import storage
 from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTensor, has_vocab_rows, index_of,
                                                     merge_index, resize_vocab)
-from megatron_lite.checkpointing.save_load import OPTIMIZER_PREFIX, checkpoint_name, new_metadata
+from megatron_lite.checkpointing.save_load import (OPTIMIZER_PREFIX, checkpoint_name, checkpointed_tensors, is_trained,
+                                                   new_metadata)
 from megatron_lite.config import Config
 from megatron_lite.model import GPTModel
 from megatron_lite.model.builder import build_model_chunk
@@ -52,6 +53,10 @@ def write_checkpoint(root: str, config: Config, read: Callable[[str], torch.Tens
         The checkpoint directory.
     """
     tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
+    if config.parallel.expert_model_parallel_size != 1 or config.parallel.expert_tensor_size != tp:
+        raise ValueError("checkpoints are written offline with every expert on every rank, each split as a dense "
+                         "MLP (expert-model-parallel size 1, expert-tensor size = tensor size); any expert "
+                         "layout loads them.")
     layout = RankLayout(tp * pp, tp, pp)
     staging = storage.prepare_staging(root, iteration)
     metadata = new_metadata(
@@ -67,9 +72,10 @@ def write_checkpoint(root: str, config: Config, read: Callable[[str], torch.Tens
 
     for pipeline_rank in range(pp):
         model = stage_model(config, pipeline_rank)
-        # As in training: the tied output copy is the embedding, and a PEFT base is its own checkpoint.
-        named = [(name, p) for name, p in model.named_parameters()
-                 if checkpoint_name(model, name) == name and p.requires_grad]
+        # As in training: the tied output copy is the embedding, a PEFT base is its own checkpoint, and a router's
+        # expert bias (a buffer) is saved with the weights.
+        named = [(name, p) for name, p in checkpointed_tensors(model)
+                 if checkpoint_name(model, name) == name and is_trained(p, config)]
         layers = sorted(int(n) for n in model.decoder.layers.keys())
         # Each stage's global tensors are read once and cut for every tensor-parallel rank.
         full = {key: read(key) for name, _ in named for key in [name, *states_of.get(name, [])]}
@@ -132,7 +138,8 @@ def reshard_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_si
     same_pipeline = pipeline_model_parallel_size == config.parallel.pipeline_model_parallel_size
     parallel = dataclasses.replace(
         config.parallel, tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size, virtual_pipeline_model_parallel_size=None,
+        pipeline_model_parallel_size=pipeline_model_parallel_size, expert_model_parallel_size=1,
+        expert_tensor_parallel_size=None, virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None,
         decoder_first_pipeline_num_layers=config.parallel.decoder_first_pipeline_num_layers if same_pipeline else None,
         decoder_last_pipeline_num_layers=config.parallel.decoder_last_pipeline_num_layers if same_pipeline else None)

@@ -2,9 +2,9 @@
 
 Save: each rank writes one safetensors file with what only it holds: its
 tensor-parallel shard of its stage's weights (data-parallel rank 0 only; the other
-replicas hold the same values), its optimizer state (rank 0 of the data-parallel
-group, or every rank's own slice under the distributed optimizer) and its RNG
-states. Replicated tensors are written by tensor-parallel rank 0 only, and the tied
+replicas, context-parallel ranks included, hold the same values), its optimizer state
+(rank 0 of the data x context group, or every rank's own slice under the distributed
+optimizer) and its RNG states. Replicated tensors are written by tensor-parallel rank 0 only, and the tied
 output layer of the last pipeline stage not at all (it is the word embedding).
 Frozen weights are not written: a PEFT run's checkpoint holds its adapters and
 points at the base they were trained on (``peft_base``).
@@ -60,12 +60,16 @@ OPTIMIZER_PREFIX = "optimizer."
 
 
 def layout_of(config: Config, parallel_state) -> dict:
-    return {"world_size": parallel_state.world_size,
-            "tensor_model_parallel_size": parallel_state.tensor_model_parallel_world_size,
-            "pipeline_model_parallel_size": parallel_state.pipeline_model_parallel_world_size,
-            "data_parallel_size": parallel_state.data_parallel_world_size,
-            "virtual_pipeline_model_parallel_size": config.parallel.virtual_pipeline_model_parallel_size,
-            "use_distributed_optimizer": config.parallel.use_distributed_optimizer}
+    layout = {"world_size": parallel_state.world_size,
+              "tensor_model_parallel_size": parallel_state.tensor_model_parallel_world_size,
+              "pipeline_model_parallel_size": parallel_state.pipeline_model_parallel_world_size,
+              "data_parallel_size": parallel_state.data_parallel_world_size,
+              "virtual_pipeline_model_parallel_size": config.parallel.virtual_pipeline_model_parallel_size,
+              "use_distributed_optimizer": config.parallel.use_distributed_optimizer}
+    if config.model.num_experts is not None:  # a dense model's layout reads as it always did
+        layout.update(expert_model_parallel_size=parallel_state.expert_model_parallel_world_size,
+                      expert_tensor_parallel_size=parallel_state.expert_tensor_parallel_world_size)
+    return layout
 
 
 def _zero3_slices(model_chunks) -> dict:
@@ -101,13 +105,29 @@ def optimizer_key(state: str, name: str) -> str:
     return f"{OPTIMIZER_PREFIX}{state}.{name}"
 
 
-def _stored_by_this_rank(model, name: str, param, tp_rank: int) -> bool:
-    """Trainable parameters only (a frozen base is the base checkpoint's). The tied output copy is
-    stored once, as the embedding; a tensor replicated over tensor-parallel ranks is stored once,
-    by tensor-parallel rank 0."""
-    if checkpoint_name(model, name) != name or not param.requires_grad:
+def checkpointed_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """What a checkpoint holds of ``model``: its parameters, and its persistent buffers (a router's expert
+    bias: state that training moves, though not the optimizer)."""
+    buffers = [(name, t) for name, t in model.state_dict(keep_vars=True).items()
+               if not isinstance(t, torch.nn.Parameter)]
+    return list(model.named_parameters()) + buffers
+
+
+def is_trained(tensor, config: Config) -> bool:
+    """Whether ``tensor`` is this run's to train and save: a parameter that requires grad; a buffer unless
+    the run trains PEFT weights on a frozen base (the base's buffers are the base's)."""
+    if isinstance(tensor, torch.nn.Parameter):
+        return tensor.requires_grad
+    return config.peft.peft is None
+
+
+def _stored_by_this_rank(model, name: str, param, parallel_state, config: Config) -> bool:
+    """Trained tensors only (a frozen base is the base checkpoint's). The tied output copy is
+    stored once, as the embedding; a tensor replicated over the ranks that split it (tensor-parallel,
+    expert-tensor-parallel for expert weights) is stored once, by their rank 0."""
+    if checkpoint_name(model, name) != name or not is_trained(param, config):
         return False
-    return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
+    return getattr(param, "tensor_model_parallel", False) or parallel_state.tensor_split(param)[0] == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,8 +176,10 @@ def _write_rank_file(config: Config, parallel_state, model_chunks: list, optimiz
     rank = parallel_state.rank
     models = _unwrap(model_chunks)
     pieces = _model_pieces(config, parallel_state, models, _zero3_slices(model_chunks))
-    # Without the distributed optimizer the data-parallel replicas' states are identical: rank 0's is saved.
-    writes_optimizer = config.parallel.use_distributed_optimizer or parallel_state.data_parallel_rank == 0
+    # Without the distributed optimizer the replicas' states are identical: each parameter's first replica
+    # saves it (data-parallel rank 0; expert-data-parallel rank 0 for experts).
+    writes_optimizer = (config.parallel.use_distributed_optimizer or parallel_state.data_parallel_rank == 0
+                        or parallel_state.expert_data_parallel_rank == 0)
     optimizer_state = optimizer.state_dict() if optimizer is not None and writes_optimizer else None
     if optimizer_state is not None:
         pieces += _optimizer_pieces(config, parallel_state, models, optimizer_state)
@@ -175,7 +197,7 @@ def _write_rank_file(config: Config, parallel_state, model_chunks: list, optimiz
         training_state["peft_base"] = peft_base.pointer_to_initialisation(config)
     index = {"file": file_name, "info": {**info, **holder}, "tensors": index_of(pieces, file_name),
              "rng": rng_scalars, "training_state": training_state}
-    if rank == 0 and optimizer_state is not None:
+    if rank == 0 and optimizer_state is not None:  # rank 0 is the first replica of every parameter it holds
         index["optimizer"] = _encode({k: optimizer_state[k] for k in
                                       ("param_groups", "grad_scaler", "num_skipped_iterations")})
     storage.write_json(os.path.join(staging, storage.rank_index_name(rank)), index)
@@ -205,17 +227,18 @@ def new_metadata(config: Config, *, iteration: int, training_state: dict, layout
 
 
 def _model_pieces(config, parallel_state, models, zero3_slices: dict) -> list[ShardedTensor]:
-    """The weights this rank writes: whole ones by data-parallel rank 0 (its replicas hold the same),
-    ZeRO-3's by every data-parallel rank, each the flat slice its shard holds."""
-    tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
+    """The weights this rank writes: whole ones by the first of their replicas (data-parallel rank 0;
+    expert-data-parallel rank 0 for expert weights), ZeRO-3's by every replica, each the flat slice its
+    shard holds."""
     pieces = []
     for model in models:
-        for name, param in model.named_parameters():
-            if not _stored_by_this_rank(model, name, param, tp_rank):
+        for name, param in checkpointed_tensors(model):
+            if not _stored_by_this_rank(model, name, param, parallel_state, config):
                 continue
+            tp_rank, tp_size = parallel_state.tensor_split(param)
             vocab_size = config.model.vocab_size if has_vocab_rows(name) else None
             if param not in zero3_slices:
-                if parallel_state.data_parallel_rank == 0:
+                if parallel_state.replica_rank(param) == 0:
                     pieces.append(ShardedTensor.of_parameter(name, param.detach(), param, tp_rank=tp_rank,
                                                              tp_size=tp_size, vocab_size=vocab_size))
             elif (held := zero3_slices[param]) is not None:
@@ -228,17 +251,19 @@ def _model_pieces(config, parallel_state, models, zero3_slices: dict) -> list[Sh
 def _optimizer_pieces(config, parallel_state, models, optimizer_state: dict) -> list[ShardedTensor]:
     """Each parameter's optimizer state as flat slices of its tensor-parallel shard.
 
-    The whole shard without the distributed optimizer, this rank's slice with it (the
-    ``range`` the optimizer reports). fp32 main parameters are not written for fp32
-    models: they are the model weights themselves.
+    The whole shard without the distributed optimizer, written by the first replica (whose states are
+    identical), this rank's slice with it (the ``range`` the optimizer reports). fp32 main parameters are
+    not written for fp32 models: they are the model weights themselves.
     """
-    tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
     params = {name: (model, p) for model in models for name, p in model.named_parameters()}
     pieces = []
     for name, entry in optimizer_state["params"].items():
         model, param = params[name]
-        if not _stored_by_this_rank(model, name, param, tp_rank):
+        if not _stored_by_this_rank(model, name, param, parallel_state, config):
             continue
+        if not optimizer_state["data_parallel"]["sharded"] and parallel_state.replica_rank(param) != 0:
+            continue
+        tp_rank, tp_size = parallel_state.tensor_split(param)
         start, end = entry["range"]
         tensors = {k: v for k, v in entry["state"].items() if v.dim() == 1}
         if param.dtype != torch.float32:
@@ -364,10 +389,9 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
     weights_only, load_optimizer, load_rng = _what_to_load(config, parallel_state, metadata, optimizer,
                                                            finetune or trainable_source is None)
 
-    tp_rank, tp_size = parallel_state.tensor_model_parallel_rank, parallel_state.tensor_model_parallel_world_size
-    params = [(model, name, p) for model in _unwrap(model_chunks) for name, p in model.named_parameters()]
-    trainable = [(model, name, p) for model, name, p in params if p.requires_grad]
-    sources = {source: [(model, name, p) for model, name, p in params if p.requires_grad == is_trainable]
+    params = [(model, name, p) for model in _unwrap(model_chunks) for name, p in checkpointed_tensors(model)]
+    trainable = [(model, name, p) for model, name, p in params if isinstance(p, torch.nn.Parameter) and p.requires_grad]
+    sources = {source: [(model, name, p) for model, name, p in params if is_trained(p, config) == is_trainable]
                for source, is_trainable in ((frozen_source, False), (trainable_source, True)) if source is not None}
     optimizer_states = _optimizer_states(reader) if load_optimizer else {}
     for source, loaded in sources.items():
@@ -380,10 +404,10 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
     zero3_slices = _zero3_slices(model_chunks)
     for source, loaded in sources.items():
         for model, name, param in loaded:
-            _load_weight(source, checkpoint_name(model, name), param, zero3_slices, tp_rank, tp_size)
+            _load_weight(source, checkpoint_name(model, name), param, zero3_slices, *parallel_state.tensor_split(param))
     if load_optimizer:
         optimizer.load_state_dict(_optimizer_state_dict(reader, optimizer_states, trainable, zero3_slices,
-                                                        tp_rank, tp_size))
+                                                        parallel_state))
     elif optimizer is not None:
         optimizer.reload_model_params()  # its fp32 main parameters were copied before the weights were loaded
     if scheduler is not None and not weights_only and metadata["scheduler"] is not None:
@@ -441,7 +465,7 @@ def _optimizer_states(reader: CheckpointReader) -> dict:
 
 
 def _optimizer_state_dict(reader: CheckpointReader, optimizer_states: dict, params: list, zero3_slices: dict,
-                          tp_rank: int, tp_size: int) -> dict:
+                          parallel_state) -> dict:
     """The optimizer's own state-dict format, each entry covering what this rank holds of the parameter
     (the optimizer slices out its range): the whole tensor-parallel shard, or ZeRO-3's flat slice of it.
     fp32 models store no main parameters: they are the weights, loaded already."""
@@ -453,6 +477,7 @@ def _optimizer_state_dict(reader: CheckpointReader, optimizer_states: dict, para
         shape = param.shape if held is None else held.shape
         start, end = (0, param.numel()) if held is None else (held.start, held.end)
         stored = optimizer_states.get(checkpoint_name(model, name), {})
+        tp_rank, tp_size = parallel_state.tensor_split(param)
 
         def shard(key):
             full = reader.read(key)

@@ -259,8 +259,11 @@ class TensorFileReader:
 def open_safetensors(path: str):
     """``safe_open`` with a clear refusal for anything that is not safetensors (a pickle above all)."""
     with open(path, "rb") as f:
-        head = f.read(8)
-    if head.startswith(_PICKLE_SIGNATURES):
+        head, size = f.read(9), os.fstat(f.fileno()).st_size
+    # Safetensors starts with its JSON header's length (8 bytes, little-endian), then the header: a header of
+    # 640 bytes (0x280) begins b"\x80\x02" as pickle protocol 2 does, and must not be taken for one.
+    safetensors_header = head[8:9] == b"{" and 8 + int.from_bytes(head[:8], "little") <= size
+    if head.startswith(_PICKLE_SIGNATURES) and not safetensors_header:
         raise CheckpointError(f"{path} is a pickle (torch.save) file, not safetensors. Unpickling can run arbitrary "
                               f"code, so megatron_lite refuses to open it; re-save its tensors with safetensors.")
     try:

@@ -360,7 +360,9 @@ def _batch_triad(t: _Translation, config: dict, explicit: dict, world_size: int)
     given = {key: t.typed(config[key], key, int) for key in _BATCH_KEYS if config.get(key, "auto") != "auto"}
     if not given:
         return
-    model_parallel = explicit.get("tensor_model_parallel_size", 1) * explicit.get("pipeline_model_parallel_size", 1)
+    # Context-parallel ranks share their micro-batches, as tensor and pipeline ranks do.
+    model_parallel = (explicit.get("tensor_model_parallel_size", 1) * explicit.get("pipeline_model_parallel_size", 1)
+                      * explicit.get("context_parallel_size", 1))
     dp = max(world_size // model_parallel, 1)
     train = given.get("train_batch_size", explicit.get("global_batch_size"))
     micro = given.get("train_micro_batch_size_per_gpu", explicit.get("micro_batch_size"))
@@ -377,7 +379,7 @@ def _batch_triad(t: _Translation, config: dict, explicit: dict, world_size: int)
         raise ConfigError(f"--deepspeed-config {t.source}: the batch does not add up, as DeepSpeed checks it: "
                           f"train_batch_size ({train}) must equal train_micro_batch_size_per_gpu ({micro}) x "
                           f"gradient_accumulation_steps ({accumulation}) x data-parallel size ({dp} = {world_size} "
-                          f"processes / tensor x pipeline {model_parallel}) (from the file: "
+                          f"processes / tensor x pipeline x context {model_parallel}) (from the file: "
                           f"{json.dumps(given)}; the rest from --micro-batch-size/--global-batch-size).")
     key = ", ".join(given)
     t.set("micro_batch_size", int(micro), key)

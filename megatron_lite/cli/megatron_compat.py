@@ -35,8 +35,14 @@ ACCEPTED_FLAGS = {
     "--no-persist-layer-norm": _FUSION_NOOP,
     "--check-for-nan-in-loss-and-grad": "accepted: the default (a non-finite loss or grad norm stops the run; "
                                         "--no-check-for-nan-in-loss-and-grad turns the check off)",
+    "--cache-mla-latents": "accepted, no effect: multi-latent attention's generation always caches its latents",
+    "--mla-down-proj-fusion": _FUSION_NOOP,
+    "--yarn-correction-range-round-to-int": "accepted: the default (YaRN's blended channel range is rounded out; "
+                                            "--no-yarn-correction-range-round-to-int keeps it unrounded)",
     "--no-gradient-accumulation-fusion": "accepted, no effect: gradients always accumulate in the data-parallel "
                                          "gradient buffer",
+    "--moe-permute-fusion": "accepted, no effect: tokens are permuted to their experts by PyTorch ops",
+    "--moe-router-fusion": "accepted, no effect: the router's top-k and losses are PyTorch ops",
 }
 
 # Flags with a value, accepted with no effect: each row is the spellings of one flag and what it means here.
@@ -49,7 +55,8 @@ ACCEPTED_VALUE_FLAGS = {
 
 _NO_FP8 = "megatron_lite has no FP8 path (needs Transformer Engine on Hopper)"
 _NO_FP4 = "megatron_lite has no FP4 path (needs Transformer Engine on Blackwell)"
-_NO_MOE = "megatron_lite builds dense GPT models only (no mixture of experts)"
+_NO_MOE = ("megatron_lite's mixture of experts takes the --moe-* flags listed in --help "
+           "(docs/moe.md), not this one")
 _NO_TE = ("megatron_lite's layers are its own PyTorch modules (Megatron's 'local' implementation), "
           "not Transformer Engine")
 _NO_CUDA_GRAPHS = "megatron_lite does not capture CUDA graphs"
@@ -79,13 +86,11 @@ REFUSED_FLAGS = {
     "--fp4-format": Refusal(_NO_FP4),
     "--fp4-recipe": Refusal(_NO_FP4),
     "--fp4-param-gather": Refusal(_NO_FP4, takes_value=False),
-    # Parallelism we do not implement.
-    "--context-parallel-size": Refusal("megatron_lite has no context parallelism (attention split over ranks "
-                                       "along the sequence; --sequence-parallel with tensor parallelism splits "
-                                       "the other activations)", harmless=("1",)),
-    "--expert-model-parallel-size": Refusal(_NO_MOE, harmless=("1",)),
-    "--expert-tensor-parallel-size": Refusal(_NO_MOE, harmless=("1",)),
-    "--num-experts": Refusal(_NO_MOE),
+    # Mixture of experts: one dispatcher (all-to-all) and one router precision (fp32).
+    "--moe-token-dispatcher-type": Refusal(
+        "megatron_lite dispatches tokens with all-to-all only", harmless=("alltoall", "allgather"),
+        notice="--moe-token-dispatcher-type: tokens are dispatched with all-to-all (allgather computes the same)."),
+    "--moe-router-dtype": Refusal("megatron_lite's router always computes in fp32", harmless=("fp32",)),
     # Transformer Engine.
     "--transformer-impl": Refusal(_NO_TE, harmless=("local",)),
     "--tp-comm-overlap": Refusal(_NO_TE + " (its userbuffers overlap tensor-parallel communication with GEMMs)",

@@ -17,6 +17,8 @@ from typing import Optional
 
 from megatron_lite.config.batch_size_schedule import parse_step_batch_size_schedule, schedule_in_samples
 from megatron_lite.config.errors import ConfigError, UserError  # noqa: F401 (imported from here everywhere)
+from megatron_lite.config.moe import (GROUP_SCORES, LOAD_BALANCING_TYPES, ROUTER_SCORE_FUNCTIONS, TOKEN_DROP_POLICIES,
+                                      check_moe_fields, moe_layer_pattern)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -40,7 +42,8 @@ def _check_choices(section) -> None:
 NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "use_fused_kernels": "--no-fused-kernels",
                   "log_memory": "--no-log-memory", "mmap_bin_files": "--no-mmap-bin-files",
                   "manual_gc_eval": "--no-manual-gc-eval",
-                  "check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad"}
+                  "check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad",
+                  "yarn_correction_range_round_to_int": "--no-yarn-correction-range-round-to-int"}
 
 
 def flag_name(field_name: str) -> str:
@@ -71,7 +74,12 @@ def as_flags(values: dict) -> str:
 # itself). unfused and local run the explicit QK^T -> masked softmax -> V path.
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+# yarn: rotary embeddings with YaRN's frequency scaling (model/rope_scaling.py), Megatron-LM's spelling for
+# attention other than multi-latent, which picks its flavour of rotary embedding with --rope-type.
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
+ROPE_TYPES = ("rope", "yarn")
+# Megatron-LM's YaRN settings where their flags are not given.
+YARN_DEFAULTS = {"yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0}
 
 
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
@@ -100,12 +108,16 @@ class ModelConfig:
     apply_layernorm_1p: bool = False  # norm weights hold scale - 1 (Megatron's zero-centred gamma)
     position_embedding_type: str = field(default="learned_absolute", metadata={"choices": POSITION_EMBEDDING_TYPES})
     rotary_base: float = 10000.0
+    # The sliding-window layers' own RoPE base, never scaled (Gemma 3's local layers; Megatron-Bridge's name).
+    rotary_base_local: Optional[float] = None
     rotary_percent: float = 1.0  # fraction of each head's channels that rotary embeddings rotate
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     swiglu: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # a bias on the fused QKV alone, even with --disable-bias-linear (Qwen2)
     qk_layernorm: bool = False  # each head's queries and keys normalised before RoPE (Qwen3)
+    # With --qk-layernorm: one RMSNorm over all heads' queries (and one over the keys), OLMoE's.
+    qk_layernorm_whole_projection: bool = False
     # Sliding-window attention, Megatron-LM's (left, right): query i sees keys i - left .. i + right.
     window_size: Optional[list[int]] = field(default=None, metadata={"nargs": 2, "metavar": ("LEFT", "RIGHT")})
     window_attn_skip_freq: Optional[int] = None  # Megatron-Core's: every Nth layer (1-based) attends globally
@@ -118,12 +130,55 @@ class ModelConfig:
     rotary_seq_len_interpolation_factor: Optional[float] = None  # linear RoPE scaling: positions / factor
     use_rope_scaling: bool = False  # Llama 3.x's RoPE frequency scaling, by rope_scaling_factor
     rope_scaling_factor: float = 8.0
+    # YaRN (--position-embedding-type yarn, or multi-latent attention's --rope-type yarn): the frequencies
+    # stretched by rotary_scaling_factor between the corrections beta_fast and beta_slow of the original context,
+    # and the "mscale" concentration of the scores (model/rope_scaling.py).
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    yarn_original_max_position_embeddings: Optional[int] = None  # None: YARN_DEFAULTS' (so the two below)
+    yarn_beta_fast: Optional[float] = None
+    yarn_beta_slow: Optional[float] = None
+    yarn_correction_range_round_to_int: bool = True
+    # Multi-latent attention (DeepSeek-V2/V3, model/multi_latent_attention.py): queries and keys/values through
+    # low-rank latents, each head's query/key split into qk_head_dim channels without and qk_pos_emb_head_dim
+    # channels with rotary embedding (the key's shared by every head).
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None  # None: queries projected straight from the hidden state (V2-Lite)
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: Optional[str] = field(default=None, metadata={"choices": ROPE_TYPES})  # None: yarn for MLA, else rope
     untie_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     use_fused_kernels: bool = True
+    # Mixture of experts (Megatron-LM's --num-experts and --moe-* flags; checked in config/moe.py).
+    num_experts: Optional[int] = None  # None: every MLP is dense
+    moe_ffn_hidden_size: Optional[int] = None  # each expert's inner width; default --ffn-hidden-size
+    moe_layer_freq: str = "1"  # N (every Nth layer) or a 0/1 list expression, one per layer
+    moe_router_topk: int = 2
+    moe_router_score_function: str = field(default="softmax", metadata={"choices": ROUTER_SCORE_FUNCTIONS})
+    moe_router_pre_softmax: bool = False  # softmax over all experts before the top-k (no renormalisation)
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many groups ...
+    moe_router_group_topk: Optional[int] = None  # ... of which each token may use this many
+    # How a group is scored: the sum of its best k / g scores (Megatron-LM's, DeepSeek-V3's), or its best (V2's).
+    moe_router_group_score: str = field(default="topk_sum", metadata={"choices": GROUP_SCORES})
+    moe_router_load_balancing_type: str = field(default="aux_loss", metadata={"choices": LOAD_BALANCING_TYPES})
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3)
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = field(default="probs", metadata={"choices": TOKEN_DROP_POLICIES})
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    moe_grouped_gemm: bool = False  # the experts as one grouped GEMM (torch._grouped_mm) instead of a loop
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -153,9 +208,11 @@ class ModelConfig:
                  f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                  f"--num-query-groups ({self.num_query_groups}): each query group shares one key/value head.")
         _require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}.")
-        _require(self.position_embedding_type != "rope" or (self.rotary_dim > 0 and self.rotary_dim % 2 == 0),
-                 f"--position-embedding-type rope rotates pairs of channels: head dimension {self.head_dim} x "
-                 f"--rotary-percent {self.rotary_percent} = {self.rotary_dim} channels must be even and positive.")
+        self._check_multi_latent_attention()
+        rotated = (f"--qk-pos-emb-head-dim {self.rotary_dim}" if self.multi_latent_attention else
+                   f"head dimension {self.head_dim} x --rotary-percent {self.rotary_percent} = {self.rotary_dim}")
+        _require(not self.rotary or (self.rotary_dim > 0 and self.rotary_dim % 2 == 0),
+                 f"rotary embeddings rotate pairs of channels: {rotated} channels must be even and positive.")
         _require(self.seq_length <= self.max_position_embeddings,
                  f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                  f"({self.max_position_embeddings}); raise --max-position-embeddings.")
@@ -165,24 +222,74 @@ class ModelConfig:
         _require(self.window_size is None or (len(self.window_size) == 2 and self.window_size[0] >= 0
                                               and self.window_size[1] == 0),
                  f"--window-size takes LEFT 0 (a causal model sees no keys to its right), got {self.window_size}.")
+        _require(self.rotary_base_local is None or (self.window_size is not None and self.rotary),
+                 "--rotary-base-local is the RoPE base of the sliding-window layers: it needs --window-size and "
+                 "--position-embedding-type rope (or yarn).")
         skip_freq = self.window_attn_skip_freq
         _require(skip_freq is None or (self.window_size is not None and skip_freq > 0),
                  f"--window-attn-skip-freq ({self.window_attn_skip_freq}) makes every Nth layer global among "
                  f"sliding-window ones: it needs --window-size and a positive N.")
+        _require(not self.qk_layernorm_whole_projection or (
+            self.qk_layernorm and self.normalization == "RMSNorm" and not self.apply_layernorm_1p),
+                 "--qk-layernorm-whole-projection widens --qk-layernorm's RMSNorm to all heads at once (OLMoE): it "
+                 "takes --qk-layernorm and --normalization RMSNorm, without --apply-layernorm-1p.")
         _require(not self.geglu or self.swiglu, "--geglu changes the gate of --swiglu's gated MLP: add --swiglu.")
-        for flag, cap in [("--attn-logit-softcapping", self.attn_logit_softcapping),
-                          ("--final-logit-softcapping", self.final_logit_softcapping),
-                          ("--softmax-scale", self.softmax_scale)]:
-            _require(cap is None or cap > 0, f"{flag} must be positive, got {cap}.")
-        scalings = [self.rotary_seq_len_interpolation_factor is not None, self.use_rope_scaling]
-        _require(self.position_embedding_type == "rope" or not any(scalings),
+        for flag, value in [("--attn-logit-softcapping", self.attn_logit_softcapping),
+                            ("--final-logit-softcapping", self.final_logit_softcapping),
+                            ("--softmax-scale", self.softmax_scale), ("--rotary-base-local", self.rotary_base_local)]:
+            _require(value is None or value > 0, f"{flag} must be positive, got {value}.")
+        self._check_rope_scaling()
+        self.moe_layer_freq = str(self.moe_layer_freq)  # Megatron-LM's int or list, given in code
+        if self.num_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size  # as Megatron-LM
+        check_moe_fields(self)
+
+    def _check_rope_scaling(self) -> None:
+        scalings = [self.rotary_seq_len_interpolation_factor is not None, self.use_rope_scaling, self.yarn]
+        _require(self.rotary or not any(scalings),
                  "--rotary-seq-len-interpolation-factor and --use-rope-scaling scale rotary embeddings: they need "
                  "--position-embedding-type rope.")
-        _require(not all(scalings), "give one RoPE scaling: --rotary-seq-len-interpolation-factor (linear) or "
-                                    "--use-rope-scaling (Llama 3.x), not both.")
+        _require(sum(scalings) <= 1, "give one RoPE scaling: --rotary-seq-len-interpolation-factor (linear), "
+                                     "--use-rope-scaling (Llama 3.x) or YaRN (--position-embedding-type yarn), not "
+                                     "two of them.")
         for flag, factor in [("--rotary-seq-len-interpolation-factor", self.rotary_seq_len_interpolation_factor),
-                             ("--rope-scaling-factor", self.rope_scaling_factor)]:
+                             ("--rope-scaling-factor", self.rope_scaling_factor),
+                             ("--rotary-scaling-factor", self.rotary_scaling_factor)]:
             _require(factor is None or factor >= 1.0, f"{flag} must be >= 1 (it stretches positions), got {factor}.")
+        for name, default in YARN_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        yarn_flags = {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+                      "yarn_correction_range_round_to_int": True, **YARN_DEFAULTS}
+        given = [flag_name(name) for name, default in yarn_flags.items() if getattr(self, name) != default]
+        _require(self.yarn or not given,
+                 f"{', '.join(given)} configure YaRN: add --position-embedding-type yarn (with multi-latent "
+                 f"attention, --rope-type yarn, its default).")
+        _require(self.yarn_original_max_position_embeddings > 0,
+                 f"--yarn-original-max-position-embeddings must be positive, got "
+                 f"{self.yarn_original_max_position_embeddings}.")
+
+    def _check_multi_latent_attention(self) -> None:
+        if self.rope_type is None:
+            self.rope_type = "yarn" if self.multi_latent_attention else "rope"
+        if not self.multi_latent_attention:
+            _require(self.rope_type == "rope", "--rope-type picks multi-latent attention's rotary embedding; other "
+                                               "attention takes YaRN from --position-embedding-type yarn.")
+            return
+        for flag, value in [("--kv-lora-rank", self.kv_lora_rank), ("--qk-head-dim", self.qk_head_dim),
+                            ("--qk-pos-emb-head-dim", self.qk_pos_emb_head_dim), ("--v-head-dim", self.v_head_dim),
+                            ("--q-lora-rank", 1 if self.q_lora_rank is None else self.q_lora_rank)]:
+            _require(value > 0, f"{flag} must be positive, got {value}.")
+        _require(self.position_embedding_type == "rope",
+                 f"--multi-latent-attention rotates --qk-pos-emb-head-dim channels of each head: it needs "
+                 f"--position-embedding-type rope (--rope-type picks rope or yarn), got "
+                 f"{self.position_embedding_type}.")
+        _require(self.num_query_groups == self.num_attention_heads,
+                 "--multi-latent-attention gives every head its own keys and values from the shared latent: drop "
+                 "--group-query-attention and --num-query-groups.")
+        _require(self.rotary_percent == 1.0 and not self.add_qkv_bias,
+                 "--multi-latent-attention has no --rotary-percent (it rotates --qk-pos-emb-head-dim channels) and "
+                 "no fused QKV for --add-qkv-bias: drop them.")
 
     @property
     def head_dim(self) -> int:
@@ -190,9 +297,26 @@ class ModelConfig:
         return self.kv_channels
 
     @property
+    def rotary(self) -> bool:
+        """Whether positions enter as rotary embeddings (plain or YaRN-scaled)."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    @property
+    def yarn(self) -> bool:
+        """Whether the rotary embeddings are YaRN's: --position-embedding-type yarn, or MLA's --rope-type yarn."""
+        return self.position_embedding_type == "yarn" or (self.multi_latent_attention and self.rope_type == "yarn")
+
+    @property
     def rotary_dim(self) -> int:
-        """Channels of each head that rotary embeddings rotate (the first ones); the rest pass through."""
+        """Channels of each head that rotary embeddings rotate (the first ones; the rest pass through), or
+        multi-latent attention's rotary part of each head."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.head_dim * self.rotary_percent)
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether layer ``layer_number`` (global, 0-based) has a mixture of experts for its MLP."""
+        return moe_layer_pattern(self.num_experts, self.moe_layer_freq, self.num_layers)[layer_number]
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
         """Megatron pads the vocabulary so every tensor-parallel shard is a multiple of 128."""
@@ -200,16 +324,27 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
 
+# --cp-comm-type values: keys and values all-gathered, or passed around a ring (Megatron-LM's p2p). Megatron-LM
+# spells the first "allgather"; both spellings are taken.
+CP_COMM_TYPES = ("p2p", "all_gather", "allgather")
+
 # Megatron-LM's names for ZeRO stages 0 to 3: nothing, optimizer state, + gradients, + parameters sharded.
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """How the world is cut: tensor x data x pipeline (tensor-parallel ranks adjacent)."""
+    """How the world is cut: tensor x context x data x pipeline (tensor-parallel ranks adjacent)."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1  # every sequence split over this many ranks (megatron_lite/context_parallel/)
+    # How context-parallel attention exchanges keys and values: one value for every layer, or one per layer.
+    cp_comm_type: list = field(default_factory=lambda: ["p2p"], metadata={"choices": CP_COMM_TYPES})
+    # Mixture-of-experts layers: experts split over expert-model-parallel ranks, each expert's weights over
+    # expert-tensor-parallel ranks (None: the tensor-parallel size, as Megatron-LM).
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
     virtual_pipeline_model_parallel_size: Optional[int] = None
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     decoder_first_pipeline_num_layers: Optional[int] = None
@@ -245,6 +380,13 @@ class ParallelConfig:
                  f"--tensor-model-parallel-size must be >= 1, got {self.tensor_model_parallel_size}.")
         _require(self.pipeline_model_parallel_size >= 1,
                  f"--pipeline-model-parallel-size must be >= 1, got {self.pipeline_model_parallel_size}.")
+        _require(self.context_parallel_size >= 1,
+                 f"--context-parallel-size must be >= 1, got {self.context_parallel_size}.")
+        self.cp_comm_type = ["all_gather" if kind == "allgather" else kind for kind in self.cp_comm_type]
+        _require(self.expert_model_parallel_size >= 1,
+                 f"--expert-model-parallel-size must be >= 1, got {self.expert_model_parallel_size}.")
+        _require(self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
+                 f"--expert-tensor-parallel-size must be >= 1, got {self.expert_tensor_parallel_size}.")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # As Megatron-LM: with one tensor-parallel rank there is no sequence to split.
             warnings.warn("--sequence-parallel has no effect at --tensor-model-parallel-size 1; turning it off.")
@@ -279,13 +421,28 @@ class ParallelConfig:
                  f"--pipeline-model-parallel-size ({pp}); change --global-batch-size or --micro-batch-size, or drop "
                  f"--virtual-pipeline-model-parallel-size / --num-layers-per-virtual-pipeline-stage.")
 
+    @property
+    def expert_tensor_size(self) -> int:
+        """The expert-tensor-parallel size: --expert-tensor-parallel-size, else the tensor-parallel size."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
     def data_parallel_size(self, world_size: int) -> int:
-        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        model_parallel = (self.tensor_model_parallel_size * self.context_parallel_size
+                          * self.pipeline_model_parallel_size)
+        context = (f" x --context-parallel-size ({self.context_parallel_size})"
+                   if self.context_parallel_size > 1 else "")
         _require(world_size % model_parallel == 0,
                  f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-                 f"({self.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
+                 f"({self.tensor_model_parallel_size}){context} x --pipeline-model-parallel-size "
                  f"({self.pipeline_model_parallel_size}) = {model_parallel}; launch a multiple of "
                  f"{model_parallel} processes or change the parallel sizes.")
+        stage, experts = world_size // self.pipeline_model_parallel_size, (
+            self.expert_tensor_size * self.expert_model_parallel_size)
+        _require(stage % experts == 0,
+                 f"the {stage} processes of each pipeline stage do not split into --expert-tensor-parallel-size "
+                 f"({self.expert_tensor_size}) x --expert-model-parallel-size ({self.expert_model_parallel_size}) "
+                 f"= {experts} expert shards; launch a multiple of {experts * self.pipeline_model_parallel_size} "
+                 f"processes or change the expert sizes.")
         return world_size // model_parallel
 
 
@@ -572,9 +729,11 @@ class CheckpointConfig:
                  f"replace the base as its latest. Give --save (and --load, to resume) a directory of their own.")
 
 
-# --peft methods, and the linear layers --lora-target-modules may name (Megatron-Core's module names).
+# --peft methods, and the linear layers --lora-target-modules may name (Megatron-Core's module names; the
+# multi-latent attention ones after them).
 PEFT_METHODS = ("lora", "adapter", "prefix")
-LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj",
+                       "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
 
 
 @dataclass(kw_only=True)
@@ -585,7 +744,8 @@ class PeftConfig:
     lora_rank: int = 8
     lora_alpha: float = 8.0  # the update is scaled by alpha / rank
     lora_dropout: float = 0.0
-    lora_target_modules: list = field(default_factory=lambda: list(LORA_TARGET_MODULES),
+    # linear_qkv names multi-latent attention's query and key/value projections too (Config resolves it).
+    lora_target_modules: list = field(default_factory=lambda: list(LORA_TARGET_MODULES[:4]),
                                       metadata={"choices": LORA_TARGET_MODULES})
     adapter_dim: int = 32
     prefix_length: int = 16
@@ -664,9 +824,17 @@ class Config:
         _require(model.ffn_hidden_size % tp == 0,
                  f"--ffn-hidden-size ({model.ffn_hidden_size}) must be divisible by "
                  f"--tensor-model-parallel-size ({tp}).")
+        _check_expert_parallel(model, parallel)
+        _require(model.num_experts is None or model.moe_router_load_balancing_type != "pooled_aux_loss"
+                 or self.training.recompute_granularity != "full",
+                 "--moe-router-load-balancing-type pooled_aux_loss pools each micro-batch's routing over all layers, "
+                 "which a layer recomputed in backward (--recompute-granularity full) would not see again: use "
+                 "--recompute-granularity selective, or aux_loss.")
+        _check_expert_lora(model, parallel, self.peft)
         _require(not parallel.sequence_parallel or model.seq_length % tp == 0,
                  f"--sequence-parallel splits the sequence: --seq-length ({model.seq_length}) must be "
                  f"divisible by --tensor-model-parallel-size ({tp}).")
+        _check_context_parallel(model, parallel)
         if parallel.num_layers_per_virtual_pipeline_stage is not None:
             per_stage = model.num_layers // pp
             _require(per_stage % parallel.num_layers_per_virtual_pipeline_stage == 0,
@@ -681,6 +849,7 @@ class Config:
                  "--check-weight-hash-across-dp-replicas-interval compares the data-parallel replicas' weights, but "
                  "--data-parallel-sharding-strategy optim_grads_params keeps no replicas (each rank holds a "
                  "different shard): drop the flag or pick a strategy that keeps whole parameters.")
+        _check_peft_on_model(self.peft, model)
         _check_schedule_units(self.training, self.optimizer)
         self.training.step_schedule_in_samples(model.seq_length)  # thresholds closer than a sequence fail here
         if self.training.train_iters is not None and self.optimizer.lr_decay_iters is None:
@@ -704,6 +873,97 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         return cls(**{name: section(**d[name]) for name, section in SECTIONS.items() if name in d})
+
+
+def lora_targets_of(model: ModelConfig) -> tuple[str, ...]:
+    """The linear layers of ``model`` that --lora-target-modules may name."""
+    if not model.multi_latent_attention:
+        return LORA_TARGET_MODULES[:4]
+    return (*_latent_projections(model), "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def _latent_projections(model: ModelConfig) -> tuple[str, ...]:
+    """Multi-latent attention's query and key/value projections: what ``linear_qkv`` means there."""
+    query = ("linear_q_down_proj", "linear_q_up_proj") if model.q_lora_rank is not None else ("linear_q_proj",)
+    return (*query, "linear_kv_down_proj", "linear_kv_up_proj")
+
+
+def _check_peft_on_model(peft: PeftConfig, model: ModelConfig) -> None:
+    """Multi-latent attention has no prefix slot, and ``linear_qkv`` there means its query and key/value
+    projections; a target the model lacks is an error naming those it has."""
+    _require(not (peft.peft == "prefix" and model.multi_latent_attention),
+             "--peft prefix prepends keys and values to each head's, which --multi-latent-attention expands from a "
+             "latent: fine-tune it with --peft lora or adapter.")
+    if peft.peft != "lora":
+        return
+    targets = set(peft.lora_target_modules)
+    if model.multi_latent_attention and "linear_qkv" in targets:
+        targets = (targets - {"linear_qkv"}) | set(_latent_projections(model))
+    missing = sorted(targets - set(lora_targets_of(model)))
+    _require(not missing, f"--lora-target-modules {' '.join(missing)}: this model's linear layers are "
+                          f"{' '.join(lora_targets_of(model))}.")
+    peft.lora_target_modules = [m for m in LORA_TARGET_MODULES if m in targets]
+
+
+def _check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """The sequence splits into 2 x cp chunks (rank i holds chunks i and 2cp - 1 - i, which balances causal
+    attention), each rank's share again over tensor-parallel ranks under sequence parallelism."""
+    cp, tp = parallel.context_parallel_size, parallel.tensor_model_parallel_size
+    _require(len(parallel.cp_comm_type) in (1, model.num_layers),
+             f"--cp-comm-type takes one value for every layer or one per layer ({model.num_layers}), got "
+             f"{len(parallel.cp_comm_type)}.")
+    if cp == 1:
+        return
+    _require(model.seq_length % (2 * cp) == 0,
+             f"--context-parallel-size {cp} splits each sequence into 2 x {cp} = {2 * cp} equal chunks (rank i holds "
+             f"chunks i and {2 * cp - 1} - i, which balances causal attention): --seq-length ({model.seq_length}) must "
+             f"be divisible by {2 * cp}.")
+    _require(not parallel.sequence_parallel or (model.seq_length // cp) % tp == 0,
+             f"--sequence-parallel splits each context-parallel rank's {model.seq_length // cp} positions over "
+             f"--tensor-model-parallel-size ({tp}) ranks: make --seq-length divisible by {cp} x {tp}.")
+    _require("p2p" not in parallel.cp_comm_type or model.attention_dropout == 0,
+             f"--cp-comm-type p2p computes attention block by block without keeping the probabilities, so it has no "
+             f"attention dropout: give --attention-dropout 0 (--attention-dropout {model.attention_dropout} now; "
+             f"Megatron-LM's default is 0.1), or --cp-comm-type all_gather.")
+    # Measured: without the load-balancing loss a mixture of experts at cp2 equals one process; with it, each
+    # rank balances its own tokens' routing, not the sequence's, and the weights drift apart.
+    _require(model.num_experts is None or model.moe_aux_loss_coeff == 0
+             or model.moe_router_load_balancing_type == "none",
+             f"--moe-router-load-balancing-type {model.moe_router_load_balancing_type} under --context-parallel-size "
+             f"{cp} would balance each rank's share of a sequence instead of the sequence: give --moe-aux-loss-coeff "
+             f"0 (or --moe-router-load-balancing-type none), or drop --context-parallel-size.")
+
+
+def _check_expert_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_size
+    if model.num_experts is None:
+        _require(ep == 1, "--expert-model-parallel-size splits the experts of mixture-of-experts layers: add "
+                          "--num-experts N, or drop it.")
+        return
+    _require(model.num_experts % ep == 0,
+             f"--num-experts ({model.num_experts}) must be divisible by --expert-model-parallel-size ({ep}): each "
+             f"expert-parallel rank holds the same number of experts.")
+    _require(model.moe_ffn_hidden_size % etp == 0,
+             f"--moe-ffn-hidden-size ({model.moe_ffn_hidden_size}) must be divisible by the expert-tensor-parallel "
+             f"size ({etp}, --expert-tensor-parallel-size, default --tensor-model-parallel-size).")
+    shared = model.moe_shared_expert_intermediate_size
+    _require(shared is None or shared % parallel.tensor_model_parallel_size == 0,
+             f"--moe-shared-expert-intermediate-size ({shared}) must be divisible by --tensor-model-parallel-size "
+             f"({parallel.tensor_model_parallel_size}): the shared expert is split as a dense MLP.")
+
+
+def _check_expert_lora(model: ModelConfig, parallel: ParallelConfig, peft: PeftConfig) -> None:
+    """LoRA on experts' linear_fc1 / linear_fc2 (each expert its own adapters) runs with the loop over experts and
+    experts whole or split like the dense layers (their adapters' whole factors are summed over tensor ranks)."""
+    mlp_targets = sorted({"linear_fc1", "linear_fc2"} & set(peft.lora_target_modules))
+    if model.num_experts is None or peft.peft != "lora" or not mlp_targets:
+        return
+    _require(not model.moe_grouped_gemm,
+             f"--peft lora on experts ({' '.join(mlp_targets)}) adapts each expert's linears, which "
+             f"--moe-grouped-gemm bypasses: drop --moe-grouped-gemm, or target linear_qkv linear_proj only.")
+    etp, tp = parallel.expert_tensor_size, parallel.tensor_model_parallel_size
+    _require(etp in (1, tp), f"--peft lora on experts needs --expert-tensor-parallel-size 1 or the tensor-parallel "
+                             f"size ({tp}), got {etp}.")
 
 
 def _check_schedule_units(training: TrainingConfig, optimizer: OptimizerConfig) -> None:

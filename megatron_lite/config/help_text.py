@@ -22,15 +22,22 @@ HELP = {
     "normalization": "norm before attention and MLP: LayerNorm (GPT-2) or RMSNorm (Llama)",
     "norm_epsilon": "epsilon inside the norms (Llama checkpoints often use 1e-6 or 1e-5)",
     "apply_layernorm_1p": "norm weights hold scale - 1, zero at init (Megatron's zero-centred gamma; both norms)",
-    "position_embedding_type": "learned_absolute (GPT-2) or rope (rotary, Llama)",
-    "rotary_base": "RoPE base frequency theta (Llama 3: 500000)",
+    "position_embedding_type": "learned_absolute (GPT-2), rope (rotary, Llama) or yarn (rotary with YaRN scaling)",
+    "rotary_base": "RoPE base frequency theta (Llama 3: 500000); with --rotary-base-local, the global layers' only",
+    "rotary_base_local": ("RoPE base of the sliding-window (local) layers, which then rotate without RoPE scaling; "
+                          "--rotary-base and the scaling are the global layers' (Gemma 3: 10000 and 1000000; "
+                          "Megatron-Bridge's rotary_base_local, not a Megatron-LM flag)"),
     "rotary_percent": "fraction of each head's channels that RoPE rotates (the first ones; GPT-NeoX: 0.25)",
     "attention_backend": ("auto, flash, fused: torch's scaled_dot_product_attention; unfused, local: explicit "
                           "QK^T, the fused causal masked softmax, then V"),
     "swiglu": "SwiGLU MLP (gated SiLU, Llama) instead of GELU",
     "add_bias_linear": "drop the biases of every linear layer (Llama)",
     "add_qkv_bias": "a bias on the query/key/value projection only, also with --disable-bias-linear (Qwen2)",
-    "qk_layernorm": "normalise each head's queries and keys (RMSNorm over the head width) before RoPE (Qwen3)",
+    "qk_layernorm": ("normalise each head's queries and keys (RMSNorm over the head width) before RoPE (Qwen3); with "
+                     "--multi-latent-attention, the query and key/value latents"),
+    "qk_layernorm_whole_projection": ("with --qk-layernorm, normalise all heads' queries together (and all keys): "
+                                      "one RMSNorm over the whole projection, a weight per channel (OLMoE; "
+                                      "Megatron-Bridge's OLMoE attention, not a Megatron-LM flag)"),
     "window_size": ("sliding-window attention LEFT RIGHT, RIGHT 0: a token sees itself and the LEFT tokens "
                     "before it (Mistral's sliding_window W is LEFT = W - 1); default: the whole sequence"),
     "window_attn_skip_freq": ("with --window-size, every Nth layer (counting from 1) attends to the whole "
@@ -47,15 +54,75 @@ HELP = {
     "use_rope_scaling": ("Llama 3.x RoPE scaling: low frequencies divided by --rope-scaling-factor (original "
                          "context 8192, low/high frequency factors 1 and 4, as Megatron-LM)"),
     "rope_scaling_factor": "the factor of --use-rope-scaling",
+    "rotary_scaling_factor": "YaRN's context stretch: low frequencies divided by it, high ones kept",
+    "mscale": ("YaRN: rotated channels scaled by (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) "
+               "+ 1)"),
+    "mscale_all_dim": ("YaRN: the denominator's mscale; multi-latent attention also multiplies its softmax scale by "
+                       "(0.1 mscale_all_dim ln(factor) + 1)^2"),
+    "yarn_original_max_position_embeddings": "YaRN: the context the model was trained at before the stretch "
+                                             "(default 4096)",
+    "yarn_beta_fast": "YaRN: frequencies of more than this many turns over the original context are kept (default 32)",
+    "yarn_beta_slow": "YaRN: those of fewer turns are fully stretched, in between blended (default 1)",
+    "yarn_correction_range_round_to_int": "YaRN: keep the blended range of channels unrounded (default: rounded out)",
+    "multi_latent_attention": ("multi-latent attention (DeepSeek-V2/V3): queries, keys and values from low-rank "
+                               "latents; the generation cache holds the key/value latent"),
+    "q_lora_rank": "MLA: width of the query latent (default: queries projected straight from the hidden state)",
+    "kv_lora_rank": "MLA: width of the key/value latent",
+    "qk_head_dim": "MLA: query/key channels per head without rotary embedding",
+    "qk_pos_emb_head_dim": "MLA: query/key channels per head with rotary embedding (the key's shared by all heads)",
+    "v_head_dim": "MLA: value channels per head",
+    "rope_type": "MLA's rotary embedding, rope or yarn (default: yarn; other attention: --position-embedding-type)",
     "untie_embeddings_and_output_weights": "give the output layer its own weight instead of the input embedding's",
     "hidden_dropout": "dropout on the attention and MLP outputs",
     "attention_dropout": "dropout on the attention probabilities",
     "init_method_std": "standard deviation of the normal weight init (output projections are scaled by depth)",
     "make_vocab_size_divisible_by": "pad the vocabulary to a multiple of this x tensor-parallel size",
     "use_fused_kernels": "use the PyTorch reference ops instead of the fused CUDA kernels",
+    "num_experts": "experts of each mixture-of-experts layer (default: none, every MLP dense)",
+    "moe_ffn_hidden_size": "inner width of each expert (default --ffn-hidden-size)",
+    "moe_layer_freq": ('which layers are mixture-of-experts: N (every Nth, from the first) or a list of 0s and 1s '
+                       'per layer, e.g. "([0]+[1]*23)" for a first dense layer (parsed, not eval\'d as in '
+                       'Megatron-LM, which also keeps the text as an int)'),
+    "moe_router_topk": "experts each token is routed to",
+    "moe_router_score_function": ("router scores: softmax (Mixtral, Qwen-MoE) or sigmoid, normalised over the "
+                                  "top-k (DeepSeek-V3)"),
+    "moe_router_pre_softmax": ("softmax over all experts before choosing the top-k, which are then not "
+                               "renormalised (OLMoE, Qwen2-MoE); default: softmax over the top-k logits"),
+    "moe_router_topk_scaling_factor": "multiply the top-k routing weights by this (DeepSeek's routed_scaling_factor)",
+    "moe_router_num_groups": ("group-limited routing: the experts form this many groups, and each token picks "
+                              "--moe-router-group-topk groups first (DeepSeek's device/node-limited routing)"),
+    "moe_router_group_topk": "with --moe-router-num-groups: groups each token's experts may come from",
+    "moe_router_group_score": ("how --moe-router-num-groups' groups are scored: topk_sum, the sum of each group's "
+                               "best topk / group-topk scores (Megatron-LM's, DeepSeek-V3's), or max, its best score "
+                               "(DeepSeek-V2's group_limited_greedy; not a Megatron-LM option)"),
+    "moe_router_load_balancing_type": ("aux_loss (Switch Transformer's, per micro-batch and layer), seq_aux_loss "
+                                       "(per sequence, DeepSeek), pooled_aux_loss (the statistics of all layers "
+                                       "pooled, as transformers' MoE models; not a Megatron-LM type) or none"),
+    "moe_aux_loss_coeff": "weight of the load-balancing loss in the training loss (1e-2 is a common start)",
+    "moe_z_loss_coeff": "weight of the router z-loss, the mean squared log-sum-exp of the router logits (ST-MoE)",
+    "moe_router_enable_expert_bias": ("aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the sigmoid "
+                                      "scores, used only to choose experts, moved once per global batch towards "
+                                      "an equal token count"),
+    "moe_router_bias_update_rate": "with --moe-router-enable-expert-bias: the bias step per global batch",
+    "moe_expert_capacity_factor": ("drop tokens past capacity = factor x tokens x top-k / experts per expert and "
+                                   "micro-batch (default: dropless)"),
+    "moe_pad_expert_input_to_capacity": "with --moe-expert-capacity-factor: every expert computes exactly its capacity",
+    "moe_token_drop_policy": "which tokens past capacity are dropped: lowest routing probability, or last in position",
+    "moe_shared_expert_intermediate_size": "inner width of the shared expert every token also passes through",
+    "moe_shared_expert_gate": "scale the shared expert's output by sigmoid of a learned projection (Qwen2-MoE)",
+    "moe_grouped_gemm": ("run each rank's experts as one grouped GEMM (torch._grouped_mm) instead of a loop over "
+                         "experts"),
     # parallel
     "tensor_model_parallel_size": "GPUs each layer is split across (keep within a node)",
     "pipeline_model_parallel_size": "pipeline stages the layers are split into",
+    "context_parallel_size": "GPUs each sequence is split across (every activation; attention exchanges keys and "
+                             "values); the sequence is cut into 2 x this many chunks, rank i holding chunks i and "
+                             "2 x size - 1 - i",
+    "cp_comm_type": "how context-parallel attention exchanges keys and values: p2p (a ring, overlapped with each "
+                    "block's attention) or all_gather (Megatron-LM: allgather); one value, or one per layer",
+    "expert_model_parallel_size": "ranks the experts of each mixture-of-experts layer are divided over",
+    "expert_tensor_parallel_size": ("ranks each expert's weights are split across (default "
+                                    "--tensor-model-parallel-size, which Megatron-LM's validation writes in)"),
     "virtual_pipeline_model_parallel_size": "model chunks per pipeline stage (interleaved 1F1B)",
     "num_layers_per_virtual_pipeline_stage": "layers per model chunk; sets --virtual-pipeline-model-parallel-size",
     "decoder_first_pipeline_num_layers": "layers on the first pipeline stage (uneven split)",
@@ -220,7 +287,10 @@ HELP = {
     "lora_rank": "rank r of the LoRA update B A",
     "lora_alpha": "LoRA scale: the update is multiplied by alpha / r",
     "lora_dropout": "dropout on the input of the LoRA branch",
-    "lora_target_modules": "the linear layers LoRA adapts, any of linear_qkv linear_proj linear_fc1 linear_fc2",
+    "lora_target_modules": ("the linear layers LoRA adapts, any of linear_qkv linear_proj linear_fc1 linear_fc2 "
+                            "(default: all four) or, with --multi-latent-attention, linear_q_proj linear_q_down_proj "
+                            "linear_q_up_proj linear_kv_down_proj linear_kv_up_proj (linear_qkv: all of these "
+                            "the model has)"),
     "adapter_dim": "bottleneck width of the adapters (--peft adapter)",
     "prefix_length": "learned key/value vectors prepended in every layer (--peft prefix)",
     "prefix_projection_hidden_size": ("produce the prefixes during training through a two-layer MLP of this width "

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from megatron_lite.data.atomic_write import atomic_write
+from megatron_lite.files import atomic_write
 
 DEFAULT_WAIT_TIMEOUT_S = 600.0
 _POLL_INTERVAL_S = 0.2

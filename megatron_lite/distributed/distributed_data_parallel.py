@@ -18,6 +18,10 @@ pre-hook waits only for the buckets holding its own parameters.
 --data-parallel-sharding-strategy says what is sharded (ZeRO stages 0-3); each level is one
 class in ``sharding_strategy.py``, which this wrapper hands every decision a level changes: what
 the buffers store, what a gradient hook does, what runs before a forward and after the step.
+
+Expert weights of a mixture-of-experts layer (``param.expert_parallel``) are replicated over another
+group, the expert-data-parallel one: they get buffers of their own with a strategy instance over that
+group, and each bucket is reduced (and sharded) by its own buffer's strategy.
 """
 from __future__ import annotations
 
@@ -31,6 +35,9 @@ from megatron_lite.config import ConfigError, ParallelConfig
 from megatron_lite.distributed.fully_sharded import FullyShardedUnits
 from megatron_lite.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron_lite.distributed.sharding_strategy import sharding_strategy
+from megatron_lite.process_groups import collectives
+
+DENSE_GROUP = object()  # expert_data_parallel_group's default: experts are reduced with the other weights
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -40,6 +47,8 @@ class DistributedDataParallel(torch.nn.Module):
         module: the model chunk (parameters already on their device and dtype).
         config: the parallel configuration (bucket size, overlap flags, distributed optimizer).
         data_parallel_group: the group gradients are averaged over (None = one rank).
+        expert_data_parallel_group: the group expert weights' gradients are summed over, each scaled by one
+            over the data-parallel size (default: the data-parallel group, the same average).
         grad_reduce_in_fp32: keep and reduce gradients in fp32. Default: on for bf16 parameters
             (Megatron accumulates bf16 gradients in fp32 unless --grad-reduce-in-bf16) or with
             --accumulate-allreduce-grads-in-fp32; off otherwise (fp16 gradients stay fp16).
@@ -47,7 +56,8 @@ class DistributedDataParallel(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, *, config: ParallelConfig, data_parallel_group,
-                 grad_reduce_in_fp32: Optional[bool] = None, fsdp_unit_modules: tuple = ()) -> None:
+                 expert_data_parallel_group=DENSE_GROUP, grad_reduce_in_fp32: Optional[bool] = None,
+                 fsdp_unit_modules: tuple = ()) -> None:
         super().__init__()
         self.module = module
         self.config = config
@@ -55,24 +65,29 @@ class DistributedDataParallel(torch.nn.Module):
         if config.ddp_bucket_size is not None and config.ddp_bucket_size < 1:
             raise ConfigError(f"--ddp-bucket-size must be a positive number of elements, got {config.ddp_bucket_size}.")
         self.sharding = sharding_strategy(config, data_parallel_group)
+        if expert_data_parallel_group is DENSE_GROUP:
+            expert_data_parallel_group = data_parallel_group
+        self.expert_sharding = sharding_strategy(config, expert_data_parallel_group,
+                                                 1.0 / collectives.world_size(data_parallel_group))
         self.is_last_microbatch = True
 
         params = [p for p in module.parameters() if p.requires_grad]
         units = FullyShardedUnits.units_of(module, fsdp_unit_modules)
-        by_dtype: dict = {}
+        by_kind: dict = {}  # (dtype, expert weight?) -> parameters
         for param in params:
-            by_dtype.setdefault(param.dtype, []).append(param)
+            by_kind.setdefault((param.dtype, getattr(param, "expert_parallel", False)), []).append(param)
         self.grad_buffers: list[ParamAndGradBuffer] = []
-        for dtype, group in by_dtype.items():
+        for (dtype, expert), group in by_kind.items():
             fp32_grads = grad_reduce_in_fp32
             if fp32_grads is None:
                 fp32_grads = config.accumulate_allreduce_grads_in_fp32 or (
                     dtype == torch.bfloat16 and not config.grad_reduce_in_bf16)
             self.grad_buffers.append(ParamAndGradBuffer(
-                group, grad_dtype=torch.float32 if fp32_grads else dtype, sharding=self.sharding,
-                unit_of=lambda p: units.get(p),
+                group, grad_dtype=torch.float32 if fp32_grads else dtype,
+                sharding=self.expert_sharding if expert else self.sharding, unit_of=lambda p: units.get(p),
                 grad_device=torch.device("cpu") if config.grad_cpu_offload else None))
         self.param_to_bucket = {p: b for buf in self.grad_buffers for p, b in buf.param_to_bucket.items()}
+        self.sharding_of = {b: buf.sharding for buf in self.grad_buffers for b in buf.buckets}
 
         # The hook holds the wrapper weakly: a parameter's hooks live in autograd's C++ side, where the garbage
         # collector cannot see the cycle param -> hook -> wrapper -> param. Held strongly, the wrapper, its
@@ -81,7 +96,17 @@ class DistributedDataParallel(torch.nn.Module):
         grad_hook = _weak_hook(self._grad_hook)
         for param in params:
             param.register_post_accumulate_grad_hook(grad_hook)
-        self.sharding.register_forward_hooks(module, units, self.param_to_bucket)
+        for sharding in self._shardings():
+            sharding.register_forward_hooks(module, units, {p: b for p, b in self.param_to_bucket.items()
+                                                            if self.sharding_of[b] is sharding})
+
+    def _shardings(self) -> list:
+        """The strategy of the dense weights, then the experts' (when the chunk has experts)."""
+        experts = any(buffer.sharding is self.expert_sharding for buffer in self.grad_buffers)
+        return [self.sharding] + [self.expert_sharding] * experts
+
+    def _buckets_of(self, sharding) -> list:
+        return [b for b in self.buckets if self.sharding_of[b] is sharding]
 
     @property
     def buckets(self) -> list:
@@ -95,24 +120,27 @@ class DistributedDataParallel(torch.nn.Module):
     def parameter_tensors(self) -> list:
         """The tensors holding this chunk's parameters (for measuring memory): the parameters themselves
         (views of the flat buffer under optim and optim_grads) and whatever else the strategy keeps."""
-        return list(self.module.parameters()) + self.sharding.parameter_tensors(self.grad_buffers)
+        return list(self.module.parameters()) + [t for buffer in self.grad_buffers
+                                                 for t in buffer.sharding.parameter_tensors([buffer])]
 
     def gradient_tensors(self) -> list:
         """The gradient buffers: full, or ZeRO-2/3's shards and bucket-sized staging buffers."""
-        return self.sharding.gradient_tensors(self.grad_buffers)
+        return [t for buffer in self.grad_buffers for t in buffer.sharding.gradient_tensors([buffer])]
 
     @property
     def fully_sharded(self):
-        """ZeRO-3's gather schedule (``fully_sharded.py``); None under the other strategies."""
+        """ZeRO-3's gather schedule of the dense weights (``fully_sharded.py``); None under the other strategies."""
         return self.sharding.fully_sharded
 
     @property
     def peak_gathered_bytes(self) -> int:
-        """ZeRO-3: the most whole-parameter bytes alive at once since ``reset_peak_memory()``."""
-        return self.sharding.peak_gathered_bytes
+        """ZeRO-3: the most whole-parameter bytes alive at once since ``reset_peak_memory()`` (dense weights and
+        experts measured apart and added: at most that)."""
+        return sum(sharding.peak_gathered_bytes for sharding in self._shardings())
 
     def reset_peak_memory(self) -> None:
-        self.sharding.reset_peak_memory()
+        for sharding in self._shardings():
+            sharding.reset_peak_memory()
 
     def forward(self, *args, **kwargs):
         return self.sharding.forward(self.module, *args, **kwargs)
@@ -121,9 +149,10 @@ class DistributedDataParallel(torch.nn.Module):
         # Accumulate into the buffer (fp32 for mixed precision), or stage it for ZeRO-2/3's
         # reduce-scatter, and free the model-precision gradient right away.
         bucket = self.param_to_bucket[param]
-        self.sharding.add_grad(bucket, param, param.grad)
+        sharding = self.sharding_of[bucket]
+        sharding.add_grad(bucket, param, param.grad)
         param.grad = None
-        self.sharding.grad_ready(bucket, param, last_microbatch=self.is_last_microbatch)
+        sharding.grad_ready(bucket, param, last_microbatch=self.is_last_microbatch)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -139,7 +168,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Launch the reduction of every bucket not yet launched (asynchronous when overlapping)."""
         for bucket in self.buckets:
             if not bucket.grad_sync_started:
-                self.sharding.start_grad_sync(bucket, async_op=self.config.overlap_grad_reduce)
+                self.sharding_of[bucket].start_grad_sync(bucket, async_op=self.config.overlap_grad_reduce)
 
     def finish_grad_sync(self) -> None:
         """Complete every bucket's reduction: afterwards each ``ParamSlice.grad`` holds the dp-averaged
@@ -147,33 +176,38 @@ class DistributedDataParallel(torch.nn.Module):
         under optim)."""
         self.start_grad_sync()
         for bucket in self.buckets:
-            self.sharding.finish_grad_sync(bucket)
-            self.sharding.after_grad_sync(bucket)
+            self.sharding_of[bucket].finish_grad_sync(bucket)
+            self.sharding_of[bucket].after_grad_sync(bucket)
 
     def scale_gradients(self, factor) -> None:
         """Multiply every gradient this rank keeps (full buffers, or ZeRO-2/3's shards, which may live in
         host memory) by ``factor``, a number or a 0-dim tensor."""
         for buffer in self.grad_buffers:
-            data = self.sharding.kept_gradients(buffer)
+            data = buffer.sharding.kept_gradients(buffer)
             data.mul_(factor.to(data.device) if torch.is_tensor(factor) else factor)
 
     def start_param_sync(self) -> None:
         """All-gather the updated parameter shards (optim, optim_grads); asynchronous under
         --overlap-param-gather, the next forward waiting bucket by bucket. ZeRO-3 gathers on use."""
-        self.sharding.start_param_sync(self.buckets)
+        for sharding in self._shardings():
+            sharding.start_param_sync(self._buckets_of(sharding))
 
     def finish_param_sync(self) -> None:
         """Wait for every outstanding parameter all-gather (before reading or saving weights)."""
         for bucket in self.buckets:
             bucket.finish_param_sync()
 
+    @contextlib.contextmanager
     def gathered_parameters(self, write_back: bool = False):
         """ZeRO-3: every parameter whole inside the block (a collective: every data-parallel rank
         enters it), for ``state_dict()`` and ``load_state_dict()`` (tests and tools; checkpoints read and
         write the shards instead, gathering nothing); with ``write_back`` the values it leaves are kept
         (each rank copies its own shard, no communication). It holds the whole chunk at once. Other
         strategies hold whole parameters already: nothing happens."""
-        return self.sharding.gathered_parameters(self.buckets, write_back)
+        with contextlib.ExitStack() as stack:
+            for sharding in self._shardings():
+                stack.enter_context(sharding.gathered_parameters(self._buckets_of(sharding), write_back))
+            yield
 
     def zero_grad_buffer(self) -> None:
         """Zero the gradient buffers; call before each iteration's first micro-batch."""

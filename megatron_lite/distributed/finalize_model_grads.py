@@ -6,7 +6,8 @@
 3. The tied word embedding lives on the first and the last pipeline stage: each
    holds half of its gradient, summed over the embedding group.
 4. With a per-token loss (``num_tokens`` given), backward ran from loss *sums*:
-   divide by the number of loss tokens in the whole global batch.
+   divide by the number of loss tokens in the whole global batch (every data-parallel
+   replica's and every context-parallel rank's share).
 
 Steps 2 and 3 are element-wise sums, so they act on each rank's ``param_slices()``
 only: its shards under a sharding strategy (where only those hold averaged
@@ -58,12 +59,14 @@ def finalize_model_grads(model_chunks: list, num_tokens: torch.Tensor | None = N
 
 
 def _divide_by_global_token_count(model_chunks: list, num_tokens: torch.Tensor, parallel_state) -> None:
-    # Only the last stage counted the tokens; the others learn the count from it, then the replicas add theirs.
+    # Only the last stage counted the tokens; the others learn the count from it, then the replicas (and the
+    # context-parallel ranks, each with its own positions) add theirs.
     num_tokens = num_tokens.clone()
     collectives.broadcast(num_tokens, src=parallel_state.group_ranks["pipeline"][-1],
                           group=parallel_state.pipeline_model_parallel_group)
-    collectives.all_reduce(num_tokens, parallel_state.data_parallel_group)
-    # The data-parallel reduction averaged the replicas' gradients (x 1/dp); a sum over the batch is wanted.
-    factor = parallel_state.data_parallel_world_size / num_tokens.clamp(min=1).double()
+    reduced_over = parallel_state.data_parallel_group_with_context
+    collectives.all_reduce(num_tokens, reduced_over)
+    # The gradient reduction averaged over data x context ranks (x 1/(dp cp)); a sum over the batch is wanted.
+    factor = collectives.world_size(reduced_over) / num_tokens.clamp(min=1).double()
     for chunk in model_chunks:
         chunk.scale_gradients(factor)

@@ -49,18 +49,25 @@ class NoShard:
     --overlap-grad-reduce, else all at the end); the optimizer updates every element.
 
     Args:
-        data_parallel_group: the group gradients are averaged over (None = one rank; a ``MockGroup``
+        data_parallel_group: the group gradients are summed over (None = one rank; a ``MockGroup``
             for the planner).
         config: bucket size and overlap flags.
+        gradient_scaling_factor: what each gradient is multiplied by before the sum; default one over the
+            group's size, an average. Expert weights are summed over the expert-data-parallel group but
+            scaled by one over the data-parallel size (Megatron-LM's rule): each expert replica has seen
+            the tokens of ``data-parallel size / expert-data-parallel size`` data-parallel replicas.
     """
 
     name = "no_shard"
     fully_sharded: Optional[FullyShardedUnits] = None  # ZeRO-3's gather schedule; the others keep parameters whole
 
-    def __init__(self, data_parallel_group, config: ParallelConfig) -> None:
+    def __init__(self, data_parallel_group, config: ParallelConfig,
+                 gradient_scaling_factor: Optional[float] = None) -> None:
         self.data_parallel_group = data_parallel_group
         self.data_parallel_size = collectives.world_size(data_parallel_group)
         self.config = config
+        self.gradient_scaling_factor = (1.0 / self.data_parallel_size if gradient_scaling_factor is None
+                                        else gradient_scaling_factor)
 
     # What a rank stores.
     @property
@@ -152,16 +159,16 @@ class NoShard:
             self.start_grad_sync(bucket, async_op=True)
 
     def start_grad_sync(self, bucket, async_op: bool) -> None:
-        """Average the bucket's gradients over the data-parallel group. They are scaled by 1/dp *before*
-        the sum so fp16 gradients cannot overflow in the reduction (gloo has no AVG either)."""
+        """Average the bucket's gradients over the data-parallel group: scaled (by 1/dp) *before* the sum so
+        fp16 gradients cannot overflow in the reduction (gloo has no AVG either)."""
         bucket.grad_sync_started = True
-        if self.data_parallel_size == 1:
-            return  # nothing to average
-        bucket.grad_handle = self._reduce(bucket, self._scaled(bucket.grad_data), async_op)
+        self._scaled(bucket.grad_data)
+        if self.data_parallel_size > 1:
+            bucket.grad_handle = self._reduce(bucket, bucket.grad_data, async_op)
 
     def _scaled(self, data: torch.Tensor) -> torch.Tensor:
-        if self.data_parallel_size > 1:
-            data.mul_(1.0 / self.data_parallel_size)
+        if self.gradient_scaling_factor != 1.0:
+            data.mul_(self.gradient_scaling_factor)
         return data
 
     def _reduce(self, bucket, data: torch.Tensor, async_op: bool):
@@ -506,6 +513,7 @@ STRATEGIES = {strategy.name: strategy for strategy in (NoShard, ShardOptimizer, 
                                                         ShardEverything)}
 
 
-def sharding_strategy(config: ParallelConfig, data_parallel_group) -> NoShard:
+def sharding_strategy(config: ParallelConfig, data_parallel_group,
+                      gradient_scaling_factor: Optional[float] = None) -> NoShard:
     """The strategy ``config.data_parallel_sharding_strategy`` names, over ``data_parallel_group``."""
-    return STRATEGIES[config.data_parallel_sharding_strategy](data_parallel_group, config)
+    return STRATEGIES[config.data_parallel_sharding_strategy](data_parallel_group, config, gradient_scaling_factor)

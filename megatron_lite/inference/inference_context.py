@@ -6,10 +6,21 @@ each attention layer stores them here instead of recomputing them, so a step cos
 token's work. The cache is allocated once per layer, at its first use, for the longest
 sequence the batch will reach, and filled in place.
 
+What a layer caches is its own affair: standard attention its keys and values,
+multi-latent attention the compressed latent they are expanded from and the rotary key
+its heads share (kv_lora_rank + qk_pos_emb_head_dim numbers per token instead of
+heads x (key + value width)).
+
 Each rank holds only what its layers compute: a tensor-parallel rank its own query
-groups' keys and values, a pipeline stage its own layers. ``sequence_len_offset`` is
+groups' keys and values (multi-latent attention's latent is every head's, so each rank
+holds it whole), a pipeline stage its own layers. ``sequence_len_offset`` is
 how many positions are already cached; the new tokens of a forward pass take the
 positions after it (the model numbers them from it when given no position ids).
+
+A sliding-window layer (Mistral, Gemma's local layers) never looks further back than its
+window, so it keeps only that many positions: its memory stays the window's however long
+the sequence grows. Its keys then start later than the other layers', and the attention
+takes the last columns of the mask to match.
 """
 from __future__ import annotations
 
@@ -20,27 +31,44 @@ class StaticInferenceContext:
     def __init__(self, max_sequence_length: int):
         self.max_sequence_length = max_sequence_length
         self.sequence_len_offset = 0
-        self.key_value_memory_dict: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.key_value_memory_dict: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def append_key_value(self, layer_number: int, key: torch.Tensor, value: torch.Tensor):
-        """Store layer ``layer_number``'s keys and values of the new tokens ([s, b, groups, d]) after the
-        cached ones; returns the keys and values of every position so far ([offset + s, b, groups, d]).
+    def append_key_value(self, layer_number: int, *tensors: torch.Tensor,
+                         window: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Store layer ``layer_number``'s tensors of the new tokens (each [s, b, ...]: keys and values, or a
+        latent and a rotary key) after the cached ones; returns each over every position so far ([offset + s,
+        b, ...]).
 
-        The cache is laid out [b, groups, positions, d], the layout attention reads them in: what it is
-        handed back is a permuted view whose every head's positions are contiguous rows, so each step's
-        attention reads the cache in place instead of gathering it from rows b x groups apart."""
-        end = self.sequence_len_offset + key.shape[0]
+        The cache holds each tensor with its positions second to last ([b, groups, positions, d] for keys),
+        the layout attention reads them in: what it hands back is a permuted view whose every head's positions
+        are contiguous rows, so each decoding step reads the cache in place instead of gathering rows b x groups
+        apart.
+
+        ``window``: the layer's queries see only the ``window`` positions before their own (a sliding
+        window), so only the last ``window`` are kept, and returned before the new ones."""
+        end = self.sequence_len_offset + tensors[0].shape[0]
         if end > self.max_sequence_length:
             raise ValueError(f"the key/value cache holds {self.max_sequence_length} positions; "
                              f"this step needs {end}.")
+        if window is not None:
+            return self._append_in_window(layer_number, tensors, window)
         if layer_number not in self.key_value_memory_dict:
-            batch, groups, head_dim = key.shape[1:]
-            shape = (batch, groups, self.max_sequence_length, head_dim)
-            self.key_value_memory_dict[layer_number] = (key.new_empty(shape), value.new_empty(shape))
-        keys, values = self.key_value_memory_dict[layer_number]
-        keys[:, :, self.sequence_len_offset:end] = key.permute(1, 2, 0, 3)
-        values[:, :, self.sequence_len_offset:end] = value.permute(1, 2, 0, 3)
-        return keys[:, :, :end].permute(2, 0, 1, 3), values[:, :, :end].permute(2, 0, 1, 3)
+            self.key_value_memory_dict[layer_number] = tuple(
+                t.new_empty((*t.shape[1:-1], self.max_sequence_length, t.shape[-1])) for t in tensors)
+        cached = self.key_value_memory_dict[layer_number]
+        for store, new in zip(cached, tensors):
+            store[..., self.sequence_len_offset:end, :] = new.movedim(0, -2)
+        return tuple(store[..., :end, :].movedim(-2, 0) for store in cached)
+
+    def _append_in_window(self, layer_number: int, tensors: tuple[torch.Tensor, ...], window: int):
+        stores = tuple(t.movedim(0, -2) for t in tensors)
+        cached = self.key_value_memory_dict.get(layer_number)
+        if cached is not None:
+            stores = tuple(torch.cat([store, new], dim=-2) for store, new in zip(cached, stores))
+        first_kept = max(0, stores[0].shape[-2] - window)
+        # Copies, so the whole step's keys (a long prompt's) are not kept alive through a view.
+        self.key_value_memory_dict[layer_number] = tuple(t[..., first_kept:, :].clone() for t in stores)
+        return tuple(t.movedim(-2, 0) for t in stores)
 
     def increment_sequence_len_offset(self, num_tokens: int) -> None:
         """Called once a forward pass has gone through every layer of this rank."""

@@ -12,6 +12,8 @@ import dataclasses
 import torch
 
 from megatron_lite.config import Config, ParallelConfig
+from megatron_lite.context_parallel import ContextParallelConfig
+from megatron_lite.expert_parallel import ExpertParallelConfig
 from megatron_lite.model.embedding import LanguageModelEmbedding
 from megatron_lite.model.gpt_model import GPTModel
 from megatron_lite.model.transformer_layer import TransformerLayer
@@ -42,10 +44,13 @@ def build_model_chunk(config: Config, parallel_state: ParallelState, *, pipeline
         decoder_last_pipeline_num_layers=parallel.decoder_last_pipeline_num_layers)
     model = GPTModel(
         config.model, tensor_parallel_config(config, parallel_state), layer_numbers=layers,
+        context_parallel=context_parallel_config(config, parallel_state),
         pre_process=pipeline_rank == 0 and virtual_rank == 0,
         post_process=pipeline_rank == pp - 1 and virtual_rank == vpp - 1,
         recompute_granularity=training.recompute_granularity, recompute_method=training.recompute_method,
-        recompute_num_layers=training.recompute_num_layers)
+        recompute_num_layers=training.recompute_num_layers,
+        ep_config=ExpertParallelConfig(ep_group=parallel_state.expert_model_parallel_group,
+                                       etp_group=parallel_state.expert_tensor_parallel_group))
     apply_peft(model, config)
     return model
 
@@ -54,6 +59,15 @@ def tensor_parallel_config(config: Config, parallel_state: ParallelState) -> Ten
     """What every tensor-parallel layer of this rank's model is told: made here once, handed down."""
     return TensorParallelConfig(tp_group=parallel_state.tensor_model_parallel_group,
                                 sequence_parallel=config.parallel.sequence_parallel, params_dtype=config.params_dtype)
+
+
+def context_parallel_config(config: Config, parallel_state: ParallelState) -> ContextParallelConfig | None:
+    """What every attention layer of this rank's model is told about context parallelism (None without it)."""
+    if parallel_state.context_parallel_world_size == 1:
+        return None
+    return ContextParallelConfig(cp_group=parallel_state.context_parallel_group,
+                                 global_ranks=tuple(parallel_state.group_ranks["context"]),
+                                 comm_types=tuple(config.parallel.cp_comm_type))
 
 
 def build_model(config: Config, parallel_state: ParallelState) -> list[GPTModel]:

@@ -1,12 +1,14 @@
-"""Token (vocab-parallel) and position embeddings, and rotary position angles."""
+"""Token (vocab-parallel) and position embeddings, and rotary position angles and their application."""
 import contextlib
 import dataclasses
 
 import torch
 from torch import nn
 
+from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.rope_scaling import scaled_inverse_frequencies
+from megatron_lite.model.rope_scaling import rotary_concentration, scaled_inverse_frequencies
+from megatron_lite.model.sliding_window import is_local_layer
 from megatron_lite.tensor_parallel import VocabParallelEmbedding, scatter_to_sequence_parallel_region
 from megatron_lite.tensor_parallel.random import get_rng_tracker
 from megatron_lite.tensor_parallel.config import TensorParallelConfig
@@ -47,6 +49,37 @@ class LanguageModelEmbedding(nn.Module):
         return self.dropout(embeddings)
 
 
+@dataclasses.dataclass(frozen=True)
+class RotaryAngles:
+    """The rotary angles of a batch's positions for every layer, each [s, b, 1, d] (``rotary_freqs``).
+
+    ``global_angles`` (--rotary-base, under the model's RoPE scaling) serve every layer, except that with
+    --rotary-base-local (Gemma 3) the local, sliding-window layers take ``local_angles``: their own base,
+    never scaled (Gemma 3 stretches only its global layers' context; docs/reference.md section 12)."""
+
+    global_angles: torch.Tensor
+    local_angles: torch.Tensor | None = None
+
+    def of_layer(self, local: bool) -> torch.Tensor:
+        """The angles of a layer that is ``local`` (attends through a window) or global."""
+        return self.local_angles if local and self.local_angles is not None else self.global_angles
+
+
+def rotary_angles(position_ids: torch.Tensor, config: ModelConfig) -> RotaryAngles:
+    """The angles of ``position_ids`` [b, s] for every layer of the model ``config``."""
+    local = config.rotary_base_local
+    return RotaryAngles(rotary_freqs(position_ids, config.rotary_dim, config.rotary_base, scaling=config),
+                        None if local is None else rotary_freqs(position_ids, config.rotary_dim, local))
+
+
+def layer_rotary_concentration(config: ModelConfig, layer_number: int) -> float:
+    """What layer ``layer_number`` (global, 0-based) multiplies its rotated channels by: YaRN's concentration
+    (``rope_scaling.rotary_concentration``) goes with the scaled angles, so a layer that takes ``RotaryAngles``'
+    unscaled local angles (a sliding-window layer under --rotary-base-local) takes 1."""
+    takes_local_angles = config.rotary_base_local is not None and is_local_layer(config, layer_number)
+    return 1.0 if takes_local_angles else rotary_concentration(config)
+
+
 def rotary_freqs(position_ids: torch.Tensor, rotary_dim: int, base: float,
                  scaling: ModelConfig | None = None) -> torch.Tensor:
     """Angles position * base^(-2i/d) of every token, laid out [s, b, 1, d] as cat(freqs, freqs)
@@ -69,3 +102,13 @@ def rotary_freqs(position_ids: torch.Tensor, rotary_dim: int, base: float,
         position_ids = position_ids[:1]
     freqs = position_ids.t().float()[..., None] * inv_freq  # [s, b, d/2]
     return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, freqs: torch.Tensor, concentration: float = 1.0) -> torch.Tensor:
+    """x [s, b, heads, d] rotated by ``rotary_freqs``' angles (its first ``freqs.shape[-1]`` channels; the rest
+    pass through), the rotated channels then multiplied by ``concentration`` (YaRN's, ``rope_scaling.py``)."""
+    rotated = kernels.apply_rotary_pos_emb(x, freqs)
+    if concentration == 1.0:
+        return rotated
+    width = freqs.shape[-1]
+    return torch.cat([rotated[..., :width] * concentration, rotated[..., width:]], dim=-1)

@@ -1,5 +1,5 @@
 """FLOPs of the model: what the training log's throughput and MFU count and the planner's step time
-charges, one count for both (docs/reference.md, "FLOPs, MFU, throughput").
+charges, one count for both (docs/reference.md section 7).
 
 Every matmul is counted, forward only per token; a backward costs twice its forward.
 """
@@ -10,16 +10,44 @@ from megatron_lite.config import ModelConfig
 
 def attention_core_flops_per_token(config: ModelConfig) -> float:
     """Forward FLOPs of QK^T and attention x V for one token (counted without the causal half)."""
-    return 2 * 2 * config.seq_length * config.num_attention_heads * config.head_dim
+    if config.multi_latent_attention:  # queries/keys and values of their own widths
+        key_width, value_width = config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
+    else:
+        key_width = value_width = config.head_dim
+    return 2 * config.seq_length * config.num_attention_heads * (key_width + value_width)
 
 
-def transformer_layer_flops_per_token(config: ModelConfig) -> float:
-    """Forward FLOPs of one transformer layer for one token, counting every matmul (GQA and SwiGLU included)."""
-    h, d = config.hidden_size, config.head_dim
-    qkv = 2 * h * (config.num_attention_heads + 2 * config.num_query_groups) * d
-    projection = 2 * config.num_attention_heads * d * h
-    mlp = 2 * h * config.ffn_hidden_size * (3 if config.swiglu else 2)
-    return qkv + attention_core_flops_per_token(config) + projection + mlp
+def attention_projection_flops_per_token(config: ModelConfig) -> float:
+    """Forward FLOPs of the attention's linear layers for one token: QKV (GQA included) and the output, or
+    multi-latent attention's down- and up-projections and output."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    if not config.multi_latent_attention:
+        qkv = 2 * h * (heads + 2 * config.num_query_groups) * config.head_dim
+        return qkv + 2 * heads * config.head_dim * h
+    query_width = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim)
+    query = (2 * h * query_width if config.q_lora_rank is None
+             else 2 * h * config.q_lora_rank + 2 * config.q_lora_rank * query_width)
+    latent = 2 * h * (config.kv_lora_rank + config.qk_pos_emb_head_dim)
+    keys_values = 2 * config.kv_lora_rank * heads * (config.qk_head_dim + config.v_head_dim)
+    return query + latent + keys_values + 2 * heads * config.v_head_dim * h
+
+
+def transformer_layer_flops_per_token(config: ModelConfig, layer_number: int = 0) -> float:
+    """Forward FLOPs of layer ``layer_number`` for one token, counting every matmul (GQA, MLA and SwiGLU included;
+    a mixture of experts' router, the k experts the token goes to and the shared expert)."""
+    return (attention_projection_flops_per_token(config) + attention_core_flops_per_token(config)
+            + mlp_flops_per_token(config, layer_number))
+
+
+def mlp_flops_per_token(config: ModelConfig, layer_number: int) -> float:
+    def mlp(width: int) -> float:
+        return 2 * config.hidden_size * width * (3 if config.swiglu else 2)
+
+    if not config.is_moe_layer(layer_number):
+        return mlp(config.ffn_hidden_size)
+    shared = config.moe_shared_expert_intermediate_size
+    return (2 * config.hidden_size * config.num_experts + config.moe_router_topk * mlp(config.moe_ffn_hidden_size)
+            + (mlp(shared) if shared is not None else 0))
 
 
 def output_layer_flops_per_token(config: ModelConfig, padded_vocab_size: int) -> float:
@@ -30,8 +58,8 @@ def num_floating_point_operations(config: ModelConfig, batch_size: int, padded_v
     """Model FLOPs of one iteration (forward + backward = 3 x forward), counting every matmul.
 
     For multi-head attention and a 4h GELU MLP this is Megatron's
-    72 B s l h^2 (1 + s/(6h) + V/(12 l h)); GQA and SwiGLU change the QKV and MLP terms.
+    72 B s l h^2 (1 + s/(6h) + V/(12 l h)); GQA, MLA and SwiGLU change the attention and MLP terms.
     """
-    per_token_forward = (config.num_layers * transformer_layer_flops_per_token(config)
+    per_token_forward = (sum(transformer_layer_flops_per_token(config, n) for n in range(config.num_layers))
                          + output_layer_flops_per_token(config, padded_vocab_size))
     return 3.0 * batch_size * config.seq_length * per_token_forward

@@ -3,13 +3,20 @@
 One class covers GPT-2 and Llama (see ModelConfig). A pipeline stage is the same
 class built with ``pre_process`` (holds the embedding), ``post_process`` (holds the
 final norm, the output layer and the loss) and the global layer numbers it runs.
+Under context parallelism (``context_parallel``) it runs on this rank's positions of each
+sequence, its inputs, position ids and labels cut to them (``context_parallel/sharding.py``);
+only attention looks across the ranks.
 """
 import torch
 from torch import nn
 
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_freqs
+from megatron_lite.context_parallel import ContextParallelConfig, local_positions
+from megatron_lite.expert_parallel import ExpertParallelConfig
+from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_angles
+from megatron_lite.model.moe.router import TopKRouter
+from megatron_lite.model.moe.routing_pool import RoutingPool
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.model.transformer_block import TransformerBlock
@@ -20,14 +27,17 @@ from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_ent
 
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, tp_config: TensorParallelConfig, *, layer_numbers: range | None = None,
-                 pre_process: bool = True, post_process: bool = True, recompute_granularity: str | None = None,
-                 recompute_method: str | None = None, recompute_num_layers: int | None = None):
+                 context_parallel: ContextParallelConfig | None = None, pre_process: bool = True,
+                 post_process: bool = True, recompute_granularity: str | None = None,
+                 recompute_method: str | None = None, recompute_num_layers: int | None = None,
+                 ep_config: ExpertParallelConfig = ExpertParallelConfig()):
         super().__init__()
         self.config = config
         self.pre_process = pre_process
         self.post_process = post_process
         self.sequence_parallel = tp_config.sequence_parallel
         self.tp_group = tp_config.tp_group
+        self.context_parallel = context_parallel
         self.padded_vocab_size = config.padded_vocab_size(collectives.world_size(tp_config.tp_group))
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.input_tensor = None
@@ -37,9 +47,11 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, padded_vocab_size=self.padded_vocab_size,
                                                     tp_config=tp_config)
-        self.decoder = TransformerBlock(config, layer_numbers, recompute_granularity=recompute_granularity,
+        self.decoder = TransformerBlock(config, layer_numbers, context_parallel=context_parallel,
+                                        recompute_granularity=recompute_granularity,
                                         recompute_method=recompute_method,
-                                        recompute_num_layers=recompute_num_layers, tp_config=tp_config)
+                                        recompute_num_layers=recompute_num_layers, tp_config=tp_config,
+                                        ep_config=ep_config)
         if post_process:
             self.final_layernorm = Norm(config.hidden_size, normalization=config.normalization,
                                         eps=config.norm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,
@@ -58,6 +70,11 @@ class GPTModel(nn.Module):
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
+        # --moe-router-load-balancing-type pooled_aux_loss: each micro-batch's routing counts over all layers.
+        self.pools_routing = (config.num_experts is not None and config.moe_aux_loss_coeff > 0
+                              and config.moe_router_load_balancing_type == "pooled_aux_loss")
+        self.routers = [m for m in self.decoder.modules() if isinstance(m, TopKRouter)]
+        self.next_pool = None
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padding rows of the vocabulary are not tokens: keep them out of the softmax, which also
@@ -74,9 +91,33 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
+    def _position_ids(self, input_ids: torch.Tensor, inference_context) -> torch.Tensor:
+        """[b, s] positions of the tokens given: 0, 1, ..., counting on after a generation's cached tokens;
+        under context parallelism, this rank's positions of the whole sequence."""
+        if self.context_parallel is not None:
+            cp = self.context_parallel
+            positions = local_positions(input_ids.shape[1] * cp.size, cp.rank, cp.size).to(input_ids.device)
+            return positions.expand_as(input_ids)
+        first = inference_context.sequence_len_offset if inference_context is not None else 0
+        return torch.arange(first, first + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """The pipeline schedule hands a non-first stage its input activations here."""
         self.input_tensor = input_tensor
+
+    @property
+    def microbatch_statistics_size(self) -> int:
+        """The floats of statistics a micro-batch carries between pipeline stages (0: none): the pooled
+        routing counts of ``pooled_aux_loss`` (``moe/routing_pool.py``)."""
+        return self.config.num_experts if self.pools_routing else 0
+
+    def begin_microbatch(self, received: torch.Tensor | None) -> RoutingPool:
+        """The next forward's routing pool, continuing from the earlier stages' counts ``received``; the pipeline
+        schedule completes it on the last stage and hands the total back before that micro-batch's backward."""
+        moe_layers = sum(self.config.is_moe_layer(i) for i in range(self.config.num_layers))
+        self.next_pool = RoutingPool(self.config.num_experts, moe_layers, received,
+                                     device=next(self.parameters()).device)
+        return self.next_pool
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -92,17 +133,25 @@ class GPTModel(nn.Module):
         ones it has cached: positions count on from its offset, and only the last token's logits [b, 1, V]
         are computed, the only ones sampled from."""
         if position_ids is None:
-            first = inference_context.sequence_len_offset if inference_context is not None else 0
-            position_ids = torch.arange(first, first + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            position_ids = self._position_ids(input_ids, inference_context)
         if self.pre_process:
             hidden_states = self.embedding(input_ids, position_ids)
         else:
             hidden_states = self.input_tensor
-        freqs = None
-        if self.config.position_embedding_type == "rope":
-            freqs = rotary_freqs(position_ids.to(hidden_states.device), self.config.rotary_dim, self.config.rotary_base,
-                                 scaling=self.config)
-        hidden_states = self.decoder(hidden_states, freqs, attention_mask, inference_context)
+        rotary = None
+        if self.config.rotary:
+            rotary = rotary_angles(position_ids.to(hidden_states.device), self.config)
+        pool, self.next_pool = self.next_pool, None
+        whole_model = (self.pools_routing and pool is None and self.pre_process and self.post_process
+                       and self.training and torch.is_grad_enabled())
+        if whole_model:  # run outside a schedule: its pool is complete after this forward
+            pool = self.begin_microbatch(None)
+            self.next_pool = None
+        for router in self.routers:
+            router.pool = pool
+        hidden_states = self.decoder(hidden_states, rotary, attention_mask, inference_context)
+        if whole_model:
+            pool.complete()
         if not self.post_process:
             return hidden_states
         if inference_context is not None:

@@ -1,4 +1,6 @@
 """The feed-forward block: column-parallel up-projection, GELU, SwiGLU or GeGLU, row-parallel down."""
+from typing import Callable, Optional
+
 import torch
 from torch import nn
 
@@ -10,27 +12,36 @@ from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 class MLP(nn.Module):
     """SwiGLU's gate and up projections share one column-parallel weight laid out as
     ``[gate; up]`` and sharded with stride 2, so each rank holds matching halves. GeGLU (``--geglu``,
-    Gemma) is the same gated unit with a tanh-GELU gate."""
+    Gemma) is the same gated unit with a tanh-GELU gate. ``ffn_hidden_size`` overrides the config's
+    (a mixture-of-experts layer's shared expert has its own width)."""
 
-    def __init__(self, config: ModelConfig, *, tp_config: TensorParallelConfig):
+    def __init__(self, config: ModelConfig, *, tp_config: TensorParallelConfig, ffn_hidden_size: Optional[int] = None):
         super().__init__()
-        self.swiglu = config.swiglu
-        self.gated_activation = _geglu if config.geglu else kernels.swiglu
-        fc1_size = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
+        ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
+        self.activation = mlp_activation(config)
+        fc1_size = 2 * ffn_hidden_size if config.swiglu else ffn_hidden_size
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, fc1_size, tp_config=tp_config, bias=config.add_bias_linear,
             partition_stride=2 if config.swiglu else 1, skip_bias_add=True)
         self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, tp_config=tp_config, bias=config.add_bias_linear,
+            ffn_hidden_size, config.hidden_size, tp_config=tp_config, bias=config.add_bias_linear,
             input_is_parallel=True, skip_bias_add=True)
 
     def forward(self, hidden_states: torch.Tensor):
         intermediate, bias = self.linear_fc1(hidden_states)
-        if self.swiglu:
-            intermediate = self.gated_activation(intermediate if bias is None else intermediate + bias)
-        else:
-            intermediate = kernels.bias_gelu(intermediate, bias)
-        return self.linear_fc2(intermediate)
+        return self.linear_fc2(self.activation(intermediate, bias))
+
+
+def mlp_activation(config: ModelConfig) -> Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]:
+    """``activation(fc1 output, fc1 bias or None)``: SwiGLU or GeGLU on ``[gate, up]``, else GELU (the experts
+    of a mixture-of-experts layer use it too)."""
+    if not config.swiglu:
+        return kernels.bias_gelu
+    gated = _geglu if config.geglu else kernels.swiglu
+
+    def gated_activation(intermediate: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return gated(intermediate if bias is None else intermediate + bias)
+    return gated_activation
 
 
 def _geglu(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Sliding-window attention (Mistral; ``--window-size LEFT 0``): a query sees itself and the ``LEFT``
-keys before it, never further back. With ``--window-attn-skip-freq N`` (Gemma 2: 2) every Nth layer,
-counting from 1, attends globally instead, as Megatron-Core's ``window_attn_skip_freq``.
+keys before it, never further back. With ``--window-attn-skip-freq N`` (Gemma 2: 2, Gemma 3: 6) every
+Nth layer, counting from 1, attends globally instead, as Megatron-Core's ``window_attn_skip_freq``; the
+others are the local layers (which Gemma 3 also rotates with their own RoPE base, ``embedding.py``).
+The global layer number decides, so every pipeline split has the same local and global layers.
 
 It is one more mask, OR-ed with whatever attention already masks (causal, packed examples, a
 generation's padding), so training, packed SFT and the generation cache all take it. Queries are
@@ -27,10 +29,13 @@ class SlidingWindow:
         return attention_mask | outside
 
 
+def is_local_layer(config: ModelConfig, layer_number: int) -> bool:
+    """Whether layer ``layer_number`` (global, 0-based) attends through the sliding window."""
+    if config.window_size is None:
+        return False
+    return config.window_attn_skip_freq is None or (layer_number + 1) % config.window_attn_skip_freq != 0
+
+
 def layer_window(config: ModelConfig, layer_number: int) -> SlidingWindow | None:
     """The window of layer ``layer_number`` (global, 0-based), or None where it attends globally."""
-    if config.window_size is None:
-        return None
-    if config.window_attn_skip_freq is not None and (layer_number + 1) % config.window_attn_skip_freq == 0:
-        return None
-    return SlidingWindow(config.window_size[0])
+    return SlidingWindow(config.window_size[0]) if is_local_layer(config, layer_number) else None

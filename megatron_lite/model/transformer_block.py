@@ -3,6 +3,9 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig
+from megatron_lite.expert_parallel import ExpertParallelConfig
+from megatron_lite.model.embedding import RotaryAngles
 from megatron_lite.model.transformer_layer import TransformerLayer
 from megatron_lite.tensor_parallel import TensorParallelConfig
 from megatron_lite.tensor_parallel.random import checkpoint
@@ -16,43 +19,51 @@ class TransformerBlock(nn.Module):
     ``uniform`` checkpoints groups of ``recompute_num_layers`` layers, ``block``
     checkpoints the first ``recompute_num_layers`` layers of this chunk one by one.
     ``selective`` recomputes only the attention core (the s^2 part of the activations).
+
+    Each layer is handed the rotary angles of its kind (``RotaryAngles``: local layers may have their own).
     """
 
     def __init__(self, config: ModelConfig, layer_numbers: range, *, tp_config: TensorParallelConfig,
-                 recompute_granularity: str | None = None,
+                 context_parallel: ContextParallelConfig | None = None,
+                 ep_config: ExpertParallelConfig = ExpertParallelConfig(), recompute_granularity: str | None = None,
                  recompute_method: str | None = None, recompute_num_layers: int | None = None):
         super().__init__()
         self.layers = nn.ModuleDict({
-            str(n): TransformerLayer(config, layer_number=n, tp_config=tp_config,
+            str(n): TransformerLayer(config, layer_number=n, tp_config=tp_config, context_parallel=context_parallel,
+                                     ep_config=ep_config,
                                      checkpoint_core_attention=recompute_granularity == "selective")
             for n in layer_numbers})
         self.recompute_full = recompute_granularity == "full"
         self.recompute_method = recompute_method or "uniform"
         self.recompute_num_layers = recompute_num_layers or 1
 
-    def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None,
+    def forward(self, hidden_states: torch.Tensor, rotary: RotaryAngles | None = None,
                 attention_mask: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:
         layers = list(self.layers.values())
         if not (self.recompute_full and self.training):
             for layer in layers:
-                hidden_states = layer(hidden_states, rotary_freqs, attention_mask, inference_context)
+                hidden_states = layer(hidden_states, _angles(rotary, layer), attention_mask, inference_context)
             return hidden_states
         if self.recompute_method == "uniform":
             for start in range(0, len(layers), self.recompute_num_layers):
                 group = layers[start:start + self.recompute_num_layers]
-                hidden_states = checkpoint(_run_layers(group), hidden_states, rotary_freqs, attention_mask)
+                hidden_states = checkpoint(_run_layers(group), hidden_states, rotary, attention_mask)
             return hidden_states
         for index, layer in enumerate(layers):  # "block"
             if index < self.recompute_num_layers:
-                hidden_states = checkpoint(layer, hidden_states, rotary_freqs, attention_mask)
+                hidden_states = checkpoint(layer, hidden_states, _angles(rotary, layer), attention_mask)
             else:
-                hidden_states = layer(hidden_states, rotary_freqs, attention_mask)
+                hidden_states = layer(hidden_states, _angles(rotary, layer), attention_mask)
         return hidden_states
 
 
+def _angles(rotary: RotaryAngles | None, layer: TransformerLayer) -> torch.Tensor | None:
+    return None if rotary is None else rotary.of_layer(layer.local_attention)
+
+
 def _run_layers(layers):
-    def run(hidden_states, rotary_freqs, attention_mask):
+    def run(hidden_states, rotary, attention_mask):
         for layer in layers:
-            hidden_states = layer(hidden_states, rotary_freqs, attention_mask)
+            hidden_states = layer(hidden_states, _angles(rotary, layer), attention_mask)
         return hidden_states
     return run

@@ -1,5 +1,8 @@
 """One pre-norm transformer layer: x + Attn(Norm(x)), then x + MLP(Norm(x)).
 
+Which attention and which MLP (dense or a mixture of experts, ``--moe-layer-freq``) the layer has is
+its spec's choice (``layer_spec.py``).
+
 With ``--post-sublayer-norm`` (Gemma 2) each sublayer's output is normalised too before it joins the
 residual: x + Norm(Attn(Norm(x))), then x + Norm(MLP(Norm(x))); the norms are named as Megatron-Core's
 ``post_self_attn_layernorm`` and ``post_mlp_layernorm``.
@@ -11,28 +14,34 @@ from torch import nn
 
 from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.attention import SelfAttention
-from megatron_lite.model.mlp import MLP
+from megatron_lite.context_parallel import ContextParallelConfig
+from megatron_lite.expert_parallel import ExpertParallelConfig
+from megatron_lite.model.layer_spec import transformer_layer_spec
 from megatron_lite.model.norm import Norm
+from megatron_lite.model.sliding_window import is_local_layer
 from megatron_lite.tensor_parallel import TensorParallelConfig
 from megatron_lite.tensor_parallel.random import get_rng_tracker
 
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, *, layer_number: int, tp_config: TensorParallelConfig,
-                 checkpoint_core_attention: bool = False):
+                 context_parallel: ContextParallelConfig | None = None,
+                 ep_config: ExpertParallelConfig = ExpertParallelConfig(), checkpoint_core_attention: bool = False):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init do not depend on the stage
+        self.local_attention = is_local_layer(config, layer_number)  # attends through a sliding window
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = tp_config.sequence_parallel
         norm = dict(normalization=config.normalization, eps=config.norm_epsilon,
                     apply_layernorm_1p=config.apply_layernorm_1p, sequence_parallel=tp_config.sequence_parallel,
                     params_dtype=tp_config.params_dtype)
+        spec = transformer_layer_spec(config, layer_number, ep_config=ep_config)
         self.input_layernorm = Norm(config.hidden_size, **norm)
-        self.self_attention = SelfAttention(config, layer_number=layer_number, tp_config=tp_config,
-                                            checkpoint_core_attention=checkpoint_core_attention)
+        self.self_attention = spec.self_attention(config, layer_number=layer_number, tp_config=tp_config,
+                                                  context_parallel=context_parallel,
+                                                  checkpoint_core_attention=checkpoint_core_attention)
         self.pre_mlp_layernorm = Norm(config.hidden_size, **norm)
-        self.mlp = MLP(config, tp_config=tp_config)
+        self.mlp = spec.mlp(config, tp_config=tp_config)
         if config.post_sublayer_norm:
             self.post_self_attn_layernorm = Norm(config.hidden_size, **norm)
             self.post_mlp_layernorm = Norm(config.hidden_size, **norm)

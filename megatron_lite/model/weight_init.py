@@ -53,13 +53,12 @@ def full_shape(param: nn.Parameter, tensor_model_parallel_size: int, local_shape
 @torch.no_grad()
 def initialize_weights(model_chunks: list[nn.Module], config: ModelConfig, parallel_state: ParallelState,
                        seed: int) -> None:
-    tp_size = parallel_state.tensor_model_parallel_world_size
-    tp_rank = parallel_state.tensor_model_parallel_rank
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
+            rank, size = parallel_state.tensor_split(param)  # expert weights: over the expert-tensor ranks
             init_name = TIED_WEIGHT_NAME if getattr(param, "shared_embedding", False) else name
-            full = _init_full(init_name, param, full_shape(param, tp_size), config, seed)
+            full = _init_full(init_name, param, full_shape(param, size), config, seed)
             if getattr(param, "tensor_model_parallel", False):
                 full = shard_tensor(full, partition_dim=param.partition_dim, partition_stride=param.partition_stride,
-                                    rank=tp_rank, world_size=tp_size)
+                                    rank=rank, world_size=size)
             param.copy_(full)

@@ -1,8 +1,9 @@
 """The distributed optimizer: optimizer state (and fp32 main parameters) sharded over data-parallel
-ranks. That alone is ZeRO-1 (``--data-parallel-sharding-strategy optim``: gradients are
-reduce-scattered, but every rank still keeps the full gradient buffer); the same optimizer is the
-optimizer side of ZeRO-2 and ZeRO-3 (``optim_grads``, ``optim_grads_params``), whose data-parallel
-wrapper keeps only gradient (and parameter) shards.
+ranks (the data x context-parallel ranks, which reduce gradients together). That alone is ZeRO-1
+(``--data-parallel-sharding-strategy optim``: gradients are reduce-scattered, but every rank still keeps
+the full gradient buffer); the same optimizer is the optimizer side of ZeRO-2 and ZeRO-3
+(``optim_grads``, ``optim_grads_params``), whose data-parallel wrapper keeps only gradient (and
+parameter) shards.
 
 Each bucket of the data-parallel gradient buffer is split into dp equal shards;
 rank r owns shard r of every bucket. It keeps fp32 main parameters and Adam
@@ -31,7 +32,10 @@ class DistributedOptimizer(MegatronOptimizer):
     strategy, so their ``param_slices()`` are shards)."""
 
     def _data_parallel_group_for_grads(self):
-        return self.parallel_state.data_parallel_group
+        return self.parallel_state.data_parallel_group_with_context
+
+    def _expert_data_parallel_group_for_grads(self):
+        return self.parallel_state.expert_data_parallel_group
 
     def _after_main_params_copied(self) -> None:
         for chunk in self.model_chunks:

@@ -33,7 +33,7 @@ from megatron_lite.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get
 
 # Attributes the gradient norm and finalisation read; main params carry them too.
 _PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
-                        "shared_embedding")
+                        "shared_embedding", "expert_parallel")
 
 
 @dataclass(eq=False)
@@ -118,6 +118,24 @@ class MegatronOptimizer:
         """The group over which ranks hold *different* gradients (None: they are replicated)."""
         return None
 
+    def _expert_data_parallel_group_for_grads(self):
+        """The same for expert weights, replicated over the expert-data-parallel group."""
+        return None
+
+    def _grad_families(self) -> list[tuple[list, int, list]]:
+        """(main params, the rank that counts their replicated gradients, the groups their gradients are
+        distinct over) for the dense weights and, where experts have groups of their own, the experts:
+        their replicas differ from the dense weights' (``ParallelState.splits_experts``)."""
+        ps = self.parallel_state
+        dense_groups = [ps.model_parallel_group, self._data_parallel_group_for_grads()]
+        if not ps.splits_experts:
+            return [(self.main_params, ps.tensor_model_parallel_rank, dense_groups)]
+        experts = [m for m in self.main_params if getattr(m, "expert_parallel", False)]
+        dense = [m for m in self.main_params if not getattr(m, "expert_parallel", False)]
+        return [(dense, ps.tensor_model_parallel_rank, dense_groups),
+                (experts, ps.expert_tensor_parallel_rank,
+                 [ps.expert_tensor_model_pipeline_group, self._expert_data_parallel_group_for_grads()])]
+
     def _after_main_params_copied(self) -> None:
         """Hook for the distributed optimizer's all-gather."""
 
@@ -173,7 +191,7 @@ class MegatronOptimizer:
         for main in self.main_params:
             main.grad.mul_(inv_scale.to(main.grad.device))
             flags.append((~torch.isfinite(main.grad)).any())
-        groups = (self.parallel_state.model_parallel_group, self._data_parallel_group_for_grads())
+        groups = [group for _, _, family_groups in self._grad_families() for group in family_groups]
         found_inf = torch.stack(flags).any().float() if flags else torch.zeros(())
         found_inf = found_inf.to(collectives.reduction_device(groups))
         for group in groups:
@@ -183,11 +201,13 @@ class MegatronOptimizer:
     def _clip_grads(self) -> Optional[float]:
         if self.config.clip_grad <= 0:
             return None
-        ps = self.parallel_state
-        grads_for_norm = get_grads_for_norm(self.main_params, tensor_model_parallel_rank=ps.tensor_model_parallel_rank,
-                                            is_pipeline_first_stage=ps.is_pipeline_first_stage())
-        grad_norm = get_grad_norm_fp32(grads_for_norm, model_parallel_group=ps.model_parallel_group,
-                                       data_parallel_group=self._data_parallel_group_for_grads())
+        first_stage = self.parallel_state.is_pipeline_first_stage()
+        # Each family's norm over the ranks holding distinct pieces of it; the model's norm joins them.
+        norms = [get_grad_norm_fp32(get_grads_for_norm(params, tensor_model_parallel_rank=rank,
+                                                       is_pipeline_first_stage=first_stage),
+                                    model_parallel_group=groups[0], data_parallel_group=groups[1])
+                 for params, rank, groups in self._grad_families()]
+        grad_norm = norms[0] if len(norms) == 1 else math.sqrt(sum(norm ** 2 for norm in norms))
         clip_grad_by_total_norm_fp32([m.grad for m in self.main_params], self.config.clip_grad, grad_norm)
         return grad_norm
 

@@ -8,7 +8,7 @@ Under tensor parallelism the sublayer's output is whole on every rank (after the
 row-parallel all-reduce), so both projections are replicated: at m much smaller
 than h the repeated work is cheaper than any communication, and the gradients
 are already identical on every rank (partial over the sequence under sequence
-parallelism, summed by ``finalize_model_grads``; see ``replicated_linear``).
+parallelism, summed by ``finalize_model_grads``; see ``tensor_parallel/replicated_linear.py``).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.peft.lora import zeros
-from megatron_lite.peft.replicated_linear import ReplicatedLinear
+from megatron_lite.tensor_parallel.replicated_linear import ReplicatedLinear
 
 
 class BottleneckAdapter(nn.Module):

@@ -14,9 +14,10 @@ from torch import nn
 
 from megatron_lite.config import Config
 from megatron_lite.peft.adapter import BottleneckAdapter, apply_adapter
-from megatron_lite.peft.lora import LoRA, add_lora_output
+from megatron_lite.expert_parallel import ExpertLinear
+from megatron_lite.peft.lora import ExpertLoRA, LoRA, add_lora_output
 from megatron_lite.peft.prefix_tuning import KeyValuePrefix
-from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.tensor_parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 
 def apply_peft(model: nn.Module, config: Config) -> None:
@@ -47,8 +48,14 @@ def apply_peft(model: nn.Module, config: Config) -> None:
 
 
 def _add_lora(module: nn.Module, peft) -> None:
-    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-        raise TypeError(f"--lora-target-modules names a {type(module).__name__}; LoRA adapts column- and "
-                        f"row-parallel linear layers.")
-    module.lora = LoRA(module, rank=peft.lora_rank, alpha=peft.lora_alpha, dropout=peft.lora_dropout)
+    """A LoRA on a column-parallel, row-parallel or replicated linear, or on one expert's linear (each expert its
+    own)."""
+    settings = dict(rank=peft.lora_rank, alpha=peft.lora_alpha, dropout=peft.lora_dropout)
+    if isinstance(module, ExpertLinear):
+        module.lora = ExpertLoRA(module, **settings)
+    elif isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
+        module.lora = LoRA(module, **settings)
+    else:
+        raise TypeError(f"--lora-target-modules names a {type(module).__name__}; LoRA adapts column-parallel, "
+                        f"row-parallel and replicated linear layers and experts' linears.")
     module.register_forward_hook(add_lora_output)

@@ -6,6 +6,7 @@ parallelism the factors follow the layer they adapt (docs/reference.md section 9
 
     column-parallel W (output split):  A replicated,            B split by output rows
     row-parallel W (input split):      A split by input columns, B replicated
+    replicated W (multi-latent attention's down-projections):  A and B replicated
 
 which is a column-parallel B after a replicated A, and a row-parallel A before a
 replicated B: the r-wide activation between the two is what is communicated
@@ -24,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.peft.replicated_linear import ReplicatedLinear
-from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelConfig
+from megatron_lite.expert_parallel import ExpertLinear
+from megatron_lite.tensor_parallel import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
+                                           TensorParallelConfig)
 from megatron_lite.tensor_parallel.random import get_rng_tracker
 
 
@@ -42,36 +44,51 @@ class LoRA(nn.Module):
     """The low-rank branch of one base linear; ``forward(x)`` is what gets added to the base's output.
 
     Args:
-        base: the ColumnParallelLinear or RowParallelLinear it adapts (its input and output sizes,
-            tensor-parallel group, sequence parallelism, dtype and, for fused weights, stride).
+        base: the ColumnParallelLinear, RowParallelLinear or ReplicatedLinear it adapts (its input and output
+            sizes, tensor-parallel group, sequence parallelism, dtype and, for fused weights, stride).
         rank, alpha, dropout: --lora-rank, --lora-alpha, --lora-dropout.
     """
 
-    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, *, rank: int, alpha: float, dropout: float):
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear | ReplicatedLinear, *, rank: int, alpha: float,
+                 dropout: float):
         super().__init__()
         self.scaling = alpha / rank
         self.dropout = dropout
         self.row_parallel = isinstance(base, RowParallelLinear)
+        self.replicated = isinstance(base, ReplicatedLinear)
+        if self.replicated:
+            self.sequence_parallel = base.weight.sequence_parallel
+            replicated = dict(bias=False, sequence_parallel=self.sequence_parallel, params_dtype=base.weight.dtype)
+            self.lora_A = ReplicatedLinear(base.in_features, rank, **replicated)
+            self.lora_B = ReplicatedLinear(rank, base.out_features, **replicated)
+        else:
+            self._split_like(base, rank)
+        self.lora_A.weight.full_init = kaiming_uniform
+        self.lora_B.weight.full_init = zeros
+
+    def _split_like(self, base: ColumnParallelLinear | RowParallelLinear, rank: int) -> None:
+        """The factors of a split base: the r-wide activation between them is what crosses ranks."""
         self.sequence_parallel = base.sequence_parallel
+        dtype = base.weight.dtype
         tp_config = TensorParallelConfig(tp_group=base.tp_group, sequence_parallel=base.sequence_parallel,
-                                         params_dtype=base.weight.dtype)
+                                         params_dtype=dtype)
         if self.row_parallel:
             self.lora_A = RowParallelLinear(base.input_size, rank, bias=False,
                                             input_is_parallel=base.input_is_parallel, tp_config=tp_config)
             self.lora_B = ReplicatedLinear(rank, base.output_size, bias=False,
-                                           sequence_parallel=base.sequence_parallel, params_dtype=base.weight.dtype)
+                                           sequence_parallel=base.sequence_parallel, params_dtype=dtype)
         else:
             self.lora_A = ReplicatedLinear(base.input_size, rank, bias=False,
-                                           sequence_parallel=base.sequence_parallel, params_dtype=base.weight.dtype)
+                                           sequence_parallel=base.sequence_parallel, params_dtype=dtype)
             # A fused [gate; up] weight is split with stride 2; B's rows must be split the same way.
             self.lora_B = ColumnParallelLinear(rank, base.output_size, bias=False,
                                                partition_stride=base.weight.partition_stride, tp_config=tp_config)
-        self.lora_A.weight.full_init = kaiming_uniform
-        self.lora_B.weight.full_init = zeros
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The scaling multiplies the rank-wide activation between A and B, not the layer-wide output.
         x = self._dropout(x)
+        if self.replicated:
+            return self.lora_B(self.lora_A(x) * self.scaling)
         if self.row_parallel:
             hidden, _ = self.lora_A(x)
             return self.lora_B(hidden * self.scaling)
@@ -88,9 +105,41 @@ class LoRA(nn.Module):
             return F.dropout(x, p=self.dropout)
 
 
-def add_lora_output(module: nn.Module, args: tuple, output: tuple) -> tuple:
-    """Forward hook of an adapted linear: its (output, bias) with the LoRA branch added to the output, in
-    place (the base's matmul keeps its input, not its output, for backward)."""
+class ExpertLoRA(nn.Module):
+    """The LoRA of one expert's linear (``ExpertLinear``): its own A and B, split over the expert-tensor ranks as
+    the expert's weight is, which needs no communication of its own (the dispatcher's gathers and reductions act
+    on its output as on the expert's):
+
+        fc1 (output rows split):  A whole on each rank, B split by rows (stride 2 for SwiGLU's [gate; up])
+        fc2 (input columns split): A split by columns, B whole; each rank's B A_r x_r is a partial sum, as its
+                                   x_r W_r^T is, and the dispatcher sums both
+
+    The whole factor's gradient is then partial on each expert-tensor rank (``ExpertLinear`` marks it)."""
+
+    def __init__(self, base, *, rank: int, alpha: float, dropout: float):
+        super().__init__()
+        self.scaling, self.dropout = alpha / rank, dropout
+        self.row_parallel = base.partition_dim == 1
+        factor = dict(etp_size=base.etp_size, params_dtype=base.weight.dtype)
+        self.lora_A = ExpertLinear(base.input_size, rank, partition_dim=1 if self.row_parallel else None, **factor)
+        self.lora_B = ExpertLinear(rank, base.output_size, partition_dim=None if self.row_parallel else 0,
+                                   partition_stride=base.partition_stride, **factor)
+        self.lora_A.weight.full_init = kaiming_uniform
+        self.lora_B.weight.full_init = zeros
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.dropout > 0:
+            with get_rng_tracker().fork():  # an expert's tokens, and a row-parallel input's features, are its own
+                x = F.dropout(x, p=self.dropout)
+        return self.lora_B(self.lora_A(x) * self.scaling)
+
+
+def add_lora_output(module: nn.Module, args: tuple, output):
+    """Forward hook of an adapted linear: its (output, bias) (a replicated or expert linear's output alone) with the
+    LoRA branch added to the output, in place where the output is a tensor-parallel linear's (its matmul keeps its
+    input, not its output, for backward)."""
+    if not isinstance(output, tuple):
+        return output + module.lora(args[0])
     result, bias = output
     return result.add_(module.lora(args[0])), bias
 

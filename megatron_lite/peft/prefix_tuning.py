@@ -24,7 +24,7 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.peft.lora import kaiming_uniform
-from megatron_lite.peft.replicated_linear import ReplicatedLinear
+from megatron_lite.tensor_parallel.replicated_linear import ReplicatedLinear
 from megatron_lite.process_groups import collectives
 from megatron_lite.tensor_parallel import (ColumnParallelLinear, TensorParallelConfig,
                                            set_tensor_model_parallel_attributes)
@@ -74,16 +74,20 @@ class KeyValuePrefix(nn.Module):
         output, _ = self.linear_out(torch.tanh(self.linear_in(self.embedding)))
         return output
 
+    def keys_and_values(self, batch: int, dtype: torch.dtype) -> tuple:
+        """The prefix's keys and values, each [p, batch, local groups, head_dim]."""
+        prefix = self.prefix().to(dtype).view(-1, 1, self.local_query_groups, 2, self.head_dim)
+        prefix = prefix.expand(-1, batch, -1, -1, -1)
+        return prefix[..., 0, :], prefix[..., 1, :]
+
     def forward(self, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple:
         """key, value: [s, b, local groups, head_dim] -> [p + s, b, local groups, head_dim]; a given attention
         mask ([b, 1, s, s] or, generating, [b, 1, s, cached + s]; True = may not attend) widens by p columns
         that every query sees: packed sequences and padded batches each see the whole prefix."""
-        batch = key.shape[1]
-        prefix = self.prefix().to(key.dtype).view(-1, 1, self.local_query_groups, 2, self.head_dim)
-        prefix = prefix.expand(-1, batch, -1, -1, -1)
+        prefix_key, prefix_value = self.keys_and_values(key.shape[1], key.dtype)
         if attention_mask is not None:
-            attention_mask = F.pad(attention_mask, (prefix.shape[0], 0), value=False)
-        return torch.cat([prefix[..., 0, :], key]), torch.cat([prefix[..., 1, :], value]), attention_mask
+            attention_mask = F.pad(attention_mask, (prefix_key.shape[0], 0), value=False)
+        return torch.cat([prefix_key, key]), torch.cat([prefix_value, value]), attention_mask
 
 
 

@@ -48,9 +48,18 @@ def exchange(*, sends: list[tuple[torch.Tensor, int]], receives: list[int], shap
     ends agree on (``timeline.match_messages`` checks the schedule tables for it).
     Returns the received tensors in the order of ``receives``, after completion.
     """
-    received = [torch.empty(shape, dtype=dtype, device=device) for _ in receives]
+    return exchange_tensors(sends=sends, receives=[(source, shape, dtype) for source in receives], device=device,
+                            group=group)
+
+
+def exchange_tensors(*, sends: list[tuple[torch.Tensor, int]], receives: list[tuple[int, tuple, torch.dtype]],
+                     device: torch.device, group) -> list[torch.Tensor]:
+    """``exchange`` with a shape and dtype per receive (source, shape, dtype): a message with a small tensor of
+    its own after it (the schedule's micro-batch statistics) is posted as two, in the same order at both ends."""
+    received = [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype in receives]
     ops = [dist.P2POp(dist.isend, tensor.contiguous(), destination, group=group) for tensor, destination in sends]
-    ops += [dist.P2POp(dist.irecv, buffer, source, group=group) for buffer, source in zip(received, receives)]
+    ops += [dist.P2POp(dist.irecv, buffer, source, group=group)
+            for buffer, (source, _, _) in zip(received, receives)]
     for request in collectives.batch_isend_irecv(ops):
         request.wait()
     return received

@@ -20,6 +20,7 @@ import torch
 
 from megatron_lite.config import ConfigError
 from megatron_lite.pipeline_parallel import p2p
+from megatron_lite.process_groups import collectives
 from megatron_lite.pipeline_parallel.schedule_table import (OpKind, ScheduleOp, check_interleaved_microbatches,
                                                             is_first_virtual_stage, is_last_virtual_stage,
                                                             rank_schedule, steps)
@@ -202,6 +203,12 @@ class ScheduleExecutor:
         self.output_grads: dict = {}  # received gradient of the output
         self.input_grads: dict = {}  # gradient of the input, to send back
         self.losses: list = []
+        # Statistics a micro-batch carries through the stages besides its activation (a model chunk's
+        # ``microbatch_statistics_size`` floats; 0: none): the running sum forward with the activation, the
+        # total back with the gradient, so every stage has the total before that micro-batch's backward.
+        self.statistics_size = 0 if forward_only else getattr(_unwrap(model[0]), "microbatch_statistics_size", 0)
+        self.statistics: dict = {}  # begun at the forward, completed before the backward
+        self.received_statistics: dict = {}  # from the previous stage (running sum) or the next (total)
 
     def _is_first(self, chunk: int) -> bool:
         return is_first_virtual_stage(self.pipeline_rank, chunk)
@@ -240,7 +247,11 @@ class ScheduleExecutor:
     def forward(self, op: ScheduleOp) -> None:
         key, chunk = (op.microbatch, op.chunk), self.model[op.chunk]
         _unwrap(chunk).set_input_tensor(self.inputs.get(key))
+        if self.statistics_size:
+            self.statistics[key] = _unwrap(chunk).begin_microbatch(self.received_statistics.pop(key, None))
         output, loss_func = self.forward_step_func(self.data_iterators[op.chunk], chunk)
+        if self.statistics_size and self._is_last(op.chunk):
+            self.statistics[key].complete()
         if self._is_last(op.chunk):
             output, loss_dict = self._loss(loss_func(output))
             self.losses.append(loss_dict)
@@ -252,8 +263,20 @@ class ScheduleExecutor:
         self.outputs[key] = output
 
     def _loss(self, outputs: tuple):
-        """(what backward starts from, the loss dict) from what ``loss_func`` returned."""
+        """(what backward starts from, the loss dict) from what ``loss_func`` returned.
+
+        Under context parallelism each rank's ``loss_func`` sees its own positions of the micro-batch: its
+        sum and count are parts of the micro-batch's, and its loss dict holds its part (summed over the
+        context-parallel ranks with the data-parallel ones when reported). The gradient reduction averages
+        over data x context ranks, as if context-parallel ranks were replicas; they are parts of one
+        sequence, whose gradients add up, hence the factor cp on a micro-batch mean (a per-token loss is
+        scaled in finalize_model_grads)."""
+        context_parallel = self.parallel_state.context_parallel_world_size
         if len(outputs) == 2:  # a micro-batch mean
+            if context_parallel > 1:
+                raise ValueError("under context parallelism loss_func sees only this rank's part of a micro-batch, "
+                                 "whose mean is not the micro-batch's: return (loss sum, number of tokens, loss "
+                                 "dict) instead of a mean.")
             loss, loss_dict = outputs
             return loss / self.num_microbatches, loss_dict
         loss_sum, num_tokens, loss_dict = outputs
@@ -261,7 +284,9 @@ class ScheduleExecutor:
         if self.calculate_per_token_loss:
             return loss_sum, loss_dict  # the division by the global batch's token count comes in finalize
         # Each micro-batch's mean, divided by m: the accumulated gradient is that of the mean of the means.
-        return loss_sum / num_tokens.clamp(min=1) / self.num_microbatches, loss_dict
+        num_tokens = num_tokens.detach().clone()
+        collectives.all_reduce(num_tokens, self.parallel_state.context_parallel_group)
+        return loss_sum * context_parallel / num_tokens.clamp(min=1) / self.num_microbatches, loss_dict
 
     def backward(self, op: ScheduleOp) -> None:
         key = (op.microbatch, op.chunk)
@@ -269,6 +294,10 @@ class ScheduleExecutor:
         grad_output = self.output_grads.pop(key, None)
         if grad_output is None and self.grad_scale_func is not None:
             output = self.grad_scale_func(output)
+        if self.statistics_size and not self._is_last(op.chunk):
+            self.statistics[key].complete(self.received_statistics.pop(key))
+        if self.statistics_size and self._is_first(op.chunk):  # nothing to send back
+            del self.statistics[key]
         custom_backward(output, grad_output)
         if not self._is_first(op.chunk):
             if input_tensor.grad is None:
@@ -278,29 +307,42 @@ class ScheduleExecutor:
             self.input_grads[key] = input_tensor.grad
 
     def communicate(self, ops: tuple) -> None:
-        """One batched exchange: this step's sends and receives are posted together and waited on."""
+        """One batched exchange: this step's sends and receives are posted together and waited on.
+
+        With micro-batch statistics, each message is followed by its statistics (the running sum with an
+        activation, the total with a gradient), so both ends post the pairs in the same order however the
+        schedule groups its messages into steps."""
         ps = self.parallel_state
-        sends, receives = [], []
+        sends, receives = [], []  # (tensor, destination); (op, source, shape, dtype)
+        statistics = ((self.statistics_size,), torch.float32)
         for op in ops:
             key = (op.microbatch, op.chunk)
             if op.kind == OpKind.SEND_FORWARD:
                 sends.append((self.outputs[key], ps.pipeline_next_rank))
+                if self.statistics_size:
+                    sends.append((self.statistics[key].partial, ps.pipeline_next_rank))
             elif op.kind == OpKind.SEND_BACKWARD:
                 gradient = self.input_grads.pop(key)
                 p2p.check_tensor(gradient, self.tensor_shape, self.dtype, "input gradient")
                 sends.append((gradient, ps.pipeline_prev_rank))
-            elif op.kind == OpKind.RECV_FORWARD:
-                receives.append((op, ps.pipeline_prev_rank))
-            elif op.kind == OpKind.RECV_BACKWARD:
-                receives.append((op, ps.pipeline_next_rank))
-        received = p2p.exchange(sends=sends, receives=[source for _, source in receives], shape=self.tensor_shape,
-                                dtype=self.dtype, device=self.device, group=ps.pipeline_model_parallel_group)
-        for (op, _), tensor in zip(receives, received):
+                if self.statistics_size:
+                    sends.append((self.statistics.pop(key).total, ps.pipeline_prev_rank))
+            else:
+                source = ps.pipeline_prev_rank if op.kind == OpKind.RECV_FORWARD else ps.pipeline_next_rank
+                receives.append((op, source, self.tensor_shape, self.dtype))
+                if self.statistics_size:
+                    receives.append((None, source, *statistics))
+        received = p2p.exchange_tensors(sends=sends, receives=[r[1:] for r in receives], device=self.device,
+                                        group=ps.pipeline_model_parallel_group)
+        arrived = zip([op for op, *_ in receives], received)
+        for op, tensor in arrived:
             key = (op.microbatch, op.chunk)
             if op.kind == OpKind.RECV_FORWARD:
                 self.inputs[key] = tensor.requires_grad_(not self.forward_only)
             else:
                 self.output_grads[key] = tensor
+            if self.statistics_size:  # the message after it
+                self.received_statistics[key] = next(arrived)[1]
         # Sends have completed: an activation that was sent is only needed for its autograd graph now.
         for op in ops:
             if op.kind == OpKind.SEND_FORWARD:

@@ -19,6 +19,9 @@ attention) and follows what *this* code keeps, which differs by device:
 
 Our sequence-parallel column layers keep the *gathered* input (Megatron keeps the
 shard and gathers again in backward): two of the paper's sbh/t terms are sbh here.
+
+Under context parallelism every count is per token *this rank holds* (s/cp of each sequence), and
+the attention core keeps what its --cp-comm-type keeps (``_context_parallel_core``).
 """
 from __future__ import annotations
 
@@ -40,22 +43,29 @@ class KernelTraits:
     attention_math_bytes: Optional[int]  # dtype of the unfused path's s^2 tensors
     attention_dropout_mask_bytes: Optional[int]  # its dropout mask (None: attention_math_bytes)
     attention_math_copies_qkv: bool  # the unfused path keeps its own scaled copies of q, k, v
+    flash_needs_equal_widths: bool  # flash only when values are as wide as keys (multi-latent attention's are not)
     swiglu_saved_factor: int  # multiples of ffn_hidden_size / t kept by the SwiGLU op
     sequence_parallel_keeps_gathered_input: bool
+    # A causal mask aligned to the last keys (queries after earlier keys), per (query, key): CUDA's flash kernels
+    # take it as it is (0), the CPU's is materialised as an additive float mask and kept (4).
+    lower_right_causal_mask_bytes: int = 0
 
 
 CUDA_KERNELS = KernelTraits(
     layer_norm_bytes=None, rms_norm_bytes=None, hidden_dropout_mask_bytes=0, embedding_dropout_mask_bytes=1,
     flash_attention="always", attention_math_bytes=None, attention_dropout_mask_bytes=None,
-    attention_math_copies_qkv=False, swiglu_saved_factor=2, sequence_parallel_keeps_gathered_input=True)
+    attention_math_copies_qkv=False, flash_needs_equal_widths=False, swiglu_saved_factor=2,
+    sequence_parallel_keeps_gathered_input=True)
 CPU_REFERENCE = KernelTraits(
     layer_norm_bytes=4, rms_norm_bytes=8, hidden_dropout_mask_bytes=None, embedding_dropout_mask_bytes=None,
     flash_attention="without_dropout", attention_math_bytes=4, attention_dropout_mask_bytes=None,
-    attention_math_copies_qkv=True, swiglu_saved_factor=3, sequence_parallel_keeps_gathered_input=True)
+    attention_math_copies_qkv=True, flash_needs_equal_widths=True, swiglu_saved_factor=3,
+    sequence_parallel_keeps_gathered_input=True, lower_right_causal_mask_bytes=4)
 KORTHIKANTI = KernelTraits(
     layer_norm_bytes=None, rms_norm_bytes=None, hidden_dropout_mask_bytes=1, embedding_dropout_mask_bytes=1,
     flash_attention="never", attention_math_bytes=None, attention_dropout_mask_bytes=1,
-    attention_math_copies_qkv=False, swiglu_saved_factor=2, sequence_parallel_keeps_gathered_input=False)
+    attention_math_copies_qkv=False, flash_needs_equal_widths=False, swiglu_saved_factor=2,
+    sequence_parallel_keeps_gathered_input=False)
 TRAITS = {"cuda": CUDA_KERNELS, "cpu": CPU_REFERENCE}
 
 
@@ -68,6 +78,8 @@ class ActivationSetting:
     dtype_bytes: int = 2
     selective_recompute: bool = False
     traits: KernelTraits = CUDA_KERNELS
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"  # this layer's
 
     def _bytes(self, value: Optional[int]) -> int:
         return self.dtype_bytes if value is None else value
@@ -85,6 +97,9 @@ class ActivationSetting:
 
 def _uses_flash(model: ModelConfig, setting: ActivationSetting) -> bool:
     mode = setting.traits.flash_attention
+    unequal = model.multi_latent_attention and model.qk_head_dim + model.qk_pos_emb_head_dim != model.v_head_dim
+    if unequal and setting.traits.flash_needs_equal_widths:
+        return False
     return mode == "always" or (mode == "without_dropout" and model.attention_dropout == 0)
 
 
@@ -106,39 +121,186 @@ def _query_key_value(model: ModelConfig, setting: ActivationSetting) -> float:
     return (copies + (fused_qkv if views_left else 0)) / t
 
 
-def layer_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
-    """Bytes per token one transformer layer keeps, by tensor (all divided by ``s * b``)."""
-    h, a, d, s = model.hidden_size, model.num_attention_heads, model.head_dim, model.seq_length
-    t, e, traits = setting.tensor_model_parallel_size, setting.dtype_bytes, setting.traits
-    norm = setting._bytes(traits.layer_norm_bytes if model.normalization == "LayerNorm" else traits.rms_norm_bytes)
-    terms = {"norm inputs": 2 * norm * h / setting.split,
-             "attention and MLP inputs": 2 * e * h / setting.linear_input_split,
-             "query, key, value": e * _query_key_value(model, setting),
-             "attention output": e * a * d / t}
-    math_bytes = setting._bytes(traits.attention_math_bytes)
-    if setting.selective_recompute:
-        pass  # the core's s^2 tensors (or flash statistics) are recomputed
-    elif _uses_flash(model, setting):
-        terms["softmax statistics"] = 4 * a / t
-    else:
-        # The softmax output; with dropout also its mask and the dropped probabilities.
-        scores = math_bytes
-        if model.attention_dropout > 0:
-            mask = traits.attention_dropout_mask_bytes
-            scores += math_bytes + (math_bytes if mask is None else mask)
-        terms["attention scores"] = scores * a * s / t
-        if traits.attention_math_copies_qkv:
-            terms["query, key, value"] = math_bytes * (3 * a * d) / t
+def layer_terms(model: ModelConfig, setting: ActivationSetting, layer_number: int = 0,
+                expert_tensor_parallel_size: int = 1) -> dict[str, float]:
+    """Bytes per token layer ``layer_number`` keeps, by tensor (all divided by ``s * b``)."""
+    h, t, e, traits = model.hidden_size, setting.tensor_model_parallel_size, setting.dtype_bytes, setting.traits
+    terms = {"norm inputs": 2 * _norm_bytes(model, setting) * h / setting.split,
+             "attention and MLP inputs": 2 * e * h / setting.linear_input_split}
+    terms.update(_latent_attention_terms(model, setting) if model.multi_latent_attention
+                 else _attention_terms(model, setting))
     if model.hidden_dropout > 0:
         terms["residual dropout masks"] = 2 * setting._bytes(traits.hidden_dropout_mask_bytes) * h / setting.split
+    if model.is_moe_layer(layer_number):
+        terms.update(_expert_terms(model, setting, expert_tensor_parallel_size))
+        return terms
     f = model.ffn_hidden_size
     terms["MLP activation input"] = e * f * (traits.swiglu_saved_factor if model.swiglu else 1) / t
     terms["MLP fc2 input"] = e * f / t
     return terms
 
 
-def layer_bytes_per_token(model: ModelConfig, setting: ActivationSetting) -> float:
-    return sum(layer_terms(model, setting).values())
+def _expert_terms(model: ModelConfig, setting: ActivationSetting, etp: int) -> dict[str, float]:
+    """What a mixture-of-experts layer keeps instead of the MLP's (``moe/``), routing taken as balanced: each
+    tensor rank routes its 1/t of the tokens (sequence parallelism's share, or the layer's own split), each
+    token k rows, and an expert split over etp ranks sees the rows of all of them."""
+    h, t, e, k = model.hidden_size, setting.tensor_model_parallel_size, setting.dtype_bytes, model.moe_router_topk
+    f, swiglu = model.moe_ffn_hidden_size, setting.traits.swiglu_saved_factor if model.swiglu else 1
+    terms = {"router scores (fp32)": 4 * 3 * model.num_experts / t,  # the logits' softmax, the losses', the map
+             "routing indices and weights": (2 * 8 + 4) * k / t,  # permutation, its inverse, the row weights
+             "expert inputs": e * k * h * etp / t, "expert activation input": e * k * f * swiglu / t,
+             "expert fc2 input": e * k * f / t,
+             "expert outputs, and weighted": 2 * e * k * h / t}  # the weighting's input; index_add's source
+    if e != 4:
+        terms["router input (fp32 copy)"] = 4 * h / t
+    shared = model.moe_shared_expert_intermediate_size
+    if shared is not None:
+        terms["shared expert activation input"] = e * shared * swiglu / t
+        terms["shared expert fc2 input"] = e * shared / t
+    return terms
+
+
+def _norm_bytes(model: ModelConfig, setting: ActivationSetting) -> int:
+    traits = setting.traits
+    return setting._bytes(traits.layer_norm_bytes if model.normalization == "LayerNorm" else traits.rms_norm_bytes)
+
+
+def _context_parallel(setting: ActivationSetting) -> bool:
+    """Whether the core is context-parallel and keeps what its --cp-comm-type keeps (recomputed, it keeps nothing)."""
+    return setting.context_parallel_size > 1 and not setting.selective_recompute
+
+
+def _attention_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+    """``model/attention.py``'s: its queries, keys and values, output and the core's scores (or statistics)."""
+    a, d, t, e = model.num_attention_heads, model.head_dim, setting.tensor_model_parallel_size, setting.dtype_bytes
+    terms = {"query, key, value": e * _query_key_value(model, setting), "attention output": e * a * d / t}
+    if _context_parallel(setting):
+        terms.update(_context_parallel_core(model, setting))
+        return terms
+    terms.update(_core_terms(model, setting))
+    if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
+        terms["query, key, value"] = setting._bytes(setting.traits.attention_math_bytes) * (3 * a * d) / t
+    return terms
+
+
+def _latent_attention_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+    """``model/multi_latent_attention.py``'s: the latents (replicated over tensor-parallel ranks) before and after
+    their norms, queries and keys of the heads, the values (views of the up-projection's output, which they keep
+    whole: keys and values), the output and the core's scores (or statistics)."""
+    a, t, e = model.num_attention_heads, setting.tensor_model_parallel_size, setting.dtype_bytes
+    key_width, rotary = model.qk_head_dim + model.qk_pos_emb_head_dim, model.qk_pos_emb_head_dim
+    latents = model.kv_lora_rank + (model.q_lora_rank or 0)
+    up_projection_inputs = e * latents / setting.linear_input_split
+    if model.qk_layernorm:  # the norm keeps its input (the down-projection's output), the up-projection its own
+        kept = (_norm_bytes(model, setting) * latents + e * rotary) / setting.split + up_projection_inputs
+    else:  # the up-projection's input is a view of the down-projection's output, kept whole
+        kept = up_projection_inputs + e * rotary / setting.linear_input_split
+    terms = {"latents": kept, "keys and values": e * a * (model.qk_head_dim + model.v_head_dim) / t,
+             "queries and keys": e * 2 * a * key_width / t, "attention output": e * a * model.v_head_dim / t}
+    if _context_parallel(setting):
+        terms.update(_latent_context_parallel_core(model, setting))
+        return terms
+    terms.update(_core_terms(model, setting))
+    if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
+        terms["queries and keys"] = setting._bytes(setting.traits.attention_math_bytes) * 2 * a * key_width / t
+    return terms
+
+
+def _core_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+    """What the core attention keeps beyond its inputs and output: the s^2 scores (with dropout, its mask and the
+    dropped probabilities) on the math path, the softmax statistics with flash, nothing recomputed."""
+    a, s, t = model.num_attention_heads, model.seq_length, setting.tensor_model_parallel_size
+    if setting.selective_recompute:
+        return {}  # the core's s^2 tensors (or flash statistics) are recomputed
+    if _uses_flash(model, setting):
+        return {"softmax statistics": 4 * a / t}
+    return {"attention scores": _score_bytes(model, setting) * a * s / t}
+
+
+def _score_bytes(model: ModelConfig, setting: ActivationSetting) -> int:
+    """Bytes the math path keeps per (query, key, head): the softmax output; with dropout also its mask and the
+    dropped probabilities."""
+    math_bytes = setting._bytes(setting.traits.attention_math_bytes)
+    if model.attention_dropout == 0:
+        return math_bytes
+    mask = setting.traits.attention_dropout_mask_bytes
+    return 2 * math_bytes + (math_bytes if mask is None else mask)
+
+
+def _keys_seen(setting: ActivationSetting) -> float:
+    """The share of the sequence's keys the all_gather core attends to per query of this rank, on average: each of
+    its two chunks (c and 2cp - 1 - c of 2cp) sees the keys up to its end, (2 cp + 1) / (4 cp) together."""
+    cp = setting.context_parallel_size
+    return (2 * cp + 1) / (4 * cp)
+
+
+def _context_parallel_core(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+    """Bytes per token of this rank that the context-parallel core keeps (``context_parallel/attention.py``).
+
+    p2p: its own query, key and value as given (views of the fused QKV, or RoPE's copies) and the fp32
+    log-sum-exp; the ring's blocks and their probabilities are not kept, whatever the kernel.
+    all_gather: the whole sequence's gathered keys and values (cp times this rank's), and the layer's own
+    core on each chunk against the keys up to its end (``_keys_seen``): grouped-query keys and values
+    repeated over that span, and the math path's s^2 tensors over it.
+    """
+    a, g, d = model.num_attention_heads, model.num_query_groups, model.head_dim
+    t, e, cp = setting.tensor_model_parallel_size, setting.dtype_bytes, setting.context_parallel_size
+    rope, fused_qkv = model.position_embedding_type == "rope", (a + 2 * g) * d
+    if setting.cp_comm_type == "p2p":
+        kept = (a * d + g * d + fused_qkv) if rope else fused_qkv  # the value is a view of the fused QKV
+        return {"query, key, value": e * kept / t, "softmax statistics": 4 * a / t}
+    keys_seen = _keys_seen(setting)
+    terms = {"query, key, value": e * (a * d if rope else fused_qkv) / t,  # RoPE's query; else the fused QKV
+             "gathered keys and values": e * 2 * g * d * cp / t}
+    if g != a:
+        terms["grouped keys and values"] = e * 2 * a * d * keys_seen * cp / t
+    terms.update(_all_gather_core_terms(model, setting))
+    if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
+        math_bytes = setting._bytes(setting.traits.attention_math_bytes)
+        terms["query, key, value"] = math_bytes * (a * d + 2 * a * d * keys_seen * cp) / t
+    return terms
+
+
+def _latent_context_parallel_core(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+    """``_context_parallel_core`` for multi-latent attention, whose queries, keys and values it already counts
+    (``_latent_attention_terms``): p2p keeps them as given and the log-sum-exp; all_gather the whole sequence's
+    keys and values of this rank's heads (dk + dv wide), and its core's tensors over the keys each chunk sees."""
+    a, t, e = model.num_attention_heads, setting.tensor_model_parallel_size, setting.dtype_bytes
+    key_width, cp = model.qk_head_dim + model.qk_pos_emb_head_dim, setting.context_parallel_size
+    if setting.cp_comm_type == "p2p":
+        return {"softmax statistics": 4 * a / t}
+    terms = {"gathered keys and values": e * a * (key_width + model.v_head_dim) * cp / t}
+    terms.update(_all_gather_core_terms(model, setting))
+    if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
+        math_bytes = setting._bytes(setting.traits.attention_math_bytes)
+        terms["queries and keys"] = math_bytes * a * key_width * (1 + _keys_seen(setting) * cp) / t
+    return terms
+
+
+def _all_gather_core_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+    """What the all_gather core keeps beyond its inputs: the flash statistics, or the math path's s^2 tensors over
+    the keys each chunk sees."""
+    a, s, t = model.num_attention_heads, model.seq_length, setting.tensor_model_parallel_size
+    if _uses_flash(model, setting):
+        return {"softmax statistics": 4 * a / t}
+    return {"attention scores": _score_bytes(model, setting) * a * s * _keys_seen(setting) / t}
+
+
+def context_parallel_mask_bytes(model: ModelConfig, setting: ActivationSetting) -> float:
+    """Bytes per micro-batch (whatever its size) a layer keeps for the causal masks of its all_gather core: each
+    of a rank's two chunks (c = s / 2cp positions) against the keys up to its end, c^2 (2cp + 1) entries."""
+    cp = setting.context_parallel_size
+    if cp == 1 or setting.cp_comm_type != "all_gather" or setting.selective_recompute \
+            or not _uses_flash(model, setting):
+        return 0.0
+    chunk = model.seq_length / (2 * cp)
+    return setting.traits.lower_right_causal_mask_bytes * chunk * chunk * (2 * cp + 1)
+
+
+
+def layer_bytes_per_token(model: ModelConfig, setting: ActivationSetting, layer_number: int = 0,
+                          expert_tensor_parallel_size: int = 1) -> float:
+    return sum(layer_terms(model, setting, layer_number, expert_tensor_parallel_size).values())
 
 
 def embedding_bytes_per_token(model: ModelConfig, setting: ActivationSetting) -> float:

@@ -108,13 +108,20 @@ def probe_model(model: ModelConfig) -> ModelConfig:
                                seq_length=seq, max_position_embeddings=seq)
 
 
+def _dense(model: ModelConfig) -> ModelConfig:
+    """A mixture of experts' layer timed as a dense one: its experts are the same matmuls, row for row (and a
+    one-layer probe cannot hold the model's pattern of expert layers)."""
+    unset = {f.name: f.default for f in dataclasses.fields(model) if f.name.startswith("moe_")}
+    return dataclasses.replace(model, num_experts=None, **unset)
+
+
 def layer_rate(model: ModelConfig, dtype: torch.dtype, micro_batch_size: int) -> float:
     """FLOP/s of one transformer layer's forward and backward (the model's own layer code)."""
     from megatron_lite.model.transformer_layer import TransformerLayer
     from megatron_lite.tensor_parallel import TensorParallelConfig
     from megatron_lite.tensor_parallel.random import model_parallel_seed
 
-    probe = probe_model(model)
+    probe = probe_model(_dense(model))
     model_parallel_seed(1234, 0)  # attention dropout draws from the tensor-parallel stream
     layer = TransformerLayer(probe, layer_number=0, tp_config=TensorParallelConfig(params_dtype=dtype))
     for param in layer.parameters():

@@ -91,6 +91,11 @@ class Cluster:
         return self.inter_node if self.spans_nodes(stride, group_size) else self.intra_node
 
 
+# Dense bf16 (and fp16) tensor-core peak per device, TFLOP/s, by the name CUDA reports (docs/reference.md
+# section 7): the presets' numbers, and the MFU of a training run's log line (training.metrics).
+BF16_PEAK_TFLOPS = {"A100": 312.0, "A800": 312.0, "H100": 989.0, "H800": 989.0, "H200": 989.0, "L40S": 362.0}
+
+
 def _gpu(name: str, memory_gb: float, bf16: float, fp32: float, hbm: float, nvlink_gbytes: float,
          network_gbits: float, efficiency: float) -> Cluster:
     return Cluster(name=name, num_gpus=8, gpus_per_node=8, gpu_memory_gb=memory_gb,
@@ -100,10 +105,10 @@ def _gpu(name: str, memory_gb: float, bf16: float, fp32: float, hbm: float, nvli
 
 
 PRESETS = {
-    "a100-40g": _gpu("a100-40g", 40, 312.0, 19.5, 1555.0, 300.0, 200.0, 0.60),
-    "a100-80g": _gpu("a100-80g", 80, 312.0, 19.5, 2039.0, 300.0, 200.0, 0.60),
-    "h100-80g": _gpu("h100-80g", 80, 989.0, 67.0, 3350.0, 450.0, 400.0, 0.50),
-    "h200-141g": _gpu("h200-141g", 141, 989.0, 67.0, 4800.0, 450.0, 400.0, 0.50),
+    "a100-40g": _gpu("a100-40g", 40, BF16_PEAK_TFLOPS["A100"], 19.5, 1555.0, 300.0, 200.0, 0.60),
+    "a100-80g": _gpu("a100-80g", 80, BF16_PEAK_TFLOPS["A100"], 19.5, 2039.0, 300.0, 200.0, 0.60),
+    "h100-80g": _gpu("h100-80g", 80, BF16_PEAK_TFLOPS["H100"], 67.0, 3350.0, 450.0, 400.0, 0.50),
+    "h200-141g": _gpu("h200-141g", 141, BF16_PEAK_TFLOPS["H200"], 67.0, 4800.0, 450.0, 400.0, 0.50),
 }
 
 

@@ -65,10 +65,16 @@ def estimate_for_config(config: Config, world_size: int, *, rank: int = 0, devic
         from megatron_lite.model.builder import current_device
         device = current_device().type
     parallel = config.parallel
-    grid = RankLayout(world_size, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+    grid = RankLayout(world_size, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                      context_parallel_size=parallel.context_parallel_size,
+                      expert_model_parallel_size=parallel.expert_model_parallel_size,
+                      expert_tensor_parallel_size=parallel.expert_tensor_parallel_size)
     where = grid.coordinates(rank)
     layout = Layout(config, world_size)
-    return rank_memory(layout, device=device, pipeline_rank=where["pipeline"], data_parallel_rank=where["data"])
+    # Its place in the data x context group (context ranks vary faster): which shard it owns.
+    sharding_rank = where["data"] * parallel.context_parallel_size + where["context"]
+    return rank_memory(layout, device=device, pipeline_rank=where["pipeline"], data_parallel_rank=sharding_rank,
+                       expert_data_parallel_rank=where["expert_data"])
 
 
 def format_memory_estimate(estimate: MemoryEstimate, measured: dict | None = None) -> str:

@@ -10,6 +10,7 @@ CUDA context, communication buffers and fragmentation.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -53,7 +54,12 @@ def activation_setting(layout: Layout, device: str) -> ActivationSetting:
     return ActivationSetting(tensor_model_parallel_size=layout.tensor_model_parallel_size,
                              sequence_parallel=config.parallel.sequence_parallel, dtype_bytes=dtype_bytes(config),
                              selective_recompute=config.training.recompute_granularity == "selective",
-                             traits=activations.TRAITS[device])
+                             traits=activations.TRAITS[device], context_parallel_size=layout.context_parallel_size)
+
+
+def tokens_per_rank(layout: Layout) -> int:
+    """Positions of a micro-batch this rank holds: its share of each sequence under context parallelism."""
+    return layout.config.model.seq_length // layout.context_parallel_size * layout.micro_batch_size
 
 
 def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: ChunkShape) -> tuple[float, float]:
@@ -67,9 +73,16 @@ def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: Ch
     last); the group's input is shared with its rebuilt first layer.
     """
     model, training = layout.config.model, layout.config.training
-    tokens = model.seq_length * layout.micro_batch_size
-    layer = activations.layer_bytes_per_token(model, setting)
+    tokens = tokens_per_rank(layout)
+    etp = layout.config.parallel.expert_tensor_size
     layers, group = len(chunk.layer_numbers), training.recompute_num_layers or 1
+    # Each layer's bytes: layers differ in --cp-comm-type, and in their MLP (dense or a mixture of experts).
+    per_layer = []
+    for n in chunk.layer_numbers:
+        layer_setting = dataclasses.replace(setting, cp_comm_type=layout.cp_comm_types[n])
+        per_layer.append(activations.layer_bytes_per_token(model, layer_setting, n, etp)
+                         + activations.context_parallel_mask_bytes(model, layer_setting) / tokens)
+    layer = max(per_layer, default=0.0)  # what a recomputed layer rebuilds, at most
     ends = 0.0
     if chunk.pre_process:
         ends += activations.embedding_bytes_per_token(model, setting)
@@ -78,11 +91,11 @@ def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: Ch
         vocab = model.padded_vocab_size(setting.tensor_model_parallel_size)
         output = activations.output_bytes_per_token(model, setting, vocab)
     if training.recompute_granularity != "full" or not layers:
-        return (layers * layer + ends + output) * tokens, 0.0
+        return (sum(per_layer) + ends + output) * tokens, 0.0
     recomputed_input = activations.recomputed_input_bytes_per_token(model, setting)
     if training.recompute_method == "block":
         recomputed = min(group, layers)
-        whole = (layers - recomputed) * layer
+        whole = sum(per_layer[recomputed:])
         kept = recomputed * recomputed_input + whole
         rebuilt, freed = (layer - recomputed_input if recomputed else 0.0), whole + output
     else:
@@ -92,19 +105,21 @@ def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: Ch
 
 
 def rank_memory(layout: Layout, *, device: str, pipeline_rank: int, data_parallel_rank: int = 0,
-                allowance_gb: float = 0.0) -> MemoryEstimate:
-    """Memory of rank (pipeline_rank, data_parallel_rank) of ``layout``; ``device`` picks the kernels' accounting."""
+                expert_data_parallel_rank: int = 0, allowance_gb: float = 0.0) -> MemoryEstimate:
+    """Memory of rank (pipeline_rank, data_parallel_rank) of ``layout``, its experts replica
+    ``expert_data_parallel_rank``; ``device`` picks the kernels' accounting. ``data_parallel_rank`` counts in
+    the data x context group, which shards the optimizer state."""
     config, model = layout.config, layout.config.model
     setting = activation_setting(layout, device)
     chunks = [chunk_activation_bytes(layout, setting, shape) for shape in rank_chunk_shapes(config, pipeline_rank)]
     peak = peak_activation_bytes(layout.pipeline_model_parallel_size, pipeline_rank, layout.num_microbatches,
                                  tuple(kept for kept, _ in chunks), tuple(extra for _, extra in chunks))
     last = pipeline_rank == layout.pipeline_model_parallel_size - 1
-    tokens = model.seq_length * layout.micro_batch_size
-    transient = tokens * activations.loss_transient_bytes_per_token(
+    transient = tokens_per_rank(layout) * activations.loss_transient_bytes_per_token(
         setting, model.padded_vocab_size(layout.tensor_model_parallel_size)) if last else 0.0
     static = static_memory(config, pipeline_rank=pipeline_rank,
-                           data_parallel_size=layout.data_parallel_size, data_parallel_rank=data_parallel_rank)
+                           data_parallel_size=layout.data_parallel_size_with_context,
+                           data_parallel_rank=data_parallel_rank, expert_data_parallel_rank=expert_data_parallel_rank)
     return MemoryEstimate(pipeline_rank=pipeline_rank, static=static,
                           activation_bytes=peak, loss_transient_bytes=transient,
                           allowance_bytes=allowance_gb * GB)

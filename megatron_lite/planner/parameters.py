@@ -3,7 +3,8 @@
 The list mirrors ``model/gpt_model.py`` in ``module.parameters()`` order, because
 that order decides the data-parallel buckets (``distributed/param_and_grad_buffer``)
 and so the padding a sharded optimizer adds. A test checks it against real chunks
-of every kind (GPT-2 and Llama, tensor/pipeline/virtual splits, tied or not).
+of every kind (GPT-2, Llama, the per-layer tensors of the Hugging Face families, tensor/pipeline/virtual
+splits, tied or not).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class ParamSpec:
     name: str
     elements: int
     shared_embedding: bool = False
+    expert: bool = False  # an expert's weight: in the expert buffers, sharded over the expert-data-parallel group
 
     def numel(self) -> int:  # what the bucket planner asks of a parameter
         return self.elements
@@ -35,9 +37,10 @@ def fsdp_unit(spec: ParamSpec) -> str:
     return ".".join(parts[:3]) if parts[:2] == ["decoder", "layers"] else ""
 
 
-def _norm(prefix: str, model: ModelConfig) -> list[ParamSpec]:
+def _norm(prefix: str, model: ModelConfig, width: int | None = None) -> list[ParamSpec]:
+    """A norm over ``width`` channels (the hidden size unless given; --qk-layernorm's are one head wide)."""
     names = ["weight", "bias"] if model.normalization == "LayerNorm" else ["weight"]
-    return [ParamSpec(f"{prefix}.{n}", model.hidden_size) for n in names]
+    return [ParamSpec(f"{prefix}.{n}", width or model.hidden_size) for n in names]
 
 
 def _linear(prefix: str, rows: int, columns: int, bias: int | None) -> list[ParamSpec]:
@@ -46,27 +49,96 @@ def _linear(prefix: str, rows: int, columns: int, bias: int | None) -> list[Para
     return specs + ([ParamSpec(f"{prefix}.bias", bias)] if bias is not None else [])
 
 
-def layer_parameters(model: ModelConfig, layer_number: int, tensor_model_parallel_size: int) -> list[ParamSpec]:
+def layer_parameters(model: ModelConfig, layer_number: int, tensor_model_parallel_size: int, *,
+                     expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None
+                     ) -> list[ParamSpec]:
     """One transformer layer's shards: column-parallel weights and biases are split over the rows,
-    row-parallel weights over the columns, row-parallel biases and norms are replicated."""
-    t, h = tensor_model_parallel_size, model.hidden_size
-    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim // t
-    fc1 = model.ffn_hidden_size * (2 if model.swiglu else 1) // t
-    bias = model.add_bias_linear
+    row-parallel weights over the columns, row-parallel biases and norms are replicated; a
+    mixture-of-experts layer's experts over the expert-model-parallel ranks, each over the expert-tensor ones."""
+    t = tensor_model_parallel_size
     prefix = f"decoder.layers.{layer_number}"
+    attention = _latent_attention if model.multi_latent_attention else _attention
+    if model.is_moe_layer(layer_number):
+        mlp = _experts(f"{prefix}.mlp", model, t, expert_model_parallel_size, expert_tensor_parallel_size or t)
+    else:
+        mlp = _mlp(f"{prefix}.mlp", model, model.ffn_hidden_size, t)
     return (_norm(f"{prefix}.input_layernorm", model)
-            + _linear(f"{prefix}.self_attention.linear_qkv", qkv, h, qkv if bias else None)
-            + _linear(f"{prefix}.self_attention.linear_proj", h, model.num_attention_heads * model.head_dim // t,
-                      h if bias else None)
-            + _norm(f"{prefix}.pre_mlp_layernorm", model)
-            + _linear(f"{prefix}.mlp.linear_fc1", fc1, h, fc1 if bias else None)
-            + _linear(f"{prefix}.mlp.linear_fc2", h, model.ffn_hidden_size // t, h if bias else None)
+            + attention(f"{prefix}.self_attention", model, t)
+            + _norm(f"{prefix}.pre_mlp_layernorm", model) + mlp
             + (_norm(f"{prefix}.post_self_attn_layernorm", model) + _norm(f"{prefix}.post_mlp_layernorm", model)
                if model.post_sublayer_norm else []))
 
 
+def _mlp(prefix: str, model: ModelConfig, width: int, t: int) -> list[ParamSpec]:
+    """A dense MLP ``width`` wide: column-parallel fc1 (SwiGLU's two halves), row-parallel fc2."""
+    h, bias = model.hidden_size, model.add_bias_linear
+    fc1 = width * (2 if model.swiglu else 1) // t
+    return (_linear(f"{prefix}.linear_fc1", fc1, h, fc1 if bias else None)
+            + _linear(f"{prefix}.linear_fc2", h, width // t, h if bias else None))
+
+
+def _experts(prefix: str, model: ModelConfig, t: int, ep: int, etp: int) -> list[ParamSpec]:
+    """``moe/moe_layer.py``'s: the router (whole on every rank), this rank's E / ep experts (the first
+    expert-model-parallel rank's numbers: every rank holds the same sizes), each split over etp ranks,
+    and the shared expert (a dense MLP over the tensor ranks, its gate first)."""
+    h, width = model.hidden_size, model.moe_ffn_hidden_size
+    specs = [ParamSpec(f"{prefix}.router.weight", model.num_experts * h)]
+    fc1 = width * (2 if model.swiglu else 1) // etp
+    for e in range(model.num_experts // ep):
+        expert = f"{prefix}.experts.local_experts.{e}"
+        specs += [ParamSpec(f"{expert}.linear_fc1.weight", fc1 * h, expert=True),
+                  ParamSpec(f"{expert}.linear_fc2.weight", h * width // etp, expert=True)]
+    if model.moe_shared_expert_intermediate_size is not None:
+        gate = [ParamSpec(f"{prefix}.shared_experts.gate_weight", h)] if model.moe_shared_expert_gate else []
+        specs += gate + _mlp(f"{prefix}.shared_experts", model, model.moe_shared_expert_intermediate_size, t)
+    return specs
+
+
+def active_parameters(model: ModelConfig, total: int) -> int:
+    """Of a model's ``total`` parameters, those one token passes through: all but the experts it is not
+    routed to (E - k of each mixture-of-experts layer)."""
+    if model.num_experts is None:
+        return total
+    expert = model.hidden_size * model.moe_ffn_hidden_size * (3 if model.swiglu else 2)
+    moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    return total - moe_layers * (model.num_experts - model.moe_router_topk) * expert
+
+
+def _attention(prefix: str, model: ModelConfig, t: int) -> list[ParamSpec]:
+    """``model/attention.py``'s: the fused QKV, the output projection, the q/k norms: per head (shared by the
+    heads), or over a whole projection (split with the heads)."""
+    h, bias = model.hidden_size, model.add_bias_linear
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim // t
+    widths = ((model.num_attention_heads * model.head_dim // t, model.num_query_groups * model.head_dim // t)
+              if model.qk_layernorm_whole_projection else (model.head_dim, model.head_dim))
+    return (_linear(f"{prefix}.linear_qkv", qkv, h, qkv if bias or model.add_qkv_bias else None)
+            + _linear(f"{prefix}.linear_proj", h, model.num_attention_heads * model.head_dim // t, h if bias else None)
+            + (_norm(f"{prefix}.q_layernorm", model, widths[0]) + _norm(f"{prefix}.k_layernorm", model, widths[1])
+               if model.qk_layernorm else []))
+
+
+def _latent_attention(prefix: str, model: ModelConfig, t: int) -> list[ParamSpec]:
+    """``model/multi_latent_attention.py``'s: replicated down-projections (and latent norms), column-parallel
+    up-projections, the row-parallel output projection."""
+    h, heads, rotary = model.hidden_size, model.num_attention_heads, model.qk_pos_emb_head_dim
+    query_rows = heads * (model.qk_head_dim + rotary) // t
+    norm = _norm if model.qk_layernorm else (lambda *args: [])
+    if model.q_lora_rank is None:
+        query = _linear(f"{prefix}.linear_q_proj", query_rows, h, None)
+    else:
+        query = (_linear(f"{prefix}.linear_q_down_proj", model.q_lora_rank, h, None)
+                 + norm(f"{prefix}.q_layernorm", model, model.q_lora_rank)
+                 + _linear(f"{prefix}.linear_q_up_proj", query_rows, model.q_lora_rank, None))
+    return (query + _linear(f"{prefix}.linear_kv_down_proj", model.kv_lora_rank + rotary, h, None)
+            + norm(f"{prefix}.kv_layernorm", model, model.kv_lora_rank)
+            + _linear(f"{prefix}.linear_kv_up_proj", heads * (model.qk_head_dim + model.v_head_dim) // t,
+                      model.kv_lora_rank, None)
+            + _linear(f"{prefix}.linear_proj", h, heads * model.v_head_dim // t, h if model.add_bias_linear else None))
+
+
 def chunk_parameters(model: ModelConfig, *, tensor_model_parallel_size: int, layer_numbers: range,
-                     pre_process: bool, post_process: bool) -> list[ParamSpec]:
+                     pre_process: bool, post_process: bool, expert_model_parallel_size: int = 1,
+                     expert_tensor_parallel_size: int | None = None) -> list[ParamSpec]:
     """Every parameter of one model chunk, in ``module.parameters()`` order."""
     t, h = tensor_model_parallel_size, model.hidden_size
     vocab = model.padded_vocab_size(t) // t
@@ -78,7 +150,8 @@ def chunk_parameters(model: ModelConfig, *, tensor_model_parallel_size: int, lay
         if model.position_embedding_type == "learned_absolute":
             specs.append(ParamSpec("embedding.position_embeddings.weight", model.max_position_embeddings * h))
     for n in layer_numbers:
-        specs += layer_parameters(model, n, t)
+        specs += layer_parameters(model, n, t, expert_model_parallel_size=expert_model_parallel_size,
+                                  expert_tensor_parallel_size=expert_tensor_parallel_size)
     if post_process:
         specs += _norm("final_layernorm", model)
         if not (tied and pre_process):  # a tied output layer on the first stage reuses the embedding
@@ -111,19 +184,24 @@ def rank_chunk_shapes(config: Config, pipeline_rank: int) -> list[ChunkShape]:
 
 
 def distinct_stages(config: Config) -> dict[tuple, list[int]]:
-    """Pipeline ranks grouped by what they hold: ranks with the same layer counts and the same
-    end pieces (embedding, output layer) hold parameters of the same sizes and cost the same."""
+    """Pipeline ranks grouped by what they hold: ranks with the same kinds of layers (dense or mixture of
+    experts, in order) and the same end pieces (embedding, output layer) hold parameters of the same sizes
+    and cost the same."""
     groups: dict[tuple, list[int]] = {}
     for rank in range(config.parallel.pipeline_model_parallel_size):
         shapes = rank_chunk_shapes(config, rank)
-        key = tuple((len(s.layer_numbers), s.pre_process, s.post_process) for s in shapes)
+        key = tuple((tuple(config.model.is_moe_layer(n) for n in s.layer_numbers), s.pre_process, s.post_process)
+                    for s in shapes)
         groups.setdefault(key, []).append(rank)
     return groups
 
 
 def rank_chunks(config: Config, pipeline_rank: int) -> list[list[ParamSpec]]:
     """The parameter lists of the model chunks pipeline stage ``pipeline_rank`` holds."""
-    t = config.parallel.tensor_model_parallel_size
-    return [chunk_parameters(config.model, tensor_model_parallel_size=t, layer_numbers=shape.layer_numbers,
-                             pre_process=shape.pre_process, post_process=shape.post_process)
+    parallel = config.parallel
+    return [chunk_parameters(config.model, tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+                             layer_numbers=shape.layer_numbers, pre_process=shape.pre_process,
+                             post_process=shape.post_process,
+                             expert_model_parallel_size=parallel.expert_model_parallel_size,
+                             expert_tensor_parallel_size=parallel.expert_tensor_size)
             for shape in rank_chunk_shapes(config, pipeline_rank)]

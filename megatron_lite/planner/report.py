@@ -6,10 +6,13 @@ from megatron_lite.model.builder import count_parameters
 from megatron_lite.planner.cluster import Cluster
 from megatron_lite.planner.estimate import Estimate
 from megatron_lite.planner.memory import GB
+from megatron_lite.planner.parameters import active_parameters
 from megatron_lite.planner.step_time import training_dtype
 
 TIME_PARTS = {"compute": "compute (recomputation included)", "tensor_parallel": "tensor-parallel communication",
-              "pipeline_p2p": "pipeline send/receive", "pipeline_bubble": "pipeline bubble",
+              "context_parallel": "context-parallel exchange, exposed",
+              "pipeline_p2p": "pipeline send/receive", "expert_parallel": "expert-parallel all-to-all",
+              "pipeline_bubble": "pipeline bubble",
               "data_parallel": "data-parallel communication, exposed", "optimizer": "optimizer step"}
 
 
@@ -21,9 +24,16 @@ def seconds_text(seconds: float) -> str:
 def describe_model(model: ModelConfig) -> str:
     kind = "Llama-style" if model.swiglu else "GPT"
     groups = f", {model.num_query_groups} query groups" if model.num_query_groups != model.num_attention_heads else ""
+    total = count_parameters(Config(model=model)).total
+    experts = ""
+    if model.num_experts is not None:
+        moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+        experts = (f", {model.num_experts} experts of ffn {model.moe_ffn_hidden_size} (top {model.moe_router_topk}) in "
+                   f"{moe_layers} layers")
+    active = f" ({active_parameters(model, total) / 1e9:.2f} B active per token)" if experts else ""
     return (f"{kind} model: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads"
-            f"{groups}, ffn {model.ffn_hidden_size}, sequence {model.seq_length}, vocabulary {model.vocab_size}, "
-            f"{count_parameters(Config(model=model)).total / 1e9:.2f} B parameters")
+            f"{groups}, ffn {model.ffn_hidden_size}{experts}, sequence {model.seq_length}, vocabulary "
+            f"{model.vocab_size}, {total / 1e9:.2f} B parameters{active}")
 
 
 def describe_cluster(cluster: Cluster, dtype: str) -> str:
@@ -41,8 +51,9 @@ def format_estimate(estimate: Estimate) -> str:
     gradients_host = f" ({static.host_gradient_bytes / GB:.2f} in host memory)" if static.host_gradient_bytes else ""
     fits = "fits" if estimate.fits else "does NOT fit"
     lines = [describe_model(layout.config.model), describe_cluster(estimate.cluster, training_dtype(layout)),
-             f"layout: tensor {d['tensor_model_parallel_size']} x pipeline {d['pipeline_model_parallel_size']} "
-             f"(virtual {d['virtual_pipeline_model_parallel_size']}) x data {d['data_parallel_size']}; micro-batch "
+             f"layout: tensor {d['tensor_model_parallel_size']} x context {d['context_parallel_size']} x pipeline "
+             f"{d['pipeline_model_parallel_size']} (virtual {d['virtual_pipeline_model_parallel_size']}) x data "
+             f"{d['data_parallel_size']}; micro-batch "
              f"{d['micro_batch_size']} x {d['num_microbatches']} per step, global batch {d['global_batch_size']}; "
              f"sequence parallel {'on' if d['sequence_parallel'] else 'off'}; recompute {d['recompute']}; "
              f"sharding {d['data_parallel_sharding_strategy']}",
@@ -65,15 +76,21 @@ def format_estimate(estimate: Estimate) -> str:
     return "\n".join(lines)
 
 
-_HEADER = (f"{'#':>3} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp':>5} {'mbs':>3} {'m':>5} {'recompute':<10} {'sharding':<18} "
-           f"{'step s':>8} {'tokens/s':>10} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6} {'GB/GPU':>7}  fits")
+def _header(experts: bool) -> str:
+    """The ranking's column titles; a mixture of experts' has its expert-parallel size (ep) too."""
+    ep = f" {'ep':>3}" if experts else ""
+    return (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3}{ep} {'dp':>5} {'mbs':>3} {'m':>5} {'recompute':<10} "
+            f"{'sharding':<18} "
+            f"{'step s':>8} {'tokens/s':>10} {'TFLOP/s':>7} {'MFU':>6} {'bubble':>6} {'GB/GPU':>7}  fits")
 
 
-def _row(index: int, estimate: Estimate) -> str:
+def _row(index: int, estimate: Estimate, experts: bool) -> str:
     d = estimate.layout.as_dict()
     recompute = d["recompute"].split("/")[0]
-    return (f"{index:>3} {d['tensor_model_parallel_size']:>3} {d['pipeline_model_parallel_size']:>3} "
-            f"{d['virtual_pipeline_model_parallel_size']:>3} {d['data_parallel_size']:>5} {d['micro_batch_size']:>3} "
+    ep = f" {d['expert_model_parallel_size']:>3}" if experts else ""
+    return (f"{index:>3} {d['tensor_model_parallel_size']:>3} {d['context_parallel_size']:>3} "
+            f"{d['pipeline_model_parallel_size']:>3} {d['virtual_pipeline_model_parallel_size']:>3}{ep} "
+            f"{d['data_parallel_size']:>5} {d['micro_batch_size']:>3} "
             f"{d['num_microbatches']:>5} {recompute:<10} {d['data_parallel_sharding_strategy']:<18} "
             f"{seconds_text(estimate.time.step_time_s):>8} {estimate.tokens_per_second:>10,.0f} "
             f"{estimate.tflops_per_gpu:>7.1f} "
@@ -104,8 +121,9 @@ def format_ranking(ranked: list[Estimate], top: int) -> str:
     fitting = sum(e.fits for e in ranked)
     lines = [describe_model(first.layout.config.model), describe_cluster(first.cluster, dtype),
              f"{len(ranked)} valid layouts, {fitting} fit in memory; the {min(top, fitting)} fastest that fit, and "
-             f"up to {MISFITS_SHOWN} faster ones that do not:", "", _HEADER]
-    lines += [_row(i + 1, e) for i, e in enumerate(shown(ranked, top))]
+             f"up to {MISFITS_SHOWN} faster ones that do not:", ""]
+    experts = first.layout.config.model.num_experts is not None
+    lines += [_header(experts)] + [_row(i + 1, e, experts) for i, e in enumerate(shown(ranked, top))]
     best = next((e for e in ranked if e.fits), None)
     lines += ["", f"best that fits: {best.layout.flags()}" if best else "no layout fits: add GPUs or memory"]
     return "\n".join(lines)

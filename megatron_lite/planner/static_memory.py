@@ -56,6 +56,7 @@ class StaticMemory:
     optimizer_state_bytes: int
     optimizer_elements: int  # parameter elements this rank's optimizer updates
     bucket_elements: tuple = ()  # padded size of each gradient bucket (what data parallelism communicates)
+    expert_bucket_elements: tuple = ()  # the experts' buckets (what the expert-data-parallel group communicates)
     host_gradient_bytes: int = 0  # the part of gradient_bytes in host memory (--grad-cpu-offload's shards)
     optimizer_state_on_host: bool = False
 
@@ -144,13 +145,22 @@ def gathered_together(order: list[str], *, prefetch: bool, tied_embedding: bool,
     return together
 
 
-def static_memory(config: Config, *, pipeline_rank: int, data_parallel_size: int,
-                  data_parallel_rank: int = 0) -> StaticMemory:
-    """What one rank holds: rank (pipeline_rank, data_parallel_rank) of the layout in ``config``, under
-    its --data-parallel-sharding-strategy."""
-    shapes = tuple((len(s.layer_numbers), s.pre_process, s.post_process)
-                   for s in rank_chunk_shapes(config, pipeline_rank))
-    return _static_memory(_Sizing.of(config), shapes, data_parallel_size, data_parallel_rank)
+def expert_data_parallel_size(config: Config, data_parallel_size: int) -> int:
+    """The replicas of each expert shard: a stage's ranks (tp x dp) over expert-model x expert-tensor ones."""
+    parallel = config.parallel
+    stage = parallel.tensor_model_parallel_size * data_parallel_size
+    return max(1, stage // (parallel.expert_model_parallel_size * parallel.expert_tensor_size))
+
+
+def static_memory(config: Config, *, pipeline_rank: int, data_parallel_size: int, data_parallel_rank: int = 0,
+                  expert_data_parallel_rank: int = 0) -> StaticMemory:
+    """What one rank holds: rank (pipeline_rank, data_parallel_rank) of the layout in ``config``, whose expert
+    weights (a mixture of experts') are replica ``expert_data_parallel_rank``, under its
+    --data-parallel-sharding-strategy; dense weights are sharded over the data-parallel ranks, experts over
+    the expert-data-parallel ones, each in buffers of their own (``distributed_data_parallel.py``)."""
+    shapes = tuple((s.layer_numbers, s.pre_process, s.post_process) for s in rank_chunk_shapes(config, pipeline_rank))
+    return _static_memory(_Sizing.of(config), shapes, data_parallel_size, data_parallel_rank,
+                          expert_data_parallel_rank)
 
 
 @dataclass(frozen=True)
@@ -164,7 +174,10 @@ class _Sizing:
     @classmethod
     def of(cls, config: Config) -> "_Sizing":
         parallel, optimizer, training = config.parallel, config.optimizer, config.training
-        key = (dataclasses.astuple(config.model), parallel.tensor_model_parallel_size, training.bf16, training.fp16,
+        # Lists (--window-size) as tuples, to hash.
+        model = tuple(tuple(v) if isinstance(v, list) else v for v in dataclasses.astuple(config.model))
+        key = (model, parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size,
+               parallel.expert_tensor_size, training.bf16, training.fp16,
                parallel.data_parallel_sharding_strategy, parallel.accumulate_allreduce_grads_in_fp32,
                parallel.ddp_bucket_size, parallel.overlap_grad_reduce, parallel.overlap_param_gather,
                parallel.grad_cpu_offload, optimizer.optimizer, optimizer.sgd_momentum > 0,
@@ -209,25 +222,37 @@ def _chunk_memory(config: Config, chunk: list[ParamSpec], tied_embedding: bool, 
 
 
 @functools.lru_cache(maxsize=4096)
-def _static_memory(sizing: _Sizing, shapes: tuple, data_parallel_size: int, data_parallel_rank: int) -> StaticMemory:
+def _static_memory(sizing: _Sizing, shapes: tuple, data_parallel_size: int, data_parallel_rank: int,
+                   expert_data_parallel_rank: int) -> StaticMemory:
     config = sizing.config
-    t = config.parallel.tensor_model_parallel_size
-    chunks, first_layer = [], 0
-    for layers, pre_process, post_process in shapes:  # sizes do not depend on which layers they are
-        specs = chunk_parameters(config.model, tensor_model_parallel_size=t,
-                                 layer_numbers=range(first_layer, first_layer + layers),
-                                 pre_process=pre_process, post_process=post_process)
+    parallel = config.parallel
+    experts_over = expert_data_parallel_size(config, data_parallel_size)
+    dense_chunks, expert_chunks, peaks = [], [], []
+    for layers, pre_process, post_process in shapes:
+        specs = chunk_parameters(config.model, tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+                                 layer_numbers=layers, pre_process=pre_process, post_process=post_process,
+                                 expert_model_parallel_size=parallel.expert_model_parallel_size,
+                                 expert_tensor_parallel_size=parallel.expert_tensor_size)
         tied = pre_process and post_process and not config.model.untie_embeddings_and_output_weights
-        chunks.append(_chunk_memory(config, specs, tied, data_parallel_size, data_parallel_rank))
-        first_layer += layers
+        dense = _chunk_memory(config, [p for p in specs if not p.expert], tied, data_parallel_size,
+                              data_parallel_rank)
+        experts = [p for p in specs if p.expert]
+        expert = (_chunk_memory(config, experts, False, experts_over, expert_data_parallel_rank) if experts
+                  else None)
+        dense_chunks.append(dense)
+        expert_chunks += [expert] if expert else []
+        # Dense weights and experts gather apart (ZeRO-3), each its own units at once.
+        peaks.append(dense.peak_gathered + (expert.peak_gathered if expert else 0))
+    chunks = dense_chunks + expert_chunks
     parameters = sum(c.parameters for c in chunks)
     owned = sum(c.owned for c in chunks)
     return StaticMemory(
         parameter_bytes=parameters,
         # A rank runs one chunk at a time, and a chunk releases all it gathered before the next runs.
-        peak_parameter_bytes=parameters + max(c.peak_gathered for c in chunks),
+        peak_parameter_bytes=parameters + max(peaks),
         gradient_bytes=sum(c.gradients for c in chunks),
         optimizer_state_bytes=owned * optimizer_bytes_per_element(config),
-        optimizer_elements=owned, bucket_elements=tuple(b.padded for c in chunks for b in c.buckets),
+        optimizer_elements=owned, bucket_elements=tuple(b.padded for c in dense_chunks for b in c.buckets),
+        expert_bucket_elements=tuple(b.padded for c in expert_chunks for b in c.buckets),
         host_gradient_bytes=sum(c.host_gradients for c in chunks),
         optimizer_state_on_host=config.optimizer.optimizer_cpu_offload)

@@ -10,13 +10,23 @@ Per pipeline stage and micro-batch, a model chunk's forward and backward take
   the same bytes), plus the embedding's and the output layer's, over NVLink when the
   group fits in a node; none of it overlapped (ours is not);
 - pipeline parallelism: one activation or gradient exchange with each neighbour per
-  forward and per backward.
+  forward and per backward;
+- context parallelism: a rank computes for its s/cp positions, and each layer exchanges keys
+  and values (``_context_parallel_s``): all_gather gathers every rank's forward and
+  reduce-scatters their gradients backward, exposed; p2p passes one rank's block per step
+  while the previous one is attended to (backward: the blocks again, with their fp32
+  gradients), exposed only where a step's message outlasts a block's attention.
+- expert parallelism: per mixture-of-experts layer, the rows of a rank's tokens (k per token, over
+  the tensor ranks that split them) all-to-all over the expert-model-parallel group twice forward
+  (dispatch, combine) and twice backward, each gathered and reduce-scattered over the expert-tensor
+  ranks; without sequence parallelism the tensor ranks also gather the layer's output. Routing is
+  taken as balanced: each rank computes k times its tokens' rows, and (ep - 1) / ep of them leave it.
 
 The slowest stage paces the pipeline: ``m x (its forward + backward) x (1 + bubble)``,
 the bubble read off our schedule tables. Then data-parallel communication (ring
 collectives; ZeRO-2/3 reduce-scatter every micro-batch's gradients and ZeRO-3 gathers
-parameters for every forward and backward), exposed past the backward (or forward) it
-overlaps with under ``--overlap-grad-reduce`` / ``--overlap-param-gather``, but never
+parameters for every forward and backward; experts' over their own replicas), exposed past the
+backward (or forward) it overlaps with under ``--overlap-grad-reduce`` / ``--overlap-param-gather``, but never
 less than one bucket's worth; and the optimizer step, bound by memory bandwidth.
 """
 from __future__ import annotations
@@ -24,13 +34,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_lite.config import ModelConfig
 from megatron_lite.model import flops
 from megatron_lite.planner.cluster import Cluster, Link
 from megatron_lite.planner.layouts import Layout
+from megatron_lite.planner.memory import tokens_per_rank
 from megatron_lite.planner.parameters import ChunkShape, distinct_stages, rank_chunk_shapes
 from megatron_lite.planner.pipeline import bubble_fraction
-from megatron_lite.planner.static_memory import (StaticMemory, dtype_bytes, gradient_dtype_bytes, planned_sharding,
-                                                 static_memory)
+from megatron_lite.planner.static_memory import (StaticMemory, dtype_bytes, expert_data_parallel_size,
+                                                 gradient_dtype_bytes, planned_sharding, static_memory)
 
 # Bytes of memory traffic per fp32 element the optimizer owns, per step. torch.optim.AdamW
 # (foreach) makes about ten read-write passes: the two moments' updates, the denominator's
@@ -59,6 +71,14 @@ def p2p_s(message_bytes: float, link: Link) -> float:
     return link.p2p_latency_s + message_bytes / link.p2p_bytes_per_second
 
 
+def all_to_all_s(message_bytes: float, group_size: int, link: Link) -> float:
+    """Pairwise all-to-all of a rank's ``message_bytes``: k - 1 exchanges, (k - 1) / k of the bytes leave."""
+    if group_size == 1:
+        return 0.0
+    k = group_size
+    return (k - 1) * link.latency_s + (k - 1) / k * message_bytes / link.bytes_per_second
+
+
 @dataclass
 class ChunkTime:
     """One micro-batch through one model chunk, seconds."""
@@ -66,11 +86,14 @@ class ChunkTime:
     forward_compute: float = 0.0
     backward_compute: float = 0.0
     tensor_parallel: float = 0.0
+    context_parallel: float = 0.0
     pipeline_p2p: float = 0.0
+    expert_parallel: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.forward_compute + self.backward_compute + self.tensor_parallel + self.pipeline_p2p
+        return (self.forward_compute + self.backward_compute + self.tensor_parallel + self.context_parallel
+                + self.pipeline_p2p + self.expert_parallel)
 
 
 @dataclass
@@ -81,6 +104,7 @@ class StepTime:
 
 
 def _recomputed_layers(layout: Layout, layers: int) -> int:
+    """How many of a chunk's ``layers`` full recomputation runs again (its first ones)."""
     training = layout.config.training
     if training.recompute_granularity != "full":
         return 0
@@ -89,18 +113,31 @@ def _recomputed_layers(layout: Layout, layers: int) -> int:
     return layers
 
 
+def expert_parallel_s(layout: Layout, cluster: Cluster) -> float:
+    """One mixture-of-experts layer's forward communication for one micro-batch (its backward: the same again)."""
+    config, model = layout.config, layout.config.model
+    parallel, t = config.parallel, layout.tensor_model_parallel_size
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_size
+    activation = tokens_per_rank(layout) * model.hidden_size * dtype_bytes(config)
+    rows = activation / t * model.moe_router_topk  # this rank's tokens' rows, k each
+    dispatch = (all_to_all_s(rows, ep, cluster.link(etp, ep))
+                + gather_or_scatter_s(rows * etp, etp, cluster.link(1, etp)))
+    own_tokens = 0.0 if parallel.sequence_parallel else gather_or_scatter_s(activation, t, cluster.link(1, t))
+    return 2 * dispatch + own_tokens  # dispatch and combine
+
+
 def chunk_time(layout: Layout, cluster: Cluster, chunk: ChunkShape) -> ChunkTime:
     config, model = layout.config, layout.config.model
     layers, pre_process, post_process = len(chunk.layer_numbers), chunk.pre_process, chunk.post_process
     t, p, d = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
     sp = config.parallel.sequence_parallel
-    tokens = model.seq_length * layout.micro_batch_size
+    tokens = tokens_per_rank(layout)
     rate = cluster.peak(training_dtype(layout)) * 1e12 * cluster.matmul_efficiency
-    layer_flops = flops.transformer_layer_flops_per_token(model)
-    forward = tokens * (layers * layer_flops + (flops.output_layer_flops_per_token(
+    layer_flops = [flops.transformer_layer_flops_per_token(model, n) for n in chunk.layer_numbers]
+    forward = tokens * (sum(layer_flops) + (flops.output_layer_flops_per_token(
         model, model.padded_vocab_size(t)) if post_process else 0)) / t
     recomputed_layers = _recomputed_layers(layout, layers)
-    recompute = tokens * recomputed_layers * layer_flops / t
+    recompute = tokens * sum(layer_flops[:recomputed_layers]) / t
     if config.training.recompute_granularity == "selective":
         recompute = tokens * layers * flops.attention_core_flops_per_token(model) / t
     time = ChunkTime(forward_compute=forward / rate, backward_compute=(2 * forward + recompute) / rate)
@@ -113,9 +150,49 @@ def chunk_time(layout: Layout, cluster: Cluster, chunk: ChunkShape) -> ChunkTime
     if post_process:  # the output layer's input gradient, and the loss's three [s, b] all-reduces
         tp += one_all_reduce + 3 * all_reduce_s(tokens * 4, t, tp_link)
     time.tensor_parallel = tp
+    attention_forward = tokens * flops.attention_core_flops_per_token(model) / t / rate
+    recomputed = set(chunk.layer_numbers[:recomputed_layers])
+    if config.training.recompute_granularity == "selective":
+        recomputed = set(chunk.layer_numbers)
+    time.context_parallel = sum(_context_parallel_s(layout, cluster, layout.cp_comm_types[n], attention_forward,
+                                                    recomputed=n in recomputed) for n in chunk.layer_numbers)
+    moe_layers = [model.is_moe_layer(n) for n in chunk.layer_numbers]
+    if any(moe_layers):  # forward, backward, and the recomputed forward
+        time.expert_parallel = (2 * sum(moe_layers) + sum(moe_layers[:recomputed_layers])) * expert_parallel_s(
+            layout, cluster)
     if p > 1:
-        time.pipeline_p2p = 2 * p2p_s(activation / (t if sp else 1), cluster.link(t * d, p))
+        stride = t * layout.context_parallel_size * d
+        time.pipeline_p2p = 2 * p2p_s(activation / (t if sp else 1), cluster.link(stride, p))
     return time
+
+
+def _context_parallel_s(layout: Layout, cluster: Cluster, comm_type: str, attention_forward: float, *,
+                        recomputed: bool) -> float:
+    """Exposed key/value exchange of one layer for one micro-batch (forward, backward, and the forward again
+    when the layer is recomputed); ``attention_forward``: this rank's attention-core forward seconds."""
+    cp, t = layout.context_parallel_size, layout.tensor_model_parallel_size
+    if cp == 1:
+        return 0.0
+    own = tokens_per_rank(layout) * _exchanged_key_value_width(layout.config.model) * dtype_bytes(layout.config) / t
+    link = cluster.link(t, cp)
+    if comm_type == "all_gather":
+        forward = backward = gather_or_scatter_s(own * cp, cp, link)
+    else:
+        block, send, send_gradient = attention_forward / cp, p2p_s(own, link), p2p_s(own * 4 / dtype_bytes(
+            layout.config), link)
+        forward = (cp - 1) * max(send - block, 0.0)
+        # Each backward step sends a block on and its gradient so far, next to a block's backward (2 forwards);
+        # the last gradient, on its way home, has nothing left to hide behind.
+        backward = (cp - 1) * max(send + send_gradient - 2 * block, 0.0) + send_gradient
+    return forward * (2 if recomputed else 1) + backward
+
+
+def _exchanged_key_value_width(model: ModelConfig) -> int:
+    """Channels per token of the keys and values context-parallel ranks exchange, over every head: 2 g d, or
+    multi-latent attention's expanded keys and values, a (qk_head_dim + qk_pos_emb_head_dim + v_head_dim)."""
+    if model.multi_latent_attention:
+        return model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim)
+    return 2 * model.num_query_groups * model.head_dim
 
 
 def training_dtype(layout: Layout) -> str:
@@ -126,22 +203,35 @@ def training_dtype(layout: Layout) -> str:
 def _data_parallel_s(layout: Layout, cluster: Cluster, memory: StaticMemory, stage_forward: float,
                      stage_backward: float) -> float:
     """Exposed data-parallel communication of one stage per step."""
+    config, parallel = layout.config, layout.config.parallel
+    # Gradients are reduced over the data x context ranks (context-parallel ranks next to each other); experts'
+    # over their replicas, ep x etp ranks apart.
+    t, d = layout.tensor_model_parallel_size, layout.data_parallel_size_with_context
+    edp, replicas_stride = expert_data_parallel_size(config, d), parallel.expert_model_parallel_size * (
+        parallel.expert_tensor_size)
+    return (_buckets_s(layout, memory.bucket_elements, d, cluster.link(t, d), stage_forward, stage_backward)
+            + _buckets_s(layout, memory.expert_bucket_elements, edp, cluster.link(replicas_stride, edp),
+                         stage_forward, stage_backward))
+
+
+def _buckets_s(layout: Layout, bucket_elements: tuple, group_size: int, link: Link, stage_forward: float,
+               stage_backward: float) -> float:
+    """Exposed communication of one kind of buckets (dense or experts') over the group of their replicas."""
     config = layout.config
-    t, d, m = layout.tensor_model_parallel_size, layout.data_parallel_size, layout.num_microbatches
-    if d == 1:
+    if group_size == 1 or not bucket_elements:
         return 0.0
-    link = cluster.link(t, d)
-    padded = sum(memory.bucket_elements)
-    last_bucket = max(memory.bucket_elements) / padded  # the share no overlap can hide
+    padded = sum(bucket_elements)
+    last_bucket = max(bucket_elements) / padded  # the share no overlap can hide
     grads, params = padded * gradient_dtype_bytes(config), padded * dtype_bytes(config)
 
     def exposed(window: float):
         return lambda seconds, overlapped: max(seconds - window, seconds * last_bucket) if overlapped else seconds
 
     # Which collectives run how often, and what hides them, is the strategy's.
-    return planned_sharding(config, d).step_communication_s(
-        microbatches=m, all_reduce_s=all_reduce_s(grads, d, link), reduce_scatter_s=gather_or_scatter_s(grads, d, link),
-        all_gather_s=gather_or_scatter_s(params, d, link), exposed_in_backward=exposed(stage_backward),
+    return planned_sharding(config, group_size).step_communication_s(
+        microbatches=layout.num_microbatches, all_reduce_s=all_reduce_s(grads, group_size, link),
+        reduce_scatter_s=gather_or_scatter_s(grads, group_size, link),
+        all_gather_s=gather_or_scatter_s(params, group_size, link), exposed_in_backward=exposed(stage_backward),
         exposed_in_forward=exposed(stage_forward))
 
 
@@ -163,7 +253,7 @@ def step_time(layout: Layout, cluster: Cluster) -> StepTime:
         forward = sum(c.forward_compute for c in chunks)
         backward = sum(c.backward_compute for c in chunks)
         memory = static_memory(layout.config, pipeline_rank=ranks[0],
-                               data_parallel_size=layout.data_parallel_size)
+                               data_parallel_size=layout.data_parallel_size_with_context)
         stages.append((chunks, _data_parallel_s(layout, cluster, memory, forward, backward),
                        _optimizer_s(layout, cluster, memory)))
     chunks = max((chunks for chunks, _, _ in stages), key=lambda cs: sum(c.total for c in cs))
@@ -171,7 +261,10 @@ def step_time(layout: Layout, cluster: Cluster) -> StepTime:
     data_parallel, optimizer = max(((dp, opt) for _, dp, opt in stages), key=sum)
     breakdown = {"compute": m * sum(c.forward_compute + c.backward_compute for c in chunks),
                  "tensor_parallel": m * sum(c.tensor_parallel for c in chunks),
+                 "context_parallel": m * sum(c.context_parallel for c in chunks),
                  "pipeline_p2p": m * sum(c.pipeline_p2p for c in chunks),
+                 **({"expert_parallel": m * sum(c.expert_parallel for c in chunks)}
+                    if layout.config.model.num_experts is not None else {}),
                  "pipeline_bubble": m * sum(c.total for c in chunks) * bubble,
                  "data_parallel": data_parallel, "optimizer": optimizer}
     return StepTime(step_time_s=math.fsum(breakdown.values()), bubble_fraction=bubble, breakdown=breakdown)

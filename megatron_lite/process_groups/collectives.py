@@ -152,6 +152,17 @@ def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, group, op=
     return _reduce_scatter_single(output, tensor.contiguous(), op=op, group=group, async_op=async_op)
 
 
+def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group, *, output_split_sizes: list[int],
+                      input_split_sizes: list[int]):
+    """Rank i sends rows ``input_split_sizes[j]`` of ``tensor`` (in order) to rank j and receives
+    ``output_split_sizes[j]`` rows from it into ``output``; sizes may differ from rank to rank."""
+    if group is None:
+        output.copy_(tensor)
+        return None
+    _record("all_to_all", group, tensor)
+    return dist.all_to_all_single(output, tensor.contiguous(), output_split_sizes, input_split_sizes, group=group)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
     """``src`` is a global rank, as in torch.distributed."""
     if group is None:

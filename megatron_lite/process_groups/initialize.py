@@ -22,6 +22,10 @@ from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists, not at the first optimizer step (torch._dynamo imports it then):
+# its functions take ``group=group.WORLD`` as a default argument, so imported once the WORLD group exists it
+# would hold that group past its teardown, and gloo's threads with it, into interpreter shutdown.
+import torch.distributed.nn  # noqa: F401
 
 from megatron_lite.config import ConfigError, ParallelConfig
 

@@ -163,6 +163,8 @@ class RankLayout:
             # Tokens are dispatched over every rank that holds a different slice of the experts.
             groups["expert_tensor_and_model"] = self.groups_along("expert_tensor", "expert_model")
             groups["expert_data"] = self.groups_along("expert_data")
+            # The ranks of one expert replica: their gradients are distinct pieces of the experts (the norm).
+            groups["expert_tensor_model_pipeline"] = self.groups_along("expert_tensor", "expert_model", "pipeline")
         return groups
 
 
@@ -293,6 +295,32 @@ class ParallelState:
     @property
     def expert_data_parallel_group(self):
         return self.groups.get("expert_data", self.data_parallel_group_with_context)
+
+    @property
+    def splits_experts(self) -> bool:
+        """Whether expert weights are split and replicated other than the dense ones (expert-model size
+        above one, or an expert-tensor size other than the tensor size): they then have groups of their own."""
+        return "expert_tensor_model_pipeline" in self.groups
+
+    @property
+    def expert_tensor_model_pipeline_group(self):
+        """The ranks of one replica of every expert (tensor x pipeline when experts are not split)."""
+        return self.groups.get("expert_tensor_model_pipeline", self.groups["model"])
+
+    # Parameters: expert weights (``param.expert_parallel``) are split over the expert-tensor ranks and
+    # replicated over the expert-data ones; every other parameter over the tensor and data ranks.
+    def tensor_split(self, param) -> tuple[int, int]:
+        """(rank, size) of the group ``param`` is split over along its ``partition_dim``."""
+        if getattr(param, "expert_parallel", False):
+            return self.expert_tensor_parallel_rank, self.expert_tensor_parallel_world_size
+        return self.tensor_model_parallel_rank, self.tensor_model_parallel_world_size
+
+    def replica_rank(self, param) -> int:
+        """This rank's place among the replicas of ``param`` (0: the one that writes it to a checkpoint)."""
+        if getattr(param, "expert_parallel", False):
+            return self.expert_data_parallel_rank
+        # Data x context ranks hold replicas of the dense weights (context ranks vary faster).
+        return self.data_parallel_rank * self.context_parallel_world_size + self.context_parallel_rank
 
     # Pipeline neighbours.
     def is_pipeline_first_stage(self) -> bool:

@@ -18,6 +18,7 @@ from megatron_lite.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron_lite.tensor_parallel.replicated_linear import ReplicatedLinear
 from megatron_lite.tensor_parallel.random import (
     RNGStatesTracker,
     checkpoint,
@@ -26,7 +27,8 @@ from megatron_lite.tensor_parallel.random import (
 )
 
 __all__ = [
-    "TensorParallelConfig", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "gather_shards",
+    "TensorParallelConfig", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ReplicatedLinear",
+    "gather_shards",
     "set_tensor_model_parallel_attributes", "shard_tensor",
     "copy_to_tensor_model_parallel_region", "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",

@@ -13,7 +13,7 @@ import os
 from collections import Counter, defaultdict
 from typing import Iterable
 
-from megatron_lite.data.atomic_write import atomic_write
+from megatron_lite.files import atomic_write
 from megatron_lite.config import ConfigError
 from megatron_lite.tokenizer.gpt2_bpe import (EOD_TOKEN, PRETOKENIZE_PATTERN, bytes_to_unicode, merge_pair,
                                              to_byte_symbols)

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import Config, ConfigError, TrainingConfig
+from megatron_lite.context_parallel import slice_batches
 from megatron_lite.data import MockGPTDataset, build_pretraining_data_loader, build_train_valid_test_datasets
 from megatron_lite.data.dataset_builder import parse_data_path
 from megatron_lite.data.indexed_dataset import IndexedDataset, data_file_path, output_prefix_for
@@ -25,7 +26,8 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, plan: Ru
                          iteration: int = 0):
     """(train, valid, test) micro-batch iterators positioned where ``iteration`` iterations left them (so a
     resumed run continues with the same samples); a list of them, one per chunk, when interleaving. Test
-    data is read once, after training: only fine-tuning's --test-data-path gives it."""
+    data is read once, after training: only fine-tuning's --test-data-path gives it. The context-parallel
+    ranks of a data-parallel rank read the same micro-batches, each cut to its own positions."""
     training, data = config.training, config.data
     global_batch = training.global_batch(parallel_state.data_parallel_world_size)
     consumed_valid_samples = (iteration // training.eval_interval) * training.eval_iters * global_batch
@@ -48,12 +50,13 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, plan: Ru
     def loaders(dataset, consumed):
         if dataset is None:
             return None
-        made = [build_pretraining_data_loader(
+        made = [slice_batches(build_pretraining_data_loader(
             dataset, consumed_samples=consumed, micro_batch_size=training.micro_batch_size,
             data_parallel_rank=parallel_state.data_parallel_rank,
             data_parallel_size=parallel_state.data_parallel_world_size,
             eod_token=eod_token, eod_mask_loss=data.eod_mask_loss, num_workers=data.num_workers,
-            collate_fn=collate_fn) for _ in range(vpp)]
+            collate_fn=collate_fn), parallel_state.context_parallel_rank, parallel_state.context_parallel_world_size)
+            for _ in range(vpp)]
         return made if vpp > 1 else made[0]
 
     return loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples), loaders(test_ds, 0)

@@ -7,6 +7,8 @@ import torch.distributed as dist
 
 from megatron_lite.config import Config, TrainingConfig
 from megatron_lite.model import flops
+from megatron_lite.model.moe.router import BALANCING_LOSS_NAMES
+from megatron_lite.model.moe.routing_statistics import RoutingSummary
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.training import metrics
 from megatron_lite.training.run_plan import RunPlan
@@ -40,6 +42,9 @@ def format_startup_summary(config: Config, parallel_state: ParallelState, plan: 
         f"{config.model.hidden_size}); per pipeline stage: {stages}",
         f" layout: {parallel_state.world_size} processes = tensor {parallel.tensor_model_parallel_size} x pipeline "
         f"{parallel.pipeline_model_parallel_size} x data {dp}"
+        + (f" x context {parallel.context_parallel_size} (each sequence split over {parallel.context_parallel_size} "
+           f"ranks, --cp-comm-type {' '.join(sorted(set(parallel.cp_comm_type)))})"
+           if parallel.context_parallel_size > 1 else "")
         + (f", {parallel.virtual_pipeline_model_parallel_size} virtual stages"
            if parallel.virtual_pipeline_model_parallel_size else ""),
         f" batch: {global_batch} sequences = micro-batch {training.micro_batch_size} x "
@@ -85,10 +90,15 @@ class TrainingLogger:
 
     def _reset(self) -> None:
         self.losses, self.seconds, self.skipped, self.nan, self.flops, self.samples = [], 0.0, 0, 0, 0.0, 0
+        self.routing = []
 
-    def record(self, loss: float | None, seconds: float, skipped: bool, global_batch: int) -> None:
-        """As Megatron: the interval's loss averages the iterations that updated the weights."""
+    def record(self, loss: float | None, seconds: float, skipped: bool, global_batch: int,
+               routing: RoutingSummary | None = None) -> None:
+        """As Megatron: the interval's loss averages the iterations that updated the weights. ``routing``: the
+        iteration's mixture-of-experts statistics (``routing_statistics.routing_summary``), if it has experts."""
         self.seconds += seconds
+        if routing is not None:
+            self.routing.append(routing)
         self.skipped += int(skipped)
         self.global_batch = global_batch
         self.samples += global_batch
@@ -105,6 +115,7 @@ class TrainingLogger:
         skipped, nan = self.skipped, self.nan  # counts for this interval, as in Megatron's line
         tflops_per_gpu = self.flops / (self.seconds * self.world_size) / 1e12
         tokens_per_second = self.samples * self.config.model.seq_length / self.seconds
+        routing = self._routing_scalars()
         self._reset()
         if not is_last_rank():
             return
@@ -116,7 +127,7 @@ class TrainingLogger:
             tflops_per_gpu=tflops_per_gpu if self.config.logging.log_throughput else None,
             learning_rate=learning_rate, global_batch_size=self.global_batch,
             lm_loss=lm_loss, loss_scale=loss_scale, grad_norm=grad_norm, skipped_iterations=skipped,
-            nan_iterations=nan), flush=True)
+            nan_iterations=nan, routing=routing), flush=True)
         if self.config.logging.log_memory:
             print(metrics.format_throughput_log(
                 tokens_per_second=tokens_per_second,
@@ -128,7 +139,19 @@ class TrainingLogger:
             "consumed samples": state.consumed_train_samples,
             "consumed tokens": state.consumed_train_samples * self.config.model.seq_length,
             "number of skipped iterations": skipped, "number of nan iterations": nan,
-            "peak memory (MB)": peak_memory if self.config.logging.log_memory else None})
+            "peak memory (MB)": peak_memory if self.config.logging.log_memory else None, **routing})
+
+    def _routing_scalars(self) -> dict:
+        """The interval's mixture-of-experts scalars: each auxiliary loss the run computes, averaged over the
+        iterations (Megatron-LM's names), and the worst iteration's expert load max/min."""
+        if not self.routing:
+            return {}
+        model = self.config.model
+        balancing = BALANCING_LOSS_NAMES.get(model.moe_router_load_balancing_type)
+        names = ([balancing] if balancing else []) + (["z_loss"] if model.moe_z_loss_coeff else [])
+        scalars = {name: sum(r.losses[name] for r in self.routing) / len(self.routing) for name in names}
+        scalars["expert load max/min"] = max(r.load_imbalance for r in self.routing)
+        return scalars
 
     def log_validation(self, iteration: int, valid_loss: float | None, on: str | None = None) -> None:
         """``on``: which data, when not the validation set (``"test set"``)."""

@@ -32,6 +32,7 @@ from megatron_lite.distributed import DistributedDataParallel, finalize_model_gr
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
 from megatron_lite.checkpointing.save_lock import holding_save_lock
 from megatron_lite.model.builder import FSDP_UNIT_MODULES, build_model, current_device
+from megatron_lite.model.moe import routing_statistics
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.optimizer.optimizer_param_scheduler import get_optimizer_param_scheduler
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
@@ -51,10 +52,12 @@ from megatron_lite.checkpointing.training_state import TrainingState
 
 
 def get_model(config: Config, parallel_state: ParallelState) -> list[DistributedDataParallel]:
-    """This rank's model chunks wrapped for data-parallel gradient reduction (Megatron's get_model)."""
-    group = parallel_state.data_parallel_group
-    return [DistributedDataParallel(chunk, config=config.parallel, data_parallel_group=group,
-                                    fsdp_unit_modules=FSDP_UNIT_MODULES)
+    """This rank's model chunks wrapped for data-parallel gradient reduction (Megatron's get_model): expert
+    weights over the expert-data-parallel group, the rest over the data x context ranks, whose gradients are
+    each a part of the global batch's."""
+    groups = dict(data_parallel_group=parallel_state.data_parallel_group_with_context,
+                  expert_data_parallel_group=parallel_state.expert_data_parallel_group)
+    return [DistributedDataParallel(chunk, config=config.parallel, fsdp_unit_modules=FSDP_UNIT_MODULES, **groups)
             for chunk in build_model(config, parallel_state)]
 
 
@@ -97,9 +100,13 @@ def train_step(config: Config, parallel_state: ParallelState, model_chunks, opti
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    # Mixture-of-experts routers: their losses' gradient follows the language-model loss's scaling.
+    routing_statistics.start_iteration(model_chunks, loss_scale=optimizer.get_loss_scale(),
+                                       num_microbatches=num_microbatches, per_token=calculate_per_token_loss(config))
     losses = _forward_backward(config, parallel_state, model_chunks, data_iterator, num_microbatches,
                                forward_only=False, grad_scale_func=optimizer.scale_loss,
                                forward_step_func=forward_step_func)
+    routing_statistics.update_expert_bias(model_chunks, parallel_state)  # once per global batch
     operations.empty_unused_memory(config.training, level=1)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
@@ -115,7 +122,7 @@ def _forward_backward(config, parallel_state, model_chunks, data_iterator, num_m
     forward_backward = get_forward_backward_func(parallel_state)
     return forward_backward(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model_chunks,
-        num_microbatches=num_microbatches, seq_length=model.seq_length,
+        num_microbatches=num_microbatches, seq_length=model.seq_length // parallel_state.context_parallel_world_size,
         micro_batch_size=config.training.micro_batch_size, hidden_size=model.hidden_size,
         parallel_state=parallel_state, forward_only=forward_only, sequence_parallel=config.parallel.sequence_parallel,
         # One no_sync per chunk, as Megatron: the schedule lets each chunk's gradient reduction start
@@ -128,13 +135,14 @@ def _forward_backward(config, parallel_state, model_chunks, data_iterator, num_m
 
 def _average_loss(losses: list, parallel_state: ParallelState) -> float | None:
     """The loss of the global batch (last stage only): the per-token mean over every micro-batch and
-    data-parallel replica, as Megatron reports ``[sum, count]`` losses. A global batch without loss tokens
+    data-parallel replica, as Megatron reports ``[sum, count]`` losses (each context-parallel rank holds
+    the sums of its own positions, so they are added too). A global batch without loss tokens
     (fine-tuning data that is all prompt) reports 0 where Megatron's 0/0 logs NaN: it trained on nothing,
     which is no divergence to count as a nan iteration."""
     if not parallel_state.is_pipeline_last_stage():
         return None
     total = torch.stack([entry["lm loss"].float() for entry in losses]).sum(dim=0)
-    collectives.all_reduce(total, parallel_state.data_parallel_group)
+    collectives.all_reduce(total, parallel_state.data_parallel_group_with_context)
     return (total[0] / total[1].clamp(min=1)).item()
 
 
@@ -185,6 +193,9 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     parallel_state = initialize_model_parallel(config.parallel.tensor_model_parallel_size,
                                                config.parallel.pipeline_model_parallel_size,
                                                config.parallel.virtual_pipeline_model_parallel_size,
+                                               context_parallel_size=config.parallel.context_parallel_size,
+                                               expert_model_parallel_size=config.parallel.expert_model_parallel_size,
+                                               expert_tensor_parallel_size=config.parallel.expert_tensor_parallel_size,
                                                distributed_timeout_minutes=config.parallel.distributed_timeout_minutes)
     plan = plan_run(config, parallel_state)
     failures.run_on_every_rank(lambda: check_data_paths(config.data), "check the data paths")
@@ -272,7 +283,8 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
                 state.nan_iterations += 0 if math.isfinite(loss) else 1
                 state.losses.append(loss)
             logger.record(loss, time.perf_counter() - step_start, skipped=not update_successful,
-                          global_batch=global_batch)
+                          global_batch=global_batch,
+                          routing=routing_statistics.routing_summary(model_chunks, parallel_state, config.model))
             if _every(state.iteration, training.check_weight_hash_across_dp_replicas_interval):
                 check_weight_hash_across_dp_replicas(model_chunks, parallel_state, state.iteration)
             if _every(state.iteration, config.logging.log_interval):

@@ -16,19 +16,17 @@ import warnings
 import torch
 
 from megatron_lite.config import LoggingConfig
-
-# Dense bf16 peak per device, TFLOP/s (docs/reference.md section 7).
-PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800": 312.0, "L40S": 362.0}
+from megatron_lite.planner.cluster import BF16_PEAK_TFLOPS
 
 
 def device_peak_tflops(peak_tflops: float | None) -> float | None:
-    """--peak-tflops wins; else the device table for a known GPU; None on CPU or an unknown device."""
+    """--peak-tflops wins; else the planner's bf16 peak for a known GPU; None on CPU or an unknown device."""
     if peak_tflops is not None:
         return peak_tflops
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+    return next((peak for key, peak in BF16_PEAK_TFLOPS.items() if key in name), None)
 
 
 def model_flops_utilization(tflops_per_gpu: float, peak: float | None) -> float | None:
@@ -51,8 +49,9 @@ def peak_memory_mb() -> float:
 def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
                          tflops_per_gpu: float | None, learning_rate: float, global_batch_size: int, lm_loss: float,
                          loss_scale: float, grad_norm: float | None, skipped_iterations: int,
-                         nan_iterations: int) -> str:
-    """Megatron's line; the throughput field only with --log-throughput (``tflops_per_gpu`` not None)."""
+                         nan_iterations: int, routing: dict | None = None) -> str:
+    """Megatron's line; the throughput field only with --log-throughput (``tflops_per_gpu`` not None).
+    ``routing``: a mixture of experts' auxiliary losses and expert load, after the loss as Megatron-LM's."""
     line = (f" iteration {iteration:8d}/{train_iters:8d} |"
             f" consumed samples: {consumed_samples:12d} |"
             f" elapsed time per iteration (ms): {elapsed_ms:.1f} |")
@@ -60,8 +59,10 @@ def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: 
         line += f" throughput per GPU (TFLOP/s/GPU): {_tflops_text(tflops_per_gpu)} |"
     line += (f" learning rate: {learning_rate:.6E} |"
             f" global batch size: {global_batch_size:5d} |"
-            f" lm loss: {_loss_text(lm_loss)} |"
-            f" loss scale: {loss_scale:.1f} |")
+            f" lm loss: {_loss_text(lm_loss)} |")
+    for name, value in (routing or {}).items():
+        line += f" {name}: {value:.2f} |" if name == "expert load max/min" else f" {name}: {_loss_text(value)} |"
+    line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
     return line + (f" number of skipped iterations: {skipped_iterations:3d} |"

@@ -6,22 +6,23 @@ import dataclasses
 
 import torch
 
-from megatron_lite.checkpointing import read_config
+from megatron_lite.checkpointing import load_checkpoint, read_config
 from megatron_lite.config import (CheckpointConfig, DataConfig, LoggingConfig, OptimizerConfig, ParallelConfig,
                                   PeftConfig, TrainingConfig)
 from megatron_lite.inference.loading import load_model, read_checkpoint_config
 from megatron_lite.inference.text_generation import generate
 from megatron_lite.pipeline_parallel import p2p
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
-from megatron_lite.training.loop import pretrain
+from megatron_lite.training.loop import pretrain, setup_model_and_optimizer, train_step
 
 STEPS = 5
 
 
-def load(root: str, tp: int = 1, pp: int = 1):
+def load(root: str, tp: int = 1, pp: int = 1, ep: int = 1):
     config = read_checkpoint_config(root, ParallelConfig(tensor_model_parallel_size=tp,
-                                                         pipeline_model_parallel_size=pp))
-    parallel_state = initialize_model_parallel(tp, pp)
+                                                         pipeline_model_parallel_size=pp,
+                                                         expert_model_parallel_size=ep))
+    parallel_state = initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     return load_model(config, parallel_state), parallel_state
 
 
@@ -50,6 +51,22 @@ def tp2_pp2_rank(rank, world_size, runs, prompts, generation):
     return results
 
 
+def layouts_rank(rank, world_size, runs, layouts, generation):
+    """For each (checkpoint, input ids, prompt batches) of ``runs`` and each (tp, pp, ep) of ``layouts``: (logits of
+    the input ids on the last stage, else None; for each batch of prompts, the greedy tokens after its prompts with
+    ``generation``'s settings)."""
+    results = []
+    for root, input_ids, prompt_batches in runs:
+        for tp, pp, ep in layouts:
+            model, parallel_state = load(root, tp=tp, pp=pp, ep=ep)
+            with torch.no_grad():
+                logits = _pipelined_logits(model, parallel_state, input_ids) if pp > 1 else model(input_ids)
+            results.append((logits, [generate(model, prompts, greedy=True, parallel_state=parallel_state,
+                                              **generation) for prompts in prompt_batches]))
+            destroy_model_parallel(parallel_state)
+    return results
+
+
 # SGD with momentum, whose steps are linear in the gradients, so the weights of two layouts differ by their
 # gradients' rounding. Adam divides each gradient by its own size: a gradient that is zero in exact
 # arithmetic (a key bias's: softmax ignores a shift of a query's scores) or a near-cancelling sum is rounding
@@ -58,11 +75,12 @@ PARITY_OPTIMIZER = OptimizerConfig(optimizer="sgd", lr=0.1, lr_decay_style="cons
 
 
 def training_config(root: str, save: str, tp: int, pp: int, *, optimizer: OptimizerConfig = PARITY_OPTIMIZER,
-                    peft_config: PeftConfig | None = None):
+                    peft_config: PeftConfig | None = None, sequence_parallel: bool = False):
     config = read_config(root)
     return dataclasses.replace(
         config, model=dataclasses.replace(config.model, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0),
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                sequence_parallel=sequence_parallel),
         checkpoint=CheckpointConfig(pretrained_checkpoint=root, save=save, save_interval=STEPS),
         training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=STEPS, eval_iters=1),
         optimizer=optimizer, data=DataConfig(mock_data=True),
@@ -70,9 +88,38 @@ def training_config(root: str, save: str, tp: int, pp: int, *, optimizer: Optimi
 
 
 def train(rank, world_size, runs):
+    """For each (checkpoint, save directory, tp, pp, sequence parallel?): the training losses."""
     results = []
-    for root, save, tp, pp in runs:
-        state, _, parallel_state = pretrain(training_config(root, save, tp, pp), keep_process_group=True)
+    for root, save, tp, pp, sequence_parallel in runs:
+        state, _, parallel_state = pretrain(training_config(root, save, tp, pp, sequence_parallel=sequence_parallel),
+                                            keep_process_group=True)
         results.append(state.losses)
         destroy_model_parallel(parallel_state)
     return results
+
+
+def sgd_step_gradients(rank, world_size, root, microbatches, pp: int = 1):
+    """The gradient one training step of the checkpoint ``root`` applies (SGD at learning rate 1: the weights'
+    change) to this rank's pipeline stage, each data-parallel rank taking its share of ``microbatches`` (dicts of
+    tokens, labels, loss_mask, position_ids), through setup_model_and_optimizer and train_step."""
+    config = read_config(root)
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, seq_length=microbatches[0]["tokens"].shape[1]),
+        parallel=ParallelConfig(pipeline_model_parallel_size=pp),
+        training=TrainingConfig(micro_batch_size=microbatches[0]["tokens"].shape[0],
+                                global_batch_size=len(microbatches) * microbatches[0]["tokens"].shape[0],
+                                train_iters=1),
+        optimizer=OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0,
+                                  lr_decay_style="constant"),
+        checkpoint=CheckpointConfig(pretrained_checkpoint=root), data=DataConfig(mock_data=True),
+        logging=LoggingConfig(log_memory=False))
+    parallel_state = initialize_model_parallel(1, pp)
+    chunks, optimizer, scheduler = setup_model_and_optimizer(config, parallel_state)
+    load_checkpoint(config, parallel_state, chunks, optimizer, scheduler)
+    before = {name: p.detach().clone() for name, p in chunks[0].module.named_parameters()}
+    dp_size = parallel_state.data_parallel_world_size
+    mine = microbatches[parallel_state.data_parallel_rank::dp_size]
+    train_step(config, parallel_state, chunks, optimizer, scheduler, iter(mine), len(mine))
+    gradients = {name: (before[name] - p.detach()).numpy() for name, p in chunks[0].module.named_parameters()}
+    destroy_model_parallel(parallel_state)
+    return gradients

@@ -11,7 +11,7 @@ from megatron_lite.cli.arguments import parse_args
 from megatron_lite.model.builder import build_model
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.training.loop import pretrain
-from tests.checkpointing.common import GPT2, LLAMA, tiny_config
+from tests.checkpointing.common import GPT2, LLAMA, MOE, tiny_config
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
         "--vocab-size", "64", "--mock-data"]
@@ -56,8 +56,8 @@ def test_a_checkpoint_predating_a_field_has_its_default():
     saved = dataclasses.asdict(parse_args(BASE).model)
     del saved["rotary_base"]
     check_architecture(saved, parse_args(BASE).model, "ckpt")
-    saved["rotary_scaling_factor"] = 8.0
-    with pytest.raises(ConfigError, match=r"model settings this megatron_lite does not know \(rotary_scaling_factor\)"):
+    saved["attention_output_gate"] = True
+    with pytest.raises(ConfigError, match=r"model settings this megatron_lite does not know \(attention_output_gate\)"):
         check_architecture(saved, parse_args(BASE).model, "ckpt")
 
 
@@ -72,7 +72,7 @@ def _logits(config, input_ids):
         destroy_model_parallel(parallel_state)
 
 
-@pytest.mark.parametrize("arch", [LLAMA, GPT2], ids=["rope", "learned"])
+@pytest.mark.parametrize("arch", [LLAMA, GPT2, MOE], ids=["rope", "learned", "experts"])
 def test_settings_not_checked_do_not_change_the_function(tmp_path, arch):
     """The other side of the classification: a checkpoint loaded with every unchecked setting changed
     computes the same logits, so not checking them is safe."""
@@ -81,17 +81,24 @@ def test_settings_not_checked_do_not_change_the_function(tmp_path, arch):
     saved = tiny_config(arch=arch, load=root)
     unchecked = dict(seq_length=8, hidden_dropout=0.3, attention_dropout=0.2, init_method_std=0.5,
                      make_vocab_size_divisible_by=16, use_fused_kernels=False)
-    if arch is LLAMA:
-        unchecked["max_position_embeddings"] = 64  # no position table with rope
-    else:
+    if arch is GPT2:
         unchecked.update(rotary_base=123.0, rotary_percent=0.5)  # no rotary embedding with learned positions
-    assert {name for name, r in ROLES.items() if r is not Role.ARCHITECTURE} - {"attention_backend"} <= set(unchecked)
+    else:
+        unchecked["max_position_embeddings"] = 64  # no position table with rope
+    machine = {"attention_backend", "moe_grouped_gemm"}  # the same function, rounded differently: below
+    moe_only = {name for name in ROLES if name.startswith("moe_")}
+    if arch is MOE:  # how the router trains: its losses and the expert bias's step
+        unchecked.update(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.5,
+                         moe_z_loss_coeff=0.1, moe_router_bias_update_rate=0.5)
+    needed = {name for name, r in ROLES.items() if r is not Role.ARCHITECTURE} - machine
+    assert needed - (set() if arch is MOE else moe_only) <= set(unchecked)
     changed = dataclasses.replace(saved, model=dataclasses.replace(saved.model, **unchecked),
                                   checkpoint=CheckpointConfig(load=root))
     input_ids = torch.randint(0, 60, (2, 8))
     torch.testing.assert_close(_logits(changed, input_ids), _logits(saved, input_ids), rtol=0, atol=0)
     # The unfused attention path computes the same function, in another rounding order.
-    unfused = dataclasses.replace(changed, model=dataclasses.replace(changed.model, attention_backend="unfused"))
+    machine_changed = dict(attention_backend="unfused", moe_grouped_gemm=arch is MOE)
+    unfused = dataclasses.replace(changed, model=dataclasses.replace(changed.model, **machine_changed))
     torch.testing.assert_close(_logits(unfused, input_ids), _logits(saved, input_ids), rtol=0, atol=1e-5)
 
 

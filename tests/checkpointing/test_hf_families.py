@@ -1,21 +1,35 @@
-"""Qwen2/2.5, Qwen3, Mistral, Phi-3 and Gemma 2 import, run, train, fine-tune and export exactly against transformers.
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 and dense DeepSeek-V2/V3 import, run, train, fine-tune and
+export exactly against transformers.
 
 Each family is a tiny random model (``from_config``, saved locally) with every feature it has
 switched on, and weights drawn wider than transformers' init (biases and norm scales included),
 so a dropped bias, swapped norm or unpermuted head changes the logits:
 
     qwen2    q/k/v biases, tied embeddings, linear RoPE scaling
-    qwen3    q/k RMSNorm, head_dim 16 with hidden 32 / 4 heads, untied
+    qwen3    q/k RMSNorm, head_dim 16 with hidden 32 / 4 heads, untied, YaRN (factor 4 over an original 16
+             positions, unrounded correction range)
     mistral  sliding window 5 (shorter than the sequences), Llama 3 RoPE scaling
     phi3     fused qkv_proj and gate_up_proj, sliding window 5, RoPE on half of each head
     gemma2   (1 + w) RMSNorms before and after each sublayer, sqrt(hidden) embedding scale, GeGLU,
              query_pre_attn_scalar 24 (not head_dim 16), attention and final-logit soft-capping low
              enough to bite (4, 5), sliding window 5 on layer 1 and global layer 2, tied embeddings;
              transformers' eager attention as the reference
+    gemma3   gemma2's norms, scale, GeGLU and query_pre_attn_scalar with q/k (1 + w) RMSNorms, a local
+             layer (window 5, its own RoPE base 50, unscaled) then a global one (base 500 under YaRN, factor
+             4 over an original 16 positions: its concentration on this layer only; at pp 2 it is the
+             second stage's first layer: the global layer number decides),
+             final-logit soft-capping 5 (attention capping off, as in the released models, so
+             attention takes SDPA), tied embeddings
+    deepseek_v3  multi-latent attention with a query latent (q_lora_rank 24), key/value latent 16, query/key
+             heads of 8 + 4 rotary channels, values of 8, interleaved rotary rows, YaRN with mscale 0.8 and
+             mscale_all_dim 0.6 (both the concentration and the softmax scale bite), untied
+    deepseek_v2  the same without a query latent (q_proj, as V2-Lite), complex-number RoPE, YaRN with equal
+             mscales 0.7 (the softmax scale alone changes), tied embeddings
 
 For each: logits equal transformers' at 1 process and at tp2 x pp2; greedy generation (alone and
 batched, left-padded) equals ``generate``; HF -> ours -> HF -> ours is bit-exact; 5 training
-steps at tp2 x pp2 x dp2 equal 1 process; a LoRA export loads in peft and gives our logits.
+steps at tp2 x pp2 x dp2 equal 1 process; a LoRA export loads in peft and gives our logits; the
+first --sft loss (and, with a window, the packed one) is transformers' loss over the response tokens.
 """
 import dataclasses
 
@@ -25,17 +39,22 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from megatron_lite.checkpointing import hf_interop, read_config  # noqa: E402
+from megatron_lite.checkpointing import hf_interop, hf_peft, read_config  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
-from megatron_lite.config import ConfigError, OptimizerConfig, PeftConfig  # noqa: E402
+from megatron_lite.config import (ConfigError, DataConfig, OptimizerConfig, PeftConfig,  # noqa: E402
+                                  TrainingConfig)
 from megatron_lite.inference.text_generation import generate  # noqa: E402
+from megatron_lite.model.sliding_window import layer_window  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
+from megatron_lite.training.loop import pretrain  # noqa: E402
+from tests.checkpointing.common import Imported, import_hf_model  # noqa: E402
 from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import (EOS, MAX_NEW_TOKENS, PAD, PROMPTS,  # noqa: E402
                                                              _hf_generate)
 from tests.parity import assert_relative_close  # noqa: E402
+from tests.sft.test_sft_training import _transformers_response_loss, _write_jsonl  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
 
 VOCAB = 100  # the vocabulary pads to 128 rows at tp 1, 256 at tp 2
@@ -45,11 +64,16 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, **TOKENS)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 16}
+# Every layer dense (first_k_dense_replace = layers); a key/value head per head, as DeepSeek's configs have.
+DEEPSEEK = dict(SMALL, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                first_k_dense_replace=2)
+GEMMA3_LAYERS = ["sliding_attention", "full_attention"]
 FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(
         **SMALL, tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16, tie_word_embeddings=False,
-                                              rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+                                              rope_parameters=dict(YARN, truncate=False)),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=5, tie_word_embeddings=False,
                                                   rope_parameters=LLAMA3_ROPE),
     "phi3": lambda: transformers.Phi3Config(**SMALL, sliding_window=5, tie_word_embeddings=False, rope_parameters={
@@ -57,36 +81,28 @@ FAMILIES = {
     "gemma2": lambda: transformers.Gemma2Config(
         **SMALL, head_dim=16, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
         final_logit_softcapping=5.0, tie_word_embeddings=True, attn_implementation="eager"),
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(
+        **SMALL, head_dim=16, sliding_window=5, layer_types=GEMMA3_LAYERS,
+        query_pre_attn_scalar=24, final_logit_softcapping=5.0, tie_word_embeddings=True,
+        rope_parameters={"full_attention": YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}},
+        attn_implementation="eager"),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **DEEPSEEK, q_lora_rank=24, tie_word_embeddings=False,
+        rope_parameters=dict(YARN, mscale=0.8, mscale_all_dim=0.6)),
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **DEEPSEEK, q_lora_rank=None, tie_word_embeddings=True,
+        rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.7)),
 }
-# Phi-3 computes what Mistral does: its fused layout is written when asked for.
-EXPORT_FLAGS = {"phi3": ["--hf-model-type", "phi3"]}
-
-
-@dataclasses.dataclass
-class Imported:
-    name: str
-    hf_model: object
-    hf_dir: str
-    root: str  # our checkpoint, written at tp2 x pp2
-    input_ids: torch.Tensor
-    logits: torch.Tensor  # transformers'
+# DeepSeek: every projection of multi-latent attention (linear_qkv is all of them: the query and key/value down-
+# and up-projections, two of them replicated over tensor-parallel ranks) and o_proj. peft loads no LoRA on dense
+# DeepSeek MLPs (it takes their gate/up/down_proj for experts), which the export refuses.
+LORA_TARGETS = {"deepseek_v3": ["linear_qkv", "linear_proj"], "deepseek_v2": ["linear_qkv", "linear_proj"]}
+# Phi-3 computes what Mistral does, DeepSeek-V2 what V3 does: written when asked for.
+EXPORT_FLAGS = {"phi3": ["--hf-model-type", "phi3"], "deepseek_v2": ["--hf-model-type", "deepseek_v2"]}
 
 
 def _import(name: str, directory) -> Imported:
-    torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(FAMILIES[name]())
-    with torch.no_grad():  # wider than the init, and no zero biases or unit norm scales
-        for parameter_name, parameter in hf_model.named_parameters():
-            parameter.normal_(1.0 if "norm" in parameter_name else 0.0, 0.2)
-    hf_model.eval().save_pretrained(directory / "hf")
-    root = str(directory / "ckpt")
-    assert convert(["--source-format", "hf", "--target-format", "megatron_lite", "--load-dir", str(directory / "hf"),
-                    "--save-dir", root, "--target-tensor-parallel-size", "2",
-                    "--target-pipeline-parallel-size", "2"]) == 0
-    input_ids = torch.randint(2, VOCAB, (2, 16))
-    with torch.no_grad():
-        logits = hf_model(input_ids).logits
-    return Imported(name, hf_model, str(directory / "hf"), root, input_ids, logits)
+    return import_hf_model(name, FAMILIES[name](), directory, vocab=VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +129,20 @@ def test_config_maps_every_feature(imports):
     assert gemma2.window_size == [4, 0] and gemma2.window_attn_skip_freq == 2 and gemma2.softmax_scale == 24 ** -0.5
     assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (4.0, 5.0)
     assert not gemma2.untie_embeddings_and_output_weights
+    assert qwen3.position_embedding_type == "yarn" and not qwen3.yarn_correction_range_round_to_int
+    assert (qwen3.rotary_scaling_factor, qwen3.yarn_original_max_position_embeddings) == (4.0, 16)
+    v3, v2 = (read_config(imports[n].root).model for n in ("deepseek_v3", "deepseek_v2"))
+    for model in (v3, v2):
+        assert model.multi_latent_attention and model.qk_layernorm and model.rope_type == "yarn"
+        assert (model.kv_lora_rank, model.qk_head_dim, model.qk_pos_emb_head_dim, model.v_head_dim) == (16, 8, 4, 8)
+    assert v3.q_lora_rank == 24 and (v3.mscale, v3.mscale_all_dim) == (0.8, 0.6)
+    assert v2.q_lora_rank is None and not v2.untie_embeddings_and_output_weights
+    gemma3 = read_config(imports["gemma3_text"].root).model
+    assert gemma3.qk_layernorm and gemma3.apply_layernorm_1p and gemma3.post_sublayer_norm and gemma3.geglu
+    assert (gemma3.window_size, gemma3.window_attn_skip_freq) == ([4, 0], 2)
+    assert (gemma3.rotary_base, gemma3.rotary_base_local, gemma3.position_embedding_type) == (500.0, 50.0, "yarn")
+    assert (gemma3.rotary_scaling_factor, gemma3.yarn_original_max_position_embeddings) == (4.0, 16)
+    assert (gemma3.attn_logit_softcapping, gemma3.final_logit_softcapping) == (None, 5.0)
 
 
 def test_logits_equal_transformers(family):
@@ -170,7 +200,8 @@ def test_round_trip_is_bit_exact(family, tmp_path):
     assert original.keys() == round_trip.keys()
     for key in original:
         assert torch.equal(original[key], round_trip[key]), key
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(  # the reference's attention, for equal logits
+        exported, attn_implementation=family.hf_model.config._attn_implementation).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(family.input_ids).logits, family.logits)
     hf_interop.import_hf_checkpoint(exported, again, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
@@ -183,19 +214,26 @@ def test_round_trip_is_bit_exact(family, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Training and LoRA
 
+# Multi-latent attention's replicated down-projections and rotary key under sequence parallelism too.
+SEQUENCE_PARALLEL = ("deepseek_v3",)
+
+
 def test_training_at_tp2_pp2_dp2_equals_one_process(imports, tmp_path):
-    """Every family in one world of 8 (one start-up for all): losses and the saved weights."""
+    """Every family in one world of 8 (one start-up for all): losses and the saved weights; DeepSeek also with
+    sequence parallelism."""
     names = sorted(FAMILIES)
-    single = [run_distributed(train, 1, args=([(imports[n].root, str(tmp_path / f"{n}_1"), 1, 1)],))[0][0]
-              for n in names]
-    runs = [(imports[n].root, str(tmp_path / f"{n}_8"), 2, 2) for n in names]
-    per_rank = run_distributed(train, 8, args=(runs,), timeout=600)
-    for index, name in enumerate(names):
+    single = dict(zip(names, run_distributed(
+        train, 1, args=([(imports[n].root, str(tmp_path / f"{n}_1"), 1, 1, False) for n in names],))[0]))
+    runs = [(n, sp) for n in names for sp in (False, True) if not sp or n in SEQUENCE_PARALLEL]
+    per_rank = run_distributed(train, 8, args=([(imports[n].root, str(tmp_path / f"{n}_8{'_sp' * sp}"), 2, 2, sp)
+                                                for n, sp in runs],), timeout=600)
+    for index, (name, sp) in enumerate(runs):
         losses = [rank_losses[index] for rank_losses in per_rank if rank_losses[index]]
-        assert losses and len(single[index]) == STEPS, name
+        assert losses and len(single[name]) == STEPS, name
         for rank_losses in losses:
-            assert_relative_close(rank_losses, single[index], what=f"{name} losses")
-        reference, parallel = _our_tensors(str(tmp_path / f"{name}_1")), _our_tensors(str(tmp_path / f"{name}_8"))
+            assert_relative_close(rank_losses, single[name], what=f"{name} losses")
+        reference = _our_tensors(str(tmp_path / f"{name}_1"))
+        parallel = _our_tensors(str(tmp_path / f"{name}_8{'_sp' * sp}"))
         for key, value in reference.items():
             if not key.startswith("optimizer."):  # vocabulary rows past VOCAB are tp-dependent padding
                 actual = parallel[key][:VOCAB] if parallel[key].shape != value.shape else parallel[key]
@@ -204,11 +242,11 @@ def test_training_at_tp2_pp2_dp2_equals_one_process(imports, tmp_path):
 
 
 def test_lora_export_loads_in_peft(family, tmp_path):
-    from megatron_lite.training.loop import pretrain
-
     adapters, peft_dir = str(tmp_path / "lora"), str(tmp_path / "peft")
+    targets = LORA_TARGETS.get(family.name, PeftConfig().lora_target_modules)
     config = training_config(family.root, adapters, 1, 1, optimizer=OptimizerConfig(lr=3e-2),
-                             peft_config=PeftConfig(peft="lora", lora_rank=4, lora_alpha=8.0))
+                             peft_config=PeftConfig(peft="lora", lora_rank=4, lora_alpha=8.0,
+                                                    lora_target_modules=targets))
     pretrain(dataclasses.replace(config, training=dataclasses.replace(config.training, train_iters=2),
                                  checkpoint=dataclasses.replace(config.checkpoint, save_interval=2)))
     model, parallel_state = load(adapters)
@@ -220,10 +258,49 @@ def test_lora_export_loads_in_peft(family, tmp_path):
     assert (ours - family.logits).abs().max() > 1e-2  # LoRA moved the model
     assert convert(["--target-format", "peft", "--load-dir", adapters, "--save-dir", peft_dir,
                     "--base-model-name-or-path", family.hf_dir, *EXPORT_FLAGS.get(family.name, [])]) == 0
+    if family.name in LORA_TARGETS:  # LoRA on every MLA projection (replicated down-projections too), and back
+        ours_factors = {k: v for k, v in _our_tensors(adapters).items()
+                        if ".lora." in k and not k.startswith("optimizer.")}
+        assert {f"{name}.lora.lora_A.weight" for name in ("linear_kv_down_proj", "linear_kv_up_proj")} <= {
+            name.split("self_attention.")[-1] for name in ours_factors}
+        assert convert(["--source-format", "peft", "--load-dir", peft_dir, "--save-dir", str(tmp_path / "back"),
+                        "--base-checkpoint", family.root]) == 0
+        back = _our_tensors(str(tmp_path / "back"))
+        assert all(torch.equal(back[k], v) for k, v in ours_factors.items())
     adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(family.hf_dir),
                                              peft_dir).eval()
     with torch.no_grad():
         torch.testing.assert_close(adapted(family.input_ids).logits, ours, atol=ATOL, rtol=RTOL)
+
+
+# (prompt, response) longer than the windows of 5, so the window acts inside each example; 37 tokens with
+# their EODs, one packed sequence.
+SFT_PAIRS = [([5, 6, 7, 8, 9, 10], [11, 12]), ([13, 14, 15], [16, 17, 18, 19, 20]),
+             ([21, 22, 23, 24, 25, 26, 27], [28, 29, 30]), ([31, 32], [33, 34, 35, 36])]
+
+
+def test_sft_first_loss_equals_transformers(family, tmp_path):
+    """--sft through the trainer: the first loss is transformers' cross-entropy over the response tokens of the
+    same examples, each run alone. With a sliding window, packed too: the window and the block-diagonal mask
+    of --sft-pack-sequences must both act (either alone lets an example see another's or too-old tokens)."""
+    data = _write_jsonl(tmp_path / "sft.jsonl", SFT_PAIRS)
+    base = training_config(family.root, str(tmp_path / "sft"), 1, 1,
+                           optimizer=OptimizerConfig(optimizer="sgd", lr=0.1, lr_decay_style="constant"))
+    windowed = read_config(family.root).model.window_size is not None
+    with torch.no_grad():
+        expected = _transformers_response_loss(family.hf_model, SFT_PAIRS).item()
+    for pack in [False, True] if windowed else [False]:
+        batch = dict(micro_batch_size=1, global_batch_size=1) if pack else dict(micro_batch_size=2,
+                                                                               global_batch_size=4)
+        config = dataclasses.replace(
+            base, model=dataclasses.replace(base.model, seq_length=48),
+            training=TrainingConfig(train_iters=1, eval_iters=1, **batch),
+            checkpoint=dataclasses.replace(base.checkpoint, save=None, save_interval=None),
+            data=DataConfig(sft=True, train_data_path=[data], tokenizer_type="NullTokenizer",
+                            sft_pack_sequences=pack))
+        state, _, parallel_state = pretrain(config, keep_process_group=True)
+        destroy_model_parallel(parallel_state)
+        assert state.losses[0] == pytest.approx(expected, rel=1e-5), f"{family.name} packed={pack}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,8 +313,8 @@ def test_unknown_fields_and_variants_are_refused_by_name(imports):
         hf_interop.model_config_from_hf({**qwen2, "attn_logit_softcapping": 50.0})
     with pytest.raises(ConfigError, match="use_sliding_window"):
         hf_interop.model_config_from_hf({**qwen2, "use_sliding_window": True})
-    with pytest.raises(ConfigError, match="rope scaling 'yarn'"):
-        hf_interop.model_config_from_hf({**qwen2, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="rope scaling 'longrope'"):
+        hf_interop.model_config_from_hf({**qwen2, "rope_parameters": {"rope_type": "longrope", "factor": 4.0}})
     llama3 = dict(LLAMA3_ROPE, low_freq_factor=2.0)
     with pytest.raises(ConfigError, match="rope_parameters.low_freq_factor"):
         hf_interop.model_config_from_hf({**qwen2, "rope_parameters": llama3})
@@ -247,7 +324,7 @@ def test_unknown_fields_and_variants_are_refused_by_name(imports):
     assert hf_interop.model_config_from_hf({**qwen3, "rope_scaling": None}).qk_layernorm  # null sets nothing
 
 
-def test_gemma2_variants_are_refused_by_name(imports):
+def test_gemma_variants_are_refused_by_name(imports):
     gemma2 = imports["gemma2"].hf_model.config.to_dict()
     for field, value, message in [("hidden_activation", "gelu", "hidden_activation 'gelu'"),
                                   ("use_bidirectional_attention", True, "use_bidirectional_attention"),
@@ -256,3 +333,58 @@ def test_gemma2_variants_are_refused_by_name(imports):
                                   ("layer_types", ["full_attention", "full_attention"], "no sliding_attention")]:
         with pytest.raises(ConfigError, match=message):
             hf_interop.model_config_from_hf({**gemma2, field: value})
+
+
+def test_deepseek_variants_are_refused_by_name(imports):
+    v3, v2 = (imports[name].hf_model.config.to_dict() for name in ("deepseek_v3", "deepseek_v2"))
+    yarn = v3["rope_parameters"]
+    for config, field, value, message in [
+            (v3, "num_key_value_heads", 2, "num_key_value_heads 2 other than num_attention_heads 4"),
+            (v3, "attention_bias", True, "attention_bias"), (v2, "mlp_bias", True, "mlp_bias"),
+            (v3, "rope_parameters", dict(yarn, mscale=None), "rope_parameters.mscale None with mscale_all_dim 0.6"),
+            (v3, "rope_parameters", dict(yarn, attention_factor=1.5), "rope_parameters.attention_factor"),
+            (v3, "rope_parameters", {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}, "other than yarn"),
+            (v3, "moe_layer_freq", 1, "config.json field\\(s\\) moe_layer_freq ")]:
+        with pytest.raises(ConfigError, match=message):
+            hf_interop.model_config_from_hf({**config, field: value})
+    with pytest.raises(ConfigError, match=r"LoRA on linear_fc1 of a deepseek_v3 model's dense MLPs \(layers \[0, 1\]\) "
+                                          r"has no PEFT form"):
+        deepseek = read_config(imports["deepseek_v3"].root).model
+        hf_peft._check_peft_loads(deepseek, ["linear_proj", "linear_fc1"], hf_interop.FAMILIES["deepseek_v3"])
+
+    gemma3 = imports["gemma3_text"].hf_model.config.to_dict()
+    scaled_local = {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50.0}}
+    for field, value, message in [("rope_parameters", scaled_local, "rope_parameters.sliding_attention"),
+                                  ("rope_parameters", {"rope_type": "default"}, "per layer kind"),
+                                  ("model_type", "gemma3", "gemma3_text \\(Gemma3ForCausalLM\\)")]:
+        with pytest.raises(ConfigError, match=message):
+            hf_interop.model_config_from_hf({**gemma3, field: value})
+
+
+# Released Gemma 3 text configs as their config.json spell them (transformers 4.50): the 1B, and the 4B's
+# text_config with linear RoPE scaling on its global layers.
+GEMMA3_1B = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", attention_bias=False, attention_dropout=0.0,
+    attn_logit_softcapping=None, bos_token_id=2, cache_implementation="hybrid", eos_token_id=[1, 106],
+    final_logit_softcapping=None, head_dim=256, hidden_activation="gelu_pytorch_tanh", hidden_size=1152,
+    initializer_range=0.02, intermediate_size=6912, max_position_embeddings=32768, num_attention_heads=4,
+    num_hidden_layers=26, num_key_value_heads=1, pad_token_id=0, query_pre_attn_scalar=256, rms_norm_eps=1e-06,
+    rope_local_base_freq=10000, rope_scaling=None, rope_theta=1000000, sliding_window=512, sliding_window_pattern=6,
+    torch_dtype="bfloat16", transformers_version="4.50.0.dev0", use_cache=True, vocab_size=262144)
+GEMMA3_4B_TEXT = dict(GEMMA3_1B, hidden_size=2560, intermediate_size=10240, num_attention_heads=8,
+                      num_key_value_heads=4, num_hidden_layers=34, sliding_window=1024, max_position_embeddings=131072,
+                      rope_scaling={"factor": 8.0, "rope_type": "linear"}, vocab_size=262208)
+
+
+@pytest.mark.parametrize("released", [GEMMA3_1B, GEMMA3_4B_TEXT], ids=["1b", "4b"])
+def test_released_gemma3_configs_read_as_transformers_reads_them(released):
+    """Our reading of the older fields (rope_local_base_freq, sliding_window_pattern, rope_scaling) against
+    transformers' own: which layers are global, and each kind's RoPE."""
+    ours = hf_interop.model_config_from_hf(released)
+    theirs = transformers.Gemma3TextConfig(**{k: v for k, v in released.items() if k != "model_type"})
+    assert [i for i in range(ours.num_layers) if layer_window(ours, i) is None] == [
+        i for i, kind in enumerate(theirs.layer_types) if kind == "full_attention"]
+    full, local = theirs.rope_parameters["full_attention"], theirs.rope_parameters["sliding_attention"]
+    assert (ours.rotary_base, ours.rotary_base_local) == (full["rope_theta"], local["rope_theta"])
+    assert ours.rotary_seq_len_interpolation_factor == full.get("factor") and local["rope_type"] == "default"
+    assert ours.window_size == [theirs.sliding_window - 1, 0] and ours.softmax_scale == 256 ** -0.5

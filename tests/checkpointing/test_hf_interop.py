@@ -22,10 +22,10 @@ from megatron_lite.cli.arguments import parse_args  # noqa: E402
 from megatron_lite.data import MockGPTDataset  # noqa: E402
 from megatron_lite.pretrain_gpt import main as pretrain_gpt  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402
-from tools.loss_parity import Layout, max_relative_difference, run_layout  # noqa: E402
+from tools.loss_parity import DETERMINISTIC_FLAGS, LOSS_PATTERN, max_relative_difference  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
 from megatron_lite.model.builder import build_model  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+from tests.distributed import run_command_on_ranks, run_distributed  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
 
 VOCAB = 100  # pads to 128 at tensor-parallel size 1, 256 at 2: the padding changes with the layout
@@ -146,8 +146,8 @@ def test_export_of_a_trained_checkpoint(tmp_path, layernorm_1p):
 
 def test_unsupported_variants_are_refused_by_name():
     config = _llama().config.to_dict()
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
-    with pytest.raises(ConfigError, match="rope scaling 'yarn'"):
+    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(ConfigError, match="rope scaling 'dynamic'"):
         hf_interop.model_config_from_hf(config)
     with pytest.raises(ConfigError, match="model_type 'bert'"):
         hf_interop.model_config_from_hf({"model_type": "bert"})
@@ -236,12 +236,15 @@ def test_finetuning_with_checkpoint_args_matches_transformers(imported_llama):
     assert len(state.losses) == 4 and relative[0] <= 1e-7 and max(relative) <= 1e-6, (state.losses, reference)
 
 
-def test_checkpoint_args_under_torchrun(imported_llama):
+def test_checkpoint_args_on_two_ranks(imported_llama):
     """Two ranks at tensor-parallel size 2 (the vocabulary pads to 256 rows instead of 128): every rank
     reads the checkpoint's model and the losses follow transformers'."""
     model, root = imported_llama
-    losses = run_layout(Layout(2, 1, 1), ["--use-checkpoint-args", "--pretrained-checkpoint", root, *FINETUNE],
-                        timeout=300)
+    results = run_command_on_ranks(pretrain_gpt, ["--use-checkpoint-args", "--pretrained-checkpoint", root, *FINETUNE,
+                                                  *DETERMINISTIC_FLAGS, "--tensor-model-parallel-size", "2"],
+                                   world_size=2, timeout=300)
+    assert [code for code, _ in results] == [0, 0], results
+    losses = [float(loss) for loss in LOSS_PATTERN.findall(results[1][1])]  # the last rank logs
     # The log prints 7 significant digits: up to 5e-7 relative rounding.
     assert max_relative_difference(_transformers_losses(model, 4), losses) <= 1e-6, losses
 

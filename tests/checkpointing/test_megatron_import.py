@@ -62,25 +62,27 @@ def _stage_forward(model, tokens, parallel_state, hidden_size):
     return output
 
 
-LEGACY = ["gpt2_tp1pp1_torch", "llama_tp1pp1_torch", "gpt2_tp2pp2_torch", "llama_tp2pp2_torch",
-          "llama_tp2pp2_torch_bf16", "gpt2_tp2pp1_torch_dist", "llama_tp2pp1_torch_dist"]
+# Megatron-Core's model in the legacy format, the legacy model's nested layout, torch_dist of core 0.17
+# (common.pt) and of main (the common state inside the .distcp files).
+ALL = ["gpt2_tp2pp2_torch", "llama_tp1pp1_torch_bf16", "gpt2_tp1pp1_legacy_model", "llama_tp2pp2_legacy_model",
+       "gpt2_tp2pp1_torch_dist", "llama_tp2pp1_torch_dist_core020"]
 
 
-@pytest.mark.parametrize("name", LEGACY)
+@pytest.mark.parametrize("name", ALL)
 def test_import_gives_megatrons_logits(name, tmp_path):
     tokens, reference = megatron_logits(name)
     root = str(tmp_path / "ours")
     assert convert(["--source-format", "megatron", "--load-dir", fixture(name), "--save-dir", root]) == 0
     logits = our_logits(root, tokens)
-    atol = 2e-2 if "bf16" in name else ATOL  # bf16 weights, Megatron's forward in bf16 and ours in fp32
-    torch.testing.assert_close(logits, reference, atol=atol, rtol=0)
+    atol = 2e-2 if "bf16" in name else ATOL  # both forwards in bf16, each with its own rounding
+    torch.testing.assert_close(logits.float(), reference, atol=atol, rtol=0)
 
 
 def _pipeline_logits(rank, world_size, root, tokens):
     return our_logits(root, tokens, tp=2, pp=2)
 
 
-@pytest.mark.parametrize("name", ["gpt2_tp2pp2_torch", "llama_tp2pp2_torch"])
+@pytest.mark.parametrize("name", ["gpt2_tp2pp2_torch", "llama_tp2pp2_legacy_model"])
 def test_import_at_tp2_pp2_gives_megatrons_logits(name, tmp_path):
     tokens, reference = megatron_logits(name)
     root = str(tmp_path / "ours")
@@ -94,12 +96,16 @@ def test_import_at_tp2_pp2_gives_megatrons_logits(name, tmp_path):
 
 
 def test_the_saved_args_map_to_our_config():
-    config = read_megatron_checkpoint(fixture("llama_tp1pp1_torch")).config.model
+    llama = read_megatron_checkpoint(fixture("llama_tp1pp1_torch_bf16"))
+    config = llama.config.model
     # GQA on: the groups are args.num_query_groups; the padded vocabulary is the model's; epsilon from norm_epsilon.
-    assert (config.num_query_groups, config.vocab_size, config.norm_epsilon) == (2, 56, 1e-6)
+    assert (config.num_query_groups, config.vocab_size, config.norm_epsilon) == (2, 32, 1e-6)
     assert config.swiglu and config.untie_embeddings_and_output_weights and config.position_embedding_type == "rope"
-    gpt2 = read_megatron_checkpoint(fixture("gpt2_tp1pp1_torch")).config.model
-    assert gpt2.num_query_groups == gpt2.num_attention_heads == 4  # args hold num_query_groups=1 with GQA off
+    # --bf16: the weights are kept in bf16, and the config says so (an export writes bf16 again).
+    assert llama.config.training.bf16 and {t.dtype for t in llama.tensors.values()} == {torch.bfloat16}
+    gpt2 = read_megatron_checkpoint(fixture("gpt2_tp2pp2_torch")).config
+    assert gpt2.model.num_query_groups == gpt2.model.num_attention_heads == 2  # args hold 1 with GQA off
+    assert not gpt2.training.bf16 and gpt2.params_dtype == torch.float32
 
 
 def test_unsupported_megatron_args_are_refused_by_name():
@@ -115,7 +121,7 @@ def test_training_and_generate_start_straight_from_a_megatron_dir(tmp_path, monk
     from megatron_lite.inference.loading import read_checkpoint_config
     from megatron_lite.config import ParallelConfig
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where the one-time import is cached
-    name = "llama_tp1pp1_torch"
+    name = "gpt2_tp1pp1_legacy_model"
     tokens, reference = megatron_logits(name)
     config = parse_args(["--pretrained-checkpoint", fixture(name), "--use-checkpoint-args", "--micro-batch-size",
                          "2", "--global-batch-size", "2", "--train-iters", "1", "--mock-data", "--lr", "1e-4"])
@@ -128,24 +134,25 @@ def test_training_and_generate_start_straight_from_a_megatron_dir(tmp_path, monk
 
 
 def test_transformer_engine_layer_names_load_too(tmp_path):
-    """A legacy file whose layers carry Transformer Engine's names (the norm inside the next linear),
-    made from the Megatron fixture by renaming its tensors: the same logits."""
+    """Legacy files whose layers carry Transformer Engine's names (the norm inside the next linear), made from
+    the tp2 x pp2 Megatron fixture by renaming its tensors: the same logits."""
+    from megatron_lite.checkpointing.megatron.legacy import rank_files
     from megatron_lite.checkpointing.megatron.safe_unpickle import StandIn, load_torch_file
-    name = "llama_tp1pp1_torch"
+    name = "gpt2_tp2pp2_torch"
     tokens, reference = megatron_logits(name)
-    source = os.path.join(fixture(name), "iter_0000010", "mp_rank_00", "model_optim_rng.pt")
-    state = load_torch_file(source)
-    for key, value in vars(state["args"]).items():  # stand-ins name no importable class: save them as None
-        if isinstance(value, StandIn):
-            setattr(state["args"], key, None)
-    renames = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-    state["model"] = {next((k.replace(ours, te) for ours, te in renames.items() if k.endswith(ours)), k): v
-                      for k, v in state["model"].items()}
-    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in state["model"]
-    te_dir = tmp_path / "te" / "iter_0000010" / "mp_rank_00"
-    te_dir.mkdir(parents=True)
-    torch.save(state, te_dir / "model_optim_rng.pt")
+    renames = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+               "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    for source in rank_files(os.path.join(fixture(name), "iter_0000010")).values():
+        state = load_torch_file(source)
+        for key, value in vars(state["args"]).items():  # stand-ins name no importable class: save them as None
+            if isinstance(value, StandIn):
+                setattr(state["args"], key, None)
+        state["model"] = {next((k.replace(ours, te) for ours, te in renames.items() if ours in k), k): v
+                          for k, v in state["model"].items()}
+        assert "decoder.layers.0.mlp.linear_fc1.layer_norm_bias" in state["model"]
+        te_dir = tmp_path / "te" / "iter_0000010" / os.path.basename(os.path.dirname(source))
+        te_dir.mkdir(parents=True)
+        torch.save(state, te_dir / "model_optim_rng.pt")
     (tmp_path / "te" / "latest_checkpointed_iteration.txt").write_text("10")
     root = str(tmp_path / "ours")
     assert convert(["--source-format", "megatron", "--load-dir", str(tmp_path / "te"), "--save-dir", root]) == 0

@@ -6,12 +6,12 @@ error) or, for the training state, loaded and trained nothing."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from megatron_lite.checkpointing import CheckpointError, storage
 from megatron_lite.checkpointing.resharding import CheckpointReader
+from megatron_lite.pretrain_gpt import main as pretrain_gpt_main
 from megatron_lite.training.loop import pretrain
 from tests.checkpointing.common import tiny_config
 
@@ -151,7 +151,7 @@ def test_malformed_tracker(checkpoint, text):
         pretrain(tiny_config(load=checkpoint, iters=3))
 
 
-def test_command_line_reports_one_error_line(checkpoint):
+def test_command_line_reports_one_error_line(checkpoint, capsys):
     _edit(checkpoint, _set("training_state", "iteration", 10 ** 18))
     flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "8", "--ffn-hidden-size", "64",
              "--seq-length", "16", "--vocab-size", "60", "--make-vocab-size-divisible-by", "32",
@@ -159,9 +159,8 @@ def test_command_line_reports_one_error_line(checkpoint):
              "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "4",
              "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-2",
              "--mock-data", "--load", checkpoint]
-    result = subprocess.run([sys.executable, "-m", "megatron_lite.pretrain_gpt", *flags], capture_output=True,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert pretrain_gpt_main(flags) == 2
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
     assert f"{_metadata_path(checkpoint)}: training_state.iteration must be an integer" in errors[0]

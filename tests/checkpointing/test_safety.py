@@ -141,6 +141,16 @@ def test_pickled_file_is_refused_without_running_it(saved, tmp_path, writer):
     assert not os.path.exists(marker)
 
 
+def test_safetensors_whose_header_length_reads_as_a_pickle_opens(tmp_path):
+    """A 640-byte header's length is b"\x80\x02..." in little-endian: pickle protocol 2's first bytes."""
+    import safetensors.torch
+
+    path = str(tmp_path / "file.safetensors")
+    safetensors.torch.save_file({"w": torch.ones(3)}, path, metadata={"pad": "x" * 552})  # a 640-byte header
+    assert open(path, "rb").read(2) == b"\x80\x02"
+    assert torch.equal(storage.open_safetensors(path).get_tensor("w"), torch.ones(3))
+
+
 def test_architecture_mismatch_names_the_flag(saved):
     config = tiny_config(load=saved)
     config.model.ffn_hidden_size = 128

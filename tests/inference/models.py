@@ -1,5 +1,5 @@
-"""Tiny GPTs for the generation tests: learned positions or RoPE, full or grouped-query attention,
-torch's fused attention or the unfused one.
+"""Tiny GPTs for the generation tests: learned positions or RoPE, full, grouped-query or multi-latent attention,
+local (sliding-window) and global layers, torch's fused attention or the unfused one.
 
 A wider initialisation than training's makes a random model's next-token choice depend on
 the whole context (at std 0.02 a tied GPT-2 mostly repeats its last token), so a token that
@@ -17,8 +17,17 @@ ARCHS = {
     "rope_gqa": dict(BASE, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
                      add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=96),
     "rope_mha": dict(BASE, position_embedding_type="rope"),
+    # Gemma 3's layers: a window of 3 tokens before each, every 2nd layer global, the local ones on their own RoPE
+    # base; the windowed layers' cache keeps the window only.
+    "rope_local_global": dict(BASE, position_embedding_type="rope", window_size=[3, 0], window_attn_skip_freq=2,
+                              rotary_base_local=100.0),
     # Megatron-LM's local attention: scaled QK^T and the masked softmax kernel instead of SDPA.
     "learned_mha_unfused": dict(BASE, attention_backend="unfused"),
+    # DeepSeek's multi-latent attention (with YaRN): the cache holds the key/value latent and the rotary key.
+    "mla": dict(BASE, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
+                ffn_hidden_size=96, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16,
+                qk_pos_emb_head_dim=8, v_head_dim=12, qk_layernorm=True, rotary_scaling_factor=4.0,
+                yarn_original_max_position_embeddings=16, mscale=0.8, mscale_all_dim=0.6),
 }
 
 

@@ -1,12 +1,11 @@
 """``python -m megatron_lite.generate`` as a user runs it: a prompts file in, a responses file out,
-the same under torchrun at tp=2 and pp=2 as in one process; the checkpoint's own tokenizer
+the same on 2 ranks at tp=2 and pp=2 as in one process; the checkpoint's own tokenizer
 when no tokenizer flag is given; one clean ``error:`` line for a bad --load, tokenizer or prompt.
+The command's ``main`` runs in this process, or on 2 forked ranks (``run_command_on_ranks``).
 """
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -16,10 +15,10 @@ from megatron_lite.data.sft import format_prompt, response_text
 from megatron_lite.generate import main
 from megatron_lite.inference.text_generation import generate
 from megatron_lite.tokenizer.gpt2_bpe import EOD_TOKEN, GPT2BPETokenizer, bytes_to_unicode
+from tests.distributed import run_command_on_ranks
 from tests.inference.models import build, config_of
 from tests.test_user_errors import _assert_one_clean_error
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["The cat", "Once upon a time there was", "x", "def main():\n    return"]
 
 
@@ -55,13 +54,6 @@ def _responses(path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def _torchrun(args: list[str], ranks: int = 2) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m",
-                           "megatron_lite.generate", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-
-
 @pytest.mark.parametrize("prompt_format", [None, "plain"], ids=["recorded-chatml", "plain"])
 def test_a_prompts_file_gives_one_response_per_prompt_with_the_checkpoints_tokenizer(checkpoint, tmp_path,
                                                                                      prompt_format):
@@ -86,15 +78,16 @@ def test_a_prompts_file_gives_one_response_per_prompt_with_the_checkpoints_token
 
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]],
                          ids=["tp2", "pp2"])
-def test_torchrun_gives_the_responses_of_one_process(checkpoint, tmp_path, layout):
+def test_two_ranks_give_the_responses_of_one_process(checkpoint, tmp_path, layout):
     load = checkpoint[0]
     sampling = ["--prompts-file", _prompts_file(tmp_path), "--max-new-tokens", "10", "--micro-batch-size", "2",
                 "--temperature", "0.9", "--top-p", "0.9", "--seed", "11"]
     assert main(["--load", load, *sampling, "--output-file", str(tmp_path / "one.jsonl")]) == 0
-    result = _torchrun(["--load", load, *sampling, "--output-file", str(tmp_path / "two.jsonl"), *layout])
-    assert result.returncode == 0, result.stdout + result.stderr
+    results = run_command_on_ranks(main, ["--load", load, *sampling, "--output-file", str(tmp_path / "two.jsonl"),
+                                          *layout], world_size=2)
+    assert [code for code, _ in results] == [0, 0], results
     assert _responses(tmp_path / "two.jsonl") == _responses(tmp_path / "one.jsonl")
-    assert result.stdout.count("wrote 4 responses") == 1  # rank 0 writes and reports
+    assert "".join(output for _, output in results).count("wrote 4 responses") == 1  # rank 0 writes and reports
 
 
 def test_one_prompt_prints_a_sample(checkpoint, capsys):
@@ -102,10 +95,10 @@ def test_one_prompt_prints_a_sample(checkpoint, capsys):
     assert "\n--- sample ---\nThe cat" in capsys.readouterr().out
 
 
-def test_a_missing_load_under_torchrun_is_one_clean_error(tmp_path):
-    result = _torchrun(["--load", str(tmp_path / "nowhere"), "--prompt", "hi"])
-    assert result.returncode != 0  # torchrun's own code: its workers exited with 2
-    _assert_one_clean_error(result.stdout + result.stderr, "--load", "no such directory")
+def test_a_missing_load_on_two_ranks_is_one_clean_error(tmp_path):
+    results = run_command_on_ranks(main, ["--load", str(tmp_path / "nowhere"), "--prompt", "hi"], world_size=2)
+    assert [code for code, _ in results] == [2, 2]
+    _assert_one_clean_error("".join(output for _, output in results), "--load", "no such directory")
 
 
 @pytest.mark.parametrize("load", ["", "empty"])

@@ -6,6 +6,7 @@ import torch
 from megatron_lite.config import ConfigError
 from megatron_lite.inference.inference_context import StaticInferenceContext
 from megatron_lite.inference.text_generation import generate, sample
+from megatron_lite.model.sliding_window import layer_window
 from tests.inference.models import ARCHS, VOCAB, build
 
 PROMPTS = [[5, 17, 3], [40, 2, 9, 71, 8, 66, 12], [31], [7, 7, 50, 21, 94]]
@@ -36,10 +37,18 @@ def test_cached_logits_equal_the_full_forward_at_every_position(arch):
             context.increment_sequence_len_offset(1)
     assert all(step.shape == (2, 1, VOCAB) for step in steps)  # logits of the last position only
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 5:], atol=1e-4, rtol=1e-4)
-    # The cache holds this rank's key/value groups of each layer for every position, [b, groups, positions, d].
-    groups = model.config.num_query_groups
-    assert {n: k.shape for n, (k, _) in context.key_value_memory_dict.items()} == {
-        n: (2, groups, 20, model.config.head_dim) for n in range(model.config.num_layers)}
+    # The cache holds this rank's key/value groups of each layer for every position, [b, groups, positions, d]
+    # (a sliding-window layer only for the positions its window reaches); multi-latent attention's, the key/value
+    # latent and the rotary key every head shares, each with its positions second to last too.
+    config = model.config
+
+    def cached(n):
+        if config.multi_latent_attention:
+            return [(2, 20, config.kv_lora_rank), (2, 1, 20, config.qk_pos_emb_head_dim)]
+        positions = config.window_size[0] if layer_window(config, n) else 20
+        return [(2, config.num_query_groups, positions, config.head_dim)] * 2
+    assert {n: [t.shape for t in tensors] for n, tensors in context.key_value_memory_dict.items()} == {
+        n: cached(n) for n in range(config.num_layers)}
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

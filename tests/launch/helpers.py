@@ -40,13 +40,13 @@ def run_script(name: str, env: dict, *args: str, timeout: float = 120) -> subpro
 
 
 def parse_rank_map(stdout: str) -> list[tuple]:
-    """(rank, node, local_rank, tp, pp, dp) rows of the dry run's table."""
+    """(rank, node, local_rank, tp, pp, dp, cp) rows of the dry run's table."""
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rank", "node"]) + 1
     rows = []
     for line in lines[start:]:
         fields = line.split()
-        if len(fields) != 6 or not fields[0].isdigit():
+        if len(fields) != 7 or not fields[0].isdigit():
             break
         rows.append((int(fields[0]), fields[1], *map(int, fields[2:])))
     return rows

@@ -5,9 +5,11 @@ from tests.launch.helpers import parse_rank_map, run_script, script_env, slurm_j
 from tools.print_rank_map import layout_warnings, rank_map
 
 
-def expected_row(rank, *, nproc_per_node, tp, dp):
-    """Megatron's order written out independently: tensor fastest, then data, then pipeline; nodes in blocks."""
-    return (rank // nproc_per_node, rank % nproc_per_node, rank % tp, rank // (tp * dp), (rank // tp) % dp)
+def expected_row(rank, *, nproc_per_node, tp, dp, cp=1):
+    """Megatron's order written out independently: tensor fastest, then context, then data, then pipeline; nodes
+    in blocks. (node, local_rank, tp, pp, dp, cp)"""
+    return (rank // nproc_per_node, rank % nproc_per_node, rank % tp, rank // (tp * cp * dp), (rank // (tp * cp)) % dp,
+            (rank // tp) % cp)
 
 
 def test_slurm_dry_run_multi_node_rank_map(tmp_path):
@@ -20,7 +22,7 @@ def test_slurm_dry_run_multi_node_rank_map(tmp_path):
     for rank, host, *coords in rows:
         assert tuple(coords) == expected_row(rank, nproc_per_node=4, tp=2, dp=2)[1:]
         assert host == f"127.0.0.{rank // 4 + 1}"  # the node names come from scontrol show hostnames
-    assert rows[5] == (5, "127.0.0.2", 1, 1, 1, 0)  # rank 5: second node, tp 1, pp 1, dp 0
+    assert rows[5] == (5, "127.0.0.2", 1, 1, 1, 0, 0)  # rank 5: second node, tp 1, pp 1, dp 0, cp 0
     assert "tensor-parallel 2 x pipeline-parallel 2 x data-parallel 2" in result.stdout
 
     command = next(line for line in result.stdout.splitlines() if line.startswith("[megatron_lite] command: "))
@@ -85,6 +87,19 @@ def test_unknown_config_and_mode_are_named(tmp_path):
 def test_slurm_script_refuses_to_run_outside_a_job(tmp_path):
     result = run_script("pretrain_gpt_slurm.sh", script_env(tmp_path, CONFIG="tiny"))
     assert result.returncode == 2 and "not inside a SLURM job" in result.stderr
+
+
+def test_rank_map_shows_context_parallel_ranks(capsys):
+    """tp2 x cp2 x pp2 x dp2: the printed table is the rule written out, and the header names every size."""
+    from tools.print_rank_map import main
+    assert main(["--nnodes", "2", "--nproc-per-node", "8", "--", "--num-layers", "2", "--hidden-size", "64",
+                 "--num-attention-heads", "4", "--seq-length", "64", "--vocab-size", "256", "--mock-data",
+                 "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                 "--context-parallel-size", "2", "--attention-dropout", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor-parallel 2 x pipeline-parallel 2 x data-parallel 2 x context-parallel 2" in out
+    assert parse_rank_map(out) == [(r, f"node{r // 8}", *expected_row(r, nproc_per_node=8, tp=2, dp=2, cp=2)[1:])
+                                   for r in range(16)]
 
 
 def test_rank_map_keeps_tensor_parallel_groups_inside_nodes():

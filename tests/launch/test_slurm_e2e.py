@@ -1,4 +1,4 @@
-"""The SLURM script end to end on this machine: 2 "nodes" x 2 tasks on CPU/gloo.
+"""The SLURM script end to end on this machine: 2 "nodes" x 2 (or 1) tasks on CPU/gloo.
 
 Stand-in srun/scontrol/scancel (tests/launch/fake_slurm) start the tasks locally
 with the variables real srun sets; the nodes are 127.0.0.1 and 127.0.0.2, both
@@ -78,7 +78,8 @@ class BatchJob:
 def test_sigterm_checkpoints_requeues_and_resumes(tmp_path):
     """SLURM's SIGTERM before the time limit (--signal=B:TERM): checkpoint, requeue, resume from it."""
     save, state = tmp_path / "ckpt", tmp_path / "slurm"
-    env = slurm_job_env(state, nodes=2, tasks_per_node=2, CONFIG="tiny", LAUNCH_MODE="torchrun",
+    # One task per node: two ranks on two nodes show every rank stopping together (local ranks are the srun test's).
+    env = slurm_job_env(state, nodes=2, tasks_per_node=1, CONFIG="tiny", LAUNCH_MODE="torchrun",
                         TRAIN_ITERS=100000, SAVE=save, SAVE_INTERVAL=100000, LOG_INTERVAL=1, MASTER_PORT=free_port())
 
     first = BatchJob(env, tmp_path / "first.out")

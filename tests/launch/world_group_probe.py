@@ -1,6 +1,7 @@
-"""Run by torchrun (test_clean_exit): ``pretrain_gpt``'s main with its arguments, then whether the WORLD process
-group outlived its teardown. A group alive at interpreter shutdown keeps gloo's threads running into it, where a
-rank can abort with "terminate called without an active exception" after a finished run."""
+"""``pretrain_gpt``'s main with its arguments, then whether the WORLD process group outlived its teardown. A group
+alive at interpreter shutdown keeps gloo's threads running into it, where a rank can abort with "terminate called
+without an active exception" after a finished (test_clean_exit, under torchrun) or a failed run
+(test_user_errors)."""
 import os
 import sys
 import weakref
@@ -20,9 +21,14 @@ def _destroy_noting_the_world_group(group=None):
     _destroy_process_group(group)
 
 
-if __name__ == "__main__":
+def main_noting_the_world_group(argv: list[str]) -> int:
+    """main's exit code, or 1 if it exited 0 but left the WORLD group alive; prints whether it was freed."""
     dist.destroy_process_group = _destroy_noting_the_world_group
-    code = main(sys.argv[1:])
+    code = main(argv)
     freed = bool(world) and all(group() is None for group in world)
     print(f"rank {os.environ['RANK']}: WORLD group freed after teardown: {freed}")
-    sys.exit(code if code else int(not freed))
+    return code if code else int(not freed)
+
+
+if __name__ == "__main__":
+    sys.exit(main_noting_the_world_group(sys.argv[1:]))

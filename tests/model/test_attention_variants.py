@@ -3,9 +3,9 @@ against transformers in tests/checkpointing/test_hf_families.py)."""
 import pytest
 import torch
 
-from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite import kernels
-from megatron_lite.model import attention
+from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.model import dot_product_attention as attention
 from megatron_lite.model.embedding import rotary_freqs
 from megatron_lite.model.sliding_window import SlidingWindow, layer_window
 from megatron_lite.model.soft_capping import soft_capping
@@ -55,6 +55,8 @@ def test_soft_capping_bounds_and_keeps_small_values():
 @pytest.mark.parametrize("flags, message", [
     (dict(geglu=True), "--geglu changes the gate of --swiglu"),
     (dict(window_attn_skip_freq=2), "--window-attn-skip-freq"),
+    (dict(rotary_base_local=100.0), "--rotary-base-local is the RoPE base of the sliding-window layers"),
+    (dict(rotary_base_local=-1.0, window_size=[3, 0]), "--rotary-base-local must be positive"),
     (dict(attn_logit_softcapping=0.0), "--attn-logit-softcapping must be positive"),
     (dict(softmax_scale=-1.0), "--softmax-scale must be positive")])
 def test_gemma_flags_are_checked(flags, message):
@@ -102,3 +104,54 @@ def test_shared_positions_take_one_row_of_rotary_angles():
     expected = kernels.apply_rotary_pos_emb(query, rotary_freqs(shared[:1], 16, 500.0).expand(8, 3, 1, 16))
     torch.testing.assert_close(kernels.apply_rotary_pos_emb(query, one_row), expected, rtol=0, atol=0)
     torch.testing.assert_close(per_sample[:, 0], one_row[:, 0], rtol=0, atol=0)
+
+
+MLA = dict(BASE, multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(rope_type="yarn"), "--rope-type picks multi-latent attention's"),
+    (dict(rotary_scaling_factor=40.0), "--rotary-scaling-factor configure YaRN"),
+    (dict(position_embedding_type="yarn", rotary_scaling_factor=0.5), "--rotary-scaling-factor must be >= 1"),
+    (dict(position_embedding_type="yarn", use_rope_scaling=True), "give one RoPE scaling"),
+    (dict(MLA, num_query_groups=2), "drop --group-query-attention"),
+    (dict(MLA, position_embedding_type="learned_absolute"), "needs --position-embedding-type rope"),
+    (dict(MLA, rotary_percent=0.5), "no --rotary-percent"),
+    (dict(MLA, qk_pos_emb_head_dim=3), "must be even and positive"),
+    (dict(MLA, kv_lora_rank=0), "--kv-lora-rank must be positive"),
+    (dict(MLA, q_lora_rank=0), "--q-lora-rank must be positive"),
+])
+def test_bad_latent_attention_and_yarn_settings_are_refused_by_flag(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**{**BASE, **fields})
+
+
+def test_megatrons_deepseek_v2_lite_flags_build_latent_attention_with_yarn():
+    """The attention flags of Megatron-LM's DeepSeek-V2-Lite script (its MoE ones are the MoE layer's): MLA takes
+    YaRN by default, --qk-layernorm puts the norms on its latents."""
+    from megatron_lite.cli.arguments import parse_args
+
+    config = parse_args("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --vocab-size 64 "
+                        "--mock-data --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type "
+                        "rope --multi-latent-attention --kv-lora-rank 32 --v-head-dim 16 --qk-head-dim 16 "
+                        "--qk-layernorm --qk-pos-emb-head-dim 8 --rotary-scaling-factor 40 --mscale 0.707 "
+                        "--mscale-all-dim 0.707 --yarn-correction-range-round-to-int".split())
+    model = config.model
+    assert model.yarn and model.rope_type == "yarn" and model.q_lora_rank is None and model.rotary_dim == 8
+    assert (model.yarn_original_max_position_embeddings, model.yarn_beta_fast, model.yarn_beta_slow) == (4096, 32, 1)
+
+
+def test_lora_targets_of_latent_attention():
+    """``linear_qkv`` is multi-latent attention's query and key/value projections; a layer it lacks is named."""
+    from megatron_lite.config import Config, PeftConfig
+
+    config = Config(model=ModelConfig(**MLA, q_lora_rank=8), peft=PeftConfig(peft="lora"))
+    assert config.peft.lora_target_modules == ["linear_proj", "linear_fc1", "linear_fc2", "linear_q_down_proj",
+                                               "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"]
+    with pytest.raises(ConfigError, match="--lora-target-modules linear_q_proj: this model's linear layers are"):
+        Config(model=ModelConfig(**MLA, q_lora_rank=8), peft=PeftConfig(peft="lora", lora_target_modules=[
+            "linear_q_proj"]))
+    with pytest.raises(ConfigError, match="--lora-target-modules linear_kv_up_proj"):
+        Config(model=ModelConfig(**BASE), peft=PeftConfig(peft="lora", lora_target_modules=["linear_kv_up_proj"]))
+    with pytest.raises(ConfigError, match="--peft prefix"):
+        Config(model=ModelConfig(**MLA), peft=PeftConfig(peft="prefix"))

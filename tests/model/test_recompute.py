@@ -8,8 +8,10 @@ from megatron_lite.process_groups.parallel_state import initialize_model_paralle
 from megatron_lite.tensor_parallel import TensorParallelConfig, gather_shards, get_rng_tracker, model_parallel_seed
 from tests.distributed import run_distributed
 
+# Local and global layers with their own RoPE bases (Gemma 3): recomputed layers get their kind's angles too.
 ARCH = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
-            hidden_dropout=0.2, attention_dropout=0.2)
+            hidden_dropout=0.2, attention_dropout=0.2, position_embedding_type="rope", window_size=[5, 0],
+            window_attn_skip_freq=2, rotary_base_local=100.0)
 RECOMPUTE = {
     "none": {},
     "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),

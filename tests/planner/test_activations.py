@@ -1,6 +1,6 @@
 """Activation memory: Korthikanti et al.'s formulas, and the peak this code really keeps.
 
-The measured side is ``training.measured_run.SavedActivationPeak``: every tensor autograd saves,
+The measured side is ``harness.SavedActivationPeak``: every tensor autograd saves,
 each storage once, alive from its forward until autograd frees it; the largest total
 during a training step, on every rank of small layouts.
 """
@@ -15,7 +15,7 @@ from megatron_lite.planner.memory import peak_memory, rank_memory
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tensor_parallel.random import set_random_seeds
 from tests.distributed import run_distributed
-from megatron_lite.training.measured_run import SavedActivationPeak, run_layouts
+from bench.harness import SavedActivationPeak, run_layouts
 
 TOLERANCE = 0.20  # the bound asked for; the checks below land within 9%
 
@@ -65,11 +65,34 @@ def test_one_process_activation_peak(arch, bf16, dropout, recompute):
     assert estimated / measured.peak == pytest.approx(1.0, abs=TOLERANCE)
 
 
-def _config(tp=1, pp=1, vpp=None, *, sp=False, sharded=False, bf16=False, recompute=None, llama=False):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_one_process_mixture_of_experts_activation_peak(bf16):
+    """A dense layer then an MoE layer (4 experts, top 2, a shared expert) with its router's loss: what the router,
+    the dispatch and the experts keep, within the bound (the routing of random weights is near balanced)."""
+    arch = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=176, moe_layer_freq="[0,1]",
+                moe_aux_loss_coeff=1e-2, moe_shared_expert_intermediate_size=128)
+    test_one_process_activation_peak(arch, bf16, (0.0, 0.0), "none")
+
+
+# Multi-latent attention: its latents are replicated over tensor-parallel ranks, its values narrower than keys.
+MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=96, kv_lora_rank=64, qk_head_dim=32,
+           qk_pos_emb_head_dim=16, v_head_dim=32, qk_layernorm=True)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("dropout", [(0.0, 0.0), (0.1, 0.1)], ids=["no-dropout", "attention"])
+@pytest.mark.parametrize("arch", [MLA, dict(MLA, q_lora_rank=None, qk_layernorm=False)],
+                         ids=["query-latent", "no-query-latent-no-norms"])
+def test_latent_attention_activation_peak(arch, dropout, recompute):
+    test_one_process_activation_peak(arch, True, dropout, recompute)
+
+
+def _config(tp=1, pp=1, vpp=None, *, sp=False, sharded=False, bf16=False, recompute=None, llama=False, mla=False):
     model = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=256,
                  hidden_dropout=0.1, attention_dropout=0.0)
-    if llama:
-        model.update(LLAMA, num_layers=4, hidden_size=64, seq_length=64, vocab_size=256, ffn_hidden_size=160)
+    if llama or mla:
+        model.update(MLA if mla else LLAMA, num_layers=4, hidden_size=64, seq_length=64, vocab_size=256,
+                     ffn_hidden_size=160)
     return Config(model=ModelConfig(**model),
                   parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                           virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp,
@@ -86,7 +109,7 @@ LAYOUTS = {"tp2": _config(tp=2), "tp2-sp": _config(tp=2, sp=True), "pp2-1f1b": _
            "tp2-sp-full": _config(tp=2, sp=True, recompute="full"),
            "pp2-llama-selective": _config(pp=2, recompute="selective", llama=True),
            "pp2-interleaved-full-bf16": _config(pp=2, vpp=2, recompute="full", bf16=True),
-           "tp2-llama-bf16": _config(tp=2, llama=True, bf16=True)}
+           "tp2-llama-bf16": _config(tp=2, llama=True, bf16=True), "tp2-sp-mla": _config(tp=2, sp=True, mla=True)}
 
 
 @pytest.fixture(scope="module")

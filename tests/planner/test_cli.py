@@ -30,8 +30,9 @@ def test_one_layout_as_json(capsys):
     assert code == 0
     result = json.loads(out)
     assert KEYS <= set(result)
-    assert result["layout"] == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4,
-                                "virtual_pipeline_model_parallel_size": 1, "data_parallel_size": 2,
+    assert result["layout"] == {"tensor_model_parallel_size": 2, "context_parallel_size": 1,
+                                "pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 1,
+                                "data_parallel_size": 2,
                                 "micro_batch_size": 2, "num_microbatches": 16, "global_batch_size": 64,
                                 "sequence_parallel": False, "recompute": "none",
                                 "data_parallel_sharding_strategy": "no_shard"}
@@ -102,6 +103,81 @@ def test_model_from_a_hugging_face_config(tmp_path, capsys):
     assert json.loads(out)["model"]["swiglu"] is True
 
 
+# google/gemma-3-1b's config.json (transformers 4.50 spelling): local/global layers, two RoPE bases, q/k norms.
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+    "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid",
+    "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 1152, "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+    "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0,
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None,
+    "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 262144}
+
+
+def test_gemma3_from_its_hugging_face_config(tmp_path, capsys):
+    """Its parameters counted as transformers' Gemma3ForCausalLM of this config counts them (999,885,952, on the
+    meta device), in fp32 bytes."""
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_1B))
+    code, out, _ = _run(capsys, "--hf-config", str(tmp_path), "--seq-length", "1024", "--global-batch-size", "8",
+                        "--num-gpus", "2", "--micro-batch-size", "1", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert round(result["memory"]["parameters_gb"] * GB) == 999_885_952 * 4
+    assert (result["model"]["rotary_base_local"], result["model"]["window_attn_skip_freq"]) == (10000.0, 6)
+
+
+def _moe_config(name: str) -> dict:
+    """A small config.json of each mixture-of-experts family (a Qwen3-MoE with a dense first layer)."""
+    import transformers
+
+    small = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                 max_position_embeddings=4096, num_experts_per_tok=2)
+    config = {"mixtral": lambda: transformers.MixtralConfig(**small, intermediate_size=1024, num_local_experts=8),
+              "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+                  **small, intermediate_size=1024, moe_intermediate_size=256, num_experts=8, mlp_only_layers=[0]),
+              "olmoe": lambda: transformers.OlmoeConfig(**small, intermediate_size=256, num_experts=8)}[name]()
+    return {**config.to_dict(), "model_type": config.model_type}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
+def test_mixture_of_experts_from_hugging_face_configs(tmp_path, capsys, family):
+    """A mixture of experts' layouts are ranked over expert parallelism too; one layout's parameters per GPU are
+    its experts over ep, the rest whole."""
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(_moe_config(family)))
+    common = ["--hf-config", str(tmp_path), "--seq-length", "1024", "--global-batch-size", "16", "--bf16"]
+    code, out, _ = _run(capsys, *common, "--num-gpus", "8", "--json", "--top", "500")
+    assert code == 0
+    ranked = json.loads(out)["layouts"]
+    assert {entry["layout"]["expert_model_parallel_size"] for entry in ranked} == {1, 2, 4, 8}
+    assert all(entry["time_breakdown_s"]["expert_parallel"] > 0 for entry in ranked
+               if entry["layout"]["expert_model_parallel_size"] > 1)
+    whole, split = (json.loads(_run(capsys, *common, "--num-gpus", "4", "--micro-batch-size", "1",
+                                    "--expert-model-parallel-size", ep, "--json")[1]) for ep in ("1", "4"))
+    config = _moe_config(family)
+    width = config.get("moe_intermediate_size") or config["intermediate_size"]
+    experts_bytes = (3 if family == "qwen3_moe" else 4) * 8 * 3 * 512 * width * 2  # MoE layers x E x 3 h F, bf16
+    assert split["memory"]["parameters_gb"] == pytest.approx(
+        whole["memory"]["parameters_gb"] - experts_bytes * (1 - 1 / 4) / GB)
+
+
+def test_parameters_total_and_active_are_the_published_ones(tmp_path):
+    """Mixtral 8x7B: 46.7 B parameters, 12.9 B active per token; OLMoE-1B-7B: 6.9 B, 1.3 B (their papers)."""
+    from megatron_lite.checkpointing.hf_interop import model_config_from_hf
+    from megatron_lite.planner.report import describe_model
+
+    mixtral = {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+               "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1e6}
+    olmoe = {"model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024,
+             "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64,
+             "num_experts_per_tok": 8, "max_position_embeddings": 4096}
+    assert "46.70 B parameters (12.88 B active per token)" in describe_model(model_config_from_hf(mixtral))
+    assert "6.92 B parameters (1.28 B active per token)" in describe_model(model_config_from_hf(olmoe))
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--tensor-model-parallel-size", "3"], "--num-attention-heads (16) must be divisible"),
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load or --pretrained-checkpoint"),
@@ -143,6 +219,17 @@ def test_estimate_for_a_pretraining_config_and_its_log_line():
     assert "(measured 1.0)" in line and "(measured 2.0)" in line and "(measured 3.0)" in line
     assert f"total: {last.total_bytes / 2 ** 20:.1f} |" in line
     assert last.total_bytes < 1 * GB
+
+
+def test_estimate_for_a_moe_pretraining_config():
+    """The start-up line's estimate of a mixture of experts: rank 7 of tp2 x dp4 with ep2 holds expert replica 1."""
+    config = Config(model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                                      vocab_size=256, swiglu=True, add_bias_linear=False, num_experts=4),
+                    parallel=ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                            use_distributed_optimizer=True),
+                    training=TrainingConfig(micro_batch_size=2, global_batch_size=8))
+    assert estimate_for_config(config, 8, rank=7, device="cpu") == rank_memory(
+        Layout(config, 8), device="cpu", pipeline_rank=0, data_parallel_rank=3, expert_data_parallel_rank=1)
 
 
 def test_local_cluster_is_this_machine_measured(capsys):

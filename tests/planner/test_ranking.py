@@ -34,7 +34,7 @@ def test_a_tiny_model_prints_distinct_step_times_in_rank_order():
     assert times == sorted(times)
     rows = [line.split() for line in format_ranking(ranked, top=len(ranked)).splitlines()
             if line.rstrip().endswith(("yes", "NO"))]
-    printed = [float(row[9]) for row in rows]
+    printed = [float(row[10]) for row in rows]
     assert printed == pytest.approx([e.time.step_time_s for e in ranked[:len(rows)]], rel=5e-3)
     assert all(value > 0 for value in printed)
 

@@ -6,6 +6,7 @@ given its optimizer; ``optimizer.memory_report()`` must equal the estimate byte 
 every sharding strategy. What ZeRO-3 gathers during a step needs a real one: 2-rank runs.
 """
 import itertools
+import re
 
 import pytest
 
@@ -21,20 +22,29 @@ from megatron_lite.planner.parameters import fsdp_unit, rank_chunks
 from megatron_lite.planner.static_memory import gradient_dtype_bytes, static_memory
 from megatron_lite.process_groups.parallel_state import mock_parallel_state
 from tests.distributed import run_distributed
-from megatron_lite.training.measured_run import run_layouts
+from bench.harness import run_layouts
 
 GPT = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
 LLAMA = dict(GPT, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
              add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=96)
+# Multi-latent attention with a query latent, its latent norms, and a bias on its output projection.
+MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8,
+           qk_pos_emb_head_dim=8, v_head_dim=12, qk_layernorm=True, add_bias_linear=True)
+# Every per-layer tensor the HF families add: Qwen2's q/k/v bias, Qwen3's and Gemma 3's q/k norms, Gemma's post norms.
+FAMILY_FEATURES = dict(LLAMA, add_qkv_bias=True, qk_layernorm=True, post_sublayer_norm=True, kv_channels=32)
+# A dense first layer, then mixtures of 4 experts with a gated shared expert; OLMoE's q/k norms over the projections.
+MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq="([0]+[1]*3)",
+           moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True, qk_layernorm=True,
+           qk_layernorm_whole_projection=True)
 WORLD = 8
 
 
-def _config(arch, tp=1, pp=1, vpp=None, *, strategy="no_shard", bf16=False, fp16=False, bucket=None, overlap=False,
-            offload=False, grad_offload=False, optimizer="adam", **training):
+def _config(arch, tp=1, pp=1, vpp=None, *, ep=1, strategy="no_shard", bf16=False, fp16=False, bucket=None,
+            overlap=False, offload=False, grad_offload=False, optimizer="adam", **training):
     """--overlap-grad-reduce comes with --overlap-param-gather when sharded (Megatron's pair)."""
     return Config(model=ModelConfig(**arch),
                   parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                          virtual_pipeline_model_parallel_size=vpp,
+                                          virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
                                           data_parallel_sharding_strategy=strategy, ddp_bucket_size=bucket,
                                           overlap_grad_reduce=overlap,
                                           overlap_param_gather=overlap and strategy != "no_shard",
@@ -47,11 +57,13 @@ def _config(arch, tp=1, pp=1, vpp=None, *, strategy="no_shard", bf16=False, fp16
 def _built(config, rank):
     """Rank ``rank``'s chunks, wrapped as ``training.loop.get_model`` wraps them, and its optimizer."""
     parallel = config.parallel
-    state = mock_parallel_state(rank, WORLD, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+    state = mock_parallel_state(rank, WORLD, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                                expert_model_parallel_size=parallel.expert_model_parallel_size)
     state.virtual_pipeline_model_parallel_size = parallel.virtual_pipeline_model_parallel_size
     chunks = [build_model_chunk(config, state, pipeline_rank=state.pipeline_model_parallel_rank, virtual_rank=v)
               for v in range(parallel.virtual_pipeline_model_parallel_size or 1)]
     wrapped = [DistributedDataParallel(c, config=parallel, data_parallel_group=state.data_parallel_group,
+                                       expert_data_parallel_group=state.expert_data_parallel_group,
                                        fsdp_unit_modules=FSDP_UNIT_MODULES) for c in chunks]
     optimizer = get_megatron_optimizer(config.optimizer, wrapped, parallel_state=state, parallel_config=parallel,
                                        params_dtype=config.params_dtype)
@@ -61,7 +73,7 @@ def _built(config, rank):
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 4, None)]
 
 
-@pytest.mark.parametrize("arch", [GPT, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("arch", [GPT, LLAMA, MLA, FAMILY_FEATURES], ids=["gpt", "llama", "mla", "family-features"])
 @pytest.mark.parametrize("tp,pp,vpp", LAYOUTS)
 def test_parameter_list_is_the_chunks_named_parameters(arch, tp, pp, vpp):
     """Names, sizes and order of every chunk's parameters, and the ZeRO-3 unit each belongs to
@@ -76,6 +88,71 @@ def test_parameter_list_is_the_chunks_named_parameters(arch, tp, pp, vpp):
             units = FullyShardedUnits.units_of(chunk, FSDP_UNIT_MODULES)
             paths = {module: path for path, module in chunk.named_modules()}
             assert [fsdp_unit(s) for s in specs] == [paths[units[p]] for p in chunk.parameters()]
+
+
+def _first_experts_named_zero(name: str, first_expert: int) -> str:
+    """A parameter's name with its expert renumbered from this rank's first (the planner names rank 0's)."""
+    return re.sub(r"local_experts\.(\d+)", lambda m: f"local_experts.{int(m[1]) - first_expert}", name)
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 2), (1, 2, 4), (2, 2, 2)])
+def test_moe_parameter_list_is_the_chunks_named_parameters(tp, pp, ep):
+    """A mixture of experts' router, this rank's experts (E / ep, each split over the expert-tensor ranks), the
+    shared expert and its gate, the q/k norms over whole projections: every rank's chunks, with experts marked."""
+    config = _config(MOE, tp, pp, ep=ep)
+    for rank in range(WORLD):
+        state, chunks, _, _ = _built(config, rank)
+        first = state.expert_model_parallel_rank * MOE["num_experts"] // ep
+        planned = rank_chunks(config, state.pipeline_model_parallel_rank)
+        assert [[(s.name, s.elements, s.expert) for s in c] for c in planned] == [
+            [(_first_experts_named_zero(n, first), p.numel(), getattr(p, "expert_parallel", False))
+             for n, p in chunk.named_parameters()] for chunk in chunks]
+
+
+@pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 2), (1, 2, 4)])
+def test_every_rank_of_a_moe_layout_holds_what_the_planner_says(strategy, tp, pp, ep):
+    """Dense weights sharded over the data-parallel ranks, experts over the expert-data-parallel ones (dp x tp /
+    (ep x etp)), each in buffers of their own: bytes, buckets and optimizer elements equal the live ones."""
+    config = _config(MOE, tp, pp, ep=ep, strategy=strategy, bf16=True, bucket=3000)
+    for rank in range(WORLD):
+        state, _, wrapped, optimizer = _built(config, rank)
+        report = optimizer.memory_report()
+        planned = static_memory(config, pipeline_rank=state.pipeline_model_parallel_rank,
+                                data_parallel_size=state.data_parallel_world_size,
+                                data_parallel_rank=state.data_parallel_rank,
+                                expert_data_parallel_rank=state.expert_data_parallel_rank)
+        assert (planned.parameter_bytes, planned.gradient_bytes, planned.optimizer_state_bytes) == (
+            report["parameter_bytes"], report["gradient_bytes"], report["optimizer_state_bytes"])
+        assert (planned.bucket_elements, planned.expert_bucket_elements) == tuple(
+            tuple(b.numel for chunk in wrapped for b in chunk._buckets_of(sharding(chunk)))
+            for sharding in (lambda c: c.sharding, lambda c: c.expert_sharding))
+        assert planned.optimizer_elements == sum(r.end - r.start for r in optimizer.param_ranges)
+
+
+# Each ModelConfig field that changes what a chunk holds, on a tiny model.
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=200)
+FIELDS = {"gpt": {}, "rmsnorm": dict(normalization="RMSNorm"), "no-bias": dict(add_bias_linear=False),
+          "qkv-bias": dict(add_bias_linear=False, add_qkv_bias=True), "qk-layernorm": dict(qk_layernorm=True),
+          "qk-rmsnorm": dict(qk_layernorm=True, normalization="RMSNorm"), "kv-channels": dict(kv_channels=16),
+          "query-groups": dict(num_query_groups=2), "ffn-hidden": dict(ffn_hidden_size=48),
+          "swiglu": dict(swiglu=True, ffn_hidden_size=48), "geglu": dict(swiglu=True, geglu=True, ffn_hidden_size=48),
+          "post-sublayer-norm": dict(post_sublayer_norm=True), "untied": dict(untie_embeddings_and_output_weights=True),
+          "rope": dict(position_embedding_type="rope"), "max-positions": dict(max_position_embeddings=64),
+          "vocab-padding": dict(make_vocab_size_divisible_by=1)}
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_the_parameter_count_follows_every_model_field(field):
+    """The planner's parameters against the real chunks' ``sum(p.numel())`` (and each name and size), on every
+    rank of tp 2 x pp 2: the biases, norms and widths each field adds or removes, split as the model splits them."""
+    config = _config(dict(TINY, **FIELDS[field]), tp=2, pp=2)
+    for rank in range(0, WORLD, 2):
+        state, chunks, _, _ = _built(config, rank)
+        planned = rank_chunks(config, state.pipeline_model_parallel_rank)
+        assert sum(s.elements for c in planned for s in c) == sum(p.numel() for c in chunks for p in c.parameters())
+        assert [[(s.name, s.elements) for s in c] for c in planned] == [
+            [(n, p.numel()) for n, p in chunk.named_parameters()] for chunk in chunks]
 
 
 CASES = {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True), "bucket=3000": dict(bucket=3000),

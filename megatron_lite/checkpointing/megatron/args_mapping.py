@@ -1,6 +1,6 @@
 """Megatron-LM's saved ``args`` <-> our ModelConfig, refusing by name what we do not implement.
 
-The gotchas (docs/reference.md, "Megatron-LM checkpoints"):
+The gotchas (docs/reference.md, section 13 "Megatron-LM checkpoints"):
 
 - ``num_query_groups`` is 1 in ``args`` when ``--group-query-attention`` is off: the
   model then has one group per head.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megatron_lite.config import Config, ConfigError, ModelConfig
+from megatron_lite.config import Config, ConfigError, ModelConfig, TrainingConfig
 
 # args that change what the model computes and that megatron_lite does not implement: (name, what it is).
 _UNSUPPORTED = (("num_experts", "mixture of experts"), ("multi_latent_attention", "multi-latent attention"),
@@ -79,12 +79,19 @@ def model_config_from_megatron_args(args, source: str) -> ModelConfig:
         make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128))
 
 
+def config_from_megatron_args(args, source: str) -> Config:
+    """Our Config for the checkpoint Megatron's ``args`` describe: the model, and the precision its weights
+    were trained in (``--bf16``/``--fp16``), which an import keeps and an export writes again."""
+    return Config(model=model_config_from_megatron_args(args, source),
+                  training=TrainingConfig(bf16=bool(_arg(args, "bf16", False)), fp16=bool(_arg(args, "fp16", False))))
+
+
 # Our fields that do not change the weights or what they compute (kernels, attention implementation).
 _NOT_ARCHITECTURE = ("attention_backend", "use_fused_kernels")
 
 
 def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
-                              iteration: int, source: str) -> argparse.Namespace:
+                              iteration: int, source: str, ckpt_format: str = "torch") -> argparse.Namespace:
     """The ``args`` Megatron-LM saves, for our ``config`` at the given layout: the architecture args its
     ``--use-checkpoint-args`` rebuilds the model from, and those ``check_checkpoint_args`` compares.
 
@@ -119,8 +126,8 @@ def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int
         transformer_pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         bf16=config.training.bf16, fp16=config.training.fp16, params_dtype=config.params_dtype,
-        num_experts=None, mtp_num_layers=None, use_legacy_models=False, transformer_impl="local", ckpt_format="torch",
-        iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0)
+        num_experts=None, mtp_num_layers=None, use_legacy_models=False, transformer_impl="local",
+        ckpt_format=ckpt_format, iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0)
     _check_round_trip(args, model, source)
     return args
 

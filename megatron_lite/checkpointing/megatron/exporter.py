@@ -1,28 +1,62 @@
-"""A megatron_lite checkpoint -> a Megatron-LM legacy (``--ckpt-format torch``) checkpoint at any TP/PP.
+"""A megatron_lite checkpoint -> a Megatron-LM checkpoint at any TP/PP, legacy or ``torch_dist``.
 
-Each rank's file holds what Megatron-Core's local-layer GPT (``--transformer-impl local``)
-saves: its shard of every parameter under Megatron's name, layers numbered from 0 in each
-pipeline stage, the last stage's copy of tied embeddings, the vocabulary padded for the
-target tensor size, and ``_extra_state`` (None) for every linear layer, which Megatron's
-strict ``load_state_dict`` expects. The weights only: Megatron-LM starts the optimizer fresh.
+Both hold what Megatron-Core's local-layer GPT (``--transformer-impl local``) saves, in the
+dtype of the run (``--bf16``/``--fp16``, fp32 otherwise), the vocabulary padded for the target
+tensor size:
+
+- legacy (``--ckpt-format torch``): per rank, its shard of every parameter under Megatron's
+  name, layers numbered from 0 in each pipeline stage, the last stage's copy of tied
+  embeddings, and ``_extra_state`` (None) for every linear layer, which Megatron's strict
+  ``load_state_dict`` expects;
+- ``torch_dist``: global keys, the layers stacked along a leading layer dimension under
+  Transformer Engine's norm names, each rank writing its chunks (a replicated tensor once,
+  by tensor-parallel rank 0; tied embeddings once, by the first stage), and an
+  ``_extra_state`` object (None) per layer linear.
+
+The weights only: Megatron-LM starts the optimizer fresh.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 
-from megatron_lite.checkpointing.megatron import layout, legacy
+import torch
+
+from megatron_lite.checkpointing.megatron import layout, legacy, torch_dist_writer
 from megatron_lite.checkpointing.megatron.args_mapping import megatron_args_from_config
 from megatron_lite.checkpointing.offline import stage_model
 from megatron_lite.checkpointing.resharding import CheckpointReader, has_vocab_rows, resize_vocab
 from megatron_lite.checkpointing.save_load import checkpoint_name
-from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
+from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ParallelConfig
+from megatron_lite.model import GPTModel
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, shard_tensor
+
+CKPT_FORMATS = ("torch", "torch_dist")
+# What Megatron-Core 0.17's save_checkpoint records of how the model's sharded state dict was built.
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+@dataclasses.dataclass
+class Stage:
+    """One pipeline stage of the model being exported: its (meta-device) model and global tensors."""
+
+    pipeline_rank: int
+    model: GPTModel
+    full: dict  # our name -> global tensor, in the run's dtype, the vocabulary padded for the target
+
+    @property
+    def layer_offset(self) -> int:
+        return min(int(n) for n in self.model.decoder.layers.keys())
 
 
 def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1,
-                               pipeline_model_parallel_size: int = 1) -> str:
-    """Write ``save_dir/iter_N/mp_rank_*/model_optim_rng.pt`` and its tracker file; returns ``save_dir``."""
+                               pipeline_model_parallel_size: int = 1, ckpt_format: str = "torch",
+                               common_state: str = "common.pt") -> str:
+    """Write ``save_dir/iter_N`` in ``ckpt_format`` (torch_dist: its common state laid out as
+    ``common_state`` says) and the tracker file; returns ``save_dir``."""
+    if ckpt_format not in CKPT_FORMATS:
+        raise ValueError(f"ckpt_format must be one of {CKPT_FORMATS}, got {ckpt_format!r}")
     reader = CheckpointReader(resolve_checkpoint_dir(load_dir))
     config = Config.from_dict(reader.metadata["config"])
     if config.peft.peft is not None:
@@ -33,32 +67,113 @@ def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
     config = dataclasses.replace(config, parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                                                  pipeline_model_parallel_size=pp))
     iteration = reader.metadata["iteration"]
+    if os.path.exists(legacy.iteration_path(save_dir, iteration)):
+        raise CheckpointError(f"{legacy.iteration_path(save_dir, iteration)} exists: a Megatron-LM export is written "
+                              f"into a new directory (files left from another export would be read with it); give "
+                              f"another save directory or remove that one.")
     args = megatron_args_from_config(config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     iteration=iteration, source=load_dir)
-    for pipeline_rank in range(pp):
-        model = stage_model(config, pipeline_rank)
-        layer_offset = min(int(n) for n in model.decoder.layers.keys())
-        full = {name: reader.read(checkpoint_name(model, name)).to(config.params_dtype)
-                for name, _ in model.named_parameters()}
-        for tp_rank in range(tp):
-            state = _rank_state(model, full, config, tp_rank=tp_rank, layer_offset=layer_offset)
-            legacy.write_rank_file(save_dir, iteration, tp_rank, pipeline_rank, pp, model=state, args=args)
+                                     iteration=iteration, source=load_dir, ckpt_format=ckpt_format)
+    stages = (_stage(config, reader, pipeline_rank) for pipeline_rank in range(pp))
+    if ckpt_format == "torch_dist":
+        _write_torch_dist(save_dir, stages, config, args, iteration, common_state)
+    else:
+        _write_legacy(save_dir, stages, config, args, iteration)
     legacy.write_tracker(save_dir, iteration)
     return save_dir
 
 
-def _rank_state(model, full: dict, config: Config, *, tp_rank: int, layer_offset: int) -> dict:
+def _stage(config: Config, reader: CheckpointReader, pipeline_rank: int) -> Stage:
+    model = stage_model(config, pipeline_rank)
+    padded_vocab = config.model.padded_vocab_size(config.parallel.tensor_model_parallel_size)
+    full = {}
+    for name, _ in model.named_parameters():
+        tensor = reader.read(checkpoint_name(model, name)).to(config.params_dtype)
+        full[name] = resize_vocab(tensor, padded_vocab) if has_vocab_rows(name) else tensor
+    return Stage(pipeline_rank, model, full)
+
+
+def _linear_layers(model: GPTModel) -> list:
+    """The names of the model's tensor-parallel linear layers (each has an ``_extra_state`` in Megatron's)."""
+    return [name for name, module in model.named_modules() if isinstance(module, (ColumnParallelLinear,
+                                                                                   RowParallelLinear))]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# legacy: one model_optim_rng.pt per (tensor, pipeline) rank
+
+
+def _write_legacy(save_dir: str, stages, config: Config, args, iteration: int) -> None:
+    tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
+    for stage in stages:
+        for tp_rank in range(tp):
+            state = _legacy_rank_state(stage, tp_rank=tp_rank, tp=tp)
+            legacy.write_rank_file(save_dir, iteration, tp_rank, stage.pipeline_rank, pp, model=state, args=args)
+
+
+def _legacy_rank_state(stage: Stage, *, tp_rank: int, tp: int) -> dict:
     """Tensor-parallel rank ``tp_rank``'s Megatron state dict of one stage (every rank holds every name)."""
-    tp = config.parallel.tensor_model_parallel_size
-    padded_vocab = config.model.padded_vocab_size(tp)
     state = {}
-    for name, param in model.named_parameters():
-        tensor = resize_vocab(full[name], padded_vocab) if has_vocab_rows(name) else full[name]
+    for name, param in stage.model.named_parameters():
+        tensor = stage.full[name]
         if getattr(param, "tensor_model_parallel", False):
             tensor = shard_tensor(tensor, partition_dim=param.partition_dim, partition_stride=param.partition_stride,
                                   rank=tp_rank, world_size=tp)
-        state[layout.megatron_from_ours(name, layer_offset)] = tensor.clone().contiguous()
-    for name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            state[layout.megatron_from_ours(f"{name}._extra_state", layer_offset)] = None
+        state[layout.megatron_from_ours(name, stage.layer_offset)] = tensor.clone().contiguous()
+    for name in _linear_layers(stage.model):
+        state[layout.megatron_from_ours(f"{name}._extra_state", stage.layer_offset)] = None
     return state
+
+
+# --------------------------------------------------------------------------------------------------------------
+# torch_dist: every global rank's chunks of the global (layer-stacked) tensors
+
+
+def _write_torch_dist(save_dir: str, stages, config: Config, args, iteration: int, common_state: str) -> None:
+    tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
+    ranks = [[] for _ in range(tp * pp)]  # Megatron's rank order with data-parallel size 1: tensor rank fastest
+    for stage in stages:
+        for tp_rank in range(tp):
+            ranks[stage.pipeline_rank * tp + tp_rank] = _torch_dist_items(stage, config, tp_rank=tp_rank, tp=tp)
+    common = {"args": args, "checkpoint_version": legacy.CHECKPOINT_VERSION, "iteration": iteration,
+              "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT_METADATA)}
+    torch_dist_writer.write(legacy.iteration_path(save_dir, iteration), ranks, common, common_state=common_state)
+
+
+def _torch_dist_items(stage: Stage, config: Config, *, tp_rank: int, tp: int) -> list:
+    """What one rank of a stage writes: its chunks of the tensor-parallel tensors, and on tensor-parallel
+    rank 0 the replicated tensors and the layers' ``_extra_state`` objects."""
+    num_layers = config.model.num_layers
+    items = []
+    for name, param in stage.model.named_parameters():
+        if checkpoint_name(stage.model, name) != name:
+            continue  # the last stage's copy of tied embeddings: the first stage writes them
+        key, layer = layout.torch_dist_key(name)
+        full = stage.full[name]
+        if getattr(param, "tensor_model_parallel", False):
+            pieces = _tensor_parallel_chunks(full, param, tp_rank=tp_rank, tp=tp)
+        else:
+            pieces = [((0,) * full.dim(), full)] if tp_rank == 0 else []
+        if layer is None:
+            items += [torch_dist_writer.Chunk(key, tuple(full.shape), offsets, piece) for offsets, piece in pieces]
+        else:  # a layer's piece is a [1, ...] slice of the stacked [layers, ...] tensor
+            items += [torch_dist_writer.Chunk(key, (num_layers, *full.shape), (layer, *offsets), piece.unsqueeze(0))
+                      for offsets, piece in pieces]
+    if tp_rank == 0:
+        for name in _linear_layers(stage.model):
+            key, layer = layout.torch_dist_key(f"{name}._extra_state")
+            if layer is not None:  # Megatron-Core saves the layers' linears' extra state, not the output layer's
+                items.append(torch_dist_writer.ShardedObject(key, offset=(layer,), shape=(num_layers,)))
+    return items
+
+
+def _tensor_parallel_chunks(full: torch.Tensor, param, *, tp_rank: int, tp: int) -> list:
+    """[(offsets, piece)] of rank ``tp_rank``'s shard of ``full``: one piece per stride block (SwiGLU's
+    fc1 [gate; up] gives two), so the pieces together are ``shard_tensor``'s shard."""
+    dim, stride = param.partition_dim, param.partition_stride
+    block = full.shape[dim] // stride
+    size = block // tp
+    chunks = []
+    for j in range(stride):
+        start = j * block + tp_rank * size
+        chunks.append((tuple(start if d == dim else 0 for d in range(full.dim())), full.narrow(dim, start, size)))
+    return chunks

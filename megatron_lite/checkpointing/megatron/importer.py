@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 from megatron_lite.checkpointing.megatron import layout, legacy, torch_dist
-from megatron_lite.checkpointing.megatron.args_mapping import model_config_from_megatron_args
+from megatron_lite.checkpointing.megatron.args_mapping import config_from_megatron_args, model_config_from_megatron_args
 from megatron_lite.checkpointing.offline import stage_model, write_checkpoint
 from megatron_lite.checkpointing.storage import CheckpointError, read_latest_iteration
 from megatron_lite.config import Config, ParallelConfig
@@ -33,9 +33,9 @@ def detect_format(path: str) -> str:
 class MegatronCheckpoint:
     """What megatron_lite takes from a Megatron-LM checkpoint."""
 
-    config: Config  # model from the saved args; parallel sizes 1 (any layout loads it)
+    config: Config  # model and precision from the saved args; parallel sizes 1 (any layout loads it)
     iteration: int
-    tensors: dict  # our global name -> tensor (the vocabulary at Megatron's padded size)
+    tensors: dict  # our global name -> tensor in the checkpoint's precision (the vocabulary at Megatron's padded size)
     ckpt_format: str
     args: object  # Megatron's saved args (argparse.Namespace with stand-ins)
 
@@ -51,7 +51,7 @@ def read_megatron_checkpoint(path: str) -> MegatronCheckpoint:
         tied = not getattr(args, "untie_embeddings_and_output_weights", False)
         tensors = {layout.ours_from_megatron(name, 0): t for name, t in tensors.items()
                    if not layout.is_ignored(name, tied=tied)}
-    config = Config(model=model_config_from_megatron_args(args, path))
+    config = config_from_megatron_args(args, path)
     tensors = _checked(tensors, config, path)
     return MegatronCheckpoint(config, iteration, tensors, ckpt_format, args)
 
@@ -92,7 +92,8 @@ def _merged(pieces: list, param) -> torch.Tensor:
 
 
 def _checked(tensors: dict, config: Config, source: str) -> dict:
-    """Our model's tensors in fp32, after checking that the names and shapes are exactly our model's."""
+    """Our model's tensors in the checkpoint's precision, after checking that the names and shapes are exactly
+    our model's."""
     params = dict(stage_model(dataclasses.replace(config, model=dataclasses.replace(
         config.model, make_vocab_size_divisible_by=1)), 0).named_parameters())
     unknown, missing = sorted(set(tensors) - set(params)), sorted(set(params) - set(tensors))
@@ -103,7 +104,7 @@ def _checked(tensors: dict, config: Config, source: str) -> dict:
              if tuple(tensors[n].shape) != tuple(p.shape)]
     if wrong:
         raise CheckpointError(f"{source}: tensors whose shapes do not match the saved args: {wrong[:3]}")
-    return {name: t.float().contiguous() for name, t in tensors.items()}
+    return {name: t.to(config.params_dtype).contiguous() for name, t in tensors.items()}
 
 
 def import_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1,

@@ -19,12 +19,16 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-# (Megatron's name inside a layer, ours): Transformer Engine's and the legacy model's layer names.
-LAYER_RENAMES = (
+# (Megatron's name inside a layer, ours): Transformer Engine's norm names (torch_dist uses them for local
+# layers too), then the legacy model's layer names.
+TE_NORM_RENAMES = (
     ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
     ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
     ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
     ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"),
+)
+LAYER_RENAMES = (
+    *TE_NORM_RENAMES,
     ("input_norm.", "input_layernorm."),
     ("post_attention_norm.", "pre_mlp_layernorm."),
     ("post_attention_layernorm.", "pre_mlp_layernorm."),
@@ -100,3 +104,15 @@ def megatron_from_ours(name: str, layer_offset: int) -> str:
     if layer is not None:
         return f"decoder.layers.{layer[0] - layer_offset}.{layer[1]}"
     return _MCORE_FROM_OURS.get(name, name)
+
+
+_TE_NORM_FROM_OURS = {ours: theirs for theirs, ours in TE_NORM_RENAMES}
+
+
+def torch_dist_key(name: str) -> tuple[str, Optional[int]]:
+    """Megatron-Core's torch_dist key for our global ``name`` and, for a layer tensor, its global layer
+    number (torch_dist stacks the layers along a leading dimension under one key), else None."""
+    layer = local_layer(name)
+    if layer is None:
+        return _MCORE_FROM_OURS.get(name, name), None
+    return f"decoder.layers.{_TE_NORM_FROM_OURS.get(layer[1], layer[1])}", layer[0]

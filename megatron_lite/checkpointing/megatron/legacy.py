@@ -64,6 +64,11 @@ def read_rank_file(path: str) -> dict:
     return state
 
 
+def iteration_path(root: str, iteration: int) -> str:
+    """``root/iter_{iteration:07d}``: where Megatron-LM writes an iteration, in either format."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
 def rank_dir_name(tensor_rank: int, pipeline_rank: int, pipeline_size: int) -> str:
     """``mp_rank_TT`` (pipeline size 1) or ``mp_rank_TT_PPP``, as Megatron-LM names a rank's directory."""
     return f"mp_rank_{tensor_rank:02d}" if pipeline_size == 1 else f"mp_rank_{tensor_rank:02d}_{pipeline_rank:03d}"
@@ -72,7 +77,7 @@ def rank_dir_name(tensor_rank: int, pipeline_rank: int, pipeline_size: int) -> s
 def write_rank_file(root: str, iteration: int, tensor_rank: int, pipeline_rank: int, pipeline_size: int, *,
                     model: dict, args) -> str:
     """One rank's ``model_optim_rng.pt`` under ``root/iter_{iteration:07d}``."""
-    directory = os.path.join(root, f"iter_{iteration:07d}", rank_dir_name(tensor_rank, pipeline_rank, pipeline_size))
+    directory = os.path.join(iteration_path(root, iteration), rank_dir_name(tensor_rank, pipeline_rank, pipeline_size))
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, MODEL_FILE)
     torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "model": model,

@@ -1,4 +1,4 @@
-"""Megatron-LM's ``torch_dist`` checkpoints: ``torch.distributed.checkpoint`` files, read without Megatron.
+"""Megatron-LM's ``torch_dist`` checkpoints (docs/reference.md, section 13), read and written without Megatron.
 
     iter_0001000/.metadata          pickled torch.distributed.checkpoint Metadata: every tensor's
                                     global shape, its chunks and where each chunk's bytes are
@@ -13,11 +13,16 @@ Transformer Engine's names (``linear_qkv.layer_norm_weight``) even with local la
 ``.metadata`` pickle is read with the restricted unpickler, allowing only the
 metadata classes of ``torch.distributed.checkpoint``, and each chunk with
 ``torch.load(weights_only=True)``: nothing in the files can run code.
+
+Writing is ``torch_dist_writer``'s, which alone imports ``torch.distributed.checkpoint`` at load time:
+the command line imports this module to recognise a Megatron-LM ``--load``, and that package (DTensor,
+sympy) costs a second or more of every command's start-up.
 """
 from __future__ import annotations
 
 import io
 import os
+import pathlib
 import re
 
 import torch
@@ -28,13 +33,19 @@ from megatron_lite.checkpointing.storage import CheckpointError
 
 METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
+CONFIG_FILE = "metadata.json"
+# Where the common state (args, iteration...) goes: its own file (core <= 0.18), or inside the .distcp (>= 0.19).
+COMMON_STATE_LAYOUTS = ("common.pt", "distcp")
+COMMON_STATE_KEY = "common_state"
+_STACKED = re.compile(r"^decoder\.layers\.(?!\d)(.+)$")
 
 
 def _metadata_classes() -> dict:
     """What the .metadata pickle may name: torch.distributed.checkpoint's metadata and save-plan classes (plain
-    dataclasses and enums) and the function that turns a layout's name into torch.strided. Imported when a
-    torch_dist checkpoint is read: torch.distributed.checkpoint takes a second to import, which every other
-    run (the command line imports this module) would pay at start-up."""
+    dataclasses and enums) and the function that turns a layout's name into torch.strided.
+
+    torch.distributed.checkpoint is imported here, when a torch_dist checkpoint is read, not with this module
+    (see the module's docstring)."""
     from torch.distributed.checkpoint import filesystem, metadata, planner
 
     return {
@@ -45,10 +56,13 @@ def _metadata_classes() -> dict:
             "SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")},
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
         ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("pathlib", "PosixPath"): pathlib.PosixPath,  # a StorageMeta's checkpoint_id, as torch's own writer records it
     }
 
 
-_STACKED = re.compile(r"^decoder\.layers\.(?!\d)(.+)$")
+def sharded_object_key(key: str, offset: tuple = (0,), shape: tuple = (1,)) -> str:
+    """Where Megatron-Core stores a ShardedObject's bytes: ``key/shard_{offset}_{shape}``."""
+    return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
 
 
 def is_torch_dist(directory: str) -> bool:
@@ -61,24 +75,37 @@ def _read_bytes(directory: str, info) -> bytes:
         return f.read(info.length)
 
 
+def read_metadata(directory: str):
+    """The ``.metadata`` (a torch.distributed.checkpoint ``Metadata``) of a torch_dist directory, read with the
+    restricted unpickler."""
+    return load_pickle_file(os.path.join(directory, METADATA_FILE), extra=_metadata_classes())
+
+
+def read_common_state(directory: str) -> dict:
+    """The common state (args, iteration, ...) of a torch_dist directory, in either layout."""
+    return _common_state(directory, read_metadata(directory).storage_data)
+
+
 def _common_state(directory: str, storage: dict) -> dict:
-    """``common.pt`` (core <= 0.18), else the ``common`` bytes item stored in the .distcp files."""
+    """``common.pt`` (core <= 0.18), else the ``common_state`` bytes item stored in the .distcp files."""
     path = os.path.join(directory, COMMON_FILE)
     if os.path.isfile(path):
         return load_torch_file(path)
     for index, info in storage.items():
-        if index.fqn == "common" or index.fqn.endswith(".common"):
-            return torch.load(io.BytesIO(_read_bytes(directory, info)), weights_only=False, map_location="cpu",
-                              pickle_module=restricted_pickle_module(directory))
-    raise CheckpointError(f"{directory} has no common.pt nor a 'common' entry: Megatron's args are missing.")
+        if index.fqn == sharded_object_key(COMMON_STATE_KEY):  # a list of the replicas written: one
+            (common,) = torch.load(io.BytesIO(_read_bytes(directory, info)), weights_only=False, map_location="cpu",
+                                   pickle_module=restricted_pickle_module(directory))
+            return common
+    raise CheckpointError(f"{directory} has no common.pt nor a '{COMMON_STATE_KEY}' entry: Megatron's args are "
+                          f"missing.")
 
 
 def read(directory: str) -> tuple:
     """(args, iteration, {Megatron name, layers numbered globally: global tensor}) of a torch_dist directory;
     byte entries (``_extra_state``) and the optimizer's and RNG's tensors are left out."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint import metadata
 
-    meta = load_pickle_file(os.path.join(directory, METADATA_FILE), extra=_metadata_classes())
+    meta = read_metadata(directory)
     storage = meta.storage_data
     common = _common_state(directory, storage)
     if "args" not in common:
@@ -87,7 +114,7 @@ def read(directory: str) -> tuple:
     tensors = {}
     for fqn, item in meta.state_dict_metadata.items():
         name = fqn.removeprefix("model.")
-        if not isinstance(item, TensorStorageMetadata) or name.startswith(("optimizer", "rng_state")):
+        if not isinstance(item, metadata.TensorStorageMetadata) or name.startswith(("optimizer", "rng_state")):
             continue
         full = torch.empty(tuple(item.size), dtype=item.properties.dtype)
         for chunk in item.chunks:

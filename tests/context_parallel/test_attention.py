@@ -1,0 +1,182 @@
+"""Context-parallel attention against one process's attention over the whole sequence.
+
+On real gloo groups of 2 and 4 ranks each rank holds its load-balanced chunks of the queries, keys and
+values (and of a packed mask's rows); its output and the gradients of its queries, keys and values
+must equal the same positions of the whole-sequence core attention (``DotProductAttention``), for both
+--cp-comm-type variants and every local kernel: SDPA (the CPU flash kernel under p2p) and the explicit
+path, grouped-query heads, a packed block-diagonal mask, a sliding window, a prefix (whose gradient is
+the sum over the ranks), attention soft-capping, bf16, and values narrower than keys with a softmax scale of
+their own (multi-latent attention's); and a whole GPT given this rank's tokens gives
+the whole sequence's logits at them.
+"""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig, context_parallel_attention, local_positions
+from megatron_lite.context_parallel.sharding import chunk_ids, get_batch_on_this_cp_rank, global_order
+from megatron_lite.model.dot_product_attention import DotProductAttention
+from megatron_lite.model.gpt_model import GPTModel
+from megatron_lite.model.weight_init import initialize_weights
+from megatron_lite.process_groups.parallel_state import mock_parallel_state
+from megatron_lite.tensor_parallel import TensorParallelConfig
+from megatron_lite.peft.prefix_tuning import KeyValuePrefix
+from tests.parity import assert_relative_close
+
+SEQ, BATCH, HEADS, HEAD_DIM = 16, 2, 4, 8
+
+CASES = {
+    "causal": {},
+    "explicit": dict(attention_backend="unfused"),
+    "gqa": dict(num_query_groups=2),
+    "gqa-explicit": dict(num_query_groups=2, attention_backend="local"),
+    "packed": dict(packed=True),
+    "packed-explicit-gqa": dict(packed=True, attention_backend="unfused", num_query_groups=1),
+    "window": dict(window_size=[5, 0]),
+    "window-packed-explicit": dict(window_size=[3, 0], packed=True, attention_backend="unfused"),
+    "prefix": dict(prefix=3),
+    "prefix-window-gqa": dict(prefix=2, window_size=[6, 0], num_query_groups=2),
+    "softcapping": dict(attn_logit_softcapping=2.0),
+    # bf16 against bf16 over the whole sequence: the roundings differ, not the attention.
+    "bf16-gqa": dict(num_query_groups=2, bf16=True),
+    "bf16-packed-explicit": dict(packed=True, attention_backend="unfused", bf16=True),
+    # Multi-latent attention's core: values narrower than keys (which the CPU flash kernel does not take), a
+    # softmax scale of its own.
+    "narrow-values": dict(value_dim=HEAD_DIM // 2, softmax_scale=0.3),
+    "narrow-values-packed-explicit": dict(value_dim=HEAD_DIM // 2, packed=True, attention_backend="unfused"),
+}
+
+
+def _model_config(case: dict) -> ModelConfig:
+    fields = {k: v for k, v in case.items() if k not in ("packed", "prefix", "bf16", "value_dim")}
+    return ModelConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, seq_length=SEQ,
+                       vocab_size=64, attention_dropout=0.0, **fields)
+
+
+def _packed_mask() -> torch.Tensor:
+    """Block-diagonal causal [b, 1, s, s] (True = may not attend): documents of 5, 7 and 4 positions, then 9, 7."""
+    documents = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    return ~(causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+
+
+def _inputs(config: ModelConfig, case: dict, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    groups = config.num_query_groups
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).to(
+            torch.bfloat16 if case.get("bf16") else torch.float32)
+    value_dim = case.get("value_dim", HEAD_DIM)
+    inputs = {"query": draw(SEQ, BATCH, HEADS, HEAD_DIM), "key": draw(SEQ, BATCH, groups, HEAD_DIM),
+              "value": draw(SEQ, BATCH, groups, value_dim), "grad": draw(SEQ, BATCH, HEADS * value_dim)}
+    if case.get("packed"):
+        inputs["mask"] = _packed_mask()
+    return inputs
+
+
+def _core(config: ModelConfig) -> DotProductAttention:
+    """The core attention the layers build for ``config``."""
+    return DotProductAttention(config, layer_number=0, softmax_scale=config.softmax_scale or 1 / math.sqrt(HEAD_DIM),
+                               heads_per_group=HEADS // config.num_query_groups)
+
+
+def _prefix(config: ModelConfig, case: dict, seed: int):
+    if not case.get("prefix"):
+        return None
+    prefix = KeyValuePrefix(config, prefix_length=case["prefix"], projection_hidden_size=None, tp_group=None,
+                            params_dtype=torch.float32)
+    with torch.no_grad():
+        prefix.key_value.copy_(torch.randn(prefix.key_value.shape, generator=torch.Generator().manual_seed(seed)))
+    return prefix
+
+
+def _attend(attention, inputs: dict, prefix, positions=None) -> dict:
+    """Output and input gradients of ``attention`` at ``positions`` (all of them when None)."""
+    pick = (lambda t: t) if positions is None else (lambda t: t.index_select(0, positions))
+    leaves = {name: pick(inputs[name]).clone().requires_grad_() for name in ("query", "key", "value")}
+    mask = inputs.get("mask")
+    if mask is not None and positions is not None:
+        mask = mask.index_select(2, positions)
+    output = attention(leaves["query"], leaves["key"], leaves["value"], mask, prefix=prefix)
+    output.backward(pick(inputs["grad"]))
+    result = {"output": output.detach(), **{f"grad {name}": leaf.grad for name, leaf in leaves.items()}}
+    if prefix is not None:
+        result["grad prefix"] = prefix.key_value.grad.clone()
+        prefix.key_value.grad = None
+    return result
+
+
+def _compare(rank, world_size):
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world_size)))
+    cp = ContextParallelConfig(cp_group=group, global_ranks=tuple(range(world_size)))
+    positions = local_positions(SEQ, rank, world_size)
+    checked = []
+    for index, (name, case) in enumerate(CASES.items()):
+        config = _model_config(case)
+        inputs, prefix = _inputs(config, case, seed=index), _prefix(config, case, seed=100 + index)
+        expected = _attend(_core(config), inputs, prefix)
+        for comm_type in ("all_gather", "p2p"):
+            cp_attention = context_parallel_attention(_core(config),
+                                                      ContextParallelConfig(group, cp.global_ranks, (comm_type,)), 0)
+            got = _attend(cp_attention, inputs, prefix, positions)
+            what, rel = f"cp{world_size} {comm_type} {name}", 3e-2 if case.get("bf16") else 1e-5
+            for key, value in got.items():
+                assert value.dtype == expected[key].dtype, what
+                if key == "grad prefix":  # each rank's queries' share: the whole is the sum
+                    dist.all_reduce(value, group=group)
+                    assert_relative_close(value, expected[key], what=f"{what} {key}")
+                else:
+                    assert_relative_close(value, expected[key].index_select(0, positions), rel=rel,
+                                          what=f"{what} {key}")
+            checked.append(what)
+    checked.append(_compare_model_logits(cp, positions))
+    return checked
+
+
+def _compare_model_logits(cp: ContextParallelConfig, positions: torch.Tensor) -> str:
+    """A whole GPT on this rank's tokens, without position ids: its logits are the whole sequence's at them."""
+    config = dataclasses.replace(_model_config({"hidden_dropout": 0.0}), num_layers=2)
+    whole = GPTModel(config, TensorParallelConfig()).eval()
+    initialize_weights([whole], config, mock_parallel_state(0, 1), seed=0)
+    model = GPTModel(config, TensorParallelConfig(), context_parallel=cp).eval()
+    model.load_state_dict(whole.state_dict())
+    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    assert_relative_close(model(tokens[:, positions]), whole(tokens)[:, positions], what="logits")
+    return "logits"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_context_parallel_attention_equals_whole_sequence(run_distributed, world_size):
+    checked = run_distributed(_compare, world_size)
+    assert all(len(c) == 2 * len(CASES) + 1 for c in checked)
+
+
+def test_chunks_are_load_balanced_and_cover_the_sequence():
+    """Rank i holds chunks i and 2cp - 1 - i; together the ranks hold every position once, and causal
+    attention gives each rank the same number of (query, key) pairs."""
+    for cp in (1, 2, 3, 4):
+        held = torch.cat([local_positions(8 * cp, rank, cp) for rank in range(cp)])
+        assert sorted(held.tolist()) == list(range(8 * cp))
+        assert torch.equal(held[global_order(cp, 4)], torch.arange(8 * cp))
+        pairs = {sum(int(p) + 1 for p in local_positions(8 * cp, rank, cp)) for rank in range(cp)}
+        assert len(pairs) == 1, pairs
+        assert [chunk_ids(rank, cp) for rank in range(cp)] == [(rank, 2 * cp - 1 - rank) for rank in range(cp)]
+
+
+def test_batch_is_cut_to_the_rank_positions():
+    """Every per-position field keeps this rank's positions; a packed mask its query rows, every key column."""
+    tokens = torch.arange(2 * SEQ).view(2, SEQ)
+    batch = {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(2, SEQ), "position_ids": tokens % SEQ,
+             "attention_mask": _packed_mask()}
+    cut = get_batch_on_this_cp_rank(batch, 1, 2)
+    positions = [4, 5, 6, 7, 8, 9, 10, 11]  # chunks 1 and 2 of 4
+    assert cut["tokens"][0].tolist() == positions and cut["labels"][0].tolist() == [p + 1 for p in positions]
+    assert cut["position_ids"][1].tolist() == positions
+    assert torch.equal(cut["attention_mask"], batch["attention_mask"][:, :, positions, :])
+    assert get_batch_on_this_cp_rank(batch, 0, 1) is batch
