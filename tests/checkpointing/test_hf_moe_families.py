@@ -163,13 +163,13 @@ def test_logits_and_greedy_generation_equal_transformers(family):
 
 def test_expert_parallel_logits_and_generation_equal_transformers(imports):
     """ep2 (with dp), ep2 x tp2 and ep2 x pp2 of every family, in one world of 4 ranks (one start-up for all).
-    Generation (of Mixtral, Qwen3-MoE, whose first stage at pp2 has no router, and DeepSeek-V3, whose cache holds
-    the latent) takes three prompts and then one: tensor-parallel ranks without sequence parallelism split a step's
-    tokens unevenly, and one of them gets none."""
+    Generation (of every family: Qwen3-MoE's first stage at pp2 has no router, DeepSeek's cache holds the latent)
+    takes three prompts, then (Mixtral, Qwen3-MoE, DeepSeek-V3) one: tensor-parallel ranks without sequence
+    parallelism split a step's tokens unevenly, and one of them gets none."""
     names = sorted(FAMILIES)
     layouts = [(1, 1, 2), (2, 1, 2), (1, 2, 2)]
     generation = dict(max_new_tokens=MAX_NEW_TOKENS, eod=EOS)
-    batches = {name: [PROMPTS[:3], PROMPTS[3:]] if name in ("mixtral", "qwen3_moe", "deepseek_v3") else []
+    batches = {name: [PROMPTS[:3], PROMPTS[3:]] if name in ("mixtral", "qwen3_moe", "deepseek_v3") else [PROMPTS[:3]]
                for name in names}
     runs = [(imports[name].root, imports[name].input_ids, batches[name]) for name in names]
     per_rank = run_distributed(layouts_rank, 4, args=(runs, layouts, generation))
