@@ -925,13 +925,6 @@ def _check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> Non
              f"--cp-comm-type p2p computes attention block by block without keeping the probabilities, so it has no "
              f"attention dropout: give --attention-dropout 0 (--attention-dropout {model.attention_dropout} now; "
              f"Megatron-LM's default is 0.1), or --cp-comm-type all_gather.")
-    # Measured: without the load-balancing loss a mixture of experts at cp2 equals one process; with it, each
-    # rank balances its own tokens' routing, not the sequence's, and the weights drift apart.
-    _require(model.num_experts is None or model.moe_aux_loss_coeff == 0
-             or model.moe_router_load_balancing_type == "none",
-             f"--moe-router-load-balancing-type {model.moe_router_load_balancing_type} under --context-parallel-size "
-             f"{cp} would balance each rank's share of a sequence instead of the sequence: give --moe-aux-loss-coeff "
-             f"0 (or --moe-router-load-balancing-type none), or drop --context-parallel-size.")
 
 
 def _check_expert_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

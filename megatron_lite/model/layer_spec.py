@@ -21,6 +21,7 @@ from typing import Callable
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig
 from megatron_lite.expert_parallel import ExpertParallelConfig
 from megatron_lite.model.attention import SelfAttention
 from megatron_lite.model.mlp import MLP
@@ -36,9 +37,11 @@ class TransformerLayerSpec:
 
 
 def transformer_layer_spec(config: ModelConfig, layer_number: int, *,
-                           ep_config: ExpertParallelConfig = ExpertParallelConfig()) -> TransformerLayerSpec:
+                           ep_config: ExpertParallelConfig = ExpertParallelConfig(),
+                           context_parallel: ContextParallelConfig | None = None) -> TransformerLayerSpec:
     """The modules of layer ``layer_number`` (global, 0-based; layers may differ, as DeepSeek's first dense
     MLPs from its mixture-of-experts ones)."""
     attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
-    mlp = functools.partial(MoELayer, ep_config=ep_config) if config.is_moe_layer(layer_number) else MLP
+    mlp = (functools.partial(MoELayer, ep_config=ep_config, context_parallel=context_parallel)
+           if config.is_moe_layer(layer_number) else MLP)
     return TransformerLayerSpec(self_attention=attention, mlp=mlp)

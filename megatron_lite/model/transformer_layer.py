@@ -35,7 +35,7 @@ class TransformerLayer(nn.Module):
         norm = dict(normalization=config.normalization, eps=config.norm_epsilon,
                     apply_layernorm_1p=config.apply_layernorm_1p, sequence_parallel=tp_config.sequence_parallel,
                     params_dtype=tp_config.params_dtype)
-        spec = transformer_layer_spec(config, layer_number, ep_config=ep_config)
+        spec = transformer_layer_spec(config, layer_number, ep_config=ep_config, context_parallel=context_parallel)
         self.input_layernorm = Norm(config.hidden_size, **norm)
         self.self_attention = spec.self_attention(config, layer_number=layer_number, tp_config=tp_config,
                                                   context_parallel=context_parallel,

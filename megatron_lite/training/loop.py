@@ -102,7 +102,8 @@ def train_step(config: Config, parallel_state: ParallelState, model_chunks, opti
     optimizer.zero_grad()
     # Mixture-of-experts routers: their losses' gradient follows the language-model loss's scaling.
     routing_statistics.start_iteration(model_chunks, loss_scale=optimizer.get_loss_scale(),
-                                       num_microbatches=num_microbatches, per_token=calculate_per_token_loss(config))
+                                       num_microbatches=num_microbatches, per_token=calculate_per_token_loss(config),
+                                       context_parallel_size=parallel_state.context_parallel_world_size)
     losses = _forward_backward(config, parallel_state, model_chunks, data_iterator, num_microbatches,
                                forward_only=False, grad_scale_func=optimizer.scale_loss,
                                forward_step_func=forward_step_func)

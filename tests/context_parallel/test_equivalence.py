@@ -29,14 +29,19 @@ MIXED = ["p2p", "all_gather", "all_gather", "p2p"]  # one --cp-comm-type per lay
 GPT = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=256)
 LLAMA = dict(GPT, normalization="RMSNorm", position_embedding_type="rope", swiglu=True, num_query_groups=2,
              add_bias_linear=False, untie_embeddings_and_output_weights=True, ffn_hidden_size=64)
-# A mixture of experts (4 experts, top-2, z-loss; the load-balancing loss is refused under context parallelism).
-MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_z_loss_coeff=0.01)
+# A mixture of experts (4 experts, top-2, z-loss) with the load-balancing loss over the micro-batch, one with
+# DeepSeek's per-sequence loss and one with transformers' loss pooled over the layers: every context-parallel rank
+# balances the whole sequences' routing, not its chunks'.
+MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_z_loss_coeff=0.01,
+           moe_aux_loss_coeff=0.1)
+MOE_SEQ = dict(MOE, moe_router_load_balancing_type="seq_aux_loss")
+MOE_POOLED = dict(MOE, moe_router_load_balancing_type="pooled_aux_loss")
 # Multi-latent attention (a query latent, YaRN): keys 8 + 4 rotary channels wide, values 4, so the exchanged keys
 # and values differ in width and the ring's blocks take the explicit kernel.
 MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,
            qk_pos_emb_head_dim=4, v_head_dim=4, qk_layernorm=True, rotary_scaling_factor=4.0,
            yarn_original_max_position_embeddings=8)
-MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, "mla": MLA}
+MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, "moe_seq": MOE_SEQ, "moe_pooled": MOE_POOLED, "mla": MLA}
 
 
 def _config(model: str, *, cp: int = 1, tp: int = 1, pp: int = 1, vpp: bool = False, comm=("p2p",),
@@ -72,6 +77,7 @@ def _masked_loss(iterator):
 def _train(rank, world_size, runs):
     from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
     from megatron_lite.training.data_iterators import build_data_iterators
+    from megatron_lite.model.moe.routing_statistics import routing_summary
     from megatron_lite.training.loop import evaluate, setup_model_and_optimizer, train_step
     from megatron_lite.training.run_plan import plan_run
 
@@ -93,6 +99,7 @@ def _train(rank, world_size, runs):
                                             config.training.num_microbatches(state.data_parallel_world_size))
             losses.append(loss)
             grad_norms.append(grad_norm)
+        routing = routing_summary(chunks, state, config.model)  # the last step's, as the log line shows it
         valid_loss = evaluate(config, state, chunks, valid)
         tensors = {}
         for chunk in chunks:
@@ -100,7 +107,7 @@ def _train(rank, world_size, runs):
             with chunk.gathered_parameters():
                 tensors.update(rank_tensors(chunk.module.named_parameters()))
         results.append({"losses": losses if state.is_pipeline_last_stage() else [], "grad_norms": grad_norms,
-                        "valid_loss": valid_loss, "tensors": tensors, "tp_rank": state.tensor_model_parallel_rank})
+                        "routing_losses": None if routing is None else routing.losses, "valid_loss": valid_loss, "tensors": tensors, "tp_rank": state.tensor_model_parallel_rank})
         if "save" in run:
             results[-1]["reloaded"] = _save_and_reload(config, state, chunks, optimizer, scheduler, run["save"])
         destroy_model_parallel(state)
@@ -165,6 +172,8 @@ def _check(references, world_size: int, runs: list) -> None:
         assert_losses_match([r["losses"] for r in results], reference["losses"], STEPS, what)
         for result in results:
             assert_relative_close(result["grad_norms"], reference["grad_norms"], what=f"{what} grad norms")
+            if reference["routing_losses"] is not None:  # the routers' logged losses
+                assert result["routing_losses"] == pytest.approx(reference["routing_losses"], rel=1e-5), what
             if result["valid_loss"] is not None:
                 assert_relative_close(result["valid_loss"], reference["valid_loss"], what=f"{what} validation loss")
         expected = full_tensors([reference])
@@ -202,17 +211,19 @@ def test_cp2_matches_one_process(references, sft_data, tmp_path):
               "save": str(tmp_path / "sharded")},
              {"model": "gpt", "cp": 2, "comm": ("all_gather",), "sft": sft_data},
              {"model": "llama", "cp": 2, "sft": sft_data}, {"model": "llama", "cp": 2, "prefix": True},
-             {"model": "moe", "cp": 2, "comm": MIXED}, {"model": "mla", "cp": 2, "comm": MIXED}]
+             {"model": "moe", "cp": 2, "comm": MIXED}, {"model": "moe_pooled", "cp": 2, "comm": MIXED},
+             {"model": "mla", "cp": 2, "comm": MIXED}]
     _check(references, 2, runs)
 
 
 def test_cp4_and_cp2_tp2_match_one_process(references):
     """cp4, and cp2 x tp2 with sequence parallelism (multi-latent attention too: its rotary key's gradient summed
-    over the tensor-parallel ranks); recomputed (the exchanges run again in the backward)."""
+    over the tensor-parallel ranks; the per-sequence balancing loss's counts over tensor and context ranks);
+    recomputed (the exchanges run again in the backward)."""
     runs = [{"model": "gpt", "cp": 4, "comm": MIXED, "recompute": "full"}, {"model": "llama", "cp": 4, "comm": MIXED}]
     runs += [{"model": "gpt", "cp": 2, "tp": 2, "comm": MIXED[::-1]},
              {"model": "llama", "cp": 2, "tp": 2, "comm": MIXED[::-1], "recompute": "selective"},
-             {"model": "mla", "cp": 2, "tp": 2, "comm": MIXED}]
+             {"model": "mla", "cp": 2, "tp": 2, "comm": MIXED}, {"model": "moe_seq", "cp": 2, "tp": 2, "comm": MIXED}]
     _check(references, 4, runs)
 
 
@@ -236,9 +247,5 @@ def test_config_checks_name_the_flags():
     with pytest.raises(ConfigError, match=r"make --seq-length divisible by 2 x 4"):
         Config(model=ModelConfig(**dict(GPT, num_attention_heads=4, seq_length=20), attention_dropout=0.0),
                parallel=ParallelConfig(context_parallel_size=2, tensor_model_parallel_size=4, sequence_parallel=True))
-    with pytest.raises(ConfigError, match=r"--moe-router-load-balancing-type aux_loss under --context-parallel-size 2 "
-                                          r"would balance each rank's share"):
-        Config(model=ModelConfig(**dict(MOE, moe_aux_loss_coeff=0.01), attention_dropout=0.0),
-               parallel=ParallelConfig(context_parallel_size=2))
     config = dataclasses.replace(_config("gpt", cp=2, comm=("allgather",)))
     assert config.parallel.cp_comm_type == ["all_gather"]  # Megatron-LM's spelling

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel import ContextParallelConfig
 from megatron_lite.expert_parallel import AllToAllTokenDispatcher, ExpertParallelConfig
 from megatron_lite.expert_parallel.mappings import gather_rows, split_rows
 from megatron_lite.model.mlp import MLP
@@ -48,10 +49,14 @@ class SharedExpertMLP(MLP):
 
 
 class MoELayer(nn.Module):
-    def __init__(self, config: ModelConfig, *, tp_config: TensorParallelConfig, ep_config: ExpertParallelConfig):
+    def __init__(self, config: ModelConfig, *, tp_config: TensorParallelConfig, ep_config: ExpertParallelConfig,
+                 context_parallel: ContextParallelConfig | None = None):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_config.tp_group, tp_config.sequence_parallel
         self.tp_size = collectives.world_size(self.tp_group)
+        # Context-parallel ranks hold other chunks of the same sequences: the router balances them together.
+        self.cp_group = None if context_parallel is None or context_parallel.size == 1 else context_parallel.cp_group
+        self.cp_size = 1 if self.cp_group is None else context_parallel.size
         self.router = TopKRouter(config, tensor_parallel_size=self.tp_size, params_dtype=tp_config.params_dtype)
         self.token_dispatcher = AllToAllTokenDispatcher(config.num_experts, ep_group=ep_config.ep_group,
                                                         etp_group=ep_config.etp_group)
@@ -83,10 +88,12 @@ class MoELayer(nn.Module):
         seq, batch, hidden = hidden_states.shape
         tokens = hidden_states.reshape(-1, hidden)  # row = position * batch + sequence
         sequence_ids = torch.arange(tokens.shape[0], device=tokens.device) % batch
-        token_group = self.tp_group if self.tp_size > 1 else None
-        if self.sequence_parallel or token_group is None:
-            layout = TokenLayout(sequence_ids, batch, seq * self.tp_size, token_group)
+        token_groups = tuple(group for group, size in ((self.tp_group, self.tp_size), (self.cp_group, self.cp_size))
+                             if size > 1)
+        if self.sequence_parallel or self.tp_size == 1:
+            layout = TokenLayout(sequence_ids, batch, seq * self.tp_size * self.cp_size, token_groups)
             return tokens, layout, None
         sizes = [len(part) for part in torch.arange(tokens.shape[0]).tensor_split(self.tp_size)]
-        own = sequence_ids.split(sizes)[collectives.rank(token_group)]
-        return split_rows(tokens, sizes, token_group), TokenLayout(own, batch, seq, token_group), sizes
+        own = sequence_ids.split(sizes)[collectives.rank(self.tp_group)]
+        layout = TokenLayout(own, batch, seq * self.cp_size, token_groups)
+        return split_rows(tokens, sizes, self.tp_group), layout, sizes

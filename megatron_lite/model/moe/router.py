@@ -19,9 +19,12 @@ The losses (``aux_losses.py``) are computed on the router's own view of the scor
 softmax over all experts (sigmoid normalised over all), with the plain top-k as the routing counted.
 The pooled one (transformers') pools the counts of every layer of the micro-batch (``routing_pool.py``).
 
-The tokens of one micro-batch may be split over ranks (``token_group``: the tensor-parallel ranks,
-whether sequence parallelism split them or ``MoELayer`` did): counts are summed over that group,
-and the router weight's gradient too (it is marked ``sequence_parallel`` for ``finalize_model_grads``).
+The tokens of one micro-batch may be split over ranks (``token_groups``: the tensor-parallel ranks,
+whether sequence parallelism split them or ``MoELayer`` did, and the context-parallel ranks, each
+with its chunks of every sequence): counts are summed over those groups, so every rank balances the
+whole micro-batch's routing. The router weight's gradient is summed over the tensor-parallel ranks
+(it is marked ``sequence_parallel`` for ``finalize_model_grads``); over the context-parallel ones
+the data-parallel reduction averages it, which ``AuxLossScale`` makes up for.
 
 Each router keeps this iteration's routing statistics (``routing_statistics.py`` reads them once per
 global batch): the tokens each expert received, and the auxiliary losses it computed.
@@ -50,13 +53,13 @@ LOSS_NAMES = (*BALANCING_LOSS_NAMES.values(), "z_loss")
 @dataclass(frozen=True)
 class TokenLayout:
     """Where this rank's tokens sit in the micro-batch: ``sequence_ids`` [tokens] the sequence of each,
-    ``num_sequences`` and ``sequence_length`` the micro-batch's shape, ``token_group`` the ranks holding
-    the rest of its tokens (None: this rank holds them all)."""
+    ``num_sequences`` and ``sequence_length`` the micro-batch's shape (whole sequences), ``token_groups`` the
+    groups of ranks holding the rest of its tokens (none: this rank holds them all)."""
 
     sequence_ids: torch.Tensor
     num_sequences: int
     sequence_length: int
-    token_group: object = None
+    token_groups: tuple = ()
 
     @property
     def num_tokens(self) -> int:
@@ -68,14 +71,21 @@ class AuxLossScale:
     """How this iteration's language-model loss reaches the gradient, which the auxiliary losses follow:
     times ``loss_scale`` (fp16), and divided by ``num_microbatches``, or with a per-token loss by the
     global batch's token count (applied to every gradient in ``finalize_model_grads``; each micro-batch's
-    losses are multiplied by its token count here to stay a mean over micro-batches)."""
+    losses are multiplied by its token count here to stay a mean over micro-batches).
+
+    A micro-batch mean is also multiplied by ``context_parallel_size``: the data-parallel reduction averages
+    over the context-parallel ranks, whose shares of the micro-batch's losses add up to them (a per-token
+    loss's division already counts those ranks)."""
 
     loss_scale: float = 1.0
     num_microbatches: int = 1
     per_token: bool = False
+    context_parallel_size: int = 1
 
     def of(self, num_tokens: int) -> float:
-        return self.loss_scale * (num_tokens if self.per_token else 1.0 / self.num_microbatches)
+        if self.per_token:
+            return self.loss_scale * num_tokens
+        return self.loss_scale * self.context_parallel_size / self.num_microbatches
 
 
 class TopKRouter(nn.Module):
@@ -147,7 +157,7 @@ class TopKRouter(nn.Module):
             raise RuntimeError("a pooled_aux_loss router trained outside a micro-batch: the model sets its pool "
                                "(GPTModel.begin_microbatch, called by the pipeline schedule).")
         pool, scores = self.pool, self._balancing_scores(logits)
-        counts = _summed(self._routed(scores).sum(dim=0), layout.token_group)
+        counts = _summed(self._routed(scores).sum(dim=0), layout.token_groups)
         pool.add(self, counts, scores.sum(dim=0), num_tokens=layout.num_tokens)
         scale = self.aux_loss_coeff * self.aux_loss_scale.of(layout.num_tokens)
         return attach_gradient(probs, scores.sum(dim=0), lambda: pool.coefficient() * scale)
@@ -219,15 +229,16 @@ class TopKRouter(nn.Module):
         scores = self._balancing_scores(logits)
         routed = self._routed(scores)
         if self.load_balancing_type == "aux_loss":
-            counts = _summed(routed.sum(dim=0), layout.token_group)
+            counts = _summed(routed.sum(dim=0), layout.token_groups)
             return load_balancing_loss(scores, counts, num_tokens=layout.num_tokens, topk=self.topk)
         counts = routed.new_zeros((layout.num_sequences, self.num_experts)).index_add(0, layout.sequence_ids, routed)
-        return sequence_load_balancing_loss(scores, _summed(counts, layout.token_group), layout.sequence_ids,
+        return sequence_load_balancing_loss(scores, _summed(counts, layout.token_groups), layout.sequence_ids,
                                             sequence_length=layout.sequence_length, topk=self.topk)
 
 
-def _summed(counts: torch.Tensor, group) -> torch.Tensor:
+def _summed(counts: torch.Tensor, groups: tuple) -> torch.Tensor:
     """``counts`` summed over the ranks that hold the micro-batch's other tokens."""
     counts = counts.detach().clone()
-    collectives.all_reduce(counts, group)
+    for group in groups:
+        collectives.all_reduce(counts, group)
     return counts

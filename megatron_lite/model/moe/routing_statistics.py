@@ -35,8 +35,9 @@ def routers(model_chunks: list) -> dict[int, TopKRouter]:
     return found
 
 
-def start_iteration(model_chunks: list, *, loss_scale: float, num_microbatches: int, per_token: bool) -> None:
-    scale = AuxLossScale(loss_scale, num_microbatches, per_token)
+def start_iteration(model_chunks: list, *, loss_scale: float, num_microbatches: int, per_token: bool,
+                    context_parallel_size: int = 1) -> None:
+    scale = AuxLossScale(loss_scale, num_microbatches, per_token, context_parallel_size)
     for router in routers(model_chunks).values():
         router.reset_statistics()
         router.aux_loss_scale = scale
@@ -95,8 +96,9 @@ def routing_summary(model_chunks: list, parallel_state, config: ModelConfig) -> 
         collectives.all_reduce(table, group)
     table = table[table[:, len(names)] > 0].cpu()  # the MoE layers that routed this iteration
     # Micro-batches were counted by every rank that routes tokens: the data-parallel ranks (and the
-    # tensor-parallel ones, which hold shares of each micro-batch's loss).
-    microbatches = table[:, len(names)].clamp(min=1) / parallel_state.tensor_model_parallel_world_size
+    # tensor- and context-parallel ones, which hold shares of each micro-batch's loss).
+    sharing = parallel_state.tensor_model_parallel_world_size * parallel_state.context_parallel_world_size
+    microbatches = table[:, len(names)].clamp(min=1) / sharing
     per_layer = table[:, :len(names)] / microbatches.unsqueeze(1)
     # The pooled loss is one loss of all layers, each holding its share; the others are each layer's own.
     losses = {name: float(per_layer[:, i].sum() if name == POOLED_LOSS_NAME else per_layer[:, i].mean())
