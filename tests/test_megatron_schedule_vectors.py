@@ -55,7 +55,7 @@ def _our_rows(flags: list, data_parallel_size: int, monkeypatch):
     our calculator and scheduler stepped by our own ``train_step``, its forward and backward left out."""
     monkeypatch.setattr(loop, "_forward_backward", lambda *args, **kwargs: [])
     config = parse_args(MODEL + flags)
-    parallel_state = types.SimpleNamespace(data_parallel_world_size=data_parallel_size,
+    parallel_state = types.SimpleNamespace(data_parallel_world_size=data_parallel_size, context_parallel_world_size=1,
                                            is_pipeline_last_stage=lambda: False)
     calculator = build_num_microbatches_calculator(config, data_parallel_size)
     optimizer = _ParamGroupsOnly(get_param_groups(config.optimizer, [], []))

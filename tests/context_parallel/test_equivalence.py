@@ -107,7 +107,8 @@ def _train(rank, world_size, runs):
             with chunk.gathered_parameters():
                 tensors.update(rank_tensors(chunk.module.named_parameters()))
         results.append({"losses": losses if state.is_pipeline_last_stage() else [], "grad_norms": grad_norms,
-                        "routing_losses": None if routing is None else routing.losses, "valid_loss": valid_loss, "tensors": tensors, "tp_rank": state.tensor_model_parallel_rank})
+                        "routing_losses": None if routing is None else routing.losses, "valid_loss": valid_loss,
+                        "tensors": tensors, "tp_rank": state.tensor_model_parallel_rank})
         if "save" in run:
             results[-1]["reloaded"] = _save_and_reload(config, state, chunks, optimizer, scheduler, run["save"])
         destroy_model_parallel(state)
