@@ -44,7 +44,7 @@ MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_ran
 MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, "moe_seq": MOE_SEQ, "moe_pooled": MOE_POOLED, "mla": MLA}
 
 
-def _config(model: str, *, cp: int = 1, tp: int = 1, pp: int = 1, vpp: bool = False, comm=("p2p",),
+def _config(model: str, *, cp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, vpp: bool = False, comm=("p2p",),
             strategy: str = "no_shard", sft: str | None = None, prefix: bool = False,
             recompute: str | None = None) -> Config:
     data = DataConfig(mock_data=True) if sft is None else DataConfig(
@@ -54,6 +54,7 @@ def _config(model: str, *, cp: int = 1, tp: int = 1, pp: int = 1, vpp: bool = Fa
         model=ModelConfig(**MODELS[model], hidden_dropout=0.0, attention_dropout=0.0),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 context_parallel_size=cp, cp_comm_type=list(comm), sequence_parallel=tp > 1,
+                                expert_model_parallel_size=ep,
                                 num_layers_per_virtual_pipeline_stage=1 if vpp else None,
                                 data_parallel_sharding_strategy=strategy, overlap_grad_reduce=strategy != "no_shard",
                                 overlap_param_gather=strategy != "no_shard", ddp_bucket_size=3000),
@@ -87,7 +88,8 @@ def _train(rank, world_size, runs):
         parallel = config.parallel
         state = initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                           parallel.virtual_pipeline_model_parallel_size,
-                                          context_parallel_size=parallel.context_parallel_size)
+                                          context_parallel_size=parallel.context_parallel_size,
+                                          expert_model_parallel_size=parallel.expert_model_parallel_size)
         chunks, optimizer, scheduler = setup_model_and_optimizer(config, state)
         train, valid, _ = build_data_iterators(config, state, plan_run(config, state), 0)
         if not config.data.sft:
@@ -220,11 +222,13 @@ def test_cp2_matches_one_process(references, sft_data, tmp_path):
 def test_cp4_and_cp2_tp2_match_one_process(references):
     """cp4, and cp2 x tp2 with sequence parallelism (multi-latent attention too: its rotary key's gradient summed
     over the tensor-parallel ranks; the per-sequence balancing loss's counts over tensor and context ranks);
-    recomputed (the exchanges run again in the backward)."""
+    recomputed (the exchanges run again in the backward); experts split over ep2 across the context and
+    data-parallel ranks (cp2 x dp2), with the micro-batch and the pooled balancing losses."""
     runs = [{"model": "gpt", "cp": 4, "comm": MIXED, "recompute": "full"}, {"model": "llama", "cp": 4, "comm": MIXED}]
     runs += [{"model": "gpt", "cp": 2, "tp": 2, "comm": MIXED[::-1]},
              {"model": "llama", "cp": 2, "tp": 2, "comm": MIXED[::-1], "recompute": "selective"},
              {"model": "mla", "cp": 2, "tp": 2, "comm": MIXED}, {"model": "moe_seq", "cp": 2, "tp": 2, "comm": MIXED}]
+    runs += [{"model": model, "cp": 2, "ep": 2, "comm": MIXED} for model in ("moe", "moe_pooled")]
     _check(references, 4, runs)
 
 
