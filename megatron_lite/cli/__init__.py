@@ -13,9 +13,10 @@ one built from flags.
 
 Adding a flag is one field and its help, nothing in this package:
 
-1. a field in the section dataclass in ``megatron_lite/config/__init__.py`` (``micro_batch_size`` becomes
-   ``--micro-batch-size``; its default is the flag's). A bool that defaults to True is switched off by
-   Megatron's negative spelling: add it to ``NEGATIVE_FLAGS``. A field that takes one of a few names
+1. a field in the section dataclass (``megatron_lite/config/``: ``model.py``, ``parallel.py``, the others in
+   ``__init__.py``; ``micro_batch_size`` becomes ``--micro-batch-size``; its default is the flag's). A bool
+   that defaults to True is switched off by Megatron's negative spelling: add it to ``NEGATIVE_FLAGS``
+   (``fields.py``). A field that takes one of a few names
    says so once, ``field(default=..., metadata={"choices": (...)})``: the parser offers them and the
    section refuses any other value, from flags or from code. A list field's ``nargs``/``metavar`` go in
    the metadata too;

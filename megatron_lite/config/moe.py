@@ -10,16 +10,12 @@ from __future__ import annotations
 import ast
 
 from megatron_lite.config.errors import ConfigError
+from megatron_lite.config.fields import require
 
 ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "pooled_aux_loss", "none")
 TOKEN_DROP_POLICIES = ("probs", "position")
 GROUP_SCORES = ("topk_sum", "max")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
 
 
 def parse_moe_layer_freq(text: str) -> int | list[int]:
@@ -32,7 +28,7 @@ def parse_moe_layer_freq(text: str) -> int | list[int]:
     except (SyntaxError, ValueError, RecursionError):
         raise ConfigError(f"--moe-layer-freq takes an integer N or a list of 0s and 1s such as \"([0]+[1]*23)\" "
                           f"(lists, integers, + and * only), got {text!r}.") from None
-    _require(isinstance(value, list) and all(v in (0, 1) for v in value),
+    require(isinstance(value, list) and all(v in (0, 1) for v in value),
              f"--moe-layer-freq {text!r} must give a list of 0s (dense layers) and 1s (MoE layers).")
     return value
 
@@ -67,24 +63,24 @@ def check_moe_fields(model) -> None:
     """The --num-experts and --moe-* flags of a ModelConfig agree with each other and the model."""
     if model.num_experts is None:
         given = [name for name, value in _moe_only_settings(model).items() if value]
-        _require(not given, f"{', '.join(given)} configure mixture-of-experts layers: add --num-experts N.")
+        require(not given, f"{', '.join(given)} configure mixture-of-experts layers: add --num-experts N.")
         return
     experts, topk = model.num_experts, model.moe_router_topk
-    _require(experts >= 1, f"--num-experts must be >= 1, got {experts}.")
-    _require(1 <= topk <= experts, f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts}).")
+    require(experts >= 1, f"--num-experts must be >= 1, got {experts}.")
+    require(1 <= topk <= experts, f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts}).")
     freq = parse_moe_layer_freq(model.moe_layer_freq)
     if isinstance(freq, int):
-        _require(freq >= 1, f"--moe-layer-freq must be >= 1 (every Nth layer is an MoE layer), got {freq}.")
+        require(freq >= 1, f"--moe-layer-freq must be >= 1 (every Nth layer is an MoE layer), got {freq}.")
     else:
-        _require(len(freq) == model.num_layers,
+        require(len(freq) == model.num_layers,
                  f"--moe-layer-freq {model.moe_layer_freq!r} gives {len(freq)} layers, but --num-layers is "
                  f"{model.num_layers}: give one 0 or 1 per layer.")
-    _require(model.moe_ffn_hidden_size > 0, f"--moe-ffn-hidden-size must be positive, got {model.moe_ffn_hidden_size}.")
+    require(model.moe_ffn_hidden_size > 0, f"--moe-ffn-hidden-size must be positive, got {model.moe_ffn_hidden_size}.")
     shared = model.moe_shared_expert_intermediate_size
-    _require(shared is None or shared > 0, f"--moe-shared-expert-intermediate-size must be positive, got {shared}.")
-    _require(not model.moe_shared_expert_gate or shared is not None,
+    require(shared is None or shared > 0, f"--moe-shared-expert-intermediate-size must be positive, got {shared}.")
+    require(not model.moe_shared_expert_gate or shared is not None,
              "--moe-shared-expert-gate gates the shared expert: add --moe-shared-expert-intermediate-size.")
-    _require(not model.add_bias_linear,
+    require(not model.add_bias_linear,
              "mixture-of-experts layers have no biases here (Mixtral, Qwen-MoE, OLMoE and DeepSeek have none): add "
              "--disable-bias-linear.")
     _check_router(model)
@@ -93,35 +89,35 @@ def check_moe_fields(model) -> None:
 def _check_router(model) -> None:
     experts, topk = model.num_experts, model.moe_router_topk
     groups, group_topk = model.moe_router_num_groups, model.moe_router_group_topk
-    _require((groups is None) == (group_topk is None),
+    require((groups is None) == (group_topk is None),
              "group-limited routing takes both --moe-router-num-groups and --moe-router-group-topk.")
-    _require(groups is not None or model.moe_router_group_score == "topk_sum",
+    require(groups is not None or model.moe_router_group_score == "topk_sum",
              "--moe-router-group-score scores the groups of group-limited routing: add --moe-router-num-groups and "
              "--moe-router-group-topk.")
     if groups is not None:
-        _require(groups >= 1 and experts % groups == 0,
+        require(groups >= 1 and experts % groups == 0,
                  f"--moe-router-num-groups ({groups}) must divide --num-experts ({experts}).")
         if model.moe_router_group_score == "topk_sum":
-            _require(1 <= group_topk <= groups and topk % group_topk == 0 and topk // group_topk <= experts // groups,
+            require(1 <= group_topk <= groups and topk % group_topk == 0 and topk // group_topk <= experts // groups,
                      f"--moe-router-group-topk ({group_topk}) must be between 1 and --moe-router-num-groups ({groups}) "
                      f"and divide --moe-router-topk ({topk}) into at most {experts // groups} experts per group.")
         else:  # a group's best expert scores it: the chosen groups need only hold k experts
-            _require(1 <= group_topk <= groups and topk <= group_topk * (experts // groups),
+            require(1 <= group_topk <= groups and topk <= group_topk * (experts // groups),
                      f"--moe-router-group-topk ({group_topk}) must be between 1 and --moe-router-num-groups ({groups}) "
                      f"and its groups hold --moe-router-topk ({topk}) experts.")
-    _require(model.moe_aux_loss_coeff >= 0, f"--moe-aux-loss-coeff must be >= 0, got {model.moe_aux_loss_coeff}.")
-    _require(model.moe_z_loss_coeff is None or model.moe_z_loss_coeff >= 0,
+    require(model.moe_aux_loss_coeff >= 0, f"--moe-aux-loss-coeff must be >= 0, got {model.moe_aux_loss_coeff}.")
+    require(model.moe_z_loss_coeff is None or model.moe_z_loss_coeff >= 0,
              f"--moe-z-loss-coeff must be >= 0, got {model.moe_z_loss_coeff}.")
-    _require(not model.moe_router_enable_expert_bias or model.moe_router_score_function == "sigmoid",
+    require(not model.moe_router_enable_expert_bias or model.moe_router_score_function == "sigmoid",
              "--moe-router-enable-expert-bias biases the sigmoid scores (DeepSeek-V3's aux-loss-free balancing): add "
              "--moe-router-score-function sigmoid.")
-    _require(model.moe_router_bias_update_rate >= 0,
+    require(model.moe_router_bias_update_rate >= 0,
              f"--moe-router-bias-update-rate must be >= 0, got {model.moe_router_bias_update_rate}.")
-    _require(not model.moe_router_pre_softmax or model.moe_router_score_function == "softmax",
+    require(not model.moe_router_pre_softmax or model.moe_router_score_function == "softmax",
              "--moe-router-pre-softmax applies to --moe-router-score-function softmax.")
     factor = model.moe_expert_capacity_factor
-    _require(factor is None or factor > 0, f"--moe-expert-capacity-factor must be positive, got {factor}.")
-    _require(not model.moe_pad_expert_input_to_capacity or factor is not None,
+    require(factor is None or factor > 0, f"--moe-expert-capacity-factor must be positive, got {factor}.")
+    require(not model.moe_pad_expert_input_to_capacity or factor is not None,
              "--moe-pad-expert-input-to-capacity pads each expert to its capacity: add --moe-expert-capacity-factor.")
 
 

@@ -1,0 +1,264 @@
+"""ModelConfig: the architecture's fields (--num-layers, --hidden-size, attention, RoPE, experts ...) and
+their checks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_lite.config.fields import check_choices, flag_name, require
+from megatron_lite.config.moe import (GROUP_SCORES, LOAD_BALANCING_TYPES, ROUTER_SCORE_FUNCTIONS, TOKEN_DROP_POLICIES,
+                                      check_moe_fields, moe_layer_pattern)
+
+# Megatron's --attention-backend values. flash and fused name Transformer Engine kernels; here they,
+# and auto, run torch's scaled_dot_product_attention (which picks a flash or memory-efficient kernel
+# itself). unfused and local run the explicit QK^T -> masked softmax -> V path.
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+# yarn: rotary embeddings with YaRN's frequency scaling (model/rope_scaling.py), Megatron-LM's spelling for
+# attention other than multi-latent, which picks its flavour of rotary embedding with --rope-type.
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
+ROPE_TYPES = ("rope", "yarn")
+# Megatron-LM's YaRN settings where their flags are not given.
+YARN_DEFAULTS = {"yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0}
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's MLP width when --ffn-hidden-size is not given: 4h, or with SwiGLU (whose fc1 is two
+    matrices) 2/3 of that rounded down to a multiple of 64, so the parameter count stays near the 4h MLP's."""
+    if not swiglu:
+        return 4 * hidden_size
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The GPT architecture. GPT-2 and Llama are both points in this space."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int  # unpadded; the embedding is padded, see padded_vocab_size
+    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size; with swiglu, see default_ffn_hidden_size
+    num_query_groups: Optional[int] = None  # grouped-query attention; default = heads
+    max_position_embeddings: Optional[int] = None  # default seq_length
+    kv_channels: Optional[int] = None  # width of each head; default hidden_size / num_attention_heads
+    normalization: str = field(default="LayerNorm", metadata={"choices": NORMALIZATIONS})
+    norm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False  # norm weights hold scale - 1 (Megatron's zero-centred gamma)
+    position_embedding_type: str = field(default="learned_absolute", metadata={"choices": POSITION_EMBEDDING_TYPES})
+    rotary_base: float = 10000.0
+    # The sliding-window layers' own RoPE base, never scaled (Gemma 3's local layers; Megatron-Bridge's name).
+    rotary_base_local: Optional[float] = None
+    rotary_percent: float = 1.0  # fraction of each head's channels that rotary embeddings rotate
+    attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # a bias on the fused QKV alone, even with --disable-bias-linear (Qwen2)
+    qk_layernorm: bool = False  # each head's queries and keys normalised before RoPE (Qwen3)
+    # With --qk-layernorm: one RMSNorm over all heads' queries (and one over the keys), OLMoE's.
+    qk_layernorm_whole_projection: bool = False
+    # Sliding-window attention, Megatron-LM's (left, right): query i sees keys i - left .. i + right.
+    window_size: Optional[list[int]] = field(default=None, metadata={"nargs": 2, "metavar": ("LEFT", "RIGHT")})
+    window_attn_skip_freq: Optional[int] = None  # Megatron-Core's: every Nth layer (1-based) attends globally
+    softmax_scale: Optional[float] = None  # the attention scores' scale; default 1/sqrt(head width)
+    attn_logit_softcapping: Optional[float] = None  # attention scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: Optional[float] = None  # the output logits likewise (Gemma 2)
+    post_sublayer_norm: bool = False  # a norm on the attention and MLP outputs too, before the residual (Gemma 2)
+    scale_embeddings: bool = False  # word embeddings times sqrt(hidden_size) (Gemma)
+    geglu: bool = False  # --swiglu's gate through tanh GELU instead of SiLU (GeGLU, Gemma)
+    rotary_seq_len_interpolation_factor: Optional[float] = None  # linear RoPE scaling: positions / factor
+    use_rope_scaling: bool = False  # Llama 3.x's RoPE frequency scaling, by rope_scaling_factor
+    rope_scaling_factor: float = 8.0
+    # YaRN (--position-embedding-type yarn, or multi-latent attention's --rope-type yarn): the frequencies
+    # stretched by rotary_scaling_factor between the corrections beta_fast and beta_slow of the original context,
+    # and the "mscale" concentration of the scores (model/rope_scaling.py).
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    yarn_original_max_position_embeddings: Optional[int] = None  # None: YARN_DEFAULTS' (so the two below)
+    yarn_beta_fast: Optional[float] = None
+    yarn_beta_slow: Optional[float] = None
+    yarn_correction_range_round_to_int: bool = True
+    # Multi-latent attention (DeepSeek-V2/V3, model/multi_latent_attention.py): queries and keys/values through
+    # low-rank latents, each head's query/key split into qk_head_dim channels without and qk_pos_emb_head_dim
+    # channels with rotary embedding (the key's shared by every head).
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None  # None: queries projected straight from the hidden state (V2-Lite)
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: Optional[str] = field(default=None, metadata={"choices": ROPE_TYPES})  # None: yarn for MLA, else rope
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    use_fused_kernels: bool = True
+    # Mixture of experts (Megatron-LM's --num-experts and --moe-* flags; checked in config/moe.py).
+    num_experts: Optional[int] = None  # None: every MLP is dense
+    moe_ffn_hidden_size: Optional[int] = None  # each expert's inner width; default --ffn-hidden-size
+    moe_layer_freq: str = "1"  # N (every Nth layer) or a 0/1 list expression, one per layer
+    moe_router_topk: int = 2
+    moe_router_score_function: str = field(default="softmax", metadata={"choices": ROUTER_SCORE_FUNCTIONS})
+    moe_router_pre_softmax: bool = False  # softmax over all experts before the top-k (no renormalisation)
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many groups ...
+    moe_router_group_topk: Optional[int] = None  # ... of which each token may use this many
+    # How a group is scored: the sum of its best k / g scores (Megatron-LM's, DeepSeek-V3's), or its best (V2's).
+    moe_router_group_score: str = field(default="topk_sum", metadata={"choices": GROUP_SCORES})
+    moe_router_load_balancing_type: str = field(default="aux_loss", metadata={"choices": LOAD_BALANCING_TYPES})
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3)
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = field(default="probs", metadata={"choices": TOKEN_DROP_POLICIES})
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    moe_grouped_gemm: bool = False  # the experts as one grouped GEMM (torch._grouped_mm) instead of a loop
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
+            require(self.ffn_hidden_size > 0,
+                     f"--swiglu's default --ffn-hidden-size (2/3 of 4 x --hidden-size {self.hidden_size}, rounded "
+                     f"down to a multiple of 64, as Megatron-LM) is 0: give --ffn-hidden-size.")
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        for flag, value in [("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
+                            ("--num-attention-heads", self.num_attention_heads),
+                            ("--seq-length", self.seq_length), ("--vocab-size", self.vocab_size),
+                            ("--ffn-hidden-size", self.ffn_hidden_size),
+                            ("--num-query-groups", self.num_query_groups)]:
+            require(value > 0, f"{flag} must be positive, got {value}.")
+        if self.kv_channels is None:
+            require(self.hidden_size % self.num_attention_heads == 0,
+                     f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                     f"({self.num_attention_heads}); pick a head count that divides the hidden size, or set the "
+                     f"head width with --kv-channels.")
+            self.kv_channels = self.hidden_size // self.num_attention_heads  # as Megatron-LM
+        require(self.kv_channels > 0, f"--kv-channels must be positive, got {self.kv_channels}.")
+        require(self.num_attention_heads % self.num_query_groups == 0,
+                 f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                 f"--num-query-groups ({self.num_query_groups}): each query group shares one key/value head.")
+        require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}.")
+        self._check_multi_latent_attention()
+        rotated = (f"--qk-pos-emb-head-dim {self.rotary_dim}" if self.multi_latent_attention else
+                   f"head dimension {self.head_dim} x --rotary-percent {self.rotary_percent} = {self.rotary_dim}")
+        require(not self.rotary or (self.rotary_dim > 0 and self.rotary_dim % 2 == 0),
+                 f"rotary embeddings rotate pairs of channels: {rotated} channels must be even and positive.")
+        require(self.seq_length <= self.max_position_embeddings,
+                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
+                 f"({self.max_position_embeddings}); raise --max-position-embeddings.")
+        for flag, p in [("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)]:
+            require(0.0 <= p < 1.0, f"{flag} must be in [0, 1), got {p}.")
+        require(self.init_method_std > 0, f"--init-method-std must be positive, got {self.init_method_std}.")
+        require(self.window_size is None or (len(self.window_size) == 2 and self.window_size[0] >= 0
+                                              and self.window_size[1] == 0),
+                 f"--window-size takes LEFT 0 (a causal model sees no keys to its right), got {self.window_size}.")
+        require(self.rotary_base_local is None or (self.window_size is not None and self.rotary),
+                 "--rotary-base-local is the RoPE base of the sliding-window layers: it needs --window-size and "
+                 "--position-embedding-type rope (or yarn).")
+        skip_freq = self.window_attn_skip_freq
+        require(skip_freq is None or (self.window_size is not None and skip_freq > 0),
+                 f"--window-attn-skip-freq ({self.window_attn_skip_freq}) makes every Nth layer global among "
+                 f"sliding-window ones: it needs --window-size and a positive N.")
+        require(not self.qk_layernorm_whole_projection or (
+            self.qk_layernorm and self.normalization == "RMSNorm" and not self.apply_layernorm_1p),
+                 "--qk-layernorm-whole-projection widens --qk-layernorm's RMSNorm to all heads at once (OLMoE): it "
+                 "takes --qk-layernorm and --normalization RMSNorm, without --apply-layernorm-1p.")
+        require(not self.geglu or self.swiglu, "--geglu changes the gate of --swiglu's gated MLP: add --swiglu.")
+        for flag, value in [("--attn-logit-softcapping", self.attn_logit_softcapping),
+                            ("--final-logit-softcapping", self.final_logit_softcapping),
+                            ("--softmax-scale", self.softmax_scale), ("--rotary-base-local", self.rotary_base_local)]:
+            require(value is None or value > 0, f"{flag} must be positive, got {value}.")
+        self._check_rope_scaling()
+        self.moe_layer_freq = str(self.moe_layer_freq)  # Megatron-LM's int or list, given in code
+        if self.num_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size  # as Megatron-LM
+        check_moe_fields(self)
+
+    def _check_rope_scaling(self) -> None:
+        scalings = [self.rotary_seq_len_interpolation_factor is not None, self.use_rope_scaling, self.yarn]
+        require(self.rotary or not any(scalings),
+                 "--rotary-seq-len-interpolation-factor and --use-rope-scaling scale rotary embeddings: they need "
+                 "--position-embedding-type rope.")
+        require(sum(scalings) <= 1, "give one RoPE scaling: --rotary-seq-len-interpolation-factor (linear), "
+                                     "--use-rope-scaling (Llama 3.x) or YaRN (--position-embedding-type yarn), not "
+                                     "two of them.")
+        for flag, factor in [("--rotary-seq-len-interpolation-factor", self.rotary_seq_len_interpolation_factor),
+                             ("--rope-scaling-factor", self.rope_scaling_factor),
+                             ("--rotary-scaling-factor", self.rotary_scaling_factor)]:
+            require(factor is None or factor >= 1.0, f"{flag} must be >= 1 (it stretches positions), got {factor}.")
+        for name, default in YARN_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        yarn_flags = {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+                      "yarn_correction_range_round_to_int": True, **YARN_DEFAULTS}
+        given = [flag_name(name) for name, default in yarn_flags.items() if getattr(self, name) != default]
+        require(self.yarn or not given,
+                 f"{', '.join(given)} configure YaRN: add --position-embedding-type yarn (with multi-latent "
+                 f"attention, --rope-type yarn, its default).")
+        require(self.yarn_original_max_position_embeddings > 0,
+                 f"--yarn-original-max-position-embeddings must be positive, got "
+                 f"{self.yarn_original_max_position_embeddings}.")
+
+    def _check_multi_latent_attention(self) -> None:
+        if self.rope_type is None:
+            self.rope_type = "yarn" if self.multi_latent_attention else "rope"
+        if not self.multi_latent_attention:
+            require(self.rope_type == "rope", "--rope-type picks multi-latent attention's rotary embedding; other "
+                                               "attention takes YaRN from --position-embedding-type yarn.")
+            return
+        for flag, value in [("--kv-lora-rank", self.kv_lora_rank), ("--qk-head-dim", self.qk_head_dim),
+                            ("--qk-pos-emb-head-dim", self.qk_pos_emb_head_dim), ("--v-head-dim", self.v_head_dim),
+                            ("--q-lora-rank", 1 if self.q_lora_rank is None else self.q_lora_rank)]:
+            require(value > 0, f"{flag} must be positive, got {value}.")
+        require(self.position_embedding_type == "rope",
+                 f"--multi-latent-attention rotates --qk-pos-emb-head-dim channels of each head: it needs "
+                 f"--position-embedding-type rope (--rope-type picks rope or yarn), got "
+                 f"{self.position_embedding_type}.")
+        require(self.num_query_groups == self.num_attention_heads,
+                 "--multi-latent-attention gives every head its own keys and values from the shared latent: drop "
+                 "--group-query-attention and --num-query-groups.")
+        require(self.rotary_percent == 1.0 and not self.add_qkv_bias,
+                 "--multi-latent-attention has no --rotary-percent (it rotates --qk-pos-emb-head-dim channels) and "
+                 "no fused QKV for --add-qkv-bias: drop them.")
+
+    @property
+    def head_dim(self) -> int:
+        """Megatron's kv_channels: query/key/value projections are heads x head_dim wide, not always hidden."""
+        return self.kv_channels
+
+    @property
+    def rotary(self) -> bool:
+        """Whether positions enter as rotary embeddings (plain or YaRN-scaled)."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    @property
+    def yarn(self) -> bool:
+        """Whether the rotary embeddings are YaRN's: --position-embedding-type yarn, or MLA's --rope-type yarn."""
+        return self.position_embedding_type == "yarn" or (self.multi_latent_attention and self.rope_type == "yarn")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that rotary embeddings rotate (the first ones; the rest pass through), or
+        multi-latent attention's rotary part of each head."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
+        return int(self.head_dim * self.rotary_percent)
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether layer ``layer_number`` (global, 0-based) has a mixture of experts for its MLP."""
+        return moe_layer_pattern(self.num_experts, self.moe_layer_freq, self.num_layers)[layer_number]
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
+        """Megatron pads the vocabulary so every tensor-parallel shard is a multiple of 128."""
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
