@@ -44,11 +44,11 @@ from megatron_lite.planner.pipeline import bubble_fraction
 from megatron_lite.planner.static_memory import (StaticMemory, dtype_bytes, expert_data_parallel_size,
                                                  gradient_dtype_bytes, planned_sharding, static_memory)
 
-# Bytes of memory traffic per fp32 element the optimizer owns, per step. torch.optim.AdamW
-# (foreach) makes about ten read-write passes: the two moments' updates, the denominator's
-# sqrt/div/add, the parameter update and the decoupled weight decay; gradient clipping
-# reads once for the norm and scales once. SGD with momentum: three passes.
-OPTIMIZER_TRAFFIC_BYTES = {"adam": 76 + 12, "sgd": 36 + 12}
+# Bytes of memory traffic per fp32 element the optimizer owns, per step. The fused AdamW reads the
+# weight, gradient and both moments once and writes back the weight and the moments (28 bytes);
+# gradient clipping reads once for the norm and scales once. SGD with momentum (torch's loop):
+# three read-write passes.
+OPTIMIZER_TRAFFIC_BYTES = {"adam": 28 + 12, "sgd": 36 + 12}
 
 
 def all_reduce_s(message_bytes: float, group_size: int, link: Link) -> float:
