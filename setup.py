@@ -69,7 +69,8 @@ setup(
     # Everything megatron_lite imports unconditionally; .ci/run installs exactly this into a bare
     # environment and trains with --save, so a missing one fails CI rather than a user.
     # Every package a command imports: a plain `pip install .` trains, saves and reads every tokenizer.
-    install_requires=["torch>=2.3", "numpy", "regex", "safetensors", "sentencepiece", "tiktoken", "tokenizers"],
+    # torch 2.4 is the first with AdamW's fused step on a CPU (the optimizer always runs it).
+    install_requires=["torch>=2.4", "numpy", "regex", "safetensors", "sentencepiece", "tiktoken", "tokenizers"],
     # Optional: Hugging Face data files (Parquet, Arrow, datasets.save_to_disk directories), the loggers, and
     # tools/plot_training.py. Each is imported in one place, behind a clear error or warning when absent.
     extras_require={
