@@ -107,6 +107,7 @@ ROLES = {
     "init_method_std": Role.TRAINING,  # the loaded weights replace the initial ones
     # Padding rows are outside the logits and the loss, and loading resizes them to this run's padding.
     "make_vocab_size_divisible_by": Role.TRAINING,
+    "hf_model_type": Role.TRAINING,  # how the model is exported, not what it computes
     "use_fused_kernels": Role.MACHINE,
     "attention_backend": Role.MACHINE,  # SDPA or the unfused path: the same attention, rounded differently
 }

@@ -75,6 +75,8 @@ HELP = {
     "untie_embeddings_and_output_weights": "give the output layer its own weight instead of the input embedding's",
     "hidden_dropout": "dropout on the attention and MLP outputs",
     "attention_dropout": "dropout on the attention probabilities",
+    "hf_model_type": "the Hugging Face family (config.json's model_type) a Hugging Face export writes; an imported "
+                     "model records its own, and runs that load it keep it",
     "init_method_std": "standard deviation of the normal weight init (output projections are scaled by depth)",
     "make_vocab_size_divisible_by": "pad the vocabulary to a multiple of this x tensor-parallel size",
     "use_fused_kernels": "use the PyTorch reference ops instead of the fused CUDA kernels",

@@ -96,6 +96,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     use_fused_kernels: bool = True
+    # The Hugging Face family the model was imported as (checkpoint_convert's hf import sets it): its export
+    # writes that family again, Phi-3 as Phi-3 rather than the Llama it computes. None: chosen by features.
+    hf_model_type: Optional[str] = None
     # Mixture of experts (Megatron-LM's --num-experts and --moe-* flags; checked in config/moe.py).
     num_experts: Optional[int] = None  # None: every MLP is dense
     moe_ffn_hidden_size: Optional[int] = None  # each expert's inner width; default --ffn-hidden-size

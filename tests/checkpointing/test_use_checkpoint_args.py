@@ -169,3 +169,17 @@ def test_the_echo_of_an_moe_model_names_its_router(tmp_path, capsys):
     # Settings of router variants this model does not use stay out (groups, the expert bias, capacity).
     assert "--moe-router-group-score" not in echo and "--moe-token-drop-policy" not in echo
     assert taken.moe_router_group_score == config.model.moe_router_group_score  # taken all the same
+
+
+def test_a_run_keeps_the_hugging_face_family_of_its_checkpoint(tmp_path):
+    """An imported Phi-3 computes what a Mistral does: the family it was imported as, recorded in its config,
+    is what its fine-tuned checkpoints export as, with or without --use-checkpoint-args; --hf-model-type wins."""
+    config = tiny_config(iters=1, save=str(tmp_path))
+    config.model.use_fused_kernels, config.model.hf_model_type = False, "phi3"
+    pretrain(config)
+    start = ["--pretrained-checkpoint", str(tmp_path), *TRAINING]
+    given_model = [*MODEL, "--norm-epsilon", "1e-5", "--rotary-base", "10000"]
+    assert parse_args([*start, *given_model]).model.hf_model_type == "phi3"
+    assert parse_args(["--use-checkpoint-args", *start]).model.hf_model_type == "phi3"
+    assert parse_args(["--use-checkpoint-args", *start, "--hf-model-type", "llama"]).model.hf_model_type == "llama"
+    assert parse_args([*MODEL, *TRAINING]).model.hf_model_type is None  # nothing loaded: chosen at export

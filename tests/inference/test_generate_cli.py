@@ -1,5 +1,6 @@
 """``python -m megatron_lite.generate`` as a user runs it: a prompts file in, a responses file out,
-the same on 2 ranks at tp=2, pp=2, dp=2 and (a mixture of experts) ep=2 as in one process; the checkpoint's own tokenizer
+the same on 2 ranks at tp=2, pp=2, dp=2 and (a mixture of experts) ep=2 as in one
+process; the checkpoint's own tokenizer
 when no tokenizer flag is given; one clean ``error:`` line for a bad --load, tokenizer or prompt.
 The command's ``main`` runs in this process, or on 2 forked ranks (``run_command_on_ranks``).
 """

@@ -86,8 +86,9 @@ def config_from_megatron_args(args, source: str) -> Config:
                   training=TrainingConfig(bf16=bool(_arg(args, "bf16", False)), fp16=bool(_arg(args, "fp16", False))))
 
 
-# Our fields that do not change the weights or what they compute (kernels, attention implementation).
-_NOT_ARCHITECTURE = ("attention_backend", "use_fused_kernels")
+# Our fields that do not change the weights or what they compute (kernels, attention implementation, the
+# Hugging Face family an export names).
+_NOT_ARCHITECTURE = ("attention_backend", "use_fused_kernels", "hf_model_type")
 
 
 def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
