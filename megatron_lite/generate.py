@@ -21,20 +21,22 @@ end-of-turn marker). Prompts go through the chat template the checkpoint was fin
 pretrained model), exactly as training tokenized them: a ``{"prompt": p}`` is the conversation of
 one user message ``p``. The checkpoint's config gives the architecture and its weights are
 resharded to the layout asked for; the tokens do not depend on the layout. Processes beyond
-tensor x pipeline are data-parallel ranks, each generating a contiguous block of the batches
-(``inference/data_parallel.py``); each batch samples from its own generator, seeded by ``--seed``
-and its index, so the responses are those of one process.
+tensor x pipeline are data-parallel ranks, each generating every d-th batch (``inference/data_parallel.py``);
+each batch samples from its own generator, seeded by ``--seed`` and its index, so the responses are those
+of one process.
 """
 from __future__ import annotations
 
 import json
 import sys
 
+import torch
+
 from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError
 from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.data.jsonl import read_jsonl_lines
 from megatron_lite.data.sft.prompt_format import ROLES, format_prompt, response_text
-from megatron_lite.inference.data_parallel import batches_of_rank, gathered_in_order
+from megatron_lite.inference.data_parallel import gathered_in_order, share_of_rank
 from megatron_lite.inference.loading import (add_layout_arguments, add_tokenizer_arguments, checkpoint_tokenizer,
                                              layout_of, load_model, model_parallel_state, read_checkpoint_config)
 from megatron_lite.inference.text_generation import check_sampling, generate
@@ -88,17 +90,19 @@ def generate_from_checkpoint(args) -> None:
     prompts = _read_prompts(args.prompts_file) if args.prompts_file else [args.prompt or ""]
     parallel_state = model_parallel_state(config.parallel)
     model = load_model(config, parallel_state)
+    batches = (prompts[start:start + args.micro_batch_size] for start in range(0, len(prompts), args.micro_batch_size))
     results = []
-    for batch in batches_of_rank(len(prompts), args.micro_batch_size, parallel_state):
-        batch_prompts = prompts[batch.start:batch.end]
-        # The generator is alike on every model-parallel rank: the tokens do not depend on the layout.
+    for index, batch in share_of_rank(batches, parallel_state, filler=[""]):
+        # Each batch's own generator, alike on every model-parallel rank: the tokens do not depend on the layout.
+        generator = torch.Generator().manual_seed(args.seed + (index or 0))
         new_tokens = generate(model, [format_prompt(_conversation(p), tokenizer, prompt_format) or [tokenizer.eod]
-                                      for p in batch_prompts],
+                                      for p in batch],
                               max_new_tokens=args.max_new_tokens, eod=tokenizer.eod, greedy=args.greedy,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              generator=batch.generator(args.seed), parallel_state=parallel_state)
-        results += [] if batch.filler else [{"prompt": p, "response": response_text(ids, tokenizer, prompt_format)}
-                                            for p, ids in zip(batch_prompts, new_tokens)]
+                              generator=generator, parallel_state=parallel_state)
+        if index is not None:  # not a filler
+            results.append((index, [{"prompt": p, "response": response_text(ids, tokenizer, prompt_format)}
+                                    for p, ids in zip(batch, new_tokens)]))
     results = gathered_in_order(results, parallel_state)
     if parallel_state.rank == 0:
         _write_results(results, args)

@@ -1,52 +1,40 @@
-"""Generation's batches split over the data-parallel ranks, and their results put back in input order.
+"""The batches of a command that reads a checkpoint (generation, evaluation) split over the data-parallel ranks,
+and their results put back in input order.
 
-The prompts are cut into batches of ``--micro-batch-size`` as one process cuts them, and each
-data-parallel rank takes a contiguous block of those batches. Each batch samples with a generator
-of its own, seeded by ``--seed`` and the batch's index, so a batch draws the same tokens whichever
-rank runs it: the responses are those of one process, token for token.
-
-Under expert parallelism every data-parallel rank takes part in every step of every batch (the
-experts' tokens are dispatched over them), so a rank with fewer batches runs fillers, whose tokens
-are dropped, until every rank has run as many.
+Batch i goes to data-parallel rank i mod d, so a rank streams through the input and needs no count of it
+first. Under expert parallelism every data-parallel rank takes part in every forward pass (the experts'
+tokens are dispatched over them), so a rank that runs out of batches before the first rank runs fillers,
+whose results are dropped, until it has run as many.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Iterable, Iterator, TypeVar
 
-import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Batch:
-    index: int  # among all batches, in input order
-    start: int  # its prompts are prompts[start:end]
-    end: int
-    filler: bool = False  # run only to keep expert-parallel ranks in step; its results are dropped
-
-    def generator(self, seed: int) -> torch.Generator:
-        return torch.Generator().manual_seed(seed + self.index)
+T = TypeVar("T")
 
 
-def batches_of_rank(num_prompts: int, micro_batch_size: int, parallel_state) -> list[Batch]:
-    """This data-parallel rank's batches (with fillers where its peers have more and experts are split)."""
-    starts = range(0, num_prompts, micro_batch_size)
-    batches = [Batch(i, start, min(start + micro_batch_size, num_prompts)) for i, start in enumerate(starts)]
+def share_of_rank(batches: Iterable[T], parallel_state, filler: T) -> Iterator[tuple[int | None, T]]:
+    """(index, batch) of this data-parallel rank's batches, then (None, ``filler``) while experts need one."""
     ranks = parallel_state.data_parallel_world_size if parallel_state is not None else 1
     rank = parallel_state.data_parallel_rank if parallel_state is not None else 0
-    mine = batches[rank * len(batches) // ranks:(rank + 1) * len(batches) // ranks]
+    mine = total = 0
+    for index, batch in enumerate(batches):
+        total += 1
+        if index % ranks == rank:
+            mine += 1
+            yield index, batch
     if parallel_state is not None and parallel_state.splits_experts:
-        most = -(-len(batches) // ranks)
-        mine += [Batch(len(batches), 0, 1, filler=True)] * (most - len(mine))
-    return mine
+        for _ in range(-(-total // ranks) - mine):  # rank 0 runs the most: ceil(total / ranks)
+            yield None, filler
 
 
-def gathered_in_order(results: list, parallel_state) -> list:
-    """Every data-parallel rank's ``results`` (each in its batches' order), concatenated in rank order:
-    the input order, since each rank's batches are a contiguous block."""
+def gathered_in_order(indexed_results: list[tuple[int, list]], parallel_state) -> list:
+    """Every data-parallel rank's (batch index, results of that batch), as one list in input order."""
     group = parallel_state.data_parallel_group if parallel_state is not None else None
-    if group is None:
-        return results
-    every = [None] * parallel_state.data_parallel_world_size
-    dist.all_gather_object(every, results, group=group)
-    return [result for rank_results in every for result in rank_results]
+    every = [indexed_results]
+    if group is not None:
+        every = [None] * parallel_state.data_parallel_world_size
+        dist.all_gather_object(every, indexed_results, group=group)
+    return [result for _, results in sorted(pair for rank in every for pair in rank) for result in results]

@@ -92,7 +92,7 @@ def moe_checkpoint(checkpoint, tmp_path_factory):
 
 SAMPLED = ["--temperature", "0.9", "--top-p", "0.9", "--seed", "11"]
 # (checkpoint fixture, flags, prompts, sampling): the data-parallel layouts split the prompts; 5 prompts in batches
-# of 2 are 3 batches, so at ep2 the first rank runs a filler batch to stay in step with the second.
+# of 2 are 3 batches (0 and 2 on the first rank), so at ep2 the second runs a filler to stay in step.
 LAYOUTS = {"tp2": ("checkpoint", ["--tensor-model-parallel-size", "2"], PROMPTS, SAMPLED),
            "pp2": ("checkpoint", ["--pipeline-model-parallel-size", "2"], PROMPTS, SAMPLED),
            "dp2": ("checkpoint", [], PROMPTS, SAMPLED),
