@@ -92,7 +92,7 @@ def generate_from_checkpoint(args) -> None:
     model = load_model(config, parallel_state)
     batches = (prompts[start:start + args.micro_batch_size] for start in range(0, len(prompts), args.micro_batch_size))
     results = []
-    for index, batch in share_of_rank(batches, parallel_state, filler=[""]):
+    for index, batch in share_of_rank(batches, parallel_state):
         # Each batch's own generator, alike on every model-parallel rank: the tokens do not depend on the layout.
         generator = torch.Generator().manual_seed(args.seed + (index or 0))
         new_tokens = generate(model, [format_prompt(_conversation(p), tokenizer, prompt_format) or [tokenizer.eod]

@@ -3,8 +3,9 @@ and their results put back in input order.
 
 Batch i goes to data-parallel rank i mod d, so a rank streams through the input and needs no count of it
 first. Under expert parallelism every data-parallel rank takes part in every forward pass (the experts'
-tokens are dispatched over them), so a rank that runs out of batches before the first rank runs fillers,
-whose results are dropped, until it has run as many.
+tokens are dispatched over them), so a rank that runs out of batches before the first rank runs fillers
+(the input's last batch again, a batch of the right kind), whose results are dropped, until it has run
+as many.
 """
 from __future__ import annotations
 
@@ -15,19 +16,20 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
-def share_of_rank(batches: Iterable[T], parallel_state, filler: T) -> Iterator[tuple[int | None, T]]:
-    """(index, batch) of this data-parallel rank's batches, then (None, ``filler``) while experts need one."""
+def share_of_rank(batches: Iterable[T], parallel_state) -> Iterator[tuple[int | None, T]]:
+    """(index, batch) of this data-parallel rank's batches, then (None, a filler) while experts need one."""
     ranks = parallel_state.data_parallel_world_size if parallel_state is not None else 1
     rank = parallel_state.data_parallel_rank if parallel_state is not None else 0
     mine = total = 0
+    last = None
     for index, batch in enumerate(batches):
-        total += 1
+        total, last = total + 1, batch
         if index % ranks == rank:
             mine += 1
             yield index, batch
     if parallel_state is not None and parallel_state.splits_experts:
         for _ in range(-(-total // ranks) - mine):  # rank 0 runs the most: ceil(total / ranks)
-            yield None, filler
+            yield None, last
 
 
 def gathered_in_order(indexed_results: list[tuple[int, list]], parallel_state) -> list:

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import ConfigError
+from megatron_lite.inference.forward import forward_through_stages
 from megatron_lite.inference.inference_context import StaticInferenceContext
-from megatron_lite.pipeline_parallel import p2p
 from megatron_lite.process_groups import collectives
 
 
@@ -142,20 +142,10 @@ def _prompt_mask(padding: torch.Tensor) -> torch.Tensor:
 
 def _forward(model, tokens, position_ids, attention_mask, context, parallel_state) -> torch.Tensor | None:
     """One forward pass through every pipeline stage: the last stage's logits [b, V], None elsewhere."""
-    pipelined = parallel_state is not None and parallel_state.pipeline_model_parallel_world_size > 1
-    if pipelined:
-        parameter = next(model.parameters())
-        exchange = dict(shape=(tokens.shape[1], tokens.shape[0], model.config.hidden_size), dtype=parameter.dtype,
-                        device=parameter.device, group=parallel_state.pipeline_model_parallel_group)
-        if not parallel_state.is_pipeline_first_stage():
-            (received,) = p2p.exchange(sends=[], receives=[parallel_state.pipeline_prev_rank], **exchange)
-            model.set_input_tensor(received)
-    output = model(tokens, position_ids, attention_mask, inference_context=context)
+    output = forward_through_stages(model, parallel_state, tokens, position_ids, attention_mask,
+                                    inference_context=context)
     context.increment_sequence_len_offset(tokens.shape[1])
-    if pipelined and not parallel_state.is_pipeline_last_stage():
-        p2p.exchange(sends=[(output, parallel_state.pipeline_next_rank)], receives=[], **exchange)
-        return None
-    return output[:, -1]
+    return None if output is None else output[:, -1]
 
 
 def _broadcast_from_last_stage(next_tokens: torch.Tensor, parallel_state) -> None:
