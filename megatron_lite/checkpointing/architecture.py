@@ -58,6 +58,7 @@ ROLES = {
     "post_sublayer_norm": Role.ARCHITECTURE,
     "scale_embeddings": Role.ARCHITECTURE,
     "geglu": Role.ARCHITECTURE,
+    "gelu_exact": Role.ARCHITECTURE,  # with a GELU only (no SwiGLU), see _ONLY_WITH
     "rotary_seq_len_interpolation_factor": Role.ARCHITECTURE,  # with rope only
     "use_rope_scaling": Role.ARCHITECTURE,  # with rope only
     "rope_scaling_factor": Role.ARCHITECTURE,  # with --use-rope-scaling only
@@ -122,6 +123,7 @@ _ONLY_WITH = {"max_position_embeddings": lambda model: model.position_embedding_
               "rotary_base": _ROTARY, "rotary_percent": _ROTARY, "rotary_seq_len_interpolation_factor": _ROTARY,
               "use_rope_scaling": _ROTARY, "rope_scaling_factor": lambda model: model.use_rope_scaling,
               "kv_channels": lambda model: not model.multi_latent_attention,
+              "gelu_exact": lambda model: not model.swiglu or model.geglu,
               **{name: _YARN for name in ("rotary_scaling_factor", "mscale", "mscale_all_dim",
                                           "yarn_original_max_position_embeddings", "yarn_beta_fast",
                                           "yarn_beta_slow", "yarn_correction_range_round_to_int")},

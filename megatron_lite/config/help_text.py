@@ -50,6 +50,8 @@ HELP = {
     "post_sublayer_norm": "normalise the attention and MLP outputs too, before they join the residual (Gemma 2)",
     "scale_embeddings": "multiply the word embeddings by sqrt(--hidden-size) (Gemma)",
     "geglu": "with --swiglu, gate with tanh GELU instead of SiLU (GeGLU, Gemma)",
+    "gelu_exact": "the exact (erf) GELU instead of the tanh approximation (Megatron-LM without "
+                  "--bias-gelu-fusion, GPT-2's activation_function gelu)",
     "rotary_seq_len_interpolation_factor": "linear RoPE scaling: positions are divided by this factor",
     "use_rope_scaling": ("Llama 3.x RoPE scaling: low frequencies divided by --rope-scaling-factor (original "
                          "context 8192, low/high frequency factors 1 and 4, as Megatron-LM)"),

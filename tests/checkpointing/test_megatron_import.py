@@ -63,9 +63,10 @@ def _stage_forward(model, tokens, parallel_state, hidden_size):
 
 
 # Megatron-Core's model in the legacy format, the legacy model's nested layout, torch_dist of core 0.17
-# (common.pt) and of main (the common state inside the .distcp files).
+# (common.pt) and of main (the common state inside the .distcp files), the exact GeLU.
 ALL = ["gpt2_tp2pp2_torch", "llama_tp1pp1_torch_bf16", "gpt2_tp1pp1_legacy_model", "llama_tp2pp2_legacy_model",
-       "gpt2_tp2pp1_torch_dist", "llama_tp2pp1_torch_dist_core020"]
+       "gpt2_tp2pp1_torch_dist", "llama_tp2pp1_torch_dist_core020",
+       "gpt2_tp2pp1_exact_gelu"]  # --no-bias-gelu-fusion: the erf GeLU (our --gelu-exact)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -112,7 +113,7 @@ def test_unsupported_megatron_args_are_refused_by_name():
     import argparse
     from megatron_lite.checkpointing.megatron.args_mapping import model_config_from_megatron_args
     args = argparse.Namespace(num_experts=8, qk_layernorm=True, swiglu=False, bias_gelu_fusion=False)
-    with pytest.raises(ConfigError, match=r"--num-experts \(mixture of experts\), --qk-layernorm .*--no-bias-gelu"):
+    with pytest.raises(ConfigError, match=r"--num-experts \(mixture of experts\), --qk-layernorm \(query/key"):
         model_config_from_megatron_args(args, "ckpt")
 
 
