@@ -110,6 +110,7 @@ def test_literal_endoftext_in_a_document_is_ordinary_pieces_not_eod(tmp_path, bp
     with_special = hf_byte_level_bpe(*bpe_files)
     with_special.add_special_tokens([EOD_TOKEN])
     with_special.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOD_TOKEN}))
     assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path)).tokenize(text) == as_eod
     transformers = pytest.importorskip("transformers")
     assert transformers.GPT2TokenizerFast(*bpe_files)(text).input_ids == as_eod
@@ -136,6 +137,9 @@ def test_sentencepiece_round_trips_real_text(sentencepiece_model, demo_texts):
 def test_huggingface_tokenizer_json(tmp_path, bpe_files, demo_texts):
     hf = hf_byte_level_bpe(*bpe_files)
     hf.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ConfigError, match="no end-of-document token: name the tokenizer's eos_token"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))  # nothing names its eos_token
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": EOD_TOKEN}}))
     tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))  # the directory works too
     gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_files[0], merge_file=bpe_files[1])
     assert tokenizer.vocab_size == 4096 and tokenizer.eod == gpt2.eod

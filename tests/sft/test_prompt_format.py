@@ -34,8 +34,8 @@ def test_chatml_loss_covers_the_assistant_turns_only(tokenizer):
     assert tokenizer.detokenize(ids) == (
         "<|im_start|>system\nbe nice<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
         "world<|im_end|>\n<|im_start|>user\n2 + 2?<|im_end|>\n<|im_start|>assistant\nthe answer is 4<|im_end|>"
-        "<|endoftext|>")
-    assert _masked_text(tokenizer, ids, mask, 1) == "world<|im_end|>the answer is 4<|im_end|><|endoftext|>"
+        "</s>")  # the tokenizer's eos_token
+    assert _masked_text(tokenizer, ids, mask, 1) == "world<|im_end|>the answer is 4<|im_end|></s>"
 
 
 def test_the_tokenizers_template_masks_what_transformers_marks_as_assistant(tokenizer, chat_tokenizer_dir):
@@ -44,9 +44,9 @@ def test_the_tokenizers_template_masks_what_transformers_marks_as_assistant(toke
     theirs = transformers.AutoTokenizer.from_pretrained(chat_tokenizer_dir).apply_chat_template(
         CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     ids, mask = tokenize_conversation(CONVERSATION, tokenizer, "default")
-    assert tokenizer.detokenize(ids[:-1]) == tokenizer.detokenize(theirs["input_ids"])
-    assert ids[-1] == tokenizer.eod and mask[-1] == 1
-    assert (_masked_text(tokenizer, ids[:-1], mask[:-1], 1)
+    # The template ends each turn with the tokenizer's eos_token (</s>): the example is its text, no EOD added.
+    assert tokenizer.detokenize(ids) == tokenizer.detokenize(theirs["input_ids"])
+    assert (_masked_text(tokenizer, ids, mask, 1)
             == _masked_text(tokenizer, theirs["input_ids"], theirs["assistant_masks"], 1)
             == "world</s>\nthe answer is 4</s>\n")
 
