@@ -22,7 +22,8 @@ def test_a_run_shorter_than_the_log_interval_ends_with_its_loss(tmp_path, capsys
         f"{mean:.6E} over 3 iterations | time: " + _closing_lines(out)[0].split("time: ")[1]]
 
     # A resumed run sums up its own iterations, not those before the checkpoint.
-    state, _, _ = loop.pretrain(parse_args(SHORT + ["--train-iters", "5", "--load", str(tmp_path / "ckpt")]))
+    state, _, _ = loop.pretrain(parse_args(SHORT + ["--train-iters", "5", "--load", str(tmp_path / "ckpt"),
+                                                  "--override-opt_param-scheduler"]))
     line, = _closing_lines(capsys.readouterr().out)
     assert line.startswith(f" training finished: 2 iterations (4-5) | tokens: 128 | lm loss last: "
                            f"{state.losses[-1]:.6E}, mean: {sum(state.losses[3:]) / 2:.6E} over 2 iterations |")
