@@ -17,6 +17,7 @@ import sys
 from megatron_lite.config import ConfigError
 from megatron_lite.data.sft.prompt_format import format_prompt, hf_chat_template
 from megatron_lite.tokenizer import build_tokenizer
+from megatron_lite.tokenizer.huggingface_tokenizer import saved_chat_template
 
 # (tokenizer class transformers builds, {our flag's field: the file name it expects})
 _HF_LAYOUT = {
@@ -98,7 +99,7 @@ def _hf_tokenizer_files(tokenizer, save_dir: str, model_max_length: int, prompt_
                             **tokenizer.special_tokens}
     kept = [name for name in ("special_tokens_map.json", "chat_template.jinja")
             if os.path.isfile(os.path.join(source, name))]
-    if prompt_format == "plain" or (chat_template and chat_template != _own_chat_template(source, tokenizer_config)):
+    if prompt_format == "plain" or (chat_template and chat_template != saved_chat_template(source)):
         tokenizer_config.pop("chat_template", None)
         kept = [name for name in kept if name != "chat_template.jinja"]
         if chat_template:
@@ -106,15 +107,6 @@ def _hf_tokenizer_files(tokenizer, save_dir: str, model_max_length: int, prompt_
     for name in kept:
         shutil.copyfile(os.path.join(source, name), os.path.join(save_dir, name))
     return tokenizer_config
-
-
-def _own_chat_template(directory: str, tokenizer_config: dict) -> str | None:
-    """The template transformers reads for ``directory``: chat_template.jinja (transformers 5), else the config's."""
-    path = os.path.join(directory, "chat_template.jinja")
-    if os.path.isfile(path):
-        with open(path) as f:
-            return f.read()
-    return tokenizer_config.get("chat_template")
 
 
 def _hf_special_ids(tokenizer) -> dict:

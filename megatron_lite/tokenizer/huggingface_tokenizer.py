@@ -41,10 +41,13 @@ class HuggingFaceTokenizer:
         self.special_tokens = special_tokens(self.directory)
         eos = self.special_tokens.get("eos_token") or self._end_of_turn_token(path)
         self.eod = self._token_id(eos, "eos_token")
-        self.bos = self._token_id(self.special_tokens["bos_token"], "bos_token") \
-            if self.special_tokens.get("bos_token") else None
-        self.pad = self._token_id(self.special_tokens["pad_token"], "pad_token") \
-            if self.special_tokens.get("pad_token") else self.eod  # padded positions are masked out anyway
+        self.bos = self._named_id("bos_token")
+        pad = self._named_id("pad_token")
+        self.pad = self.eod if pad is None else pad  # padded positions are masked out anyway
+
+    def _named_id(self, role: str) -> int | None:
+        token = self.special_tokens.get(role)
+        return None if token is None else self._token_id(token, role)
 
     def _token_id(self, token: str, role: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
@@ -55,7 +58,7 @@ class HuggingFaceTokenizer:
 
     def _end_of_turn_token(self, path: str) -> str:
         """The special token the chat template writes right after an assistant's answer."""
-        if self._has_chat_template():
+        if saved_chat_template(self.directory):  # read off the files: no transformers import to refuse
             probe = "ANSWER"
             text = self.apply_chat_template([{"role": "user", "content": "question"},
                                              {"role": "assistant", "content": probe}], add_generation_prompt=False)
@@ -66,12 +69,6 @@ class HuggingFaceTokenizer:
                 return found[0][1]
         raise ConfigError(f"{path} has no end-of-document token: name the tokenizer's eos_token in a "
                           f"tokenizer_config.json beside it ({{\"eos_token\": \"<|endoftext|>\"}}, say).")
-
-    def _has_chat_template(self) -> bool:
-        try:
-            return bool(self.chat_template)
-        except (ImportError, ConfigError):
-            return False
 
     @property
     def vocab_size(self) -> int:
@@ -122,6 +119,20 @@ def special_tokens(directory: str) -> dict:
                 named.update({role: _token_text(value) for role, value in json.load(f).items()
                               if role in ("bos_token", "eos_token", "pad_token", "unk_token") and value})
     return named
+
+
+def saved_chat_template(directory: str) -> str | None:
+    """The chat template the directory's files hold, as transformers reads it: transformers 5's
+    ``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``."""
+    path = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return f.read()
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("chat_template")
 
 
 def _token_text(value) -> str:
