@@ -104,7 +104,8 @@ def _chat_tokenizer(directory: str):
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"--sft-tokenizer-prompt-format default: the tokenizer in {directory} has no chat template "
-                          "(tokenizer_config.json's chat_template, or chat_template.jinja); use --sft-tokenizer-prompt-format chatml or plain.")
+                          "(chat_template.jinja, or tokenizer_config.json's chat_template); use "
+                          "--sft-tokenizer-prompt-format chatml or plain.")
     return tokenizer
 
 

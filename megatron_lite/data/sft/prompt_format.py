@@ -17,7 +17,8 @@ generation, which tokenizes the prompt runs of the same conversation, is given e
 
 A training example ends with EOD after the last (assistant) message, unless the template's end of turn is
 the EOD itself (chatml with a tokenizer whose eos_token is ``<|im_end|>``): then the ids are the template's
-text as written. The loss covers the response runs and that EOD: exactly the positions whose label is an assistant token or the EOD closing the example.
+text as written. The loss covers the response runs and that EOD: exactly the positions whose label is an
+assistant token or the EOD closing the example.
 """
 from __future__ import annotations
 
