@@ -411,9 +411,10 @@ def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokeni
     special_ids = export_tokenizer(tokenizer_flags or {}, directory,
                                    model_max_length=hf_config.get("n_positions", hf_config.get(
                                        "max_position_embeddings")), prompt_format=prompt_format)
-    write_json(os.path.join(directory, "config.json"), {**hf_config, **special_ids})
-    if special_ids["eos_token_id"] is not None:
-        write_json(os.path.join(directory, "generation_config.json"), {**special_ids, "do_sample": False})
+    write_json(os.path.join(directory, "config.json"), {**hf_config, **special_ids["config.json"]})
+    if special_ids["generation_config.json"]["eos_token_id"] is not None:
+        write_json(os.path.join(directory, "generation_config.json"),
+                   {**special_ids["generation_config.json"], "do_sample": False})
     safetensors.torch.save_file({k: v.float().contiguous() for k, v in tensors.items()},
                                 os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     for name in os.listdir(directory):

@@ -93,13 +93,14 @@ def parse_args(argv: list[str] | None = None) -> Config:
     namespace = vars(namespace)
     notices = megatron_compat.check_megatron_only_flags(namespace)
     parser.refuse_unknown(unknown)
-    namespace, deepspeed_notices = deepspeed_config.translate_deepspeed_flags(namespace,
-                                                                              resolve_launch_env().world_size)
+    namespace, deepspeed_notices, json_keys = deepspeed_config.translate_deepspeed_flags(
+        namespace, resolve_launch_env().world_size)
     notices += deepspeed_notices
     if resolve_launch_env().rank == 0:  # once per job under torchrun, not once per rank
         for notice in notices:
             print(f"note: {notice}", flush=True)
-    return config_from_namespace(namespace)
+    with deepspeed_config.errors_name_json_keys(json_keys):
+        return config_from_namespace(namespace)
 
 
 def config_from_namespace(namespace: dict) -> Config:
