@@ -12,7 +12,8 @@ from tools.checkpoint_convert import main as convert
 
 VOCAB = 64
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
-        "--vocab-size", "64", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1"]
+        "--vocab-size", "64", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "1",
+        "--train-iters", "1"]
 
 
 def test_a_gpt2_with_the_exact_gelu_imports_and_exports_as_itself(tmp_path):
