@@ -65,10 +65,10 @@ def _timed(owner, name: str, into: list):
 
 def measure(args, asynchronous: bool) -> dict:
     in_step, written, steps = _Times(), _Times(), _Times()
-    originals = [(owner, name, _timed(owner, name, into)) for owner, name, into in
-                 ((async_save.CheckpointSaver, "save", in_step), (async_save.CheckpointSaver, "maybe_finalize", in_step),
-                  (async_save.CheckpointSaver, "finalize", in_step), (async_save._Writer, "run", written),
-                  (loop, "train_step", steps))]
+    saver = async_save.CheckpointSaver
+    timed = ((saver, "save", in_step), (saver, "maybe_finalize", in_step), (saver, "finalize", in_step),
+             (async_save._Writer, "run", written), (loop, "train_step", steps))
+    originals = [(owner, name, _timed(owner, name, into)) for owner, name, into in timed]
     try:
         with tempfile.TemporaryDirectory() as save:
             loop.pretrain(_config(args, save, asynchronous))

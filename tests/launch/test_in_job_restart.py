@@ -45,7 +45,8 @@ def test_a_killed_worker_restarts_the_job_which_resumes_exactly(tmp_path):
         while storage.read_latest_iteration(root) is None and time.monotonic() < deadline and job.poll() is None:
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.5))
-        workers = [p for p in psutil.Process(job.pid).children() if "megatron_lite.pretrain_gpt" in " ".join(p.cmdline())]
+        workers = [p for p in psutil.Process(job.pid).children()
+                   if "megatron_lite.pretrain_gpt" in " ".join(p.cmdline())]
         assert len(workers) == 2, f"seed {seed}: the job ended before the kill (exit code {job.poll()})"
         rng.choice(workers).kill()  # SIGKILL: one worker dies, its writer thread wherever it was
         output, _ = job.communicate(timeout=300)
