@@ -139,3 +139,13 @@ def test_async_save_needs_save():
 
     with pytest.raises(ConfigError, match="--async-save needs --save"):
         tiny_config(async_save=True)
+
+
+def test_an_exit_commits_the_save_in_flight(tmp_path):
+    """--exit-interval stops right after its save: the run must wait for the background write and commit it."""
+    root = str(tmp_path / "ckpt")
+    uninterrupted, _, _ = loop.pretrain(tiny_config(iters=4, dropout=0.1))
+    loop.pretrain(tiny_config(iters=4, dropout=0.1, save=root, exit_interval=2, async_save=True))
+    assert storage.read_latest_iteration(root) == 2
+    resumed, _, _ = loop.pretrain(tiny_config(iters=4, dropout=0.1, load=root))
+    assert resumed.losses == uninterrupted.losses
