@@ -77,6 +77,7 @@ MEGATRON_DEFAULTS = {
     # checkpoint
     "save": None, "load": None, "save_interval": None, "no_load_optim": False, "no_load_rng": False,
     "finetune": False, "pretrained_checkpoint": None, "use_checkpoint_args": False,
+    "async_save": False,  # Megatron-LM: store_true with default None, the same off
     # logging
     "log_interval": 100, "tensorboard_dir": None, "wandb_project": "", "wandb_exp_name": "", "wandb_save_dir": "",
     "wandb_entity": "", "log_throughput": False, "profile": False,

@@ -294,9 +294,12 @@ class CheckpointConfig:
     finetune: bool = False
     pretrained_checkpoint: Optional[str] = None
     use_checkpoint_args: bool = False
+    # Write checkpoints in a background thread while training goes on (checkpointing/async_save.py).
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         check_choices(self)
+        require(not self.async_save or self.save is not None, "--async-save needs --save DIR to write to.")
         require(self.save_interval is None or self.save_interval >= 1,
                  f"--save-interval must be >= 1, got {self.save_interval}.")
         require(self.save_interval is None or self.save is not None,

@@ -258,6 +258,9 @@ HELP = {
     "save": "directory for checkpoints (checked for writability at start-up)",
     "load": "resume from this directory's newest checkpoint; starts from scratch if it holds none",
     "save_interval": "iterations between checkpoints (one is always saved at the end)",
+    "async_save": ("write checkpoints in the background while training goes on: the step only copies the state "
+                   "to CPU memory (as much again of host memory as the rank's checkpoint); the tracker moves once "
+                   "every rank's files are written and verified; the next save and the end of training wait"),
     "no_load_optim": "on load, skip the optimizer state",
     "no_load_rng": "on load, skip the random-number generator states",
     "finetune": "load weights only and start at iteration 0; --load must hold a checkpoint",

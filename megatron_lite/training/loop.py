@@ -31,6 +31,7 @@ from megatron_lite.config import Config
 from megatron_lite.data.preflight import check_data_paths
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
+from megatron_lite.checkpointing.async_save import CheckpointSaver
 from megatron_lite.checkpointing.save_lock import holding_save_lock
 from megatron_lite.model.builder import FSDP_UNIT_MODULES, build_model, current_device
 from megatron_lite.model.moe import routing_statistics
@@ -47,6 +48,7 @@ from megatron_lite.planner import estimate_for_config, format_memory_estimate
 from megatron_lite.training.nan_check import check_for_nan_in_loss_and_grad
 from megatron_lite.training.logger import TrainingLogger, format_startup_summary, is_last_rank, print_rank_last
 from megatron_lite.training.num_microbatches_calculator import NumMicroBatchesCalculator
+from megatron_lite.training.restarts import describe_restart
 from megatron_lite.training.run_plan import RunPlan, plan_run
 from megatron_lite.training.signal_handler import DistributedSignalHandler
 from megatron_lite.checkpointing.training_state import TrainingState
@@ -204,6 +206,8 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     if not plan.resumes:  # a fresh run's batches all lie ahead: any that cannot split fails now, early
         check_batches_ahead(config, plan.calculator, consumed_samples=0)
     print_rank_last(format_startup_summary(config, parallel_state, plan))
+    if (restart := describe_restart(plan.checkpoint)) is not None:
+        print_rank_last(restart)
     model_chunks, optimizer, scheduler = setup_model_and_optimizer(config, parallel_state)
     if config.logging.log_memory:
         report = optimizer.memory_report()
@@ -277,6 +281,7 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
         torch.cuda.reset_peak_memory_stats()
     first_iteration = state.iteration + 1
     signal_handler = DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext()
+    saver = CheckpointSaver(config, parallel_state)
     # The save lock covers every save of the run: a second run on the same --save stops before its first step.
     with holding_save_lock(config.checkpoint.save, is_holder=parallel_state.rank == 0), signal_handler, \
             operations.manual_garbage_collection(training), \
@@ -319,11 +324,14 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
             save_now = (exit_now or state.iteration == train_iters or batch_grows
                         or _every(state.iteration, config.checkpoint.save_interval))
             if config.checkpoint.save and save_now:
-                checkpointing.save_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler, state)
+                saver.save(model_chunks, optimizer, scheduler, state)
+            saver.maybe_finalize()
             if exit_now:
+                saver.finalize()
                 print_rank_last(f" exiting at iteration {state.iteration} (signal, --exit-interval or "
                                 f"--exit-duration-in-mins)")
                 return
+        saver.finalize()  # inside the save lock: the run's last checkpoint is committed before it is released
     if test_iterator is not None:  # as Megatron, the test data is evaluated once, after training
         logger.log_validation(state.iteration, evaluate(config, parallel_state, model_chunks, test_iterator),
                               on="test set")
