@@ -121,3 +121,42 @@ def test_label_smoothing_scales_the_first_gradient_by_one_minus_twice_epsilon(im
         assert state.losses[0] == pytest.approx(math.log(2), abs=1e-7)
         norms.append(logged(capsys.readouterr().out)[0][5])
     assert norms[1] == pytest.approx(0.5 * norms[0], abs=2e-3)
+
+
+def test_lora_dpo_exports_to_peft_and_its_test_loss_is_peft_against_the_base(imported, tmp_path, capsys):
+    """--peft lora: the reference is the base with the adapters off. After 3 steps the test-set DPO loss (final
+    adapters, the same pairs) equals the loss computed with PEFT loading our export, its adapters off for the
+    reference; the iteration-1 loss is ln 2."""
+    peft = pytest.importorskip("peft")
+    import torch.nn.functional as F
+
+    hf_dir, ckpt, data = imported
+    config = dpo_config(ckpt, data)
+    config = dataclasses.replace(
+        config, peft=dataclasses.replace(config.peft, peft="lora", lora_rank=4, lora_alpha=8.0),
+        data=dataclasses.replace(config.data, test_data_path=[data]),
+        training=dataclasses.replace(config.training, eval_iters=1),
+        checkpoint=dataclasses.replace(config.checkpoint, save=str(tmp_path / "lora")))
+    state, _, _ = loop.pretrain(config)
+    assert state.losses[0] == pytest.approx(math.log(2), abs=1e-7) and state.losses[-1] < state.losses[0]
+    test_loss = float(re.search(r"on test set \| dpo loss value: ([-+.\dE]+) \|", capsys.readouterr().out).group(1))
+    assert convert(["--target-format", "peft", "--load-dir", str(tmp_path / "lora"),
+                    "--save-dir", str(tmp_path / "peft")]) == 0
+    model = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(hf_dir),
+                                           str(tmp_path / "peft")).eval()
+
+    def log_prob(prompt: str, answer: str) -> torch.Tensor:
+        ids = [int(t) for t in (prompt + answer).split()] + [EOD]
+        start = len(prompt.split())
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, :-1].double()
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[start - 1:].sum()
+
+    def sides():
+        return torch.stack([torch.stack([log_prob(p, c), log_prob(p, r)]) for p, c, r in PAIRS])
+    policy = sides()
+    with model.disable_adapter():
+        reference = sides()
+    ratios = policy - reference
+    expected = -F.logsigmoid(0.1 * (ratios[:, 0] - ratios[:, 1])).mean()
+    assert test_loss == pytest.approx(expected.item(), abs=1e-5)
