@@ -83,3 +83,24 @@ def test_dpo_without_a_reference_is_refused_by_name(tmp_path, capsys):
                           "--seq-length", "16", "--micro-batch-size", "2"])
     assert code != 0
     assert "error: --dpo needs a reference model: give --pretrained-checkpoint" in capsys.readouterr().err
+
+
+def test_the_planner_counts_the_reference_whole_on_every_data_parallel_rank_and_none_under_lora():
+    from megatron_lite.config import (CheckpointConfig, Config, DataConfig, ModelConfig, ParallelConfig, PeftConfig,
+                                      TrainingConfig)
+    from megatron_lite.model.builder import count_parameters
+    from megatron_lite.planner.static_memory import static_memory
+
+    def memory(peft=None, strategy=None):
+        config = Config(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                          vocab_size=64),
+                        parallel=ParallelConfig(data_parallel_sharding_strategy=strategy),
+                        data=DataConfig(dpo=True, train_data_path=["pairs.jsonl"], tokenizer_type="NullTokenizer"),
+                        training=TrainingConfig(micro_batch_size=2), peft=PeftConfig(peft=peft),
+                        checkpoint=CheckpointConfig(pretrained_checkpoint="base"))
+        return config, static_memory(config, pipeline_rank=0, data_parallel_size=2)
+    config, replicated = memory()
+    _, zero3 = memory(strategy="optim_grads_params")
+    assert replicated.reference_bytes == zero3.reference_bytes == 4 * count_parameters(config).total
+    assert zero3.parameter_bytes < zero3.reference_bytes  # the policy is sharded, the reference is not
+    assert memory(peft="lora")[1].reference_bytes == 0
