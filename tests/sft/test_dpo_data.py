@@ -10,7 +10,7 @@ from megatron_lite.pretrain_gpt import main as pretrain_main
 from megatron_lite.tokenizer import build_tokenizer
 
 pyarrow = pytest.importorskip("pyarrow")
-import pyarrow.parquet  # noqa: E402
+parquet = pytest.importorskip("pyarrow.parquet")
 
 NULL = build_tokenizer("NullTokenizer", vocab_size=63)  # ids 0-62, EOD 63
 RECORDS = [{"prompt": "1 2 3", "chosen": " 4 5", "rejected": " 6"},
@@ -29,7 +29,7 @@ def _sides(pairs) -> list:
 
 def test_string_pairs_in_jsonl_json_and_parquet_read_alike_and_mask_only_the_answers(tmp_path):
     (tmp_path / "pairs.json").write_text(json.dumps(RECORDS, indent=1))
-    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(RECORDS), str(tmp_path / "pairs.parquet"))
+    parquet.write_table(pyarrow.Table.from_pylist(RECORDS), str(tmp_path / "pairs.parquet"))
     read = [_sides(load_preference_pairs([path], NULL, "plain"))
             for path in (_jsonl(tmp_path / "pairs.jsonl", RECORDS), str(tmp_path / "pairs.json"),
                          str(tmp_path / "pairs.parquet"))]

@@ -84,7 +84,8 @@ def dpo_config(ckpt: str, data: str, *, loss_type: str = "sigmoid", label_smooth
                                 dpo_beta=0.1, dpo_label_smoothing=label_smoothing),
         optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.0, adam_eps=1e-8, clip_grad=1.0, lr_decay_style="constant"),
         data=DataConfig(dpo=True, train_data_path=[data], tokenizer_type="NullTokenizer"),
-        checkpoint=CheckpointConfig(pretrained_checkpoint=ckpt), logging=LoggingConfig(log_interval=1, log_memory=False))
+        checkpoint=CheckpointConfig(pretrained_checkpoint=ckpt),
+        logging=LoggingConfig(log_interval=1, log_memory=False))
 
 
 def logged(output: str) -> list[tuple]:

@@ -19,6 +19,7 @@ pair that keeps no answer token on one side is dropped, and counted.
 """
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -27,7 +28,7 @@ from megatron_lite.config import ConfigError
 from megatron_lite.data.sft.examples import raise_for_problems, records_of
 from megatron_lite.data.sft.formats import SFTDataError, checked_messages
 from megatron_lite.data.sft.prompt_format import format_prompt, tokenize_conversation
-from megatron_lite.data.sft.sft_dataset import build_sample
+from megatron_lite.data.sft.sft_dataset import EpochLayout, build_sample
 
 
 def parse_preference_record(record) -> tuple[list[dict], list[dict], list[dict]]:
@@ -125,22 +126,16 @@ class PreferenceDataset:
         self.pairs, self.seq_length, self.num_samples = pairs, seq_length, num_samples
         self.pad_token, self.pack_sequences = pad_token, pack_sequences
         self.num_truncated = int((pairs.lengths > seq_length + 1).any(axis=1).sum())
-        kept = np.asarray([all(mask[1:seq_length + 1].any() for _, mask in pairs.get(i)) for i in range(len(pairs))],
-                          dtype=bool)
+        kept = np.asarray([all(mask[1:seq_length + 1].any() for _, mask in pairs.get(i))
+                           for i in range(len(pairs))], dtype=bool)
         self.kept = np.flatnonzero(kept)
         if not len(self.kept):
-            raise SFTDataError(f"every one of the {len(pairs)} preference pairs has a side longer than --seq-length + 1 "
-                               f"= {seq_length + 1} tokens whose prompt fills the sequence: none has an answer token "
-                               f"to compare. Raise --seq-length or shorten the prompts.")
+            raise SFTDataError(f"every one of the {len(pairs)} preference pairs has a side longer than --seq-length "
+                               f"+ 1 = {seq_length + 1} tokens whose prompt fills the sequence: none has an answer "
+                               f"token to compare. Raise --seq-length or shorten the prompts.")
         positions = np.minimum(pairs.lengths[self.kept], seq_length + 1) - 1
-        self._orders, self._bin_starts, offsets = [], [], [0]
-        while offsets[-1] < (num_samples + 1) // 2:
-            order = np.random.RandomState(seed + len(self._orders)).permutation(len(self.kept))
-            starts = pair_bins(positions[order], seq_length) if pack_sequences else np.arange(len(order) + 1)
-            self._orders.append(self.kept[order])
-            self._bin_starts.append(starts)
-            offsets.append(offsets[-1] + len(starts) - 1)
-        self._epoch_offsets = np.asarray(offsets)
+        self.layout = EpochLayout(positions, num_samples=(num_samples + 1) // 2, seed=seed,
+                                  bins=functools.partial(pair_bins, capacity=seq_length) if pack_sequences else None)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -149,11 +144,7 @@ class PreferenceDataset:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range for a PreferenceDataset of {self.num_samples} samples")
         pair_sample, side = divmod(index, 2)
-        epoch = int(np.searchsorted(self._epoch_offsets, pair_sample, side="right")) - 1
-        in_epoch = pair_sample - int(self._epoch_offsets[epoch])
-        starts = self._bin_starts[epoch]
-        members = self._orders[epoch][starts[in_epoch]:starts[in_epoch + 1]]
-        sides = [self.pairs.get(int(i))[side] for i in members]
+        sides = [self.pairs.get(int(self.kept[i]))[side] for i in self.layout.members(pair_sample)]
         sample = build_sample(sides, seq_length=self.seq_length, pad_token=self.pad_token,
                               pack_sequences=self.pack_sequences)
         sample["segment_ids"] = segment_ids(sides, self.seq_length)
@@ -164,8 +155,8 @@ class PreferenceDataset:
         layout = "packed" if self.pack_sequences else "one pair each, padded"
         dropped = len(self.pairs) - len(self.kept)
         return (f"{len(self.pairs)} preference pairs ({self.num_samples} sequences of {self.seq_length} positions, "
-                f"two per pair-sample, {layout}, {len(self._orders)} epochs; {self.num_truncated} pairs with a side "
-                f"longer than --seq-length + 1 = {self.seq_length + 1} tokens truncated, {dropped} dropped for "
+                f"two per pair-sample, {layout}, {len(self.layout.orders)} epochs; {self.num_truncated} pairs with a "
+                f"side longer than --seq-length + 1 = {self.seq_length + 1} tokens truncated, {dropped} dropped for "
                 f"keeping no answer token)" + "".join(f"; {d}" for d in self.pairs.descriptions))
 
 
