@@ -485,6 +485,9 @@ def _check_dpo(config: "Config") -> None:
              f"must be even, got {config.training.micro_batch_size}.")
     require(config.training.rampup_batch_size is None and config.training.step_batch_size_schedule is None,
              "--dpo takes a fixed global batch of pairs: drop --rampup-batch-size/--step-batch-size-schedule.")
+    require(config.data.sft_format == "auto" and not config.data.sft_data_keys,
+             "--sft-format and --sft-data-keys say how to read supervised fine-tuning records; --dpo reads TRL's "
+             "preference records (prompt, chosen, rejected): drop them.")
 
 
 def lora_targets_of(model: ModelConfig) -> tuple[str, ...]:

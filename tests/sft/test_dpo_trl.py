@@ -161,3 +161,15 @@ def test_lora_dpo_exports_to_peft_and_its_test_loss_is_peft_against_the_base(imp
     ratios = policy - reference
     expected = -F.logsigmoid(0.1 * (ratios[:, 0] - ratios[:, 1])).mean()
     assert test_loss == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_the_command_line_trains_dpo_with_its_flags(imported, capsys):
+    """--dpo and its loss flags through pretrain_gpt's main, the model from the checkpoint: hinge at h = 0 is 1."""
+    from megatron_lite.pretrain_gpt import main
+
+    _, ckpt, data = imported
+    assert main(["--dpo", "--pretrained-checkpoint", ckpt, "--use-checkpoint-args", "--train-data-path", data,
+                 "--tokenizer-type", "NullTokenizer", "--dpo-loss-type", "hinge", "--dpo-beta", "0.2",
+                 "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "1",
+                 "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0"]) == 0
+    assert "| dpo loss: 1.000000E+00 | rewards chosen: 0.000000E+00 |" in capsys.readouterr().out
