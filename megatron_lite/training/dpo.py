@@ -139,7 +139,9 @@ class DirectPreferenceOptimization:
     """The --dpo forward and backward: the reference's pass, then the policy's, over the same micro-batches.
 
     ``forward_backward`` has ``loop._forward_backward``'s signature (``run_schedule``, which it calls), so
-    ``train_step_with_losses`` and ``evaluate`` take it in that one's place."""
+    ``train_step_with_losses`` and ``evaluate`` take it in that one's place; its ``forward_step_func`` is
+    not used (the two passes have their own forward steps). Under the interleaved schedule each model chunk
+    reads its own iterator of the same micro-batches, as in training."""
 
     def __init__(self, config: Config, parallel_state, model_chunks: list, *, run_schedule):
         self.settings = LossSettings.of(config, parallel_state)

@@ -4,6 +4,7 @@ A Llama-style model and a mixture of experts start from a checkpoint of their ow
 train 3 DPO steps on pairs whose answers differ in length, packed (several pairs per pair of sequences, so
 the loss sums over documents) or padded. One process gives the reference losses; one world of 4 processes
 runs every layout in turn: tp2 x pp2 (the reference's log-probabilities cross the pipeline to the last stage),
+pp2 x dp2 with the interleaved schedule (each chunk reads its own iterator of the micro-batches),
 tp2 x dp2 under ZeRO-3 (the reference is a whole copy while the policy is sharded), cp2 x dp2 (each rank
 sums its positions' log-probabilities), ep2 over 4 data-parallel ranks (experts split), and LoRA at
 tp2 x dp2 (the reference is the base with the adapters off). Adam's eps sits above float32 noise.
@@ -22,8 +23,8 @@ LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_grou
              normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
              untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.1)
 MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.1)
-MODELS = {"llama": LLAMA, "moe": MOE}
-RUNS = {"tp2 x pp2": dict(model="llama", tp=2, pp=2), "tp2 x dp2, ZeRO-3": dict(model="llama", tp=2, zero3=True),
+MODELS = {"llama": LLAMA, "llama4": dict(LLAMA, num_layers=4), "moe": MOE}
+RUNS = {"tp2 x pp2": dict(model="llama", tp=2, pp=2), "pp2 x dp2, interleaved": dict(model="llama4", pp=2, vpp=1), "tp2 x dp2, ZeRO-3": dict(model="llama", tp=2, zero3=True),
         "cp2 x dp2": dict(model="llama", cp=2), "ep2 x dp4": dict(model="moe", ep=2, pack=False),
         "LoRA, tp2 x dp2": dict(model="llama", tp=2, lora=True)}
 
@@ -38,12 +39,13 @@ def _write_pairs(path) -> str:
     return str(path)
 
 
-def _config(data: str, ckpt: str, *, model: str, tp=1, pp=1, cp=1, ep=1, zero3=False, lora=False, pack=True,
-            dpo=True) -> Config:
+def _config(data: str, ckpt: str, *, model: str, tp=1, pp=1, cp=1, ep=1, vpp=None, zero3=False, lora=False,
+            pack=True, dpo=True) -> Config:
     return Config(
         model=ModelConfig(**MODELS[model]),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 context_parallel_size=cp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
+                                num_layers_per_virtual_pipeline_stage=vpp,
                                 data_parallel_sharding_strategy="optim_grads_params" if zero3 else None),
         training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=STEPS if dpo else 1),
         optimizer=OptimizerConfig(lr=1e-2, adam_eps=1e-6, clip_grad=1.0, lr_decay_style="constant"),
