@@ -24,7 +24,8 @@ LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_grou
              untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.1)
 MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.1)
 MODELS = {"llama": LLAMA, "llama4": dict(LLAMA, num_layers=4), "moe": MOE}
-RUNS = {"tp2 x pp2": dict(model="llama", tp=2, pp=2), "pp2 x dp2, interleaved": dict(model="llama4", pp=2, vpp=1), "tp2 x dp2, ZeRO-3": dict(model="llama", tp=2, zero3=True),
+RUNS = {"tp2 x pp2": dict(model="llama", tp=2, pp=2), "pp2 x dp2, interleaved": dict(model="llama4", pp=2, vpp=1),
+        "tp2 x dp2, ZeRO-3": dict(model="llama", tp=2, zero3=True),
         "cp2 x dp2": dict(model="llama", cp=2), "ep2 x dp4": dict(model="moe", ep=2, pack=False),
         "LoRA, tp2 x dp2": dict(model="llama", tp=2, lora=True)}
 
