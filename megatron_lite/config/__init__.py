@@ -28,6 +28,10 @@ from megatron_lite.config.model import (ATTENTION_BACKENDS, NORMALIZATIONS, POSI
 from megatron_lite.config.parallel import CP_COMM_TYPES, SHARDING_STRATEGIES, ParallelConfig  # noqa: F401
 
 
+# --dpo-loss-type: the preference losses of training/dpo.py.
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+
 @dataclass(kw_only=True)
 class TrainingConfig:
     micro_batch_size: int = 1
@@ -61,12 +65,19 @@ class TrainingConfig:
     # torch.cuda.empty_cache(): 1 after forward-backward, 2 also after the step.
     empty_unused_memory_level: int = field(default=0, metadata={"choices": (0, 1, 2)})
     check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or grad norm stops the run (training/nan_check.py)
+    # Direct preference optimisation (--dpo, training/dpo.py): the loss of each (chosen, rejected) pair.
+    dpo_loss_type: str = field(default="sigmoid", metadata={"choices": DPO_LOSS_TYPES})
+    dpo_beta: float = 0.1
+    dpo_label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         check_choices(self)
         if self.train_iters is None and self.train_samples is None:
             self.train_iters = 100
         require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}.")
+        require(self.dpo_beta > 0, f"--dpo-beta must be positive, got {self.dpo_beta}.")
+        require(0.0 <= self.dpo_label_smoothing < 0.5,
+                 f"--dpo-label-smoothing must be in [0, 0.5), got {self.dpo_label_smoothing}.")
         require(self.global_batch_size is None or self.global_batch_size >= 1,
                  f"--global-batch-size must be >= 1, got {self.global_batch_size}.")
         require(self.train_iters is None or self.train_samples is None,
@@ -234,9 +245,12 @@ class DataConfig:
     sft_pack_sequences: bool = False
     sft_format: str = field(default="auto", metadata={"choices": SFT_FORMATS})  # per record, from its keys
     sft_data_keys: list = field(default_factory=list)  # NAME=COLUMN: read COLUMN as NAME (see SFT_DATA_KEY_NAMES)
+    # Preference pairs {"prompt", "chosen", "rejected"} in the fine-tuning files: fine-tuning data, so --sft too.
+    dpo: bool = False
 
     def __post_init__(self) -> None:
         check_choices(self)
+        self.sft = self.sft or self.dpo
         # Megatron reads only the numbers in --split, so a launcher's literal quotes ('99,1,0', as
         # Megatron-LM's Llama 3 example passes them) are harmless there; strip them here too.
         self.split = self.split.strip("'\"")
@@ -435,6 +449,7 @@ class Config:
                  "--data-parallel-sharding-strategy optim_grads_params keeps no replicas (each rank holds a "
                  "different shard): drop the flag or pick a strategy that keeps whole parameters.")
         _check_peft_on_model(self.peft, model)
+        _check_dpo(self)
         _check_schedule_units(self.training, self.optimizer)
         self.training.step_schedule_in_samples(model.seq_length)  # thresholds closer than a sequence fail here
         if self.training.train_iters is not None and self.optimizer.lr_decay_iters is None:
@@ -458,6 +473,24 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         return cls(**{name: section(**d[name]) for name, section in SECTIONS.items() if name in d})
+
+
+def _check_dpo(config: "Config") -> None:
+    """--dpo needs a frozen reference (the checkpoint it starts from, or LoRA's base with the adapters off) and
+    takes its pairs whole: a pair is two consecutive sequences of a micro-batch."""
+    if not config.data.dpo:
+        return
+    require(bool(config.checkpoint.pretrained_checkpoint) or config.peft.peft == "lora",
+             "--dpo needs a reference model: give --pretrained-checkpoint CKPT (kept frozen as the reference, "
+             "and the policy starts from it), or --peft lora (the reference is the base with the adapters off).")
+    require(config.training.micro_batch_size % 2 == 0,
+             f"--dpo: a micro-batch holds whole pairs, two sequences each (chosen, rejected): --micro-batch-size "
+             f"must be even, got {config.training.micro_batch_size}.")
+    require(config.training.rampup_batch_size is None and config.training.step_batch_size_schedule is None,
+             "--dpo takes a fixed global batch of pairs: drop --rampup-batch-size/--step-batch-size-schedule.")
+    require(config.data.sft_format == "auto" and not config.data.sft_data_keys,
+             "--sft-format and --sft-data-keys say how to read supervised fine-tuning records; --dpo reads TRL's "
+             "preference records (prompt, chosen, rejected): drop them.")
 
 
 def lora_targets_of(model: ModelConfig) -> tuple[str, ...]:

@@ -183,6 +183,11 @@ HELP = {
                                        "stops with an error naming the iteration and rank, before it saves)"),
     "empty_unused_memory_level": ("torch.cuda.empty_cache(): 1 after each forward-backward and evaluation step, "
                                   "2 also after each optimizer step"),
+    "dpo_loss_type": ("--dpo: sigmoid (the DPO paper's, with --dpo-label-smoothing its conservative form), ipo "
+                      "(squared, on per-token log-ratios) or hinge"),
+    "dpo_beta": "--dpo: the strength of the pull to the reference (beta; IPO's tau)",
+    "dpo_label_smoothing": ("--dpo --dpo-loss-type sigmoid: the assumed fraction of pairs whose preference is flipped "
+                            "(conservative DPO), in [0, 0.5)"),
     # optimizer
     "optimizer": "adam (AdamW) or sgd",
     "lr": "peak learning rate (Megatron-LM requires the flag; 3e-4 here lets a flag-less tiny run start)",
@@ -254,6 +259,9 @@ HELP = {
     "sft_data_keys": ("--sft: NAME=COLUMN ...: read the data's COLUMN as NAME (prompt, response, messages, "
                       "instruction, input, output, system, history, conversations), e.g. prompt=question "
                       "response=answer"),
+    "dpo": ("direct preference optimisation on --train-data-path records {\"prompt\", \"chosen\", \"rejected\"} "
+            "(strings or message lists), against a frozen reference: --pretrained-checkpoint, or under --peft lora "
+            "the base with the adapters off. Batch sizes count sequences, two per pair"),
     # checkpoint
     "save": "directory for checkpoints (checked for writability at start-up)",
     "load": "resume from this directory's newest checkpoint; starts from scratch if it holds none",

@@ -13,6 +13,7 @@ from megatron_lite.data.dataset_builder import parse_data_path
 from megatron_lite.data.indexed_dataset import IndexedDataset, data_file_path, output_prefix_for
 from megatron_lite.data.sft import RecordFormat, SFTDataset, load_sft_examples
 from megatron_lite.data.sft.examples import TOKENS_KEY, is_preprocessed_sft
+from megatron_lite.data.sft.preference import PreferenceDataset, load_preference_pairs
 from megatron_lite.data.vocab_check import check_token_ids
 from megatron_lite.process_groups import failures
 from megatron_lite.process_groups.parallel_state import ParallelState
@@ -83,6 +84,12 @@ def _build_sft_datasets(config: Config, num_samples: tuple):
     for paths, count in zip((data.train_data_path, data.valid_data_path, data.test_data_path), num_samples):
         if not paths or count <= 0:
             datasets.append(None)
+            continue
+        if data.dpo:
+            pairs = load_preference_pairs(paths, tokenizer, data.sft_tokenizer_prompt_format)
+            datasets.append(PreferenceDataset(pairs, seq_length=config.model.seq_length, num_samples=count,
+                                              seed=config.training.seed, pad_token=tokenizer.pad,
+                                              pack_sequences=data.sft_pack_sequences))
             continue
         examples = load_sft_examples(paths, tokenizer, data.sft_tokenizer_prompt_format, record_format)
         check_preprocessed_sft_token_ids(paths, config.model.vocab_size)

@@ -86,16 +86,20 @@ class TrainingLogger:
         self.wandb = metrics.wandb_run(config.logging, config.checkpoint.save, config.to_dict()) \
             if is_last_rank() else None
         self.global_batch = None
+        self.loss_name = "dpo loss" if config.data.dpo else "lm loss"
         self._reset()
 
     def _reset(self) -> None:
         self.losses, self.seconds, self.skipped, self.nan, self.flops, self.samples = [], 0.0, 0, 0, 0.0, 0
-        self.routing = []
+        self.routing, self.statistics = [], []
 
     def record(self, loss: float | None, seconds: float, skipped: bool, global_batch: int,
-               routing: RoutingSummary | None = None) -> None:
+               routing: RoutingSummary | None = None, statistics: dict | None = None) -> None:
         """As Megatron: the interval's loss averages the iterations that updated the weights. ``routing``: the
-        iteration's mixture-of-experts statistics (``routing_statistics.routing_summary``), if it has experts."""
+        iteration's mixture-of-experts statistics (``routing_statistics.routing_summary``), if it has experts;
+        ``statistics``: every logged mean of the iteration, the loss first (``loop.average_losses``)."""
+        if statistics is not None and len(statistics) > 1 and not skipped:
+            self.statistics.append(dict(list(statistics.items())[1:]))
         self.seconds += seconds
         if routing is not None:
             self.routing.append(routing)
@@ -116,6 +120,8 @@ class TrainingLogger:
         tflops_per_gpu = self.flops / (self.seconds * self.world_size) / 1e12
         tokens_per_second = self.samples * self.config.model.seq_length / self.seconds
         routing = self._routing_scalars()
+        statistics = {name: sum(entry[name] for entry in self.statistics) / len(self.statistics)
+                      for name in (self.statistics[0] if self.statistics else {})}
         self._reset()
         if not is_last_rank():
             return
@@ -127,14 +133,14 @@ class TrainingLogger:
             tflops_per_gpu=tflops_per_gpu if self.config.logging.log_throughput else None,
             learning_rate=learning_rate, global_batch_size=self.global_batch,
             lm_loss=lm_loss, loss_scale=loss_scale, grad_norm=grad_norm, skipped_iterations=skipped,
-            nan_iterations=nan, routing=routing), flush=True)
+            nan_iterations=nan, routing=routing, loss_name=self.loss_name, statistics=statistics), flush=True)
         if self.config.logging.log_memory:
             print(metrics.format_throughput_log(
                 tokens_per_second=tokens_per_second,
                 mfu=metrics.model_flops_utilization(tflops_per_gpu, self.peak_tflops),
                 peak_memory=peak_memory), flush=True)
         self._scalars(state.iteration, {
-            "lm loss": lm_loss, "learning rate": learning_rate, "grad norm": grad_norm,
+            self.loss_name: lm_loss, **statistics, "learning rate": learning_rate, "grad norm": grad_norm,
             "tokens per second": tokens_per_second, "loss scale": loss_scale, "batch size": self.global_batch,
             "consumed samples": state.consumed_train_samples,
             "consumed tokens": state.consumed_train_samples * self.config.model.seq_length,
@@ -157,8 +163,9 @@ class TrainingLogger:
         """``on``: which data, when not the validation set (``"test set"``)."""
         if valid_loss is None:  # not the last pipeline stage
             return
-        print_rank_last(metrics.format_validation_log(iteration=iteration, lm_loss=valid_loss, on=on))
-        self._scalars(iteration, {"lm loss test" if on else "lm loss validation": valid_loss})
+        print_rank_last(metrics.format_validation_log(iteration=iteration, lm_loss=valid_loss, on=on,
+                                                      loss_name=self.loss_name))
+        self._scalars(iteration, {f"{self.loss_name} test" if on else f"{self.loss_name} validation": valid_loss})
 
     def _scalars(self, iteration: int, values: dict) -> None:
         values = {name: value for name, value in values.items() if value is not None}

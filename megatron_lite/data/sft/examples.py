@@ -61,16 +61,16 @@ def encode_sft_line(line: str, tokenizer, prompt_format: str, record_format: Rec
 def read_conversations(path: str, record_format: RecordFormat = RecordFormat()) -> list[tuple[int, list[dict]]]:
     """(line or row number, conversation) for every record of a file; SFTDataError names every bad one."""
     conversations, problems = [], []
-    for _, number, line in _records(path):
+    for _, number, line in records_of(path):
         try:
             conversations.append((number, parse_sft_line(line, record_format)[1]))
         except SFTDataError as error:
             problems.append(f"{path}:{number}: {error}")
-    _raise_for(problems, path, found=len(conversations))
+    raise_for_problems(problems, path, found=len(conversations))
     return conversations
 
 
-def _records(path: str):
+def records_of(path: str):
     if not is_sft_data_source(path):
         raise SFTDataError(f"{path} is not a file: give a JSONL, JSON, Parquet or Arrow file of fine-tuning "
                            "examples, a directory written by datasets' save_to_disk, or the --output-prefix of "
@@ -78,7 +78,7 @@ def _records(path: str):
     return read_sft_records([path])
 
 
-def _raise_for(problems: list[str], path: str, *, found: int) -> None:
+def raise_for_problems(problems: list[str], path: str, *, found: int) -> None:
     if problems:
         listed = "\n".join(problems[:_MAX_LISTED_PROBLEMS])
         more = len(problems) - _MAX_LISTED_PROBLEMS
@@ -127,7 +127,7 @@ def _read_source(path: str, tokenizer, prompt_format: str, record_format: Record
         _check_prompt_format(path, prompt_format)
         return _read_preprocessed(path), f"{path}: preprocessed"
     ids, masks, problems, formats = [], [], [], {}
-    for _, number, line in _records(path):
+    for _, number, line in records_of(path):
         try:
             name, encoded = _encode(line, tokenizer, prompt_format, record_format)
         except ConfigError:
@@ -138,7 +138,7 @@ def _read_source(path: str, tokenizer, prompt_format: str, record_format: Record
         formats[name] = None  # in order of first appearance
         ids.append(encoded[TOKENS_KEY])
         masks.append(encoded[LOSS_MASK_KEY])
-    _raise_for(problems, path, found=len(ids))
+    raise_for_problems(problems, path, found=len(ids))
     description = f"{path}: {container_of(path)} of {' and '.join(formats)} records"
     return (ids, masks, np.asarray([len(x) for x in ids], dtype=np.int64)), description
 
