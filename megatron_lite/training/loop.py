@@ -300,7 +300,8 @@ def print_training_summary(config: Config, start: TrainingState, end: TrainingSt
         tokens = (end.consumed_train_samples - start.consumed_train_samples) * config.model.seq_length
         print(metrics.format_training_summary(iterations=iterations, first_iteration=start.iteration + 1,
                                               tokens=tokens, losses=end.losses[len(start.losses):],
-                                              seconds=seconds), flush=True)
+                                              seconds=seconds, loss_name="dpo loss" if config.data.dpo else "lm loss"),
+              flush=True)
 
 
 def _train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,

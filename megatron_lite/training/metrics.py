@@ -113,12 +113,12 @@ def format_memory_report(report: dict, iteration: int | None = None) -> str:
 
 
 def format_training_summary(*, iterations: int, first_iteration: int, tokens: int, losses: list,
-                            seconds: float) -> str:
+                            seconds: float, loss_name: str = "lm loss") -> str:
     """The closing line of a run, printed whatever --log-interval (a run shorter than the interval prints no
-    iteration line): its iterations, tokens, last and mean lm loss (of the finite ones), wall time."""
+    iteration line): its iterations, tokens, last and mean loss (of the finite ones), wall time."""
     finite = [loss for loss in losses if math.isfinite(loss)]
-    loss_text = (f"lm loss last: {losses[-1]:.6E}, mean: {sum(finite) / len(finite):.6E} over "
-                 f"{len(finite)} iterations" if finite else "lm loss: none finite")
+    loss_text = (f"{loss_name} last: {losses[-1]:.6E}, mean: {sum(finite) / len(finite):.6E} over "
+                 f"{len(finite)} iterations" if finite else f"{loss_name}: none finite")
     return (f" training finished: {iterations} iterations ({first_iteration}-{first_iteration + iterations - 1}) |"
             f" tokens: {tokens:,} | {loss_text} | time: {seconds:.1f} s |")
 
