@@ -9,6 +9,7 @@ from megatron_lite.config import Config, TrainingConfig
 from megatron_lite.model import flops
 from megatron_lite.model.moe.router import BALANCING_LOSS_NAMES
 from megatron_lite.model.moe.routing_statistics import RoutingSummary
+from megatron_lite.optimizer.optimizer_param_scheduler import lr_decay_samples
 from megatron_lite.process_groups.parallel_state import ParallelState
 from megatron_lite.training import metrics
 from megatron_lite.training.run_plan import RunPlan
@@ -37,7 +38,7 @@ def format_startup_summary(config: Config, parallel_state: ParallelState, plan: 
     trainable = "" if config.peft.peft is None else (
         f", {_count(trainable_parameters)} of them trainable ({100 * trainable_parameters / total_parameters:.2f}%, "
         f"--peft {config.peft.peft}; the base is frozen)")
-    return "\n".join([
+    lines = [
         f" model: {_count(total_parameters)} parameters{trainable} ({config.model.num_layers} layers, hidden "
         f"{config.model.hidden_size}); per pipeline stage: {stages}",
         f" layout: {parallel_state.world_size} processes = tensor {parallel.tensor_model_parallel_size} x pipeline "
@@ -50,9 +51,38 @@ def format_startup_summary(config: Config, parallel_state: ParallelState, plan: 
         f" batch: {global_batch} sequences = micro-batch {training.micro_batch_size} x "
         f"{training.num_microbatches(dp)} micro-batches x data {dp}; "
         f"{global_batch * config.model.seq_length} tokens per iteration{_batch_growth(training)}, "
-        f"{plan.train_iters} iterations",
+        f"{plan.train_iters} iterations" + (f" ({plan.length})" if plan.length else ""),
         f" checkpoints: {saves}" + (f"; loading {checkpoint.load}" if checkpoint.load else ""),
-    ])
+    ]
+    if _decays_before_the_end(config, global_batch, plan):
+        lines.append(_decay_end_note(config, global_batch, plan))
+    return "\n".join(lines)
+
+
+def _first_iteration_at_min_lr(config: Config, global_batch: int, plan: RunPlan) -> int:
+    """The iteration from which the LR stays at --min-lr: the scheduler reaches its decay's end after the
+    iterations before it (the LR of iteration i is set by the samples of iterations 1 .. i - 1)."""
+    return plan.calculator.iterations_to_reach(lr_decay_samples(config, global_batch)) + 1
+
+
+def _decays_before_the_end(config: Config, global_batch: int, plan: RunPlan) -> bool:
+    """Whether the LR schedule ends before training does (a DeepSpeed scheduler's total_num_steps below the
+    run's length, say), so that the last iterations run at --min-lr. A constant LR has no end; a resumed run
+    that takes its checkpoint's schedule is not this command line's to judge."""
+    if config.optimizer.lr_decay_style == "constant" or config.optimizer.use_checkpoint_opt_param_scheduler:
+        return False
+    return _first_iteration_at_min_lr(config, global_batch, plan) <= plan.train_iters
+
+
+def _decay_end_note(config: Config, global_batch: int, plan: RunPlan) -> str:
+    optimizer, first = config.optimizer, _first_iteration_at_min_lr(config, global_batch, plan)
+    flag = (f"--lr-decay-samples {optimizer.lr_decay_samples}" if config.training.train_samples is not None
+            else f"--lr-decay-iters {optimizer.lr_decay_iters}, or a DeepSpeed scheduler's total_num_steps")
+    still = ": those iterations change no weight" if optimizer.min_lr == 0 else ""
+    iterations = f"iteration {first}" if first == plan.train_iters else f"iterations {first}-{plan.train_iters}"
+    return (f" note: the learning rate's decay ends before training does ({flag}): {iterations} of "
+            f"{plan.train_iters} train at the learning rate --min-lr {optimizer.min_lr:g}{still}. To decay over the "
+            f"whole run, drop the decay length (it defaults to the run's) or shorten the run.")
 
 
 def _batch_growth(training: TrainingConfig) -> str:

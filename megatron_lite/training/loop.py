@@ -198,8 +198,9 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                                                expert_model_parallel_size=config.parallel.expert_model_parallel_size,
                                                expert_tensor_parallel_size=config.parallel.expert_tensor_parallel_size,
                                                distributed_timeout_minutes=config.parallel.distributed_timeout_minutes)
-    plan = plan_run(config, parallel_state)
+    # The data first: --train-epochs reads it to plan the run, and a bad path or record says so before that.
     failures.run_on_every_rank(lambda: check_data_paths(config.data), "check the data paths")
+    plan = plan_run(config, parallel_state)
     if not plan.resumes:  # a fresh run's batches all lie ahead: any that cannot split fails now, early
         check_batches_ahead(config, plan.calculator, consumed_samples=0)
     print_rank_last(format_startup_summary(config, parallel_state, plan))

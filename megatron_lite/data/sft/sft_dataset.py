@@ -29,7 +29,7 @@ class SFTDataset:
         self.num_samples = num_samples
         self.pad_token = pad_token
         self.pack_sequences = pack_sequences
-        positions = np.minimum(examples.lengths, seq_length + 1) - 1
+        positions = example_positions(examples.lengths, seq_length)
         truncated = np.flatnonzero(examples.lengths > seq_length + 1)
         self.num_truncated = len(truncated)
         # A prompt longer than the sequence leaves nothing to learn from; say so rather than train on nothing.
@@ -40,8 +40,8 @@ class SFTDataset:
                                f"token to learn from. Raise --seq-length or shorten the prompts.")
         self._orders, self._bin_starts, offsets = [], [], [0]
         while offsets[-1] < num_samples:
-            order = np.random.RandomState(seed + len(self._orders)).permutation(len(examples))
-            starts = next_fit_bins(positions[order], seq_length) if pack_sequences else np.arange(len(order) + 1)
+            order, starts = epoch_layout(positions, seq_length, seed=seed, epoch=len(self._orders),
+                                         pack_sequences=pack_sequences)
             self._orders.append(order)
             self._bin_starts.append(starts)
             offsets.append(offsets[-1] + len(starts) - 1)
@@ -69,6 +69,20 @@ class SFTDataset:
         if self.num_without_loss:
             line += f", {self.num_without_loss} of them losing every response token (their prompt fills the sequence)"
         return line + ")" + "".join(f"; {description}" for description in self.examples.descriptions)
+
+
+def epoch_layout(positions: np.ndarray, seq_length: int, *, seed: int, epoch: int,
+                 pack_sequences: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(the examples' order in pass ``epoch``, the sample boundaries in that order): sample k holds the examples
+    ``order[starts[k]:starts[k + 1]]``. ``positions``: each example's positions (its length - 1, capped)."""
+    order = np.random.RandomState(seed + epoch).permutation(len(positions))
+    starts = next_fit_bins(positions[order], seq_length) if pack_sequences else np.arange(len(order) + 1)
+    return order, starts
+
+
+def example_positions(lengths: np.ndarray, seq_length: int) -> np.ndarray:
+    """The positions each example fills: n ids give n - 1 inputs, the first ``seq_length + 1`` ids kept."""
+    return np.minimum(lengths, seq_length + 1) - 1
 
 
 def next_fit_bins(sizes: np.ndarray, capacity: int) -> np.ndarray:
