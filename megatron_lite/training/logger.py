@@ -105,9 +105,12 @@ class TrainingLogger:
     The global batch may change between iterations (--rampup-batch-size, --step-batch-size-schedule): each
     iteration's FLOPs and tokens are counted with its own batch, and the line shows the latest batch, as Megatron's."""
 
-    def __init__(self, config: Config, parallel_state: ParallelState, train_iters: int):
+    def __init__(self, config: Config, parallel_state: ParallelState, train_iters: int, tokens_in=None):
+        """``tokens_in(n)``: the tokens the first n samples feed through the model (an --sft sample's padding is
+        not counted); default n x --seq-length, every position of a pretraining sample being a token."""
         self.config = config
         self.train_iters = train_iters
+        self.tokens_in = tokens_in or (lambda samples: samples * config.model.seq_length)
         self.world_size = parallel_state.world_size
         self.padded_vocab_size = config.model.padded_vocab_size(parallel_state.tensor_model_parallel_world_size)
         self.peak_tflops = metrics.device_peak_tflops(config.logging.peak_tflops)
@@ -119,19 +122,22 @@ class TrainingLogger:
         self._reset()
 
     def _reset(self) -> None:
-        self.losses, self.seconds, self.skipped, self.nan, self.flops, self.samples = [], 0.0, 0, 0, 0.0, 0
+        self.losses, self.seconds, self.skipped, self.nan, self.flops, self.tokens = [], 0.0, 0, 0, 0.0, 0
         self.routing = []
 
     def record(self, loss: float | None, seconds: float, skipped: bool, global_batch: int,
-               routing: RoutingSummary | None = None) -> None:
+               routing: RoutingSummary | None = None, *, consumed_samples: int | None = None) -> None:
         """As Megatron: the interval's loss averages the iterations that updated the weights. ``routing``: the
-        iteration's mixture-of-experts statistics (``routing_statistics.routing_summary``), if it has experts."""
+        iteration's mixture-of-experts statistics (``routing_statistics.routing_summary``), if it has experts.
+        ``consumed_samples``: the run's samples after this iteration (default: this iteration's alone), whose
+        last ``global_batch`` the throughput counts the tokens of."""
         self.seconds += seconds
         if routing is not None:
             self.routing.append(routing)
         self.skipped += int(skipped)
         self.global_batch = global_batch
-        self.samples += global_batch
+        consumed = global_batch if consumed_samples is None else consumed_samples
+        self.tokens += self.tokens_in(consumed) - self.tokens_in(consumed - global_batch)
         self.flops += flops.num_floating_point_operations(self.config.model, global_batch, self.padded_vocab_size)
         if loss is not None and not math.isfinite(loss):
             self.nan += 1
@@ -144,7 +150,7 @@ class TrainingLogger:
         lm_loss = sum(self.losses) / len(self.losses) if self.losses else math.nan
         skipped, nan = self.skipped, self.nan  # counts for this interval, as in Megatron's line
         tflops_per_gpu = self.flops / (self.seconds * self.world_size) / 1e12
-        tokens_per_second = self.samples * self.config.model.seq_length / self.seconds
+        tokens_per_second = self.tokens / self.seconds
         routing = self._routing_scalars()
         self._reset()
         if not is_last_rank():
@@ -160,14 +166,14 @@ class TrainingLogger:
             nan_iterations=nan, routing=routing), flush=True)
         if self.config.logging.log_memory:
             print(metrics.format_throughput_log(
-                tokens_per_second=tokens_per_second,
+                tokens_per_second=tokens_per_second, consumed_tokens=self.tokens_in(state.consumed_train_samples),
                 mfu=metrics.model_flops_utilization(tflops_per_gpu, self.peak_tflops),
                 peak_memory=peak_memory), flush=True)
         self._scalars(state.iteration, {
             "lm loss": lm_loss, "learning rate": learning_rate, "grad norm": grad_norm,
             "tokens per second": tokens_per_second, "loss scale": loss_scale, "batch size": self.global_batch,
             "consumed samples": state.consumed_train_samples,
-            "consumed tokens": state.consumed_train_samples * self.config.model.seq_length,
+            "consumed tokens": self.tokens_in(state.consumed_train_samples),
             "number of skipped iterations": skipped, "number of nan iterations": nan,
             "peak memory (MB)": peak_memory if self.config.logging.log_memory else None, **routing})
 

@@ -223,10 +223,10 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                         f"further.")
     # Every rank holds the same consumed samples, so all raise together, before any collective of training.
     check_batches_ahead(config, plan.calculator, state.consumed_train_samples)
-    train_iterator, valid_iterator, test_iterator = build_data_iterators(
+    train_iterator, valid_iterator, test_iterator, tokens_in = build_data_iterators(
         config, parallel_state, plan, state.consumed_train_samples, state.iteration)
     train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
-          test_iterator, plan=plan, start_time=start_time)
+          test_iterator, plan=plan, start_time=start_time, tokens_in=tokens_in)
     if not keep_process_group:
         destroy_model_parallel(parallel_state)
     return state, model_chunks, parallel_state
@@ -242,9 +242,12 @@ def check_batches_ahead(config: Config, calculator: NumMicroBatchesCalculator, c
 
 
 def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
-          valid_iterator, state: TrainingState, test_iterator=None, *, plan: RunPlan, start_time: float) -> None:
+          valid_iterator, state: TrainingState, test_iterator=None, *, plan: RunPlan, start_time: float,
+          tokens_in=None) -> None:
+    """``tokens_in(n)``: the tokens of the first n training samples (build_data_iterators'); default n x
+    --seq-length."""
     calculator, train_iters = plan.calculator, plan.train_iters
-    logger = TrainingLogger(config, parallel_state, train_iters)
+    logger = TrainingLogger(config, parallel_state, train_iters, tokens_in)
     try:
         _train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
                test_iterator, calculator=calculator, train_iters=train_iters, start_time=start_time, logger=logger)
@@ -285,7 +288,7 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
                 state.nan_iterations += 0 if math.isfinite(loss) else 1
                 state.losses.append(loss)
             logger.record(loss, time.perf_counter() - step_start, skipped=not update_successful,
-                          global_batch=global_batch,
+                          global_batch=global_batch, consumed_samples=state.consumed_train_samples,
                           routing=routing_statistics.routing_summary(model_chunks, parallel_state, config.model))
             if _every(state.iteration, training.check_weight_hash_across_dp_replicas_interval):
                 check_weight_hash_across_dp_replicas(model_chunks, parallel_state, state.iteration)

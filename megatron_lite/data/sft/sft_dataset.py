@@ -38,14 +38,18 @@ class SFTDataset:
             raise SFTDataError(f"every one of the {len(examples)} fine-tuning examples is longer than --seq-length + 1 "
                                f"= {seq_length + 1} tokens with a prompt that fills the sequence: none has a response "
                                f"token to learn from. Raise --seq-length or shorten the prompts.")
-        self._orders, self._bin_starts, offsets = [], [], [0]
+        self._orders, self._bin_starts, offsets, sample_positions = [], [], [0], []
         while offsets[-1] < num_samples:
             order, starts = epoch_layout(positions, seq_length, seed=seed, epoch=len(self._orders),
                                          pack_sequences=pack_sequences)
             self._orders.append(order)
             self._bin_starts.append(starts)
             offsets.append(offsets[-1] + len(starts) - 1)
+            filled = np.concatenate([[0], np.cumsum(positions[order])])
+            sample_positions.append(filled[starts[1:]] - filled[starts[:-1]])
         self._epoch_offsets = np.asarray(offsets)
+        # The real (not padding) positions of the first n samples: what throughput counts as trained on.
+        self._positions_before = np.concatenate([[0], np.cumsum(np.concatenate(sample_positions)[:num_samples])])
 
     def __len__(self) -> int:
         return self.num_samples
@@ -59,6 +63,11 @@ class SFTDataset:
         members = self._orders[epoch][starts[sample_in_epoch]:starts[sample_in_epoch + 1]]
         return build_sample([self.examples.get(int(i)) for i in members], seq_length=self.seq_length,
                             pad_token=self.pad_token, pack_sequences=self.pack_sequences)
+
+    def tokens_in(self, num_samples: int) -> int:
+        """The tokens the first ``num_samples`` samples feed through the model: their examples' positions, not
+        the padding after them (a packed sample's leftover positions are padding too)."""
+        return int(self._positions_before[min(num_samples, self.num_samples)])
 
     def describe(self) -> str:
         """For the start-up summary: examples, samples, epochs and truncations (never silent)."""
