@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint in one process: perplexity on data, exact match of greedy answers.
+"""Evaluate a checkpoint at any layout: perplexity on data, exact match of greedy answers.
 
     # perplexity over every token of an indexed dataset (consecutive samples of --seq-length + 1 tokens)
     python -m megatron_lite.evaluate --load CKPT --data-path data/corpus_text_document
@@ -7,8 +7,14 @@
     python -m megatron_lite.evaluate --load CKPT --sft --data-path test.jsonl --exact-match \\
         --output-file answers.jsonl
 
-The checkpoint's own config gives the architecture (any training layout; it is resharded to one
-process) and, unless ``--tokenizer-type`` names another, the tokenizer. Fine-tuning data is read as
+    # the same on 8 processes: tensor 2 x pipeline 2, the batches split over 2 data-parallel ranks
+    torchrun --nproc-per-node 8 -m megatron_lite.evaluate --load CKPT --data-path data/corpus_text_document \
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+
+The checkpoint's own config gives the architecture (any training layout; it is resharded to the one
+asked for: tensor, pipeline and expert sizes as in training, the processes beyond tensor x pipeline
+splitting the batches as data-parallel ranks, ``inference/data_parallel.py``) and, unless
+``--tokenizer-type`` names another, the tokenizer. Every layout gives one process's numbers. Fine-tuning data is read as
 in training (the checkpoint's ``--sft-tokenizer-prompt-format`` unless given, one example per sample,
 truncated to --seq-length + 1 tokens); the answer to each JSONL line is generated greedily, with the
 key/value cache, from its conversation without the last (assistant) message and compared with that
@@ -26,7 +32,7 @@ import sys
 import numpy as np
 import torch
 
-from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError, ParallelConfig
+from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError
 from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.data import IndexedDataset
 from megatron_lite.data.data_samplers import collate_gpt_batch
@@ -34,11 +40,15 @@ from megatron_lite.data.sft import format_prompt, load_sft_examples, response_te
 from megatron_lite.data.sft.examples import read_conversations
 from megatron_lite.data.sft.formats import RecordFormat, add_record_format_arguments
 from megatron_lite.data.sft.sft_dataset import build_sample
-from megatron_lite.inference.loading import (add_tokenizer_arguments, checkpoint_tokenizer, load_model,
-                                             read_checkpoint_config)
+from megatron_lite.inference.data_parallel import gathered_in_order, share_of_rank
+from megatron_lite.inference.forward import forward_through_stages
+from megatron_lite.inference.loading import (add_layout_arguments, add_tokenizer_arguments, checkpoint_tokenizer,
+                                             layout_of, load_model, model_parallel_state, read_checkpoint_config)
 from megatron_lite.inference.text_generation import generate
 from megatron_lite.process_groups.failures import run_command
-from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups.initialize import resolve_launch_env
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel
 from megatron_lite.tokenizer import TOKENIZER_FIELDS
 from megatron_lite.training.loop import loss_func
 
@@ -59,6 +69,7 @@ def build_parser() -> ArgumentParser:
                         help="with --sft JSONL: generate each answer greedily and compare it with the response")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--output-file", help="--exact-match: one JSON line per example")
+    add_layout_arguments(parser)
     add_tokenizer_arguments(parser)
     return parser
 
@@ -68,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_evaluation(args: argparse.Namespace) -> None:
-    print("\n".join(format_results(evaluate_checkpoint(args))), flush=True)
+    results = evaluate_checkpoint(args)
+    if resolve_launch_env().rank == 0:
+        print("\n".join(format_results(results)), flush=True)
 
 
 def evaluate_checkpoint(args: argparse.Namespace) -> dict:
@@ -80,18 +93,19 @@ def evaluate_checkpoint(args: argparse.Namespace) -> dict:
     if not args.sft and (args.sft_format != "auto" or args.sft_data_keys):
         raise ConfigError("--sft-format and --sft-data-keys say how to read fine-tuning data: add --sft.")
     record_format = RecordFormat.from_flags(args.sft_format, args.sft_data_keys)
-    config = read_checkpoint_config(args.load, ParallelConfig())
+    config = read_checkpoint_config(args.load, layout_of(args))
     tokenizer = checkpoint_tokenizer(config, {name: getattr(args, name) for name in TOKENIZER_FIELDS})
     prompt_format = args.sft_tokenizer_prompt_format or config.data.sft_tokenizer_prompt_format
-    parallel_state = initialize_model_parallel(1, 1)
+    parallel_state = model_parallel_state(config.parallel)
     try:
         model = load_model(config, parallel_state)
-        return _evaluate(model, config, tokenizer, prompt_format, record_format, args)
+        return _evaluate(model, config, tokenizer, prompt_format, record_format, args, parallel_state)
     finally:
         destroy_model_parallel(parallel_state)
 
 
-def _evaluate(model, config, tokenizer, prompt_format: str, record_format: RecordFormat, args) -> dict:
+def _evaluate(model, config, tokenizer, prompt_format: str, record_format: RecordFormat, args,
+              parallel_state) -> dict:
     seq_length = config.model.seq_length
     if args.sft:
         examples = load_sft_examples(args.data_path, tokenizer, prompt_format, record_format)
@@ -101,11 +115,12 @@ def _evaluate(model, config, tokenizer, prompt_format: str, record_format: Recor
     else:
         samples = ({"tokens": window} for window in _consecutive_windows(args.data_path, seq_length))
         collate = functools.partial(collate_gpt_batch, eod_token=None, eod_mask_loss=False)
-    loss_sum, num_tokens = _loss_sum_and_count(model, samples, collate, args.micro_batch_size, args.max_samples)
+    loss_sum, num_tokens = _loss_sum_and_count(model, samples, collate, args.micro_batch_size, args.max_samples,
+                                               parallel_state)
     lm_loss = loss_sum / max(num_tokens, 1)
     results = {"lm loss": lm_loss, "ppl": math.exp(min(20.0, lm_loss)), "tokens": num_tokens}
     if args.exact_match:
-        results.update(_exact_match(model, tokenizer, prompt_format, record_format, args))
+        results.update(_exact_match(model, tokenizer, prompt_format, record_format, args, parallel_state))
     return results
 
 
@@ -130,41 +145,46 @@ def _consecutive_windows(prefixes: list[str], seq_length: int):
 
 
 @torch.no_grad()
-def _loss_sum_and_count(model, samples, collate, micro_batch_size: int, max_samples: int | None):
-    """(sum of the loss-masked token losses, their number) over ``samples``, batched by ``collate``."""
+def _loss_sum_and_count(model, samples, collate, micro_batch_size: int, max_samples: int | None, parallel_state):
+    """(sum of the loss-masked token losses, their number) over ``samples``, batched by ``collate``: each
+    data-parallel rank sums its batches on the last stage, and the sums are added over the stages (only the
+    last one's are not zero) and the data-parallel ranks."""
     model.eval()
     device = next(model.parameters()).device
-    loss_sum, num_tokens = 0.0, 0
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # float64: a sum over millions of tokens
     samples = itertools.islice(samples, max_samples)
-    while batch := list(itertools.islice(samples, micro_batch_size)):
+    batches = iter(lambda: list(itertools.islice(samples, micro_batch_size)), [])
+    for index, batch in share_of_rank(batches, parallel_state):
         batch = {key: value.to(device) for key, value in collate(batch).items()}
-        output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-        batch_sum, batch_tokens, _ = loss_func(batch["loss_mask"], output)
-        loss_sum, num_tokens = loss_sum + batch_sum.item(), num_tokens + int(batch_tokens)
-    return loss_sum, num_tokens
+        output = forward_through_stages(model, parallel_state, batch["tokens"], batch["position_ids"],
+                                        labels=batch["labels"])
+        if output is not None and index is not None:  # the last stage, and no filler
+            batch_sum, batch_tokens, _ = loss_func(batch["loss_mask"], output)
+            totals += torch.stack([batch_sum.double(), batch_tokens.double()])
+    for group in (parallel_state.pipeline_model_parallel_group, parallel_state.data_parallel_group):
+        collectives.all_reduce(totals, group)
+    return totals[0].item(), int(totals[1].item())
 
 
-def _exact_match(model, tokenizer, prompt_format: str, record_format: RecordFormat, args) -> dict:
-    matches, count = 0, 0
-    output = open(args.output_file, "w", encoding="utf-8") if args.output_file else None
-    try:
-        for path in args.data_path:
-            for line_number, messages in read_conversations(path, record_format):
-                prompt, reference = split_last_response(messages)
-                prompt_ids = format_prompt(prompt, tokenizer, prompt_format) or [tokenizer.eod]
-                answer_ids = generate(model, [prompt_ids], max_new_tokens=args.max_new_tokens, eod=tokenizer.eod,
-                                      greedy=True)[0]
-                answer = response_text(answer_ids, tokenizer, prompt_format)
-                matched = answer.strip() == reference.strip()
-                matches, count = matches + matched, count + 1
-                if output is not None:
-                    output.write(json.dumps({"source": f"{path}:{line_number}", "messages": prompt,
-                                             "reference": reference, "response": answer,
-                                             "exact_match": matched}) + "\n")
-    finally:
-        if output is not None:
-            output.close()
-    return {"exact match": matches / max(count, 1), "matches": matches, "examples": count}
+def _exact_match(model, tokenizer, prompt_format: str, record_format: RecordFormat, args, parallel_state) -> dict:
+    """Each data-parallel rank answers its share of the examples; rank 0 counts and writes them in order."""
+    examples = ((f"{path}:{line_number}", *split_last_response(messages)) for path in args.data_path
+                for line_number, messages in read_conversations(path, record_format))
+    answered = []
+    for index, (source, prompt, reference) in share_of_rank(examples, parallel_state):
+        prompt_ids = format_prompt(prompt, tokenizer, prompt_format) or [tokenizer.eod]
+        answer_ids = generate(model, [prompt_ids], max_new_tokens=args.max_new_tokens, eod=tokenizer.eod,
+                              greedy=True, parallel_state=parallel_state)[0]
+        if index is not None:  # not a filler
+            answer = response_text(answer_ids, tokenizer, prompt_format)
+            answered.append((index, [{"source": source, "messages": prompt, "reference": reference,
+                                      "response": answer, "exact_match": answer.strip() == reference.strip()}]))
+    records = gathered_in_order(answered, parallel_state)
+    if args.output_file and parallel_state.rank == 0:
+        with open(args.output_file, "w", encoding="utf-8") as output:
+            output.writelines(json.dumps(record) + "\n" for record in records)
+    matches = sum(record["exact_match"] for record in records)
+    return {"exact match": matches / max(len(records), 1), "matches": matches, "examples": len(records)}
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Generate text from a checkpoint, in one process or under torchrun with tensor and pipeline parallelism.
+"""Generate text from a checkpoint, in one process or under torchrun with tensor, pipeline, expert and data
+parallelism.
 
     # one prompt, sampled; the tokenizer is the one the checkpoint was trained with
     python -m megatron_lite.generate --load CKPT --prompt "Once upon a time"
@@ -6,6 +7,10 @@
     # a file of prompts, greedy, 8 per batch, on 4 processes (tp 2 x pp 2)
     torchrun --nproc-per-node 4 -m megatron_lite.generate --load CKPT --tensor-model-parallel-size 2 \\
         --pipeline-model-parallel-size 2 --prompts-file prompts.jsonl --output-file answers.jsonl --greedy
+
+    # a mixture of experts split over 4 processes, which also split the prompts (data-parallel size 4)
+    torchrun --nproc-per-node 4 -m megatron_lite.generate --load CKPT --expert-model-parallel-size 4 \\
+        --prompts-file prompts.jsonl --output-file answers.jsonl
 
 ``--prompts-file`` lines are ``{"prompt": "..."}`` or ``{"messages": [{"role", "content"}, ...]}``
 (a conversation ending with a user or system message); ``--output-file`` gets one
@@ -15,7 +20,10 @@ end-of-turn marker). Prompts go through the chat template the checkpoint was fin
 (``--sft-tokenizer-prompt-format``, recorded in its config; ``plain``, the text as written, for a
 pretrained model), exactly as training tokenized them: a ``{"prompt": p}`` is the conversation of
 one user message ``p``. The checkpoint's config gives the architecture and its weights are
-resharded to the layout asked for; the tokens do not depend on the layout.
+resharded to the layout asked for; the tokens do not depend on the layout. Processes beyond
+tensor x pipeline are data-parallel ranks, each generating every d-th batch (``inference/data_parallel.py``);
+each batch samples from its own generator, seeded by ``--seed`` and its index, so the responses are those
+of one process.
 """
 from __future__ import annotations
 
@@ -24,16 +32,15 @@ import sys
 
 import torch
 
-from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError, ParallelConfig
+from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError
 from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.data.jsonl import read_jsonl_lines
 from megatron_lite.data.sft.prompt_format import ROLES, format_prompt, response_text
-from megatron_lite.inference.loading import (add_tokenizer_arguments, checkpoint_tokenizer, load_model,
-                                             read_checkpoint_config)
+from megatron_lite.inference.data_parallel import gathered_in_order, share_of_rank
+from megatron_lite.inference.loading import (add_layout_arguments, add_tokenizer_arguments, checkpoint_tokenizer,
+                                             layout_of, load_model, model_parallel_state, read_checkpoint_config)
 from megatron_lite.inference.text_generation import check_sampling, generate
 from megatron_lite.process_groups.failures import run_command
-from megatron_lite.process_groups.initialize import initialize_distributed
-from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tokenizer import TOKENIZER_FIELDS
 
 
@@ -60,10 +67,9 @@ def build_parser() -> ArgumentParser:
                                                                 "(default: 40)")
     sampling.add_argument("--top-p", type=float, default=0.0,
                           help="sample among the most likely tokens holding probability p; 0: all (default: 0)")
-    sampling.add_argument("--seed", type=int, default=1234, help="seed of the sampling generator (default: 1234)")
-    parallel = parser.add_argument_group("parallelism (launch tensor x pipeline processes with torchrun)")
-    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    sampling.add_argument("--seed", type=int, default=1234,
+                          help="seed of the sampling generators, one per batch: --seed + its index (default: 1234)")
+    add_layout_arguments(parser)
     add_tokenizer_arguments(parser)
     return parser
 
@@ -78,31 +84,26 @@ def generate_from_checkpoint(args) -> None:
         raise ConfigError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}.")
     if args.prompt is not None and args.prompts_file is not None:
         raise ConfigError("--prompt and --prompts-file both given: pass one.")
-    parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                              pipeline_model_parallel_size=args.pipeline_model_parallel_size)
-    config = read_checkpoint_config(args.load, parallel)
+    config = read_checkpoint_config(args.load, layout_of(args))
     tokenizer = checkpoint_tokenizer(config, {name: getattr(args, name) for name in TOKENIZER_FIELDS})
     prompt_format = args.sft_tokenizer_prompt_format or config.data.sft_tokenizer_prompt_format
     prompts = _read_prompts(args.prompts_file) if args.prompts_file else [args.prompt or ""]
-    env = initialize_distributed(parallel)
-    if parallel.data_parallel_size(env.world_size) != 1:
-        raise ConfigError(f"generate runs one copy of the model: launch --tensor-model-parallel-size x "
-                          f"--pipeline-model-parallel-size = {parallel.tensor_model_parallel_size} x "
-                          f"{parallel.pipeline_model_parallel_size} processes, not {env.world_size}.")
-    parallel_state = initialize_model_parallel(parallel.tensor_model_parallel_size,
-                                               parallel.pipeline_model_parallel_size)
+    parallel_state = model_parallel_state(config.parallel)
     model = load_model(config, parallel_state)
-    generator = torch.Generator().manual_seed(args.seed)  # alike on every rank: the tokens do not depend on it
+    batches = (prompts[start:start + args.micro_batch_size] for start in range(0, len(prompts), args.micro_batch_size))
     results = []
-    for start in range(0, len(prompts), args.micro_batch_size):
-        batch = prompts[start:start + args.micro_batch_size]
+    for index, batch in share_of_rank(batches, parallel_state):
+        # Each batch's own generator, alike on every model-parallel rank: the tokens do not depend on the layout.
+        generator = torch.Generator().manual_seed(args.seed + (index or 0))
         new_tokens = generate(model, [format_prompt(_conversation(p), tokenizer, prompt_format) or [tokenizer.eod]
                                       for p in batch],
                               max_new_tokens=args.max_new_tokens, eod=tokenizer.eod, greedy=args.greedy,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               generator=generator, parallel_state=parallel_state)
-        results += [{"prompt": p, "response": response_text(ids, tokenizer, prompt_format)}
-                    for p, ids in zip(batch, new_tokens)]
+        if index is not None:  # not a filler
+            results.append((index, [{"prompt": p, "response": response_text(ids, tokenizer, prompt_format)}
+                                    for p, ids in zip(batch, new_tokens)]))
+    results = gathered_in_order(results, parallel_state)
     if parallel_state.rank == 0:
         _write_results(results, args)
 

@@ -40,7 +40,7 @@ def _config(name: str) -> dict:
                                    "grad_cpu_offload": True}),
 ])
 def test_llama_factory_files_translate_to_our_flags(name, expected):
-    fields, ignored = translate(_config(name), {}, world_size=2)
+    fields, ignored, _ = translate(_config(name), {}, world_size=2)
     assert fields == {**expected, **FP16_SCALER}  # every "auto" is left to the command line
     assert "zero_optimization.stage3_max_live_parameters" in ignored or name in ("ds_z0_config.json",
                                                                                    "ds_z2_config.json")
@@ -59,7 +59,7 @@ def test_llama_factory_files_translate_to_our_flags(name, expected):
     ({"train_batch_size": 8}, {"context_parallel_size": 2}, 4, (4, 8)),  # context ranks share micro-batches
 ])
 def test_the_batch_triad_is_completed_as_deepspeed_does(keys, explicit, world_size, batch):
-    fields, _ = translate(keys, explicit, world_size)
+    fields, _, _ = translate(keys, explicit, world_size)
     assert (fields["micro_batch_size"], fields["global_batch_size"]) == batch
 
 
@@ -116,7 +116,7 @@ def test_a_value_of_the_wrong_type_is_one_error_naming_key_value_and_type(config
 
 def test_json_numbers_that_are_whole_serve_as_integers():
     config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}, "steps_per_print": 10.0}
-    fields, _ = translate(config, {}, 1)
+    fields, _, _ = translate(config, {}, 1)
     assert (fields["ddp_bucket_size"], fields["log_interval"]) == (500000000, 10)
     assert type(fields["ddp_bucket_size"]) is int
 

@@ -34,6 +34,13 @@
     python tools/checkpoint_convert.py --source-format peft --load-dir peft-dir --save-dir lora-ckpt \\
         --base-checkpoint ckpt
 
+    # any other pair in one command, through megatron_lite's format in a scratch directory beside --save-dir:
+    # Megatron-LM <-> Hugging Face, Hugging Face as another family, Megatron-LM at another TP/PP, PEFT merged
+    python tools/checkpoint_convert.py --source-format megatron --target-format hf --load-dir megatron-ckpt \
+        --save-dir hf-dir
+    python tools/checkpoint_convert.py --source-format peft --merge-lora --target-format hf --load-dir peft-dir \
+        --base-checkpoint ckpt --save-dir hf-dir
+
 One process is enough: checkpoints name tensors by global name, so resharding is
 reading whole tensors and cutting them again. ``--load-dir`` may be a checkpoint
 root (its newest iteration) or one ``iter_*`` directory.
@@ -42,7 +49,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import tempfile
 
 from megatron_lite.checkpointing import hf_interop, hf_peft
 from megatron_lite.checkpointing.hf_families import FAMILIES
@@ -121,54 +130,73 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _convert(args, sizes: dict) -> str:
+    """Every pair of formats: an import into megatron_lite's format, an export from it, or both in turn."""
     source, target = args.source_format, args.target_format
-    tokenizer = {k: getattr(args, k) for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")}
-    if args.merge_lora and (source != "megatron_lite" or target == "peft"):
-        raise ConfigError("--merge-lora reads a megatron_lite LoRA checkpoint and writes --target-format "
-                          "megatron_lite or hf.")
+    if args.merge_lora and (source not in ("megatron_lite", "peft") or target not in ("megatron_lite", "hf")):
+        raise ConfigError("--merge-lora reads LoRA adapters (a megatron_lite LoRA checkpoint, or --source-format peft) "
+                          "and writes --target-format megatron_lite or hf (export the merged model to megatron "
+                          "from there).")
+    if source == "peft" and target in ("hf", "megatron") and not args.merge_lora:
+        raise ConfigError(f"--source-format peft holds adapters, and a {target} checkpoint holds a whole model: add "
+                          f"--merge-lora (and --target-format hf) to write the base with the adapters merged in.")
     if args.fold_prefix_projection and (source, target) != ("megatron_lite", "megatron_lite"):
         raise ConfigError("--fold-prefix-projection rewrites a megatron_lite prefix-tuning checkpoint as one.")
-    if source == "hf" and target == "megatron_lite":
-        return hf_interop.import_hf_checkpoint(args.load_dir, args.save_dir, **sizes)
-    if source == "megatron" and target == "megatron_lite":
-        return import_megatron_checkpoint(args.load_dir, args.save_dir, **sizes)
     if args.megatron_common_state and (target, args.megatron_ckpt_format) != ("megatron", "torch_dist"):
         raise ConfigError("--megatron-common-state lays out a torch_dist export: give it with --target-format "
                           "megatron --megatron-ckpt-format torch_dist, or drop it.")
-    if source == "megatron_lite" and target == "megatron" and not (args.merge_lora or args.fold_prefix_projection):
-        return export_megatron_checkpoint(args.load_dir, args.save_dir, ckpt_format=args.megatron_ckpt_format,
-                                          common_state=args.megatron_common_state or "common.pt", **sizes)
-    if source == "peft" and target == "megatron_lite":
-        if not args.base_checkpoint:
-            raise ConfigError("--source-format peft needs --base-checkpoint: the megatron_lite checkpoint of the "
-                              "base model (import it with --source-format hf first).")
-        return hf_peft.import_peft_adapters(args.load_dir, args.save_dir, base_checkpoint=args.base_checkpoint,
-                                            **sizes)
-    if source == "megatron_lite" and target == "peft":
-        hf_peft.export_peft_adapters(args.load_dir, args.save_dir, hf_model_type=args.hf_model_type,
-                                     base_model_name_or_path=args.base_model_name_or_path)
-        return args.save_dir
-    if source == "megatron_lite" and args.fold_prefix_projection:
-        config, read, training_state = folded_prefix(resolve_checkpoint_dir(args.load_dir))
+    if source == "peft" and not args.base_checkpoint:
+        raise ConfigError("--source-format peft needs --base-checkpoint: the megatron_lite checkpoint of the "
+                          "base model (import it with --source-format hf first).")
+    if source == "megatron_lite":
+        return _export(args, args.load_dir, sizes)
+    if target == "megatron_lite" and not args.merge_lora:
+        return _import(args, args.save_dir, sizes)
+    # Two steps: the import is written at one process (the export reshards anyway) next to --save-dir, so that
+    # it lies on the same file system, and removed afterwards.
+    parent = os.path.dirname(os.path.abspath(args.save_dir))
+    os.makedirs(parent, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".checkpoint_convert-", dir=parent) as scratch:
+        return _export(args, _import(args, scratch, {}), sizes)
+
+
+def _import(args, save_dir: str, sizes: dict) -> str:
+    """--load-dir (hf, megatron or peft) as a megatron_lite checkpoint in ``save_dir``."""
+    if args.source_format == "hf":
+        return hf_interop.import_hf_checkpoint(args.load_dir, save_dir, **sizes)
+    if args.source_format == "megatron":
+        return import_megatron_checkpoint(args.load_dir, save_dir, **sizes)
+    return hf_peft.import_peft_adapters(args.load_dir, save_dir, base_checkpoint=args.base_checkpoint, **sizes)
+
+
+def _export(args, load_dir: str, sizes: dict) -> str:
+    """The megatron_lite checkpoint ``load_dir`` written as --target-format (its adapters merged, or its
+    prefixes folded, first when asked)."""
+    target = args.target_format
+    tokenizer = {k: getattr(args, k) for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")}
+    if args.fold_prefix_projection:
+        config, read, training_state = folded_prefix(resolve_checkpoint_dir(load_dir))
         config = dataclasses.replace(config, parallel=ParallelConfig(**sizes))
         return write_checkpoint(args.save_dir, config, read, iteration=0, training_state=training_state)
-    if source == "megatron_lite" and args.merge_lora:
-        config, read = merged_lora(resolve_checkpoint_dir(args.load_dir))
+    if args.merge_lora:
+        config, read = merged_lora(resolve_checkpoint_dir(load_dir))
         if target == "hf":
             hf_interop.export_hf_weights(config, read, args.save_dir, tokenizer_flags=tokenizer,
                                          hf_model_type=args.hf_model_type)
             return args.save_dir
-        config = dataclasses.replace(config, parallel=ParallelConfig(**sizes))
-        return write_checkpoint(args.save_dir, config, read, iteration=0)
-    if source == "megatron_lite" and target == "hf":
-        hf_interop.export_hf_checkpoint(args.load_dir, args.save_dir, tokenizer_flags=tokenizer,
+        return write_checkpoint(args.save_dir, dataclasses.replace(config, parallel=ParallelConfig(**sizes)), read,
+                                iteration=0)
+    if target == "megatron":
+        return export_megatron_checkpoint(load_dir, args.save_dir, ckpt_format=args.megatron_ckpt_format,
+                                          common_state=args.megatron_common_state or "common.pt", **sizes)
+    if target == "peft":
+        hf_peft.export_peft_adapters(load_dir, args.save_dir, hf_model_type=args.hf_model_type,
+                                     base_model_name_or_path=args.base_model_name_or_path)
+        return args.save_dir
+    if target == "hf":
+        hf_interop.export_hf_checkpoint(load_dir, args.save_dir, tokenizer_flags=tokenizer,
                                         hf_model_type=args.hf_model_type)
         return args.save_dir
-    if source == "megatron_lite" and target == "megatron_lite":
-        return reshard_checkpoint(args.load_dir, args.save_dir, **sizes)
-    raise ConfigError(f"no conversion from --source-format {source} to --target-format {target}: hf and peft "
-                      f"convert to and from megatron_lite, megatron to and from it (merge adapters before a megatron "
-                      f"export).")
+    return reshard_checkpoint(load_dir, args.save_dir, **sizes)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,8 @@ FIXTURES = {
     "llama_tp2pp2_legacy_model": Fixture(LLAMA, 2, 2, (*TORCH, *LEGACY_MODEL)),
     "gpt2_tp2pp1_torch_dist": Fixture(GPT2, 2, 1, TORCH_DIST),
     "llama_tp2pp1_torch_dist_core020": Fixture(LLAMA, 2, 1, TORCH_DIST, ref=CORE_020),
+    # Without the bias-GeLU fusion, Megatron's MLP computes F.gelu: the exact (erf) GeLU, not the tanh one.
+    "gpt2_tp2pp1_exact_gelu": Fixture(GPT2, 2, 1, (*TORCH, "--no-bias-gelu-fusion")),
 }
 # NullTokenizer's vocabulary is --vocab-size + 1 (EOD): 28 tokens, padded to 32 at tensor sizes 1, 2 and 4 alike,
 # so an export at another tensor size pads as Megatron-LM does, and 4 padding rows are still there to get right.

@@ -58,6 +58,7 @@ ROLES = {
     "post_sublayer_norm": Role.ARCHITECTURE,
     "scale_embeddings": Role.ARCHITECTURE,
     "geglu": Role.ARCHITECTURE,
+    "gelu_exact": Role.ARCHITECTURE,  # with a GELU only (no SwiGLU), see _ONLY_WITH
     "rotary_seq_len_interpolation_factor": Role.ARCHITECTURE,  # with rope only
     "use_rope_scaling": Role.ARCHITECTURE,  # with rope only
     "rope_scaling_factor": Role.ARCHITECTURE,  # with --use-rope-scaling only
@@ -107,6 +108,7 @@ ROLES = {
     "init_method_std": Role.TRAINING,  # the loaded weights replace the initial ones
     # Padding rows are outside the logits and the loss, and loading resizes them to this run's padding.
     "make_vocab_size_divisible_by": Role.TRAINING,
+    "hf_model_type": Role.TRAINING,  # how the model is exported, not what it computes
     "use_fused_kernels": Role.MACHINE,
     "attention_backend": Role.MACHINE,  # SDPA or the unfused path: the same attention, rounded differently
 }
@@ -116,26 +118,38 @@ ROLES = {
 _ROTARY = lambda model: model.rotary  # noqa: E731
 _LATENT = lambda model: model.multi_latent_attention  # noqa: E731
 _YARN = lambda model: model.yarn  # noqa: E731
+_EXPERTS = lambda model: model.num_experts is not None  # noqa: E731
 _ONLY_WITH = {"max_position_embeddings": lambda model: model.position_embedding_type == "learned_absolute",
               "rotary_base": _ROTARY, "rotary_percent": _ROTARY, "rotary_seq_len_interpolation_factor": _ROTARY,
               "use_rope_scaling": _ROTARY, "rope_scaling_factor": lambda model: model.use_rope_scaling,
               "kv_channels": lambda model: not model.multi_latent_attention,
+              "gelu_exact": lambda model: not model.swiglu or model.geglu,
               **{name: _YARN for name in ("rotary_scaling_factor", "mscale", "mscale_all_dim",
                                           "yarn_original_max_position_embeddings", "yarn_beta_fast",
                                           "yarn_beta_slow", "yarn_correction_range_round_to_int")},
               **{name: _LATENT for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-                                            "v_head_dim", "rope_type")}}
+                                            "v_head_dim", "rope_type")},
+              # Every expert and router setting, the router's training ones too: a dense model has none.
+              **{name: _EXPERTS for name in ROLES if name.startswith("moe_")},
+              "moe_router_group_score": lambda model: _EXPERTS(model) and model.moe_router_num_groups is not None,
+              "moe_router_bias_update_rate": lambda model: _EXPERTS(model) and model.moe_router_enable_expert_bias,
+              **{name: lambda model: _EXPERTS(model) and model.moe_expert_capacity_factor is not None
+                 for name in ("moe_pad_expert_input_to_capacity", "moe_token_drop_policy")}}
 
 
 def role(field: str) -> Role:
     return ROLES.get(field, Role.ARCHITECTURE)
 
 
+def describes(field: str, model: ModelConfig) -> bool:
+    """Whether ``field`` means anything for ``model`` (a YaRN factor does not without YaRN, nor a router
+    setting without experts)."""
+    return field not in _ONLY_WITH or _ONLY_WITH[field](model)
+
+
 def defines_function(field: str, model: ModelConfig) -> bool:
     """Whether ``field`` changes what ``model``'s weights compute."""
-    if role(field) is not Role.ARCHITECTURE:
-        return False
-    return field not in _ONLY_WITH or _ONLY_WITH[field](model)
+    return role(field) is Role.ARCHITECTURE and describes(field, model)
 
 
 def _shown(field: str, value) -> str:

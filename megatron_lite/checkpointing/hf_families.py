@@ -77,7 +77,7 @@ GENERIC_FIELDS = frozenset({
     "transformers_version", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
     "tie_word_embeddings"})
 
-GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh approximation, which ours computes
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu")  # the tanh approximation, or (gelu) the exact one
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Megatron-LM's --use-rope-scaling fixes these (see model/rope_scaling.py).
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -116,13 +116,15 @@ def _gpt2_to_ours(hf: dict) -> dict:
                 norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), position_embedding_type="learned_absolute",
                 swiglu=False, add_bias_linear=True, untie_embeddings_and_output_weights=not hf.get(
                     "tie_word_embeddings", True),
-                hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1))
+                hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
+                gelu_exact=hf.get("activation_function", "gelu_new") == "gelu")
 
 
 def _gpt2_to_hf(config: ModelConfig) -> dict:
     return {"n_layer": config.num_layers, "n_embd": config.hidden_size, "n_head": config.num_attention_heads,
             "n_inner": config.ffn_hidden_size, "n_positions": config.max_position_embeddings,
-            "activation_function": "gelu_new", "layer_norm_epsilon": config.norm_epsilon,
+            "activation_function": "gelu" if config.gelu_exact else "gelu_new",
+            "layer_norm_epsilon": config.norm_epsilon,
             "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
             "attn_pdrop": config.attention_dropout}
 

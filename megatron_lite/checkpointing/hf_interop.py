@@ -99,9 +99,11 @@ def _default_naming(config: ModelConfig) -> str:
 
 
 def hf_family(config: ModelConfig, model_type: str | None = None) -> Family:
-    """The family to export as: ``model_type`` if given, else the one the model's features call for; either
-    way one whose config.json describes the model exactly (read back, it computes the same)."""
-    return named_family(config, model_type or family_of(config, hf_architecture(config)).model_type)
+    """The family to export as: ``model_type`` if given, else the one the model was imported as, else the one
+    the model's features call for; either way one whose config.json describes the model exactly (read back,
+    it computes the same)."""
+    return named_family(config, model_type or config.hf_model_type
+                        or family_of(config, hf_architecture(config)).model_type)
 
 
 def hf_config_from_model_config(config: ModelConfig, model_type: str | None = None) -> dict:
@@ -425,9 +427,10 @@ def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokeni
     special_ids = export_tokenizer(tokenizer_flags or {}, directory,
                                    model_max_length=hf_config.get("n_positions", hf_config.get(
                                        "max_position_embeddings")), prompt_format=prompt_format)
-    write_json(os.path.join(directory, "config.json"), {**hf_config, **special_ids})
-    if special_ids["eos_token_id"] is not None:
-        write_json(os.path.join(directory, "generation_config.json"), {**special_ids, "do_sample": False})
+    write_json(os.path.join(directory, "config.json"), {**hf_config, **special_ids["config.json"]})
+    if special_ids["generation_config.json"]["eos_token_id"] is not None:
+        write_json(os.path.join(directory, "generation_config.json"),
+                   {**special_ids["generation_config.json"], "do_sample": False})
     safetensors.torch.save_file({k: v.float().contiguous() for k, v in tensors.items()},
                                 os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     for name in os.listdir(directory):
@@ -444,7 +447,7 @@ def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_
     (iteration 0) that records the directory's tokenizer files, if any, and the directory itself
     (``HF_SOURCE_FILE``: the base that a PEFT export of adapters trained on this checkpoint names)."""
     hf_config, tensors = read_hf_directory(load_dir)
-    model_config = model_config_from_hf(hf_config)
+    model_config = dataclasses.replace(model_config_from_hf(hf_config), hf_model_type=hf_config["model_type"])
     weights = weights_from_hf(tensors, model_config, FAMILIES[hf_config["model_type"]].naming,
                               interleaved_rope=hf_config.get("rope_interleave", True))
     config = Config(model=model_config, parallel=ParallelConfig(

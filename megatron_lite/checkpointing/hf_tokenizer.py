@@ -17,6 +17,7 @@ import sys
 from megatron_lite.config import ConfigError
 from megatron_lite.data.sft.prompt_format import format_prompt, hf_chat_template
 from megatron_lite.tokenizer import build_tokenizer
+from megatron_lite.tokenizer.huggingface_tokenizer import saved_chat_template
 
 # (tokenizer class transformers builds, {our flag's field: the file name it expects})
 _HF_LAYOUT = {
@@ -34,7 +35,8 @@ _PROBE_CONVERSATIONS = (
 
 def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: int,
                      prompt_format: str | None = None) -> dict:
-    """Write the tokenizer files into ``save_dir``; returns {bos,eos,pad}_token_id (None without a tokenizer).
+    """Write the tokenizer files into ``save_dir``; returns, for ``config.json`` and ``generation_config.json``,
+    the {bos,eos,pad}_token_id each carries (None without a tokenizer).
 
     ``prompt_format``: the ``--sft-tokenizer-prompt-format`` of a chat fine-tune (None for pretraining)."""
     tokenizer_type = tokenizer_flags.get("tokenizer_type")
@@ -43,7 +45,8 @@ def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: 
               f"and pipeline() cannot load {save_dir}: pass --tokenizer-type ({', '.join(_HF_LAYOUT)}) and its "
               f"files to add one.", file=sys.stderr)
         # No special ids either: transformers would default GPT-2's to 50256, outside a smaller vocabulary.
-        return {"bos_token_id": None, "eos_token_id": None}
+        no_ids = {"bos_token_id": None, "eos_token_id": None}
+        return {"config.json": no_ids, "generation_config.json": no_ids}
     tokenizer = build_tokenizer(tokenizer_type, vocab_file=tokenizer_flags.get("vocab_file"),
                                 merge_file=tokenizer_flags.get("merge_file"),
                                 tokenizer_model=tokenizer_flags.get("tokenizer_model"))
@@ -53,6 +56,24 @@ def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: 
         if os.path.isdir(source):  # HuggingFaceTokenizer also takes the directory of a tokenizer.json
             source = os.path.join(source, name)
         shutil.copyfile(source, os.path.join(save_dir, name))
+    chat_template = hf_chat_template(prompt_format, tokenizer) if prompt_format else None
+    if tokenizer_type == "HuggingFaceTokenizer":
+        tokenizer_config = _hf_tokenizer_files(tokenizer, save_dir, model_max_length, prompt_format, chat_template)
+    else:
+        tokenizer_config = _tokenizer_config(tokenizer, tokenizer_type, tokenizer_class, model_max_length)
+        if chat_template:
+            tokenizer_config["chat_template"] = chat_template
+    write_json(os.path.join(save_dir, "tokenizer_config.json"), tokenizer_config)
+    if prompt_format:
+        _check_chat_template(tokenizer, prompt_format, save_dir)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return _hf_special_ids(tokenizer)
+    ids = {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad}
+    return {"config.json": ids, "generation_config.json": ids}
+
+
+def _tokenizer_config(tokenizer, tokenizer_type: str, tokenizer_class: str, model_max_length: int) -> dict:
+    """The tokenizer_config.json of a tokenizer that has none of its own: EOD is every special token."""
     eos = tokenizer.detokenize([tokenizer.eod]) if tokenizer_type != "SentencePieceTokenizer" else "</s>"
     tokenizer_config = {"tokenizer_class": tokenizer_class, "model_max_length": model_max_length,
                         "bos_token": eos, "eos_token": eos, "unk_token": eos,
@@ -62,13 +83,50 @@ def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: 
         # transformers prepends "▁" to the text unless told not to; the model itself says whether it
         # does (its add_dummy_prefix), and a leading space then tokenizes like none.
         tokenizer_config["add_prefix_space"] = tokenizer.tokenize("a") == tokenizer.tokenize(" a")
-    chat_template = hf_chat_template(prompt_format, tokenizer) if prompt_format else None
-    if chat_template:
-        tokenizer_config["chat_template"] = chat_template
-    write_json(os.path.join(save_dir, "tokenizer_config.json"), tokenizer_config)
-    if prompt_format:
-        _check_chat_template(tokenizer, prompt_format, save_dir)
-    return {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad}
+    return tokenizer_config
+
+
+def _hf_tokenizer_files(tokenizer, save_dir: str, model_max_length: int, prompt_format: str | None,
+                        chat_template: str | None) -> dict:
+    """A Hugging Face tokenizer's own tokenizer_config.json (returned) and special_tokens_map.json (copied) as
+    the source has them, so every special token survives; the chat template is the source's own
+    (``chat_template.jinja`` copied too) unless the run was fine-tuned with another, which replaces it, or
+    with none (plain), which removes it: apply_chat_template would give text the model never saw."""
+    source = tokenizer.directory
+    tokenizer_config = _read_json(os.path.join(source, "tokenizer_config.json"))
+    if tokenizer_config is None:  # a tokenizer.json whose special tokens only special_tokens_map.json names
+        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+                            **tokenizer.special_tokens}
+    kept = [name for name in ("special_tokens_map.json", "chat_template.jinja")
+            if os.path.isfile(os.path.join(source, name))]
+    if prompt_format == "plain" or (chat_template and chat_template != saved_chat_template(source)):
+        tokenizer_config.pop("chat_template", None)
+        kept = [name for name in kept if name != "chat_template.jinja"]
+        if chat_template:
+            tokenizer_config["chat_template"] = chat_template
+    for name in kept:
+        shutil.copyfile(os.path.join(source, name), os.path.join(save_dir, name))
+    return tokenizer_config
+
+
+def _hf_special_ids(tokenizer) -> dict:
+    """The ids ``config.json`` and ``generation_config.json`` carry: the ones the source directory's files
+    carry (a model directory's, the usual place of its tokenizer: Qwen's bos_token_id without a bos_token, Llama
+    3's list of stop ids), else the tokenizer's own special tokens."""
+    own = {"bos_token_id": tokenizer.bos, "eos_token_id": tokenizer.eod,
+           "pad_token_id": tokenizer.pad if tokenizer.special_tokens.get("pad_token") else None}
+    ids = {}
+    for name in ("config.json", "generation_config.json"):
+        recorded = _read_json(os.path.join(tokenizer.directory, name)) or {}
+        ids[name] = {**own, **{key: recorded[key] for key in own if key in recorded}}
+    return ids
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _check_chat_template(tokenizer, prompt_format: str, save_dir: str) -> None:

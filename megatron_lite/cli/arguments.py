@@ -16,8 +16,8 @@ import dataclasses
 import typing
 
 from megatron_lite.cli import deepspeed_config, megatron_compat
-from megatron_lite.cli.checkpoint_args import (checkpoint_model_args, megatron_checkpoints_imported,
-                                               resumed_run_tokenizer_args)
+from megatron_lite.cli.checkpoint_args import (checkpoint_model_args, hf_family_from_checkpoint,
+                                               megatron_checkpoints_imported, resumed_run_tokenizer_args)
 from megatron_lite.checkpointing.sft_prompt_format import prompt_format_from_checkpoint
 from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.config import (DEFAULT_TRAIN_ITERS, RUN_LENGTH_FIELDS, SECTIONS, Config, ConfigError, as_flags,
@@ -93,8 +93,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     namespace = vars(namespace)
     notices = megatron_compat.check_megatron_only_flags(namespace)
     parser.refuse_unknown(unknown)
-    namespace, deepspeed_notices = deepspeed_config.translate_deepspeed_flags(namespace,
-                                                                              resolve_launch_env().world_size)
+    namespace, deepspeed_notices, json_keys = deepspeed_config.translate_deepspeed_flags(
+        namespace, resolve_launch_env().world_size)
     notices += deepspeed_notices
     if not any(name in namespace for name in RUN_LENGTH_FIELDS):  # Megatron-LM would require one
         notices.append(f"no --train-iters, --train-samples or --train-epochs: the run is {DEFAULT_TRAIN_ITERS} "
@@ -102,7 +102,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     if resolve_launch_env().rank == 0:  # once per job under torchrun, not once per rank
         for notice in notices:
             print(f"note: {notice}", flush=True)
-    return config_from_namespace(namespace)
+    with deepspeed_config.errors_name_json_keys(json_keys):
+        return config_from_namespace(namespace)
 
 
 def config_from_namespace(namespace: dict) -> Config:
@@ -117,6 +118,7 @@ def config_from_namespace(namespace: dict) -> Config:
         namespace.update(checkpoint_model_args(namespace))
     else:
         namespace.update(resumed_run_tokenizer_args(namespace))
+    namespace.update(hf_family_from_checkpoint(namespace))
     taken = prompt_format_from_checkpoint(namespace)
     if taken and resolve_launch_env().rank == 0:
         print(f"note: fine-tuning on with the checkpoint's chat template: {as_flags(taken)}", flush=True)

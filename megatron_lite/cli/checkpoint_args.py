@@ -6,7 +6,7 @@ compute. They work on the parsed flags by field name (``arguments.build_parser``
 """
 from __future__ import annotations
 
-from megatron_lite.checkpointing.architecture import model_args_from_checkpoint
+from megatron_lite.checkpointing.architecture import describes, model_args_from_checkpoint
 from megatron_lite.checkpointing.megatron.importer import as_megatron_lite_checkpoint
 from megatron_lite.checkpointing.peft_base import peft_fields_from_checkpoint
 from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
@@ -40,8 +40,23 @@ def checkpoint_model_args(values: dict) -> dict:
     taken.update(peft_fields_from_checkpoint(values, saved.peft))  # an adapter checkpoint's LoRA rank and so on
     taken.update(_tokenizer_args_from_checkpoint(values, saved.data))
     if resolve_launch_env().rank == 0:
-        print(f" --use-checkpoint-args: the model of {root}: {as_flags(taken)}", flush=True)
+        # All of them are taken, but only those that mean something for this model are worth reading.
+        shown = {name: value for name, value in taken.items() if describes(name, saved.model)}
+        print(f" --use-checkpoint-args: the model of {root}: {as_flags(shown)}", flush=True)
     return taken
+
+
+def hf_family_from_checkpoint(values: dict) -> dict:
+    """A run that loads a checkpoint (a resume or --pretrained-checkpoint) keeps the Hugging Face family the
+    model was imported as, so that its export writes a fine-tuned Phi-3 as Phi-3; --hf-model-type overrides."""
+    if values.get("hf_model_type") is not None:
+        return {}
+    try:
+        source = checkpoint_to_load(CheckpointConfig(**section_values(values, CheckpointConfig)))
+        family = None if source is None else read_config(source[0]).model.hf_model_type
+    except CheckpointError:  # a missing or unreadable checkpoint: the load reports it, with its fix
+        return {}
+    return {} if family is None else {"hf_model_type": family}
 
 
 def resumed_run_tokenizer_args(values: dict) -> dict:

@@ -9,16 +9,24 @@ it serves whichever parser reads the command line. Its rules:
 - ``"auto"`` (the Trainer's placeholder) and a key the file leaves out keep the flag's value or default;
 - the batch triad is checked as DeepSpeed checks it: train_batch_size = train_micro_batch_size_per_gpu x
   gradient_accumulation_steps x data-parallel size, the missing one derived from the other two;
-- a key we do not implement stops the run with one error listing every such key; a knob that changes only
-  speed or memory is named in one notice; a key that contradicts an explicit flag is an error naming both.
+- a key we do not implement stops the run with one error listing every such key (a misspelled one named with
+  the key it is closest to, as a mistyped flag is); a knob that changes only speed or memory is named in one
+  notice; a key that contradicts an explicit flag is an error naming both;
+- an error of the configuration's checks names a value that came from the file by its key
+  (``scheduler.params.warmup_num_steps``), not by the flag the user never typed (``errors_name_json_keys``);
+- ZeRO that shards over one data-parallel rank, or ZeRO-2/3 beside pipeline parallelism (which DeepSpeed
+  refuses, and megatron_lite runs), is said in one note (``layout_note``).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
+from megatron_lite.cli.parser import nearest_name
 from megatron_lite.config import (LR_WARMUP_STYLES, SHARDING_STRATEGIES, ConfigError, OptimizerConfig, as_flags,
                                   flag_name)
 
@@ -42,6 +50,12 @@ HARMLESS_VALUES = {"zero_allow_untested_optimizer": (True, False), "prescale_gra
                    "optimizer.params.adam_w_mode": (True,), "optimizer.params.amsgrad": (False,),
                    "scheduler.params.last_batch_iteration": (-1,), "zero_optimization.contiguous_gradients": (True,)}
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+# DeepSpeed's own keys that we do not implement: refused as such, never taken for a misspelling of a key we read
+# (gradient_accumulation_dtype is close to gradient_accumulation_steps).
+DEEPSPEED_ONLY_KEYS = {"activation_checkpointing", "aio", "amp", "autotuning", "checkpoint", "comms_logger",
+                       "communication_data_type", "compression_training", "csv_monitor", "curriculum_learning",
+                       "data_efficiency", "data_types", "elasticity", "flops_profiler", "gradient_accumulation_dtype",
+                       "pipeline", "seq_parallel_communication_data_type", "sparse_attention", "sparse_gradients"}
 
 
 def add_deepspeed_flags(parser: argparse.ArgumentParser) -> None:
@@ -55,9 +69,10 @@ def add_deepspeed_flags(parser: argparse.ArgumentParser) -> None:
                        help="DeepSpeed's switch (then give --deepspeed_config), or the Trainer's --deepspeed ds.json")
 
 
-def translate_deepspeed_flags(values: dict, world_size: int) -> tuple[dict, list[str]]:
+def translate_deepspeed_flags(values: dict, world_size: int) -> tuple[dict, list[str], dict]:
     """Pops the DeepSpeed flags from the parsed ``values`` (explicit flags only, by field name); returns the
-    values with the file's fields added, and the notices to print. Raises ConfigError."""
+    values with the file's fields added, the notices to print, and {field: the file's key, as errors name it}
+    for ``errors_name_json_keys``. Raises ConfigError."""
     switch, path = values.pop("deepspeed", None), values.pop("deepspeed_config", None)
     if isinstance(switch, str):
         if path is not None and path != switch:
@@ -68,12 +83,60 @@ def translate_deepspeed_flags(values: dict, world_size: int) -> tuple[dict, list
         if switch:
             raise ConfigError("--deepspeed needs its config: add --deepspeed_config ds.json (megatron_lite "
                               "translates the file onto its own engine).")
-        return values, []
-    translated, ignored = translate(read_deepspeed_config(path), values, world_size, source=path)
+        return values, [], {}
+    translated, ignored, keys = translate(read_deepspeed_config(path), values, world_size, source=path)
     notices = [f"--deepspeed-config {path} became: {as_flags(translated) or '(no flags)'}"]
     if ignored:
         notices.append(f"--deepspeed-config {path}: ignored (they change only speed or memory): {', '.join(ignored)}")
-    return {**values, **translated}, notices
+    note = layout_note(translated, keys, values, world_size)
+    if note:
+        notices.append(f"--deepspeed-config {path}: {note}")
+    # A value the command line gave too (and the file agreed with) the user did type as a flag.
+    json_keys = {name: f"{path}'s {key}" for name, key in keys.items() if name not in values}
+    return {**values, **translated}, notices, json_keys
+
+
+@contextlib.contextmanager
+def errors_name_json_keys(json_keys: dict):
+    """Within it, a ConfigError that names the flag of a field the DeepSpeed file set names the file's key
+    instead: ``--lr-warmup-iters (10) must be smaller than ...`` becomes ``ds.json's
+    scheduler.params.warmup_num_steps (10) must be smaller than ...``. ``json_keys``: field -> what to call it
+    (``translate_deepspeed_flags``'s third value)."""
+    try:
+        yield
+    except ConfigError as error:
+        message = str(error)
+        for name, key in json_keys.items():
+            # The whole flag only: --lr is not the start of --lr-decay-iters.
+            message = re.sub(rf"(?<![\w-]){re.escape(flag_name(name))}(?![\w-])", lambda _: key, message)
+        if message == str(error):
+            raise
+        raise ConfigError(message) from None
+
+
+def layout_note(translated: dict, keys: dict, explicit: dict, world_size: int) -> str | None:
+    """What the file's ZeRO stage does on this layout, when it is not what a DeepSpeed user expects: sharding
+    over one data-parallel rank saves nothing, and DeepSpeed's pipeline engine refuses ZeRO-2/3 (stages that
+    shard gradients, which its pipeline schedule accumulates whole), where megatron_lite's runs them (its
+    parity ladder: pp2 x dp2 at every stage trains as one process does)."""
+    strategy = translated.get("data_parallel_sharding_strategy")
+    stage = SHARDING_STRATEGIES.index(strategy) if strategy else 0
+    if stage == 0:
+        return None
+    tp, pp, cp = (explicit.get(f"{name}_size", 1) for name in ("tensor_model_parallel", "pipeline_model_parallel",
+                                                                "context_parallel"))
+    dp = max(world_size // (tp * pp * cp), 1)
+    parts = []
+    if dp == 1:
+        parts.append(f"{keys['data_parallel_sharding_strategy']} {stage} shards over the data-parallel ranks, and "
+                     f"this run has one ({world_size} processes / tensor {tp} x pipeline {pp} x context {cp}), so "
+                     f"the sharding saves no memory: add processes or lower the model-parallel sizes")
+    if stage >= 2 and pp > 1:
+        parts.append(f"DeepSpeed refuses ZeRO stage {stage} with pipeline parallelism (its pipeline engine takes "
+                     f"stages 0 and 1 only); megatron_lite runs it (--data-parallel-sharding-strategy {strategy} "
+                     f"with --pipeline-model-parallel-size {pp}), so this file and these flags would not run on "
+                     f"DeepSpeed")
+    return "; ".join(parts) + "." if parts else None
 
 
 def read_deepspeed_config(path: str) -> dict:
@@ -96,6 +159,7 @@ class _Translation:
     source: str
     fields: dict = field(default_factory=dict)  # field name -> (value, key)
     unsupported: list = field(default_factory=list)
+    misspelled: list = field(default_factory=list)  # "key (did you mean known?)"
     ignored: list = field(default_factory=list)
 
     def set(self, name: str, value, key: str) -> None:
@@ -122,9 +186,11 @@ class _Translation:
                           '(or "auto" to keep the flag\'s value).')
 
 
-def translate(config: dict, explicit: dict, world_size: int, *, source: str = "ds.json") -> tuple[dict, list[str]]:
-    """(field values the DeepSpeed ``config`` becomes, the performance keys ignored); raises ConfigError for
-    unsupported keys (all listed), a broken batch triad, or a value contradicting an ``explicit`` field."""
+def translate(config: dict, explicit: dict, world_size: int, *,
+              source: str = "ds.json") -> tuple[dict, list[str], dict]:
+    """(field values the DeepSpeed ``config`` becomes, the performance keys ignored, the key that set each
+    field); raises ConfigError for unsupported or misspelled keys (all listed), a broken batch triad, or a
+    value contradicting an ``explicit`` field."""
     t = _Translation(source)
     for key, value in config.items():
         handler = _TOP_LEVEL.get(key)
@@ -136,12 +202,15 @@ def translate(config: dict, explicit: dict, world_size: int, *, source: str = "d
             _harmless_or_unsupported(t, key, value)
     _batch_triad(t, config, explicit, world_size)
     _scheduler(t, config.get("scheduler"), explicit)
-    if t.unsupported:
-        raise ConfigError(f"--deepspeed-config {source}: megatron_lite does not implement "
-                          f"{'; '.join(t.unsupported)}. Remove these keys (the table of supported keys is in "
-                          f"docs/coming_from_hf_and_deepspeed.md).")
+    if t.unsupported or t.misspelled:
+        problems = ([f"megatron_lite does not implement {'; '.join(t.unsupported)}"] if t.unsupported else []) + (
+            [f"unknown keys {'; '.join(t.misspelled)}"] if t.misspelled else [])
+        fix = "Remove these keys" if not t.misspelled else "Correct the misspelled keys and remove any others"
+        raise ConfigError(f"--deepspeed-config {source}: {'. '.join(problems)}. {fix} (the table of supported keys "
+                          f"is in docs/coming_from_hf_and_deepspeed.md).")
     _check_contradictions(t, explicit)
-    return {name: value for name, (value, _) in t.fields.items()}, t.ignored
+    return ({name: value for name, (value, _) in t.fields.items()}, t.ignored,
+            {name: key for name, (_, key) in t.fields.items()})
 
 
 def _harmless_or_unsupported(t: _Translation, key: str, value) -> None:
@@ -149,7 +218,12 @@ def _harmless_or_unsupported(t: _Translation, key: str, value) -> None:
         return
     if isinstance(value, dict) and value.get("enabled") is False:  # a feature switched off asks for nothing
         return
-    t.unsupported.append(f"{key} {json.dumps(value)}" if key in HARMLESS_VALUES else key)
+    section, _, name = key.rpartition(".")
+    meant = None if name in DEEPSPEED_ONLY_KEYS else nearest_name(name, KNOWN_KEYS.get(section, ()))
+    if meant is not None and meant != name:
+        t.misspelled.append(f"{key} (did you mean {f'{section}.' if section else ''}{meant}?)")
+    else:
+        t.unsupported.append(f"{key} {json.dumps(value)}" if key in HARMLESS_VALUES else key)
 
 
 def _section(t: _Translation, value, key: str) -> dict:
@@ -399,3 +473,22 @@ _TOP_LEVEL = {"zero_optimization": _zero_optimization, "fp16": _fp16, "bf16": _b
               "tensorboard": _monitor({}), "wandb": _monitor({"project": "wandb_project", "team": "wandb_entity"}),
               "scheduler": lambda t, value, key: None,  # after the optimizer, whose lr it may scale
               **{key: (lambda t, value, key: None) for key in _BATCH_KEYS}}  # together, in _batch_triad
+
+# Every key the translation reads, by section ("" the top level): an unknown key close to one of them is taken
+# for a misspelling of it.
+_OFFLOAD_KEYS = {"device"} | PERFORMANCE_KNOBS["offload"]
+KNOWN_KEYS = {
+    "": set(_TOP_LEVEL) | PERFORMANCE_KNOBS[""] | {key for key in HARMLESS_VALUES if "." not in key},
+    "zero_optimization": {"stage", "offload_optimizer", "offload_param", "overlap_comm", "reduce_bucket_size",
+                          "contiguous_gradients"} | PERFORMANCE_KNOBS["zero_optimization"],
+    "zero_optimization.offload_optimizer": _OFFLOAD_KEYS, "zero_optimization.offload_param": _OFFLOAD_KEYS,
+    "fp16": {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+             "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"},
+    "bf16": {"enabled"}, "bfloat16": {"enabled"},
+    "optimizer": {"type", "params"},
+    "optimizer.params": set(_ADAM_PARAMS) | {"betas", "adam_w_mode", "amsgrad"} | PERFORMANCE_KNOBS["optimizer.params"],
+    "scheduler": {"type", "params"},
+    "scheduler.params": {"warmup_num_steps", "warmup_type", "warmup_min_ratio", "cos_min_ratio", "warmup_min_lr",
+                         "warmup_max_lr", "total_num_steps", "last_batch_iteration"},
+    "tensorboard": {"enabled", "output_path", "job_name"}, "wandb": {"enabled", "project", "team"},
+}

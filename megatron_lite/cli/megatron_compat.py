@@ -28,7 +28,6 @@ ACCEPTED_FLAGS = {
     "--use-flash-attn": "accepted, no effect: attention runs torch's scaled_dot_product_attention, which uses a "
                         "flash kernel where the device has one (see --attention-backend)",
     "--no-masked-softmax-fusion": _FUSION_NOOP,
-    "--no-bias-gelu-fusion": _FUSION_NOOP,
     "--no-bias-swiglu-fusion": _FUSION_NOOP,
     "--no-bias-dropout-fusion": _FUSION_NOOP,
     "--no-rope-fusion": _FUSION_NOOP,
@@ -44,6 +43,13 @@ ACCEPTED_FLAGS = {
     "--moe-permute-fusion": "accepted, no effect: tokens are permuted to their experts by PyTorch ops",
     "--moe-router-fusion": "accepted, no effect: the router's top-k and losses are PyTorch ops",
 }
+
+# Megatron-LM's --no-bias-gelu-fusion is more than a kernel switch: its fused kernel is the tanh GeLU, and
+# without it the MLP computes F.gelu, the exact one. So it sets --gelu-exact (with --swiglu it changes nothing
+# there either: SwiGLU has no GeLU).
+EXACT_GELU_FLAG = "--no-bias-gelu-fusion"
+_EXACT_GELU_HELP = ("Megatron-LM's MLP without its fused tanh-GeLU kernel computes the exact (erf) GeLU: sets "
+                    "--gelu-exact (no effect with --swiglu)")
 
 # Flags with a value, accepted with no effect: each row is the spellings of one flag and what it means here.
 # DeepSpeed's launcher passes --local_rank=N, torch.distributed.launch --local-rank N, Megatron-LM takes both;
@@ -124,7 +130,7 @@ def add_megatron_only_flags(parser) -> None:
     """Registers every table flag, so a refused one reaches ``check_megatron_only_flags`` instead of argparse's
     "unrecognized arguments"."""
     group = parser.add_argument_group("Megatron-LM flags without a megatron_lite setting")
-    for flag, meaning in ACCEPTED_FLAGS.items():
+    for flag, meaning in {**ACCEPTED_FLAGS, EXACT_GELU_FLAG: _EXACT_GELU_HELP}.items():
         group.add_argument(flag, dest=dest(flag), action="store_true", default=argparse.SUPPRESS, help=meaning)
     for spellings, meaning in ACCEPTED_VALUE_FLAGS.items():
         group.add_argument(*spellings, dest=dest(spellings[0]), metavar="VALUE", default=argparse.SUPPRESS,
@@ -151,6 +157,8 @@ def check_megatron_only_flags(values: dict) -> list[str]:
         raise ConfigError(f"{given} is not supported: {refusal.reason}; {fix}.")
     for flag in [*ACCEPTED_FLAGS, *(spellings[0] for spellings in ACCEPTED_VALUE_FLAGS)]:
         values.pop(dest(flag), None)
+    if values.pop(dest(EXACT_GELU_FLAG), False) and not values.get("swiglu"):
+        values["gelu_exact"] = True
     return notices
 
 

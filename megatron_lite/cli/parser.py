@@ -45,6 +45,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def _unknown_flag_message(self, flag: str) -> str:
         name = flag.split("=", 1)[0]
-        nearest = difflib.get_close_matches(name, list(self._option_string_actions), n=1, cutoff=0.75)
-        hint = f" (did you mean {nearest[0]}?)" if nearest else "; see --help for the flags megatron_lite knows"
+        nearest = nearest_name(name, self._option_string_actions)
+        hint = f" (did you mean {nearest}?)" if nearest else "; see --help for the flags megatron_lite knows"
         return f"unrecognized argument {name}{hint}"
+
+
+def nearest_name(name: str, known) -> str | None:
+    """The one of the ``known`` names a mistyped ``name`` most likely meant (a flag, a DeepSpeed key), or None
+    when none is close."""
+    nearest = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return nearest[0] if nearest else None

@@ -50,6 +50,8 @@ HELP = {
     "post_sublayer_norm": "normalise the attention and MLP outputs too, before they join the residual (Gemma 2)",
     "scale_embeddings": "multiply the word embeddings by sqrt(--hidden-size) (Gemma)",
     "geglu": "with --swiglu, gate with tanh GELU instead of SiLU (GeGLU, Gemma)",
+    "gelu_exact": "the exact (erf) GELU instead of the tanh approximation (Megatron-LM without "
+                  "--bias-gelu-fusion, GPT-2's activation_function gelu)",
     "rotary_seq_len_interpolation_factor": "linear RoPE scaling: positions are divided by this factor",
     "use_rope_scaling": ("Llama 3.x RoPE scaling: low frequencies divided by --rope-scaling-factor (original "
                          "context 8192, low/high frequency factors 1 and 4, as Megatron-LM)"),
@@ -75,6 +77,8 @@ HELP = {
     "untie_embeddings_and_output_weights": "give the output layer its own weight instead of the input embedding's",
     "hidden_dropout": "dropout on the attention and MLP outputs",
     "attention_dropout": "dropout on the attention probabilities",
+    "hf_model_type": "the Hugging Face family (config.json's model_type) a Hugging Face export writes; an imported "
+                     "model records its own, and runs that load it keep it",
     "init_method_std": "standard deviation of the normal weight init (output projections are scaled by depth)",
     "make_vocab_size_divisible_by": "pad the vocabulary to a multiple of this x tensor-parallel size",
     "use_fused_kernels": "use the PyTorch reference ops instead of the fused CUDA kernels",

@@ -67,6 +67,9 @@ class ModelConfig:
     post_sublayer_norm: bool = False  # a norm on the attention and MLP outputs too, before the residual (Gemma 2)
     scale_embeddings: bool = False  # word embeddings times sqrt(hidden_size) (Gemma)
     geglu: bool = False  # --swiglu's gate through tanh GELU instead of SiLU (GeGLU, Gemma)
+    # The exact (erf) GELU instead of its tanh approximation: Megatron-LM's MLP without --bias-gelu-fusion
+    # (Megatron-Core's F.gelu), GPT-2 configs with activation_function "gelu".
+    gelu_exact: bool = False
     rotary_seq_len_interpolation_factor: Optional[float] = None  # linear RoPE scaling: positions / factor
     use_rope_scaling: bool = False  # Llama 3.x's RoPE frequency scaling, by rope_scaling_factor
     rope_scaling_factor: float = 8.0
@@ -96,6 +99,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     use_fused_kernels: bool = True
+    # The Hugging Face family the model was imported as (checkpoint_convert's hf import sets it): its export
+    # writes that family again, Phi-3 as Phi-3 rather than the Llama it computes. None: chosen by features.
+    hf_model_type: Optional[str] = None
     # Mixture of experts (Megatron-LM's --num-experts and --moe-* flags; checked in config/moe.py).
     num_experts: Optional[int] = None  # None: every MLP is dense
     moe_ffn_hidden_size: Optional[int] = None  # each expert's inner width; default --ffn-hidden-size
@@ -174,6 +180,8 @@ class ModelConfig:
                  "--qk-layernorm-whole-projection widens --qk-layernorm's RMSNorm to all heads at once (OLMoE): it "
                  "takes --qk-layernorm and --normalization RMSNorm, without --apply-layernorm-1p.")
         require(not self.geglu or self.swiglu, "--geglu changes the gate of --swiglu's gated MLP: add --swiglu.")
+        require(not self.gelu_exact or not self.swiglu or self.geglu,
+                "--gelu-exact changes the GELU, and --swiglu's gate is SiLU: drop one (or add --geglu).")
         for flag, value in [("--attn-logit-softcapping", self.attn_logit_softcapping),
                             ("--final-logit-softcapping", self.final_logit_softcapping),
                             ("--softmax-scale", self.softmax_scale), ("--rotary-base-local", self.rotary_base_local)]:

@@ -1,7 +1,8 @@
 """A checkpoint made ready to generate from: its model at this run's layout, and its tokenizer.
 
-The checkpoint's own config gives the architecture, so only the layout (tensor and
-pipeline sizes) is chosen here; the weights are resharded on load. The tokenizer is the
+The checkpoint's own config gives the architecture, so only the layout (tensor, pipeline and
+expert sizes; the processes beyond them are data-parallel ranks) is chosen here; the weights are
+resharded on load. The tokenizer is the
 one the checkpoint was trained with (its config records the ``--tokenizer-*`` flags)
 unless ``--tokenizer-type`` names another, so a user does not have to repeat the flags.
 """
@@ -15,6 +16,8 @@ from megatron_lite.checkpointing.megatron.importer import as_megatron_lite_check
 from megatron_lite.checkpointing.storage import TRACKER_FILE, read_latest_iteration
 from megatron_lite.config import CheckpointConfig, Config, ConfigError, ParallelConfig
 from megatron_lite.model.builder import build_model
+from megatron_lite.process_groups.initialize import initialize_distributed
+from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.config import TOKENIZER_TYPES
 from megatron_lite.tokenizer import build_model_tokenizer, checkpoint_tokenizer_flags
 
@@ -34,6 +37,35 @@ def read_checkpoint_config(load_dir: str, parallel: ParallelConfig) -> Config:
     # Sampling has its own --seed: the training ranks' random-number states mean nothing here, and loading
     # them would warn about a layout change that generation does not care about.
     return dataclasses.replace(saved, parallel=parallel, checkpoint=CheckpointConfig(load=load_dir, no_load_rng=True))
+
+
+def add_layout_arguments(parser) -> None:
+    """The layout flags of a command running a checkpoint's model, as the trainer names them."""
+    parallel = parser.add_argument_group(
+        "parallelism (launch with torchrun: processes beyond tensor x pipeline are data-parallel ranks, which "
+        "split the work; experts are split over the data-parallel ranks)")
+    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--expert-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--expert-tensor-parallel-size", type=int,
+                          help="tensor-parallel size of the experts (default: --tensor-model-parallel-size)")
+
+
+def layout_of(args) -> ParallelConfig:
+    """The ParallelConfig of ``add_layout_arguments``' flags (checked as the trainer checks them)."""
+    return ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                          pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                          expert_model_parallel_size=args.expert_model_parallel_size,
+                          expert_tensor_parallel_size=args.expert_tensor_parallel_size)
+
+
+def model_parallel_state(parallel: ParallelConfig):
+    """Join the job's processes and build this rank's groups for the layout ``parallel``."""
+    env = initialize_distributed(parallel)
+    parallel.data_parallel_size(env.world_size)  # the launch fits the layout, or one error says how
+    return initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                                     expert_model_parallel_size=parallel.expert_model_parallel_size,
+                                     expert_tensor_parallel_size=parallel.expert_tensor_parallel_size)
 
 
 def load_model(config: Config, parallel_state):

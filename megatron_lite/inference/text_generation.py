@@ -18,14 +18,19 @@ forward pass on with point-to-point sends. The last stage gathers the logits and
 one broadcast over the model-parallel group gives every rank the tokens (the first stage
 embeds them next, and all ranks must agree when to stop). The sampling generator is
 seeded alike on every rank, so the tokens do not depend on the layout.
+
+Data-parallel ranks generate batches of their own. Under expert parallelism they still share
+every mixture-of-experts layer (its tokens are dispatched over them), so they run the same
+number of steps: a batch stops when every data-parallel rank's batch is finished.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_lite.config import ConfigError
+from megatron_lite.inference.forward import forward_through_stages
 from megatron_lite.inference.inference_context import StaticInferenceContext
-from megatron_lite.pipeline_parallel import p2p
 from megatron_lite.process_groups import collectives
 
 
@@ -65,7 +70,7 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, eod: int |
         new_tokens.append(next_tokens)
         if eod is not None:
             finished |= next_tokens == eod
-        if bool(finished.all()):
+        if _all_finished(finished, parallel_state):
             break
         tokens, position_ids = next_tokens[:, None], position_ids[:, -1:] + 1
         if attention_mask is not None:  # the new token sees every real token before it
@@ -137,20 +142,10 @@ def _prompt_mask(padding: torch.Tensor) -> torch.Tensor:
 
 def _forward(model, tokens, position_ids, attention_mask, context, parallel_state) -> torch.Tensor | None:
     """One forward pass through every pipeline stage: the last stage's logits [b, V], None elsewhere."""
-    pipelined = parallel_state is not None and parallel_state.pipeline_model_parallel_world_size > 1
-    if pipelined:
-        parameter = next(model.parameters())
-        exchange = dict(shape=(tokens.shape[1], tokens.shape[0], model.config.hidden_size), dtype=parameter.dtype,
-                        device=parameter.device, group=parallel_state.pipeline_model_parallel_group)
-        if not parallel_state.is_pipeline_first_stage():
-            (received,) = p2p.exchange(sends=[], receives=[parallel_state.pipeline_prev_rank], **exchange)
-            model.set_input_tensor(received)
-    output = model(tokens, position_ids, attention_mask, inference_context=context)
+    output = forward_through_stages(model, parallel_state, tokens, position_ids, attention_mask,
+                                    inference_context=context)
     context.increment_sequence_len_offset(tokens.shape[1])
-    if pipelined and not parallel_state.is_pipeline_last_stage():
-        p2p.exchange(sends=[(output, parallel_state.pipeline_next_rank)], receives=[], **exchange)
-        return None
-    return output[:, -1]
+    return None if output is None else output[:, -1]
 
 
 def _broadcast_from_last_stage(next_tokens: torch.Tensor, parallel_state) -> None:
@@ -160,6 +155,15 @@ def _broadcast_from_last_stage(next_tokens: torch.Tensor, parallel_state) -> Non
     source = parallel_state.layout.rank(tensor=0, data=parallel_state.data_parallel_rank,
                                         pipeline=parallel_state.pipeline_model_parallel_world_size - 1)
     collectives.broadcast(next_tokens, source, parallel_state.model_parallel_group)
+
+
+def _all_finished(finished: torch.Tensor, parallel_state) -> bool:
+    """Whether this batch is done; under expert parallelism, whether every data-parallel rank's batch is."""
+    done = finished.all()
+    if parallel_state is not None and parallel_state.splits_experts:
+        done = done.to(torch.int32)
+        collectives.all_reduce(done, parallel_state.data_parallel_group_with_context, op=dist.ReduceOp.MIN)
+    return bool(done)
 
 
 def _until_eod(tokens: list[int], eod: int | None) -> list[int]:

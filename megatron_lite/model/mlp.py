@@ -1,7 +1,9 @@
 """The feed-forward block: column-parallel up-projection, GELU, SwiGLU or GeGLU, row-parallel down."""
+import functools
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite import kernels
@@ -34,17 +36,23 @@ class MLP(nn.Module):
 
 def mlp_activation(config: ModelConfig) -> Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]:
     """``activation(fc1 output, fc1 bias or None)``: SwiGLU or GeGLU on ``[gate, up]``, else GELU (the experts
-    of a mixture-of-experts layer use it too)."""
+    of a mixture-of-experts layer use it too); the GELU is the tanh approximation (the fused kernel's) or,
+    with --gelu-exact, the erf one (PyTorch's own kernel: there is no tanh to fuse away)."""
+    gelu = _bias_gelu_exact if config.gelu_exact else kernels.bias_gelu
     if not config.swiglu:
-        return kernels.bias_gelu
-    gated = _geglu if config.geglu else kernels.swiglu
+        return gelu
+    gated = functools.partial(_geglu, gelu) if config.geglu else kernels.swiglu
 
     def gated_activation(intermediate: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return gated(intermediate if bias is None else intermediate + bias)
     return gated_activation
 
 
-def _geglu(x: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) * up`` where the last dim of ``x`` is [gate, up]."""
+def _bias_gelu_exact(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return F.gelu(x if bias is None else x + bias)
+
+
+def _geglu(gelu, x: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate) * up`` where the last dim of ``x`` is [gate, up]."""
     gate, up = torch.chunk(x, 2, dim=-1)
-    return kernels.bias_gelu(gate, None) * up
+    return gelu(gate, None) * up

@@ -18,6 +18,7 @@ Progress is counted in samples, as in Megatron-LM: each iteration takes the glob
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
@@ -248,11 +249,26 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
     --seq-length."""
     calculator, train_iters = plan.calculator, plan.train_iters
     logger = TrainingLogger(config, parallel_state, train_iters, tokens_in)
+    start = dataclasses.replace(state, losses=list(state.losses))
+    loop_start = time.perf_counter()
     try:
         _train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
                test_iterator, calculator=calculator, train_iters=train_iters, start_time=start_time, logger=logger)
     finally:  # the TensorBoard and W&B files hold every logged scalar, also when the run stops early
         logger.close()
+    print_training_summary(start, state, time.perf_counter() - loop_start, logger.tokens_in)
+
+
+def print_training_summary(start: TrainingState, end: TrainingState, seconds: float, tokens_in) -> None:
+    """The closing line of the iterations this run took (``start`` is the state before the first): a run
+    shorter than --log-interval has printed no loss otherwise. ``tokens_in(n)``: the tokens trained on in the
+    first n samples (the logger's)."""
+    iterations = end.iteration - start.iteration
+    if iterations and is_last_rank():  # the last rank is on the last pipeline stage, which has the losses
+        tokens = tokens_in(end.consumed_train_samples) - tokens_in(start.consumed_train_samples)
+        print(metrics.format_training_summary(iterations=iterations, first_iteration=start.iteration + 1,
+                                              tokens=tokens, losses=end.losses[len(start.losses):],
+                                              seconds=seconds), flush=True)
 
 
 def _train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,

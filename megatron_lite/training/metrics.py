@@ -110,6 +110,17 @@ def format_memory_report(report: dict, iteration: int | None = None) -> str:
     return line
 
 
+def format_training_summary(*, iterations: int, first_iteration: int, tokens: int, losses: list,
+                            seconds: float) -> str:
+    """The closing line of a run, printed whatever --log-interval (a run shorter than the interval prints no
+    iteration line): its iterations, tokens, last and mean lm loss (of the finite ones), wall time."""
+    finite = [loss for loss in losses if math.isfinite(loss)]
+    loss_text = (f"lm loss last: {losses[-1]:.6E}, mean: {sum(finite) / len(finite):.6E} over "
+                 f"{len(finite)} iterations" if finite else "lm loss: none finite")
+    return (f" training finished: {iterations} iterations ({first_iteration}-{first_iteration + iterations - 1}) |"
+            f" tokens: {tokens:,} | {loss_text} | time: {seconds:.1f} s |")
+
+
 def format_validation_log(*, iteration: int, lm_loss: float, on: str | None = None) -> str:
     """Megatron's validation line; ``on="test set"`` names the data, as its end-of-training test line does."""
     ppl = math.exp(min(20.0, lm_loss))  # as Megatron: cap the exponent so a diverged run prints

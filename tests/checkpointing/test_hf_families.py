@@ -97,8 +97,6 @@ FAMILIES = {
 # and up-projections, two of them replicated over tensor-parallel ranks) and o_proj. peft loads no LoRA on dense
 # DeepSeek MLPs (it takes their gate/up/down_proj for experts), which the export refuses.
 LORA_TARGETS = {"deepseek_v3": ["linear_qkv", "linear_proj"], "deepseek_v2": ["linear_qkv", "linear_proj"]}
-# Phi-3 computes what Mistral does, DeepSeek-V2 what V3 does: written when asked for.
-EXPORT_FLAGS = {"phi3": ["--hf-model-type", "phi3"], "deepseek_v2": ["--hf-model-type", "deepseek_v2"]}
 
 
 def _import(name: str, directory) -> Imported:
@@ -192,7 +190,7 @@ def _our_tensors(root: str) -> dict:
 def test_round_trip_is_bit_exact(family, tmp_path):
     exported, again = str(tmp_path / "hf"), str(tmp_path / "again")
     assert convert(["--source-format", "megatron_lite", "--target-format", "hf", "--load-dir", family.root,
-                    "--save-dir", exported, *EXPORT_FLAGS.get(family.name, [])]) == 0
+                    "--save-dir", exported]) == 0
     hf_config, original = hf_interop.read_hf_directory(family.hf_dir)
     exported_config, round_trip = hf_interop.read_hf_directory(exported)
     assert exported_config["model_type"] == family.name
@@ -257,7 +255,7 @@ def test_lora_export_loads_in_peft(family, tmp_path):
         destroy_model_parallel(parallel_state)
     assert (ours - family.logits).abs().max() > 1e-2  # LoRA moved the model
     assert convert(["--target-format", "peft", "--load-dir", adapters, "--save-dir", peft_dir,
-                    "--base-model-name-or-path", family.hf_dir, *EXPORT_FLAGS.get(family.name, [])]) == 0
+                    "--base-model-name-or-path", family.hf_dir]) == 0
     if family.name in LORA_TARGETS:  # LoRA on every MLA projection (replicated down-projections too), and back
         ours_factors = {k: v for k, v in _our_tensors(adapters).items()
                         if ".lora." in k and not k.startswith("optimizer.")}

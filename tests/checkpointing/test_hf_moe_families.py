@@ -78,8 +78,6 @@ FAMILIES = {
 EXPERT_NAMES = {"mixtral": "block_sparse_moe.experts.{e}.w1.weight", **{
     name: "mlp.experts.{e}.gate_proj.weight" for name in ("qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2")}}
 DEEPSEEK_FAMILIES = ("deepseek_v3", "deepseek_v2")
-# Export needs --hf-model-type deepseek_v2 (the features call for V3, whose experts V2's are not).
-EXPORT_FLAGS = {"deepseek_v2": ["--hf-model-type", "deepseek_v2"]}
 # Dense MLPs (a dense layer, shared experts) in a model whose gate/up/down_proj peft remaps: no PEFT export of them.
 PEFT_REFUSED = ("qwen3_moe", *DEEPSEEK_FAMILIES)
 
@@ -267,7 +265,7 @@ def _our_tensors(root: str) -> dict:
 def test_round_trip_is_bit_exact(family, tmp_path):
     exported, again = str(tmp_path / "hf"), str(tmp_path / "again")
     assert convert(["--source-format", "megatron_lite", "--target-format", "hf", "--load-dir", family.root,
-                    "--save-dir", exported, *EXPORT_FLAGS.get(family.name, [])]) == 0
+                    "--save-dir", exported]) == 0
     hf_config, original = hf_interop.read_hf_directory(family.hf_dir)
     exported_config, round_trip = hf_interop.read_hf_directory(exported)
     assert exported_config["model_type"] == family.name
@@ -342,8 +340,7 @@ def test_lora_on_attention_and_experts_exports_to_peft_and_merges(family, tmp_pa
     finally:
         destroy_model_parallel(parallel_state)
     assert (ours - family.logits).abs().max() > 1e-2  # LoRA moved the model
-    assert convert(["--merge-lora", "--target-format", "hf", "--load-dir", adapters, "--save-dir", merged,
-                    *EXPORT_FLAGS.get(family.name, [])]) == 0
+    assert convert(["--merge-lora", "--target-format", "hf", "--load-dir", adapters, "--save-dir", merged]) == 0
     with torch.no_grad():
         merged_logits = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(family.input_ids).logits
     torch.testing.assert_close(merged_logits, ours, atol=ATOL, rtol=RTOL)

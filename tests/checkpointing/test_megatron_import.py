@@ -63,9 +63,10 @@ def _stage_forward(model, tokens, parallel_state, hidden_size):
 
 
 # Megatron-Core's model in the legacy format, the legacy model's nested layout, torch_dist of core 0.17
-# (common.pt) and of main (the common state inside the .distcp files).
+# (common.pt) and of main (the common state inside the .distcp files), the exact GeLU.
 ALL = ["gpt2_tp2pp2_torch", "llama_tp1pp1_torch_bf16", "gpt2_tp1pp1_legacy_model", "llama_tp2pp2_legacy_model",
-       "gpt2_tp2pp1_torch_dist", "llama_tp2pp1_torch_dist_core020"]
+       "gpt2_tp2pp1_torch_dist", "llama_tp2pp1_torch_dist_core020",
+       "gpt2_tp2pp1_exact_gelu"]  # --no-bias-gelu-fusion: the erf GeLU (our --gelu-exact)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -112,7 +113,7 @@ def test_unsupported_megatron_args_are_refused_by_name():
     import argparse
     from megatron_lite.checkpointing.megatron.args_mapping import model_config_from_megatron_args
     args = argparse.Namespace(num_experts=8, qk_layernorm=True, swiglu=False, bias_gelu_fusion=False)
-    with pytest.raises(ConfigError, match=r"--num-experts \(mixture of experts\), --qk-layernorm .*--no-bias-gelu"):
+    with pytest.raises(ConfigError, match=r"--num-experts \(mixture of experts\), --qk-layernorm \(query/key"):
         model_config_from_megatron_args(args, "ckpt")
 
 
@@ -157,3 +158,26 @@ def test_transformer_engine_layer_names_load_too(tmp_path):
     root = str(tmp_path / "ours")
     assert convert(["--source-format", "megatron", "--load-dir", str(tmp_path / "te"), "--save-dir", root]) == 0
     torch.testing.assert_close(our_logits(root, tokens), reference, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gpt2_tp2pp2_torch", "llama_tp2pp2_legacy_model"])
+def test_megatron_and_hugging_face_convert_into_each_other_in_one_command(name, tmp_path):
+    """Megatron-LM -> Hugging Face: transformers gives Megatron's logits; that directory -> Megatron-LM at tp2 x pp2,
+    imported again, gives them too. Each command goes through our format in a scratch directory it removes."""
+    import transformers
+
+    tokens, reference = megatron_logits(name)
+    hf_dir, megatron_dir = str(tmp_path / "hf"), str(tmp_path / "megatron")
+    assert convert(["--source-format", "megatron", "--target-format", "hf", "--load-dir", fixture(name),
+                    "--save-dir", hf_dir]) == 0
+    with torch.no_grad():
+        hf_logits = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()(tokens).logits
+    torch.testing.assert_close(hf_logits, reference, atol=1e-4, rtol=0)
+    assert convert(["--source-format", "hf", "--target-format", "megatron", "--load-dir", hf_dir, "--save-dir",
+                    megatron_dir, "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]) == 0
+    assert convert(["--source-format", "megatron", "--load-dir", megatron_dir,
+                    "--save-dir", str(tmp_path / "ours")]) == 0
+    # The Megatron-LM export pads the vocabulary to its own multiple: the columns past the fixture's are padding.
+    again = our_logits(str(tmp_path / "ours"), tokens)
+    torch.testing.assert_close(again[..., :reference.shape[-1]], reference, atol=ATOL, rtol=0)
+    assert sorted(os.listdir(tmp_path)) == ["hf", "megatron", "ours"]  # no scratch left behind

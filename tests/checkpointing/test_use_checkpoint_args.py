@@ -145,3 +145,41 @@ def test_a_run_resumed_from_load_keeps_the_checkpoints_tokenizer(pretrained_with
                                *TRAINING]).data.tokenizer_type is None
     given = parse_args(model + ["--load", str(root / "ckpt"), *TRAINING, "--tokenizer-type", "NullTokenizer"])
     assert given.data.tokenizer_type == "NullTokenizer" and given.data.vocab_file is None
+
+
+def test_the_echo_names_only_what_describes_the_model(pretrained, capsys):
+    """A dense rotary model's echo leaves out YaRN's, latent attention's and the experts' flags: they are
+    taken (and mean nothing here), but a user reading the line would think the model has them."""
+    parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", pretrained, *TRAINING])
+    printed = capsys.readouterr().out
+    echo = next(line for line in printed.splitlines() if "--use-checkpoint-args: the model of" in line)
+    for meaningless in ("--kv-lora-rank", "--yarn-", "--mscale", "--moe-", "--rope-scaling-factor", "--rope-type",
+                        "--max-position-embeddings"):
+        assert meaningless not in echo
+    assert "--rotary-base 500.0" in echo and "--num-query-groups 4" in echo
+
+
+def test_the_echo_of_an_moe_model_names_its_router(tmp_path, capsys):
+    config = tiny_config(iters=1, save=str(tmp_path))
+    config.model.num_experts, config.model.moe_ffn_hidden_size, config.model.use_fused_kernels = 2, 16, False
+    pretrain(config)
+    taken = parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", str(tmp_path), *TRAINING]).model
+    echo = next(line for line in capsys.readouterr().out.splitlines() if "--use-checkpoint-args:" in line)
+    assert "--num-experts 2 --moe-ffn-hidden-size 16" in echo and "--moe-router-topk 2" in echo
+    # Settings of router variants this model does not use stay out (groups, the expert bias, capacity).
+    assert "--moe-router-group-score" not in echo and "--moe-token-drop-policy" not in echo
+    assert taken.moe_router_group_score == config.model.moe_router_group_score  # taken all the same
+
+
+def test_a_run_keeps_the_hugging_face_family_of_its_checkpoint(tmp_path):
+    """An imported Phi-3 computes what a Mistral does: the family it was imported as, recorded in its config,
+    is what its fine-tuned checkpoints export as, with or without --use-checkpoint-args; --hf-model-type wins."""
+    config = tiny_config(iters=1, save=str(tmp_path))
+    config.model.use_fused_kernels, config.model.hf_model_type = False, "phi3"
+    pretrain(config)
+    start = ["--pretrained-checkpoint", str(tmp_path), *TRAINING]
+    given_model = [*MODEL, "--norm-epsilon", "1e-5", "--rotary-base", "10000"]
+    assert parse_args([*start, *given_model]).model.hf_model_type == "phi3"
+    assert parse_args(["--use-checkpoint-args", *start]).model.hf_model_type == "phi3"
+    assert parse_args(["--use-checkpoint-args", *start, "--hf-model-type", "llama"]).model.hf_model_type == "llama"
+    assert parse_args([*MODEL, *TRAINING]).model.hf_model_type is None  # nothing loaded: chosen at export

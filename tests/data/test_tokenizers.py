@@ -110,6 +110,7 @@ def test_literal_endoftext_in_a_document_is_ordinary_pieces_not_eod(tmp_path, bp
     with_special = hf_byte_level_bpe(*bpe_files)
     with_special.add_special_tokens([EOD_TOKEN])
     with_special.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOD_TOKEN}))
     assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path)).tokenize(text) == as_eod
     transformers = pytest.importorskip("transformers")
     assert transformers.GPT2TokenizerFast(*bpe_files)(text).input_ids == as_eod
@@ -136,6 +137,9 @@ def test_sentencepiece_round_trips_real_text(sentencepiece_model, demo_texts):
 def test_huggingface_tokenizer_json(tmp_path, bpe_files, demo_texts):
     hf = hf_byte_level_bpe(*bpe_files)
     hf.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ConfigError, match="no end-of-document token: name the tokenizer's eos_token"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))  # nothing names its eos_token
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": EOD_TOKEN}}))
     tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))  # the directory works too
     gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=bpe_files[0], merge_file=bpe_files[1])
     assert tokenizer.vocab_size == 4096 and tokenizer.eod == gpt2.eod
@@ -251,3 +255,29 @@ def test_train_tokenizer_tool_mistakes_are_one_error_line(tmp_path, load_tool, c
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "out" / "vocab.json").exists()
+
+
+LLAMA3_TEMPLATE = ("{{ '<|begin_of_text|>' }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+                   "'<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}{% endfor %}")
+
+
+@pytest.mark.parametrize("names_eos", [True, False], ids=["eos_token", "chat-template-end-of-turn"])
+def test_huggingface_eod_is_the_tokenizers_own_eos_token(tmp_path, bpe_files, names_eos):
+    """Llama 3 Instruct's eos_token is <|eot_id|>, which no fixed list of end-of-document tokens had (issue 43,
+    item 7): the tokenizer's own eos_token is the EOD, else the token its chat template ends an answer with."""
+    hf = hf_byte_level_bpe(*bpe_files)
+    hf.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                           "<|eot_id|>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": "<|begin_of_text|>", "chat_template": LLAMA3_TEMPLATE}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|eot_id|>"} if names_eos
+                                                               else config))
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tokenizer.json"))
+    assert (tokenizer.eod, tokenizer.bos) == (hf.token_to_id("<|eot_id|>"), hf.token_to_id("<|begin_of_text|>"))
+    assert tokenizer.eod != hf.token_to_id("<|end_of_text|>") and tokenizer.pad == tokenizer.eod  # no pad_token
+    if names_eos:
+        transformers = pytest.importorskip("transformers")
+        assert transformers.AutoTokenizer.from_pretrained(str(tmp_path)).eos_token_id == tokenizer.eod
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+        with pytest.raises(ConfigError, match="names eos_token '<|im_end|>', which its tokenizer.json does not hold"):
+            build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))

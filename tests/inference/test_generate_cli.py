@@ -1,5 +1,6 @@
 """``python -m megatron_lite.generate`` as a user runs it: a prompts file in, a responses file out,
-the same on 2 ranks at tp=2 and pp=2 as in one process; the checkpoint's own tokenizer
+the same on 2 ranks at tp=2, pp=2, dp=2 and (a mixture of experts) ep=2 as in one
+process; the checkpoint's own tokenizer
 when no tokenizer flag is given; one clean ``error:`` line for a bad --load, tokenizer or prompt.
 The command's ``main`` runs in this process, or on 2 forked ranks (``run_command_on_ranks``).
 """
@@ -9,6 +10,7 @@ import shutil
 
 import pytest
 
+from megatron_lite.checkpointing import read_config
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.config import DataConfig
 from megatron_lite.data.sft import format_prompt, response_text
@@ -76,18 +78,44 @@ def test_a_prompts_file_gives_one_response_per_prompt_with_the_checkpoints_token
         assert format_prompt(conversations[0], tokenizer, "plain") == tokenizer.tokenize(PROMPTS[0])
 
 
-@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]],
-                         ids=["tp2", "pp2"])
-def test_two_ranks_give_the_responses_of_one_process(checkpoint, tmp_path, layout):
-    load = checkpoint[0]
-    sampling = ["--prompts-file", _prompts_file(tmp_path), "--max-new-tokens", "10", "--micro-batch-size", "2",
-                "--temperature", "0.9", "--top-p", "0.9", "--seed", "11"]
+@pytest.fixture(scope="module")
+def moe_checkpoint(checkpoint, tmp_path_factory):
+    """The same tokenizer with a mixture of 4 experts, top-2, in every layer."""
+    config = config_of("rope_gqa", vocab_size=257, seq_length=128, num_experts=4, moe_ffn_hidden_size=32)
+    config.data = read_config(checkpoint[0]).data
+    model, _ = build("rope_gqa", vocab_size=257, seq_length=128, num_experts=4, moe_ffn_hidden_size=32)
+    weights = dict(model.named_parameters())
+    root = str(tmp_path_factory.mktemp("generate_moe") / "ckpt")
+    write_checkpoint(root, config, lambda name: weights[name].detach(), iteration=0)
+    return root
+
+
+SAMPLED = ["--temperature", "0.9", "--top-p", "0.9", "--seed", "11"]
+# (checkpoint fixture, flags, prompts, sampling): the data-parallel layouts split the prompts; 5 prompts in batches
+# of 2 are 3 batches (0 and 2 on the first rank), so at ep2 the second runs a filler to stay in step.
+LAYOUTS = {"tp2": ("checkpoint", ["--tensor-model-parallel-size", "2"], PROMPTS, SAMPLED),
+           "pp2": ("checkpoint", ["--pipeline-model-parallel-size", "2"], PROMPTS, SAMPLED),
+           "dp2": ("checkpoint", [], PROMPTS, SAMPLED),
+           "ep2": ("moe_checkpoint", ["--expert-model-parallel-size", "2"], [*PROMPTS, "One more"], SAMPLED),
+           "ep2-greedy": ("moe_checkpoint", ["--expert-model-parallel-size", "2"], [*PROMPTS, "One more"],
+                          ["--greedy"])}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_ranks_give_the_responses_of_one_process(request, tmp_path, layout):
+    fixture, layout, prompts, sampling = LAYOUTS[layout]
+    load = request.getfixturevalue(fixture)
+    load = load if isinstance(load, str) else load[0]
+    sampling = ["--prompts-file", _prompts_file(tmp_path, prompts), "--max-new-tokens", "10", "--micro-batch-size",
+                "2", *sampling]
     assert main(["--load", load, *sampling, "--output-file", str(tmp_path / "one.jsonl")]) == 0
     results = run_command_on_ranks(main, ["--load", load, *sampling, "--output-file", str(tmp_path / "two.jsonl"),
                                           *layout], world_size=2)
     assert [code for code, _ in results] == [0, 0], results
     assert _responses(tmp_path / "two.jsonl") == _responses(tmp_path / "one.jsonl")
-    assert "".join(output for _, output in results).count("wrote 4 responses") == 1  # rank 0 writes and reports
+    assert len({r["response"] for r in _responses(tmp_path / "one.jsonl")}) > 1
+    # rank 0 writes and reports
+    assert "".join(output for _, output in results).count(f"wrote {len(prompts)} responses") == 1
 
 
 def test_one_prompt_prints_a_sample(checkpoint, capsys):

@@ -43,3 +43,33 @@ def test_parallel_generation_equals_one_process(arch, tp, pp):
     expected = _generations(*build(arch))
     for rank_result in run_distributed(_rank, tp * pp, args=(arch, tp, pp)):
         assert rank_result == expected
+
+
+MOE = dict(num_experts=4, moe_ffn_hidden_size=32)
+
+
+def _moe_rank(rank, world_size, prompts_of_rank, eod):
+    import dataclasses
+
+    from megatron_lite.model.builder import build_model
+    from megatron_lite.process_groups.parallel_state import initialize_model_parallel
+    from tests.inference.models import config_of
+
+    config = config_of("rope_gqa", **MOE)
+    config.parallel = dataclasses.replace(config.parallel, expert_model_parallel_size=2)
+    parallel_state = initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    (model,) = build_model(config, parallel_state)
+    return generate(model.eval(), prompts_of_rank[rank], max_new_tokens=8, eod=eod, greedy=True,
+                    parallel_state=parallel_state)
+
+
+def test_expert_parallel_ranks_with_batches_of_their_own_stop_together():
+    """At ep2 the two data-parallel ranks generate different batches but share every expert layer: the rank
+    whose batch ends first (its first token is EOD) must go on stepping until the other's ends, or the other
+    waits forever in the experts' all-to-all. Each rank's tokens are its batch's in one process."""
+    model, _ = build("rope_gqa", **MOE)
+    eod = generate(model, PROMPTS[:1], max_new_tokens=1, greedy=True)[0][0]
+    prompts_of_rank = [PROMPTS[:1], PROMPTS[1:]]
+    expected = [generate(model, prompts, max_new_tokens=8, eod=eod, greedy=True) for prompts in prompts_of_rank]
+    assert expected[0] == [[eod]] and max(len(tokens) for tokens in expected[1]) > 1
+    assert run_distributed(_moe_rank, 2, args=(prompts_of_rank, eod), timeout=60) == expected

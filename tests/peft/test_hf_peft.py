@@ -147,6 +147,15 @@ def test_adapters_trained_by_peft_import_exactly(trained, tmp_path):
     assert convert(["--source-format", "peft", "--load-dir", peft_dir, "--save-dir", imported,
                     "--base-checkpoint", base]) == 0
     torch.testing.assert_close(_our_logits(imported, input_ids), _hf_logits(model, input_ids), atol=ATOL, rtol=0)
+    # PEFT adapters -> the merged Hugging Face model in one command (through our format in a scratch directory).
+    merged_hf = str(tmp_path / "merged_hf")
+    assert convert(["--source-format", "peft", "--target-format", "hf", "--load-dir", peft_dir, "--save-dir",
+                    merged_hf, "--base-checkpoint", base]) == 1  # adapters alone are no whole model
+    assert convert(["--source-format", "peft", "--merge-lora", "--target-format", "hf", "--load-dir", peft_dir,
+                    "--save-dir", merged_hf, "--base-checkpoint", base]) == 0
+    torch.testing.assert_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(merged_hf), input_ids),
+                               _hf_logits(model, input_ids), atol=ATOL, rtol=0)
+    assert sorted(os.listdir(tmp_path)) == ["imported", "merged_hf", "peft"]
 
 
 def test_prefix_matches_transformers_with_the_prefix_as_a_key_value_cache(trained):

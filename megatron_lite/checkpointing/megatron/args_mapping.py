@@ -6,8 +6,8 @@ The gotchas (docs/reference.md, section 13 "Megatron-LM checkpoints"):
   model then has one group per head.
 - The norm epsilon was ``layernorm_epsilon`` before Megatron-Core renamed it ``norm_epsilon``.
 - GeLU: Megatron computes the tanh approximation when ``bias_gelu_fusion`` is on (its
-  default) and the exact erf otherwise; megatron_lite computes the tanh one, so the
-  other is refused.
+  default: the fused kernel is the tanh one) and the exact erf otherwise (Megatron-Core's
+  ``F.gelu``): our --gelu-exact, read from and written back to ``bias_gelu_fusion``.
 - The vocabulary: ``args`` hold ``padded_vocab_size`` (every embedding row, the padding
   rows included, is a trained parameter); the tokenizer's own size is not always saved.
   Our vocabulary is the padded one, so the logits keep Megatron's width.
@@ -40,8 +40,6 @@ def refuse_unsupported(args, source: str) -> None:
              if what is not None and _arg(args, name) not in (None, False, 0)]
     if _arg(args, "add_qkv_bias") and not _arg(args, "add_bias_linear", True):
         found.append("--add-qkv-bias without --add-bias-linear (biases on the QKV projection alone)")
-    if not _arg(args, "swiglu") and not _arg(args, "bias_gelu_fusion", True):
-        found.append("--no-bias-gelu-fusion (the exact erf GeLU; megatron_lite computes the tanh approximation)")
     if _arg(args, "normalization", "LayerNorm") not in ("LayerNorm", "RMSNorm"):
         found.append(f"--normalization {args.normalization}")
     if _position_embedding_type(args) not in ("learned_absolute", "rope"):
@@ -73,6 +71,7 @@ def model_config_from_megatron_args(args, source: str) -> ModelConfig:
         position_embedding_type=_position_embedding_type(args), rotary_base=float(_arg(args, "rotary_base", 10000)),
         rotary_percent=float(_arg(args, "rotary_percent", 1.0)), swiglu=bool(_arg(args, "swiglu", False)),
         add_bias_linear=bool(_arg(args, "add_bias_linear", True)),
+        gelu_exact=not _arg(args, "swiglu", False) and not _arg(args, "bias_gelu_fusion", True),
         untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
         hidden_dropout=_arg(args, "hidden_dropout", 0.1), attention_dropout=_arg(args, "attention_dropout", 0.1),
         init_method_std=_arg(args, "init_method_std", 0.02),
@@ -86,8 +85,9 @@ def config_from_megatron_args(args, source: str) -> Config:
                   training=TrainingConfig(bf16=bool(_arg(args, "bf16", False)), fp16=bool(_arg(args, "fp16", False))))
 
 
-# Our fields that do not change the weights or what they compute (kernels, attention implementation).
-_NOT_ARCHITECTURE = ("attention_backend", "use_fused_kernels")
+# Our fields that do not change the weights or what they compute (kernels, attention implementation, the
+# Hugging Face family an export names).
+_NOT_ARCHITECTURE = ("attention_backend", "use_fused_kernels", "hf_model_type")
 
 
 def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
@@ -114,7 +114,7 @@ def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int
         use_rope_scaling=model.use_rope_scaling, rope_scaling_factor=model.rope_scaling_factor,
         normalization=model.normalization, norm_epsilon=model.norm_epsilon, layernorm_epsilon=model.norm_epsilon,
         apply_layernorm_1p=model.apply_layernorm_1p, swiglu=model.swiglu, squared_relu=False, openai_gelu=False,
-        bias_gelu_fusion=not model.swiglu, add_bias_linear=model.add_bias_linear,
+        bias_gelu_fusion=not model.swiglu and not model.gelu_exact, add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias or model.add_bias_linear, qk_layernorm=model.qk_layernorm,
         window_size=model.window_size, untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
         apply_query_key_layer_scaling=False, apply_residual_connection_post_layernorm=False,

@@ -15,8 +15,10 @@ generation, which tokenizes the prompt runs of the same conversation, is given e
   default  the tokenizer's own chat template (a Hugging Face tokenizer's ``chat_template``); runs are the
            differences between the renderings of successive prefixes of the conversation.
 
-A training example ends with EOD after the last (assistant) message. The loss covers the response runs
-and that EOD: exactly the positions whose label is an assistant token or the EOD closing the example.
+A training example ends with EOD after the last (assistant) message, unless the template's end of turn is
+the EOD itself (chatml with a tokenizer whose eos_token is ``<|im_end|>``): then the ids are the template's
+text as written. The loss covers the response runs and that EOD: exactly the positions whose label is an
+assistant token or the EOD closing the example.
 """
 from __future__ import annotations
 
@@ -36,13 +38,16 @@ CHATML_JINJA = ("{% for message in messages %}{% if not loop.first %}{{ '\\n' }}
 
 def tokenize_conversation(messages: list[dict], tokenizer, prompt_format: str) -> tuple[np.ndarray, np.ndarray]:
     """(token ids ending with EOD, loss mask): the mask is 1 on every response token and the EOD."""
-    ids, mask = [], []
+    ids, mask, answer = [], [], []
     for text, is_response in render(messages, tokenizer, prompt_format, add_generation_prompt=False):
         piece = tokenizer.tokenize(text)
         ids += piece
         mask += [is_response] * len(piece)
-    ids.append(tokenizer.eod)
-    mask.append(True)
+        answer = piece if is_response else answer
+    # A template whose end of turn is the EOD (chatml's <|im_end|>, Qwen's eos_token) closed the example already.
+    if tokenizer.eod not in answer:
+        ids.append(tokenizer.eod)
+        mask.append(True)
     return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
 
 
