@@ -33,4 +33,5 @@ def test_tokens_per_second_and_consumed_tokens_leave_out_padding(tmp_path, capsy
     # Each line's rate is its iteration's tokens over its time (the printed time is rounded to 0.1 ms).
     tokens = np.diff([0, *consumed])
     assert np.allclose(np.asarray(per_second) * np.asarray(elapsed_s), tokens, rtol=0.02)
+    assert f" training finished: 3 iterations (1-3) | tokens: {consumed[-1]:,} |" in output  # the closing line too
     assert consumed[-1] < 6 * 16 / 2  # every example is under half the sequence: padding counted would double it
