@@ -102,7 +102,7 @@ NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", 
                    "sft_pack_sequences", "peak_tflops", "log_memory", "peft", "lora_rank", "lora_alpha",
                    "lora_dropout", "lora_target_modules", "adapter_dim", "prefix_length",
                    "prefix_projection_hidden_size", "sft_format", "sft_data_keys", "peft_without_base_checkpoint",
-                   "lr_warmup_style",
+                   "lr_warmup_style", "train_epochs",  # HF Trainer's num_train_epochs: Megatron-LM has no epochs
                    "softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",  # Gemma 2's
                    "post_sublayer_norm", "scale_embeddings", "geglu",
                    "qk_layernorm_whole_projection",  # OLMoE's q/k norms; Megatron-Bridge has them, Megatron-LM not

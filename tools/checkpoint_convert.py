@@ -60,7 +60,7 @@ from megatron_lite.checkpointing.megatron.exporter import CKPT_FORMATS, export_m
 from megatron_lite.checkpointing.megatron.importer import import_megatron_checkpoint
 from megatron_lite.checkpointing.offline import reshard_checkpoint, write_checkpoint
 from megatron_lite.checkpointing.peft_base import folded_prefix, merged_lora
-from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
+from megatron_lite.checkpointing.storage import CheckpointError, check_is_directory, resolve_checkpoint_dir
 from megatron_lite.config import ConfigError, ParallelConfig
 from megatron_lite.cli.parser import ArgumentParser
 
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = dict(tensor_model_parallel_size=args.target_tensor_parallel_size,
                  pipeline_model_parallel_size=args.target_pipeline_parallel_size)
     try:
+        check_is_directory(args.load_dir, "--load-dir")  # every source format is a directory
         written = _convert(args, sizes)
     except (CheckpointError, ConfigError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -430,6 +430,7 @@ def checkpoint_to_load(checkpoint: CheckpointConfig) -> tuple[str, int, bool] | 
         if iteration is not None:
             return checkpoint.load, iteration, checkpoint.finetune
     if checkpoint.pretrained_checkpoint:
+        storage.check_is_directory(checkpoint.pretrained_checkpoint, "--pretrained-checkpoint")
         iteration = storage.read_latest_iteration(checkpoint.pretrained_checkpoint)
         if iteration is None:
             raise CheckpointError(f"--pretrained-checkpoint {checkpoint.pretrained_checkpoint} holds no checkpoint "
@@ -437,6 +438,7 @@ def checkpoint_to_load(checkpoint: CheckpointConfig) -> tuple[str, int, bool] | 
                                   f"directory or at tools/checkpoint_convert.py's --save-dir.")
         return checkpoint.pretrained_checkpoint, iteration, True
     if checkpoint.load and checkpoint.finetune:
+        storage.check_is_directory(checkpoint.load, "--finetune needs a checkpoint, but --load")
         raise CheckpointError(f"--finetune needs a checkpoint, but --load {checkpoint.load} holds none "
                               f"({storage.TRACKER_FILE} is missing); point --load at the pretrained checkpoint.")
     return None

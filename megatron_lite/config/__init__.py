@@ -31,14 +31,21 @@ from megatron_lite.config.parallel import CP_COMM_TYPES, SHARDING_STRATEGIES, Pa
 # --dpo-loss-type: the preference losses of training/dpo.py.
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
+# The flags that give a run's length (one at most), and the length without any (Megatron-LM requires one).
+RUN_LENGTH_FIELDS = ("train_iters", "train_samples", "train_epochs")
+DEFAULT_TRAIN_ITERS = 100
+
 
 @dataclass(kw_only=True)
 class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: Optional[int] = None  # default micro batch x data-parallel size
-    # The run's length: iterations, or samples (Megatron's two ways); neither means 100 iterations.
+    # The run's length: iterations, or samples (Megatron's two ways), or passes over the training data (HF
+    # Trainer's num_train_epochs, our own flag: Megatron has none), counted into iterations at start-up
+    # (training/run_plan.py). None of them means DEFAULT_TRAIN_ITERS iterations.
     train_iters: Optional[int] = None
     train_samples: Optional[int] = None
+    train_epochs: Optional[float] = None
     # START INCREMENT SAMPLES: the global batch grows from START by INCREMENT, reaching
     # --global-batch-size after SAMPLES samples (Megatron's batch-size ramp-up).
     rampup_batch_size: Optional[list[int]] = field(
@@ -72,21 +79,23 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        if self.train_iters is None and self.train_samples is None:
-            self.train_iters = 100
+        lengths = [flag_name(name) for name in RUN_LENGTH_FIELDS if getattr(self, name) is not None]
+        require(len(lengths) <= 1, f"{' and '.join(lengths)} are mutually exclusive: give the run's length once, "
+                                    f"in iterations, samples or epochs.")
+        if not lengths:
+            self.train_iters = DEFAULT_TRAIN_ITERS
         require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}.")
         require(self.dpo_beta > 0, f"--dpo-beta must be positive, got {self.dpo_beta}.")
         require(0.0 <= self.dpo_label_smoothing < 0.5,
                  f"--dpo-label-smoothing must be in [0, 0.5), got {self.dpo_label_smoothing}.")
         require(self.global_batch_size is None or self.global_batch_size >= 1,
                  f"--global-batch-size must be >= 1, got {self.global_batch_size}.")
-        require(self.train_iters is None or self.train_samples is None,
-                 "--train-iters and --train-samples are mutually exclusive: give the run's length in "
-                 "iterations or in samples.")
         require(self.train_iters is None or self.train_iters >= 0,
                  f"--train-iters must be >= 0, got {self.train_iters}.")
         require(self.train_samples is None or self.train_samples > 0,
                  f"--train-samples must be positive, got {self.train_samples}.")
+        require(self.train_epochs is None or self.train_epochs > 0,
+                 f"--train-epochs must be positive, got {self.train_epochs}.")
         require(self.rampup_batch_size is None or len(self.rampup_batch_size) == 3,
                  f"--rampup-batch-size takes three numbers (START INCREMENT SAMPLES), got {self.rampup_batch_size}.")
         self._check_step_batch_size_schedule()
@@ -458,6 +467,14 @@ class Config:
             self.optimizer.lr_decay_samples = self.training.train_samples
         _check_warmup_before_decay(self.optimizer)
 
+    def set_train_iters_from_epochs(self, train_iters: int) -> None:
+        """--train-epochs, once counted into iterations at start-up, becomes --train-iters: the LR schedule's
+        default decay, the checks and a saved config then read as if that had been given."""
+        self.training.train_epochs, self.training.train_iters = None, train_iters
+        if self.optimizer.lr_decay_iters is None:
+            self.optimizer.lr_decay_iters = train_iters
+        _check_warmup_before_decay(self.optimizer)
+
     @property
     def params_dtype(self):
         import torch
@@ -579,7 +596,7 @@ def _check_expert_lora(model: ModelConfig, parallel: ParallelConfig, peft: PeftC
 
 def _check_schedule_units(training: TrainingConfig, optimizer: OptimizerConfig) -> None:
     """Megatron's rule: a run counts in iterations or in samples, and its LR schedule in the same unit."""
-    if training.train_iters is not None:
+    if training.train_samples is None:  # --train-iters, or --train-epochs (counted into iterations)
         unit, other = "iters", "samples"
         given = {"--lr-decay-samples": optimizer.lr_decay_samples is not None,
                  "--lr-warmup-samples": optimizer.lr_warmup_samples > 0,
@@ -605,6 +622,8 @@ def _check_schedule_units(training: TrainingConfig, optimizer: OptimizerConfig) 
 def _check_warmup_before_decay(optimizer: OptimizerConfig) -> None:
     in_samples = optimizer.lr_decay_samples is not None
     decay = optimizer.lr_decay_samples if in_samples else optimizer.lr_decay_iters
+    if decay is None:  # --train-epochs without --lr-decay-iters: checked once the epochs are counted
+        return
     warmup = optimizer.lr_warmup_samples if in_samples else optimizer.lr_warmup_iters
     unit = "samples" if in_samples else "iters"
     require(warmup < decay or (warmup == 0 and decay == 0),

@@ -152,7 +152,11 @@ HELP = {
     "micro_batch_size": ("sequences per forward/backward on one data-parallel rank (Megatron-LM requires the flag; "
                          "1 here lets a flag-less tiny run start)"),
     "global_batch_size": "sequences per optimizer step (default micro batch x data-parallel size)",
-    "train_iters": "optimizer steps to train for (default 100 when --train-samples is not given)",
+    "train_iters": "optimizer steps to train for (default 100 when neither --train-samples nor --train-epochs "
+                   "is given)",
+    "train_epochs": "passes over the training data (HF Trainer's num_train_epochs; may be fractional): the fewest "
+                    "iterations whose batches cover that many times the train split's samples; the LR schedule "
+                    "counts iterations",
     "train_samples": "sequences to train on instead of --train-iters; the LR schedule then counts samples too",
     "rampup_batch_size": ("START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT "
                           "until it reaches --global-batch-size after SAMPLES samples"),

@@ -28,7 +28,10 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, plan: Ru
     """(train, valid, test) micro-batch iterators positioned where ``iteration`` iterations left them (so a
     resumed run continues with the same samples); a list of them, one per chunk, when interleaving. Test
     data is read once, after training: only fine-tuning's --test-data-path gives it. The context-parallel
-    ranks of a data-parallel rank read the same micro-batches, each cut to its own positions."""
+    ranks of a data-parallel rank read the same micro-batches, each cut to its own positions.
+
+    Fourth: ``tokens_in(n)``, the tokens the first n training samples feed through the model (padding of
+    --sft samples left out), which throughput counts."""
     training, data = config.training, config.data
     global_batch = training.global_batch(parallel_state.data_parallel_world_size)
     consumed_valid_samples = (iteration // training.eval_interval) * training.eval_iters * global_batch
@@ -60,7 +63,10 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, plan: Ru
             for _ in range(vpp)]
         return made if vpp > 1 else made[0]
 
-    return loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples), loaders(test_ds, 0)
+    seq_length = config.model.seq_length
+    tokens_in = train_ds.tokens_in if isinstance(train_ds, SFTDataset) else lambda samples: samples * seq_length
+    return (loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples), loaders(test_ds, 0),
+            tokens_in)
 
 
 def _num_samples(training: TrainingConfig, calculator: NumMicroBatchesCalculator,

@@ -227,8 +227,9 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                                                expert_model_parallel_size=config.parallel.expert_model_parallel_size,
                                                expert_tensor_parallel_size=config.parallel.expert_tensor_parallel_size,
                                                distributed_timeout_minutes=config.parallel.distributed_timeout_minutes)
-    plan = plan_run(config, parallel_state)
+    # The data first: --train-epochs reads it to plan the run, and a bad path or record says so before that.
     failures.run_on_every_rank(lambda: check_data_paths(config.data), "check the data paths")
+    plan = plan_run(config, parallel_state)
     if not plan.resumes:  # a fresh run's batches all lie ahead: any that cannot split fails now, early
         check_batches_ahead(config, plan.calculator, consumed_samples=0)
     print_rank_last(format_startup_summary(config, parallel_state, plan))
@@ -253,14 +254,15 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                         f"further.")
     # Every rank holds the same consumed samples, so all raise together, before any collective of training.
     check_batches_ahead(config, plan.calculator, state.consumed_train_samples)
-    train_iterator, valid_iterator, test_iterator = build_data_iterators(
+    train_iterator, valid_iterator, test_iterator, tokens_in = build_data_iterators(
         config, parallel_state, plan, state.consumed_train_samples, state.iteration)
     forward_backward_func = None
     if config.data.dpo:  # the frozen reference's pass before the policy's (built after the policy is loaded)
         forward_backward_func = dpo.DirectPreferenceOptimization(config, parallel_state, model_chunks,
                                                                  run_schedule=_forward_backward).forward_backward
     train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
-          test_iterator, plan=plan, start_time=start_time, forward_backward_func=forward_backward_func)
+          test_iterator, plan=plan, start_time=start_time, forward_backward_func=forward_backward_func,
+          tokens_in=tokens_in)
     if not keep_process_group:
         destroy_model_parallel(parallel_state)
     return state, model_chunks, parallel_state
@@ -277,10 +279,11 @@ def check_batches_ahead(config: Config, calculator: NumMicroBatchesCalculator, c
 
 def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
           valid_iterator, state: TrainingState, test_iterator=None, *, plan: RunPlan, start_time: float,
-          forward_backward_func=None) -> None:
-    """``forward_backward_func``: as ``train_step_with_losses``' (None: the language-model loss's)."""
+          forward_backward_func=None, tokens_in=None) -> None:
+    """``forward_backward_func``: as ``train_step_with_losses``' (None: the language-model loss's). ``tokens_in(n)``:
+    the tokens of the first n training samples (build_data_iterators'); default n x --seq-length."""
     calculator, train_iters = plan.calculator, plan.train_iters
-    logger = TrainingLogger(config, parallel_state, train_iters)
+    logger = TrainingLogger(config, parallel_state, train_iters, tokens_in)
     start = dataclasses.replace(state, losses=list(state.losses))
     loop_start = time.perf_counter()
     try:
@@ -289,15 +292,17 @@ def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer
                forward_backward_func=forward_backward_func)
     finally:  # the TensorBoard and W&B files hold every logged scalar, also when the run stops early
         logger.close()
-    print_training_summary(config, start, state, time.perf_counter() - loop_start)
+    print_training_summary(config, start, state, time.perf_counter() - loop_start, logger.tokens_in)
 
 
-def print_training_summary(config: Config, start: TrainingState, end: TrainingState, seconds: float) -> None:
+def print_training_summary(config: Config, start: TrainingState, end: TrainingState, seconds: float,
+                           tokens_in) -> None:
     """The closing line of the iterations this run took (``start`` is the state before the first): a run
-    shorter than --log-interval has printed no loss otherwise."""
+    shorter than --log-interval has printed no loss otherwise. ``tokens_in(n)``: the tokens trained on in the
+    first n samples (the logger's)."""
     iterations = end.iteration - start.iteration
     if iterations and is_last_rank():  # the last rank is on the last pipeline stage, which has the losses
-        tokens = (end.consumed_train_samples - start.consumed_train_samples) * config.model.seq_length
+        tokens = tokens_in(end.consumed_train_samples) - tokens_in(start.consumed_train_samples)
         print(metrics.format_training_summary(iterations=iterations, first_iteration=start.iteration + 1,
                                               tokens=tokens, losses=end.losses[len(start.losses):],
                                               seconds=seconds, loss_name="dpo loss" if config.data.dpo else "lm loss"),
@@ -340,7 +345,7 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
                 state.nan_iterations += 0 if math.isfinite(loss) else 1
                 state.losses.append(loss)
             logger.record(loss, time.perf_counter() - step_start, skipped=not update_successful,
-                          global_batch=global_batch, statistics=losses,
+                          global_batch=global_batch, statistics=losses, consumed_samples=state.consumed_train_samples,
                           routing=routing_statistics.routing_summary(model_chunks, parallel_state, config.model))
             if _every(state.iteration, training.check_weight_hash_across_dp_replicas_interval):
                 check_weight_hash_across_dp_replicas(model_chunks, parallel_state, state.iteration)

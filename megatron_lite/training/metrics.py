@@ -88,9 +88,11 @@ def _significant(value: float) -> str:
     return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
 
 
-def format_throughput_log(*, tokens_per_second: float, mfu: float | None, peak_memory: float) -> str:
+def format_throughput_log(*, tokens_per_second: float, consumed_tokens: int, mfu: float | None,
+                          peak_memory: float) -> str:
+    """Tokens are those trained on: every position of a pretraining sample, an --sft sample's without padding."""
     mfu_text = "n/a (pass --peak-tflops)" if mfu is None else f"{100 * mfu:.1f}%"
-    return (f" tokens per second: {tokens_per_second:.1f} | MFU: {mfu_text} |"
+    return (f" tokens per second: {tokens_per_second:.1f} | consumed tokens: {consumed_tokens} | MFU: {mfu_text} |"
             f" peak memory (MB): {peak_memory:.1f} |")
 
 

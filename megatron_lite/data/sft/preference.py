@@ -28,7 +28,7 @@ from megatron_lite.config import ConfigError
 from megatron_lite.data.sft.examples import raise_for_problems, records_of
 from megatron_lite.data.sft.formats import SFTDataError, checked_messages
 from megatron_lite.data.sft.prompt_format import format_prompt, tokenize_conversation
-from megatron_lite.data.sft.sft_dataset import EpochLayout, build_sample
+from megatron_lite.data.sft.sft_dataset import EpochLayout, build_sample, example_positions
 
 
 def parse_preference_record(record) -> tuple[list[dict], list[dict], list[dict]]:
@@ -107,11 +107,11 @@ def load_preference_pairs(paths: list[str], tokenizer, prompt_format: str) -> Pr
                               tokenize_side(prompt, rejected, tokenizer, prompt_format)))
                 found += 1
             except json.JSONDecodeError as error:
-                problems.append(f"{path}:{number}: malformed JSON ({error.msg} at column {error.colno})")
+                problems.append((path, number, f"malformed JSON ({error.msg} at column {error.colno})"))
             except ConfigError:
                 raise  # the template or tokenizer is wrong for every record, not this one
             except ValueError as error:  # SFTDataError, or text the tokenizer rejects
-                problems.append(f"{path}:{number}: {error}")
+                problems.append((path, number, str(error)))
         raise_for_problems(problems, path, found=found)
         descriptions.append(f"{path}: {found} preference pairs")
     return PreferencePairs(pairs, tuple(descriptions))
@@ -133,7 +133,7 @@ class PreferenceDataset:
             raise SFTDataError(f"every one of the {len(pairs)} preference pairs has a side longer than --seq-length "
                                f"+ 1 = {seq_length + 1} tokens whose prompt fills the sequence: none has an answer "
                                f"token to compare. Raise --seq-length or shorten the prompts.")
-        positions = np.minimum(pairs.lengths[self.kept], seq_length + 1) - 1
+        positions = example_positions(pairs.lengths[self.kept], seq_length)
         self.layout = EpochLayout(positions, num_samples=(num_samples + 1) // 2, seed=seed,
                                   bins=functools.partial(pair_bins, capacity=seq_length) if pack_sequences else None)
 

@@ -31,7 +31,7 @@ class SFTDataset:
         self.num_samples = num_samples
         self.pad_token = pad_token
         self.pack_sequences = pack_sequences
-        positions = np.minimum(examples.lengths, seq_length + 1) - 1
+        positions = example_positions(examples.lengths, seq_length)
         truncated = np.flatnonzero(examples.lengths > seq_length + 1)
         self.num_truncated = len(truncated)
         # A prompt longer than the sequence leaves nothing to learn from; say so rather than train on nothing.
@@ -43,6 +43,8 @@ class SFTDataset:
         self.layout = EpochLayout(positions, num_samples=num_samples, seed=seed,
                                   bins=functools.partial(next_fit_bins, capacity=seq_length) if pack_sequences
                                   else None)
+        # The real (not padding) positions of the first n samples: what throughput counts as trained on.
+        self._positions_before = np.concatenate([[0], np.cumsum(self.layout.sample_sizes(positions)[:num_samples])])
 
     def __len__(self) -> int:
         return self.num_samples
@@ -53,6 +55,11 @@ class SFTDataset:
         members = self.layout.members(index)
         return build_sample([self.examples.get(int(i)) for i in members], seq_length=self.seq_length,
                             pad_token=self.pad_token, pack_sequences=self.pack_sequences)
+
+    def tokens_in(self, num_samples: int) -> int:
+        """The tokens the first ``num_samples`` samples feed through the model: their examples' positions, not
+        the padding after them (a packed sample's leftover positions are padding too)."""
+        return int(self._positions_before[min(num_samples, self.num_samples)])
 
     def describe(self) -> str:
         """For the start-up summary: examples, samples, epochs and truncations (never silent)."""
@@ -86,6 +93,19 @@ class EpochLayout:
         in_epoch = sample - int(self.epoch_offsets[epoch])
         starts = self.bin_starts[epoch]
         return self.orders[epoch][starts[in_epoch]:starts[in_epoch + 1]]
+
+    def sample_sizes(self, sizes: np.ndarray) -> np.ndarray:
+        """The total ``sizes`` of each sample's items, sample by sample over every epoch laid out."""
+        per_epoch = []
+        for order, starts in zip(self.orders, self.bin_starts):
+            filled = np.concatenate([[0], np.cumsum(sizes[order])])
+            per_epoch.append(filled[starts[1:]] - filled[starts[:-1]])
+        return np.concatenate(per_epoch)
+
+
+def example_positions(lengths: np.ndarray, seq_length: int) -> np.ndarray:
+    """The positions each example fills: n ids give n - 1 inputs, the first ``seq_length + 1`` ids kept."""
+    return np.minimum(lengths, seq_length + 1) - 1
 
 
 def next_fit_bins(sizes: np.ndarray, capacity: int) -> np.ndarray:
