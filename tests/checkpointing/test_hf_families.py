@@ -50,6 +50,7 @@ from megatron_lite.process_groups.parallel_state import destroy_model_parallel  
 from megatron_lite.training.loop import pretrain  # noqa: E402
 from tests.checkpointing.common import Imported, import_hf_model  # noqa: E402
 from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
+from tests.checkpointing.transformers_training import fair_fight  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import (EOS, MAX_NEW_TOKENS, PAD, PROMPTS,  # noqa: E402
                                                              _hf_generate)
@@ -404,41 +405,7 @@ FAIR_LAYOUTS = {
     "deepseek_v3": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True),
     "deepseek_v2": dict(pipeline_model_parallel_size=2, use_distributed_optimizer=True, bf16=True),
 }
-BF16_RTOL = dict(loss_rtol=2e-2, norm_rtol=2e-2, weight_rtol=0.5)
-
-
-def fair_fight(imports: dict, layouts: dict, tmp_path, export_flags: dict) -> None:
-    """Each family of ``layouts`` fine-tuned with its pad token the eos (as many released configs) and
-    --freeze-padding-embedding at 1 process and at its layout of 4 ranks (one start-up for all), against
-    ``transformers_training`` with that padding_idx; the first two families also without the flag, against
-    transformers without padding_idx. The mock batches hold the eos, so the pad row is the difference it was."""
-    from tests.checkpointing.hf_family_ranks import train_logged
-    from tests.checkpointing.transformers_training import (assert_trains_as_transformers, mock_batches,
-                                                           transformers_training)
-
-    assert any((batch == EOS).any() for batch in mock_batches(VOCAB))
-    names = list(layouts)
-    # (family, freeze the pad row?, parallel: at its layout, else 1 process)
-    runs = [(n, True, False) for n in names] + [(n, False, False) for n in names[:2]] + [(n, True, True)
-                                                                                          for n in names]
-    save = {run: str(tmp_path / "_".join(map(str, run))) for run in runs}
-    arguments = {run: (imports[run[0]].root, save[run], EOS if run[1] else None,
-                       dict(layouts[run[0]]) if run[2] else {})
-                 for run in runs}
-    single, parallel = [r for r in runs if not r[2]], [r for r in runs if r[2]]
-    logged = dict(zip(single, train_logged(0, 1, [arguments[r] for r in single])))
-    per_rank = run_distributed(train_logged, 4, args=([arguments[r] for r in parallel],), timeout=600)
-    for index, run in enumerate(parallel):
-        (logged[run],) = [rank[index] for rank in per_rank if rank[index] is not None]
-    for run in runs:
-        name, freeze, at_layout = run
-        exported = save[run] + "_hf"
-        hf_interop.export_hf_checkpoint(save[run], exported, hf_model_type=export_flags.get(name))
-        reference = transformers_training(imports[name].hf_model, VOCAB, padding_idx=EOS if freeze else None)
-        bf16 = at_layout and layouts[name].get("bf16", False)
-        assert_trains_as_transformers(f"{run}", logged[run], reference, imports[name].hf_model.state_dict(),
-                                      exported, **(BF16_RTOL if bf16 else {}))
 
 
 def test_fine_tuning_equals_transformers_with_clipping(imports, tmp_path):
-    fair_fight(imports, FAIR_LAYOUTS, tmp_path, {"phi3": "phi3", "deepseek_v2": "deepseek_v2"})
+    fair_fight(imports, FAIR_LAYOUTS, tmp_path, {"phi3": "phi3", "deepseek_v2": "deepseek_v2"}, vocab=VOCAB, pad=EOS)

@@ -12,7 +12,11 @@ import torch
 
 from megatron_lite.checkpointing import hf_interop
 from megatron_lite.data import MockGPTDataset
-from tests.checkpointing.hf_family_ranks import FAIR_BATCH, FAIR_OPTIMIZER, FAIR_STEPS
+from tests.checkpointing.hf_family_ranks import FAIR_BATCH, FAIR_OPTIMIZER, FAIR_STEPS, train_logged
+from tests.distributed import run_distributed
+
+# bf16 weights against the fp32 reference: the rounding of 3 steps.
+BF16_TOLERANCES = dict(loss_rtol=2e-2, norm_rtol=2e-2, weight_rtol=0.5)
 
 
 def mock_batches(vocab: int) -> list:
@@ -24,10 +28,11 @@ def mock_batches(vocab: int) -> list:
 
 def transformers_training(hf_model, vocab: int, *, padding_idx: int | None):
     """(the (cross-entropy loss, grad norm before clipping) of each step, the final weights) of ``hf_model``
-    trained as ``FAIR_OPTIMIZER`` says: AdamW with decay on the matrices only (Megatron's groups), gradients
+    trained as ``FAIR_OPTIMIZER`` says, on micro-batches of one sequence as ``fair_config``'s: AdamW with decay on the matrices only (Megatron's groups), gradients
     clipped to norm 1. ``padding_idx``: the input embedding's (the row that gets no gradient), or None (every
     row trains, as megatron_lite's default). A mixture of experts trains on the cross entropy plus
-    router_aux_loss_coef x its load-balancing loss, as transformers' own loss."""
+    router_aux_loss_coef x its load-balancing loss, as transformers' own loss (of each micro-batch: the
+    statistics of a micro-batch's tokens, as ours)."""
     model = copy.deepcopy(hf_model).train()
     model.get_input_embeddings().padding_idx = padding_idx
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -38,15 +43,20 @@ def transformers_training(hf_model, vocab: int, *, padding_idx: int | None):
                                   eps=FAIR_OPTIMIZER.adam_eps)
     logged = []
     for tokens in mock_batches(vocab):
-        output = model(tokens[:, :-1])
-        cross_entropy = torch.nn.functional.cross_entropy(output.logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
-        aux_loss = getattr(output, "aux_loss", None)
-        loss = cross_entropy if aux_loss is None else cross_entropy + model.config.router_aux_loss_coef * aux_loss
         optimizer.zero_grad()
-        loss.backward()
+        cross_entropy = 0.0
+        for sequence in tokens.split(1):  # micro-batches of 1, accumulated as transformers' Trainer does
+            output = model(sequence[:, :-1])
+            micro_cross_entropy = torch.nn.functional.cross_entropy(output.logits.reshape(-1, vocab),
+                                                                    sequence[:, 1:].reshape(-1))
+            aux_loss = getattr(output, "aux_loss", None)
+            loss = micro_cross_entropy if aux_loss is None else (micro_cross_entropy
+                                                                 + model.config.router_aux_loss_coef * aux_loss)
+            (loss / len(tokens)).backward()
+            cross_entropy += micro_cross_entropy.item() / len(tokens)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), FAIR_OPTIMIZER.clip_grad)
         optimizer.step()
-        logged.append((cross_entropy.item(), norm.item()))
+        logged.append((cross_entropy, norm.item()))
     return logged, {name: p.detach().clone() for name, p in model.state_dict().items()}
 
 
@@ -63,7 +73,40 @@ def assert_trains_as_transformers(name: str, logged: list, reference: tuple, ini
         assert abs(loss - their_loss) <= loss_rtol * their_loss, (name, step, loss, their_loss)
         same = abs(norm - their_norm) <= norm_rtol * their_norm if norm_rtol else f"{norm:.3f}" == f"{their_norm:.3f}"
         assert same and their_norm > FAIR_OPTIMIZER.clip_grad, (name, step, norm, their_norm)
-    _, ours = hf_interop.read_hf_directory(exported_dir)
+    import transformers
+
+    # Read back by transformers, which names the weights as the reference's state (experts fused or not).
+    ours = transformers.AutoModelForCausalLM.from_pretrained(exported_dir).state_dict()
     difference = sum(float((ours[key] - final[key]).double().square().sum()) for key in ours) ** 0.5
     moved = sum(float((final[key] - initial[key]).double().square().sum()) for key in ours) ** 0.5
     assert difference <= weight_rtol * moved, (name, difference, moved)
+
+
+def fair_fight(imports: dict, layouts: dict, tmp_path, export_flags: dict, *, vocab: int, pad: int) -> None:
+    """Each family of ``layouts`` (``imports``' ``common.Imported``) fine-tuned with ``pad`` as its pad token, a
+    token the mock batches hold (the eos, as many released configs), and
+    --freeze-padding-embedding at 1 process and at its layout of 4 ranks (one start-up for all), against
+    ``transformers_training`` with that padding_idx; the first two families also without the flag, against
+    transformers without padding_idx. ``export_flags``: the --hf-model-type of a family that needs one."""
+    assert any((batch == pad).any() for batch in mock_batches(vocab))
+    names = list(layouts)
+    # (family, freeze the pad row?, parallel: at its layout, else 1 process)
+    runs = [(n, True, False) for n in names] + [(n, False, False) for n in names[:2]] + [(n, True, True)
+                                                                                          for n in names]
+    save = {run: str(tmp_path / "_".join(map(str, run))) for run in runs}
+    arguments = {run: (imports[run[0]].root, save[run], pad if run[1] else None,
+                       dict(layouts[run[0]]) if run[2] else {})
+                 for run in runs}
+    single, parallel = [r for r in runs if not r[2]], [r for r in runs if r[2]]
+    logged = dict(zip(single, train_logged(0, 1, [arguments[r] for r in single])))
+    per_rank = run_distributed(train_logged, 4, args=([arguments[r] for r in parallel],), timeout=600)
+    for index, run in enumerate(parallel):
+        (logged[run],) = [rank[index] for rank in per_rank if rank[index] is not None]
+    for run in runs:
+        name, freeze, at_layout = run
+        exported = save[run] + "_hf"
+        hf_interop.export_hf_checkpoint(save[run], exported, hf_model_type=export_flags.get(name))
+        reference = transformers_training(imports[name].hf_model, vocab, padding_idx=pad if freeze else None)
+        bf16 = at_layout and layouts[name].get("bf16", False)
+        assert_trains_as_transformers(f"{run}", logged[run], reference, imports[name].hf_model.state_dict(),
+                                      exported, **(BF16_TOLERANCES if bf16 else {}))
