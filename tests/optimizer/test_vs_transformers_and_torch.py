@@ -160,3 +160,23 @@ def test_dynamic_loss_scale_equals_torch_grad_scaler():
     assert ours == _torch_scales(2.0 ** 16, 3, overflows)
     steps = list(zip(ours, ours[1:]))
     assert any(b < a for a, b in steps) and any(b > a for a, b in steps)  # it backed off and grew
+
+
+def test_router_z_loss_equals_transformers():
+    """--moe-z-loss-coeff: the z-loss our router logs and the gradient it gives the router weight are those of
+    transformers' router_z_loss_func (Switch Transformers, ST-MoE's loss) over the same logits."""
+    from transformers.models.switch_transformers.modeling_switch_transformers import router_z_loss_func
+
+    from tests.model.test_moe import E, H, layout, router
+
+    coefficient, sequences, length = 0.01, 3, 8
+    r = router(moe_z_loss_coeff=coefficient).train()
+    x = torch.randn(sequences * length, H)
+    probs, _ = r(x, layout(sequences * length, sequences))
+    (probs * 0).sum().backward()  # only the attached loss reaches the weight
+    weight = r.weight.detach().clone().requires_grad_()
+    theirs = router_z_loss_func((x @ weight.t()).view(sequences, length, E))
+    (coefficient * theirs).backward()
+    torch.testing.assert_close(r.loss_sums["z_loss"], theirs.detach())
+    torch.testing.assert_close(r.weight.grad, weight.grad)
+    assert weight.grad.abs().max() > 0
