@@ -300,17 +300,20 @@ def test_freezing_the_pad_row_needs_a_pad_token(capsys):
         parse_args([*flags, "--pad-token-id", "64"])
 
 
-def test_checkpoint_args_take_the_pad_token(imported_llama, tmp_path):
-    model, root = imported_llama
-    config = parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", root, *FINETUNE,
+def test_checkpoint_args_take_the_pad_token(tmp_path):
+    transformers.AutoModelForCausalLM.from_config(_llama_config(eos_token_id=0, pad_token_id=5)).save_pretrained(
+        tmp_path / "hf")
+    hf_interop.import_hf_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    config = parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", str(tmp_path / "ckpt"), *FINETUNE,
                          "--freeze-padding-embedding"])
-    assert config.model.pad_token_id == model.config.pad_token_id is not None and config.model.freeze_padding_embedding
+    assert (config.model.pad_token_id, config.model.freeze_padding_embedding) == (5, True)
 
 
 # GPT-2 (tied, no padding_idx in transformers: the reference is given one) at tensor 2 x pipeline 2, the tied
 # embedding summed over the stages; Llama at pipeline 2 x data 2 under ZeRO-3. The pad: token 1, which the mock
 # batches hold.
-FAIR_FAMILIES = {"gpt2": lambda: _gpt2_config(bos_token_id=1, eos_token_id=1, pad_token_id=1),
+FAIR_FAMILIES = {"gpt2": lambda: _gpt2_config(bos_token_id=1, eos_token_id=1, pad_token_id=1, resid_pdrop=0.0,
+                                               embd_pdrop=0.0, attn_pdrop=0.0),  # as our runs' dropout 0
                  "llama": lambda: _llama_config(bos_token_id=1, eos_token_id=1, pad_token_id=1)}
 FAIR_LAYOUTS = {"gpt2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
                 "llama": dict(pipeline_model_parallel_size=2, data_parallel_sharding_strategy="optim_grads_params")}

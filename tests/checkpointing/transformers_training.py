@@ -77,9 +77,12 @@ def assert_trains_as_transformers(name: str, logged: list, reference: tuple, ini
 
     # Read back by transformers, which names the weights as the reference's state (experts fused or not).
     ours = transformers.AutoModelForCausalLM.from_pretrained(exported_dir).state_dict()
+    ours = {key: _without_key_bias(key, value) for key, value in ours.items()}
+    final, initial = ({key: _without_key_bias(key, t[key]) for key in ours} for t in (final, initial))
     difference = sum(float((ours[key] - final[key]).double().square().sum()) for key in ours) ** 0.5
     moved = sum(float((final[key] - initial[key]).double().square().sum()) for key in ours) ** 0.5
-    assert difference <= weight_rtol * moved, (name, difference, moved)
+    worst = max(ours, key=lambda key: float((ours[key] - final[key]).norm()))
+    assert difference <= weight_rtol * moved, (name, difference, moved, worst)
 
 
 def fair_fight(imports: dict, layouts: dict, tmp_path, export_flags: dict, *, vocab: int, pad: int) -> None:
@@ -110,3 +113,15 @@ def fair_fight(imports: dict, layouts: dict, tmp_path, export_flags: dict, *, vo
         bf16 = at_layout and layouts[name].get("bf16", False)
         assert_trains_as_transformers(f"{run}", logged[run], reference, imports[name].hf_model.state_dict(),
                                       exported, **(BF16_TOLERANCES if bf16 else {}))
+
+
+def _without_key_bias(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A weight without its key bias, whose gradient is zero in exact arithmetic (softmax ignores a shift of a
+    query's scores): Adam turns its rounding noise into lr-sized, run-dependent steps (GPT-2: 3e-3 of the distance
+    moved, where every other weight agrees to 1e-5). GPT-2's c_attn bias is query, key, value."""
+    if name.endswith("k_proj.bias"):
+        return tensor[:0]
+    if name.endswith("attn.c_attn.bias"):
+        query, _, value = tensor.chunk(3)
+        return torch.cat([query, value])
+    return tensor
