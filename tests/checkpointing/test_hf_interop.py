@@ -323,5 +323,6 @@ def test_fine_tuning_equals_transformers_with_clipping(tmp_path):
     from tests.checkpointing.common import import_hf_model
     from tests.checkpointing.transformers_training import fair_fight
 
-    imports = {name: import_hf_model(name, make(), tmp_path / name, vocab=VOCAB) for name, make in FAIR_FAMILIES.items()}
+    imports = {name: import_hf_model(name, make(), tmp_path / name, vocab=VOCAB)
+               for name, make in FAIR_FAMILIES.items()}
     fair_fight(imports, FAIR_LAYOUTS, tmp_path, {}, vocab=VOCAB, pad=1)
