@@ -64,8 +64,9 @@ def assert_trains_as_transformers(name: str, logged: list, reference: tuple, ini
                                   loss_rtol: float = 1e-6, weight_rtol: float = 1e-4, norm_rtol: float = 0.0) -> None:
     """Our (lm loss, grad norm) log of each iteration and the weights exported from our last checkpoint
     against ``transformers_training``'s: the losses to ``loss_rtol`` (the log's 7 digits), the grad norm as the
-    log prints it (3 decimals; else to ``norm_rtol``, for bf16) and above the clip (or the comparison is not the fair fight it claims), and the
-    weights' difference from the reference's at most ``weight_rtol`` of the distance the reference moved them
+    log prints it (3 decimals; else to ``norm_rtol``, for bf16) and above the clip (or the comparison is not the
+    fair fight it claims), and the weights' difference from the reference's at most ``weight_rtol`` of the
+    distance the reference moved them
     (all tensors together: a tensor whose exact gradient is zero moves by Adam's rounding noise alone)."""
     expected, final = reference
     assert len(logged) == len(expected) == FAIR_STEPS, (name, logged)
