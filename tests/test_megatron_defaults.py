@@ -107,6 +107,7 @@ NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", 
                    "qk_layernorm_whole_projection",  # OLMoE's q/k norms; Megatron-Bridge has them, Megatron-LM not
                    "moe_router_group_score",  # DeepSeek-V2's group max beside Megatron-LM's top-k sum
                    "rotary_base_local",  # Gemma 3's local layers; Megatron-Bridge's field, no Megatron-LM flag
+                   "pad_token_id", "freeze_padding_embedding",  # transformers' padding_idx, on request
                    "deepspeed_config", "deepspeed"}  # the DeepSpeed config's spellings, translated at parse time
 REQUIRED = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"}  # in both
 
