@@ -111,6 +111,7 @@ NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", 
                    "hf_model_type",  # the Hugging Face family an export names
                    "dpo", "dpo_beta", "dpo_loss_type", "dpo_label_smoothing",  # Megatron-LM has no DPO (NeMo-RL does)
                    "gelu_exact",  # Megatron-LM's spelling is --no-bias-gelu-fusion, which sets it here too
+                   "pad_token_id", "freeze_padding_embedding",  # transformers' padding_idx, on request
                    "deepspeed_config", "deepspeed"}  # the DeepSpeed config's spellings, translated at parse time
 REQUIRED = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"}  # in both
 

@@ -46,6 +46,7 @@ import torch
 from megatron_lite.checkpointing.hf_families import (FAMILIES, GEMMA_FEATURES, Family, config_json, family_of,
                                                     model_config_fields_from_hf, named_family)
 from megatron_lite.checkpointing.hf_latent_attention import latent_attention_from_hf, latent_attention_to_hf
+from megatron_lite.checkpointing.hf_pad_token import note_trained_pad_token
 from megatron_lite.checkpointing.hf_tokenizer import export_tokenizer, import_tokenizer, write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.resharding import CheckpointReader
@@ -455,6 +456,7 @@ def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_
         pipeline_model_parallel_size=pipeline_model_parallel_size))
     tokenizer_flags = import_tokenizer(load_dir)
     _check_vocabulary_holds_tokenizer(load_dir, model_config.vocab_size, tokenizer_flags)
+    note_trained_pad_token(hf_config, tokenizer_flags, has_padding_idx=FAMILIES[hf_config["model_type"]].padding_idx)
     config.data = dataclasses.replace(config.data, **tokenizer_flags)
     written = write_checkpoint(save_dir, config, weights.__getitem__, iteration=0)
     with open(os.path.join(save_dir, HF_SOURCE_FILE), "w") as f:

@@ -75,6 +75,10 @@ HELP = {
     "v_head_dim": "MLA: value channels per head",
     "rope_type": "MLA's rotary embedding, rope or yarn (default: yarn; other attention: --position-embedding-type)",
     "untie_embeddings_and_output_weights": "give the output layer its own weight instead of the input embedding's",
+    "pad_token_id": ("the padding token's id, the embedding row --freeze-padding-embedding freezes (an imported "
+                     "model records its config.json's pad_token_id)"),
+    "freeze_padding_embedding": ("give the pad token's input-embedding row no gradient, as transformers' "
+                                 "padding_idx (default: every row trains, as in Megatron-LM)"),
     "hidden_dropout": "dropout on the attention and MLP outputs",
     "attention_dropout": "dropout on the attention probabilities",
     "hf_model_type": "the Hugging Face family (config.json's model_type) a Hugging Face export writes; an imported "

@@ -151,8 +151,9 @@ class TrainingLogger:
 
     def log_interval(self, state: TrainingState, optimizer, grad_norm: float | None) -> None:
         elapsed_s = self.seconds / self.config.logging.log_interval
-        # No iteration of the interval updated with a finite loss (all NaN, or fp16 overflows): nan, not 0.
-        lm_loss = sum(self.losses) / len(self.losses) if self.losses else math.nan
+        # As Megatron-LM, an iteration skipped for an fp16 overflow contributes no loss, and an interval in which
+        # no iteration updated has no loss field (None; the skipped count says why). nan only when a loss was.
+        lm_loss = sum(self.losses) / len(self.losses) if self.losses else math.nan if self.nan else None
         skipped, nan = self.skipped, self.nan  # counts for this interval, as in Megatron's line
         tflops_per_gpu = self.flops / (self.seconds * self.world_size) / 1e12
         tokens_per_second = self.tokens / self.seconds

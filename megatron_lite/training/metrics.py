@@ -47,11 +47,12 @@ def peak_memory_mb() -> float:
 
 
 def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
-                         tflops_per_gpu: float | None, learning_rate: float, global_batch_size: int, lm_loss: float,
-                         loss_scale: float, grad_norm: float | None, skipped_iterations: int,
+                         tflops_per_gpu: float | None, learning_rate: float, global_batch_size: int,
+                         lm_loss: float | None, loss_scale: float, grad_norm: float | None, skipped_iterations: int,
                          nan_iterations: int, routing: dict | None = None, loss_name: str = "lm loss",
                          statistics: dict | None = None) -> str:
-    """Megatron's line; the throughput field only with --log-throughput (``tflops_per_gpu`` not None).
+    """Megatron's line; the throughput field only with --log-throughput (``tflops_per_gpu`` not None), the loss
+    only when an iteration of the interval updated (``lm_loss`` not None: Megatron-LM leaves it out too).
     ``routing``: a mixture of experts' auxiliary losses and expert load, after the loss as Megatron-LM's;
     ``loss_name``: the loss trained (``dpo loss`` under --dpo), ``statistics`` the other logged means after it."""
     line = (f" iteration {iteration:8d}/{train_iters:8d} |"
@@ -60,8 +61,9 @@ def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: 
     if tflops_per_gpu is not None:
         line += f" throughput per GPU (TFLOP/s/GPU): {_tflops_text(tflops_per_gpu)} |"
     line += (f" learning rate: {learning_rate:.6E} |"
-            f" global batch size: {global_batch_size:5d} |"
-            f" {loss_name}: {_loss_text(lm_loss)} |")
+            f" global batch size: {global_batch_size:5d} |")
+    if lm_loss is not None:
+        line += f" {loss_name}: {_loss_text(lm_loss)} |"
     for name, value in (statistics or {}).items():
         line += f" {name}: {_loss_text(value)} |"
     for name, value in (routing or {}).items():

@@ -50,6 +50,7 @@ from megatron_lite.process_groups.parallel_state import destroy_model_parallel  
 from megatron_lite.training.loop import pretrain  # noqa: E402
 from tests.checkpointing.common import Imported, import_hf_model  # noqa: E402
 from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
+from tests.checkpointing.transformers_training import fair_fight  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import (EOS, MAX_NEW_TOKENS, PAD, PROMPTS,  # noqa: E402
                                                              _hf_generate)
@@ -386,3 +387,23 @@ def test_released_gemma3_configs_read_as_transformers_reads_them(released):
     assert (ours.rotary_base, ours.rotary_base_local) == (full["rope_theta"], local["rope_theta"])
     assert ours.rotary_seq_len_interpolation_factor == full.get("factor") and local["rope_type"] == "default"
     assert ours.window_size == [theirs.sliding_window - 1, 0] and ours.softmax_scale == 256 ** -0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# Training against transformers + torch.optim.AdamW, clipping on every step
+
+# One layout of 4 ranks per family (pp somewhere, ZeRO 1 to 3, bf16 once), beside its 1-process run.
+FAIR_LAYOUTS = {
+    "qwen2": dict(tensor_model_parallel_size=2, use_distributed_optimizer=True),  # tied, vocab split + ZeRO-1
+    "qwen3": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True),
+    "mistral": dict(pipeline_model_parallel_size=2, data_parallel_sharding_strategy="optim_grads"),
+    "phi3": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+    "gemma2": dict(data_parallel_sharding_strategy="optim_grads_params"),
+    "gemma3_text": dict(tensor_model_parallel_size=2, context_parallel_size=2),
+    "deepseek_v3": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True),
+    "deepseek_v2": dict(pipeline_model_parallel_size=2, use_distributed_optimizer=True, bf16=True),
+}
+
+
+def test_fine_tuning_equals_transformers_with_clipping(imports, tmp_path):
+    fair_fight(imports, FAIR_LAYOUTS, tmp_path, {"phi3": "phi3", "deepseek_v2": "deepseek_v2"}, vocab=VOCAB, pad=EOS)
