@@ -27,6 +27,9 @@ from megatron_lite.tokenizer import build_model_tokenizer
 def samples_per_epoch(config: Config) -> int:
     """The samples of one pass over ``config``'s training data; raises ConfigError where there is no such pass."""
     data, seq_length = config.data, config.model.seq_length
+    if data.dpo:  # a pair is two sequences, and packed pairs fill a sample by their sizes: not counted yet
+        raise ConfigError("--train-epochs does not count --dpo's preference pairs yet: give --train-iters or "
+                          "--train-samples (a pair is two samples).")
     if data.sft:
         return _sft_samples(config)
     if data.mock_data:

@@ -12,6 +12,7 @@ from megatron_lite.data.dataset_builder import parse_data_path
 from megatron_lite.data.indexed_dataset import data_file_path, index_file_path
 from megatron_lite.data.sft.examples import count_sft_examples, is_preprocessed_sft
 from megatron_lite.data.sft.formats import RecordFormat, is_sft_data_source
+from megatron_lite.data.sft.preference import count_preference_pairs
 
 
 def check_data_paths(data: DataConfig) -> None:
@@ -29,7 +30,10 @@ def check_data_paths(data: DataConfig) -> None:
                               "and PREFIX_loss_mask_document.bin/.idx).")
         record_format = RecordFormat.from_flags(data.sft_format, data.sft_data_keys)
         for _, paths in flags:  # a misnamed field fails now, not after the model is built
-            count_sft_examples(paths, record_format)
+            if data.dpo:
+                count_preference_pairs(paths)
+            else:
+                count_sft_examples(paths, record_format)
     elif not data.mock_data:
         _, prefixes = parse_data_path(data.data_path)
         missing = [path for prefix in prefixes for path in (index_file_path(prefix), data_file_path(prefix))

@@ -99,22 +99,36 @@ def load_preference_pairs(paths: list[str], tokenizer, prompt_format: str) -> Pr
     """Pairs from data files, in order; every bad record is named ``file:line`` (``file:row`` in a table)."""
     pairs, descriptions = [], []
     for path in paths:
-        problems, found = [], 0
-        for _, number, line in records_of(path):
-            try:
-                prompt, chosen, rejected = parse_preference_record(json.loads(line))
-                pairs.append((tokenize_side(prompt, chosen, tokenizer, prompt_format),
-                              tokenize_side(prompt, rejected, tokenizer, prompt_format)))
-                found += 1
-            except json.JSONDecodeError as error:
-                problems.append((path, number, f"malformed JSON ({error.msg} at column {error.colno})"))
-            except ConfigError:
-                raise  # the template or tokenizer is wrong for every record, not this one
-            except ValueError as error:  # SFTDataError, or text the tokenizer rejects
-                problems.append((path, number, str(error)))
-        raise_for_problems(problems, path, found=found)
-        descriptions.append(f"{path}: {found} preference pairs")
+        sides = _read_pairs(path, tokenize=lambda prompt, chosen, rejected: (
+            tokenize_side(prompt, chosen, tokenizer, prompt_format),
+            tokenize_side(prompt, rejected, tokenizer, prompt_format)))
+        pairs += sides
+        descriptions.append(f"{path}: {len(sides)} preference pairs")
     return PreferencePairs(pairs, tuple(descriptions))
+
+
+def count_preference_pairs(paths: list[str]) -> int:
+    """The pairs of data files, each record checked as training reads it (everything but the tokenizing): a
+    misnamed field fails at start-up, before any model is built."""
+    return sum(len(_read_pairs(path)) for path in paths)
+
+
+def _read_pairs(path: str, tokenize=None) -> list:
+    """(prompt, chosen, rejected) messages of every record of ``path``, each passed through ``tokenize`` (which
+    may reject text); one SFTDataError names every bad record."""
+    pairs, problems = [], []
+    for _, number, line in records_of(path):
+        try:
+            record = parse_preference_record(json.loads(line))
+            pairs.append(tokenize(*record) if tokenize is not None else record)
+        except json.JSONDecodeError as error:
+            problems.append((path, number, f"malformed JSON ({error.msg} at column {error.colno})"))
+        except ConfigError:
+            raise  # the template or tokenizer is wrong for every record, not this one
+        except ValueError as error:  # SFTDataError, or text the tokenizer rejects
+            problems.append((path, number, str(error)))
+    raise_for_problems(problems, path, found=len(pairs))
+    return pairs
 
 
 class PreferenceDataset:
