@@ -30,7 +30,7 @@ def test_async_save_writes_behind_training_what_a_blocking_save_writes(tmp_path,
     loop.pretrain(tiny_config(iters=4, dropout=0.1, save=blocking, save_interval=2))
 
     steps_done, writers = [], []
-    write_tensor_file, train_step = storage.write_tensor_file, loop.train_step
+    write_tensor_file, train_step = storage.write_tensor_file, loop.train_step_with_losses
 
     def write_after_the_next_step(path, tensors):
         writers.append(threading.current_thread() is threading.main_thread())
@@ -47,7 +47,7 @@ def test_async_save_writes_behind_training_what_a_blocking_save_writes(tmp_path,
         return result
 
     monkeypatch.setattr(storage, "write_tensor_file", write_after_the_next_step)
-    monkeypatch.setattr(loop, "train_step", counted_step)
+    monkeypatch.setattr(loop, "train_step_with_losses", counted_step)  # the step the loop runs
     state, _, _ = loop.pretrain(tiny_config(iters=4, dropout=0.1, save=background, save_interval=2, async_save=True))
 
     assert writers == [False, False]  # both written by the worker thread
