@@ -173,7 +173,7 @@ class Muon(torch.optim.Optimizer):
             full = torch.cat(list(shards), dim=dim)
             blocks = matrix.blocks * tp_size if dim == 0 else matrix.blocks
             orthogonal = self._orthogonalise_parts(full, blocks, matrix.parts)
-            return orthogonal.chunk(tp_size, dim=dim)[collectives.rank(matrix.tp_group)]
+            return orthogonal.chunk(tp_size, dim=dim)[collectives.rank(matrix.tp_group)].contiguous()
         if mode == "distributed":
             return self._orthogonalise_parts(update, matrix.blocks, matrix.parts, tp_group=matrix.tp_group,
                                              partition_dim=matrix.partition_dim)
