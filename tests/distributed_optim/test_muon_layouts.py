@@ -3,14 +3,14 @@
 A 2-layer Llama (GQA, SwiGLU: fused QKV and [gate; up] split per matrix) trains 4 steps with --optimizer muon
 through ``pretrain`` at tp2 (--muon-tp-mode duplicated and distributed), pp2, and dp2 under the distributed
 optimizer (ZeRO-1) and ZeRO-3, where a matrix is orthogonalised whole by the one data-parallel rank that owns it;
---muon-tp-mode blockwise at tp2 differs from one process (the documented price of needing no communication).
+LoRA's adapter matrices train with Muon at tp2 as at one process; --muon-tp-mode blockwise at tp2 differs from one process (the documented price of needing no communication).
 """
 from unittest import mock
 
 import pytest
 
 from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                                  TrainingConfig)
+                                  PeftConfig, TrainingConfig)
 from megatron_lite.optimizer import muon
 from tests.distributed import run_distributed
 from tests.parity import assert_losses_match, assert_relative_close, full_tensors, rank_tensors
@@ -18,7 +18,7 @@ from tests.parity import assert_losses_match, assert_relative_close, full_tensor
 STEPS = 4
 
 
-def _config(tp=1, pp=1, strategy="no_shard", tp_mode="duplicated") -> Config:
+def _config(tp=1, pp=1, strategy="no_shard", tp_mode="duplicated", lora=False) -> Config:
     return Config(
         model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
                           seq_length=16, vocab_size=64, make_vocab_size_divisible_by=32, normalization="RMSNorm", position_embedding_type="rope",
@@ -31,7 +31,8 @@ def _config(tp=1, pp=1, strategy="no_shard", tp_mode="duplicated") -> Config:
         # rounding noise, which eps 1e-8 turns into lr-sized steps (test_3d_equivalence.py says more).
         optimizer=OptimizerConfig(optimizer="muon", lr=1e-2, clip_grad=0.5, lr_decay_style="constant", adam_eps=1e-6,
                                   muon_fp32_matmul_prec="high", muon_tp_mode=tp_mode, muon_nesterov=True),
-        data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=STEPS, log_memory=False))
+        data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=STEPS, log_memory=False),
+        peft=PeftConfig(peft="lora", lora_rank=4) if lora else PeftConfig())
 
 
 def _train(rank, world_size, layouts):
@@ -52,9 +53,14 @@ def _train(rank, world_size, layouts):
 
 
 @pytest.fixture(scope="module")
-def single_process():
-    (result,) = run_distributed(_train, 1, args=([{}],))
-    return result[0]["losses"], full_tensors(result)
+def references():
+    (result,) = run_distributed(_train, 1, args=([{}, {"lora": True}],))
+    return [(run["losses"], full_tensors([run])) for run in result]
+
+
+@pytest.fixture(scope="module")
+def single_process(references):
+    return references[0]
 
 
 def _run(world_size, layouts):
@@ -69,12 +75,15 @@ def _assert_matches(results, single_process, what):
         assert_relative_close(value, weights[name], what=f"{what} {name}")
 
 
-def test_tensor_and_pipeline_parallel_match_one_process(single_process):
+def test_tensor_and_pipeline_parallel_match_one_process(references):
+    single_process, lora = references
     layouts = [{"tp": 2, "tp_mode": "duplicated"}, {"tp": 2, "tp_mode": "distributed"}, {"pp": 2},
-               {"tp": 2, "tp_mode": "blockwise"}]
+               {"tp": 2, "tp_mode": "distributed", "lora": True}, {"tp": 2, "tp_mode": "blockwise"}]
     *equal, blockwise = _run(2, layouts)
     for layout, results in zip(layouts, equal):
-        _assert_matches(results, single_process, str(layout))
+        _assert_matches(results, lora if layout.get("lora") else single_process, str(layout))
+    # LoRA trained something else than the whole model did (its adapters, with Muon: they are 2-D).
+    assert lora[0] != single_process[0]
     with pytest.raises(AssertionError):
         _assert_matches(blockwise, single_process, "blockwise")
 
