@@ -207,7 +207,8 @@ def _assign_owners(matrices: list) -> dict:
     owners, load = {}, {}
     sharded = [m for m in matrices if collectives.world_size(m.data_parallel_group) > 1]
     for matrix in sorted(sharded, key=lambda m: (-_ns_cost(m), m.name)):
-        ranks = load.setdefault(id(matrix.data_parallel_group), [0.0] * collectives.world_size(matrix.data_parallel_group))
+        size = collectives.world_size(matrix.data_parallel_group)
+        ranks = load.setdefault(id(matrix.data_parallel_group), [0.0] * size)
         owner = min(range(len(ranks)), key=lambda r: (ranks[r], r))
         ranks[owner] += _ns_cost(matrix)
         owners[matrix] = owner

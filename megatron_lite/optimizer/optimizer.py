@@ -70,8 +70,8 @@ class ParamRange:
 
 
 class MegatronOptimizer:
-    """Adam (or SGD, Lion, Muon: ``emerging_optimizers.py``) over fp32 main parameters covering whole model parameters, the same on
-    every data-parallel rank (the distributed optimizer narrows them to this rank's shard).
+    """Adam (or SGD, Lion, Muon: ``emerging_optimizers.py``) over fp32 main parameters covering whole model
+    parameters, the same on every data-parallel rank (the distributed optimizer narrows them to this rank's shard).
 
     Args:
         config: --lr, --weight-decay, --adam-*, --clip-grad, --optimizer-cpu-offload.

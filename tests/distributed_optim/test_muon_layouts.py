@@ -3,7 +3,8 @@
 A 2-layer Llama (GQA, SwiGLU: fused QKV and [gate; up] split per matrix) trains 4 steps with --optimizer muon
 through ``pretrain`` at tp2 (--muon-tp-mode duplicated and distributed), pp2, and dp2 under the distributed
 optimizer (ZeRO-1) and ZeRO-3, where a matrix is orthogonalised whole by the one data-parallel rank that owns it;
-LoRA's adapter matrices train with Muon at tp2 as at one process; --muon-tp-mode blockwise at tp2 differs from one process (the documented price of needing no communication).
+LoRA's adapter matrices train with Muon at tp2 as at one process; --muon-tp-mode blockwise at tp2 differs
+from one process (the documented price of needing no communication).
 """
 from unittest import mock
 
@@ -21,7 +22,8 @@ STEPS = 4
 def _config(tp=1, pp=1, strategy="no_shard", tp_mode="duplicated", lora=False) -> Config:
     return Config(
         model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
-                          seq_length=16, vocab_size=64, make_vocab_size_divisible_by=32, normalization="RMSNorm", position_embedding_type="rope",
+                          seq_length=16, vocab_size=64, make_vocab_size_divisible_by=32, normalization="RMSNorm",
+                          position_embedding_type="rope",
                           swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True,
                           hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
