@@ -39,7 +39,7 @@ def build(shape: str, optimizer: dict):
                     optimizer=OptimizerConfig(lr_decay_style="constant", **optimizer),
                     data=DataConfig(mock_data=True), logging=LoggingConfig(log_memory=False))
     ps = initialize_model_parallel(1, 1)
-    chunks, opt, _ = setup_model_and_optimizer(config, ps)
+    _, opt, _ = setup_model_and_optimizer(config, ps)
     generator = torch.Generator().manual_seed(0)
     for r in opt.param_ranges:
         r.model_grad().copy_(torch.randn(r.model_grad().shape, generator=generator))
