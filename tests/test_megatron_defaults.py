@@ -66,7 +66,13 @@ MEGATRON_DEFAULTS = {
     "lr_warmup_samples": 0, "lr_decay_samples": None, "lr_warmup_fraction": None, "decoupled_lr": None,
     "decoupled_min_lr": None, "weight_decay": 0.01, "start_weight_decay": None, "end_weight_decay": None,
     "weight_decay_incr_style": "constant", "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,
-    "sgd_momentum": 0.9, "clip_grad": 1.0, "loss_scale": None, "initial_loss_scale": 2.0 ** 32,
+    "sgd_momentum": 0.9,
+    # --optimizer muon and lion (read off Megatron-LM's arguments.py at a later commit, which added them)
+    "muon_momentum": 0.9, "muon_split_qkv": True, "muon_nesterov": False, "muon_scale_mode": "spectral",
+    "muon_fp32_matmul_prec": "medium", "muon_coefficient_type": "quintic", "muon_num_ns_steps": 5,
+    "muon_tp_mode": "duplicated", "muon_extra_scale_factor": 1.0, "muon_scalar_optimizer": "adam",
+    "lion_beta1": 0.95, "lion_beta2": 0.98,
+    "clip_grad": 1.0, "loss_scale": None, "initial_loss_scale": 2.0 ** 32,
     "min_loss_scale": 1.0, "loss_scale_window": 1000, "hysteresis": 2, "optimizer_cpu_offload": False,
     "override_opt_param_scheduler": False, "use_checkpoint_opt_param_scheduler": False,
     # data (Megatron's --split None becomes "969, 30, 1" in validate_args)

@@ -152,11 +152,13 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 # --lr-warmup-style values: Megatron-LM's linear warmup, and DeepSpeed's log warmup (its WarmupLR default).
 LR_WARMUP_STYLES = ("linear", "log")
 WEIGHT_DECAY_INCR_STYLES = ("constant", "linear", "cosine")
+MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MUON_COEFFICIENT_TYPES = ("simple", "quintic")  # the sets in megatron_lite/optimizer/newton_schulz.py
 
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    optimizer: str = field(default="adam", metadata={"choices": ("adam", "sgd")})
+    optimizer: str = field(default="adam", metadata={"choices": ("adam", "sgd", "muon", "lion")})
     lr: float = 3e-4
     min_lr: float = 0.0
     lr_decay_style: str = field(default="linear", metadata={"choices": LR_DECAY_STYLES})
@@ -183,6 +185,19 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
+    # --optimizer muon (megatron_lite/optimizer/muon.py), Megatron-LM's flags and defaults.
+    muon_momentum: float = 0.9
+    muon_split_qkv: bool = True  # --muon-no-split-qkv: orthogonalise fused QKV (and SwiGLU's fc1) whole
+    muon_nesterov: bool = False
+    muon_scale_mode: str = field(default="spectral", metadata={"choices": MUON_SCALE_MODES})
+    muon_fp32_matmul_prec: str = field(default="medium", metadata={"choices": ("low", "medium", "high")})
+    muon_coefficient_type: str = field(default="quintic", metadata={"choices": MUON_COEFFICIENT_TYPES})
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = field(default="duplicated", metadata={"choices": ("blockwise", "duplicated", "distributed")})
+    muon_extra_scale_factor: float = 1.0
+    muon_scalar_optimizer: str = field(default="adam", metadata={"choices": ("adam", "lion")})
+    lion_beta1: float = 0.95
+    lion_beta2: float = 0.98
     clip_grad: float = 1.0
     loss_scale: Optional[float] = None  # static loss scale for fp16; None = dynamic
     initial_loss_scale: float = 2.0 ** 32
@@ -209,7 +224,15 @@ class OptimizerConfig:
                  f"--decoupled-min-lr ({decoupled_min_lr}, default --min-lr) must be between 0 and "
                  f"--decoupled-lr ({self.decoupled_lr}).")
         require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}.")
-        for flag, beta in [("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)]:
+        require(0.0 <= self.muon_momentum < 1.0, f"--muon-momentum must be in [0, 1), got {self.muon_momentum}.")
+        require(self.optimizer != "muon" or not self.optimizer_cpu_offload,
+                "--optimizer muon moves whole matrices between data-parallel ranks on the accelerator; drop "
+                "--optimizer-cpu-offload (or use --optimizer adam).")
+        require(self.muon_num_ns_steps >= 1, f"--muon-num-ns-steps must be >= 1, got {self.muon_num_ns_steps}.")
+        require(self.muon_extra_scale_factor > 0,
+                f"--muon-extra-scale-factor must be positive, got {self.muon_extra_scale_factor}.")
+        for flag, beta in [("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2),
+                           ("--lion-beta1", self.lion_beta1), ("--lion-beta2", self.lion_beta2)]:
             require(0.0 <= beta < 1.0, f"{flag} must be in [0, 1), got {beta}.")
         require(self.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}.")
         require(self.loss_scale is None or self.loss_scale > 0,

@@ -31,6 +31,7 @@ def check_choices(section) -> None:
 # Fields that default to True are turned off by these flags (Megatron's spelling).
 NEGATIVE_FLAGS = {"add_bias_linear": "--disable-bias-linear", "use_fused_kernels": "--no-fused-kernels",
                   "log_memory": "--no-log-memory", "mmap_bin_files": "--no-mmap-bin-files",
+                  "muon_split_qkv": "--muon-no-split-qkv",
                   "manual_gc_eval": "--no-manual-gc-eval",
                   "check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad",
                   "yarn_correction_range_round_to_int": "--no-yarn-correction-range-round-to-int"}

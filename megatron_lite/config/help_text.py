@@ -197,7 +197,8 @@ HELP = {
     "dpo_label_smoothing": ("--dpo --dpo-loss-type sigmoid: the assumed fraction of pairs whose preference is flipped "
                             "(conservative DPO), in [0, 0.5)"),
     # optimizer
-    "optimizer": "adam (AdamW) or sgd",
+    "optimizer": ("adam (AdamW), sgd, lion, or muon (Newton-Schulz-orthogonalised momentum on the weight matrices, "
+                  "--muon-scalar-optimizer on the rest; docs/training.md)"),
     "lr": "peak learning rate (Megatron-LM requires the flag; 3e-4 here lets a flag-less tiny run start)",
     "min_lr": "learning rate at the end of the decay",
     "lr_decay_style": ("decay after warmup: constant, linear, cosine, inverse-square-root (--lr x sqrt(warmup / "
@@ -225,6 +226,23 @@ HELP = {
     "adam_beta2": "Adam second-moment decay",
     "adam_eps": "Adam denominator epsilon",
     "sgd_momentum": "momentum with --optimizer sgd",
+    "muon_momentum": "Muon's momentum (an average: M = m M + (1 - m) G)",
+    "muon_split_qkv": ("Muon orthogonalises Q, K and V (and SwiGLU's gate and up) as separate matrices; the flag "
+                       "keeps them fused"),
+    "muon_nesterov": "Muon's update interpolates towards the gradient (Nesterov)",
+    "muon_scale_mode": ("scale of Muon's orthogonalised update of an [out, in] matrix: spectral sqrt(max(out, in)), "
+                        "unit_rms_norm sqrt(out / in), shape_scaling sqrt(max(1, out / in))"),
+    "muon_fp32_matmul_prec": "Newton-Schulz matmuls: high in fp32, medium or low in bf16 (as torch.optim.Muon)",
+    "muon_coefficient_type": ("Newton-Schulz coefficients: simple (torch.optim.Muon's one triple) or quintic "
+                              "(five, cycled)"),
+    "muon_num_ns_steps": "Newton-Schulz iterations per Muon step",
+    "muon_tp_mode": ("Muon under tensor parallelism: duplicated (gather the matrix) and distributed (sum the Gram "
+                     "matrix) equal one process; blockwise orthogonalises each shard alone, so depends on "
+                     "--tensor-model-parallel-size"),
+    "muon_extra_scale_factor": "a further multiplier of Muon's update (0.2 with spectral matches AdamW's update RMS)",
+    "muon_scalar_optimizer": "the optimizer of what Muon leaves out (embeddings, output layer, norms, biases)",
+    "lion_beta1": "Lion's interpolation of momentum and gradient inside the sign",
+    "lion_beta2": "Lion's momentum decay",
     "clip_grad": "clip the global gradient L2 norm to this (0 disables)",
     "loss_scale": "static fp16 loss scale (default: dynamic)",
     "initial_loss_scale": "first dynamic fp16 loss scale",

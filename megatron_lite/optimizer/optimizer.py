@@ -5,7 +5,7 @@ The model computes in its precision (fp32, bf16 or fp16); Adam updates fp32
 
     model grads (DDP's main_grad) -> fp32 main grads
     fp16: unscale, and skip the step on every rank if any rank saw inf/NaN
-    global grad norm -> clip -> Adam on the main params -> copy main params to the model
+    global grad norm -> clip -> Adam (or SGD, Lion, Muon) on the main params -> copy main params to the model
 
 Megatron-LM splits this into FP32Optimizer and Float16OptimizerWithFloat16Params;
 here an fp32 main parameter simply *aliases* its fp32 model parameter (and an fp32
@@ -29,6 +29,8 @@ import torch.distributed as dist
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ConfigError, OptimizerConfig
 from megatron_lite.distributed.param_and_grad_buffer import ParamSlice
+from megatron_lite.optimizer.emerging_optimizers import ChainedOptimizer, muon_optimizer, scalar_optimizer
+from megatron_lite.optimizer.muon import uses_muon
 from megatron_lite.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32, get_grads_for_norm
 
 # Attributes the gradient norm and finalisation read; main params carry them too.
@@ -68,8 +70,8 @@ class ParamRange:
 
 
 class MegatronOptimizer:
-    """Adam (or SGD) over fp32 main parameters covering whole model parameters, the same on
-    every data-parallel rank (the distributed optimizer narrows them to this rank's shard).
+    """Adam (or SGD, Lion, Muon: ``emerging_optimizers.py``) over fp32 main parameters covering whole model
+    parameters, the same on every data-parallel rank (the distributed optimizer narrows them to this rank's shard).
 
     Args:
         config: --lr, --weight-decay, --adam-*, --clip-grad, --optimizer-cpu-offload.
@@ -89,27 +91,35 @@ class MegatronOptimizer:
         self.param_ranges = self._param_ranges(_named_parameters(model_chunks))
         self.main_params = [self._make_main_param(r) for r in self.param_ranges]
         groups = get_param_groups(config, self.param_ranges, self.main_params)
-        if config.optimizer == "adam":
-            # fused: one pass over each parameter's weights, gradient and moments (Megatron's FusedAdam), on a
-            # CPU as on a GPU; the per-tensor loop makes about ten (its step took 3.7x as long on CPU).
-            self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                               eps=config.adam_eps, weight_decay=config.weight_decay, fused=True)
-        else:
-            self.optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
-                                             weight_decay=config.weight_decay)
+        self.optimizer = self._torch_optimizer(groups)
         self._allocate_state()
+
+    def _torch_optimizer(self, groups: list):
+        config = self.config
+        if config.optimizer == "muon":
+            return muon_optimizer(config, groups, self.param_ranges, self.main_params,
+                                  model_chunks=self.model_chunks, parallel_state=self.parallel_state)
+        if config.optimizer in ("adam", "lion"):
+            # Adam fused: one pass over each parameter's weights, gradient and moments (Megatron's FusedAdam),
+            # on a CPU as on a GPU; the per-tensor loop makes about ten (its step took 3.7x as long on CPU).
+            return scalar_optimizer(config.optimizer, groups, config)
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
 
     def _allocate_state(self) -> None:
         """Create the state now, as torch's first step would (zeros, step 0), so the memory report at
         start-up measures it. SGD's momentum starting at zero gives its first step's exact value too."""
         for main in self.main_params:
-            if self.config.optimizer == "adam":
+            optimizer = self.optimizer.owner(main) if isinstance(self.optimizer, ChainedOptimizer) else self.optimizer
+            if isinstance(optimizer, torch.optim.AdamW):
                 # The fused step wants its count on the parameters' device.
                 self.optimizer.state[main] = {"step": torch.zeros((), device=main.device),
                                               "exp_avg": torch.zeros_like(main),
                                               "exp_avg_sq": torch.zeros_like(main)}
-            elif self.config.sgd_momentum > 0:
-                self.optimizer.state[main] = {"momentum_buffer": torch.zeros_like(main)}
+            elif isinstance(optimizer, torch.optim.SGD):
+                if self.config.sgd_momentum > 0:
+                    self.optimizer.state[main] = {"momentum_buffer": torch.zeros_like(main)}
+            else:
+                self.optimizer.state[main] = optimizer.initial_state(main)
 
     # What a subclass changes: over which group gradients differ, and what happens after the step.
     def _param_ranges(self, named_params: list) -> list[ParamRange]:
@@ -339,18 +349,24 @@ class MegatronOptimizer:
 
 def get_param_groups(config: OptimizerConfig, param_ranges: list, main_params: list) -> list[dict]:
     """The main parameters in Megatron's groups: biases and norm weights (1-D) are not decayed, and
-    with --decoupled-lr the word embedding and output layer get their own learning-rate end points.
+    with --decoupled-lr the word embedding and output layer get their own learning-rate end points;
+    --optimizer muon puts the weight matrices it orthogonalises in a last group of their own.
 
     Always [decayed, not decayed], then [decoupled decayed, decoupled not decayed] with --decoupled-lr,
-    so every rank of every layout has the same groups (a checkpoint's groups line up)."""
+    then [Muon's] with --optimizer muon, so every rank of every layout has the same groups (a
+    checkpoint's groups line up)."""
     kinds = [(False, False), (False, True)]
     if config.decoupled_lr is not None:
         kinds += [(True, False), (True, True)]
     groups = {kind: _param_group(config, *kind) for kind in kinds}
+    muon = _param_group(config, False, False) if config.optimizer == "muon" else None
     for r, main in zip(param_ranges, main_params):
+        if muon is not None and uses_muon(r.param, r.shape):
+            muon["params"].append(main)
+            continue
         decoupled = config.decoupled_lr is not None and getattr(r.param, "is_embedding_or_output_parameter", False)
         groups[(decoupled, len(r.shape) == 1)]["params"].append(main)
-    return list(groups.values())
+    return list(groups.values()) + ([muon] if muon is not None else [])
 
 
 def _param_group(config: OptimizerConfig, decoupled: bool, no_weight_decay: bool) -> dict:

@@ -163,6 +163,14 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group, *, outp
     return dist.all_to_all_single(output, tensor.contiguous(), output_split_sizes, input_split_sizes, group=group)
 
 
+def reduce(tensor: torch.Tensor, dst: int, group, op=dist.ReduceOp.SUM):
+    """Sum ``tensor`` over ``group`` into rank ``dst``'s (a global rank, as in torch.distributed)."""
+    if group is None:
+        return None
+    _record("reduce", group, tensor)
+    return dist.reduce(tensor, dst=dst, op=op, group=group)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
     """``src`` is a global rank, as in torch.distributed."""
     if group is None:

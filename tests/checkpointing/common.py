@@ -22,7 +22,8 @@ MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2)
 def tiny_config(tp: int = 1, pp: int = 1, *, ep: int = 1, arch: dict = LLAMA, vpp=None, dist_opt: bool = False,
                 strategy: str | None = None, sequence_parallel: bool = False, iters: int = 4, global_batch: int = 8,
                 dropout: float = 0.0, save=None, load=None, save_interval=None, exit_interval=None,
-                **checkpoint_flags) -> Config:
+                optimizer: dict | None = None, **checkpoint_flags) -> Config:
+    """``optimizer``: OptimizerConfig fields beyond the learning rate's."""
     return Config(
         model=ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=8, ffn_hidden_size=64, seq_length=16,
                           vocab_size=60, make_vocab_size_divisible_by=32, hidden_dropout=dropout,
@@ -34,7 +35,7 @@ def tiny_config(tp: int = 1, pp: int = 1, *, ep: int = 1, arch: dict = LLAMA, vp
                                 sequence_parallel=sequence_parallel),
         training=TrainingConfig(micro_batch_size=1, global_batch_size=global_batch, train_iters=iters,
                                 exit_interval=exit_interval),
-        optimizer=OptimizerConfig(lr=1e-2, lr_warmup_iters=1, lr_decay_iters=10),
+        optimizer=OptimizerConfig(lr=1e-2, lr_warmup_iters=1, lr_decay_iters=10, **(optimizer or {})),
         checkpoint=CheckpointConfig(save=save, load=load, save_interval=save_interval, **checkpoint_flags),
         logging=LoggingConfig(log_interval=1000, log_memory=False))
 
