@@ -56,6 +56,7 @@ ROLES = {
     "attn_logit_softcapping": Role.ARCHITECTURE,
     "final_logit_softcapping": Role.ARCHITECTURE,
     "post_sublayer_norm": Role.ARCHITECTURE,
+    "parallel_attention_mlp": Role.ARCHITECTURE,
     "scale_embeddings": Role.ARCHITECTURE,
     "geglu": Role.ARCHITECTURE,
     "gelu_exact": Role.ARCHITECTURE,  # with a GELU only (no SwiGLU), see _ONLY_WITH

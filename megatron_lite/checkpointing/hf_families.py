@@ -9,6 +9,13 @@ sets nothing and passes.
 
     family   features                                  refused
     gpt2     LayerNorm, learned positions, GELU tanh   other activations and attention scalings
+             (or exact: --gelu-exact)
+    gpt_neox LayerNorm, biases, GELU (exact: Pythia's   hidden_act other than a GELU, attention_bias
+             gelu), RoPE on rotary_pct of each head,   false
+             attention and MLP in parallel
+             (use_parallel_residual:
+             --parallel-attention-mlp), untied
+             embed_out
     llama    RMSNorm, RoPE (+ linear, llama3, yarn     attention_bias, mlp_bias, other rope types
              scaling)
     qwen2    llama + bias on q/k/v (--add-qkv-bias)    use_sliding_window, non-full layer_types
@@ -136,6 +143,56 @@ GPT2_FIELDS = frozenset({
     "reorder_and_upcast_attn",  # float32 attention scores: ours are float32 in fp32 runs anyway
     # The sequence-summary head of GPT2DoubleHeadsModel, which a causal LM does not have.
     "summary_activation", "summary_first_dropout", "summary_proj_to_labels", "summary_type", "summary_use_proj"})
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-NeoX (Pythia): GPT-2's LayerNorm, biases and GELU with partial rotary embeddings, and attention and
+# MLP side by side (use_parallel_residual). Its fused query_key_value is laid out per head, [q_h, k_h, v_h],
+# which is ours when every head is its own key/value group, as NeoX's are.
+
+
+def _gpt_neox_to_ours(hf: dict) -> dict:
+    activation = hf.get("hidden_act", "gelu")
+    refuse(activation not in GPT2_ACTIVATIONS,
+           f"hidden_act {activation!r} (supported: {', '.join(GPT2_ACTIVATIONS)})")
+    refuse(not hf.get("attention_bias", True), "attention_bias false (biases on the MLP only)")
+    heads = hf["num_attention_heads"]
+    # Files before transformers 5 give the rotary base and fraction as rotary_emb_base and rotary_pct (default
+    # 0.25); rope_parameters' own values win, as in transformers.
+    rope = {"rope_theta": float(hf.get("rope_theta") or hf.get("rotary_emb_base", 10000.0)),
+            "partial_rotary_factor": float(hf.get("rotary_pct", 0.25))}
+    return dict(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
+                num_query_groups=heads, kv_channels=hf["hidden_size"] // heads,
+                ffn_hidden_size=hf["intermediate_size"], seq_length=hf["max_position_embeddings"],
+                max_position_embeddings=hf["max_position_embeddings"], normalization="LayerNorm",
+                norm_epsilon=hf.get("layer_norm_eps", 1e-5), position_embedding_type="rope", swiglu=False,
+                add_bias_linear=True, gelu_exact=activation == "gelu",
+                parallel_attention_mlp=hf.get("use_parallel_residual", True),
+                untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+                hidden_dropout=hf.get("hidden_dropout", 0.0), attention_dropout=hf.get("attention_dropout", 0.0),
+                **_rope_to_ours({**hf, **rope}, partial_rotary=True))
+
+
+def _gpt_neox_to_hf(config: ModelConfig) -> dict:
+    rope = _rope_to_hf(config)
+    rope["rope_parameters"] = dict(rope["rope_parameters"], partial_rotary_factor=config.rotary_percent)
+    return {"num_hidden_layers": config.num_layers, "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads, "intermediate_size": config.ffn_hidden_size,
+            "max_position_embeddings": config.max_position_embeddings, "layer_norm_eps": config.norm_epsilon,
+            "hidden_act": "gelu" if config.gelu_exact else "gelu_new", "attention_bias": True,
+            "use_parallel_residual": config.parallel_attention_mlp, "hidden_dropout": config.hidden_dropout,
+            "attention_dropout": config.attention_dropout, **rope,
+            # transformers < 5 reads these
+            "rotary_emb_base": config.rotary_base, "rotary_pct": config.rotary_percent}
+
+
+GPT_NEOX_FIELDS = frozenset({
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+    "max_position_embeddings", "layer_norm_eps", "hidden_act", "attention_bias", "use_parallel_residual",
+    "hidden_dropout", "attention_dropout", "rope_parameters", "rope_scaling", "rope_theta", "rotary_emb_base",
+    "rotary_pct",
+    "classifier_dropout",  # the sequence-classification head's, which a causal LM does not have
+    "is_decoder"})  # PretrainedConfig's flag for cross-attention models; GPTNeoXConfig writes it, false
 
 
 # ---------------------------------------------------------------------------------------------
@@ -568,6 +625,9 @@ DEEPSEEK_FIELDS = LLAMA_FIELDS | DEEPSEEK_MOE_FIELDS | {
 
 FAMILIES = {family.model_type: family for family in (
     Family("gpt2", "GPT2LMHeadModel", "gpt2", GPT2_FIELDS, _gpt2_to_ours, _gpt2_to_hf),
+    # Exported whenever its naming is (hf_interop.hf_architecture: LayerNorm, biases, GELU, rotary embeddings).
+    Family("gpt_neox", "GPTNeoXForCausalLM", "gpt_neox", GPT_NEOX_FIELDS, _gpt_neox_to_ours, _gpt_neox_to_hf,
+           also=frozenset({"parallel_attention_mlp"})),
     Family("llama", "LlamaForCausalLM", "llama", LLAMA_FIELDS | {"attention_bias", "mlp_bias", "pretraining_tp"},
            _without_biases(_llama_to_ours),
            lambda config: dict(_llama_to_hf(config), attention_bias=False, mlp_bias=False)),
@@ -620,7 +680,8 @@ FAMILIES = {family.model_type: family for family in (
 
 # The features only some families have, and the value each takes where it is absent.
 _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None,
-                      "num_experts": None, "qk_layernorm_whole_projection": False, "multi_latent_attention": False}
+                      "num_experts": None, "qk_layernorm_whole_projection": False, "multi_latent_attention": False,
+                      "parallel_attention_mlp": False}
 # Namings that are Llama's but for their experts' (hf_interop._EXPERT_NAMES): a Llama-like model with experts.
 EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe"})
 # Gemma's features (its own weight naming tells it apart on export): no other family describes them.
@@ -687,4 +748,5 @@ def family_of(config: ModelConfig, naming: str) -> Family:
                       f"--window-size (Gemma 2) or with --window-size, --qk-layernorm and --rotary-base-local "
                       f"(Gemma 3), or --num-experts with or without --window-size (Mixtral), with --qk-layernorm "
                       f"(Qwen3-MoE) or with --qk-layernorm and --qk-layernorm-whole-projection (OLMoE), or "
-                      f"--multi-latent-attention with --qk-layernorm (DeepSeek).")
+                      f"--multi-latent-attention with --qk-layernorm (DeepSeek); --parallel-attention-mlp only with "
+                      f"GPT-NeoX's LayerNorm, biases, GELU and rotary embeddings.")

@@ -65,6 +65,9 @@ class ModelConfig:
     attn_logit_softcapping: Optional[float] = None  # attention scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: Optional[float] = None  # the output logits likewise (Gemma 2)
     post_sublayer_norm: bool = False  # a norm on the attention and MLP outputs too, before the residual (Gemma 2)
+    # Attention and MLP both read the layer's input, x + Attn(Norm(x)) + MLP(Norm(x)) (GPT-NeoX's
+    # use_parallel_residual, GPT-J; Transformer Engine's TransformerLayer name).
+    parallel_attention_mlp: bool = False
     scale_embeddings: bool = False  # word embeddings times sqrt(hidden_size) (Gemma)
     geglu: bool = False  # --swiglu's gate through tanh GELU instead of SiLU (GeGLU, Gemma)
     # The exact (erf) GELU instead of its tanh approximation: Megatron-LM's MLP without --bias-gelu-fusion
