@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints (GPT-2, GPT-NeoX, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE, OLMoE, Phi-3, Gemma 2 and 3,
-DeepSeek-V2/V3) <-> megatron_lite global tensors.
+"""Hugging Face checkpoints (GPT-2, GPT-NeoX, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE, OLMoE, Phi-3,
+Gemma 2 and 3, DeepSeek-V2/V3) <-> megatron_lite global tensors.
 
 A Hugging Face model directory is ``config.json`` plus safetensors weights
 (``model.safetensors``, or shards listed in ``model.safetensors.index.json``).
@@ -89,8 +89,9 @@ def hf_architecture(config: ModelConfig) -> str:
         if all(getattr(config, k) == v for k, v in required.items()):
             return name
     raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA, head width "
-                      "hidden / heads) nor GPT-NeoX (GPT-2's with rotary positions) nor Llama-like (RMSNorm, rope on every channel, SwiGLU, no biases but "
-                      "--add-qkv-bias) nor Gemma (Llama's with --apply-layernorm-1p, --post-sublayer-norm, "
+                      "hidden / heads) nor GPT-NeoX (GPT-2's with rotary positions) nor Llama-like (RMSNorm, rope "
+                      "on every channel, SwiGLU, no biases but --add-qkv-bias) nor Gemma (Llama's with "
+                      "--apply-layernorm-1p, --post-sublayer-norm, "
                       "--scale-embeddings and --geglu) nor DeepSeek (Llama's with --multi-latent-attention and "
                       "--qk-layernorm): Hugging Face has no matching architecture to export to.")
 

@@ -1,5 +1,5 @@
-"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 and dense DeepSeek-V2/V3 import, run, train, fine-tune and
-export exactly against transformers.
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, dense DeepSeek-V2/V3 and GPT-NeoX import, run, train,
+fine-tune and export exactly against transformers.
 
 Each family is a tiny random model (``from_config``, saved locally) with every feature it has
 switched on, and weights drawn wider than transformers' init (biases and norm scales included),
@@ -25,13 +25,18 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
              mscale_all_dim 0.6 (both the concentration and the softmax scale bite), untied
     deepseek_v2  the same without a query latent (q_proj, as V2-Lite), complex-number RoPE, YaRN with equal
              mscales 0.7 (the softmax scale alone changes), tied embeddings
+    gpt_neox attention and MLP in parallel (use_parallel_residual), RoPE on a quarter of each head (rotary_pct
+             0.25 of 16 channels), exact GELU, LayerNorm and biases everywhere, untied embed_out; the sequential
+             residual (use_parallel_residual false) with tied embeddings apart, in logits and round trip
 
 For each: logits equal transformers' at 1 process and at tp2 x pp2; greedy generation (alone and
 batched, left-padded) equals ``generate``; HF -> ours -> HF -> ours is bit-exact; 5 training
 steps at tp2 x pp2 x dp2 equal 1 process; a LoRA export loads in peft and gives our logits; the
 first --sft loss (and, with a window, the packed one) is transformers' loss over the response tokens.
 """
+import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -44,6 +49,7 @@ from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E40
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
 from megatron_lite.config import (ConfigError, DataConfig, OptimizerConfig, PeftConfig,  # noqa: E402
                                   TrainingConfig)
+from megatron_lite.data import MockGPTDataset  # noqa: E402
 from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.model.sliding_window import layer_window  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
@@ -69,6 +75,10 @@ YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_p
 DEEPSEEK = dict(SMALL, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                 first_k_dense_replace=2)
 GEMMA3_LAYERS = ["sliding_attention", "full_attention"]
+# Two heads of 16 channels, 4 of them rotated (Pythia's rotary_pct 0.25).
+GPT_NEOX = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=64, layer_norm_eps=1e-6, hidden_act="gelu", **TOKENS,
+                rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25})
 FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(
         **SMALL, tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
@@ -92,6 +102,7 @@ FAMILIES = {
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
         **DEEPSEEK, q_lora_rank=None, tie_word_embeddings=True,
         rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.7)),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**GPT_NEOX, use_parallel_residual=True, tie_word_embeddings=False),
 }
 # DeepSeek: every projection of multi-latent attention (linear_qkv is all of them: the query and key/value down-
 # and up-projections, two of them replicated over tensor-parallel ranks) and o_proj. peft loads no LoRA on dense
@@ -141,6 +152,11 @@ def test_config_maps_every_feature(imports):
     assert (gemma3.rotary_base, gemma3.rotary_base_local, gemma3.position_embedding_type) == (500.0, 50.0, "yarn")
     assert (gemma3.rotary_scaling_factor, gemma3.yarn_original_max_position_embeddings) == (4.0, 16)
     assert (gemma3.attn_logit_softcapping, gemma3.final_logit_softcapping) == (None, 5.0)
+    neox = read_config(imports["gpt_neox"].root).model
+    assert neox.parallel_attention_mlp and neox.gelu_exact and neox.add_bias_linear and not neox.swiglu
+    assert (neox.normalization, neox.position_embedding_type, neox.rotary_dim, neox.rotary_base) == (
+        "LayerNorm", "rope", 4, 500.0)
+    assert neox.untie_embeddings_and_output_weights and neox.norm_epsilon == 1e-6
 
 
 def test_logits_equal_transformers(family):
@@ -386,3 +402,86 @@ def test_released_gemma3_configs_read_as_transformers_reads_them(released):
     assert (ours.rotary_base, ours.rotary_base_local) == (full["rope_theta"], local["rope_theta"])
     assert ours.rotary_seq_len_interpolation_factor == full.get("factor") and local["rope_type"] == "default"
     assert ours.window_size == [theirs.sliding_window - 1, 0] and ours.softmax_scale == 256 ** -0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-NeoX: the sequential residual, its refusals, and fine-tuning against transformers + AdamW with clipping
+
+
+def test_gpt_neox_sequential_residual_with_tied_embeddings(tmp_path):
+    """use_parallel_residual false (the MLP reads the residual after attention, our default layer), tied embeddings
+    (no embed_out) and the tanh GELU: transformers' logits, and a bit-exact round trip."""
+    neox = import_hf_model("gpt_neox", transformers.GPTNeoXConfig(
+        **dict(GPT_NEOX, hidden_act="gelu_new"), use_parallel_residual=False, tie_word_embeddings=True), tmp_path,
+        vocab=VOCAB)
+    config = read_config(neox.root).model
+    assert not (config.parallel_attention_mlp or config.gelu_exact or config.untie_embeddings_and_output_weights)
+    test_logits_equal_transformers(neox)
+    test_round_trip_is_bit_exact(neox, tmp_path)
+
+
+def test_gpt_neox_variants_are_refused_by_name(imports):
+    neox = imports["gpt_neox"].hf_model.config.to_dict()
+    for field, value, message in [("hidden_act", "relu", "hidden_act 'relu'"),
+                                  ("attention_bias", False, "attention_bias false"),
+                                  ("sliding_window", 4, "config.json field\\(s\\) sliding_window \\(not read by the "
+                                                        "gpt_neox import\\)")]:
+        with pytest.raises(ConfigError, match=message):
+            hf_interop.model_config_from_hf({**neox, field: value})
+    # Files before transformers 5: rotary_pct and rotary_emb_base, read as transformers reads them.
+    legacy = {k: v for k, v in neox.items() if k != "rope_parameters"}
+    old = hf_interop.model_config_from_hf({**legacy, "rotary_pct": 0.5, "rotary_emb_base": 300})
+    assert (old.rotary_percent, old.rotary_base) == (0.5, 300.0)
+    assert hf_interop.model_config_from_hf(legacy).rotary_percent == 0.25  # GPTNeoXConfig's default
+    # A parallel residual has no Hugging Face form beside GPT-NeoX's: a Llama with one is not exported as Llama.
+    llama = dataclasses.replace(read_config(imports["qwen3"].root).model, hf_model_type=None, qk_layernorm=False,
+                                parallel_attention_mlp=True)
+    with pytest.raises(ConfigError, match="parallel_attention_mlp"):
+        hf_interop.hf_config_from_model_config(llama)
+
+
+FAIR_STEPS, FAIR_BATCH = 3, 4
+FAIR_OPTIMIZER = OptimizerConfig(lr=1e-3, lr_decay_style="constant", weight_decay=0.01, clip_grad=1.0)
+LOGGED = re.compile(r" lm loss: ([0-9.E+-]+) \|.* grad norm: ([0-9.]+) \|")
+
+
+def _transformers_adamw(hf_model, steps: int) -> list:
+    """(loss, grad norm before clipping) of each step of ``hf_model`` trained on --mock-data's batches (--seed 1234,
+    taken in order) by torch.optim.AdamW with Megatron's groups (weight decay on matrices only) after
+    clip_grad_norm_."""
+    model = copy.deepcopy(hf_model).train()
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": FAIR_OPTIMIZER.weight_decay},
+              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=FAIR_OPTIMIZER.lr, betas=(FAIR_OPTIMIZER.adam_beta1,
+                                                                        FAIR_OPTIMIZER.adam_beta2),
+                                  eps=FAIR_OPTIMIZER.adam_eps)
+    data = MockGPTDataset(vocab_size=VOCAB, seq_length=16, seed=1234, num_samples=FAIR_BATCH * steps)
+    logged = []
+    for step in range(steps):
+        tokens = torch.stack([torch.from_numpy(data[step * FAIR_BATCH + i]["tokens"]) for i in range(FAIR_BATCH)])
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).logits.reshape(-1, VOCAB),
+                                                 tokens[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), FAIR_OPTIMIZER.clip_grad)
+        logged.append((loss.item(), norm.item()))
+        optimizer.step()
+    return logged
+
+
+@pytest.mark.parametrize("name", ["gpt_neox"])
+def test_fine_tuning_equals_transformers_with_clipping(name, imports, tmp_path, capsys):
+    """3 AdamW steps through the trainer, every one clipped (widened weights: grad norms above 1): the losses and
+    the logged grad norms are transformers + torch.optim.AdamW + clip_grad_norm_'s."""
+    config = training_config(imports[name].root, str(tmp_path / "run"), 1, 1, optimizer=FAIR_OPTIMIZER)
+    capsys.readouterr()
+    pretrain(dataclasses.replace(
+        config, training=TrainingConfig(micro_batch_size=2, global_batch_size=FAIR_BATCH, train_iters=FAIR_STEPS),
+        checkpoint=dataclasses.replace(config.checkpoint, save=None, save_interval=None),
+        logging=dataclasses.replace(config.logging, log_interval=1)))
+    ours = [(float(loss), float(norm)) for loss, norm in LOGGED.findall(capsys.readouterr().out)]
+    reference = _transformers_adamw(imports[name].hf_model, FAIR_STEPS)
+    assert len(ours) == FAIR_STEPS, ours
+    for (loss, norm), (their_loss, their_norm) in zip(ours, reference):
+        assert loss == pytest.approx(their_loss, rel=1e-6) and their_norm > FAIR_OPTIMIZER.clip_grad, (ours, reference)
+        assert f"{norm:.3f}" == f"{their_norm:.3f}", (ours, reference)  # as the log prints it
