@@ -22,6 +22,9 @@ sets nothing and passes.
     qwen3    llama + q/k RMSNorm (--qk-layernorm),     attention_bias, use_sliding_window
              head_dim (--kv-channels)
     mistral  llama + sliding_window (--window-size)
+    smollm3  llama + NoPE layers (no_rope_layers, or    use_sliding_window, layer_types other than
+             every no_rope_layer_interval-th:          full_attention, attention_bias, mlp_bias
+             --no-rope-freq, 1 for a NoPE layer)
     phi3     llama + fused qkv_proj, gate_up_proj;     embd_pdrop != resid_pdrop, longrope
              partial_rotary_factor (--rotary-percent),
              sliding_window
@@ -327,6 +330,31 @@ def _mistral_to_ours(hf: dict) -> dict:
 
 def _mistral_to_hf(config: ModelConfig) -> dict:
     return dict(_llama_to_hf(config), sliding_window=config.window_size[0] + 1 if config.window_size else None)
+
+
+def _smollm3_to_ours(hf: dict) -> dict:
+    """Llama with NoPE layers: no_rope_layers (1: the layer rotates), by default every no_rope_layer_interval-th
+    layer without rotary embeddings; our --no-rope-freq marks the other way round. SmolLM3's defaults differ from
+    Llama's: tied embeddings, rope_theta 2e6."""
+    refuse(hf.get("use_sliding_window", False), "use_sliding_window (sliding attention on the NoPE layers)")
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    refuse(layer_types != {"full_attention"}, f"layer_types {sorted(layer_types)} (only full_attention)")
+    layers, interval = hf["num_hidden_layers"], hf.get("no_rope_layer_interval", 4)
+    rotates = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    refuse(len(rotates) < layers, f"no_rope_layers of {len(rotates)} entries for {layers} layers")
+    nope = [int(not rotate) for rotate in rotates[:layers]]
+    fields = _llama_to_ours({"rope_theta": SMOLLM3_THETA, **_set(hf)})
+    return dict(fields, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
+                no_rope_freq=f"[{','.join(map(str, nope))}]" if any(nope) else None)
+
+
+def _smollm3_to_hf(config: ModelConfig) -> dict:
+    return dict(_llama_to_hf(config), attention_bias=False, mlp_bias=False, use_sliding_window=False,
+                no_rope_layers=[int(not config.is_nope_layer(i)) for i in range(config.num_layers)],
+                layer_types=["full_attention"] * config.num_layers)
+
+
+SMOLLM3_THETA = 2_000_000.0  # SmolLM3Config's rope_theta where config.json leaves it out
 
 
 def _phi3_to_ours(hf: dict) -> dict:
@@ -641,6 +669,10 @@ FAMILIES = {family.model_type: family for family in (
            features={"qk_layernorm": True}),
     Family("mistral", "MistralForCausalLM", "llama", LLAMA_FIELDS | {"sliding_window"}, _mistral_to_ours,
            _mistral_to_hf, features={"window_size": lambda window: window is not None}),
+    Family("smollm3", "SmolLM3ForCausalLM", "llama",
+           LLAMA_FIELDS | {"attention_bias", "mlp_bias", "pretraining_tp", "use_sliding_window", "sliding_window",
+                           "max_window_layers", "no_rope_layers", "no_rope_layer_interval", "layer_types"},
+           _without_biases(_smollm3_to_ours), _smollm3_to_hf, features={"no_rope_freq": lambda freq: freq is not None}),
     # Named as Llama but with q/k/v and gate/up fused; exported only when asked for (--hf-model-type phi3).
     Family("phi3", "Phi3ForCausalLM", "phi3",
            LLAMA_FIELDS | {"sliding_window", "resid_pdrop", "embd_pdrop", "partial_rotary_factor",
@@ -681,7 +713,7 @@ FAMILIES = {family.model_type: family for family in (
 # The features only some families have, and the value each takes where it is absent.
 _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None,
                       "num_experts": None, "qk_layernorm_whole_projection": False, "multi_latent_attention": False,
-                      "parallel_attention_mlp": False}
+                      "parallel_attention_mlp": False, "no_rope_freq": None}
 # Namings that are Llama's but for their experts' (hf_interop._EXPERT_NAMES): a Llama-like model with experts.
 EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe"})
 # Gemma's features (its own weight naming tells it apart on export): no other family describes them.

@@ -34,6 +34,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init do not depend on the stage
         self.local_attention = is_local_layer(config, layer_number)  # attends through a sliding window
+        self.nope = config.is_nope_layer(layer_number)  # attends without rotary embeddings (--no-rope-freq)
         self.hidden_dropout = config.hidden_dropout
         self.parallel_attention_mlp = config.parallel_attention_mlp
         self.sequence_parallel = tp_config.sequence_parallel
