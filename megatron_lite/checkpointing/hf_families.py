@@ -345,7 +345,7 @@ def _smollm3_to_ours(hf: dict) -> dict:
     nope = [int(not rotate) for rotate in rotates[:layers]]
     fields = _llama_to_ours({"rope_theta": SMOLLM3_THETA, **_set(hf)})
     return dict(fields, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
-                no_rope_freq=f"[{','.join(map(str, nope))}]" if any(nope) else None)
+                no_rope_freq=str(nope) if any(nope) else None)  # ModelConfig's spelling
 
 
 def _smollm3_to_hf(config: ModelConfig) -> dict:

@@ -202,12 +202,12 @@ class ModelConfig:
     def _check_no_rope_freq(self) -> None:
         if self.no_rope_freq is None:
             return
-        self.no_rope_freq = str(self.no_rope_freq)  # Megatron-LM's int or list, given in code
         require(self.rotary and not self.multi_latent_attention,
                 "--no-rope-freq leaves some layers without rotary embeddings: it needs --position-embedding-type "
                 "rope (or yarn), and not --multi-latent-attention (whose keys take position from their rotary part "
                 "only).")
         freq = parse_moe_layer_freq(self.no_rope_freq, "--no-rope-freq", "layers without rotary embeddings")
+        self.no_rope_freq = str(freq)  # one spelling of a pattern (Megatron-LM's int or list, given in code too)
         require(freq >= 1 if isinstance(freq, int) else len(freq) == self.num_layers,
                 f"--no-rope-freq {self.no_rope_freq!r} must be N >= 1 or give one 0 or 1 per layer (--num-layers "
                 f"{self.num_layers}).")

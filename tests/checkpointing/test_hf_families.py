@@ -1,4 +1,4 @@
-"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, dense DeepSeek-V2/V3 and GPT-NeoX import, run, train,
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, dense DeepSeek-V2/V3, GPT-NeoX and SmolLM3 import, run, train,
 fine-tune and export exactly against transformers.
 
 Each family is a tiny random model (``from_config``, saved locally) with every feature it has
@@ -28,6 +28,8 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
     gpt_neox attention and MLP in parallel (use_parallel_residual), RoPE on a quarter of each head (rotary_pct
              0.25 of 16 channels), exact GELU, LayerNorm and biases everywhere, untied embed_out; the sequential
              residual (use_parallel_residual false) with tied embeddings apart, in logits and round trip
+    smollm3  Llama with its second layer NoPE (no_rope_layer_interval 2: at pp 2 the second stage's layer, so
+             the global layer number decides), tied embeddings
 
 For each: logits equal transformers' at 1 process and at tp2 x pp2; greedy generation (alone and
 batched, left-padded) equals ``generate``; HF -> ours -> HF -> ours is bit-exact; 5 training
@@ -102,6 +104,8 @@ FAMILIES = {
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
         **DEEPSEEK, q_lora_rank=None, tie_word_embeddings=True,
         rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.7)),
+    "smollm3": lambda: transformers.SmolLM3Config(**SMALL, no_rope_layer_interval=2, tie_word_embeddings=True,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(**GPT_NEOX, use_parallel_residual=True, tie_word_embeddings=False),
 }
 # DeepSeek: every projection of multi-latent attention (linear_qkv is all of them: the query and key/value down-
@@ -157,6 +161,9 @@ def test_config_maps_every_feature(imports):
     assert (neox.normalization, neox.position_embedding_type, neox.rotary_dim, neox.rotary_base) == (
         "LayerNorm", "rope", 4, 500.0)
     assert neox.untie_embeddings_and_output_weights and neox.norm_epsilon == 1e-6
+    smollm3 = read_config(imports["smollm3"].root).model
+    assert smollm3.no_rope_freq == "[0, 1]" and [smollm3.is_nope_layer(i) for i in range(2)] == [False, True]
+    assert not smollm3.untie_embeddings_and_output_weights and smollm3.rotary_base == 500.0
 
 
 def test_logits_equal_transformers(family):
@@ -469,7 +476,7 @@ def _transformers_adamw(hf_model, steps: int) -> list:
     return logged
 
 
-@pytest.mark.parametrize("name", ["gpt_neox"])
+@pytest.mark.parametrize("name", ["gpt_neox", "smollm3"])
 def test_fine_tuning_equals_transformers_with_clipping(name, imports, tmp_path, capsys):
     """3 AdamW steps through the trainer, every one clipped (widened weights: grad norms above 1): the losses and
     the logged grad norms are transformers + torch.optim.AdamW + clip_grad_norm_'s."""
@@ -485,3 +492,45 @@ def test_fine_tuning_equals_transformers_with_clipping(name, imports, tmp_path, 
     for (loss, norm), (their_loss, their_norm) in zip(ours, reference):
         assert loss == pytest.approx(their_loss, rel=1e-6) and their_norm > FAIR_OPTIMIZER.clip_grad, (ours, reference)
         assert f"{norm:.3f}" == f"{their_norm:.3f}", (ours, reference)  # as the log prints it
+
+
+def test_smollm3_variants_are_refused_by_name(imports):
+    smollm3 = imports["smollm3"].hf_model.config.to_dict()
+    for field, value, message in [("use_sliding_window", True, "use_sliding_window"),
+                                  ("layer_types", ["sliding_attention", "full_attention"], "layer_types"),
+                                  ("no_rope_layers", [1], "no_rope_layers of 1 entries for 2 layers"),
+                                  ("mlp_bias", True, "mlp_bias")]:
+        with pytest.raises(ConfigError, match=message):
+            hf_interop.model_config_from_hf({**smollm3, field: value})
+    # Without no_rope_layers: every no_rope_layer_interval-th layer (default 4) is NoPE; SmolLM3's rope_theta.
+    defaults = {k: v for k, v in smollm3.items() if k not in ("no_rope_layers", "no_rope_layer_interval",
+                                                              "rope_parameters")}
+    config = hf_interop.model_config_from_hf({**defaults, "num_hidden_layers": 8})
+    assert [config.is_nope_layer(i) for i in range(8)] == [False, False, False, True] * 2
+    assert config.rotary_base == 2e6
+    # NoPE layers on a model whose other features only Qwen3 describes: no family has both.
+    qwen3 = dataclasses.replace(read_config(imports["qwen3"].root).model, hf_model_type=None, no_rope_freq="2")
+    with pytest.raises(ConfigError, match="no_rope_freq"):
+        hf_interop.hf_config_from_model_config(qwen3)
+
+
+def test_no_rope_freq_is_megatron_lms():
+    """--no-rope-freq N or a list (1: NoPE), written into Megatron-LM's args as it parses them (an int or the list)
+    and read back; without rotary embeddings, or a list of the wrong length, it is refused."""
+    from megatron_lite.checkpointing.megatron.args_mapping import (megatron_args_from_config,
+                                                                   model_config_from_megatron_args)
+    from megatron_lite.cli.arguments import parse_args
+    base = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--vocab-size", "64", "--mock-data", "--position-embedding-type", "rope"]
+    pattern = [False, False, False, True] * 2
+    for freq, stored in [("4", 4), ("([0]*3+[1])*2", [0, 0, 0, 1] * 2)]:
+        config = parse_args([*base, "--no-rope-freq", freq])
+        assert [config.model.is_nope_layer(i) for i in range(8)] == pattern
+        args = megatron_args_from_config(config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                         iteration=1, source="ckpt")
+        assert args.no_rope_freq == stored
+        assert model_config_from_megatron_args(args, "ckpt").no_rope_freq == config.model.no_rope_freq
+    for flags, message in [(base[:-2] + ["--no-rope-freq", "4"], "needs --position-embedding-type rope"),
+                           ([*base, "--no-rope-freq", "[0,1]"], "one 0 or 1 per layer")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_args(flags)
