@@ -122,8 +122,9 @@ _LATENT = lambda model: model.multi_latent_attention  # noqa: E731
 _YARN = lambda model: model.yarn  # noqa: E731
 _EXPERTS = lambda model: model.num_experts is not None  # noqa: E731
 _ONLY_WITH = {"max_position_embeddings": lambda model: model.position_embedding_type == "learned_absolute",
-              "rotary_base": _ROTARY, "rotary_percent": _ROTARY, "no_rope_freq": _ROTARY, "rotary_seq_len_interpolation_factor": _ROTARY,
-              "use_rope_scaling": _ROTARY, "rope_scaling_factor": lambda model: model.use_rope_scaling,
+              "rotary_base": _ROTARY, "rotary_percent": _ROTARY, "rotary_seq_len_interpolation_factor": _ROTARY,
+              "use_rope_scaling": _ROTARY, "no_rope_freq": _ROTARY,
+              "rope_scaling_factor": lambda model: model.use_rope_scaling,
               "kv_channels": lambda model: not model.multi_latent_attention,
               "gelu_exact": lambda model: not model.swiglu or model.geglu,
               **{name: _YARN for name in ("rotary_scaling_factor", "mscale", "mscale_all_dim",
