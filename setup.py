@@ -78,7 +78,7 @@ setup(
         "loggers": ["tensorboard", "wandb"],
         "plot": ["matplotlib"],
         # Everything a test imports or skips without: peft for the PEFT-export tests, the loggers, the data files.
-        "dev": ["pytest", "pytest-timeout", "transformers", "peft", "ruff", "protobuf", "pyarrow", "datasets",
+        "dev": ["pytest", "pytest-timeout", "transformers", "peft", "trl", "ruff", "protobuf", "pyarrow", "datasets",
                 "tensorboard", "wandb", "matplotlib"],
     },
 )

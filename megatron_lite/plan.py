@@ -73,6 +73,8 @@ def _with_hf_model(namespace: dict, path: str) -> dict:
     from megatron_lite.checkpointing.hf_interop import model_config_from_hf
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(path):
+        raise ConfigError(f"--hf-config {path}: the file or directory does not exist.")
     if not os.path.isfile(file):
         raise ConfigError(f"--hf-config {path}: no config.json there.")
     with open(file) as f:

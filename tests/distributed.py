@@ -67,15 +67,23 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, results):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
-                    timeout: float = DEFAULT_TIMEOUT_S) -> list:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the results by rank."""
+def start_ranks(fn, world_size: int, args: tuple = (), kwargs: dict | None = None) -> tuple[list, object]:
+    """Start ``fn(rank, world_size, *args, **kwargs)`` on every rank and return at once: the processes, and the
+    queue receiving (rank, status, pickled result) from each (keep it until they end). For a test that kills
+    the job (SIGKILL) at a moment of its choosing."""
     port = free_port()
     results = _context.SimpleQueue()
     procs = [_context.Process(target=_rank_main, args=(fn, r, world_size, port, args, kwargs or {}, results),
                               daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
+    return procs, results
+
+
+def run_distributed(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
+                    timeout: float = DEFAULT_TIMEOUT_S) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the results by rank."""
+    procs, results = start_ranks(fn, world_size, args, kwargs)
     outcome, errors = {}, []
     deadline = time.monotonic() + timeout
     stop_at = deadline  # moved up to GRACE_S after the first failure

@@ -2,6 +2,7 @@
 tools/plot_training.py draws a real run's log and TensorBoard directory into a PNG that is not blank."""
 import contextlib
 import glob
+import importlib.util
 import io
 import json
 import math
@@ -138,3 +139,38 @@ def test_the_plot_tool_draws_a_real_runs_log_and_tensorboard_dir(logged_run, tmp
     assert _ink(blank) == 0.0
     assert plot_main([str(tmp_path / "missing.log"), "--output", png]) == 2
     assert "missing.log does not exist" in capsys.readouterr().err
+
+
+# fp16 from a loss scale of 2^18 (hysteresis 1): iterations 1 and 2 overflow and are skipped, the scale halving to
+# 2^16; iteration 6 overflows again. Nothing is NaN.
+FP16_SKIPS = [*RUN[:RUN.index("--train-iters")], "--train-iters", "6", "--log-interval", "2", "--lr", "1e-3",
+              "--fp16", "--initial-loss-scale", "262144", "--hysteresis", "1", "--no-log-memory"]
+
+
+def test_fp16_skipped_iterations_log_no_loss_not_nan(tmp_path):
+    """As Megatron-LM: a skipped iteration contributes no loss, and an interval in which none updated has no loss
+    field (never ``nan`` when nothing is NaN); TensorBoard (and W&B, written from the same scalars) has no loss
+    point there, and the plot tool reads the log."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_lite.training.loop import pretrain
+
+    with _captured() as captured:
+        state, _, _ = pretrain(parse_args([*FP16_SKIPS, "--tensorboard-dir", str(tmp_path / "tb")]))
+    lines = [line for line in captured.getvalue().splitlines() if line.startswith(" iteration ")]
+    assert len(lines) == 3 and "lm loss: nan" not in captured.getvalue()
+    assert "lm loss" not in lines[0] and "number of skipped iterations:   2 |" in lines[0]
+    assert "number of skipped iterations:   0 |" in lines[1]
+    # Iteration 6 was skipped: the interval's loss is iteration 5's alone, not the mean with 6's measured loss.
+    assert "number of skipped iterations:   1 |" in lines[2] and f"lm loss: {state.losses[4]:.6E} |" in lines[2]
+    assert state.skipped_iterations == 3 and state.nan_iterations == 0
+    log = tmp_path / "train.log"
+    log.write_text(captured.getvalue())
+    assert [i for i, _ in read_log(str(log))["lm loss"]] == [4, 6]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("lm loss")] == [4, 6]
+    assert {e.step: e.value for e in events.Scalars("number of skipped iterations")} == {2: 2, 4: 0, 6: 1}
+    if importlib.util.find_spec("matplotlib"):
+        assert plot_main([str(log), str(tmp_path / "tb"), "--output", str(tmp_path / "curves.png")]) == 0

@@ -77,6 +77,7 @@ MEGATRON_DEFAULTS = {
     # checkpoint
     "save": None, "load": None, "save_interval": None, "no_load_optim": False, "no_load_rng": False,
     "finetune": False, "pretrained_checkpoint": None, "use_checkpoint_args": False,
+    "async_save": False,  # Megatron-LM: store_true with default None, the same off
     # logging
     "log_interval": 100, "tensorboard_dir": None, "wandb_project": "", "wandb_exp_name": "", "wandb_save_dir": "",
     "wandb_entity": "", "log_throughput": False, "profile": False,
@@ -101,13 +102,17 @@ NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", 
                    "sft_pack_sequences", "peak_tflops", "log_memory", "peft", "lora_rank", "lora_alpha",
                    "lora_dropout", "lora_target_modules", "adapter_dim", "prefix_length",
                    "prefix_projection_hidden_size", "sft_format", "sft_data_keys", "peft_without_base_checkpoint",
-                   "lr_warmup_style",
+                   "lr_warmup_style", "train_epochs",  # HF Trainer's num_train_epochs: Megatron-LM has no epochs
                    "softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",  # Gemma 2's
                    "post_sublayer_norm", "scale_embeddings", "geglu",
                    "qk_layernorm_whole_projection",  # OLMoE's q/k norms; Megatron-Bridge has them, Megatron-LM not
                    "moe_router_group_score",  # DeepSeek-V2's group max beside Megatron-LM's top-k sum
                    "rotary_base_local",  # Gemma 3's local layers; Megatron-Bridge's field, no Megatron-LM flag
                    "parallel_attention_mlp",  # GPT-NeoX's parallel residual; Transformer Engine's name
+                   "hf_model_type",  # the Hugging Face family an export names
+                   "dpo", "dpo_beta", "dpo_loss_type", "dpo_label_smoothing",  # Megatron-LM has no DPO (NeMo-RL does)
+                   "gelu_exact",  # Megatron-LM's spelling is --no-bias-gelu-fusion, which sets it here too
+                   "pad_token_id", "freeze_padding_embedding",  # transformers' padding_idx, on request
                    "deepspeed_config", "deepspeed"}  # the DeepSpeed config's spellings, translated at parse time
 REQUIRED = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"}  # in both
 

@@ -46,3 +46,12 @@ def test_throughput_keeps_enough_digits_for_a_cpu(tflops, text):
         iteration=1, train_iters=1, consumed_samples=1, elapsed_ms=1.0, tflops_per_gpu=tflops, learning_rate=1e-4,
         global_batch_size=1, lm_loss=1.0, loss_scale=1.0, grad_norm=None, skipped_iterations=0, nan_iterations=0)
     assert f"throughput per GPU (TFLOP/s/GPU): {text} |" in line
+
+
+def test_an_interval_without_an_update_has_no_loss_field():
+    """Megatron-LM's line for an interval whose iterations were all skipped (fp16 overflows)."""
+    line = metrics.format_iteration_log(
+        iteration=2, train_iters=4, consumed_samples=4, elapsed_ms=1.0, tflops_per_gpu=None, learning_rate=1e-4,
+        global_batch_size=2, lm_loss=None, loss_scale=2.0 ** 31, grad_norm=None, skipped_iterations=2,
+        nan_iterations=0)
+    assert "lm loss" not in line and " global batch size:     2 | loss scale: 2147483648.0 |" in line

@@ -157,7 +157,7 @@ def test_finetune_from_a_missing_checkpoint_is_an_error(run, tmp_path):
     missing = str(tmp_path / "no_such_ckpt")
     code, output = run([*MOCK, "--train-iters", "1", "--load", missing, "--finetune"])
     assert code == 2
-    _assert_one_clean_error(output, f"--load {missing} holds none", "--finetune")
+    _assert_one_clean_error(output, f"--load {missing}: the directory does not exist", "--finetune")
 
 
 def test_load_without_a_checkpoint_starts_from_scratch_and_says_so(run, tmp_path):

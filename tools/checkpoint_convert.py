@@ -60,7 +60,7 @@ from megatron_lite.checkpointing.megatron.exporter import CKPT_FORMATS, export_m
 from megatron_lite.checkpointing.megatron.importer import import_megatron_checkpoint
 from megatron_lite.checkpointing.offline import reshard_checkpoint, write_checkpoint
 from megatron_lite.checkpointing.peft_base import folded_prefix, merged_lora
-from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
+from megatron_lite.checkpointing.storage import CheckpointError, check_is_directory, resolve_checkpoint_dir
 from megatron_lite.config import ConfigError, ParallelConfig
 from megatron_lite.cli.parser import ArgumentParser
 
@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-format", choices=FORMATS, default="megatron_lite")
     parser.add_argument("--target-tensor-parallel-size", type=int, default=1)
     parser.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--target-expert-parallel-size", type=int, default=1,
+                        help="with --target-format megatron: the expert-parallel ranks a mixture of experts is split "
+                             "over (Megatron-LM's --expert-model-parallel-size; its files mp_rank_*_EEE)")
     parser.add_argument("--hf-model-type", choices=sorted(FAMILIES),
                         help="the Hugging Face family an hf or peft export is written as (default: the one the "
                              "model's features call for; phi3 fuses q/k/v and gate/up)")
@@ -113,13 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     for flag, value in (("--target-tensor-parallel-size", args.target_tensor_parallel_size),
-                        ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size)):
+                        ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size),
+                        ("--target-expert-parallel-size", args.target_expert_parallel_size)):
         if value < 1:
             print(f"error: {flag} must be >= 1, got {value}.", file=sys.stderr)
             return 2
     sizes = dict(tensor_model_parallel_size=args.target_tensor_parallel_size,
                  pipeline_model_parallel_size=args.target_pipeline_parallel_size)
     try:
+        check_is_directory(args.load_dir, "--load-dir")  # every source format is a directory
         written = _convert(args, sizes)
     except (CheckpointError, ConfigError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -140,6 +145,9 @@ def _convert(args, sizes: dict) -> str:
                           f"--merge-lora (and --target-format hf) to write the base with the adapters merged in.")
     if args.fold_prefix_projection and (source, target) != ("megatron_lite", "megatron_lite"):
         raise ConfigError("--fold-prefix-projection rewrites a megatron_lite prefix-tuning checkpoint as one.")
+    if args.target_expert_parallel_size != 1 and target != "megatron":
+        raise ConfigError("--target-expert-parallel-size splits the experts of a Megatron-LM export (--target-format "
+                          "megatron); a megatron_lite checkpoint loads at any --expert-model-parallel-size as it is.")
     if args.megatron_common_state and (target, args.megatron_ckpt_format) != ("megatron", "torch_dist"):
         raise ConfigError("--megatron-common-state lays out a torch_dist export: give it with --target-format "
                           "megatron --megatron-ckpt-format torch_dist, or drop it.")
@@ -186,7 +194,8 @@ def _export(args, load_dir: str, sizes: dict) -> str:
                                 iteration=0)
     if target == "megatron":
         return export_megatron_checkpoint(load_dir, args.save_dir, ckpt_format=args.megatron_ckpt_format,
-                                          common_state=args.megatron_common_state or "common.pt", **sizes)
+                                          common_state=args.megatron_common_state or "common.pt",
+                                          expert_model_parallel_size=args.target_expert_parallel_size, **sizes)
     if target == "peft":
         hf_peft.export_peft_adapters(load_dir, args.save_dir, hf_model_type=args.hf_model_type,
                                      base_model_name_or_path=args.base_model_name_or_path)

@@ -58,6 +58,7 @@ class Fixture:
     pp: int
     extra: tuple  # format, precision, model implementation
     ref: str = CORE_017
+    ep: int = 1  # expert-parallel size: the world is tp x pp x ep (data-parallel size ep)
 
 
 # Tiny on purpose: the fixtures are committed. Each rank file carries Megatron's whole args (~30 KB of the
@@ -68,6 +69,8 @@ LLAMA = ("--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4
          "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
          "--norm-epsilon", "1e-6", "--position-embedding-type", "rope", "--rotary-base", "10000",
          "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--max-position-embeddings", "8")
+MOE = (*LLAMA, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "12",
+       "--moe-token-dispatcher-type", "allgather")
 TORCH, TORCH_DIST = ("--ckpt-format", "torch"), ("--ckpt-format", "torch_dist")
 LEGACY_MODEL = ("--use-legacy-models",)  # the nested language_model.encoder... layout
 # Every layout the tests need once: tp1pp1 and tp2pp2 of both model implementations (the tp2pp2 GPT-2 one has
@@ -81,6 +84,11 @@ FIXTURES = {
     "llama_tp2pp1_torch_dist_core020": Fixture(LLAMA, 2, 1, TORCH_DIST, ref=CORE_020),
     # Without the bias-GeLU fusion, Megatron's MLP computes F.gelu: the exact (erf) GeLU, not the tanh one.
     "gpt2_tp2pp1_exact_gelu": Fixture(GPT2, 2, 1, (*TORCH, "--no-bias-gelu-fusion")),
+    # Megatron-Core's mixture of experts (SequentialMLP: one MLP per expert), 4 experts top-2, in one file and
+    # split over 2 expert-parallel ranks x 2 tensor-parallel ones. The allgather token dispatcher: alltoall
+    # creates a CUDA stream.
+    "moe_tp1pp1_torch": Fixture(MOE, 1, 1, TORCH),
+    "moe_tp2pp1ep2_torch": Fixture(MOE, 2, 1, TORCH, ep=2),
 }
 # NullTokenizer's vocabulary is --vocab-size + 1 (EOD): 28 tokens, padded to 32 at tensor sizes 1, 2 and 4 alike,
 # so an export at another tensor size pads as Megatron-LM does, and 4 padding rows are still there to get right.
@@ -100,6 +108,7 @@ class ExportCheck:
     pp: int
     ref: str = CORE_017  # the Megatron-LM that loads it
     extra: tuple = ()  # more flags of tools/checkpoint_convert.py
+    ep: int = 1  # the export's expert-parallel size
 
 
 # --check-exports: each fixture imported, exported by tools/checkpoint_convert.py, loaded by Megatron-LM.
@@ -111,6 +120,7 @@ EXPORT_CHECKS = (
     ExportCheck("gpt2_tp2pp2_torch", "torch_dist", 2, 1, ref=CORE_020),
     ExportCheck("llama_tp2pp2_legacy_model", "torch_dist", 2, 2, ref=CORE_020,
                 extra=("--megatron-common-state", "distcp")),
+    ExportCheck("moe_tp2pp1ep2_torch", "torch", 1, 1), ExportCheck("moe_tp1pp1_torch", "torch", 2, 1, ep=2),
 )
 EXPORT_ATOL = {"fp32": 1e-5, "bf16": 2e-2}  # bf16: Megatron's forward in bf16 at another layout
 # The fixed batch whose logits are saved: [batch, sequence], tokens below the 28 of the vocabulary.
@@ -201,11 +211,12 @@ def check_exports(snapshots: Snapshots, workdir: str, fixtures_dir: str, only=No
                         os.path.join(fixtures_dir, check.fixture), "--save-dir", ours], check=True)
         subprocess.run([*convert, "--target-format", "megatron", "--megatron-ckpt-format", check.ckpt_format,
                         "--load-dir", ours, "--save-dir", exported, "--target-tensor-parallel-size", str(check.tp),
-                        "--target-pipeline-parallel-size", str(check.pp), *check.extra], check=True)
+                        "--target-pipeline-parallel-size", str(check.pp), "--target-expert-parallel-size",
+                        str(check.ep), *check.extra], check=True)
         result = os.path.join(workdir, f"result-{number}.json")
         run_worker(snapshots.pythonpath(check.ref), {
             "name": check.fixture, "load": exported, "ckpt_format": check.ckpt_format, "tp": check.tp,
-            "pp": check.pp, "workdir": workdir, "result": result, "ref": check.ref,
+            "pp": check.pp, "ep": check.ep, "workdir": workdir, "result": result, "ref": check.ref,
             "reference": os.path.abspath(os.path.join(fixtures_dir, check.fixture, "logits.safetensors"))},
             cwd=workdir)
         with open(result) as f:
@@ -213,7 +224,8 @@ def check_exports(snapshots: Snapshots, workdir: str, fixtures_dir: str, only=No
     bad = []
     for check, r in results:
         precision = "bf16" if "--bf16" in FIXTURES[check.fixture].extra else "fp32"
-        print(f"{check.fixture} exported as {' '.join((check.ckpt_format, *check.extra))} at tp{check.tp}pp{check.pp}, "
+        print(f"{check.fixture} exported as {' '.join((check.ckpt_format, *check.extra))} at tp{check.tp}pp{check.pp}"
+              f"{f'ep{check.ep}' if check.ep > 1 else ''}, "
               f"loaded by Megatron-LM {check.ref[:12]}: max |logits - fixture's| = {r['max_abs_diff']:.3g} "
               f"({precision})")
         if not r["max_abs_diff"] <= EXPORT_ATOL[precision]:
@@ -230,11 +242,11 @@ def check_exports(snapshots: Snapshots, workdir: str, fixtures_dir: str, only=No
 def worker(job: dict) -> None:
     import torch.multiprocessing as mp
     fixture = FIXTURES[job["name"]]
-    tp, pp = job.get("tp", fixture.tp), job.get("pp", fixture.pp)
+    tp, pp, ep = job.get("tp", fixture.tp), job.get("pp", fixture.pp), job.get("ep", fixture.ep)
     init_file = os.path.join(job["workdir"], f"rendezvous-{job['name']}")
     if os.path.exists(init_file):
         os.remove(init_file)
-    mp.spawn(rank_main, args=(tp * pp, init_file, job), nprocs=tp * pp, join=True)
+    mp.spawn(rank_main, args=(tp * pp * ep, init_file, job), nprocs=tp * pp * ep, join=True)
 
 
 def cpu_stand_ins() -> None:
@@ -315,16 +327,16 @@ def megatron_args(job: dict, world_size: int):
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
     fixture = FIXTURES[job["name"]]
-    flags, tp, pp, extra = fixture.model, fixture.tp, fixture.pp, fixture.extra
+    flags, tp, pp, ep, extra = fixture.model, fixture.tp, fixture.pp, fixture.ep, fixture.extra
     if "load" in job:  # the architecture is the args our export wrote, but for what Megatron does not restore;
         # our exports are Megatron-Core models in the format asked for, in the fixture's precision
-        flags, tp, pp = not_restored_by_checkpoint_args(flags), job["tp"], job["pp"]
+        flags, tp, pp, ep = not_restored_by_checkpoint_args(flags), job["tp"], job["pp"], job["ep"]
         extra = ["--ckpt-format", job["ckpt_format"], *(["--bf16"] if "--bf16" in extra else []), "--load",
                  job["load"], "--use-checkpoint-args", "--no-load-optim", "--no-load-rng"]
     else:
         extra = [*extra, "--save", job["save"]]
     argv = [*flags, *COMMON, *extra, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
-            str(pp)]
+            str(pp), *(["--expert-model-parallel-size", str(ep), "--global-batch-size", str(2 * ep)] if ep > 1 else [])]
     sys.argv = ["pretrain_gpt.py", *argv]
     args = parse_args()
     args.world_size, args.rank = world_size, int(os.environ["RANK"])
@@ -357,7 +369,8 @@ def rank_main(rank: int, world_size: int, init_file: str, job: dict) -> None:
     args = megatron_args(job, world_size)
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    mpu.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    mpu.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                  expert_model_parallel_size=args.expert_model_parallel_size)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed, inference_rng_tracker=True)
     from gpt_builders import gpt_builder
@@ -397,6 +410,8 @@ def move_off_initial_values(model, args) -> None:
                 key += f"@tp{mpu.get_tensor_model_parallel_rank()}"
             if "layers." in name:  # the same layer on any stage: global layer numbers
                 key += f"@stage{mpu.get_pipeline_model_parallel_rank()}"
+            if ".experts." in name:  # each expert-parallel rank holds other experts under the same local names
+                key += f"@ep{mpu.get_expert_model_parallel_rank()}"
             generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
             param.add_(0.05 * torch.randn(param.shape, generator=generator).to(param.dtype))
 

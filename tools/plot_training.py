@@ -4,10 +4,10 @@
 
 Each RUN is the log of ``pretrain_gpt`` (its standard output, saved) or a ``--tensorboard-dir``. The
 figure has four panels: loss (training, and validation as points), learning rate, grad norm and
-throughput (tokens per second), against iterations or, with ``--x tokens``, tokens consumed (from the
-log's consumed samples x the sequence length its start-up summary states, or TensorBoard's
-``consumed tokens``). Needs matplotlib (``pip install "megatron_lite[plot]"``); TensorBoard directories
-need tensorboard.
+throughput (tokens per second), against iterations or, with ``--x tokens``, tokens consumed (the log's
+``consumed tokens``, which leave out fine-tuning's padding; in a log that lacks them, consumed samples x the
+sequence length its start-up summary states; or TensorBoard's ``consumed tokens``). Needs matplotlib
+(``pip install "megatron_lite[plot]"``); TensorBoard directories need tensorboard.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ _NUMBER = r"([-+0-9.eEinfa]+)"
 _ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|")
 _FIELDS = {"learning rate": re.compile(rf" learning rate: {_NUMBER} \|"),
            "lm loss": re.compile(rf" lm loss: {_NUMBER} \|"), "grad norm": re.compile(rf" grad norm: {_NUMBER} \|")}
-_THROUGHPUT = re.compile(rf"^ tokens per second: {_NUMBER} \|")
+_THROUGHPUT = re.compile(rf"^ tokens per second: {_NUMBER} \|(?: consumed tokens: (\d+) \|)?")
 _VALIDATION = re.compile(rf"^ validation loss at iteration (\d+) \| lm loss value: {_NUMBER} \|")
 _BATCH = re.compile(r"^ batch: (\d+) sequences = .*?; (\d+) tokens per iteration")
 
@@ -35,9 +35,9 @@ class PlotError(ValueError):
 
 
 def read_log(path: str) -> dict:
-    """{scalar name: [(iteration, value), ...]} from a pretrain_gpt log, with "consumed tokens" when the
-    start-up summary gives the sequence length."""
-    series, samples, seq_length, iteration = {}, [], None, None
+    """{scalar name: [(iteration, value), ...]} from a pretrain_gpt log, with "consumed tokens" when its
+    throughput lines or its start-up summary (the sequence length) give them."""
+    series, samples, tokens, seq_length, iteration = {}, [], [], None, None
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             if (batch := _BATCH.search(line)) and seq_length is None:
@@ -50,11 +50,15 @@ def read_log(path: str) -> dict:
                         series.setdefault(name, []).append((iteration, float(value.group(1))))
             elif (value := _THROUGHPUT.search(line)) and iteration is not None:
                 series.setdefault("tokens per second", []).append((iteration, float(value.group(1))))
+                if value.group(2) is not None:
+                    tokens.append((iteration, int(value.group(2))))
             elif value := _VALIDATION.search(line):
                 series.setdefault(VALIDATION, []).append((int(value.group(1)), float(value.group(2))))
     if not samples:
         raise PlotError(f"{path} holds no iteration lines of pretrain_gpt (' iteration N/M | consumed samples: ...').")
-    if seq_length is not None:
+    if tokens:
+        series["consumed tokens"] = tokens
+    elif seq_length is not None:  # a log from before the throughput line gave them
         series["consumed tokens"] = [(i, s * seq_length) for i, s in samples]
     return series
 

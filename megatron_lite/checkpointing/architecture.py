@@ -108,6 +108,9 @@ ROLES = {
     "hidden_dropout": Role.TRAINING,
     "attention_dropout": Role.TRAINING,
     "init_method_std": Role.TRAINING,  # the loaded weights replace the initial ones
+    # Which embedding row trains; an imported model's pad token comes with --use-checkpoint-args.
+    "pad_token_id": Role.TRAINING,
+    "freeze_padding_embedding": Role.TRAINING,
     # Padding rows are outside the logits and the loss, and loading resizes them to this run's padding.
     "make_vocab_size_divisible_by": Role.TRAINING,
     "hf_model_type": Role.TRAINING,  # how the model is exported, not what it computes

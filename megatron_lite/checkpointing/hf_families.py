@@ -78,6 +78,7 @@ import dataclasses
 from typing import Callable
 
 from megatron_lite.checkpointing.architecture import defines_function
+from megatron_lite.checkpointing.hf_pad_token import pad_token_id_from_hf
 from megatron_lite.config import YARN_DEFAULTS, ConfigError, ModelConfig
 
 # PretrainedConfig's own fields and the token ids: bookkeeping, no effect on the logits.
@@ -103,6 +104,7 @@ class Family:
     to_hf: Callable[[ModelConfig], dict]  # ModelConfig -> the family's own config.json fields
     features: dict = dataclasses.field(default_factory=dict)  # ModelConfig fields that select it on export
     also: frozenset = frozenset()  # optional features it may have besides (Mixtral's sliding window)
+    padding_idx: bool = True  # transformers' input embedding gives the pad row no gradient (all but GPT-2, GPT-NeoX)
 
 
 def refuse(condition: bool, what: str) -> None:
@@ -652,10 +654,10 @@ DEEPSEEK_FIELDS = LLAMA_FIELDS | DEEPSEEK_MOE_FIELDS | {
     "qk_head_dim"}  # qk_nope_head_dim + qk_rope_head_dim, which transformers recomputes (as head_dim)
 
 FAMILIES = {family.model_type: family for family in (
-    Family("gpt2", "GPT2LMHeadModel", "gpt2", GPT2_FIELDS, _gpt2_to_ours, _gpt2_to_hf),
+    Family("gpt2", "GPT2LMHeadModel", "gpt2", GPT2_FIELDS, _gpt2_to_ours, _gpt2_to_hf, padding_idx=False),
     # Exported whenever its naming is (hf_interop.hf_architecture: LayerNorm, biases, GELU, rotary embeddings).
     Family("gpt_neox", "GPTNeoXForCausalLM", "gpt_neox", GPT_NEOX_FIELDS, _gpt_neox_to_ours, _gpt_neox_to_hf,
-           also=frozenset({"parallel_attention_mlp"})),
+           also=frozenset({"parallel_attention_mlp"}), padding_idx=False),
     Family("llama", "LlamaForCausalLM", "llama", LLAMA_FIELDS | {"attention_bias", "mlp_bias", "pretraining_tp"},
            _without_biases(_llama_to_ours),
            lambda config: dict(_llama_to_hf(config), attention_bias=False, mlp_bias=False)),
@@ -734,7 +736,8 @@ def model_config_fields_from_hf(hf: dict) -> dict:
     family = FAMILIES[model_type]
     unknown = sorted(k for k, v in hf.items() if v is not None and k not in GENERIC_FIELDS | family.fields)
     refuse(bool(unknown), f"config.json field(s) {', '.join(unknown)} (not read by the {model_type} import)")
-    return dict(family.to_ours(hf), vocab_size=hf["vocab_size"], init_method_std=hf.get("initializer_range", 0.02))
+    return dict(family.to_ours(hf), vocab_size=hf["vocab_size"], init_method_std=hf.get("initializer_range", 0.02),
+                pad_token_id=pad_token_id_from_hf(hf))
 
 
 def config_json(family: Family, config: ModelConfig) -> dict:
@@ -742,8 +745,9 @@ def config_json(family: Family, config: ModelConfig) -> dict:
     return {"architectures": [family.architecture], "model_type": family.model_type, **family.to_hf(config),
             "vocab_size": config.vocab_size, "initializer_range": config.init_method_std, "dtype": "float32",
             "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-            # Unset unless a tokenizer names one: Phi3Config's default (32000) is past a small vocabulary.
-            "pad_token_id": None}
+            # The imported model's, else unset unless a tokenizer names one: Phi3Config's default (32000) is past a
+            # small vocabulary.
+            "pad_token_id": config.pad_token_id}
 
 
 def named_family(config: ModelConfig, model_type: str) -> Family:

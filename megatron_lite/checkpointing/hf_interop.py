@@ -36,6 +36,7 @@ What differs between the two naming schemes:
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 from typing import NamedTuple
@@ -47,13 +48,14 @@ import torch
 from megatron_lite.checkpointing.hf_families import (FAMILIES, GEMMA_FEATURES, Family, config_json, family_of,
                                                     model_config_fields_from_hf, named_family)
 from megatron_lite.checkpointing.hf_latent_attention import latent_attention_from_hf, latent_attention_to_hf
+from megatron_lite.checkpointing.hf_pad_token import note_trained_pad_token
 from megatron_lite.checkpointing.hf_tokenizer import export_tokenizer, import_tokenizer, write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.resharding import CheckpointReader
 from megatron_lite.checkpointing.save_load import OPTIMIZER_PREFIX
-from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
+from megatron_lite.checkpointing.storage import check_is_directory, resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ModelConfig, ParallelConfig
-from megatron_lite.tokenizer import checkpoint_tokenizer_flags
+from megatron_lite.tokenizer import build_tokenizer, checkpoint_tokenizer_flags
 
 HF_SOURCE_FILE = "hf_source.json"  # beside an imported checkpoint's tracker: the directory it came from
 
@@ -411,6 +413,7 @@ def _with_unit_norm_scale(read):
 
 def read_hf_directory(directory: str) -> tuple[dict, dict]:
     """(config.json as a dict, every weight by name) from a local Hugging Face model directory."""
+    check_is_directory(directory, "Hugging Face model directory")
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{directory} has no config.json: pass a Hugging Face model directory to --load-dir.")
@@ -425,13 +428,27 @@ def read_hf_directory(directory: str) -> tuple[dict, dict]:
     else:
         raise FileNotFoundError(
             f"{directory} has no model.safetensors (or model.safetensors.index.json). megatron_lite reads only "
-            f"safetensors, never pickles (pytorch_model.bin can run code when loaded); convert it with "
-            f"transformers' save_pretrained(..., safe_serialization=True).")
+            f"safetensors, never pickles (pytorch_model.bin can run code when loaded); {_safetensors_hint()}")
     tensors = {}
     for name in files:
         with safetensors.safe_open(os.path.join(directory, name), framework="pt") as f:
             tensors.update({key: f.get_tensor(key) for key in f.keys()})
     return hf_config, tensors
+
+
+def _safetensors_hint() -> str:
+    """How to rewrite a pickled model as safetensors with the transformers installed here: save_pretrained
+    writes safetensors by default from 4.35 and only safetensors from 5, which dropped ``safe_serialization``."""
+    load = "load it with transformers' AutoModelForCausalLM.from_pretrained(DIR)"
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return f"pip install transformers, then {load} and call save_pretrained(NEW_DIR)."
+    major, minor = (int(part) if part.isdigit() else 0 for part in (version.split(".") + ["0"])[:2])
+    if (major, minor) < (4, 35):
+        return (f"{load} and call save_pretrained(NEW_DIR, safe_serialization=True) (transformers {version} writes "
+                f"pickles by default).")
+    return f"{load} and call save_pretrained(NEW_DIR) (transformers {version} writes safetensors)."
 
 
 def write_hf_directory(directory: str, hf_config: dict, tensors: dict, *, tokenizer_flags: dict | None = None,
@@ -472,11 +489,28 @@ def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_
     config = Config(model=model_config, parallel=ParallelConfig(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size))
-    config.data = dataclasses.replace(config.data, **import_tokenizer(load_dir))
+    tokenizer_flags = import_tokenizer(load_dir)
+    _check_vocabulary_holds_tokenizer(load_dir, model_config.vocab_size, tokenizer_flags)
+    note_trained_pad_token(hf_config, tokenizer_flags, has_padding_idx=FAMILIES[hf_config["model_type"]].padding_idx)
+    config.data = dataclasses.replace(config.data, **tokenizer_flags)
     written = write_checkpoint(save_dir, config, weights.__getitem__, iteration=0)
     with open(os.path.join(save_dir, HF_SOURCE_FILE), "w") as f:
         json.dump({"directory": os.path.abspath(load_dir)}, f)
     return written
+
+
+def _check_vocabulary_holds_tokenizer(load_dir: str, vocab_size: int, tokenizer_flags: dict) -> None:
+    """The tokenizer beside config.json makes no id past its vocab_size: such an id has no embedding row, and
+    fine-tuning would find out only once the data is tokenized (a smaller tokenizer is common: rows padded)."""
+    if not tokenizer_flags:
+        return
+    tokens = build_tokenizer(**tokenizer_flags).vocab_size
+    if tokens > vocab_size:
+        files = ", ".join(os.path.basename(v) for k, v in tokenizer_flags.items() if k != "tokenizer_type")
+        raise ConfigError(f"{load_dir}: config.json's vocab_size ({vocab_size}) is smaller than the tokenizer beside "
+                          f"it ({files}: {tokens} tokens), so ids {vocab_size}-{tokens - 1} would have no embedding "
+                          f"row. The config.json or the tokenizer files belong to another model: put the model's own "
+                          f"tokenizer beside it (or fix vocab_size to the embedding's rows).")
 
 
 def imported_from(checkpoint_root: str) -> str | None:

@@ -35,6 +35,8 @@ than one rank failing while the others wait in a collective.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -136,26 +138,88 @@ def _stored_by_this_rank(model, name: str, param, parallel_state, config: Config
 
 def save_checkpoint(config: Config, parallel_state, model_chunks, optimizer, scheduler, state) -> None:
     """Write ``SAVE/iter_{iteration:07d}/`` and point ``latest_checkpointed_iteration.txt`` at it (every rank)."""
+    snapshot = take_snapshot(config, parallel_state, model_chunks, optimizer, scheduler, state)
+    agree_on_writing(snapshot, lambda: write_snapshot(snapshot))
+    commit_snapshot(snapshot)
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One rank's part of a checkpoint, copied off the live tensors: what ``write_snapshot`` puts on disk,
+    while training goes on and changes the model (``async_save``)."""
+
+    root: str
+    iteration: int
+    rank: int
+    world_size: int
+    file_name: str
+    tensors: dict  # name -> a CPU copy
+    index: dict  # this rank's tensor index, RNG scalars and training state, merged into metadata.json at commit
+    metadata: dict | None  # rank 0: metadata.json without the ranks' entries (the scheduler as of the save)
+
+    @property
+    def staging(self) -> str:
+        return storage.staging_dir(self.root, self.iteration)
+
+
+def take_snapshot(config: Config, parallel_state, model_chunks, optimizer, scheduler, state) -> Snapshot:
+    """Create the staging directory (rank 0; every rank agrees) and copy this rank's part of the checkpoint
+    to CPU memory. Every rank calls it at the same iteration."""
     root, iteration, rank = config.checkpoint.save, state.iteration, parallel_state.rank
     for chunk in model_chunks:  # weights must be final: finish any overlapped all-gather first
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
-    staging = storage.staging_dir(root, iteration)
-    try:
-        _collectively(_writing(lambda: storage.prepare_staging(root, iteration) if rank == 0 else None, root),
-                      "prepare", root)
-        _collectively(_writing(lambda: _write_rank_file(config, parallel_state, model_chunks, optimizer, state,
-                                                        staging), root), "write", root)
-        _collectively(_writing(lambda: _commit(config, parallel_state, scheduler, iteration) if rank == 0 else None,
-                               root), "commit", root)
-    except Exception:
-        # Every rank raises together (``_collectively``); the half-written staging directory would hold the
-        # space a disk-full restart needs, so it goes (best effort: the error being raised is what matters).
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
+    _collectively(_writing(lambda: storage.prepare_staging(root, iteration) if rank == 0 else None, root),
+                  "prepare", root)
+    tensors, index = _rank_contents(config, parallel_state, model_chunks, optimizer, state)
+    metadata = None
     if rank == 0:
-        print(f" saved checkpoint at iteration {iteration:7d} to {root}", flush=True)
+        metadata = new_metadata(config, iteration=iteration, training_state={},
+                                layout=layout_of(config, parallel_state),
+                                scheduler=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None)
+    return Snapshot(root=root, iteration=iteration, rank=rank, world_size=parallel_state.world_size,
+                    file_name=index["file"], tensors=tensors, index=copy.deepcopy(index), metadata=metadata)
+
+
+@contextlib.contextmanager
+def removing_staging_on_failure(snapshot: Snapshot):
+    """Every rank raises together (``_collectively``); the half-written staging directory would hold the
+    space a disk-full restart needs, so it goes (best effort: the error being raised is what matters)."""
+    try:
+        yield
+    except Exception:
+        if snapshot.rank == 0:
+            shutil.rmtree(snapshot.staging, ignore_errors=True)
+        raise
+
+
+def write_snapshot(snapshot: Snapshot) -> None:
+    """This rank's tensors (safetensors), read back and checked against the checksum they were written
+    with (a file the disk did not keep is caught before it is committed), then their index (JSON)."""
+    path = os.path.join(snapshot.staging, snapshot.file_name)
+    info = storage.write_tensor_file(path, snapshot.tensors)
+    if storage.sha256_file(path) != info["sha256"]:
+        raise CheckpointError(f"{path} does not read back as it was written (its SHA-256 differs): the disk "
+                              f"or file system under --save is faulty.")
+    index = {**snapshot.index, "info": {**info, **snapshot.index["info"]}}
+    storage.write_json(os.path.join(snapshot.staging, storage.rank_index_name(snapshot.rank)), index)
+
+
+def agree_on_writing(snapshot: Snapshot, write) -> None:
+    """Every rank: run ``write`` (``write_snapshot``, or the background writer's outcome); when it failed on
+    any rank, every rank raises and the staging directory goes."""
+    with removing_staging_on_failure(snapshot):
+        _collectively(_writing(write, snapshot.root), "write", snapshot.root)
+
+
+def commit_snapshot(snapshot: Snapshot) -> None:
+    """Every rank, once every rank's ``write_snapshot`` succeeded: rank 0 merges the indexes into
+    metadata.json, checks every file is there at its size, and commits."""
+    with removing_staging_on_failure(snapshot):
+        _collectively(_writing(lambda: _commit(snapshot) if snapshot.rank == 0 else None, snapshot.root),
+                      "commit", snapshot.root)
+    if snapshot.rank == 0:
+        print(f" saved checkpoint at iteration {snapshot.iteration:7d} to {snapshot.root}", flush=True)
 
 
 def _writing(fn, root: str):
@@ -171,8 +235,8 @@ def _writing(fn, root: str):
     return run
 
 
-def _write_rank_file(config: Config, parallel_state, model_chunks: list, optimizer, state, staging: str) -> None:
-    """This rank's tensors (safetensors) and their index (JSON, merged by rank 0 at commit)."""
+def _rank_contents(config: Config, parallel_state, model_chunks: list, optimizer, state) -> tuple[dict, dict]:
+    """This rank's tensors (CPU copies, by stored name) and their index, without its file's size and checksum."""
     rank = parallel_state.rank
     models = _unwrap(model_chunks)
     pieces = _model_pieces(config, parallel_state, models, _zero3_slices(model_chunks))
@@ -185,8 +249,10 @@ def _write_rank_file(config: Config, parallel_state, model_chunks: list, optimiz
         pieces += _optimizer_pieces(config, parallel_state, models, optimizer_state)
     rng_tensors, rng_scalars = rng.get_rng_state()
     file_name = storage.rank_file_name(rank)
-    info = storage.write_tensor_file(os.path.join(staging, file_name),
-                                     {**{p.key: p.data for p in pieces}, **rng_tensors})
+    # Cloned: the live tensors change as training goes on, and safetensors refuses tensors sharing memory
+    # (views of one flat parameter buffer).
+    tensors = {name: t.detach().to("cpu", copy=True).contiguous()
+               for name, t in {**{p.key: p.data for p in pieces}, **rng_tensors}.items()}
     # Who wrote the file and which layers (pipeline range) it holds, for readers of the metadata.
     holder = {"rank": rank, "layers": sorted(int(n) for m in models for n in m.decoder.layers),
               "tensor_model_parallel_rank": parallel_state.tensor_model_parallel_rank,
@@ -195,23 +261,21 @@ def _write_rank_file(config: Config, parallel_state, model_chunks: list, optimiz
     training_state = dataclasses.asdict(state)
     if config.peft.peft is not None and state.peft_base is None:  # no base checkpoint was loaded
         training_state["peft_base"] = peft_base.pointer_to_initialisation(config)
-    index = {"file": file_name, "info": {**info, **holder}, "tensors": index_of(pieces, file_name),
+    index = {"file": file_name, "info": holder, "tensors": index_of(pieces, file_name),
              "rng": rng_scalars, "training_state": training_state}
     if rank == 0 and optimizer_state is not None:  # rank 0 is the first replica of every parameter it holds
         index["optimizer"] = _encode({k: optimizer_state[k] for k in
                                       ("param_groups", "grad_scaler", "num_skipped_iterations")})
-    storage.write_json(os.path.join(staging, storage.rank_index_name(rank)), index)
+    return tensors, index
 
 
-def _commit(config: Config, parallel_state, scheduler, iteration: int) -> None:
+def _commit(snapshot: Snapshot) -> None:
     """Rank 0, once every rank's file is written: merge the indexes into metadata.json and commit."""
-    root = config.checkpoint.save
-    staging = storage.staging_dir(root, iteration)
-    metadata = new_metadata(config, iteration=iteration, training_state={}, layout=layout_of(config, parallel_state),
-                            scheduler=scheduler.state_dict() if scheduler is not None else None)
-    _merge_rank_indexes(staging, parallel_state.world_size, metadata)
-    storage.write_json(os.path.join(staging, storage.METADATA_FILE), metadata)
-    storage.commit(root, iteration)
+    metadata = copy.deepcopy(snapshot.metadata)
+    _merge_rank_indexes(snapshot.staging, snapshot.world_size, metadata)
+    storage.verify_files(snapshot.staging, metadata)  # every rank's file there, at its recorded size
+    storage.write_json(os.path.join(snapshot.staging, storage.METADATA_FILE), metadata)
+    storage.commit(snapshot.root, snapshot.iteration)
 
 
 def new_metadata(config: Config, *, iteration: int, training_state: dict, layout: dict, scheduler: dict | None,
@@ -366,6 +430,7 @@ def checkpoint_to_load(checkpoint: CheckpointConfig) -> tuple[str, int, bool] | 
         if iteration is not None:
             return checkpoint.load, iteration, checkpoint.finetune
     if checkpoint.pretrained_checkpoint:
+        storage.check_is_directory(checkpoint.pretrained_checkpoint, "--pretrained-checkpoint")
         iteration = storage.read_latest_iteration(checkpoint.pretrained_checkpoint)
         if iteration is None:
             raise CheckpointError(f"--pretrained-checkpoint {checkpoint.pretrained_checkpoint} holds no checkpoint "
@@ -373,6 +438,7 @@ def checkpoint_to_load(checkpoint: CheckpointConfig) -> tuple[str, int, bool] | 
                                   f"directory or at tools/checkpoint_convert.py's --save-dir.")
         return checkpoint.pretrained_checkpoint, iteration, True
     if checkpoint.load and checkpoint.finetune:
+        storage.check_is_directory(checkpoint.load, "--finetune needs a checkpoint, but --load")
         raise CheckpointError(f"--finetune needs a checkpoint, but --load {checkpoint.load} holds none "
                               f"({storage.TRACKER_FILE} is missing); point --load at the pretrained checkpoint.")
     return None

@@ -141,6 +141,16 @@ def check_inside(path: str, directory: str) -> None:
                               f"link with a copy of its target, or point --load at the checkpoint it belongs to.")
 
 
+def check_is_directory(path: str, what: str) -> None:
+    """``path`` exists and is a directory; else a CheckpointError saying which, so a typo in a path reads as
+    one (not as a directory that lacks a file). ``what``: the flag or role, e.g. "--load"."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{what} {path}: the directory does not exist. Check the path (a typo, or a job "
+                              f"that has not written it yet).")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{what} {path} is a file, not a directory: give the directory that holds it.")
+
+
 def read_latest_iteration(root: str) -> int | None:
     """The iteration the tracker file names, or None when ``root`` holds no checkpoint."""
     path = os.path.join(root, TRACKER_FILE)
@@ -165,6 +175,7 @@ def read_latest_iteration(root: str) -> int | None:
 
 def resolve_checkpoint_dir(path: str) -> str:
     """A checkpoint root (newest iteration, via the tracker file) or one ``iter_*`` directory -> that directory."""
+    check_is_directory(path, "checkpoint")
     if os.path.isfile(os.path.join(path, METADATA_FILE)):
         return path
     iteration = read_latest_iteration(path)

@@ -20,8 +20,8 @@ from megatron_lite.cli.checkpoint_args import (checkpoint_model_args, hf_family_
                                                megatron_checkpoints_imported, resumed_run_tokenizer_args)
 from megatron_lite.checkpointing.sft_prompt_format import prompt_format_from_checkpoint
 from megatron_lite.cli.parser import ArgumentParser
-from megatron_lite.config import (SECTIONS, Config, ConfigError, as_flags, flag_name, missing_model_flags,
-                                  section_values)
+from megatron_lite.config import (DEFAULT_TRAIN_ITERS, RUN_LENGTH_FIELDS, SECTIONS, Config, ConfigError, as_flags,
+                                  flag_name, missing_model_flags, section_values)
 from megatron_lite.config.help_text import HELP
 from megatron_lite.data.vocab_check import check_tokenizer_fits_model
 from megatron_lite.process_groups.initialize import resolve_launch_env
@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     namespace, deepspeed_notices, json_keys = deepspeed_config.translate_deepspeed_flags(
         namespace, resolve_launch_env().world_size)
     notices += deepspeed_notices
+    if not any(name in namespace for name in RUN_LENGTH_FIELDS):  # Megatron-LM would require one
+        notices.append(f"no --train-iters, --train-samples or --train-epochs: the run is {DEFAULT_TRAIN_ITERS} "
+                       f"iterations, the default.")
     if resolve_launch_env().rank == 0:  # once per job under torchrun, not once per rank
         for notice in notices:
             print(f"note: {notice}", flush=True)

@@ -28,13 +28,24 @@ from megatron_lite.config.model import (ATTENTION_BACKENDS, NORMALIZATIONS, POSI
 from megatron_lite.config.parallel import CP_COMM_TYPES, SHARDING_STRATEGIES, ParallelConfig  # noqa: F401
 
 
+# --dpo-loss-type: the preference losses of training/dpo.py.
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+# The flags that give a run's length (one at most), and the length without any (Megatron-LM requires one).
+RUN_LENGTH_FIELDS = ("train_iters", "train_samples", "train_epochs")
+DEFAULT_TRAIN_ITERS = 100
+
+
 @dataclass(kw_only=True)
 class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: Optional[int] = None  # default micro batch x data-parallel size
-    # The run's length: iterations, or samples (Megatron's two ways); neither means 100 iterations.
+    # The run's length: iterations, or samples (Megatron's two ways), or passes over the training data (HF
+    # Trainer's num_train_epochs, our own flag: Megatron has none), counted into iterations at start-up
+    # (training/run_plan.py). None of them means DEFAULT_TRAIN_ITERS iterations.
     train_iters: Optional[int] = None
     train_samples: Optional[int] = None
+    train_epochs: Optional[float] = None
     # START INCREMENT SAMPLES: the global batch grows from START by INCREMENT, reaching
     # --global-batch-size after SAMPLES samples (Megatron's batch-size ramp-up).
     rampup_batch_size: Optional[list[int]] = field(
@@ -61,21 +72,30 @@ class TrainingConfig:
     # torch.cuda.empty_cache(): 1 after forward-backward, 2 also after the step.
     empty_unused_memory_level: int = field(default=0, metadata={"choices": (0, 1, 2)})
     check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or grad norm stops the run (training/nan_check.py)
+    # Direct preference optimisation (--dpo, training/dpo.py): the loss of each (chosen, rejected) pair.
+    dpo_loss_type: str = field(default="sigmoid", metadata={"choices": DPO_LOSS_TYPES})
+    dpo_beta: float = 0.1
+    dpo_label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
         check_choices(self)
-        if self.train_iters is None and self.train_samples is None:
-            self.train_iters = 100
+        lengths = [flag_name(name) for name in RUN_LENGTH_FIELDS if getattr(self, name) is not None]
+        require(len(lengths) <= 1, f"{' and '.join(lengths)} are mutually exclusive: give the run's length once, "
+                                    f"in iterations, samples or epochs.")
+        if not lengths:
+            self.train_iters = DEFAULT_TRAIN_ITERS
         require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}.")
+        require(self.dpo_beta > 0, f"--dpo-beta must be positive, got {self.dpo_beta}.")
+        require(0.0 <= self.dpo_label_smoothing < 0.5,
+                 f"--dpo-label-smoothing must be in [0, 0.5), got {self.dpo_label_smoothing}.")
         require(self.global_batch_size is None or self.global_batch_size >= 1,
                  f"--global-batch-size must be >= 1, got {self.global_batch_size}.")
-        require(self.train_iters is None or self.train_samples is None,
-                 "--train-iters and --train-samples are mutually exclusive: give the run's length in "
-                 "iterations or in samples.")
         require(self.train_iters is None or self.train_iters >= 0,
                  f"--train-iters must be >= 0, got {self.train_iters}.")
         require(self.train_samples is None or self.train_samples > 0,
                  f"--train-samples must be positive, got {self.train_samples}.")
+        require(self.train_epochs is None or self.train_epochs > 0,
+                 f"--train-epochs must be positive, got {self.train_epochs}.")
         require(self.rampup_batch_size is None or len(self.rampup_batch_size) == 3,
                  f"--rampup-batch-size takes three numbers (START INCREMENT SAMPLES), got {self.rampup_batch_size}.")
         self._check_step_batch_size_schedule()
@@ -234,9 +254,12 @@ class DataConfig:
     sft_pack_sequences: bool = False
     sft_format: str = field(default="auto", metadata={"choices": SFT_FORMATS})  # per record, from its keys
     sft_data_keys: list = field(default_factory=list)  # NAME=COLUMN: read COLUMN as NAME (see SFT_DATA_KEY_NAMES)
+    # Preference pairs {"prompt", "chosen", "rejected"} in the fine-tuning files: fine-tuning data, so --sft too.
+    dpo: bool = False
 
     def __post_init__(self) -> None:
         check_choices(self)
+        self.sft = self.sft or self.dpo
         # Megatron reads only the numbers in --split, so a launcher's literal quotes ('99,1,0', as
         # Megatron-LM's Llama 3 example passes them) are harmless there; strip them here too.
         self.split = self.split.strip("'\"")
@@ -294,9 +317,12 @@ class CheckpointConfig:
     finetune: bool = False
     pretrained_checkpoint: Optional[str] = None
     use_checkpoint_args: bool = False
+    # Write checkpoints in a background thread while training goes on (checkpointing/async_save.py).
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         check_choices(self)
+        require(not self.async_save or self.save is not None, "--async-save needs --save DIR to write to.")
         require(self.save_interval is None or self.save_interval >= 1,
                  f"--save-interval must be >= 1, got {self.save_interval}.")
         require(self.save_interval is None or self.save is not None,
@@ -432,12 +458,21 @@ class Config:
                  "--data-parallel-sharding-strategy optim_grads_params keeps no replicas (each rank holds a "
                  "different shard): drop the flag or pick a strategy that keeps whole parameters.")
         _check_peft_on_model(self.peft, model)
+        _check_dpo(self)
         _check_schedule_units(self.training, self.optimizer)
         self.training.step_schedule_in_samples(model.seq_length)  # thresholds closer than a sequence fail here
         if self.training.train_iters is not None and self.optimizer.lr_decay_iters is None:
             self.optimizer.lr_decay_iters = self.training.train_iters
         if self.training.train_samples is not None and self.optimizer.lr_decay_samples is None:
             self.optimizer.lr_decay_samples = self.training.train_samples
+        _check_warmup_before_decay(self.optimizer)
+
+    def set_train_iters_from_epochs(self, train_iters: int) -> None:
+        """--train-epochs, once counted into iterations at start-up, becomes --train-iters: the LR schedule's
+        default decay, the checks and a saved config then read as if that had been given."""
+        self.training.train_epochs, self.training.train_iters = None, train_iters
+        if self.optimizer.lr_decay_iters is None:
+            self.optimizer.lr_decay_iters = train_iters
         _check_warmup_before_decay(self.optimizer)
 
     @property
@@ -455,6 +490,24 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         return cls(**{name: section(**d[name]) for name, section in SECTIONS.items() if name in d})
+
+
+def _check_dpo(config: "Config") -> None:
+    """--dpo needs a frozen reference (the checkpoint it starts from, or LoRA's base with the adapters off) and
+    takes its pairs whole: a pair is two consecutive sequences of a micro-batch."""
+    if not config.data.dpo:
+        return
+    require(bool(config.checkpoint.pretrained_checkpoint) or config.peft.peft == "lora",
+             "--dpo needs a reference model: give --pretrained-checkpoint CKPT (kept frozen as the reference, "
+             "and the policy starts from it), or --peft lora (the reference is the base with the adapters off).")
+    require(config.training.micro_batch_size % 2 == 0,
+             f"--dpo: a micro-batch holds whole pairs, two sequences each (chosen, rejected): --micro-batch-size "
+             f"must be even, got {config.training.micro_batch_size}.")
+    require(config.training.rampup_batch_size is None and config.training.step_batch_size_schedule is None,
+             "--dpo takes a fixed global batch of pairs: drop --rampup-batch-size/--step-batch-size-schedule.")
+    require(config.data.sft_format == "auto" and not config.data.sft_data_keys,
+             "--sft-format and --sft-data-keys say how to read supervised fine-tuning records; --dpo reads TRL's "
+             "preference records (prompt, chosen, rejected): drop them.")
 
 
 def lora_targets_of(model: ModelConfig) -> tuple[str, ...]:
@@ -543,7 +596,7 @@ def _check_expert_lora(model: ModelConfig, parallel: ParallelConfig, peft: PeftC
 
 def _check_schedule_units(training: TrainingConfig, optimizer: OptimizerConfig) -> None:
     """Megatron's rule: a run counts in iterations or in samples, and its LR schedule in the same unit."""
-    if training.train_iters is not None:
+    if training.train_samples is None:  # --train-iters, or --train-epochs (counted into iterations)
         unit, other = "iters", "samples"
         given = {"--lr-decay-samples": optimizer.lr_decay_samples is not None,
                  "--lr-warmup-samples": optimizer.lr_warmup_samples > 0,
@@ -569,6 +622,8 @@ def _check_schedule_units(training: TrainingConfig, optimizer: OptimizerConfig) 
 def _check_warmup_before_decay(optimizer: OptimizerConfig) -> None:
     in_samples = optimizer.lr_decay_samples is not None
     decay = optimizer.lr_decay_samples if in_samples else optimizer.lr_decay_iters
+    if decay is None:  # --train-epochs without --lr-decay-iters: checked once the epochs are counted
+        return
     warmup = optimizer.lr_warmup_samples if in_samples else optimizer.lr_warmup_iters
     unit = "samples" if in_samples else "iters"
     require(warmup < decay or (warmup == 0 and decay == 0),

@@ -79,6 +79,10 @@ HELP = {
     "v_head_dim": "MLA: value channels per head",
     "rope_type": "MLA's rotary embedding, rope or yarn (default: yarn; other attention: --position-embedding-type)",
     "untie_embeddings_and_output_weights": "give the output layer its own weight instead of the input embedding's",
+    "pad_token_id": ("the padding token's id, the embedding row --freeze-padding-embedding freezes (an imported "
+                     "model records its config.json's pad_token_id)"),
+    "freeze_padding_embedding": ("give the pad token's input-embedding row no gradient, as transformers' "
+                                 "padding_idx (default: every row trains, as in Megatron-LM)"),
     "hidden_dropout": "dropout on the attention and MLP outputs",
     "attention_dropout": "dropout on the attention probabilities",
     "hf_model_type": "the Hugging Face family (config.json's model_type) a Hugging Face export writes; an imported "
@@ -156,7 +160,11 @@ HELP = {
     "micro_batch_size": ("sequences per forward/backward on one data-parallel rank (Megatron-LM requires the flag; "
                          "1 here lets a flag-less tiny run start)"),
     "global_batch_size": "sequences per optimizer step (default micro batch x data-parallel size)",
-    "train_iters": "optimizer steps to train for (default 100 when --train-samples is not given)",
+    "train_iters": "optimizer steps to train for (default 100 when neither --train-samples nor --train-epochs "
+                   "is given)",
+    "train_epochs": "passes over the training data (HF Trainer's num_train_epochs; may be fractional): the fewest "
+                    "iterations whose batches cover that many times the train split's samples; the LR schedule "
+                    "counts iterations",
     "train_samples": "sequences to train on instead of --train-iters; the LR schedule then counts samples too",
     "rampup_batch_size": ("START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT "
                           "until it reaches --global-batch-size after SAMPLES samples"),
@@ -187,6 +195,11 @@ HELP = {
                                        "stops with an error naming the iteration and rank, before it saves)"),
     "empty_unused_memory_level": ("torch.cuda.empty_cache(): 1 after each forward-backward and evaluation step, "
                                   "2 also after each optimizer step"),
+    "dpo_loss_type": ("--dpo: sigmoid (the DPO paper's, with --dpo-label-smoothing its conservative form), ipo "
+                      "(squared, on per-token log-ratios) or hinge"),
+    "dpo_beta": "--dpo: the strength of the pull to the reference (beta; IPO's tau)",
+    "dpo_label_smoothing": ("--dpo --dpo-loss-type sigmoid: the assumed fraction of pairs whose preference is flipped "
+                            "(conservative DPO), in [0, 0.5)"),
     # optimizer
     "optimizer": "adam (AdamW) or sgd",
     "lr": "peak learning rate (Megatron-LM requires the flag; 3e-4 here lets a flag-less tiny run start)",
@@ -258,10 +271,16 @@ HELP = {
     "sft_data_keys": ("--sft: NAME=COLUMN ...: read the data's COLUMN as NAME (prompt, response, messages, "
                       "instruction, input, output, system, history, conversations), e.g. prompt=question "
                       "response=answer"),
+    "dpo": ("direct preference optimisation on --train-data-path records {\"prompt\", \"chosen\", \"rejected\"} "
+            "(strings or message lists), against a frozen reference: --pretrained-checkpoint, or under --peft lora "
+            "the base with the adapters off. Batch sizes count sequences, two per pair"),
     # checkpoint
     "save": "directory for checkpoints (checked for writability at start-up)",
     "load": "resume from this directory's newest checkpoint; starts from scratch if it holds none",
     "save_interval": "iterations between checkpoints (one is always saved at the end)",
+    "async_save": ("write checkpoints in the background while training goes on: the step only copies the state "
+                   "to CPU memory (as much again of host memory as the rank's checkpoint); the tracker moves once "
+                   "every rank's files are written and verified; the next save and the end of training wait"),
     "no_load_optim": "on load, skip the optimizer state",
     "no_load_rng": "on load, skip the random-number generator states",
     "finetune": "load weights only and start at iteration 0; --load must hold a checkpoint",

@@ -100,6 +100,10 @@ class ModelConfig:
     v_head_dim: int = 128
     rope_type: Optional[str] = field(default=None, metadata={"choices": ROPE_TYPES})  # None: yarn for MLA, else rope
     untie_embeddings_and_output_weights: bool = False
+    # The padding token (an imported model's config.json pad_token_id) and whether its input-embedding row is
+    # trained: by default every row is, as in Megatron-LM; frozen, as transformers' nn.Embedding(padding_idx=...).
+    pad_token_id: Optional[int] = None
+    freeze_padding_embedding: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
@@ -171,6 +175,7 @@ class ModelConfig:
         for flag, p in [("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)]:
             require(0.0 <= p < 1.0, f"{flag} must be in [0, 1), got {p}.")
         require(self.init_method_std > 0, f"--init-method-std must be positive, got {self.init_method_std}.")
+        self._check_padding_embedding()
         require(self.window_size is None or (len(self.window_size) == 2 and self.window_size[0] >= 0
                                               and self.window_size[1] == 0),
                  f"--window-size takes LEFT 0 (a causal model sees no keys to its right), got {self.window_size}.")
@@ -211,6 +216,15 @@ class ModelConfig:
         require(freq >= 1 if isinstance(freq, int) else len(freq) == self.num_layers,
                 f"--no-rope-freq {self.no_rope_freq!r} must be N >= 1 or give one 0 or 1 per layer (--num-layers "
                 f"{self.num_layers}).")
+
+    def _check_padding_embedding(self) -> None:
+        require(self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
+                 f"--pad-token-id ({self.pad_token_id}) must be a token of the vocabulary (0 to "
+                 f"{self.vocab_size - 1}).")
+        require(not self.freeze_padding_embedding or self.pad_token_id is not None,
+                 "--freeze-padding-embedding freezes the pad token's embedding row, but no pad token is known: add "
+                 "--use-checkpoint-args to take an imported model's (its config.json's pad_token_id), or give "
+                 "--pad-token-id.")
 
     def _check_rope_scaling(self) -> None:
         scalings = [self.rotary_seq_len_interpolation_factor is not None, self.use_rope_scaling, self.yarn]

@@ -1,7 +1,7 @@
 """Checks on the data flags made at start-up, before the model is built.
 
-Without them a mistyped --data-path fails only when the datasets are built, after the
-model and optimizer: on a large model, minutes of start-up lost to a typo.
+Without them a mistyped --data-path, or fine-tuning records with a misnamed field, fail only when the
+datasets are built, after the model and optimizer: on a large model, minutes of start-up lost to a typo.
 """
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import os
 from megatron_lite.config import ConfigError, DataConfig
 from megatron_lite.data.dataset_builder import parse_data_path
 from megatron_lite.data.indexed_dataset import data_file_path, index_file_path
-from megatron_lite.data.sft.examples import is_preprocessed_sft
-from megatron_lite.data.sft.formats import is_sft_data_source
+from megatron_lite.data.sft.examples import count_sft_examples, is_preprocessed_sft
+from megatron_lite.data.sft.formats import RecordFormat, is_sft_data_source
+from megatron_lite.data.sft.preference import count_preference_pairs
 
 
 def check_data_paths(data: DataConfig) -> None:
@@ -27,6 +28,12 @@ def check_data_paths(data: DataConfig) -> None:
                               "Parquet or Arrow files, datasets.save_to_disk directories, or the --output-prefix "
                               "PREFIX of tools/preprocess_data.py --sft (which writes PREFIX_text_document.bin/.idx "
                               "and PREFIX_loss_mask_document.bin/.idx).")
+        record_format = RecordFormat.from_flags(data.sft_format, data.sft_data_keys)
+        for _, paths in flags:  # a misnamed field fails now, not after the model is built
+            if data.dpo:
+                count_preference_pairs(paths)
+            else:
+                count_sft_examples(paths, record_format)
     elif not data.mock_data:
         _, prefixes = parse_data_path(data.data_path)
         missing = [path for prefix in prefixes for path in (index_file_path(prefix), data_file_path(prefix))

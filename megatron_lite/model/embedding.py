@@ -33,10 +33,18 @@ class LanguageModelEmbedding(nn.Module):
                 _weight=torch.empty(config.max_position_embeddings, config.hidden_size, dtype=params_dtype))
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.scale_embeddings = config.scale_embeddings
+        self.frozen_token = config.pad_token_id if config.freeze_padding_embedding else None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """[b, s] token ids -> [s, b, h] (or [s/tp, b, h] under sequence parallelism)."""
-        embeddings = self.word_embeddings(input_ids.t().contiguous())
+        token_ids = input_ids.t().contiguous()
+        embeddings = self.word_embeddings(token_ids)
+        if self.frozen_token is not None:
+            # transformers' padding_idx: the lookup at pad positions passes no gradient, so the row gets none from
+            # the input side (with tied weights the output layer's gradient of it still flows, as there). Cut
+            # after the vocabulary-parallel lookup's reduction, so no tensor-parallel rank sees one, and before
+            # the buffers: ZeRO's shards, the grad norm and Adam find the row's gradient zero.
+            embeddings = torch.where((token_ids == self.frozen_token)[..., None], embeddings.detach(), embeddings)
         if self.scale_embeddings:  # Gemma: the factor rounded to the embeddings' dtype, as transformers does
             embeddings = embeddings * torch.tensor(embeddings.shape[-1] ** 0.5, dtype=embeddings.dtype)
         if self.position_embeddings is not None:

@@ -262,6 +262,14 @@ def _saved(state_dict: dict, name: str, missing=None):
     return state_dict.get(name, _LEGACY_VALUES.get(name, missing))
 
 
+def lr_decay_samples(config, global_batch_size: int) -> int:
+    """The samples after which the LR stays at --min-lr: --lr-decay-samples, or --lr-decay-iters iterations of
+    ``global_batch_size`` (as ``get_optimizer_param_scheduler`` counts them)."""
+    if config.training.train_samples is not None:
+        return config.optimizer.lr_decay_samples
+    return config.optimizer.lr_decay_iters * global_batch_size
+
+
 def get_optimizer_param_scheduler(optimizer, config, global_batch_size: int) -> OptimizerParamScheduler:
     """The schedule of ``config`` (a Config) in samples, as Megatron-LM builds it: iteration-based
     flags count ``global_batch_size`` (the batch after any ramp-up) samples per iteration, and
@@ -271,11 +279,11 @@ def get_optimizer_param_scheduler(optimizer, config, global_batch_size: int) -> 
     x data-parallel size there instead (it refuses --global-batch-size next to a schedule and defaults it), so
     its --lr-decay-iters would end long before that many iterations; we keep the flags' meaning on purpose."""
     training, opt = config.training, config.optimizer
+    decay_steps = lr_decay_samples(config, global_batch_size)
     if training.train_samples is not None:
-        decay_steps, warmup_steps, train_steps = opt.lr_decay_samples, opt.lr_warmup_samples, training.train_samples
+        warmup_steps, train_steps = opt.lr_warmup_samples, training.train_samples
         wsd_decay_steps = opt.lr_wsd_decay_samples
     else:
-        decay_steps = opt.lr_decay_iters * global_batch_size
         warmup_steps = opt.lr_warmup_iters * global_batch_size
         train_steps = training.train_iters * global_batch_size
         wsd_decay_steps = None if opt.lr_wsd_decay_iters is None else opt.lr_wsd_decay_iters * global_batch_size

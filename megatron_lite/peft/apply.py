@@ -10,6 +10,8 @@ only those.
 """
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 
 from megatron_lite.config import Config
@@ -45,6 +47,20 @@ def apply_peft(model: nn.Module, config: Config) -> None:
             attention.prefix = KeyValuePrefix(config.model, prefix_length=peft.prefix_length,
                                               projection_hidden_size=peft.prefix_projection_hidden_size,
                                               tp_group=attention.linear_qkv.tp_group, params_dtype=config.params_dtype)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model_chunks: list):
+    """The chunks compute their frozen base model inside the block: every LoRA is switched off (--dpo's
+    reference under --peft lora, which is the base without a second copy)."""
+    loras = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, (LoRA, ExpertLoRA))]
+    for lora in loras:
+        lora.enabled = False
+    try:
+        yield
+    finally:
+        for lora in loras:
+            lora.enabled = True
 
 
 def _add_lora(module: nn.Module, peft) -> None:

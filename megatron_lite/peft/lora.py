@@ -52,6 +52,7 @@ class LoRA(nn.Module):
     def __init__(self, base: ColumnParallelLinear | RowParallelLinear | ReplicatedLinear, *, rank: int, alpha: float,
                  dropout: float):
         super().__init__()
+        self.enabled = True  # False: the base linear alone (peft.apply.adapters_disabled)
         self.scaling = alpha / rank
         self.dropout = dropout
         self.row_parallel = isinstance(base, RowParallelLinear)
@@ -118,6 +119,7 @@ class ExpertLoRA(nn.Module):
 
     def __init__(self, base, *, rank: int, alpha: float, dropout: float):
         super().__init__()
+        self.enabled = True  # False: the expert's linear alone (peft.apply.adapters_disabled)
         self.scaling, self.dropout = alpha / rank, dropout
         self.row_parallel = base.partition_dim == 1
         factor = dict(etp_size=base.etp_size, params_dtype=base.weight.dtype)
@@ -137,7 +139,9 @@ class ExpertLoRA(nn.Module):
 def add_lora_output(module: nn.Module, args: tuple, output):
     """Forward hook of an adapted linear: its (output, bias) (a replicated or expert linear's output alone) with the
     LoRA branch added to the output, in place where the output is a tensor-parallel linear's (its matmul keeps its
-    input, not its output, for backward)."""
+    input, not its output, for backward); the output alone while the LoRA is switched off (``enabled``)."""
+    if not module.lora.enabled:
+        return output
     if not isinstance(output, tuple):
         return output + module.lora(args[0])
     result, bias = output

@@ -59,11 +59,13 @@ class StaticMemory:
     expert_bucket_elements: tuple = ()  # the experts' buckets (what the expert-data-parallel group communicates)
     host_gradient_bytes: int = 0  # the part of gradient_bytes in host memory (--grad-cpu-offload's shards)
     optimizer_state_on_host: bool = False
+    reference_bytes: int = 0  # --dpo's frozen reference: this rank's whole model shard again (training/dpo.py)
 
     @property
     def device_bytes(self) -> int:
         optimizer = 0 if self.optimizer_state_on_host else self.optimizer_state_bytes
-        return self.peak_parameter_bytes + self.gradient_bytes - self.host_gradient_bytes + optimizer
+        return (self.peak_parameter_bytes + self.gradient_bytes - self.host_gradient_bytes + optimizer
+                + self.reference_bytes)
 
 
 def dtype_bytes(config: Config) -> int:
@@ -182,7 +184,7 @@ class _Sizing:
                parallel.ddp_bucket_size, parallel.overlap_grad_reduce, parallel.overlap_param_gather,
                parallel.grad_cpu_offload, optimizer.optimizer, optimizer.sgd_momentum > 0,
                optimizer.optimizer_cpu_offload, training.recompute_granularity, training.recompute_method,
-               training.recompute_num_layers)
+               training.recompute_num_layers, reference_copy(config))
         return cls(key, config)
 
 
@@ -245,6 +247,8 @@ def _static_memory(sizing: _Sizing, shapes: tuple, data_parallel_size: int, data
         peaks.append(dense.peak_gathered + (expert.peak_gathered if expert else 0))
     chunks = dense_chunks + expert_chunks
     parameters = sum(c.parameters for c in chunks)
+    # The reference holds its tensor-, pipeline- and expert-parallel shard whole on every data-parallel rank.
+    reference = sum(b.real for c in chunks for b in c.buckets) * dtype_bytes(config) if reference_copy(config) else 0
     owned = sum(c.owned for c in chunks)
     return StaticMemory(
         parameter_bytes=parameters,
@@ -255,4 +259,10 @@ def _static_memory(sizing: _Sizing, shapes: tuple, data_parallel_size: int, data
         optimizer_elements=owned, bucket_elements=tuple(b.padded for c in dense_chunks for b in c.buckets),
         expert_bucket_elements=tuple(b.padded for c in expert_chunks for b in c.buckets),
         host_gradient_bytes=sum(c.host_gradients for c in chunks),
-        optimizer_state_on_host=config.optimizer.optimizer_cpu_offload)
+        optimizer_state_on_host=config.optimizer.optimizer_cpu_offload, reference_bytes=reference)
+
+
+def reference_copy(config: Config) -> bool:
+    """Whether the run holds a second, frozen copy of the model: --dpo's reference, except under --peft lora
+    (whose reference is the base with the adapters off)."""
+    return config.data.dpo and config.peft.peft != "lora"

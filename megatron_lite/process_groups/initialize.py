@@ -227,15 +227,27 @@ def initialize_distributed(parallel_config: ParallelConfig,
         return env
     timeout = datetime.timedelta(minutes=parallel_config.distributed_timeout_minutes)
     if env.launcher == "torchrun":
-        # torchrun's agent already serves the rendezvous store on MASTER_PORT;
-        # env:// makes the workers join it instead of trying to bind the port again.
-        init_method = "env://"
-    else:
-        # Under srun nobody serves a store yet: rank 0 hosts it at MASTER_ADDR:MASTER_PORT.
-        init_method = f"tcp://{_url_host(env.master_addr)}:{env.master_port}"
-    dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
-                            timeout=timeout)
+        store = _torchrun_attempt_store(env, os.environ if environ is None else environ, timeout)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        return env
+    # Under srun nobody serves a store yet: rank 0 hosts it at MASTER_ADDR:MASTER_PORT.
+    dist.init_process_group(backend, init_method=f"tcp://{_url_host(env.master_addr)}:{env.master_port}",
+                            rank=env.rank, world_size=env.world_size, timeout=timeout)
     return env
+
+
+def _torchrun_attempt_store(env: LaunchEnv, environ: Mapping[str, str], timeout: datetime.timedelta):
+    """The rendezvous store of this attempt of a torchrun job.
+
+    torchrun's agent serves the store on MASTER_PORT (the workers join it rather than bind the port again) and
+    keeps serving it across in-job restarts (``--max-restarts``): the keys the previous attempt's ranks wrote,
+    their gloo addresses among them, are still there, and a restarted rank would connect to a dead one. So each
+    attempt's keys live under their own prefix (``TORCHELASTIC_RESTART_COUNT``)."""
+    agent_serves = environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") == "True"
+    store = dist.TCPStore(env.master_addr, env.master_port, world_size=env.world_size,
+                          is_master=not agent_serves and env.rank == 0, timeout=timeout,
+                          multi_tenant=not agent_serves)
+    return dist.PrefixStore(f"megatron_lite/attempt_{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _cuda_device(env: LaunchEnv) -> int:

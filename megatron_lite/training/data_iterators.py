@@ -13,6 +13,7 @@ from megatron_lite.data.dataset_builder import parse_data_path
 from megatron_lite.data.indexed_dataset import IndexedDataset, data_file_path, output_prefix_for
 from megatron_lite.data.sft import RecordFormat, SFTDataset, load_sft_examples
 from megatron_lite.data.sft.examples import TOKENS_KEY, is_preprocessed_sft
+from megatron_lite.data.sft.preference import PreferenceDataset, load_preference_pairs
 from megatron_lite.data.vocab_check import check_token_ids
 from megatron_lite.process_groups import failures
 from megatron_lite.process_groups.parallel_state import ParallelState
@@ -27,7 +28,10 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, plan: Ru
     """(train, valid, test) micro-batch iterators positioned where ``iteration`` iterations left them (so a
     resumed run continues with the same samples); a list of them, one per chunk, when interleaving. Test
     data is read once, after training: only fine-tuning's --test-data-path gives it. The context-parallel
-    ranks of a data-parallel rank read the same micro-batches, each cut to its own positions."""
+    ranks of a data-parallel rank read the same micro-batches, each cut to its own positions.
+
+    Fourth: ``tokens_in(n)``, the tokens the first n training samples feed through the model (padding of
+    --sft samples left out), which throughput counts."""
     training, data = config.training, config.data
     global_batch = training.global_batch(parallel_state.data_parallel_world_size)
     consumed_valid_samples = (iteration // training.eval_interval) * training.eval_iters * global_batch
@@ -59,7 +63,10 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, plan: Ru
             for _ in range(vpp)]
         return made if vpp > 1 else made[0]
 
-    return loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples), loaders(test_ds, 0)
+    seq_length = config.model.seq_length
+    tokens_in = train_ds.tokens_in if isinstance(train_ds, SFTDataset) else lambda samples: samples * seq_length
+    return (loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples), loaders(test_ds, 0),
+            tokens_in)
 
 
 def _num_samples(training: TrainingConfig, calculator: NumMicroBatchesCalculator,
@@ -83,6 +90,12 @@ def _build_sft_datasets(config: Config, num_samples: tuple):
     for paths, count in zip((data.train_data_path, data.valid_data_path, data.test_data_path), num_samples):
         if not paths or count <= 0:
             datasets.append(None)
+            continue
+        if data.dpo:
+            pairs = load_preference_pairs(paths, tokenizer, data.sft_tokenizer_prompt_format)
+            datasets.append(PreferenceDataset(pairs, seq_length=config.model.seq_length, num_samples=count,
+                                              seed=config.training.seed, pad_token=tokenizer.pad,
+                                              pack_sequences=data.sft_pack_sequences))
             continue
         examples = load_sft_examples(paths, tokenizer, data.sft_tokenizer_prompt_format, record_format)
         check_preprocessed_sft_token_ids(paths, config.model.vocab_size)

@@ -31,6 +31,7 @@ from megatron_lite.config import Config
 from megatron_lite.data.preflight import check_data_paths
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
+from megatron_lite.checkpointing.async_save import CheckpointSaver
 from megatron_lite.checkpointing.save_lock import holding_save_lock
 from megatron_lite.model.builder import FSDP_UNIT_MODULES, build_model, current_device
 from megatron_lite.model.moe import routing_statistics
@@ -41,12 +42,13 @@ from megatron_lite.process_groups import collectives, failures
 from megatron_lite.process_groups.initialize import initialize_distributed
 from megatron_lite.process_groups.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from megatron_lite.tensor_parallel.random import set_random_seeds
-from megatron_lite.training import host_memory, metrics, operations
+from megatron_lite.training import dpo, host_memory, metrics, operations
 from megatron_lite.training.data_iterators import build_data_iterators
 from megatron_lite.planner import estimate_for_config, format_memory_estimate
 from megatron_lite.training.nan_check import check_for_nan_in_loss_and_grad
 from megatron_lite.training.logger import TrainingLogger, format_startup_summary, is_last_rank, print_rank_last
 from megatron_lite.training.num_microbatches_calculator import NumMicroBatchesCalculator
+from megatron_lite.training.restarts import describe_restart
 from megatron_lite.training.run_plan import RunPlan, plan_run
 from megatron_lite.training.signal_handler import DistributedSignalHandler
 from megatron_lite.checkpointing.training_state import TrainingState
@@ -98,6 +100,19 @@ def train_step(config: Config, parallel_state: ParallelState, model_chunks, opti
 
     Returns (lm loss: the global batch's per-token mean on the last stage, else None; update_successful;
     grad_norm)."""
+    losses, update_successful, grad_norm = train_step_with_losses(
+        config, parallel_state, model_chunks, optimizer, scheduler, data_iterator, num_microbatches,
+        forward_step_func=forward_step_func)
+    return _main_loss(losses), update_successful, grad_norm
+
+
+def train_step_with_losses(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler,
+                           data_iterator, num_microbatches: int, *, forward_step_func=forward_step,
+                           forward_backward_func=None):
+    """``train_step`` returning every logged loss of the global batch ({name: mean} on the last stage, the
+    main loss first, else None). ``forward_backward_func`` replaces the forward and backward over the
+    micro-batches (``_forward_backward``'s signature): --dpo's adds the reference's pass before them."""
+    forward_backward_func = forward_backward_func or _forward_backward
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -105,9 +120,9 @@ def train_step(config: Config, parallel_state: ParallelState, model_chunks, opti
     routing_statistics.start_iteration(model_chunks, loss_scale=optimizer.get_loss_scale(),
                                        num_microbatches=num_microbatches, per_token=calculate_per_token_loss(config),
                                        context_parallel_size=parallel_state.context_parallel_world_size)
-    losses = _forward_backward(config, parallel_state, model_chunks, data_iterator, num_microbatches,
-                               forward_only=False, grad_scale_func=optimizer.scale_loss,
-                               forward_step_func=forward_step_func)
+    losses = forward_backward_func(config, parallel_state, model_chunks, data_iterator, num_microbatches,
+                                   forward_only=False, grad_scale_func=optimizer.scale_loss,
+                                   forward_step_func=forward_step_func)
     routing_statistics.update_expert_bias(model_chunks, parallel_state)  # once per global batch
     operations.empty_unused_memory(config.training, level=1)
     update_successful, grad_norm, _ = optimizer.step()
@@ -115,7 +130,7 @@ def train_step(config: Config, parallel_state: ParallelState, model_chunks, opti
         global_batch = num_microbatches * config.training.micro_batch_size * parallel_state.data_parallel_world_size
         scheduler.step(increment=global_batch)
     operations.empty_unused_memory(config.training, level=2)
-    return _average_loss(losses, parallel_state), update_successful, grad_norm
+    return average_losses(losses, parallel_state), update_successful, grad_norm
 
 
 def _forward_backward(config, parallel_state, model_chunks, data_iterator, num_microbatches, *, forward_only,
@@ -130,35 +145,48 @@ def _forward_backward(config, parallel_state, model_chunks, data_iterator, num_m
         # One no_sync per chunk, as Megatron: the schedule lets each chunk's gradient reduction start
         # before that chunk's own last backward, so with --overlap-grad-reduce every chunk's buckets
         # reduce behind the remaining backwards (interleaved chunks finish their backwards at different times).
-        dtype=config.params_dtype, no_sync_func=[chunk.no_sync for chunk in model_chunks],
+        dtype=config.params_dtype,
+        no_sync_func=None if forward_only else [chunk.no_sync for chunk in model_chunks],
         finalize_model_grads_func=functools.partial(finalize_model_grads, parallel_state=parallel_state),
         grad_scale_func=grad_scale_func, calculate_per_token_loss=calculate_per_token_loss(config))
 
 
 def _average_loss(losses: list, parallel_state: ParallelState) -> float | None:
-    """The loss of the global batch (last stage only): the per-token mean over every micro-batch and
+    """The main loss of the global batch (last stage only; see ``average_losses``)."""
+    return _main_loss(average_losses(losses, parallel_state))
+
+
+def _main_loss(losses: dict | None) -> float | None:
+    return None if losses is None else next(iter(losses.values()))
+
+
+def average_losses(losses: list, parallel_state: ParallelState) -> dict | None:
+    """Each logged loss of the global batch (last stage only): the mean over every micro-batch and
     data-parallel replica, as Megatron reports ``[sum, count]`` losses (each context-parallel rank holds
-    the sums of its own positions, so they are added too). A global batch without loss tokens
-    (fine-tuning data that is all prompt) reports 0 where Megatron's 0/0 logs NaN: it trained on nothing,
-    which is no divergence to count as a nan iteration."""
+    the sums of its own positions, so they are added too), in the loss dicts' order. A global batch without
+    loss tokens (fine-tuning data that is all prompt) reports 0 where Megatron's 0/0 logs NaN: it trained on
+    nothing, which is no divergence to count as a nan iteration."""
     if not parallel_state.is_pipeline_last_stage():
         return None
-    total = torch.stack([entry["lm loss"].float() for entry in losses]).sum(dim=0)
-    collectives.all_reduce(total, parallel_state.data_parallel_group_with_context)
-    return (total[0] / total[1].clamp(min=1)).item()
+    names = list(losses[0])
+    total = torch.stack([torch.stack([entry[name].float() for name in names]) for entry in losses]).sum(dim=0)
+    collectives.all_reduce(total, parallel_state.data_parallel_group_with_context)  # one collective for all
+    return {name: (sum_ / count.clamp(min=1)).item() for name, (sum_, count) in zip(names, total)}
 
 
 @torch.no_grad()
-def evaluate(config: Config, parallel_state: ParallelState, model_chunks, data_iterator) -> float | None:
+def evaluate(config: Config, parallel_state: ParallelState, model_chunks, data_iterator, *,
+             forward_backward_func=None) -> float | None:
     """Validation loss over --eval-iters global batches (the full size, after any ramp-up), forward only:
-    the mean over all their loss tokens."""
+    the mean over all their loss tokens (``forward_backward_func`` as ``train_step_with_losses``')."""
+    forward_backward_func = forward_backward_func or _forward_backward
     num_microbatches = config.training.num_microbatches(parallel_state.data_parallel_world_size)
     for chunk in model_chunks:
         chunk.eval()
     losses = []
     for _ in range(config.training.eval_iters):
-        losses += _forward_backward(config, parallel_state, model_chunks, data_iterator, num_microbatches,
-                                    forward_only=True)
+        losses += forward_backward_func(config, parallel_state, model_chunks, data_iterator, num_microbatches,
+                                        forward_only=True)
         operations.empty_unused_memory(config.training, level=1)
     for chunk in model_chunks:
         chunk.train()
@@ -199,11 +227,14 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                                                expert_model_parallel_size=config.parallel.expert_model_parallel_size,
                                                expert_tensor_parallel_size=config.parallel.expert_tensor_parallel_size,
                                                distributed_timeout_minutes=config.parallel.distributed_timeout_minutes)
-    plan = plan_run(config, parallel_state)
+    # The data first: --train-epochs reads it to plan the run, and a bad path or record says so before that.
     failures.run_on_every_rank(lambda: check_data_paths(config.data), "check the data paths")
+    plan = plan_run(config, parallel_state)
     if not plan.resumes:  # a fresh run's batches all lie ahead: any that cannot split fails now, early
         check_batches_ahead(config, plan.calculator, consumed_samples=0)
     print_rank_last(format_startup_summary(config, parallel_state, plan))
+    if (restart := describe_restart(plan.checkpoint)) is not None:
+        print_rank_last(restart)
     model_chunks, optimizer, scheduler = setup_model_and_optimizer(config, parallel_state)
     if config.logging.log_memory:
         report = optimizer.memory_report()
@@ -223,10 +254,15 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                         f"further.")
     # Every rank holds the same consumed samples, so all raise together, before any collective of training.
     check_batches_ahead(config, plan.calculator, state.consumed_train_samples)
-    train_iterator, valid_iterator, test_iterator = build_data_iterators(
+    train_iterator, valid_iterator, test_iterator, tokens_in = build_data_iterators(
         config, parallel_state, plan, state.consumed_train_samples, state.iteration)
+    forward_backward_func = None
+    if config.data.dpo:  # the frozen reference's pass before the policy's (built after the policy is loaded)
+        forward_backward_func = dpo.DirectPreferenceOptimization(config, parallel_state, model_chunks,
+                                                                 run_schedule=_forward_backward).forward_backward
     train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
-          test_iterator, plan=plan, start_time=start_time)
+          test_iterator, plan=plan, start_time=start_time, forward_backward_func=forward_backward_func,
+          tokens_in=tokens_in)
     if not keep_process_group:
         destroy_model_parallel(parallel_state)
     return state, model_chunks, parallel_state
@@ -242,33 +278,40 @@ def check_batches_ahead(config: Config, calculator: NumMicroBatchesCalculator, c
 
 
 def train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
-          valid_iterator, state: TrainingState, test_iterator=None, *, plan: RunPlan, start_time: float) -> None:
+          valid_iterator, state: TrainingState, test_iterator=None, *, plan: RunPlan, start_time: float,
+          forward_backward_func=None, tokens_in=None) -> None:
+    """``forward_backward_func``: as ``train_step_with_losses``' (None: the language-model loss's). ``tokens_in(n)``:
+    the tokens of the first n training samples (build_data_iterators'); default n x --seq-length."""
     calculator, train_iters = plan.calculator, plan.train_iters
-    logger = TrainingLogger(config, parallel_state, train_iters)
+    logger = TrainingLogger(config, parallel_state, train_iters, tokens_in)
     start = dataclasses.replace(state, losses=list(state.losses))
     loop_start = time.perf_counter()
     try:
         _train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
-               test_iterator, calculator=calculator, train_iters=train_iters, start_time=start_time, logger=logger)
+               test_iterator, calculator=calculator, train_iters=train_iters, start_time=start_time, logger=logger,
+               forward_backward_func=forward_backward_func)
     finally:  # the TensorBoard and W&B files hold every logged scalar, also when the run stops early
         logger.close()
-    print_training_summary(config, start, state, time.perf_counter() - loop_start)
+    print_training_summary(config, start, state, time.perf_counter() - loop_start, logger.tokens_in)
 
 
-def print_training_summary(config: Config, start: TrainingState, end: TrainingState, seconds: float) -> None:
+def print_training_summary(config: Config, start: TrainingState, end: TrainingState, seconds: float,
+                           tokens_in) -> None:
     """The closing line of the iterations this run took (``start`` is the state before the first): a run
-    shorter than --log-interval has printed no loss otherwise."""
+    shorter than --log-interval has printed no loss otherwise. ``tokens_in(n)``: the tokens trained on in the
+    first n samples (the logger's)."""
     iterations = end.iteration - start.iteration
     if iterations and is_last_rank():  # the last rank is on the last pipeline stage, which has the losses
-        tokens = (end.consumed_train_samples - start.consumed_train_samples) * config.model.seq_length
+        tokens = tokens_in(end.consumed_train_samples) - tokens_in(start.consumed_train_samples)
         print(metrics.format_training_summary(iterations=iterations, first_iteration=start.iteration + 1,
                                               tokens=tokens, losses=end.losses[len(start.losses):],
-                                              seconds=seconds), flush=True)
+                                              seconds=seconds, loss_name="dpo loss" if config.data.dpo else "lm loss"),
+              flush=True)
 
 
 def _train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
            valid_iterator, state: TrainingState, test_iterator, *, calculator: NumMicroBatchesCalculator,
-           train_iters: int, start_time: float, logger: TrainingLogger) -> None:
+           train_iters: int, start_time: float, logger: TrainingLogger, forward_backward_func=None) -> None:
     training = config.training
     for chunk in model_chunks:
         chunk.train()
@@ -277,6 +320,7 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
         torch.cuda.reset_peak_memory_stats()
     first_iteration = state.iteration + 1
     signal_handler = DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext()
+    saver = CheckpointSaver(config, parallel_state)
     # The save lock covers every save of the run: a second run on the same --save stops before its first step.
     with holding_save_lock(config.checkpoint.save, is_holder=parallel_state.rank == 0), signal_handler, \
             operations.manual_garbage_collection(training), \
@@ -286,8 +330,10 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
             num_microbatches = calculator.get_num_microbatches(state.consumed_train_samples)
             global_batch = calculator.get_current_global_batch_size(state.consumed_train_samples)
             step_start = time.perf_counter()
-            loss, update_successful, grad_norm = train_step(config, parallel_state, model_chunks, optimizer,
-                                                            scheduler, train_iterator, num_microbatches)
+            losses, update_successful, grad_norm = train_step_with_losses(
+                config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, num_microbatches,
+                forward_backward_func=forward_backward_func)
+            loss = _main_loss(losses)
             state.iteration += 1
             if training.check_for_nan_in_loss_and_grad and update_successful:
                 check_for_nan_in_loss_and_grad(loss, grad_norm, state.iteration)
@@ -299,7 +345,7 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
                 state.nan_iterations += 0 if math.isfinite(loss) else 1
                 state.losses.append(loss)
             logger.record(loss, time.perf_counter() - step_start, skipped=not update_successful,
-                          global_batch=global_batch,
+                          global_batch=global_batch, statistics=losses, consumed_samples=state.consumed_train_samples,
                           routing=routing_statistics.routing_summary(model_chunks, parallel_state, config.model))
             if _every(state.iteration, training.check_weight_hash_across_dp_replicas_interval):
                 check_weight_hash_across_dp_replicas(model_chunks, parallel_state, state.iteration)
@@ -307,7 +353,8 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
                 logger.log_interval(state, optimizer, grad_norm)
             if valid_iterator is not None and _every(state.iteration, training.eval_interval):
                 with operations.garbage_collection_around_evaluation(training):
-                    valid_loss = evaluate(config, parallel_state, model_chunks, valid_iterator)
+                    valid_loss = evaluate(config, parallel_state, model_chunks, valid_iterator,
+                                          forward_backward_func=forward_backward_func)
                 logger.log_validation(state.iteration, valid_loss)
             operations.collect_garbage_after_iteration(training, state.iteration)
             exit_now = ((training.exit_signal_handler and signal_handler.signals_received(parallel_state))
@@ -319,14 +366,17 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
             save_now = (exit_now or state.iteration == train_iters or batch_grows
                         or _every(state.iteration, config.checkpoint.save_interval))
             if config.checkpoint.save and save_now:
-                checkpointing.save_checkpoint(config, parallel_state, model_chunks, optimizer, scheduler, state)
+                saver.save(model_chunks, optimizer, scheduler, state)
+            saver.maybe_finalize()
             if exit_now:
+                saver.finalize()
                 print_rank_last(f" exiting at iteration {state.iteration} (signal, --exit-interval or "
                                 f"--exit-duration-in-mins)")
                 return
+        saver.finalize()  # inside the save lock: the run's last checkpoint is committed before it is released
     if test_iterator is not None:  # as Megatron, the test data is evaluated once, after training
-        logger.log_validation(state.iteration, evaluate(config, parallel_state, model_chunks, test_iterator),
-                              on="test set")
+        logger.log_validation(state.iteration, evaluate(config, parallel_state, model_chunks, test_iterator,
+                                                        forward_backward_func=forward_backward_func), on="test set")
 
 
 def _every(iteration: int, interval: int | None) -> bool:

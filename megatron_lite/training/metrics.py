@@ -47,19 +47,25 @@ def peak_memory_mb() -> float:
 
 
 def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
-                         tflops_per_gpu: float | None, learning_rate: float, global_batch_size: int, lm_loss: float,
-                         loss_scale: float, grad_norm: float | None, skipped_iterations: int,
-                         nan_iterations: int, routing: dict | None = None) -> str:
-    """Megatron's line; the throughput field only with --log-throughput (``tflops_per_gpu`` not None).
-    ``routing``: a mixture of experts' auxiliary losses and expert load, after the loss as Megatron-LM's."""
+                         tflops_per_gpu: float | None, learning_rate: float, global_batch_size: int,
+                         lm_loss: float | None, loss_scale: float, grad_norm: float | None, skipped_iterations: int,
+                         nan_iterations: int, routing: dict | None = None, loss_name: str = "lm loss",
+                         statistics: dict | None = None) -> str:
+    """Megatron's line; the throughput field only with --log-throughput (``tflops_per_gpu`` not None), the loss
+    only when an iteration of the interval updated (``lm_loss`` not None: Megatron-LM leaves it out too).
+    ``routing``: a mixture of experts' auxiliary losses and expert load, after the loss as Megatron-LM's;
+    ``loss_name``: the loss trained (``dpo loss`` under --dpo), ``statistics`` the other logged means after it."""
     line = (f" iteration {iteration:8d}/{train_iters:8d} |"
             f" consumed samples: {consumed_samples:12d} |"
             f" elapsed time per iteration (ms): {elapsed_ms:.1f} |")
     if tflops_per_gpu is not None:
         line += f" throughput per GPU (TFLOP/s/GPU): {_tflops_text(tflops_per_gpu)} |"
     line += (f" learning rate: {learning_rate:.6E} |"
-            f" global batch size: {global_batch_size:5d} |"
-            f" lm loss: {_loss_text(lm_loss)} |")
+            f" global batch size: {global_batch_size:5d} |")
+    if lm_loss is not None:
+        line += f" {loss_name}: {_loss_text(lm_loss)} |"
+    for name, value in (statistics or {}).items():
+        line += f" {name}: {_loss_text(value)} |"
     for name, value in (routing or {}).items():
         line += f" {name}: {value:.2f} |" if name == "expert load max/min" else f" {name}: {_loss_text(value)} |"
     line += f" loss scale: {loss_scale:.1f} |"
@@ -84,9 +90,11 @@ def _significant(value: float) -> str:
     return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
 
 
-def format_throughput_log(*, tokens_per_second: float, mfu: float | None, peak_memory: float) -> str:
+def format_throughput_log(*, tokens_per_second: float, consumed_tokens: int, mfu: float | None,
+                          peak_memory: float) -> str:
+    """Tokens are those trained on: every position of a pretraining sample, an --sft sample's without padding."""
     mfu_text = "n/a (pass --peak-tflops)" if mfu is None else f"{100 * mfu:.1f}%"
-    return (f" tokens per second: {tokens_per_second:.1f} | MFU: {mfu_text} |"
+    return (f" tokens per second: {tokens_per_second:.1f} | consumed tokens: {consumed_tokens} | MFU: {mfu_text} |"
             f" peak memory (MB): {peak_memory:.1f} |")
 
 
@@ -109,22 +117,26 @@ def format_memory_report(report: dict, iteration: int | None = None) -> str:
 
 
 def format_training_summary(*, iterations: int, first_iteration: int, tokens: int, losses: list,
-                            seconds: float) -> str:
+                            seconds: float, loss_name: str = "lm loss") -> str:
     """The closing line of a run, printed whatever --log-interval (a run shorter than the interval prints no
-    iteration line): its iterations, tokens, last and mean lm loss (of the finite ones), wall time."""
+    iteration line): its iterations, tokens, last and mean loss (of the finite ones), wall time."""
     finite = [loss for loss in losses if math.isfinite(loss)]
-    loss_text = (f"lm loss last: {losses[-1]:.6E}, mean: {sum(finite) / len(finite):.6E} over "
-                 f"{len(finite)} iterations" if finite else "lm loss: none finite")
+    loss_text = (f"{loss_name} last: {losses[-1]:.6E}, mean: {sum(finite) / len(finite):.6E} over "
+                 f"{len(finite)} iterations" if finite else f"{loss_name}: none finite")
     return (f" training finished: {iterations} iterations ({first_iteration}-{first_iteration + iterations - 1}) |"
             f" tokens: {tokens:,} | {loss_text} | time: {seconds:.1f} s |")
 
 
-def format_validation_log(*, iteration: int, lm_loss: float, on: str | None = None) -> str:
-    """Megatron's validation line; ``on="test set"`` names the data, as its end-of-training test line does."""
-    ppl = math.exp(min(20.0, lm_loss))  # as Megatron: cap the exponent so a diverged run prints
+def format_validation_log(*, iteration: int, lm_loss: float, on: str | None = None,
+                          loss_name: str = "lm loss") -> str:
+    """Megatron's validation line; ``on="test set"`` names the data, as its end-of-training test line does.
+    A preference loss (``loss_name`` "dpo loss") has no perplexity."""
     where = f" on {on}" if on else ""
-    return (f" validation loss at iteration {iteration}{where} | lm loss value: {lm_loss:.6E} | "
-            f"lm loss PPL: {ppl:.6E} |")
+    line = f" validation loss at iteration {iteration}{where} | {loss_name} value: {lm_loss:.6E} |"
+    if loss_name != "lm loss":
+        return line
+    ppl = math.exp(min(20.0, lm_loss))  # as Megatron: cap the exponent so a diverged run prints
+    return line + f" lm loss PPL: {ppl:.6E} |"
 
 
 def tensorboard_writer(log_dir: str | None):

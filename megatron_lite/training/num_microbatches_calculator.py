@@ -97,6 +97,10 @@ class NumMicroBatchesCalculator:
         """Samples consumed by the first ``iterations`` iterations."""
         return self._run(iterations=iterations)[1]
 
+    def iterations_to_reach(self, samples: int) -> int:
+        """The fewest iterations whose batches hold at least ``samples`` samples (the last may pass it)."""
+        return self._run(until=samples)[0]
+
     def iterations_for(self, train_samples: int) -> int:
         """The iterations a run of ``train_samples`` samples has (Megatron's update_train_iters).
 

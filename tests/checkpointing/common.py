@@ -44,7 +44,7 @@ def widen_and_save(hf_model, directory) -> None:
     dropped bias, swapped norm or misplaced weight changes its output, and save it to ``directory``."""
     with torch.no_grad():
         for name, parameter in hf_model.named_parameters():
-            parameter.normal_(1.0 if "norm" in name else 0.0, 0.2)
+            parameter.normal_(1.0 if "norm" in name or ".ln_" in name else 0.0, 0.2)  # GPT-2's ln_1, ln_f
     hf_model.eval().save_pretrained(directory)
 
 

@@ -2,7 +2,10 @@
 layout, a forward pass through the pipeline, training runs. Kept apart from the test module so
 that the spawned ranks do not import transformers and peft (seconds each, on every rank).
 """
+import contextlib
 import dataclasses
+import io
+import re
 
 import torch
 
@@ -123,3 +126,44 @@ def sgd_step_gradients(rank, world_size, root, microbatches, pp: int = 1):
     gradients = {name: (before[name] - p.detach()).numpy() for name, p in chunks[0].module.named_parameters()}
     destroy_model_parallel(parallel_state)
     return gradients
+
+
+# The fair fight against transformers (tests/checkpointing/transformers_training.py): AdamW at a constant LR with
+# weight decay (matrices only, as Megatron and the reference's groups), every step clipped to norm 1.
+FAIR_STEPS, FAIR_BATCH = 3, 4
+FAIR_OPTIMIZER = OptimizerConfig(lr=1e-3, lr_decay_style="constant", weight_decay=0.01, clip_grad=1.0)
+_GRAD_NORM = re.compile(r" lm loss: ([0-9.E+-]+) \|.* grad norm: ([0-9.]+) \|")
+
+
+def fair_config(root: str, save: str, *, pad_token_id: int | None, **parallel):
+    """The imported checkpoint ``root`` fine-tuned FAIR_STEPS iterations on --mock-data (FAIR_BATCH sequences of
+    16, micro-batches of 1 under every layout), saved to ``save``, with the embedding row of ``pad_token_id``
+    frozen (--freeze-padding-embedding) unless None; ``parallel``: ParallelConfig's fields, and ``bf16``. The
+    expert bias is not stepped: transformers' training does not update it."""
+    config = read_config(root)
+    bf16 = parallel.pop("bf16", False)
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0,
+                                          freeze_padding_embedding=pad_token_id is not None,
+                                          pad_token_id=pad_token_id,
+                                          moe_router_bias_update_rate=0.0),
+        parallel=ParallelConfig(**parallel),
+        checkpoint=CheckpointConfig(pretrained_checkpoint=root, save=save, save_interval=FAIR_STEPS),
+        training=TrainingConfig(micro_batch_size=1, global_batch_size=FAIR_BATCH, train_iters=FAIR_STEPS, bf16=bf16),
+        optimizer=FAIR_OPTIMIZER, data=DataConfig(mock_data=True),
+        logging=LoggingConfig(log_interval=1, log_memory=False))
+
+
+def train_logged(rank, world_size, runs):
+    """For each (checkpoint, save directory, frozen pad token or None, parallel fields): the (lm loss, grad norm) of
+    each iteration as the log line prints them, on the rank that prints it; else None."""
+    results = []
+    for root, save, pad, parallel in runs:
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            _, _, parallel_state = pretrain(fair_config(root, save, pad_token_id=pad, **parallel),
+                                            keep_process_group=True)
+        destroy_model_parallel(parallel_state)
+        logged = [(float(loss), float(norm)) for loss, norm in _GRAD_NORM.findall(log.getvalue())]
+        results.append(logged or None)
+    return results

@@ -36,9 +36,7 @@ batched, left-padded) equals ``generate``; HF -> ours -> HF -> ours is bit-exact
 steps at tp2 x pp2 x dp2 equal 1 process; a LoRA export loads in peft and gives our logits; the
 first --sft loss (and, with a window, the packed one) is transformers' loss over the response tokens.
 """
-import copy
 import dataclasses
-import re
 
 import pytest
 import torch
@@ -51,13 +49,13 @@ from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E40
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
 from megatron_lite.config import (ConfigError, DataConfig, OptimizerConfig, PeftConfig,  # noqa: E402
                                   TrainingConfig)
-from megatron_lite.data import MockGPTDataset  # noqa: E402
 from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.model.sliding_window import layer_window  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402
 from tests.checkpointing.common import Imported, import_hf_model  # noqa: E402
 from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
+from tests.checkpointing.transformers_training import fair_fight  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import (EOS, MAX_NEW_TOKENS, PAD, PROMPTS,  # noqa: E402
                                                              _hf_generate)
@@ -412,7 +410,7 @@ def test_released_gemma3_configs_read_as_transformers_reads_them(released):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPT-NeoX: the sequential residual, its refusals, and fine-tuning against transformers + AdamW with clipping
+# GPT-NeoX and SmolLM3: the sequential residual, refusals, --no-rope-freq
 
 
 def test_gpt_neox_sequential_residual_with_tied_embeddings(tmp_path):
@@ -445,53 +443,6 @@ def test_gpt_neox_variants_are_refused_by_name(imports):
                                 parallel_attention_mlp=True)
     with pytest.raises(ConfigError, match="parallel_attention_mlp"):
         hf_interop.hf_config_from_model_config(llama)
-
-
-FAIR_STEPS, FAIR_BATCH = 3, 4
-FAIR_OPTIMIZER = OptimizerConfig(lr=1e-3, lr_decay_style="constant", weight_decay=0.01, clip_grad=1.0)
-LOGGED = re.compile(r" lm loss: ([0-9.E+-]+) \|.* grad norm: ([0-9.]+) \|")
-
-
-def _transformers_adamw(hf_model, steps: int) -> list:
-    """(loss, grad norm before clipping) of each step of ``hf_model`` trained on --mock-data's batches (--seed 1234,
-    taken in order) by torch.optim.AdamW with Megatron's groups (weight decay on matrices only) after
-    clip_grad_norm_."""
-    model = copy.deepcopy(hf_model).train()
-    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": FAIR_OPTIMIZER.weight_decay},
-              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=FAIR_OPTIMIZER.lr, betas=(FAIR_OPTIMIZER.adam_beta1,
-                                                                        FAIR_OPTIMIZER.adam_beta2),
-                                  eps=FAIR_OPTIMIZER.adam_eps)
-    data = MockGPTDataset(vocab_size=VOCAB, seq_length=16, seed=1234, num_samples=FAIR_BATCH * steps)
-    logged = []
-    for step in range(steps):
-        tokens = torch.stack([torch.from_numpy(data[step * FAIR_BATCH + i]["tokens"]) for i in range(FAIR_BATCH)])
-        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).logits.reshape(-1, VOCAB),
-                                                 tokens[:, 1:].reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), FAIR_OPTIMIZER.clip_grad)
-        logged.append((loss.item(), norm.item()))
-        optimizer.step()
-    return logged
-
-
-@pytest.mark.parametrize("name", ["gpt_neox", "smollm3"])
-def test_fine_tuning_equals_transformers_with_clipping(name, imports, tmp_path, capsys):
-    """3 AdamW steps through the trainer, every one clipped (widened weights: grad norms above 1): the losses and
-    the logged grad norms are transformers + torch.optim.AdamW + clip_grad_norm_'s."""
-    config = training_config(imports[name].root, str(tmp_path / "run"), 1, 1, optimizer=FAIR_OPTIMIZER)
-    capsys.readouterr()
-    pretrain(dataclasses.replace(
-        config, training=TrainingConfig(micro_batch_size=2, global_batch_size=FAIR_BATCH, train_iters=FAIR_STEPS),
-        checkpoint=dataclasses.replace(config.checkpoint, save=None, save_interval=None),
-        logging=dataclasses.replace(config.logging, log_interval=1)))
-    ours = [(float(loss), float(norm)) for loss, norm in LOGGED.findall(capsys.readouterr().out)]
-    reference = _transformers_adamw(imports[name].hf_model, FAIR_STEPS)
-    assert len(ours) == FAIR_STEPS, ours
-    for (loss, norm), (their_loss, their_norm) in zip(ours, reference):
-        assert loss == pytest.approx(their_loss, rel=1e-6) and their_norm > FAIR_OPTIMIZER.clip_grad, (ours, reference)
-        assert f"{norm:.3f}" == f"{their_norm:.3f}", (ours, reference)  # as the log prints it
 
 
 def test_smollm3_variants_are_refused_by_name(imports):
@@ -534,3 +485,22 @@ def test_no_rope_freq_is_megatron_lms():
                            ([*base, "--no-rope-freq", "[0,1]"], "one 0 or 1 per layer")]:
         with pytest.raises(ConfigError, match=message):
             parse_args(flags)
+# Training against transformers + torch.optim.AdamW, clipping on every step
+
+# One layout of 4 ranks per family (pp somewhere, ZeRO 1 to 3, bf16 once), beside its 1-process run.
+FAIR_LAYOUTS = {
+    "qwen2": dict(tensor_model_parallel_size=2, use_distributed_optimizer=True),  # tied, vocab split + ZeRO-1
+    "qwen3": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True),
+    "mistral": dict(pipeline_model_parallel_size=2, data_parallel_sharding_strategy="optim_grads"),
+    "phi3": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+    "gemma2": dict(data_parallel_sharding_strategy="optim_grads_params"),
+    "gemma3_text": dict(tensor_model_parallel_size=2, context_parallel_size=2),
+    "deepseek_v3": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True),
+    "deepseek_v2": dict(pipeline_model_parallel_size=2, use_distributed_optimizer=True, bf16=True),
+    "gpt_neox": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),  # the parallel residual's norms
+    "smollm3": dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2),  # the NoPE layer on stage 2
+}
+
+
+def test_fine_tuning_equals_transformers_with_clipping(imports, tmp_path):
+    fair_fight(imports, FAIR_LAYOUTS, tmp_path, {"phi3": "phi3", "deepseek_v2": "deepseek_v2"}, vocab=VOCAB, pad=EOS)

@@ -256,3 +256,73 @@ def test_converter_flag_mistakes_are_one_line(capsys):
     assert err.startswith("error: argument --target-format: invalid choice: 'huggingface'") and err.count("\n") == 1
     assert convert(["--load-dir", "a", "--save-dir", "b", "--target-tensor-parallel", "2"]) == 2
     assert "(did you mean --target-tensor-parallel-size?)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# The pad row, and training against transformers + torch.optim.AdamW with clipping on every step
+
+def _llama_config(**tokens):
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                    rms_norm_eps=1e-6, rope_theta=500.0, tie_word_embeddings=False, **tokens)
+
+
+def _gpt2_config(**tokens):
+    return transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, **tokens)
+
+
+@pytest.mark.parametrize("make, tokens, noted", [
+    (_llama_config, dict(bos_token_id=2, eos_token_id=0, pad_token_id=0), "the eos token"),
+    (_llama_config, dict(bos_token_id=3, eos_token_id=[0, 4], pad_token_id=3), "the bos token"),
+    (_llama_config, dict(bos_token_id=2, eos_token_id=0, pad_token_id=1), None),
+    (_gpt2_config, dict(bos_token_id=0, eos_token_id=0, pad_token_id=0), None)],  # GPT-2 has no padding_idx
+    ids=["pad-is-eos", "pad-is-bos", "pad-apart", "gpt2"])
+def test_the_import_keeps_the_pad_token_and_notes_one_the_data_holds(make, tokens, noted, tmp_path, capsys):
+    transformers.AutoModelForCausalLM.from_config(make(**tokens)).save_pretrained(tmp_path / "hf")
+    hf_interop.import_hf_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    notes = [line for line in capsys.readouterr().err.splitlines() if "pad_token_id" in line]
+    assert read_config(str(tmp_path / "ckpt")).model.pad_token_id == tokens["pad_token_id"]
+    if noted is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and notes[0].startswith(f"note: pad_token_id {tokens['pad_token_id']} is also "
+                                                       f"{noted}") and "--freeze-padding-embedding" in notes[0]
+
+
+def test_freezing_the_pad_row_needs_a_pad_token(capsys):
+    flags = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+             "--vocab-size", "64", "--mock-data", "--micro-batch-size", "1", "--train-iters", "1"]
+    assert pretrain_gpt([*flags, "--freeze-padding-embedding"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("error:") == 1 and "--use-checkpoint-args" in error and "--pad-token-id" in error
+    assert parse_args([*flags, "--freeze-padding-embedding", "--pad-token-id", "3"]).model.pad_token_id == 3
+    with pytest.raises(ConfigError, match="--pad-token-id \\(64\\) must be a token of the vocabulary"):
+        parse_args([*flags, "--pad-token-id", "64"])
+
+
+def test_checkpoint_args_take_the_pad_token(tmp_path):
+    transformers.AutoModelForCausalLM.from_config(_llama_config(eos_token_id=0, pad_token_id=5)).save_pretrained(
+        tmp_path / "hf")
+    hf_interop.import_hf_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    config = parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", str(tmp_path / "ckpt"), *FINETUNE,
+                         "--freeze-padding-embedding"])
+    assert (config.model.pad_token_id, config.model.freeze_padding_embedding) == (5, True)
+
+
+# GPT-2 (tied, no padding_idx in transformers: the reference is given one) at tensor 2 x pipeline 2, the tied
+# embedding summed over the stages; Llama at pipeline 2 x data 2 under ZeRO-3. The pad: token 1, which the mock
+# batches hold.
+FAIR_FAMILIES = {"gpt2": lambda: _gpt2_config(bos_token_id=1, eos_token_id=1, pad_token_id=1, resid_pdrop=0.0,
+                                               embd_pdrop=0.0, attn_pdrop=0.0),  # as our runs' dropout 0
+                 "llama": lambda: _llama_config(bos_token_id=1, eos_token_id=1, pad_token_id=1)}
+FAIR_LAYOUTS = {"gpt2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+                "llama": dict(pipeline_model_parallel_size=2, data_parallel_sharding_strategy="optim_grads_params")}
+
+
+def test_fine_tuning_equals_transformers_with_clipping(tmp_path):
+    from tests.checkpointing.common import import_hf_model
+    from tests.checkpointing.transformers_training import fair_fight
+
+    imports = {name: import_hf_model(name, make(), tmp_path / name, vocab=VOCAB)
+               for name, make in FAIR_FAMILIES.items()}
+    fair_fight(imports, FAIR_LAYOUTS, tmp_path, {}, vocab=VOCAB, pad=1)

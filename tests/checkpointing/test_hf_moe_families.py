@@ -42,6 +42,7 @@ from tests.checkpointing.common import Imported, import_hf_model  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402
 from tests.checkpointing.hf_family_ranks import layouts_rank, load, sgd_step_gradients, training_config  # noqa: E402
 from tests.checkpointing.test_hf_families import SFT_PAIRS  # noqa: E402
+from tests.checkpointing.transformers_training import fair_fight  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import EOS, MAX_NEW_TOKENS, PAD, PROMPTS, _hf_generate  # noqa: E402
 from tests.sft.test_sft_training import _transformers_response_loss, _write_jsonl  # noqa: E402
@@ -412,3 +413,19 @@ def test_unknown_fields_and_variants_are_refused_by_name(imports):
         with pytest.raises(ConfigError, match=message):
             hf_interop.model_config_from_hf({**config, field: value})
     assert hf_interop.model_config_from_hf({**v3, "n_group": 1}).moe_router_num_groups is None  # one group: no limit
+
+
+# One layout of 4 ranks per family, expert-parallel each, beside its 1-process run (fair_fight).
+FAIR_LAYOUTS = {
+    "mixtral": dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
+    "qwen3_moe": dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
+    "olmoe": dict(expert_model_parallel_size=2, use_distributed_optimizer=True),
+    "deepseek_v3": dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
+    "deepseek_v2": dict(expert_model_parallel_size=4, data_parallel_sharding_strategy="optim_grads"),
+}
+
+
+def test_fine_tuning_equals_transformers_with_clipping(imports, tmp_path):
+    """transformers' loss with the load-balancing loss (pooled_aux_loss) for Mixtral, Qwen3-MoE and OLMoE; DeepSeek's
+    expert bias held still (transformers' training does not step it)."""
+    fair_fight(imports, FAIR_LAYOUTS, tmp_path, {"deepseek_v2": "deepseek_v2"}, vocab=VOCAB, pad=EOS)

@@ -46,15 +46,21 @@ ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "num_qu
                      "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "kv_channels")
 
 
-@pytest.mark.parametrize("name,tp,pp", [("gpt2_tp2pp2_torch", 2, 2), ("llama_tp1pp1_torch_bf16", 1, 1)])
-def test_legacy_export_writes_megatrons_files(name, tp, pp, tmp_path):
+MOE_ARGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_score_function",
+            "expert_model_parallel_size", "moe_grouped_gemm")
+
+
+@pytest.mark.parametrize("name,tp,pp,ep", [("gpt2_tp2pp2_torch", 2, 2, 1), ("llama_tp1pp1_torch_bf16", 1, 1, 1),
+                                           ("moe_tp2pp1ep2_torch", 2, 1, 2)])
+def test_legacy_export_writes_megatrons_files(name, tp, pp, ep, tmp_path):
     """Imported from Megatron-LM's files and exported at their layout: every rank file has Megatron's names,
     shapes and dtypes (bf16 stays bf16; the ``_extra_state`` entries and the tied embeddings' last-stage copy
-    included), and the very same values."""
-    exported = _exported(_imported(name, tmp_path), str(tmp_path / "megatron"), tp, pp)
+    included; each expert-parallel rank's experts numbered from 0), and the very same values."""
+    exported = _exported(_imported(name, tmp_path), str(tmp_path / "megatron"), tp, pp, "torch",
+                         "--target-expert-parallel-size", str(ep))
     theirs = rank_files(os.path.join(fixture(name), "iter_0000010"))
     ours = rank_files(os.path.join(exported, "iter_0000010"))
-    assert sorted(ours) == sorted(theirs) == [(t, p) for t in range(tp) for p in range(pp)]
+    assert sorted(ours) == sorted(theirs) == [(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)]
     for rank, path in theirs.items():
         their_file, our_file = read_rank_file(path), read_rank_file(ours[rank])
         assert _layout(our_file["model"]) == _layout(their_file["model"]), rank
@@ -62,7 +68,7 @@ def test_legacy_export_writes_megatrons_files(name, tp, pp, tmp_path):
             if tensor is not None:
                 assert torch.equal(our_file["model"][key], tensor), (rank, key)
         assert (our_file["iteration"], our_file["checkpoint_version"]) == (10, 3.0)
-        for arg in ARCHITECTURE_ARGS:
+        for arg in ARCHITECTURE_ARGS + (MOE_ARGS if ep > 1 else ()):
             assert getattr(our_file["args"], arg) == getattr(their_file["args"], arg), arg
     with open(os.path.join(exported, "latest_checkpointed_iteration.txt")) as f:
         assert f.read() == "10"

@@ -66,7 +66,8 @@ def _stage_forward(model, tokens, parallel_state, hidden_size):
 # (common.pt) and of main (the common state inside the .distcp files), the exact GeLU.
 ALL = ["gpt2_tp2pp2_torch", "llama_tp1pp1_torch_bf16", "gpt2_tp1pp1_legacy_model", "llama_tp2pp2_legacy_model",
        "gpt2_tp2pp1_torch_dist", "llama_tp2pp1_torch_dist_core020",
-       "gpt2_tp2pp1_exact_gelu"]  # --no-bias-gelu-fusion: the erf GeLU (our --gelu-exact)
+       "gpt2_tp2pp1_exact_gelu",  # --no-bias-gelu-fusion: the erf GeLU (our --gelu-exact)
+       "moe_tp1pp1_torch", "moe_tp2pp1ep2_torch"]  # 4 experts top-2, in one file and over 2 expert ranks x 2 tp
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -83,7 +84,7 @@ def _pipeline_logits(rank, world_size, root, tokens):
     return our_logits(root, tokens, tp=2, pp=2)
 
 
-@pytest.mark.parametrize("name", ["gpt2_tp2pp2_torch", "llama_tp2pp2_legacy_model"])
+@pytest.mark.parametrize("name", ["gpt2_tp2pp2_torch", "llama_tp2pp2_legacy_model", "moe_tp2pp1ep2_torch"])
 def test_import_at_tp2_pp2_gives_megatrons_logits(name, tmp_path):
     tokens, reference = megatron_logits(name)
     root = str(tmp_path / "ours")
@@ -112,8 +113,8 @@ def test_the_saved_args_map_to_our_config():
 def test_unsupported_megatron_args_are_refused_by_name():
     import argparse
     from megatron_lite.checkpointing.megatron.args_mapping import model_config_from_megatron_args
-    args = argparse.Namespace(num_experts=8, qk_layernorm=True, swiglu=False, bias_gelu_fusion=False)
-    with pytest.raises(ConfigError, match=r"--num-experts \(mixture of experts\), --qk-layernorm \(query/key"):
+    args = argparse.Namespace(moe_grouped_gemm=True, qk_layernorm=True, swiglu=False, bias_gelu_fusion=False)
+    with pytest.raises(ConfigError, match=r"--moe-grouped-gemm \(experts stored as one grouped GEMM.*--qk-layernorm"):
         model_config_from_megatron_args(args, "ckpt")
 
 

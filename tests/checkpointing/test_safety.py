@@ -260,3 +260,17 @@ def test_symlink_inside_the_checkpoint_is_followed(saved):
     os.rename(storage.checkpoint_dir(saved, 2), os.path.join(store, "iter_0000002"))
     os.symlink(os.path.join("store", "iter_0000002"), storage.checkpoint_dir(saved, 2))
     assert _load(saved, iters=3).iteration == 3
+
+
+def test_verify_checkpoint_checks_every_file_without_training(saved, capsys):
+    from tools.verify_checkpoint import main as verify
+
+    assert verify(["--load", saved, "--all-iterations"]) == 0
+    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == ["ok", "ok"]
+    # The tensors' file of iteration 2: a load checks only what a rank reads, the tool every file.
+    _flip_a_byte(os.path.join(storage.checkpoint_dir(saved, 2), storage.rank_file_name(0)))
+    assert verify(["--load", saved, "--all-iterations"]) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith("ok: ") and storage.checkpoint_dir(saved, 1) in out  # the one to fall back to
+    assert err.count("error:") == 1 and "rank_00000.safetensors does not match its SHA-256" in err
+    assert verify(["--load", saved]) == 2  # the newest, which the tracker names

@@ -91,7 +91,7 @@ def _train(rank, world_size, runs):
                                           context_parallel_size=parallel.context_parallel_size,
                                           expert_model_parallel_size=parallel.expert_model_parallel_size)
         chunks, optimizer, scheduler = setup_model_and_optimizer(config, state)
-        train, valid, _ = build_data_iterators(config, state, plan_run(config, state), 0)
+        train, valid = build_data_iterators(config, state, plan_run(config, state), 0)[:2]
         if not config.data.sft:
             train, valid = ([_masked_loss(i) for i in it] if isinstance(it, list) else _masked_loss(it)
                             for it in (train, valid))

@@ -49,7 +49,7 @@ def _one_iteration(rank, world_size, layouts):
         ps = initialize_model_parallel(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                        par.virtual_pipeline_model_parallel_size)
         chunks = loop.get_model(config, ps)
-        data_iterator, _, _ = data_iterators.build_data_iterators(config, ps, plan_run(config, ps), 0)
+        data_iterator = data_iterators.build_data_iterators(config, ps, plan_run(config, ps), 0)[0]
         losses = get_forward_backward_func(ps)(
             forward_step_func=loop.forward_step, data_iterator=data_iterator, model=chunks,
             num_microbatches=config.training.num_microbatches(ps.data_parallel_world_size), seq_length=SEQ,

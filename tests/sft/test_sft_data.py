@@ -110,7 +110,7 @@ def test_every_epoch_uses_every_example_once(tmp_path, pack):
     dataset = SFTDataset(examples, seq_length=8, num_samples=30, seed=3, pad_token=TOKENIZER.pad, pack_sequences=pack)
     first_tokens = [t for i in range(len(dataset)) for t, p in zip(dataset[i]["tokens"], dataset[i]["position_ids"])
                     if p == 0 and t != TOKENIZER.pad]
-    epoch = len(dataset._orders[0])
+    epoch = len(dataset.layout.orders[0])
     assert epoch == 10 and sorted(first_tokens[:epoch]) == list(range(1, 11))
     assert sorted(first_tokens[epoch:2 * epoch]) == list(range(1, 11))
     assert first_tokens[:epoch] != first_tokens[epoch:2 * epoch]  # each epoch in its own order

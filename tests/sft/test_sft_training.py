@@ -67,6 +67,16 @@ def _transformers_response_loss(model, pairs=PAIRS) -> torch.Tensor:
     return total / count
 
 
+def _transformers_packed_response_loss(model, batch: dict) -> torch.Tensor:
+    """The same mean, from one forward of transformers over a packed sample: no attention mask and position ids
+    restarting at each example, from which transformers builds its own block-diagonal mask (its packing for
+    flash attention, DataCollatorWithFlattening's format; it needs the cache off to look)."""
+    logits = model(batch["tokens"], position_ids=batch["position_ids"], use_cache=False).logits.double()
+    losses = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+    mask = batch["loss_mask"].flatten().double()
+    return (losses * mask).sum() / mask.sum()
+
+
 def _sft_config(ckpt: str, data: str, *, micro_batch_size: int, global_batch_size: int, pack: bool):
     saved = read_config(ckpt)
     return dataclasses.replace(
@@ -82,7 +92,8 @@ def _sft_config(ckpt: str, data: str, *, micro_batch_size: int, global_batch_siz
 @pytest.mark.parametrize("pack", [False, True])
 def test_first_iteration_loss_and_gradient_are_transformers_over_response_tokens(imported, tmp_path, pack):
     """Padded: 4 examples in 2 micro-batches, averaged per token over the global batch (not per micro-batch).
-    Packed: the 4 examples share one 32-position sequence; loss and gradient are the same."""
+    Packed: the 4 examples share one 32-position sequence; loss and gradient are the same, and the loss is also
+    transformers' over that packed sequence."""
     model, ckpt = imported
     batch = dict(micro_batch_size=1, global_batch_size=1) if pack else dict(micro_batch_size=2, global_batch_size=4)
     state, chunks, _ = loop.pretrain(_sft_config(ckpt, _write_jsonl(tmp_path / "sft.jsonl"), pack=pack, **batch))
@@ -90,6 +101,10 @@ def test_first_iteration_loss_and_gradient_are_transformers_over_response_tokens
     expected = _transformers_response_loss(model)
     expected.backward()
     assert state.losses[0] == pytest.approx(expected.item(), rel=1e-5)
+    if pack:  # our block-diagonal mask against transformers' own, built from the position ids
+        with torch.no_grad():
+            packed = _transformers_packed_response_loss(model, _batch(_examples(), pack=True, seq_length=32))
+        assert state.losses[0] == pytest.approx(packed.item(), rel=1e-5)
     # The output layer's gradient (the tied embedding's for GPT-2) is the first update, sign flipped.
     ours = dict(chunks[0].module.named_parameters())
     tied = hasattr(model, "transformer")

@@ -21,7 +21,14 @@ from megatron_lite.config import Config, ConfigError, ModelConfig, TrainingConfi
 from megatron_lite.config.moe import parse_moe_layer_freq
 
 # args that change what the model computes and that megatron_lite does not implement: (name, what it is).
-_UNSUPPORTED = (("num_experts", "mixture of experts"), ("multi_latent_attention", "multi-latent attention"),
+_UNSUPPORTED = (("moe_grouped_gemm", "experts stored as one grouped GEMM's weights (GroupedMLP; import the "
+                                     "SequentialMLP layout, saved without --moe-grouped-gemm)"),
+                ("moe_latent_size", "latent experts"),
+                ("moe_router_enable_expert_bias",
+                 "the router's expert bias (a buffer the conversion does not carry)"),
+                ("moe_input_jitter_eps", "router input jitter"),
+                ("moe_apply_probs_on_input", "router probabilities applied to the expert input"),
+                ("multi_latent_attention", "multi-latent attention"),
                 ("qk_layernorm", "query/key layer norms"), ("squared_relu", "squared ReLU"),
                 ("openai_gelu", "OpenAI's GeLU"), ("mtp_num_layers", "multi-token prediction layers"),
                 ("apply_residual_connection_post_layernorm", "residuals after the norm"),
@@ -56,6 +63,26 @@ def _position_embedding_type(args) -> str:
     return _arg(args, "position_embedding_type", "learned_absolute")
 
 
+# Megatron-LM's mixture-of-experts args that are ours by the same name (ours follow Megatron's flags); a None
+# in args is Megatron's "not set", which is our default too.
+_MOE_ARGS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+             "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+             "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+             "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
+             "moe_pad_expert_input_to_capacity", "moe_token_drop_policy", "moe_shared_expert_intermediate_size",
+             "moe_shared_expert_gate")
+
+
+def _moe_fields(args) -> dict:
+    """Our mixture-of-experts fields of ``args`` ({} for a dense model)."""
+    if not _arg(args, "num_experts"):
+        return {}
+    fields = {name: _arg(args, name) for name in _MOE_ARGS if _arg(args, name) is not None}
+    freq = _arg(args, "moe_layer_freq", 1)  # an int, or the list Megatron's parser made of "([1]*3+[0])" etc.
+    return dict(fields, num_experts=args.num_experts,
+                moe_layer_freq=str(freq) if isinstance(freq, int) else str(list(freq)))
+
+
 def model_config_from_megatron_args(args, source: str) -> ModelConfig:
     """Our ModelConfig for the model Megatron's ``args`` describe."""
     refuse_unsupported(args, source)
@@ -77,7 +104,7 @@ def model_config_from_megatron_args(args, source: str) -> ModelConfig:
         untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
         hidden_dropout=_arg(args, "hidden_dropout", 0.1), attention_dropout=_arg(args, "attention_dropout", 0.1),
         init_method_std=_arg(args, "init_method_std", 0.02),
-        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128))
+        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128), **_moe_fields(args))
 
 
 def config_from_megatron_args(args, source: str) -> Config:
@@ -92,8 +119,21 @@ def config_from_megatron_args(args, source: str) -> Config:
 _NOT_ARCHITECTURE = ("attention_backend", "use_fused_kernels", "hf_model_type")
 
 
+def _moe_args(model: ModelConfig, expert_model_parallel_size: int) -> dict:
+    """Megatron-LM's mixture-of-experts args for ``model`` (num_experts None for a dense one)."""
+    if model.num_experts is None:
+        return dict(num_experts=None)
+    freq = parse_moe_layer_freq(model.moe_layer_freq)
+    return dict({name: getattr(model, name) for name in _MOE_ARGS}, num_experts=model.num_experts,
+                moe_layer_freq=freq, expert_model_parallel_size=expert_model_parallel_size,
+                expert_tensor_parallel_size=None, moe_grouped_gemm=False,
+                # The dispatcher changes no result; allgather needs no CUDA stream, so Megatron runs it on a CPU too.
+                moe_token_dispatcher_type="allgather")
+
+
 def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
-                              iteration: int, source: str, ckpt_format: str = "torch") -> argparse.Namespace:
+                              iteration: int, source: str, ckpt_format: str = "torch",
+                              expert_model_parallel_size: int = 1) -> argparse.Namespace:
     """The ``args`` Megatron-LM saves, for our ``config`` at the given layout: the architecture args its
     ``--use-checkpoint-args`` rebuilds the model from, and those ``check_checkpoint_args`` compares.
 
@@ -130,7 +170,8 @@ def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int
         transformer_pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         bf16=config.training.bf16, fp16=config.training.fp16, params_dtype=config.params_dtype,
-        num_experts=None, mtp_num_layers=None, use_legacy_models=False, transformer_impl="local",
+        **_moe_args(model, expert_model_parallel_size), mtp_num_layers=None, use_legacy_models=False,
+        transformer_impl="local",
         ckpt_format=ckpt_format, iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0)
     _check_round_trip(args, model, source)
     return args

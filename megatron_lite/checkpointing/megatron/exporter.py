@@ -29,6 +29,7 @@ from megatron_lite.checkpointing.resharding import CheckpointReader, has_vocab_r
 from megatron_lite.checkpointing.save_load import checkpoint_name
 from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ParallelConfig
+from megatron_lite.expert_parallel.layers import ExpertLinear
 from megatron_lite.model import GPTModel
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, shard_tensor
 
@@ -52,7 +53,7 @@ class Stage:
 
 def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1,
                                pipeline_model_parallel_size: int = 1, ckpt_format: str = "torch",
-                               common_state: str = "common.pt") -> str:
+                               common_state: str = "common.pt", expert_model_parallel_size: int = 1) -> str:
     """Write ``save_dir/iter_N`` in ``ckpt_format`` (torch_dist: its common state laid out as
     ``common_state`` says) and the tracker file; returns ``save_dir``."""
     if ckpt_format not in CKPT_FORMATS:
@@ -62,7 +63,8 @@ def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
     if config.peft.peft is not None:
         raise ConfigError(f"{load_dir} is a --peft {config.peft.peft} checkpoint: merge it into its base first "
                           f"(--merge-lora or --fold-prefix-projection), then export the result.")
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+    _check_experts(config, ckpt_format, ep, load_dir)
     # Re-validates heads, groups, ffn and layers against the target sizes before anything is written.
     config = dataclasses.replace(config, parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                                                  pipeline_model_parallel_size=pp))
@@ -72,14 +74,29 @@ def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
                               f"into a new directory (files left from another export would be read with it); give "
                               f"another save directory or remove that one.")
     args = megatron_args_from_config(config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     iteration=iteration, source=load_dir, ckpt_format=ckpt_format)
+                                     iteration=iteration, source=load_dir, ckpt_format=ckpt_format,
+                                     expert_model_parallel_size=ep)
     stages = (_stage(config, reader, pipeline_rank) for pipeline_rank in range(pp))
     if ckpt_format == "torch_dist":
         _write_torch_dist(save_dir, stages, config, args, iteration, common_state)
     else:
-        _write_legacy(save_dir, stages, config, args, iteration)
+        _write_legacy(save_dir, stages, config, args, iteration, ep)
     legacy.write_tracker(save_dir, iteration)
     return save_dir
+
+
+def _check_experts(config: Config, ckpt_format: str, ep: int, load_dir: str) -> None:
+    """What a mixture-of-experts export writes: the legacy format's SequentialMLP, split over ``ep`` ranks."""
+    experts = config.model.num_experts
+    if experts is None:
+        if ep != 1:
+            raise ConfigError(f"{load_dir} has no experts to split over --target-expert-parallel-size {ep}.")
+        return
+    if ckpt_format != "torch":
+        raise ConfigError(f"{load_dir} has a mixture of experts, which megatron_lite exports in the legacy format "
+                          f"only: give --megatron-ckpt-format torch.")
+    if experts % ep:
+        raise ConfigError(f"--target-expert-parallel-size {ep} does not divide the {experts} experts of {load_dir}.")
 
 
 def _stage(config: Config, reader: CheckpointReader, pipeline_rank: int) -> Stage:
@@ -95,32 +112,45 @@ def _stage(config: Config, reader: CheckpointReader, pipeline_rank: int) -> Stag
 def _linear_layers(model: GPTModel) -> list:
     """The names of the model's tensor-parallel linear layers (each has an ``_extra_state`` in Megatron's)."""
     return [name for name, module in model.named_modules() if isinstance(module, (ColumnParallelLinear,
-                                                                                   RowParallelLinear))]
+                                                                                   RowParallelLinear, ExpertLinear))]
 
 
 # --------------------------------------------------------------------------------------------------------------
 # legacy: one model_optim_rng.pt per (tensor, pipeline) rank
 
 
-def _write_legacy(save_dir: str, stages, config: Config, args, iteration: int) -> None:
+def _write_legacy(save_dir: str, stages, config: Config, args, iteration: int, ep: int) -> None:
     tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
+    per_rank = (config.model.num_experts or 0) // ep
     for stage in stages:
         for tp_rank in range(tp):
-            state = _legacy_rank_state(stage, tp_rank=tp_rank, tp=tp)
-            legacy.write_rank_file(save_dir, iteration, tp_rank, stage.pipeline_rank, pp, model=state, args=args)
+            for expert_rank in range(ep):
+                state = _legacy_rank_state(stage, tp_rank=tp_rank, tp=tp,
+                                           experts=range(expert_rank * per_rank, (expert_rank + 1) * per_rank))
+                legacy.write_rank_file(save_dir, iteration, tp_rank, stage.pipeline_rank, pp, model=state, args=args,
+                                       expert_rank=expert_rank if ep > 1 else None)
 
 
-def _legacy_rank_state(stage: Stage, *, tp_rank: int, tp: int) -> dict:
-    """Tensor-parallel rank ``tp_rank``'s Megatron state dict of one stage (every rank holds every name)."""
+def _legacy_rank_state(stage: Stage, *, tp_rank: int, tp: int, experts: range) -> dict:
+    """Tensor-parallel rank ``tp_rank``'s Megatron state dict of one stage: every dense name, and the experts
+    ``experts`` numbered from 0, as an expert-parallel rank's file holds them."""
     state = {}
     for name, param in stage.model.named_parameters():
+        expert = layout.expert_number(name)
+        if expert is not None and expert not in experts:
+            continue
         tensor = stage.full[name]
         if getattr(param, "tensor_model_parallel", False):
             tensor = shard_tensor(tensor, partition_dim=param.partition_dim, partition_stride=param.partition_stride,
                                   rank=tp_rank, world_size=tp)
+        if expert is not None:
+            name = layout.renumbered_expert(name, -experts.start)
         state[layout.megatron_from_ours(name, stage.layer_offset)] = tensor.clone().contiguous()
     for name in _linear_layers(stage.model):
-        state[layout.megatron_from_ours(f"{name}._extra_state", stage.layer_offset)] = None
+        expert = layout.expert_number(name)
+        if expert is None or expert in experts:
+            name = name if expert is None else layout.renumbered_expert(name, -experts.start)
+            state[layout.megatron_from_ours(f"{name}._extra_state", stage.layer_offset)] = None
     return state
 
 

@@ -21,7 +21,7 @@ from megatron_lite.tensor_parallel import gather_shards
 def detect_format(path: str) -> str:
     """'torch' (legacy) or 'torch_dist' for a Megatron checkpoint root or iteration directory."""
     directory = legacy.iteration_dir(path)
-    if legacy.rank_files(directory):
+    if legacy.has_rank_files(directory):
         return "torch"
     if torch_dist.is_torch_dist(directory):
         return "torch_dist"
@@ -48,6 +48,9 @@ def read_megatron_checkpoint(path: str) -> MegatronCheckpoint:
         args, iteration, tensors = _read_legacy(directory)
     else:
         args, iteration, tensors = torch_dist.read(directory)
+        if getattr(args, "num_experts", None):
+            raise CheckpointError(f"{path} is a mixture of experts in torch_dist, whose expert keys megatron_lite "
+                                  f"does not read yet: save it with --ckpt-format torch (the legacy format) first.")
         tied = not getattr(args, "untie_embeddings_and_output_weights", False)
         tensors = {layout.ours_from_megatron(name, 0): t for name, t in tensors.items()
                    if not layout.is_ignored(name, tied=tied)}
@@ -58,24 +61,35 @@ def read_megatron_checkpoint(path: str) -> MegatronCheckpoint:
 
 def _read_legacy(directory: str) -> tuple:
     files = legacy.rank_files(directory)
-    tp = 1 + max(t for t, _ in files)
-    pp = 1 + max(p for _, p in files)
-    missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in files]
+    tp, pp, ep = (1 + max(ranks[axis] for ranks in files) for axis in range(3))
+    missing = [(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep) if (t, p, e) not in files]
     if missing:
-        raise CheckpointError(f"{directory} lacks the files of (tensor, pipeline) ranks {missing}.")
-    first = legacy.read_rank_file(files[0, 0])
+        raise CheckpointError(f"{directory} lacks the files of (tensor, pipeline, expert) ranks {missing}.")
+    first = legacy.read_rank_file(files[0, 0, 0])
     args = first["args"]
+    if ep > 1 and (getattr(args, "expert_tensor_parallel_size", None) or tp) != tp:
+        raise CheckpointError(f"{directory} splits its experts over --expert-tensor-parallel-size "
+                              f"{args.expert_tensor_parallel_size} ranks, not the tensor-parallel {tp}: megatron_lite "
+                              f"imports expert-parallel checkpoints whose experts are split like the dense layers.")
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     model = stage_model(Config(model=model_config_from_megatron_args(args, directory)), 0)
     params = dict(model.named_parameters())
+    experts_per_rank = (getattr(args, "num_experts", None) or 0) // ep
     tensors, layer_offset = {}, 0
     for stage in range(pp):
         shards: dict = {}
         for rank in range(tp):
-            state = first if (rank, stage) == (0, 0) else legacy.read_rank_file(files[rank, stage])
-            for name, tensor in layout.flatten(state["model"]).items():
-                if tensor is not None and not layout.is_ignored(name, tied=tied):
-                    shards.setdefault(name, []).append(tensor)
+            for expert_rank in range(ep):
+                key = (rank, stage, expert_rank)
+                state = first if key == (0, 0, 0) else legacy.read_rank_file(files[key])
+                for name, tensor in layout.flatten(state["model"]).items():
+                    if tensor is None or layout.is_ignored(name, tied=tied):
+                        continue
+                    if layout.expert_number(name) is not None:
+                        shards.setdefault(layout.renumbered_expert(name, expert_rank * experts_per_rank),
+                                          []).append(tensor)
+                    elif expert_rank == 0:  # the dense weights are in every expert rank's file, alike
+                        shards.setdefault(name, []).append(tensor)
         layers = {layout.local_layer(name)[0] for name in shards if layout.local_layer(name)}
         for name, pieces in shards.items():
             ours = layout.ours_from_megatron(name, layer_offset)
@@ -120,7 +134,7 @@ def import_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
 
 def is_megatron_checkpoint(path: str) -> bool:
     directory = legacy.iteration_dir(path) if path and os.path.isdir(path) else ""
-    return bool(directory) and (bool(legacy.rank_files(directory)) or torch_dist.is_torch_dist(directory))
+    return bool(directory) and (legacy.has_rank_files(directory) or torch_dist.is_torch_dist(directory))
 
 
 def as_megatron_lite_checkpoint(path: str) -> str:

@@ -52,6 +52,7 @@ TOP_RENAMES = {
     "language_model.encoder.final_layernorm.bias": "final_layernorm.bias",
     "language_model.output_layer.weight": "output_layer.weight",
 }
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _LAYER = re.compile(r"^(?:decoder|language_model\.encoder|language_model\.transformer)\.layers\.(\d+)\.(.+)$")
 TIED_OUTPUT_COPIES = ("output_layer.weight", "word_embeddings_for_head.weight")
 
@@ -116,3 +117,16 @@ def torch_dist_key(name: str) -> tuple[str, Optional[int]]:
     if layer is None:
         return _MCORE_FROM_OURS.get(name, name), None
     return f"decoder.layers.{_TE_NORM_FROM_OURS.get(layer[1], layer[1])}", layer[0]
+
+
+def expert_number(name: str) -> Optional[int]:
+    """The expert an expert tensor belongs to (``mlp.experts.local_experts.N.``), None for any other tensor."""
+    match = _LOCAL_EXPERT.search(name)
+    return None if match is None else int(match.group(1))
+
+
+def renumbered_expert(name: str, shift: int) -> str:
+    """An expert tensor's name with its expert number moved by ``shift``: an expert-parallel rank's file
+    numbers its experts from 0, ours by their global number (a rank's first is rank x experts per rank)."""
+    match = _LOCAL_EXPERT.search(name)
+    return name[:match.start(1)] + str(int(match.group(1)) + shift) + name[match.end(1):]

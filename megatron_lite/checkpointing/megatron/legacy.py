@@ -3,6 +3,11 @@
     ROOT/latest_checkpointed_iteration.txt          "1000" (or "release")
     ROOT/iter_0001000/mp_rank_00/model_optim_rng.pt           pipeline size 1: mp_rank_{tp:02d}
     ROOT/iter_0001000/mp_rank_01_002/model_optim_rng.pt       else mp_rank_{tp:02d}_{pp:03d}
+    ROOT/iter_0001000/mp_rank_01_002_001/model_optim_rng.pt   expert parallelism adds _{ep:03d}
+
+With expert parallelism each expert-parallel rank's file holds the dense weights again (the same on every
+one) and its own experts, numbered from 0 (``local_experts.0``). A name with one suffix (``mp_rank_00_001``)
+is a pipeline rank or an expert rank: the saved args' pipeline size tells which.
 
 Each file holds ``model`` (that rank's shards), ``args``, ``iteration``,
 ``checkpoint_version``, optionally ``optimizer``, ``opt_param_scheduler`` and
@@ -26,7 +31,7 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 # Version 3.0: the fused QKV grouped per query group, the layout Megatron-Core writes.
 CHECKPOINT_VERSION = 3.0
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})((?:_\d{3}){0,2})$")
 
 
 def iteration_dir(path: str) -> str:
@@ -39,14 +44,29 @@ def iteration_dir(path: str) -> str:
     return os.path.join(path, "release" if marker == "release" else f"iter_{int(marker):07d}")
 
 
-def rank_files(directory: str) -> dict:
-    """{(tensor rank, pipeline rank): file} of a legacy iteration directory."""
+def _named_files(directory: str) -> dict:
+    """{(tensor rank, (the name's other numbers)): file} of a legacy iteration directory."""
     files = {}
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
         match = _RANK_DIR.match(name)
         if match and os.path.isfile(os.path.join(directory, name, MODEL_FILE)):
-            files[int(match.group(1)), int(match.group(2) or 0)] = os.path.join(directory, name, MODEL_FILE)
+            suffix = tuple(int(number) for number in match.group(2).split("_")[1:])
+            files[int(match.group(1)), suffix] = os.path.join(directory, name, MODEL_FILE)
     return files
+
+
+def has_rank_files(directory: str) -> bool:
+    return bool(_named_files(directory))
+
+
+def rank_files(directory: str) -> dict:
+    """{(tensor rank, pipeline rank, expert rank): file} of a legacy iteration directory."""
+    named = _named_files(directory)
+    pipelined = False
+    if any(len(suffix) == 1 for _, suffix in named):  # mp_rank_TT_NNN: a pipeline rank, or an expert rank
+        pipelined = getattr(read_rank_file(next(iter(named.values())))["args"], "pipeline_model_parallel_size", 1) > 1
+    ranks = {0: lambda s: (0, 0), 2: lambda s: s, 1: lambda s: (s[0], 0) if pipelined else (0, s[0])}
+    return {(tensor, *ranks[len(suffix)](suffix)): path for (tensor, suffix), path in named.items()}
 
 
 def read_rank_file(path: str) -> dict:
@@ -69,15 +89,18 @@ def iteration_path(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def rank_dir_name(tensor_rank: int, pipeline_rank: int, pipeline_size: int) -> str:
-    """``mp_rank_TT`` (pipeline size 1) or ``mp_rank_TT_PPP``, as Megatron-LM names a rank's directory."""
-    return f"mp_rank_{tensor_rank:02d}" if pipeline_size == 1 else f"mp_rank_{tensor_rank:02d}_{pipeline_rank:03d}"
+def rank_dir_name(tensor_rank: int, pipeline_rank: int, pipeline_size: int, expert_rank: int | None = None) -> str:
+    """``mp_rank_TT`` (pipeline size 1) or ``mp_rank_TT_PPP``, then ``_EEE`` under expert parallelism
+    (``expert_rank`` given), as Megatron-LM names a rank's directory."""
+    name = f"mp_rank_{tensor_rank:02d}" if pipeline_size == 1 else f"mp_rank_{tensor_rank:02d}_{pipeline_rank:03d}"
+    return name if expert_rank is None else f"{name}_{expert_rank:03d}"
 
 
 def write_rank_file(root: str, iteration: int, tensor_rank: int, pipeline_rank: int, pipeline_size: int, *,
-                    model: dict, args) -> str:
+                    model: dict, args, expert_rank: int | None = None) -> str:
     """One rank's ``model_optim_rng.pt`` under ``root/iter_{iteration:07d}``."""
-    directory = os.path.join(iteration_path(root, iteration), rank_dir_name(tensor_rank, pipeline_rank, pipeline_size))
+    directory = os.path.join(iteration_path(root, iteration),
+                             rank_dir_name(tensor_rank, pipeline_rank, pipeline_size, expert_rank))
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, MODEL_FILE)
     torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "model": model,

@@ -24,7 +24,8 @@ from megatron_lite.data.sft.formats import (RecordFormat, SFTDataError, containe
 from megatron_lite.data.sft.prompt_format import tokenize_conversation
 
 TOKENS_KEY, LOSS_MASK_KEY = "text", "loss_mask"  # the preprocessed outputs' json-key part of their names
-_MAX_LISTED_PROBLEMS = 20
+_MAX_LISTED_KINDS = 20  # kinds of mistake listed, one line each
+_LISTED_NUMBERS = 5  # line (or row) numbers given for each kind
 
 
 def split_last_response(messages: list[dict]) -> tuple[list[dict], str]:
@@ -61,16 +62,28 @@ def encode_sft_line(line: str, tokenizer, prompt_format: str, record_format: Rec
 def read_conversations(path: str, record_format: RecordFormat = RecordFormat()) -> list[tuple[int, list[dict]]]:
     """(line or row number, conversation) for every record of a file; SFTDataError names every bad one."""
     conversations, problems = [], []
-    for _, number, line in _records(path):
+    for _, number, line in records_of(path):
         try:
             conversations.append((number, parse_sft_line(line, record_format)[1]))
         except SFTDataError as error:
-            problems.append(f"{path}:{number}: {error}")
-    _raise_for(problems, path, found=len(conversations))
+            problems.append((path, number, str(error)))
+    raise_for_problems(problems, path, found=len(conversations))
     return conversations
 
 
-def _records(path: str):
+def count_sft_examples(paths: list[str], record_format: RecordFormat = RecordFormat()) -> int:
+    """The examples of data files and preprocessed prefixes, each data file's records checked as training reads
+    them (everything but the tokenizing): a misnamed field fails in seconds, before any model is built."""
+    count = 0
+    for path in paths:
+        if is_preprocessed_sft(path):
+            count += len(IndexedDataset(output_prefix_for(path, TOKENS_KEY)).sequence_lengths)
+        else:
+            count += len(read_conversations(path, record_format))
+    return count
+
+
+def records_of(path: str):
     if not is_sft_data_source(path):
         raise SFTDataError(f"{path} is not a file: give a JSONL, JSON, Parquet or Arrow file of fine-tuning "
                            "examples, a directory written by datasets' save_to_disk, or the --output-prefix of "
@@ -78,14 +91,29 @@ def _records(path: str):
     return read_sft_records([path])
 
 
-def _raise_for(problems: list[str], path: str, *, found: int) -> None:
+def raise_for_problems(problems: list[tuple[str, int, str]], path: str, *, found: int) -> None:
+    """``problems``: (file, line or row, what is wrong). One line per kind of mistake (the same words, in the same
+    file), at its first record, with the count and the first few numbers: a misnamed column is one line, not one
+    per record."""
     if problems:
-        listed = "\n".join(problems[:_MAX_LISTED_PROBLEMS])
-        more = len(problems) - _MAX_LISTED_PROBLEMS
+        kinds = {}
+        for file, number, message in problems:
+            kinds.setdefault((file, message), []).append(number)
+        listed = "\n".join(_kind_line(file, message, numbers)
+                           for (file, message), numbers in list(kinds.items())[:_MAX_LISTED_KINDS])
+        more = len(kinds) - _MAX_LISTED_KINDS
         raise SFTDataError(f"{len(problems)} bad line(s) in the fine-tuning data; fix or remove them:\n{listed}"
-                           + (f"\n... and {more} more" if more > 0 else ""))
+                           + (f"\n... and {more} more kinds of mistake" if more > 0 else ""))
     if not found:
         raise SFTDataError(f"{path} holds no examples.")
+
+
+def _kind_line(file: str, message: str, numbers: list[int]) -> str:
+    if len(numbers) == 1:
+        return f"{file}:{numbers[0]}: {message}"
+    unit = "rows" if container_of(file) in ("Parquet", "Arrow", "datasets directory") else "lines"
+    shown = ", ".join(map(str, numbers[:_LISTED_NUMBERS])) + (", ..." if len(numbers) > _LISTED_NUMBERS else "")
+    return f"{file}:{numbers[0]}: {message} ({len(numbers)} {unit} alike: {shown})"
 
 
 class SFTExamples:
@@ -127,18 +155,18 @@ def _read_source(path: str, tokenizer, prompt_format: str, record_format: Record
         _check_prompt_format(path, prompt_format)
         return _read_preprocessed(path), f"{path}: preprocessed"
     ids, masks, problems, formats = [], [], [], {}
-    for _, number, line in _records(path):
+    for _, number, line in records_of(path):
         try:
             name, encoded = _encode(line, tokenizer, prompt_format, record_format)
         except ConfigError:
             raise  # the format or tokenizer is wrong for every record, not this one
         except ValueError as error:  # SFTDataError, or text the tokenizer rejects
-            problems.append(f"{path}:{number}: {error}")
+            problems.append((path, number, str(error)))
             continue
         formats[name] = None  # in order of first appearance
         ids.append(encoded[TOKENS_KEY])
         masks.append(encoded[LOSS_MASK_KEY])
-    _raise_for(problems, path, found=len(ids))
+    raise_for_problems(problems, path, found=len(ids))
     description = f"{path}: {container_of(path)} of {' and '.join(formats)} records"
     return (ids, masks, np.asarray([len(x) for x in ids], dtype=np.int64)), description
 

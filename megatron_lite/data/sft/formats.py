@@ -119,11 +119,11 @@ def _alpaca(record: dict) -> list[dict]:
 
 
 def _messages(record: dict) -> list[dict]:
-    return _checked_messages(record["messages"], '"messages"')
+    return checked_messages(record["messages"], '"messages"')
 
 
 def _sharegpt(record: dict) -> list[dict]:
-    return _system(record) + _checked_messages(record["conversations"], '"conversations"')
+    return _system(record) + checked_messages(record["conversations"], '"conversations"')
 
 
 def _system(record: dict) -> list[dict]:
@@ -134,12 +134,14 @@ def _system(record: dict) -> list[dict]:
     return [{"role": "system", "content": record["system"]}]
 
 
-def _checked_messages(messages, key: str) -> list[dict]:
+def checked_messages(messages, key: str, *, ends_with_answer: bool = True) -> list[dict]:
+    """The messages under ``key``, each checked; the last must be the assistant's unless ``ends_with_answer``
+    is False (a preference record's prompt)."""
     if not isinstance(messages, list) or not messages:
         raise SFTDataError(f'{key} must be a non-empty list of {{"role", "content"}} (or ShareGPT\'s '
                            f'{{"from", "value"}}) objects')
     checked = [_message(number, message) for number, message in enumerate(messages, start=1)]
-    if checked[-1]["role"] != "assistant":
+    if ends_with_answer and checked[-1]["role"] != "assistant":
         raise SFTDataError("the last message must be the assistant's (the response the loss trains on)")
     return checked
 

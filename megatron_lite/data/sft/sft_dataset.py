@@ -13,6 +13,8 @@ epochs as ``num_samples`` needs are laid out, so every data-parallel layout read
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from megatron_lite.data.sft.examples import SFTDataError, SFTExamples
@@ -29,7 +31,7 @@ class SFTDataset:
         self.num_samples = num_samples
         self.pad_token = pad_token
         self.pack_sequences = pack_sequences
-        positions = np.minimum(examples.lengths, seq_length + 1) - 1
+        positions = example_positions(examples.lengths, seq_length)
         truncated = np.flatnonzero(examples.lengths > seq_length + 1)
         self.num_truncated = len(truncated)
         # A prompt longer than the sequence leaves nothing to learn from; say so rather than train on nothing.
@@ -38,14 +40,11 @@ class SFTDataset:
             raise SFTDataError(f"every one of the {len(examples)} fine-tuning examples is longer than --seq-length + 1 "
                                f"= {seq_length + 1} tokens with a prompt that fills the sequence: none has a response "
                                f"token to learn from. Raise --seq-length or shorten the prompts.")
-        self._orders, self._bin_starts, offsets = [], [], [0]
-        while offsets[-1] < num_samples:
-            order = np.random.RandomState(seed + len(self._orders)).permutation(len(examples))
-            starts = next_fit_bins(positions[order], seq_length) if pack_sequences else np.arange(len(order) + 1)
-            self._orders.append(order)
-            self._bin_starts.append(starts)
-            offsets.append(offsets[-1] + len(starts) - 1)
-        self._epoch_offsets = np.asarray(offsets)
+        self.layout = EpochLayout(positions, num_samples=num_samples, seed=seed,
+                                  bins=functools.partial(next_fit_bins, capacity=seq_length) if pack_sequences
+                                  else None)
+        # The real (not padding) positions of the first n samples: what throughput counts as trained on.
+        self._positions_before = np.concatenate([[0], np.cumsum(self.layout.sample_sizes(positions)[:num_samples])])
 
     def __len__(self) -> int:
         return self.num_samples
@@ -53,22 +52,60 @@ class SFTDataset:
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range for an SFTDataset of {self.num_samples} samples")
-        epoch = int(np.searchsorted(self._epoch_offsets, index, side="right")) - 1
-        sample_in_epoch = index - int(self._epoch_offsets[epoch])
-        starts = self._bin_starts[epoch]
-        members = self._orders[epoch][starts[sample_in_epoch]:starts[sample_in_epoch + 1]]
+        members = self.layout.members(index)
         return build_sample([self.examples.get(int(i)) for i in members], seq_length=self.seq_length,
                             pad_token=self.pad_token, pack_sequences=self.pack_sequences)
+
+    def tokens_in(self, num_samples: int) -> int:
+        """The tokens the first ``num_samples`` samples feed through the model: their examples' positions, not
+        the padding after them (a packed sample's leftover positions are padding too)."""
+        return int(self._positions_before[min(num_samples, self.num_samples)])
 
     def describe(self) -> str:
         """For the start-up summary: examples, samples, epochs and truncations (never silent)."""
         layout = "packed" if self.pack_sequences else "one example each, padded"
         line = (f"{len(self.examples)} fine-tuning examples ({self.num_samples} samples of {self.seq_length} "
-                f"positions, {layout}, {len(self._orders)} epochs; {self.num_truncated} examples longer than "
+                f"positions, {layout}, {len(self.layout.orders)} epochs; {self.num_truncated} examples longer than "
                 f"--seq-length + 1 = {self.seq_length + 1} tokens truncated")
         if self.num_without_loss:
             line += f", {self.num_without_loss} of them losing every response token (their prompt fills the sequence)"
         return line + ")" + "".join(f"; {description}" for description in self.examples.descriptions)
+
+
+class EpochLayout:
+    """Items (examples, or pairs) in a new order every epoch (``numpy.random.RandomState(seed + epoch)``), cut
+    into samples in that order by ``bins`` (boundaries of the ordered ``sizes``; None: one item per sample),
+    over as many epochs as ``num_samples`` needs."""
+
+    def __init__(self, sizes: np.ndarray, *, num_samples: int, seed: int, bins=None):
+        self.orders, self.bin_starts, offsets = [], [], [0]
+        while offsets[-1] < num_samples:
+            order = np.random.RandomState(seed + len(self.orders)).permutation(len(sizes))
+            starts = bins(sizes[order]) if bins is not None else np.arange(len(order) + 1)
+            self.orders.append(order)
+            self.bin_starts.append(starts)
+            offsets.append(offsets[-1] + len(starts) - 1)
+        self.epoch_offsets = np.asarray(offsets)
+
+    def members(self, sample: int) -> np.ndarray:
+        """The items of ``sample``, in order."""
+        epoch = int(np.searchsorted(self.epoch_offsets, sample, side="right")) - 1
+        in_epoch = sample - int(self.epoch_offsets[epoch])
+        starts = self.bin_starts[epoch]
+        return self.orders[epoch][starts[in_epoch]:starts[in_epoch + 1]]
+
+    def sample_sizes(self, sizes: np.ndarray) -> np.ndarray:
+        """The total ``sizes`` of each sample's items, sample by sample over every epoch laid out."""
+        per_epoch = []
+        for order, starts in zip(self.orders, self.bin_starts):
+            filled = np.concatenate([[0], np.cumsum(sizes[order])])
+            per_epoch.append(filled[starts[1:]] - filled[starts[:-1]])
+        return np.concatenate(per_epoch)
+
+
+def example_positions(lengths: np.ndarray, seq_length: int) -> np.ndarray:
+    """The positions each example fills: n ids give n - 1 inputs, the first ``seq_length + 1`` ids kept."""
+    return np.minimum(lengths, seq_length + 1) - 1
 
 
 def next_fit_bins(sizes: np.ndarray, capacity: int) -> np.ndarray:
