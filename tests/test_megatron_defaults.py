@@ -22,7 +22,7 @@ MEGATRON_DEFAULTS = {
     "ffn_hidden_size": None, "kv_channels": None, "normalization": "LayerNorm", "norm_epsilon": 1e-5,
     "apply_layernorm_1p": False, "window_attn_skip_freq": None, "position_embedding_type": "learned_absolute",
     "rotary_base": 10000.0,
-    "rotary_percent": 1.0, "attention_backend": "auto", "swiglu": False, "add_bias_linear": True,
+    "rotary_percent": 1.0, "no_rope_freq": None, "attention_backend": "auto", "swiglu": False, "add_bias_linear": True,
     "untie_embeddings_and_output_weights": False, "add_qkv_bias": False, "qk_layernorm": False,
     "window_size": None, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
     "rotary_seq_len_interpolation_factor": None, "hidden_dropout": 0.1, "attention_dropout": 0.1,
@@ -114,6 +114,7 @@ NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", 
                    "qk_layernorm_whole_projection",  # OLMoE's q/k norms; Megatron-Bridge has them, Megatron-LM not
                    "moe_router_group_score",  # DeepSeek-V2's group max beside Megatron-LM's top-k sum
                    "rotary_base_local",  # Gemma 3's local layers; Megatron-Bridge's field, no Megatron-LM flag
+                   "parallel_attention_mlp",  # GPT-NeoX's parallel residual; Transformer Engine's name
                    "hf_model_type",  # the Hugging Face family an export names
                    "dpo", "dpo_beta", "dpo_loss_type", "dpo_label_smoothing",  # Megatron-LM has no DPO (NeMo-RL does)
                    "gelu_exact",  # Megatron-LM's spelling is --no-bias-gelu-fusion, which sets it here too

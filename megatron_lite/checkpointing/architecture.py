@@ -44,6 +44,7 @@ ROLES = {
     "rotary_base": Role.ARCHITECTURE,  # with rope only, see _ONLY_WITH
     "rotary_base_local": Role.ARCHITECTURE,
     "rotary_percent": Role.ARCHITECTURE,  # with rope only
+    "no_rope_freq": Role.ARCHITECTURE,
     "swiglu": Role.ARCHITECTURE,
     "add_bias_linear": Role.ARCHITECTURE,
     "untie_embeddings_and_output_weights": Role.ARCHITECTURE,
@@ -56,6 +57,7 @@ ROLES = {
     "attn_logit_softcapping": Role.ARCHITECTURE,
     "final_logit_softcapping": Role.ARCHITECTURE,
     "post_sublayer_norm": Role.ARCHITECTURE,
+    "parallel_attention_mlp": Role.ARCHITECTURE,
     "scale_embeddings": Role.ARCHITECTURE,
     "geglu": Role.ARCHITECTURE,
     "gelu_exact": Role.ARCHITECTURE,  # with a GELU only (no SwiGLU), see _ONLY_WITH
@@ -124,7 +126,8 @@ _YARN = lambda model: model.yarn  # noqa: E731
 _EXPERTS = lambda model: model.num_experts is not None  # noqa: E731
 _ONLY_WITH = {"max_position_embeddings": lambda model: model.position_embedding_type == "learned_absolute",
               "rotary_base": _ROTARY, "rotary_percent": _ROTARY, "rotary_seq_len_interpolation_factor": _ROTARY,
-              "use_rope_scaling": _ROTARY, "rope_scaling_factor": lambda model: model.use_rope_scaling,
+              "use_rope_scaling": _ROTARY, "no_rope_freq": _ROTARY,
+              "rope_scaling_factor": lambda model: model.use_rope_scaling,
               "kv_channels": lambda model: not model.multi_latent_attention,
               "gelu_exact": lambda model: not model.swiglu or model.geglu,
               **{name: _YARN for name in ("rotary_scaling_factor", "mscale", "mscale_all_dim",

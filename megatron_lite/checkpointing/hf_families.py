@@ -9,12 +9,22 @@ sets nothing and passes.
 
     family   features                                  refused
     gpt2     LayerNorm, learned positions, GELU tanh   other activations and attention scalings
+             (or exact: --gelu-exact)
+    gpt_neox LayerNorm, biases, GELU (exact: Pythia's   hidden_act other than a GELU, attention_bias
+             gelu), RoPE on rotary_pct of each head,   false
+             attention and MLP in parallel
+             (use_parallel_residual:
+             --parallel-attention-mlp), untied
+             embed_out
     llama    RMSNorm, RoPE (+ linear, llama3, yarn     attention_bias, mlp_bias, other rope types
              scaling)
     qwen2    llama + bias on q/k/v (--add-qkv-bias)    use_sliding_window, non-full layer_types
     qwen3    llama + q/k RMSNorm (--qk-layernorm),     attention_bias, use_sliding_window
              head_dim (--kv-channels)
     mistral  llama + sliding_window (--window-size)
+    smollm3  llama + NoPE layers (no_rope_layers, or    use_sliding_window, layer_types other than
+             every no_rope_layer_interval-th:          full_attention, attention_bias, mlp_bias
+             --no-rope-freq, 1 for a NoPE layer)
     phi3     llama + fused qkv_proj, gate_up_proj;     embd_pdrop != resid_pdrop, longrope
              partial_rotary_factor (--rotary-percent),
              sliding_window
@@ -94,7 +104,7 @@ class Family:
     to_hf: Callable[[ModelConfig], dict]  # ModelConfig -> the family's own config.json fields
     features: dict = dataclasses.field(default_factory=dict)  # ModelConfig fields that select it on export
     also: frozenset = frozenset()  # optional features it may have besides (Mixtral's sliding window)
-    padding_idx: bool = True  # transformers' input embedding gives the pad row no gradient (all but GPT-2)
+    padding_idx: bool = True  # transformers' input embedding gives the pad row no gradient (all but GPT-2, GPT-NeoX)
 
 
 def refuse(condition: bool, what: str) -> None:
@@ -138,6 +148,56 @@ GPT2_FIELDS = frozenset({
     "reorder_and_upcast_attn",  # float32 attention scores: ours are float32 in fp32 runs anyway
     # The sequence-summary head of GPT2DoubleHeadsModel, which a causal LM does not have.
     "summary_activation", "summary_first_dropout", "summary_proj_to_labels", "summary_type", "summary_use_proj"})
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-NeoX (Pythia): GPT-2's LayerNorm, biases and GELU with partial rotary embeddings, and attention and
+# MLP side by side (use_parallel_residual). Its fused query_key_value is laid out per head, [q_h, k_h, v_h],
+# which is ours when every head is its own key/value group, as NeoX's are.
+
+
+def _gpt_neox_to_ours(hf: dict) -> dict:
+    activation = hf.get("hidden_act", "gelu")
+    refuse(activation not in GPT2_ACTIVATIONS,
+           f"hidden_act {activation!r} (supported: {', '.join(GPT2_ACTIVATIONS)})")
+    refuse(not hf.get("attention_bias", True), "attention_bias false (biases on the MLP only)")
+    heads = hf["num_attention_heads"]
+    # Files before transformers 5 give the rotary base and fraction as rotary_emb_base and rotary_pct (default
+    # 0.25); rope_parameters' own values win, as in transformers.
+    rope = {"rope_theta": float(hf.get("rope_theta") or hf.get("rotary_emb_base", 10000.0)),
+            "partial_rotary_factor": float(hf.get("rotary_pct", 0.25))}
+    return dict(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
+                num_query_groups=heads, kv_channels=hf["hidden_size"] // heads,
+                ffn_hidden_size=hf["intermediate_size"], seq_length=hf["max_position_embeddings"],
+                max_position_embeddings=hf["max_position_embeddings"], normalization="LayerNorm",
+                norm_epsilon=hf.get("layer_norm_eps", 1e-5), position_embedding_type="rope", swiglu=False,
+                add_bias_linear=True, gelu_exact=activation == "gelu",
+                parallel_attention_mlp=hf.get("use_parallel_residual", True),
+                untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+                hidden_dropout=hf.get("hidden_dropout", 0.0), attention_dropout=hf.get("attention_dropout", 0.0),
+                **_rope_to_ours({**hf, **rope}, partial_rotary=True))
+
+
+def _gpt_neox_to_hf(config: ModelConfig) -> dict:
+    rope = _rope_to_hf(config)
+    rope["rope_parameters"] = dict(rope["rope_parameters"], partial_rotary_factor=config.rotary_percent)
+    return {"num_hidden_layers": config.num_layers, "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads, "intermediate_size": config.ffn_hidden_size,
+            "max_position_embeddings": config.max_position_embeddings, "layer_norm_eps": config.norm_epsilon,
+            "hidden_act": "gelu" if config.gelu_exact else "gelu_new", "attention_bias": True,
+            "use_parallel_residual": config.parallel_attention_mlp, "hidden_dropout": config.hidden_dropout,
+            "attention_dropout": config.attention_dropout, **rope,
+            # transformers < 5 reads these
+            "rotary_emb_base": config.rotary_base, "rotary_pct": config.rotary_percent}
+
+
+GPT_NEOX_FIELDS = frozenset({
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+    "max_position_embeddings", "layer_norm_eps", "hidden_act", "attention_bias", "use_parallel_residual",
+    "hidden_dropout", "attention_dropout", "rope_parameters", "rope_scaling", "rope_theta", "rotary_emb_base",
+    "rotary_pct",
+    "classifier_dropout",  # the sequence-classification head's, which a causal LM does not have
+    "is_decoder"})  # PretrainedConfig's flag for cross-attention models; GPTNeoXConfig writes it, false
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +332,31 @@ def _mistral_to_ours(hf: dict) -> dict:
 
 def _mistral_to_hf(config: ModelConfig) -> dict:
     return dict(_llama_to_hf(config), sliding_window=config.window_size[0] + 1 if config.window_size else None)
+
+
+def _smollm3_to_ours(hf: dict) -> dict:
+    """Llama with NoPE layers: no_rope_layers (1: the layer rotates), by default every no_rope_layer_interval-th
+    layer without rotary embeddings; our --no-rope-freq marks the other way round. SmolLM3's defaults differ from
+    Llama's: tied embeddings, rope_theta 2e6."""
+    refuse(hf.get("use_sliding_window", False), "use_sliding_window (sliding attention on the NoPE layers)")
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    refuse(layer_types != {"full_attention"}, f"layer_types {sorted(layer_types)} (only full_attention)")
+    layers, interval = hf["num_hidden_layers"], hf.get("no_rope_layer_interval", 4)
+    rotates = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    refuse(len(rotates) < layers, f"no_rope_layers of {len(rotates)} entries for {layers} layers")
+    nope = [int(not rotate) for rotate in rotates[:layers]]
+    fields = _llama_to_ours({"rope_theta": SMOLLM3_THETA, **_set(hf)})
+    return dict(fields, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
+                no_rope_freq=str(nope) if any(nope) else None)  # ModelConfig's spelling
+
+
+def _smollm3_to_hf(config: ModelConfig) -> dict:
+    return dict(_llama_to_hf(config), attention_bias=False, mlp_bias=False, use_sliding_window=False,
+                no_rope_layers=[int(not config.is_nope_layer(i)) for i in range(config.num_layers)],
+                layer_types=["full_attention"] * config.num_layers)
+
+
+SMOLLM3_THETA = 2_000_000.0  # SmolLM3Config's rope_theta where config.json leaves it out
 
 
 def _phi3_to_ours(hf: dict) -> dict:
@@ -570,6 +655,9 @@ DEEPSEEK_FIELDS = LLAMA_FIELDS | DEEPSEEK_MOE_FIELDS | {
 
 FAMILIES = {family.model_type: family for family in (
     Family("gpt2", "GPT2LMHeadModel", "gpt2", GPT2_FIELDS, _gpt2_to_ours, _gpt2_to_hf, padding_idx=False),
+    # Exported whenever its naming is (hf_interop.hf_architecture: LayerNorm, biases, GELU, rotary embeddings).
+    Family("gpt_neox", "GPTNeoXForCausalLM", "gpt_neox", GPT_NEOX_FIELDS, _gpt_neox_to_ours, _gpt_neox_to_hf,
+           also=frozenset({"parallel_attention_mlp"}), padding_idx=False),
     Family("llama", "LlamaForCausalLM", "llama", LLAMA_FIELDS | {"attention_bias", "mlp_bias", "pretraining_tp"},
            _without_biases(_llama_to_ours),
            lambda config: dict(_llama_to_hf(config), attention_bias=False, mlp_bias=False)),
@@ -583,6 +671,10 @@ FAMILIES = {family.model_type: family for family in (
            features={"qk_layernorm": True}),
     Family("mistral", "MistralForCausalLM", "llama", LLAMA_FIELDS | {"sliding_window"}, _mistral_to_ours,
            _mistral_to_hf, features={"window_size": lambda window: window is not None}),
+    Family("smollm3", "SmolLM3ForCausalLM", "llama",
+           LLAMA_FIELDS | {"attention_bias", "mlp_bias", "pretraining_tp", "use_sliding_window", "sliding_window",
+                           "max_window_layers", "no_rope_layers", "no_rope_layer_interval", "layer_types"},
+           _without_biases(_smollm3_to_ours), _smollm3_to_hf, features={"no_rope_freq": lambda freq: freq is not None}),
     # Named as Llama but with q/k/v and gate/up fused; exported only when asked for (--hf-model-type phi3).
     Family("phi3", "Phi3ForCausalLM", "phi3",
            LLAMA_FIELDS | {"sliding_window", "resid_pdrop", "embd_pdrop", "partial_rotary_factor",
@@ -622,7 +714,8 @@ FAMILIES = {family.model_type: family for family in (
 
 # The features only some families have, and the value each takes where it is absent.
 _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None,
-                      "num_experts": None, "qk_layernorm_whole_projection": False, "multi_latent_attention": False}
+                      "num_experts": None, "qk_layernorm_whole_projection": False, "multi_latent_attention": False,
+                      "parallel_attention_mlp": False, "no_rope_freq": None}
 # Namings that are Llama's but for their experts' (hf_interop._EXPERT_NAMES): a Llama-like model with experts.
 EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe"})
 # Gemma's features (its own weight naming tells it apart on export): no other family describes them.
@@ -691,4 +784,5 @@ def family_of(config: ModelConfig, naming: str) -> Family:
                       f"--window-size (Gemma 2) or with --window-size, --qk-layernorm and --rotary-base-local "
                       f"(Gemma 3), or --num-experts with or without --window-size (Mixtral), with --qk-layernorm "
                       f"(Qwen3-MoE) or with --qk-layernorm and --qk-layernorm-whole-projection (OLMoE), or "
-                      f"--multi-latent-attention with --qk-layernorm (DeepSeek).")
+                      f"--multi-latent-attention with --qk-layernorm (DeepSeek); --parallel-attention-mlp only with "
+                      f"GPT-NeoX's LayerNorm, biases, GELU and rotary embeddings.")

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints (GPT-2, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE, OLMoE, Phi-3, Gemma 2 and 3,
-DeepSeek-V2/V3) <-> megatron_lite global tensors.
+"""Hugging Face checkpoints (GPT-2, GPT-NeoX, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE, OLMoE, Phi-3,
+Gemma 2 and 3, DeepSeek-V2/V3) <-> megatron_lite global tensors.
 
 A Hugging Face model directory is ``config.json`` plus safetensors weights
 (``model.safetensors``, or shards listed in ``model.safetensors.index.json``).
@@ -13,6 +13,8 @@ What differs between the two naming schemes:
   tensor-parallel shard holds whole groups. HF Llama's rotary embedding rotates
   halves of each head (rotate-half), as ours does: no permutation of q/k rows.
 - GPT-2's ``Conv1D`` stores weights as [in, out]; ``nn.Linear`` (ours, Llama) as [out, in].
+- GPT-NeoX's query_key_value is fused per head, [q_h, k_h, v_h] for each head h: ours with one key/value
+  group per head, copied as it is; its output layer is embed_out, outside the gpt_neox. prefix.
 - SwiGLU: ours is one fc1 = [gate; up]; Llama has gate_proj and up_proj.
 - Qwen2's q/k/v biases are packed as their weights are; Qwen3's q_norm/k_norm are our
   q_layernorm/k_layernorm. Which ``config.json`` fields each family has: ``hf_families``.
@@ -83,12 +85,15 @@ def hf_architecture(config: ModelConfig) -> str:
                  scale_embeddings=True, multi_latent_attention=False)
     deepseek = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, multi_latent_attention=True,
                     qk_layernorm=True, window_size=None, **GEMMA_FEATURES)
-    for name, required in (("gpt2", gpt2), ("llama", llama), ("gemma", gemma), ("deepseek", deepseek)):
+    gpt_neox = {**{k: v for k, v in gpt2.items() if k != "position_embedding_type"}, "rotary": True}
+    for name, required in (("gpt2", gpt2), ("gpt_neox", gpt_neox), ("llama", llama), ("gemma", gemma),
+                           ("deepseek", deepseek)):
         if all(getattr(config, k) == v for k, v in required.items()):
             return name
     raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA, head width "
-                      "hidden / heads) nor Llama-like (RMSNorm, rope on every channel, SwiGLU, no biases but "
-                      "--add-qkv-bias) nor Gemma (Llama's with --apply-layernorm-1p, --post-sublayer-norm, "
+                      "hidden / heads) nor GPT-NeoX (GPT-2's with rotary positions) nor Llama-like (RMSNorm, rope "
+                      "on every channel, SwiGLU, no biases but --add-qkv-bias) nor Gemma (Llama's with "
+                      "--apply-layernorm-1p, --post-sublayer-norm, "
                       "--scale-embeddings and --geglu) nor DeepSeek (Llama's with --multi-latent-attention and "
                       "--qk-layernorm): Hugging Face has no matching architecture to export to.")
 
@@ -154,6 +159,23 @@ _GPT2_LAYER = (("attn.c_proj.weight", "self_attention.linear_proj.weight", True)
                ("ln_2.weight", "pre_mlp_layernorm.weight", False), ("ln_2.bias", "pre_mlp_layernorm.bias", False))
 _GPT2_FINAL = (("wpe.weight", "embedding.position_embeddings.weight", False),
                ("ln_f.weight", "final_layernorm.weight", False), ("ln_f.bias", "final_layernorm.bias", False))
+_GPT_NEOX_LAYER = (("attention.query_key_value.weight", "self_attention.linear_qkv.weight", False),
+                   ("attention.query_key_value.bias", "self_attention.linear_qkv.bias", False),
+                   ("attention.dense.weight", "self_attention.linear_proj.weight", False),
+                   ("attention.dense.bias", "self_attention.linear_proj.bias", False),
+                   ("mlp.dense_h_to_4h.weight", "mlp.linear_fc1.weight", False),
+                   ("mlp.dense_h_to_4h.bias", "mlp.linear_fc1.bias", False),
+                   ("mlp.dense_4h_to_h.weight", "mlp.linear_fc2.weight", False),
+                   ("mlp.dense_4h_to_h.bias", "mlp.linear_fc2.bias", False),
+                   ("input_layernorm.weight", "input_layernorm.weight", False),
+                   ("input_layernorm.bias", "input_layernorm.bias", False),
+                   ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", False),
+                   ("post_attention_layernorm.bias", "pre_mlp_layernorm.bias", False))
+_GPT_NEOX_FINAL = (("final_layer_norm.weight", "final_layernorm.weight", False),
+                   ("final_layer_norm.bias", "final_layernorm.bias", False))
+# Each naming's prefix of the decoder's weights and name of the untied output layer (default: Llama's).
+_PREFIXES = {"gpt2": "transformer.", "gpt_neox": "gpt_neox."}
+_OUTPUT_LAYERS = {"gpt_neox": "embed_out.weight"}
 _LLAMA_PROJECTIONS = (("self_attn.o_proj.weight", "self_attention.linear_proj.weight", False),
                       ("input_layernorm.weight", "input_layernorm.weight", False))
 _LLAMA_MLP = (("mlp.down_proj.weight", "mlp.linear_fc2.weight", False),)
@@ -206,7 +228,7 @@ def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = Non
     DeepSeek's rotary rows are interleaved (``hf_latent_attention``)."""
     naming = naming or _default_naming(config)
     # Checkpoints saved from the bare GPT2Model / LlamaModel lack the prefix.
-    prefix = "transformer." if naming == "gpt2" else "model."
+    prefix = _PREFIXES.get(naming, "model.")
     tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
     ours = {}
 
@@ -227,6 +249,13 @@ def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = Non
             for buffer in (hf + "attn.bias", hf + "attn.masked_bias"):  # causal-mask buffers of older files
                 tensors.pop(buffer, None)
         ours.update(_renamed_from_hf(take, _GPT2_FINAL, "", ""))
+    elif naming == "gpt_neox":
+        ours["embedding.word_embeddings.weight"] = _vocab_padded(take("embed_in.weight"), config)
+        for i in range(config.num_layers):
+            ours.update(_renamed_from_hf(take, _GPT_NEOX_LAYER, f"layers.{i}.", f"decoder.layers.{i}."))
+            for buffer in ("attention.bias", "attention.masked_bias"):  # causal-mask buffers of older files
+                tensors.pop(f"layers.{i}.{buffer}", None)
+        ours.update(_renamed_from_hf(take, _GPT_NEOX_FINAL, "", ""))
     else:
         ours["embedding.word_embeddings.weight"] = _vocab_padded(take("embed_tokens.weight"), config)
         for i in range(config.num_layers):
@@ -250,10 +279,11 @@ def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = Non
                     take(hf + "self_attn.v_proj.bias"), config)
             ours.update(_renamed_from_hf(take, _llama_layer_table(config), hf, layer))
         ours.update(_renamed_from_hf(take, _LLAMA_FINAL, "", ""))
-    lm_head = tensors.pop("lm_head.weight", None)
+    output_layer = _OUTPUT_LAYERS.get(naming, "lm_head.weight")
+    lm_head = tensors.pop(output_layer, None)
     if config.untie_embeddings_and_output_weights:
         if lm_head is None:
-            raise ConfigError("config.json says tie_word_embeddings is false but the weights have no lm_head.weight.")
+            raise ConfigError(f"config.json says tie_word_embeddings is false but the weights have no {output_layer}.")
         ours["output_layer.weight"] = _vocab_padded(lm_head, config)
     leftover = sorted(k for k in tensors if not k.endswith("rotary_emb.inv_freq"))
     if leftover:
@@ -278,6 +308,11 @@ def weights_to_hf(read, config: ModelConfig, naming: str | None = None) -> dict:
                                                                    config))
             hf.update(_renamed_to_hf(read, _GPT2_LAYER, theirs, layer))
         hf.update(_renamed_to_hf(read, _GPT2_FINAL, "transformer.", ""))
+    elif naming == "gpt_neox":
+        hf["gpt_neox.embed_in.weight"] = read("embedding.word_embeddings.weight")[:vocab]
+        for i in range(config.num_layers):
+            hf.update(_renamed_to_hf(read, _GPT_NEOX_LAYER, f"gpt_neox.layers.{i}.", f"decoder.layers.{i}."))
+        hf.update(_renamed_to_hf(read, _GPT_NEOX_FINAL, "gpt_neox.", ""))
     else:
         hf["model.embed_tokens.weight"] = read("embedding.word_embeddings.weight")[:vocab]
         for i in range(config.num_layers):
@@ -301,7 +336,7 @@ def weights_to_hf(read, config: ModelConfig, naming: str | None = None) -> dict:
             hf.update(_renamed_to_hf(read, _llama_layer_table(config), theirs, layer))
         hf.update(_renamed_to_hf(read, _LLAMA_FINAL, "model.", ""))
     if config.untie_embeddings_and_output_weights:
-        hf["lm_head.weight"] = read("output_layer.weight")[:vocab]
+        hf[_OUTPUT_LAYERS.get(naming, "lm_head.weight")] = read("output_layer.weight")[:vocab]
     return {name: t.contiguous() for name, t in hf.items()}
 
 

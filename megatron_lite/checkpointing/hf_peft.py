@@ -60,6 +60,9 @@ _MODULES = {
     "phi3": {"linear_qkv": [("self_attn.qkv_proj", ("q", "k", "v"))], "linear_proj": [("self_attn.o_proj", None)],
              "linear_fc1": [("mlp.gate_up_proj", ("gate", "up"))], "linear_fc2": [("mlp.down_proj", None)]},
 }
+# GPT-NeoX's modules are ours one for one, rows in our order (its query_key_value is laid out per head, as ours).
+_MODULES["gpt_neox"] = {"linear_qkv": [("attention.query_key_value", None)], "linear_proj": [("attention.dense", None)],
+                        "linear_fc1": [("mlp.dense_h_to_4h", None)], "linear_fc2": [("mlp.dense_4h_to_h", None)]}
 _MODULES["gemma"] = _MODULES["mixtral"] = _MODULES["qwen_moe"] = _MODULES["llama"]
 _MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)],
                         "linear_q_down_proj": [("self_attn.q_a_proj", None)],
@@ -72,7 +75,8 @@ _OUR_MODULE = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_a
                **{target: f"self_attention.{target}" for target in ("linear_q_proj", "linear_q_down_proj",
                                                                    "linear_q_up_proj", "linear_kv_down_proj",
                                                                    "linear_kv_up_proj")}}
-_LAYERS = {"gpt2": "base_model.model.transformer.h.", "llama": "base_model.model.model.layers.",
+_LAYERS = {"gpt2": "base_model.model.transformer.h.", "gpt_neox": "base_model.model.gpt_neox.layers.",
+           "llama": "base_model.model.model.layers.",
            "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers.",
            "mixtral": "base_model.model.model.layers.", "qwen_moe": "base_model.model.model.layers.",
            "deepseek": "base_model.model.model.layers."}

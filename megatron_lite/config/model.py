@@ -7,7 +7,7 @@ from typing import Optional
 
 from megatron_lite.config.fields import check_choices, flag_name, require
 from megatron_lite.config.moe import (GROUP_SCORES, LOAD_BALANCING_TYPES, ROUTER_SCORE_FUNCTIONS, TOKEN_DROP_POLICIES,
-                                      check_moe_fields, moe_layer_pattern)
+                                      check_moe_fields, moe_layer_pattern, parse_moe_layer_freq)
 
 # Megatron's --attention-backend values. flash and fused name Transformer Engine kernels; here they,
 # and auto, run torch's scaled_dot_product_attention (which picks a flash or memory-efficient kernel
@@ -51,6 +51,9 @@ class ModelConfig:
     # The sliding-window layers' own RoPE base, never scaled (Gemma 3's local layers; Megatron-Bridge's name).
     rotary_base_local: Optional[float] = None
     rotary_percent: float = 1.0  # fraction of each head's channels that rotary embeddings rotate
+    # Megatron-LM's NoPE layers: N (every Nth layer, counting from 1, has no rotary embedding) or a 0/1 list
+    # expression, 1 for a layer without (SmolLM3's no_rope_layers, inverted).
+    no_rope_freq: Optional[str] = None
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     swiglu: bool = False
     add_bias_linear: bool = True
@@ -65,6 +68,9 @@ class ModelConfig:
     attn_logit_softcapping: Optional[float] = None  # attention scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: Optional[float] = None  # the output logits likewise (Gemma 2)
     post_sublayer_norm: bool = False  # a norm on the attention and MLP outputs too, before the residual (Gemma 2)
+    # Attention and MLP both read the layer's input, x + Attn(Norm(x)) + MLP(Norm(x)) (GPT-NeoX's
+    # use_parallel_residual, GPT-J; Transformer Engine's TransformerLayer name).
+    parallel_attention_mlp: bool = False
     scale_embeddings: bool = False  # word embeddings times sqrt(hidden_size) (Gemma)
     geglu: bool = False  # --swiglu's gate through tanh GELU instead of SiLU (GeGLU, Gemma)
     # The exact (erf) GELU instead of its tanh approximation: Megatron-LM's MLP without --bias-gelu-fusion
@@ -192,10 +198,24 @@ class ModelConfig:
                             ("--softmax-scale", self.softmax_scale), ("--rotary-base-local", self.rotary_base_local)]:
             require(value is None or value > 0, f"{flag} must be positive, got {value}.")
         self._check_rope_scaling()
+        self._check_no_rope_freq()
         self.moe_layer_freq = str(self.moe_layer_freq)  # Megatron-LM's int or list, given in code
         if self.num_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size  # as Megatron-LM
         check_moe_fields(self)
+
+    def _check_no_rope_freq(self) -> None:
+        if self.no_rope_freq is None:
+            return
+        require(self.rotary and not self.multi_latent_attention,
+                "--no-rope-freq leaves some layers without rotary embeddings: it needs --position-embedding-type "
+                "rope (or yarn), and not --multi-latent-attention (whose keys take position from their rotary part "
+                "only).")
+        freq = parse_moe_layer_freq(self.no_rope_freq, "--no-rope-freq", "layers without rotary embeddings")
+        self.no_rope_freq = str(freq)  # one spelling of a pattern (Megatron-LM's int or list, given in code too)
+        require(freq >= 1 if isinstance(freq, int) else len(freq) == self.num_layers,
+                f"--no-rope-freq {self.no_rope_freq!r} must be N >= 1 or give one 0 or 1 per layer (--num-layers "
+                f"{self.num_layers}).")
 
     def _check_padding_embedding(self) -> None:
         require(self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
@@ -275,6 +295,13 @@ class ModelConfig:
         if self.multi_latent_attention:
             return self.qk_pos_emb_head_dim
         return int(self.head_dim * self.rotary_percent)
+
+    def is_nope_layer(self, layer_number: int) -> bool:
+        """Whether layer ``layer_number`` (global, 0-based) attends without rotary embeddings (--no-rope-freq)."""
+        if self.no_rope_freq is None:
+            return False
+        freq = parse_moe_layer_freq(self.no_rope_freq, "--no-rope-freq", "layers without rotary embeddings")
+        return (layer_number + 1) % freq == 0 if isinstance(freq, int) else bool(freq[layer_number])
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether layer ``layer_number`` (global, 0-based) has a mixture of experts for its MLP."""

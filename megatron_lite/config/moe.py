@@ -18,18 +18,20 @@ TOKEN_DROP_POLICIES = ("probs", "position")
 GROUP_SCORES = ("topk_sum", "max")
 
 
-def parse_moe_layer_freq(text: str) -> int | list[int]:
-    """``--moe-layer-freq``'s text -> N or the per-layer list of 0s and 1s."""
+def parse_moe_layer_freq(text: str, flag: str = "--moe-layer-freq",
+                         ones: str = "MoE layers") -> int | list[int]:
+    """``--moe-layer-freq``'s text -> N or the per-layer list of 0s and 1s; ``flag`` another flag of that form
+    (--no-rope-freq), whose 1s are ``ones``."""
     text = str(text).strip()
     if text.lstrip("-").isdigit():
         return int(text)
     try:
         value = _evaluate(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError, RecursionError):
-        raise ConfigError(f"--moe-layer-freq takes an integer N or a list of 0s and 1s such as \"([0]+[1]*23)\" "
+        raise ConfigError(f"{flag} takes an integer N or a list of 0s and 1s such as \"([0]+[1]*23)\" "
                           f"(lists, integers, + and * only), got {text!r}.") from None
     require(isinstance(value, list) and all(v in (0, 1) for v in value),
-             f"--moe-layer-freq {text!r} must give a list of 0s (dense layers) and 1s (MoE layers).")
+             f"{flag} {text!r} must give a list of 0s and 1s ({ones}).")
     return value
 
 

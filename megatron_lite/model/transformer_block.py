@@ -20,7 +20,8 @@ class TransformerBlock(nn.Module):
     checkpoints the first ``recompute_num_layers`` layers of this chunk one by one.
     ``selective`` recomputes only the attention core (the s^2 part of the activations).
 
-    Each layer is handed the rotary angles of its kind (``RotaryAngles``: local layers may have their own).
+    Each layer is handed the rotary angles of its kind (``RotaryAngles``: local layers may have their own), and a
+    NoPE layer (--no-rope-freq) none: it attends without position information.
     """
 
     def __init__(self, config: ModelConfig, layer_numbers: range, *, tp_config: TensorParallelConfig,
@@ -58,7 +59,7 @@ class TransformerBlock(nn.Module):
 
 
 def _angles(rotary: RotaryAngles | None, layer: TransformerLayer) -> torch.Tensor | None:
-    return None if rotary is None else rotary.of_layer(layer.local_attention)
+    return None if rotary is None or layer.nope else rotary.of_layer(layer.local_attention)
 
 
 def _run_layers(layers):

@@ -6,6 +6,10 @@ its spec's choice (``layer_spec.py``).
 With ``--post-sublayer-norm`` (Gemma 2) each sublayer's output is normalised too before it joins the
 residual: x + Norm(Attn(Norm(x))), then x + Norm(MLP(Norm(x))); the norms are named as Megatron-Core's
 ``post_self_attn_layernorm`` and ``post_mlp_layernorm``.
+
+With ``--parallel-attention-mlp`` (GPT-NeoX's parallel residual) the MLP reads the layer's input rather than
+the residual after attention, x + Attn(Norm(x)) + MLP(Norm(x)): the two sublayers are independent, each with
+its own norm, and their outputs join the same residual.
 """
 import contextlib
 
@@ -30,7 +34,9 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: names and init do not depend on the stage
         self.local_attention = is_local_layer(config, layer_number)  # attends through a sliding window
+        self.nope = config.is_nope_layer(layer_number)  # attends without rotary embeddings (--no-rope-freq)
         self.hidden_dropout = config.hidden_dropout
+        self.parallel_attention_mlp = config.parallel_attention_mlp
         self.sequence_parallel = tp_config.sequence_parallel
         norm = dict(normalization=config.normalization, eps=config.norm_epsilon,
                     apply_layernorm_1p=config.apply_layernorm_1p, sequence_parallel=tp_config.sequence_parallel,
@@ -50,11 +56,13 @@ class TransformerLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:
+        layer_input = hidden_states
         attention_output, attention_bias = self.self_attention(self.input_layernorm(hidden_states), rotary_freqs,
                                                                attention_mask, inference_context)
         attention_output, attention_bias = _post_norm(self.post_self_attn_layernorm, attention_output, attention_bias)
         hidden_states = self._bias_dropout_add(attention_output, attention_bias, hidden_states)
-        mlp_output, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        mlp_input = layer_input if self.parallel_attention_mlp else hidden_states
+        mlp_output, mlp_bias = self.mlp(self.pre_mlp_layernorm(mlp_input))
         mlp_output, mlp_bias = _post_norm(self.post_mlp_layernorm, mlp_output, mlp_bias)
         return self._bias_dropout_add(mlp_output, mlp_bias, hidden_states)
 

@@ -1,5 +1,5 @@
-"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 and dense DeepSeek-V2/V3 import, run, train, fine-tune and
-export exactly against transformers.
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, dense DeepSeek-V2/V3, GPT-NeoX and SmolLM3 import, run, train,
+fine-tune and export exactly against transformers.
 
 Each family is a tiny random model (``from_config``, saved locally) with every feature it has
 switched on, and weights drawn wider than transformers' init (biases and norm scales included),
@@ -25,6 +25,11 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
              mscale_all_dim 0.6 (both the concentration and the softmax scale bite), untied
     deepseek_v2  the same without a query latent (q_proj, as V2-Lite), complex-number RoPE, YaRN with equal
              mscales 0.7 (the softmax scale alone changes), tied embeddings
+    gpt_neox attention and MLP in parallel (use_parallel_residual), RoPE on a quarter of each head (rotary_pct
+             0.25 of 16 channels), exact GELU, LayerNorm and biases everywhere, untied embed_out; the sequential
+             residual (use_parallel_residual false) with tied embeddings apart, in logits and round trip
+    smollm3  Llama with its second layer NoPE (no_rope_layer_interval 2: at pp 2 the second stage's layer, so
+             the global layer number decides), tied embeddings
 
 For each: logits equal transformers' at 1 process and at tp2 x pp2; greedy generation (alone and
 batched, left-padded) equals ``generate``; HF -> ours -> HF -> ours is bit-exact; 5 training
@@ -70,6 +75,10 @@ YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_p
 DEEPSEEK = dict(SMALL, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                 first_k_dense_replace=2)
 GEMMA3_LAYERS = ["sliding_attention", "full_attention"]
+# Two heads of 16 channels, 4 of them rotated (Pythia's rotary_pct 0.25).
+GPT_NEOX = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=64, layer_norm_eps=1e-6, hidden_act="gelu", **TOKENS,
+                rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25})
 FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(
         **SMALL, tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
@@ -93,6 +102,9 @@ FAMILIES = {
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
         **DEEPSEEK, q_lora_rank=None, tie_word_embeddings=True,
         rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.7)),
+    "smollm3": lambda: transformers.SmolLM3Config(**SMALL, no_rope_layer_interval=2, tie_word_embeddings=True,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**GPT_NEOX, use_parallel_residual=True, tie_word_embeddings=False),
 }
 # DeepSeek: every projection of multi-latent attention (linear_qkv is all of them: the query and key/value down-
 # and up-projections, two of them replicated over tensor-parallel ranks) and o_proj. peft loads no LoRA on dense
@@ -142,6 +154,14 @@ def test_config_maps_every_feature(imports):
     assert (gemma3.rotary_base, gemma3.rotary_base_local, gemma3.position_embedding_type) == (500.0, 50.0, "yarn")
     assert (gemma3.rotary_scaling_factor, gemma3.yarn_original_max_position_embeddings) == (4.0, 16)
     assert (gemma3.attn_logit_softcapping, gemma3.final_logit_softcapping) == (None, 5.0)
+    neox = read_config(imports["gpt_neox"].root).model
+    assert neox.parallel_attention_mlp and neox.gelu_exact and neox.add_bias_linear and not neox.swiglu
+    assert (neox.normalization, neox.position_embedding_type, neox.rotary_dim, neox.rotary_base) == (
+        "LayerNorm", "rope", 4, 500.0)
+    assert neox.untie_embeddings_and_output_weights and neox.norm_epsilon == 1e-6
+    smollm3 = read_config(imports["smollm3"].root).model
+    assert smollm3.no_rope_freq == "[0, 1]" and [smollm3.is_nope_layer(i) for i in range(2)] == [False, True]
+    assert not smollm3.untie_embeddings_and_output_weights and smollm3.rotary_base == 500.0
 
 
 def test_logits_equal_transformers(family):
@@ -390,6 +410,81 @@ def test_released_gemma3_configs_read_as_transformers_reads_them(released):
 
 
 # ---------------------------------------------------------------------------------------------
+# GPT-NeoX and SmolLM3: the sequential residual, refusals, --no-rope-freq
+
+
+def test_gpt_neox_sequential_residual_with_tied_embeddings(tmp_path):
+    """use_parallel_residual false (the MLP reads the residual after attention, our default layer), tied embeddings
+    (no embed_out) and the tanh GELU: transformers' logits, and a bit-exact round trip."""
+    neox = import_hf_model("gpt_neox", transformers.GPTNeoXConfig(
+        **dict(GPT_NEOX, hidden_act="gelu_new"), use_parallel_residual=False, tie_word_embeddings=True), tmp_path,
+        vocab=VOCAB)
+    config = read_config(neox.root).model
+    assert not (config.parallel_attention_mlp or config.gelu_exact or config.untie_embeddings_and_output_weights)
+    test_logits_equal_transformers(neox)
+    test_round_trip_is_bit_exact(neox, tmp_path)
+
+
+def test_gpt_neox_variants_are_refused_by_name(imports):
+    neox = imports["gpt_neox"].hf_model.config.to_dict()
+    for field, value, message in [("hidden_act", "relu", "hidden_act 'relu'"),
+                                  ("attention_bias", False, "attention_bias false"),
+                                  ("sliding_window", 4, "config.json field\\(s\\) sliding_window \\(not read by the "
+                                                        "gpt_neox import\\)")]:
+        with pytest.raises(ConfigError, match=message):
+            hf_interop.model_config_from_hf({**neox, field: value})
+    # Files before transformers 5: rotary_pct and rotary_emb_base, read as transformers reads them.
+    legacy = {k: v for k, v in neox.items() if k != "rope_parameters"}
+    old = hf_interop.model_config_from_hf({**legacy, "rotary_pct": 0.5, "rotary_emb_base": 300})
+    assert (old.rotary_percent, old.rotary_base) == (0.5, 300.0)
+    assert hf_interop.model_config_from_hf(legacy).rotary_percent == 0.25  # GPTNeoXConfig's default
+    # A parallel residual has no Hugging Face form beside GPT-NeoX's: a Llama with one is not exported as Llama.
+    llama = dataclasses.replace(read_config(imports["qwen3"].root).model, hf_model_type=None, qk_layernorm=False,
+                                parallel_attention_mlp=True)
+    with pytest.raises(ConfigError, match="parallel_attention_mlp"):
+        hf_interop.hf_config_from_model_config(llama)
+
+
+def test_smollm3_variants_are_refused_by_name(imports):
+    smollm3 = imports["smollm3"].hf_model.config.to_dict()
+    for field, value, message in [("use_sliding_window", True, "use_sliding_window"),
+                                  ("layer_types", ["sliding_attention", "full_attention"], "layer_types"),
+                                  ("no_rope_layers", [1], "no_rope_layers of 1 entries for 2 layers"),
+                                  ("mlp_bias", True, "mlp_bias")]:
+        with pytest.raises(ConfigError, match=message):
+            hf_interop.model_config_from_hf({**smollm3, field: value})
+    # Without no_rope_layers: every no_rope_layer_interval-th layer (default 4) is NoPE; SmolLM3's rope_theta.
+    defaults = {k: v for k, v in smollm3.items() if k not in ("no_rope_layers", "no_rope_layer_interval",
+                                                              "rope_parameters")}
+    config = hf_interop.model_config_from_hf({**defaults, "num_hidden_layers": 8})
+    assert [config.is_nope_layer(i) for i in range(8)] == [False, False, False, True] * 2
+    assert config.rotary_base == 2e6
+    # NoPE layers on a model whose other features only Qwen3 describes: no family has both.
+    qwen3 = dataclasses.replace(read_config(imports["qwen3"].root).model, hf_model_type=None, no_rope_freq="2")
+    with pytest.raises(ConfigError, match="no_rope_freq"):
+        hf_interop.hf_config_from_model_config(qwen3)
+
+
+def test_no_rope_freq_is_megatron_lms():
+    """--no-rope-freq N or a list (1: NoPE), written into Megatron-LM's args as it parses them (an int or the list)
+    and read back; without rotary embeddings, or a list of the wrong length, it is refused."""
+    from megatron_lite.checkpointing.megatron.args_mapping import (megatron_args_from_config,
+                                                                   model_config_from_megatron_args)
+    from megatron_lite.cli.arguments import parse_args
+    base = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--vocab-size", "64", "--mock-data", "--position-embedding-type", "rope"]
+    pattern = [False, False, False, True] * 2
+    for freq, stored in [("4", 4), ("([0]*3+[1])*2", [0, 0, 0, 1] * 2)]:
+        config = parse_args([*base, "--no-rope-freq", freq])
+        assert [config.model.is_nope_layer(i) for i in range(8)] == pattern
+        args = megatron_args_from_config(config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                         iteration=1, source="ckpt")
+        assert args.no_rope_freq == stored
+        assert model_config_from_megatron_args(args, "ckpt").no_rope_freq == config.model.no_rope_freq
+    for flags, message in [(base[:-2] + ["--no-rope-freq", "4"], "needs --position-embedding-type rope"),
+                           ([*base, "--no-rope-freq", "[0,1]"], "one 0 or 1 per layer")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_args(flags)
 # Training against transformers + torch.optim.AdamW, clipping on every step
 
 # One layout of 4 ranks per family (pp somewhere, ZeRO 1 to 3, bf16 once), beside its 1-process run.
@@ -402,6 +497,8 @@ FAIR_LAYOUTS = {
     "gemma3_text": dict(tensor_model_parallel_size=2, context_parallel_size=2),
     "deepseek_v3": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True),
     "deepseek_v2": dict(pipeline_model_parallel_size=2, use_distributed_optimizer=True, bf16=True),
+    "gpt_neox": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),  # the parallel residual's norms
+    "smollm3": dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2),  # the NoPE layer on stage 2
 }
 
 

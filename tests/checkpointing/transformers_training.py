@@ -79,9 +79,10 @@ def assert_trains_as_transformers(name: str, logged: list, reference: tuple, ini
     import transformers
 
     # Read back by transformers, which names the weights as the reference's state (experts fused or not).
-    ours = transformers.AutoModelForCausalLM.from_pretrained(exported_dir).state_dict()
-    ours = {key: _without_key_bias(key, value) for key, value in ours.items()}
-    final, initial = ({key: _without_key_bias(key, t[key]) for key in ours} for t in (final, initial))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(exported_dir)
+    heads = exported.config.num_attention_heads
+    ours = {key: _without_key_bias(key, value, heads) for key, value in exported.state_dict().items()}
+    final, initial = ({key: _without_key_bias(key, t[key], heads) for key in ours} for t in (final, initial))
     difference, moved = _distance(ours, final), _distance(final, initial)
     worst = max(ours, key=lambda key: float((ours[key] - final[key]).norm()))
     assert difference <= weight_rtol * moved, (name, difference, moved, worst)
@@ -129,13 +130,17 @@ def _distance(a: dict, b: dict) -> float:
     return sum(float((a[key] - b[key]).double().square().sum()) for key in a) ** 0.5
 
 
-def _without_key_bias(name: str, tensor: torch.Tensor) -> torch.Tensor:
+def _without_key_bias(name: str, tensor: torch.Tensor, heads: int) -> torch.Tensor:
     """A weight without its key bias, whose gradient is zero in exact arithmetic (softmax ignores a shift of a
     query's scores): Adam turns its rounding noise into lr-sized, run-dependent steps (GPT-2: 3e-3 of the distance
-    moved, where every other weight agrees to 1e-5). GPT-2's c_attn bias is query, key, value."""
+    moved, where every other weight agrees to 1e-5). GPT-2's c_attn bias is query, key, value; GPT-NeoX's
+    query_key_value bias the query, key and value of each of the ``heads`` in turn."""
     if name.endswith("k_proj.bias"):
         return tensor[:0]
     if name.endswith("attn.c_attn.bias"):
         query, _, value = tensor.chunk(3)
         return torch.cat([query, value])
+    if name.endswith("attention.query_key_value.bias"):
+        query, _, value = tensor.view(heads, 3, -1).unbind(1)
+        return torch.cat([query.flatten(), value.flatten()])
     return tensor

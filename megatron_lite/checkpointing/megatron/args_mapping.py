@@ -98,6 +98,7 @@ def model_config_from_megatron_args(args, source: str) -> ModelConfig:
         apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False)),
         position_embedding_type=_position_embedding_type(args), rotary_base=float(_arg(args, "rotary_base", 10000)),
         rotary_percent=float(_arg(args, "rotary_percent", 1.0)), swiglu=bool(_arg(args, "swiglu", False)),
+        no_rope_freq=None if _arg(args, "no_rope_freq") is None else str(args.no_rope_freq),  # N or its list
         add_bias_linear=bool(_arg(args, "add_bias_linear", True)),
         gelu_exact=not _arg(args, "swiglu", False) and not _arg(args, "bias_gelu_fusion", True),
         untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
@@ -151,7 +152,9 @@ def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int
         max_position_embeddings=model.max_position_embeddings, position_embedding_type=model.position_embedding_type,
         add_position_embedding=model.position_embedding_type == "learned_absolute",
         use_rotary_position_embeddings=False, rotary_base=int(model.rotary_base), rotary_percent=model.rotary_percent,
-        rotary_interleaved=False, rotary_seq_len_interpolation_factor=model.rotary_seq_len_interpolation_factor,
+        rotary_interleaved=False, no_rope_freq=None if model.no_rope_freq is None else parse_moe_layer_freq(
+            model.no_rope_freq, "--no-rope-freq", "layers without rotary embeddings"),
+        rotary_seq_len_interpolation_factor=model.rotary_seq_len_interpolation_factor,
         use_rope_scaling=model.use_rope_scaling, rope_scaling_factor=model.rope_scaling_factor,
         normalization=model.normalization, norm_epsilon=model.norm_epsilon, layernorm_epsilon=model.norm_epsilon,
         apply_layernorm_1p=model.apply_layernorm_1p, swiglu=model.swiglu, squared_relu=False, openai_gelu=False,
