@@ -137,6 +137,8 @@ def test_timeout_reaches_init_process_group(monkeypatch):
     seen = {}
     monkeypatch.setattr(initialize.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(initialize.dist, "init_process_group", lambda backend, **kwargs: seen.update(kwargs))
+    # No torchrun agent serves a store here: the attempt's store is not what this test is about.
+    monkeypatch.setattr(initialize, "_torchrun_attempt_store", lambda env, environ, timeout: None)
     environ = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
     initialize.initialize_distributed(ParallelConfig(distributed_timeout_minutes=7, distributed_backend="gloo"),
                                       environ=environ)
