@@ -449,6 +449,10 @@ def _load_local(config, parallel_state, model_chunks, optimizer, scheduler, dire
     reader = CheckpointReader(directory)
     metadata = reader.metadata
     check_architecture(metadata["config"]["model"], config.model, directory)
+    # The Hugging Face family the model was imported as: this run's checkpoints record it again, so that their
+    # export writes it (--hf-model-type chose another if given). Every rank reads the same metadata.
+    if config.model.hf_model_type is None:
+        config.model.hf_model_type = metadata["config"]["model"].get("hf_model_type")
     frozen_source, trainable_source, base = peft_base.weight_sources(config, reader)
     if frozen_source not in (None, reader):
         check_architecture(frozen_source.metadata["config"]["model"], config.model, frozen_source.directory)

@@ -16,8 +16,8 @@ import dataclasses
 import typing
 
 from megatron_lite.cli import deepspeed_config, megatron_compat
-from megatron_lite.cli.checkpoint_args import (checkpoint_model_args, hf_family_from_checkpoint,
-                                               megatron_checkpoints_imported, resumed_run_tokenizer_args)
+from megatron_lite.cli.checkpoint_args import (checkpoint_model_args, megatron_checkpoints_imported,
+                                               resumed_run_tokenizer_args)
 from megatron_lite.checkpointing.sft_prompt_format import prompt_format_from_checkpoint
 from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.config import (DEFAULT_TRAIN_ITERS, RUN_LENGTH_FIELDS, SECTIONS, Config, ConfigError, as_flags,
@@ -118,7 +118,6 @@ def config_from_namespace(namespace: dict) -> Config:
         namespace.update(checkpoint_model_args(namespace))
     else:
         namespace.update(resumed_run_tokenizer_args(namespace))
-    namespace.update(hf_family_from_checkpoint(namespace))
     taken = prompt_format_from_checkpoint(namespace)
     if taken and resolve_launch_env().rank == 0:
         print(f"note: fine-tuning on with the checkpoint's chat template: {as_flags(taken)}", flush=True)

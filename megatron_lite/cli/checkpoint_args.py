@@ -46,19 +46,6 @@ def checkpoint_model_args(values: dict) -> dict:
     return taken
 
 
-def hf_family_from_checkpoint(values: dict) -> dict:
-    """A run that loads a checkpoint (a resume or --pretrained-checkpoint) keeps the Hugging Face family the
-    model was imported as, so that its export writes a fine-tuned Phi-3 as Phi-3; --hf-model-type overrides."""
-    if values.get("hf_model_type") is not None:
-        return {}
-    try:
-        source = checkpoint_to_load(CheckpointConfig(**section_values(values, CheckpointConfig)))
-        family = None if source is None else read_config(source[0]).model.hf_model_type
-    except CheckpointError:  # a missing or unreadable checkpoint: the load reports it, with its fix
-        return {}
-    return {} if family is None else {"hf_model_type": family}
-
-
 def resumed_run_tokenizer_args(values: dict) -> dict:
     """A run resumed from its own --load with no tokenizer flags keeps the checkpoint's tokenizer.
 

@@ -173,13 +173,15 @@ def test_the_echo_of_an_moe_model_names_its_router(tmp_path, capsys):
 
 def test_a_run_keeps_the_hugging_face_family_of_its_checkpoint(tmp_path):
     """An imported Phi-3 computes what a Mistral does: the family it was imported as, recorded in its config,
-    is what its fine-tuned checkpoints export as, with or without --use-checkpoint-args; --hf-model-type wins."""
-    config = tiny_config(iters=1, save=str(tmp_path))
+    is what the checkpoints of a run that loads it record (and so export as), with or without
+    --use-checkpoint-args; --hf-model-type wins."""
+    pretrained, finetuned = str(tmp_path / "pretrained"), str(tmp_path / "finetuned")
+    config = tiny_config(iters=1, save=pretrained)
     config.model.use_fused_kernels, config.model.hf_model_type = False, "phi3"
     pretrain(config)
-    start = ["--pretrained-checkpoint", str(tmp_path), *TRAINING]
-    given_model = [*MODEL, "--norm-epsilon", "1e-5", "--rotary-base", "10000"]
-    assert parse_args([*start, *given_model]).model.hf_model_type == "phi3"
+    start = ["--pretrained-checkpoint", pretrained, *TRAINING, "--save", finetuned]
+    pretrain(parse_args([*start, *MODEL, "--norm-epsilon", "1e-5", "--rotary-base", "10000"]))
+    assert read_config(finetuned).model.hf_model_type == "phi3"
     assert parse_args(["--use-checkpoint-args", *start]).model.hf_model_type == "phi3"
     assert parse_args(["--use-checkpoint-args", *start, "--hf-model-type", "llama"]).model.hf_model_type == "llama"
     assert parse_args([*MODEL, *TRAINING]).model.hf_model_type is None  # nothing loaded: chosen at export
