@@ -1,7 +1,7 @@
 """Generation with the key/value cache against transformers' ``generate``, same weights, same tokens.
 
 A random GPT-2-shaped (or, with ``--model llama``, Llama-shaped) model is built with transformers,
-saved, and imported into megatron_lite (``checkpointing/hf_interop``), so both generate from the
+saved, and imported into megatron_lite (``interop/hf/checkpoint``), so both generate from the
 same weights: the 51M shape is 8 layers x 512 with GPT-2's 50,257-token vocabulary, the 124M one
 GPT-2 small (12 x 768). Both decode greedily for exactly ``--new-tokens`` tokens (no EOS) after random
 prompts of ``--prompt-length`` tokens; the tokens must be identical (the run stops if not). Each side
@@ -36,7 +36,7 @@ def save_hf_model(directory: str, shape: str, positions: int, family: str = "gpt
     returns its parameter count."""
     import transformers
 
-    from megatron_lite.checkpointing import hf_interop
+    from megatron_lite.interop.hf import checkpoint as hf_checkpoint
 
     layers, hidden, heads = SHAPES[shape]
     torch.manual_seed(0)
@@ -49,7 +49,7 @@ def save_hf_model(directory: str, shape: str, positions: int, family: str = "gpt
             vocab_size=VOCAB, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
             num_attention_heads=heads, max_position_embeddings=positions, bos_token_id=0, eos_token_id=0))
     model.save_pretrained(os.path.join(directory, "hf"))
-    hf_interop.import_hf_checkpoint(os.path.join(directory, "hf"), os.path.join(directory, "ckpt"))
+    hf_checkpoint.import_hf_checkpoint(os.path.join(directory, "hf"), os.path.join(directory, "ckpt"))
     return sum(p.numel() for p in model.parameters())
 
 

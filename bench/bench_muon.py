@@ -29,7 +29,7 @@ KINDS = {"adam": {"optimizer": "adam"}, "muon bf16": {"optimizer": "muon"},
 
 
 def build(shape: str, optimizer: dict):
-    from megatron_lite.checkpointing.hf_interop import model_config_from_hf
+    from megatron_lite.interop.hf.weights import model_config_from_hf
     from megatron_lite.config import Config, DataConfig, LoggingConfig, OptimizerConfig, TrainingConfig
     from megatron_lite.process_groups.parallel_state import initialize_model_parallel
     from megatron_lite.training.loop import setup_model_and_optimizer

@@ -4,7 +4,7 @@ One whole iteration each: forward, loss, backward, gradient clipping at 1.0 and 
 fp32. Ours is the loop's own ``train_step`` (the model, its data-parallel wrapper at size 1, our
 optimizer with its clipping); transformers' is its model class called as a training script calls
 it, ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW``. Our model's config is read from
-transformers' (``hf_interop.model_config_from_hf``), so the two are the same architecture by
+transformers' (``hf_weights.model_config_from_hf``), so the two are the same architecture by
 construction: GPT-2 (LayerNorm, learned positions, GELU) and Llama (RMSNorm, RoPE, SwiGLU,
 grouped-query attention, untied output layer). LoRA adapts every linear layer of the blocks at rank 8
 (ours fuses Q, K and V and SwiGLU's gate and up, so it has fewer, wider adapters).
@@ -59,7 +59,7 @@ def batch(seed: int = 0) -> tuple:
 
 
 def our_config(shape: str, lora: bool):
-    from megatron_lite.checkpointing.hf_interop import model_config_from_hf
+    from megatron_lite.interop.hf.weights import model_config_from_hf
     from megatron_lite.config import Config, LoggingConfig, OptimizerConfig, PeftConfig, TrainingConfig
 
     model = model_config_from_hf(hf_config(shape).to_dict())

@@ -70,7 +70,7 @@ def build_plan_parser() -> argparse.ArgumentParser:
 
 def _with_hf_model(namespace: dict, path: str) -> dict:
     """The model of a Hugging Face config.json, for the model flags the command line leaves out."""
-    from megatron_lite.checkpointing.hf_interop import model_config_from_hf
+    from megatron_lite.interop.hf.weights import model_config_from_hf
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.exists(path):

@@ -53,11 +53,12 @@ import os
 import sys
 import tempfile
 
-from megatron_lite.checkpointing import hf_interop, hf_peft
-from megatron_lite.checkpointing.hf_families import FAMILIES
-from megatron_lite.checkpointing.megatron import torch_dist
-from megatron_lite.checkpointing.megatron.exporter import CKPT_FORMATS, export_megatron_checkpoint
-from megatron_lite.checkpointing.megatron.importer import import_megatron_checkpoint
+from megatron_lite.interop.hf import peft as hf_peft
+from megatron_lite.interop.hf import checkpoint as hf_checkpoint
+from megatron_lite.interop.hf.families import FAMILIES
+from megatron_lite.interop.megatron import torch_dist
+from megatron_lite.interop.megatron.exporter import CKPT_FORMATS, export_megatron_checkpoint
+from megatron_lite.interop.megatron.importer import import_megatron_checkpoint
 from megatron_lite.checkpointing.offline import reshard_checkpoint, write_checkpoint
 from megatron_lite.checkpointing.peft_base import folded_prefix, merged_lora
 from megatron_lite.checkpointing.storage import CheckpointError, check_is_directory, resolve_checkpoint_dir
@@ -169,7 +170,7 @@ def _convert(args, sizes: dict) -> str:
 def _import(args, save_dir: str, sizes: dict) -> str:
     """--load-dir (hf, megatron or peft) as a megatron_lite checkpoint in ``save_dir``."""
     if args.source_format == "hf":
-        return hf_interop.import_hf_checkpoint(args.load_dir, save_dir, **sizes)
+        return hf_checkpoint.import_hf_checkpoint(args.load_dir, save_dir, **sizes)
     if args.source_format == "megatron":
         return import_megatron_checkpoint(args.load_dir, save_dir, **sizes)
     return hf_peft.import_peft_adapters(args.load_dir, save_dir, base_checkpoint=args.base_checkpoint, **sizes)
@@ -187,7 +188,7 @@ def _export(args, load_dir: str, sizes: dict) -> str:
     if args.merge_lora:
         config, read = merged_lora(resolve_checkpoint_dir(load_dir))
         if target == "hf":
-            hf_interop.export_hf_weights(config, read, args.save_dir, tokenizer_flags=tokenizer,
+            hf_checkpoint.export_hf_weights(config, read, args.save_dir, tokenizer_flags=tokenizer,
                                          hf_model_type=args.hf_model_type)
             return args.save_dir
         return write_checkpoint(args.save_dir, dataclasses.replace(config, parallel=ParallelConfig(**sizes)), read,
@@ -201,7 +202,7 @@ def _export(args, load_dir: str, sizes: dict) -> str:
                                      base_model_name_or_path=args.base_model_name_or_path)
         return args.save_dir
     if target == "hf":
-        hf_interop.export_hf_checkpoint(load_dir, args.save_dir, tokenizer_flags=tokenizer,
+        hf_checkpoint.export_hf_checkpoint(load_dir, args.save_dir, tokenizer_flags=tokenizer,
                                         hf_model_type=args.hf_model_type)
         return args.save_dir
     return reshard_checkpoint(load_dir, args.save_dir, **sizes)

@@ -7,7 +7,7 @@ compute. They work on the parsed flags by field name (``arguments.build_parser``
 from __future__ import annotations
 
 from megatron_lite.checkpointing.architecture import describes, model_args_from_checkpoint
-from megatron_lite.checkpointing.megatron.importer import as_megatron_lite_checkpoint
+from megatron_lite.interop.megatron.importer import as_megatron_lite_checkpoint
 from megatron_lite.checkpointing.peft_base import peft_fields_from_checkpoint
 from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
 from megatron_lite.checkpointing.storage import CheckpointError, read_latest_iteration

@@ -12,7 +12,7 @@ import dataclasses
 import os
 
 from megatron_lite.checkpointing import CheckpointError, load_checkpoint, read_config
-from megatron_lite.checkpointing.megatron.importer import as_megatron_lite_checkpoint
+from megatron_lite.interop.megatron.importer import as_megatron_lite_checkpoint
 from megatron_lite.checkpointing.storage import TRACKER_FILE, read_latest_iteration
 from megatron_lite.config import CheckpointConfig, Config, ConfigError, ParallelConfig
 from megatron_lite.model.builder import build_model

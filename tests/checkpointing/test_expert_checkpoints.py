@@ -3,7 +3,7 @@ so a rank loads the experts it holds, whichever layout saved them (docs/checkpoi
 import torch
 
 from megatron_lite.checkpointing import storage
-from megatron_lite.checkpointing.hf_interop import export_hf_checkpoint, import_hf_checkpoint, read_hf_directory
+from megatron_lite.interop.hf.checkpoint import export_hf_checkpoint, import_hf_checkpoint, read_hf_directory
 from megatron_lite.checkpointing.resharding import CheckpointReader, has_vocab_rows
 from tests.checkpointing.common import MOE, assert_continues, losses_of, train
 from tests.distributed import run_distributed

@@ -9,7 +9,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from megatron_lite.checkpointing import hf_interop  # noqa: E402
+from megatron_lite.interop.hf import checkpoint as hf_checkpoint  # noqa: E402
 from megatron_lite.checkpointing.save_load import checkpoint_to_load  # noqa: E402
 from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir  # noqa: E402
 from megatron_lite.config import CheckpointConfig, ConfigError  # noqa: E402
@@ -38,7 +38,7 @@ def test_the_converter_says_a_load_dir_does_not_exist(tmp_path, capsys, source):
 
 def test_reading_a_missing_hf_directory_or_checkpoint_says_it_does_not_exist(tmp_path):
     with pytest.raises(CheckpointError, match=f"Hugging Face model directory {tmp_path}/nope: {MISSING}"):
-        hf_interop.read_hf_directory(str(tmp_path / "nope"))
+        hf_checkpoint.read_hf_directory(str(tmp_path / "nope"))
     with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path}/nope: {MISSING}"):
         resolve_checkpoint_dir(str(tmp_path / "nope"))
     (tmp_path / "a_file").write_text("")
@@ -46,7 +46,7 @@ def test_reading_a_missing_hf_directory_or_checkpoint_says_it_does_not_exist(tmp
         resolve_checkpoint_dir(str(tmp_path / "a_file"))
     # An existing directory without the file keeps its own message.
     with pytest.raises(FileNotFoundError, match="has no config.json"):
-        hf_interop.read_hf_directory(str(tmp_path))
+        hf_checkpoint.read_hf_directory(str(tmp_path))
 
 
 def test_fine_tuning_from_a_missing_directory_says_it_does_not_exist(tmp_path):
@@ -78,7 +78,7 @@ def test_the_safetensors_hint_follows_the_installed_transformers(tmp_path, monke
     directory = _pickled_only(tmp_path)
     installed = importlib.metadata.version("transformers")
     with pytest.raises(FileNotFoundError) as refused:
-        hf_interop.read_hf_directory(directory)
+        hf_checkpoint.read_hf_directory(directory)
     message = str(refused.value)
     assert f"call save_pretrained(NEW_DIR) (transformers {installed} writes safetensors)." in message
     if int(installed.split(".")[0]) >= 5:  # transformers 5 has no safe_serialization argument
@@ -86,7 +86,7 @@ def test_the_safetensors_hint_follows_the_installed_transformers(tmp_path, monke
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.30.2")
     with pytest.raises(FileNotFoundError, match=r"save_pretrained\(NEW_DIR, safe_serialization=True\) "
                                                 r"\(transformers 4.30.2 writes pickles by default\)"):
-        hf_interop.read_hf_directory(directory)
+        hf_checkpoint.read_hf_directory(directory)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 prompt by prompt and as one left-padded batch, stopping at EOS as it does.
 
 Small random GPT2LMHeadModel and LlamaForCausalLM (grouped-query attention, untied output)
-are built here, saved, and imported with ``checkpointing/hf_interop``; a wider initialisation
+are built here, saved, and imported with ``interop/hf/checkpoint``; a wider initialisation
 than the default keeps a random model from repeating one token.
 """
 import pytest
@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatron_lite.checkpointing import hf_interop  # noqa: E402
+from megatron_lite.interop.hf import checkpoint as hf_checkpoint  # noqa: E402
 from megatron_lite.config import ParallelConfig  # noqa: E402
 from megatron_lite.inference.loading import load_model, read_checkpoint_config  # noqa: E402
 from megatron_lite.inference.text_generation import generate  # noqa: E402
@@ -41,7 +41,7 @@ def models(request, tmp_path_factory):
     hf_model = {"gpt2": _gpt2, "llama": _llama}[request.param]().eval()
     directory = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(directory / "hf")
-    hf_interop.import_hf_checkpoint(str(directory / "hf"), str(directory / "ckpt"))
+    hf_checkpoint.import_hf_checkpoint(str(directory / "hf"), str(directory / "ckpt"))
     config = read_checkpoint_config(str(directory / "ckpt"), ParallelConfig())
     return hf_model, load_model(config, initialize_model_parallel(1, 1))
 

@@ -1,5 +1,5 @@
 """The sliding window's mask and the flags of the attention and RoPE variants (their numerics are checked
-against transformers in tests/checkpointing/test_hf_families.py)."""
+against transformers in tests/interop/test_hf_families.py)."""
 import pytest
 import torch
 

@@ -2,7 +2,7 @@
 
 --rotary-percent against transformers' GPT-NeoX (partial rotary), --apply-layernorm-1p as an
 exact reparametrisation of the plain norm, --attention-backend unfused against torch's SDPA.
-(--kv-channels against transformers' Llama head_dim lives in tests/checkpointing/test_hf_interop.py.)
+(--kv-channels against transformers' Llama head_dim lives in tests/interop/test_hf_interop.py.)
 """
 import pytest
 import torch

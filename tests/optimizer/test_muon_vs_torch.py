@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.checkpointing import read_config
-from megatron_lite.checkpointing.hf_interop import weights_to_hf
+from megatron_lite.interop.hf.weights import weights_to_hf
 from megatron_lite.config import CheckpointConfig, DataConfig, LoggingConfig, OptimizerConfig, TrainingConfig
 from megatron_lite.training import loop
 from tests.parity import assert_relative_close

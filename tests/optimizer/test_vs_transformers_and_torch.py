@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import optimization  # noqa: E402
 
-from megatron_lite.checkpointing import hf_interop  # noqa: E402
+from megatron_lite.interop.hf import weights as hf_weights  # noqa: E402
 from megatron_lite.config import Config, ModelConfig, OptimizerConfig, TrainingConfig  # noqa: E402
 from megatron_lite.optimizer.optimizer_param_scheduler import get_optimizer_param_scheduler  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
@@ -102,7 +102,7 @@ DECAY_FAMILIES = {
 def _our_decayed(hf_config: dict) -> dict:
     """Our optimizer's groups, for the model of ``hf_config`` at 1 process: each parameter's tensor in Hugging
     Face's names (weights_to_hf), ones where it is in a decayed group (weight_decay > 0), zeros where not."""
-    config = Config(model=hf_interop.model_config_from_hf(hf_config),
+    config = Config(model=hf_weights.model_config_from_hf(hf_config),
                     training=TrainingConfig(micro_batch_size=1, global_batch_size=1, train_iters=1))
     parallel_state = initialize_model_parallel(1, 1)
     try:
@@ -112,7 +112,7 @@ def _our_decayed(hf_config: dict) -> dict:
                  for r, main in zip(optimizer.param_ranges, optimizer.main_params)}
     finally:
         destroy_model_parallel(parallel_state)
-    return hf_interop.weights_to_hf(lambda name: marks[name], config.model)
+    return hf_weights.weights_to_hf(lambda name: marks[name], config.model)
 
 
 @pytest.mark.parametrize("family", sorted(DECAY_FAMILIES))

@@ -21,7 +21,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from megatron_lite.checkpointing import hf_interop, load_checkpoint, read_config  # noqa: E402
+from megatron_lite.checkpointing import load_checkpoint, read_config  # noqa: E402
+from megatron_lite.interop.hf import checkpoint as hf_checkpoint  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
 from megatron_lite.config import CheckpointConfig, OptimizerConfig, PeftConfig, TrainingConfig  # noqa: E402
@@ -54,7 +55,7 @@ def trained(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     hf_dir, base, adapters = str(root / "hf"), str(root / "base"), str(root / "lora")
     {"gpt2": _gpt2, "llama": _llama}[request.param]().save_pretrained(hf_dir)
-    hf_interop.import_hf_checkpoint(hf_dir, base)
+    hf_checkpoint.import_hf_checkpoint(hf_dir, base)
     config = dataclasses.replace(
         read_config(base), checkpoint=CheckpointConfig(pretrained_checkpoint=base, save=adapters),
         training=TrainingConfig(micro_batch_size=2, global_batch_size=4, train_iters=3),

@@ -165,7 +165,7 @@ def test_mixture_of_experts_from_hugging_face_configs(tmp_path, capsys, family):
 
 def test_parameters_total_and_active_are_the_published_ones(tmp_path):
     """Mixtral 8x7B: 46.7 B parameters, 12.9 B active per token; OLMoE-1B-7B: 6.9 B, 1.3 B (their papers)."""
-    from megatron_lite.checkpointing.hf_interop import model_config_from_hf
+    from megatron_lite.interop.hf.weights import model_config_from_hf
     from megatron_lite.planner.report import describe_model
 
     mixtral = {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,

@@ -55,7 +55,7 @@ def test_a_tokenizer_whose_ids_cannot_agree_is_named_in_a_note(tmp_path, capsys)
     """A SentencePiece model with a dummy prefix puts "▁" before each separately tokenized run of training's
     prompt, which the same text tokenized whole lacks: apply_chat_template's ids cannot be training's."""
     sentencepiece = pytest.importorskip("sentencepiece")
-    from megatron_lite.checkpointing.hf_tokenizer import export_tokenizer
+    from megatron_lite.interop.hf.tokenizer import export_tokenizer
     from tools.build_demo_data import demo_documents
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(demo_documents()[:200]), model_prefix=str(tmp_path / "sp"), vocab_size=400,

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.distributed.checkpoint import filesystem, metadata, planner
 
-from megatron_lite.checkpointing.megatron.torch_dist import (COMMON_FILE, COMMON_STATE_KEY, COMMON_STATE_LAYOUTS,
+from megatron_lite.interop.megatron.torch_dist import (COMMON_FILE, COMMON_STATE_KEY, COMMON_STATE_LAYOUTS,
                                                              CONFIG_FILE, sharded_object_key)
 
 

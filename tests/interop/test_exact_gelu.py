@@ -1,13 +1,14 @@
 """The exact (erf) GELU, --gelu-exact: a GPT-2 with activation_function "gelu" imports with transformers' logits
 and exports as itself, and Megatron-LM's --no-bias-gelu-fusion (exact GeLU) means the same on our command line.
-Megatron-LM's own checkpoint of that kind: tests/checkpointing/test_megatron_import.py."""
+Megatron-LM's own checkpoint of that kind: tests/interop/test_megatron_import.py."""
 import transformers
 import torch
 
-from megatron_lite.checkpointing import hf_interop, read_config
+from megatron_lite.checkpointing import read_config
+from megatron_lite.interop.hf import checkpoint as hf_checkpoint
 from megatron_lite.cli.arguments import parse_args
 from tests.checkpointing.common import import_hf_model
-from tests.checkpointing.test_megatron_import import our_logits
+from tests.interop.test_megatron_import import our_logits
 from tools.checkpoint_convert import main as convert
 
 VOCAB = 64
@@ -28,7 +29,7 @@ def test_a_gpt2_with_the_exact_gelu_imports_and_exports_as_itself(tmp_path):
     with torch.no_grad():
         assert (tanh(imported.input_ids).logits - imported.logits).abs().max() > 1e-4
     assert convert(["--target-format", "hf", "--load-dir", imported.root, "--save-dir", str(tmp_path / "out")]) == 0
-    assert hf_interop.read_hf_directory(str(tmp_path / "out"))[0]["activation_function"] == "gelu"
+    assert hf_checkpoint.read_hf_directory(str(tmp_path / "out"))[0]["activation_function"] == "gelu"
 
 
 def test_megatrons_no_bias_gelu_fusion_is_the_exact_gelu():

@@ -22,8 +22,8 @@ import os
 
 import torch
 
-from megatron_lite.checkpointing.megatron import layout, legacy, torch_dist_writer
-from megatron_lite.checkpointing.megatron.args_mapping import megatron_args_from_config
+from megatron_lite.interop.megatron import layout, legacy, torch_dist_writer
+from megatron_lite.interop.megatron.args_mapping import megatron_args_from_config
 from megatron_lite.checkpointing.offline import stage_model
 from megatron_lite.checkpointing.resharding import CheckpointReader, has_vocab_rows, resize_vocab
 from megatron_lite.checkpointing.save_load import checkpoint_name

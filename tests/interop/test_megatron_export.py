@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch.distributed.checkpoint import metadata
 
-from megatron_lite.checkpointing.megatron import torch_dist
-from megatron_lite.checkpointing.megatron.args_mapping import megatron_args_from_config
-from megatron_lite.checkpointing.megatron.importer import read_megatron_checkpoint
-from megatron_lite.checkpointing.megatron.legacy import rank_files, read_rank_file
+from megatron_lite.interop.megatron import torch_dist
+from megatron_lite.interop.megatron.args_mapping import megatron_args_from_config
+from megatron_lite.interop.megatron.importer import read_megatron_checkpoint
+from megatron_lite.interop.megatron.legacy import rank_files, read_rank_file
 from megatron_lite.checkpointing.resharding import CheckpointReader
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
 from megatron_lite.config import ConfigError
-from tests.checkpointing.test_megatron_import import fixture, megatron_logits, our_logits
+from tests.interop.test_megatron_import import fixture, megatron_logits, our_logits
 from tools.checkpoint_convert import main as convert
 
 

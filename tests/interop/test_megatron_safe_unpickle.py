@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from megatron_lite.checkpointing.megatron.safe_unpickle import (StandIn, UnsafePickleError, load_pickle_file,
+from megatron_lite.interop.megatron.safe_unpickle import (StandIn, UnsafePickleError, load_pickle_file,
                                                                 load_torch_file, stand_in)
 
 

@@ -10,9 +10,9 @@ import copy
 
 import torch
 
-from megatron_lite.checkpointing import hf_interop
+from megatron_lite.interop.hf import checkpoint as hf_checkpoint
 from megatron_lite.data import MockGPTDataset
-from tests.checkpointing.hf_family_ranks import FAIR_BATCH, FAIR_OPTIMIZER, FAIR_STEPS, train_logged
+from tests.interop.hf_family_ranks import FAIR_BATCH, FAIR_OPTIMIZER, FAIR_STEPS, train_logged
 from tests.distributed import run_distributed
 
 WEIGHT_RTOL = 1e-4  # of the distance the reference moved the weights
@@ -112,7 +112,7 @@ def fair_fight(imports: dict, layouts: dict, tmp_path, export_flags: dict, *, vo
     for run in runs:
         name, freeze, at_layout = run
         exported = save[run] + "_hf"
-        hf_interop.export_hf_checkpoint(save[run], exported, hf_model_type=export_flags.get(name))
+        hf_checkpoint.export_hf_checkpoint(save[run], exported, hf_model_type=export_flags.get(name))
         if (name, freeze) not in references:  # the same for the 1-process run and the layout's
             references[name, freeze] = transformers_training(imports[name].hf_model, vocab,
                                                              padding_idx=pad if freeze else None)

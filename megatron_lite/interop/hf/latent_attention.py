@@ -6,7 +6,7 @@
     q_b_proj                   linear_q_up_proj
     kv_a_proj_with_mqa         linear_kv_down_proj    [latent rows; rotary key rows]
     kv_a_layernorm, kv_b_proj  kv_layernorm, linear_kv_up_proj
-    o_proj                     linear_proj            (as Llama's, hf_interop)
+    o_proj                     linear_proj            (as Llama's, weights)
 
 Each head's query rows are [qk_nope_head_dim; qk_rope_head_dim] in both, and so are kv_b_proj's
 [key; value] rows per head: the weights only change name, except for the order of the rotary rows.

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatron_lite.checkpointing import hf_interop  # noqa: E402
+from megatron_lite.interop.hf import checkpoint as hf_checkpoint, weights as hf_weights  # noqa: E402
 from megatron_lite.checkpointing import load_checkpoint, read_config  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
@@ -102,7 +102,7 @@ def test_import_matches_transformers(hf_model, tmp_path):
 def test_import_runs_under_tensor_parallelism(hf_model, tmp_path):
     name, directory, input_ids, reference = hf_model
     root = str(tmp_path / "ckpt")
-    hf_interop.import_hf_checkpoint(directory, root)
+    hf_checkpoint.import_hf_checkpoint(directory, root)
     logits = run_distributed(_tensor_parallel_logits, 2, args=(root, input_ids))
     for rank_logits in logits:
         torch.testing.assert_close(rank_logits, reference, atol=ATOL, rtol=0)
@@ -111,7 +111,7 @@ def test_import_runs_under_tensor_parallelism(hf_model, tmp_path):
 def test_export_loads_in_transformers(hf_model, tmp_path):
     name, directory, input_ids, reference = hf_model
     root, exported = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    hf_interop.import_hf_checkpoint(directory, root, tensor_model_parallel_size=2)
+    hf_checkpoint.import_hf_checkpoint(directory, root, tensor_model_parallel_size=2)
     assert convert(["--source-format", "megatron_lite", "--target-format", "hf", "--load-dir", root,
                     "--save-dir", exported]) == 0
     model_class = transformers.GPT2LMHeadModel if name == "gpt2" else transformers.LlamaForCausalLM
@@ -119,8 +119,8 @@ def test_export_loads_in_transformers(hf_model, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids).logits, reference, atol=ATOL, rtol=0)
     # The round trip is lossless: the same tensors under the same names.
-    _, original = hf_interop.read_hf_directory(directory)
-    _, round_trip = hf_interop.read_hf_directory(exported)
+    _, original = hf_checkpoint.read_hf_directory(directory)
+    _, round_trip = hf_checkpoint.read_hf_directory(exported)
     assert original.keys() == round_trip.keys()
     for key in original:
         assert torch.equal(original[key], round_trip[key]), key
@@ -135,7 +135,7 @@ def test_export_of_a_trained_checkpoint(tmp_path, layernorm_1p):
 
     root, exported = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     pretrain(tiny_config(iters=1, save=root, save_interval=1, arch=dict(LLAMA, apply_layernorm_1p=layernorm_1p)))
-    hf_interop.export_hf_checkpoint(root, exported)
+    hf_checkpoint.export_hf_checkpoint(root, exported)
     with open(os.path.join(exported, "config.json")) as f:
         assert json.load(f)["num_key_value_heads"] == 4
     model = transformers.LlamaForCausalLM.from_pretrained(exported).eval()
@@ -148,24 +148,24 @@ def test_unsupported_variants_are_refused_by_name():
     config = _llama().config.to_dict()
     config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
     with pytest.raises(ConfigError, match="rope scaling 'dynamic'"):
-        hf_interop.model_config_from_hf(config)
+        hf_weights.model_config_from_hf(config)
     with pytest.raises(ConfigError, match="model_type 'bert'"):
-        hf_interop.model_config_from_hf({"model_type": "bert"})
+        hf_weights.model_config_from_hf({"model_type": "bert"})
 
 
 def test_head_dim_is_kv_channels():
-    config = hf_interop.model_config_from_hf(_llama_head_dim().config.to_dict())
+    config = hf_weights.model_config_from_hf(_llama_head_dim().config.to_dict())
     assert (config.kv_channels, config.head_dim, config.hidden_size) == (12, 12, 32)
-    assert hf_interop.hf_config_from_model_config(config)["head_dim"] == 12
+    assert hf_weights.hf_config_from_model_config(config)["head_dim"] == 12
 
 
 def test_qkv_packing_is_per_query_group():
-    config = hf_interop.model_config_from_hf(_llama().config.to_dict())  # 4 heads, 2 groups, head_dim 8
+    config = hf_weights.model_config_from_hf(_llama().config.to_dict())  # 4 heads, 2 groups, head_dim 8
     query, key, value = torch.arange(32.0), 100 + torch.arange(16.0), 200 + torch.arange(16.0)
-    fused = hf_interop.pack_qkv(query, key, value, config)
+    fused = hf_weights.pack_qkv(query, key, value, config)
     # group 0: its two query heads, then its key and value head; then group 1.
     assert torch.equal(fused[:32], torch.cat([query[:16], key[:8], value[:8]]))
-    assert all(torch.equal(a, b) for a, b in zip(hf_interop.unpack_qkv(fused, config), (query, key, value)))
+    assert all(torch.equal(a, b) for a, b in zip(hf_weights.unpack_qkv(fused, config), (query, key, value)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ def _gpt2_config(**tokens):
     ids=["pad-is-eos", "pad-is-bos", "pad-apart", "gpt2"])
 def test_the_import_keeps_the_pad_token_and_notes_one_the_data_holds(make, tokens, noted, tmp_path, capsys):
     transformers.AutoModelForCausalLM.from_config(make(**tokens)).save_pretrained(tmp_path / "hf")
-    hf_interop.import_hf_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    hf_checkpoint.import_hf_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     notes = [line for line in capsys.readouterr().err.splitlines() if "pad_token_id" in line]
     assert read_config(str(tmp_path / "ckpt")).model.pad_token_id == tokens["pad_token_id"]
     if noted is None:
@@ -303,7 +303,7 @@ def test_freezing_the_pad_row_needs_a_pad_token(capsys):
 def test_checkpoint_args_take_the_pad_token(tmp_path):
     transformers.AutoModelForCausalLM.from_config(_llama_config(eos_token_id=0, pad_token_id=5)).save_pretrained(
         tmp_path / "hf")
-    hf_interop.import_hf_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    hf_checkpoint.import_hf_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     config = parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", str(tmp_path / "ckpt"), *FINETUNE,
                          "--freeze-padding-embedding"])
     assert (config.model.pad_token_id, config.model.freeze_padding_embedding) == (5, True)
@@ -321,7 +321,7 @@ FAIR_LAYOUTS = {"gpt2": dict(tensor_model_parallel_size=2, pipeline_model_parall
 
 def test_fine_tuning_equals_transformers_with_clipping(tmp_path):
     from tests.checkpointing.common import import_hf_model
-    from tests.checkpointing.transformers_training import fair_fight
+    from tests.interop.transformers_training import fair_fight
 
     imports = {name: import_hf_model(name, make(), tmp_path / name, vocab=VOCAB)
                for name, make in FAIR_FAMILIES.items()}

@@ -27,7 +27,7 @@ import re
 
 import torch
 
-from megatron_lite.checkpointing.megatron.safe_unpickle import (load_pickle_file, load_torch_file,
+from megatron_lite.interop.megatron.safe_unpickle import (load_pickle_file, load_torch_file,
                                                                 restricted_pickle_module)
 from megatron_lite.checkpointing.storage import CheckpointError
 

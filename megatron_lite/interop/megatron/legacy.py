@@ -24,7 +24,7 @@ import re
 
 import torch
 
-from megatron_lite.checkpointing.megatron.safe_unpickle import load_torch_file
+from megatron_lite.interop.megatron.safe_unpickle import load_torch_file
 from megatron_lite.checkpointing.storage import CheckpointError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"

@@ -31,7 +31,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from megatron_lite.checkpointing import hf_interop, hf_peft, read_config  # noqa: E402
+from megatron_lite.checkpointing import read_config  # noqa: E402
+from megatron_lite.interop.hf import peft as hf_peft  # noqa: E402
+from megatron_lite.interop.hf import checkpoint as hf_checkpoint, weights as hf_weights  # noqa: E402
 from megatron_lite.checkpointing.offline import write_checkpoint  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
@@ -40,9 +42,9 @@ from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
 from tests.checkpointing.common import Imported, import_hf_model  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402
-from tests.checkpointing.hf_family_ranks import layouts_rank, load, sgd_step_gradients, training_config  # noqa: E402
-from tests.checkpointing.test_hf_families import SFT_PAIRS  # noqa: E402
-from tests.checkpointing.transformers_training import fair_fight  # noqa: E402
+from tests.interop.hf_family_ranks import layouts_rank, load, sgd_step_gradients, training_config  # noqa: E402
+from tests.interop.test_hf_families import SFT_PAIRS  # noqa: E402
+from tests.interop.transformers_training import fair_fight  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import EOS, MAX_NEW_TOKENS, PAD, PROMPTS, _hf_generate  # noqa: E402
 from tests.sft.test_sft_training import _transformers_response_loss, _write_jsonl  # noqa: E402
@@ -267,13 +269,13 @@ def test_round_trip_is_bit_exact(family, tmp_path):
     exported, again = str(tmp_path / "hf"), str(tmp_path / "again")
     assert convert(["--source-format", "megatron_lite", "--target-format", "hf", "--load-dir", family.root,
                     "--save-dir", exported]) == 0
-    hf_config, original = hf_interop.read_hf_directory(family.hf_dir)
-    exported_config, round_trip = hf_interop.read_hf_directory(exported)
+    hf_config, original = hf_checkpoint.read_hf_directory(family.hf_dir)
+    exported_config, round_trip = hf_checkpoint.read_hf_directory(exported)
     assert exported_config["model_type"] == family.name
     if family.name not in DEEPSEEK_FAMILIES:
         assert exported_config["router_aux_loss_coef"] == pytest.approx(COEF)
         assert exported_config["output_router_logits"]
-    assert hf_interop.model_config_from_hf(exported_config) == hf_interop.model_config_from_hf(hf_config)
+    assert hf_weights.model_config_from_hf(exported_config) == hf_weights.model_config_from_hf(hf_config)
     assert original.keys() == round_trip.keys()
     experts = read_config(family.root).model.num_experts
     assert sum(".experts." in key for key in original) == len(_moe_layers(family)) * experts * 3
@@ -282,7 +284,7 @@ def test_round_trip_is_bit_exact(family, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(family.input_ids).logits, family.logits)
-    hf_interop.import_hf_checkpoint(exported, again, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    hf_checkpoint.import_hf_checkpoint(exported, again, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     first, second = _our_tensors(family.root), _our_tensors(again)
     assert first.keys() == second.keys()
     for key in first:
@@ -290,18 +292,18 @@ def test_round_trip_is_bit_exact(family, tmp_path):
 
 
 def test_an_expert_missing_or_extra_in_the_files_is_refused(family):
-    hf_config, tensors = hf_interop.read_hf_directory(family.hf_dir)
-    config = hf_interop.model_config_from_hf(hf_config)
-    naming = hf_interop.FAMILIES[family.name].naming
+    hf_config, tensors = hf_checkpoint.read_hf_directory(family.hf_dir)
+    config = hf_weights.model_config_from_hf(hf_config)
+    naming = hf_checkpoint.FAMILIES[family.name].naming
     layer, last = _moe_layers(family)[0], config.num_experts - 1
     missing = {k: v for k, v in tensors.items() if f".experts.{last}." not in k}
     expert = f"layers.{layer}.{EXPERT_NAMES[family.name].format(e=last)}"
     with pytest.raises(ConfigError, match=f"have no '{expert}'"):
-        hf_interop.weights_from_hf(missing, config, naming)
+        hf_weights.weights_from_hf(missing, config, naming)
     extra = dict(tensors, **{k.replace(f".experts.{last}.", f".experts.{last + 1}."): v for k, v in tensors.items()
                              if f".experts.{last}." in k})
     with pytest.raises(ConfigError, match=rf"not understood .*experts\.{last + 1}\."):
-        hf_interop.weights_from_hf(extra, config, naming)
+        hf_weights.weights_from_hf(extra, config, naming)
 
 
 def test_a_duplicated_expert_changes_the_logits(family, tmp_path):
@@ -391,19 +393,19 @@ def test_sft_first_loss_equals_transformers(family, tmp_path):
 def test_unknown_fields_and_variants_are_refused_by_name(imports):
     qwen3_moe = imports["qwen3_moe"].hf_model.config.to_dict()
     with pytest.raises(ConfigError, match="use_sliding_window"):
-        hf_interop.model_config_from_hf({**qwen3_moe, "use_sliding_window": True})
+        hf_weights.model_config_from_hf({**qwen3_moe, "use_sliding_window": True})
     with pytest.raises(ConfigError, match="no mixture-of-experts layer"):
-        hf_interop.model_config_from_hf({**qwen3_moe, "mlp_only_layers": [0, 1]})
+        hf_weights.model_config_from_hf({**qwen3_moe, "mlp_only_layers": [0, 1]})
     with pytest.raises(ConfigError, match=r"field\(s\) shared_expert_intermediate_size"):
-        hf_interop.model_config_from_hf({**qwen3_moe, "shared_expert_intermediate_size": 16})
+        hf_weights.model_config_from_hf({**qwen3_moe, "shared_expert_intermediate_size": 16})
     olmoe = imports["olmoe"].hf_model.config.to_dict()
     with pytest.raises(ConfigError, match="clip_qkv"):
-        hf_interop.model_config_from_hf({**olmoe, "clip_qkv": 8.0})
+        hf_weights.model_config_from_hf({**olmoe, "clip_qkv": 8.0})
     with pytest.raises(ConfigError, match="head_dim x num_attention_heads"):
-        hf_interop.model_config_from_hf({**olmoe, "head_dim": 16})
+        hf_weights.model_config_from_hf({**olmoe, "head_dim": 16})
     mixtral = imports["mixtral"].hf_model.config.to_dict()
     with pytest.raises(ConfigError, match="router_jitter_noise"):
-        hf_interop.model_config_from_hf({**mixtral, "router_jitter_noise": 0.1})
+        hf_weights.model_config_from_hf({**mixtral, "router_jitter_noise": 0.1})
     v3, v2 = (imports[name].hf_model.config.to_dict() for name in DEEPSEEK_FAMILIES)
     for config, field, value, message in [
             (v3, "norm_topk_prob", False, "norm_topk_prob false with sigmoid scores"),
@@ -411,8 +413,8 @@ def test_unknown_fields_and_variants_are_refused_by_name(imports):
             (v3, "topk_method", "greedy", "topk_method 'greedy' \\(DeepSeek-V3's router is noaux_tc\\)"),
             (v2, "norm_topk_prob", True, "norm_topk_prob true"), (v2, "topk_method", "noaux_tc", "topk_method")]:
         with pytest.raises(ConfigError, match=message):
-            hf_interop.model_config_from_hf({**config, field: value})
-    assert hf_interop.model_config_from_hf({**v3, "n_group": 1}).moe_router_num_groups is None  # one group: no limit
+            hf_weights.model_config_from_hf({**config, field: value})
+    assert hf_weights.model_config_from_hf({**v3, "n_group": 1}).moe_router_num_groups is None  # one group: no limit
 
 
 # One layout of 4 ranks per family, expert-parallel each, beside its 1-process run (fair_fight).

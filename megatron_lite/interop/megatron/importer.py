@@ -10,8 +10,8 @@ import tempfile
 
 import torch
 
-from megatron_lite.checkpointing.megatron import layout, legacy, torch_dist
-from megatron_lite.checkpointing.megatron.args_mapping import config_from_megatron_args, model_config_from_megatron_args
+from megatron_lite.interop.megatron import layout, legacy, torch_dist
+from megatron_lite.interop.megatron.args_mapping import config_from_megatron_args, model_config_from_megatron_args
 from megatron_lite.checkpointing.offline import stage_model, write_checkpoint
 from megatron_lite.checkpointing.storage import CheckpointError, read_latest_iteration
 from megatron_lite.config import Config, ParallelConfig

@@ -44,7 +44,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from megatron_lite.checkpointing import hf_interop, hf_peft, read_config  # noqa: E402
+from megatron_lite.checkpointing import read_config  # noqa: E402
+from megatron_lite.interop.hf import peft as hf_peft  # noqa: E402
+from megatron_lite.interop.hf import checkpoint as hf_checkpoint, weights as hf_weights  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
 from megatron_lite.config import (ConfigError, DataConfig, OptimizerConfig, PeftConfig,  # noqa: E402
@@ -54,8 +56,8 @@ from megatron_lite.model.sliding_window import layer_window  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402
 from tests.checkpointing.common import Imported, import_hf_model  # noqa: E402
-from tests.checkpointing.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
-from tests.checkpointing.transformers_training import fair_fight  # noqa: E402
+from tests.interop.hf_family_ranks import STEPS, load, tp2_pp2_rank, train, training_config  # noqa: E402
+from tests.interop.transformers_training import fair_fight  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import (EOS, MAX_NEW_TOKENS, PAD, PROMPTS,  # noqa: E402
                                                              _hf_generate)
@@ -212,10 +214,10 @@ def test_round_trip_is_bit_exact(family, tmp_path):
     exported, again = str(tmp_path / "hf"), str(tmp_path / "again")
     assert convert(["--source-format", "megatron_lite", "--target-format", "hf", "--load-dir", family.root,
                     "--save-dir", exported]) == 0
-    hf_config, original = hf_interop.read_hf_directory(family.hf_dir)
-    exported_config, round_trip = hf_interop.read_hf_directory(exported)
+    hf_config, original = hf_checkpoint.read_hf_directory(family.hf_dir)
+    exported_config, round_trip = hf_checkpoint.read_hf_directory(exported)
     assert exported_config["model_type"] == family.name
-    assert hf_interop.model_config_from_hf(exported_config) == hf_interop.model_config_from_hf(hf_config)
+    assert hf_weights.model_config_from_hf(exported_config) == hf_weights.model_config_from_hf(hf_config)
     assert original.keys() == round_trip.keys()
     for key in original:
         assert torch.equal(original[key], round_trip[key]), key
@@ -223,7 +225,7 @@ def test_round_trip_is_bit_exact(family, tmp_path):
         exported, attn_implementation=family.hf_model.config._attn_implementation).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(family.input_ids).logits, family.logits)
-    hf_interop.import_hf_checkpoint(exported, again, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    hf_checkpoint.import_hf_checkpoint(exported, again, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     first, second = _our_tensors(family.root), _our_tensors(again)
     assert first.keys() == second.keys()
     for key in first:
@@ -329,18 +331,18 @@ def test_sft_first_loss_equals_transformers(family, tmp_path):
 def test_unknown_fields_and_variants_are_refused_by_name(imports):
     qwen2 = imports["qwen2"].hf_model.config.to_dict()
     with pytest.raises(ConfigError, match="config.json field\\(s\\) attn_logit_softcapping "):
-        hf_interop.model_config_from_hf({**qwen2, "attn_logit_softcapping": 50.0})
+        hf_weights.model_config_from_hf({**qwen2, "attn_logit_softcapping": 50.0})
     with pytest.raises(ConfigError, match="use_sliding_window"):
-        hf_interop.model_config_from_hf({**qwen2, "use_sliding_window": True})
+        hf_weights.model_config_from_hf({**qwen2, "use_sliding_window": True})
     with pytest.raises(ConfigError, match="rope scaling 'longrope'"):
-        hf_interop.model_config_from_hf({**qwen2, "rope_parameters": {"rope_type": "longrope", "factor": 4.0}})
+        hf_weights.model_config_from_hf({**qwen2, "rope_parameters": {"rope_type": "longrope", "factor": 4.0}})
     llama3 = dict(LLAMA3_ROPE, low_freq_factor=2.0)
     with pytest.raises(ConfigError, match="rope_parameters.low_freq_factor"):
-        hf_interop.model_config_from_hf({**qwen2, "rope_parameters": llama3})
+        hf_weights.model_config_from_hf({**qwen2, "rope_parameters": llama3})
     qwen3 = imports["qwen3"].hf_model.config.to_dict()
     with pytest.raises(ConfigError, match="attention_bias"):
-        hf_interop.model_config_from_hf({**qwen3, "attention_bias": True})
-    assert hf_interop.model_config_from_hf({**qwen3, "rope_scaling": None}).qk_layernorm  # null sets nothing
+        hf_weights.model_config_from_hf({**qwen3, "attention_bias": True})
+    assert hf_weights.model_config_from_hf({**qwen3, "rope_scaling": None}).qk_layernorm  # null sets nothing
 
 
 def test_gemma_variants_are_refused_by_name(imports):
@@ -351,7 +353,7 @@ def test_gemma_variants_are_refused_by_name(imports):
                                   ("layer_types", ["full_attention", "sliding_attention"], "global layers \\[0\\]"),
                                   ("layer_types", ["full_attention", "full_attention"], "no sliding_attention")]:
         with pytest.raises(ConfigError, match=message):
-            hf_interop.model_config_from_hf({**gemma2, field: value})
+            hf_weights.model_config_from_hf({**gemma2, field: value})
 
 
 def test_deepseek_variants_are_refused_by_name(imports):
@@ -365,11 +367,11 @@ def test_deepseek_variants_are_refused_by_name(imports):
             (v3, "rope_parameters", {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}, "other than yarn"),
             (v3, "moe_layer_freq", 1, "config.json field\\(s\\) moe_layer_freq ")]:
         with pytest.raises(ConfigError, match=message):
-            hf_interop.model_config_from_hf({**config, field: value})
+            hf_weights.model_config_from_hf({**config, field: value})
     with pytest.raises(ConfigError, match=r"LoRA on linear_fc1 of a deepseek_v3 model's dense MLPs \(layers \[0, 1\]\) "
                                           r"has no PEFT form"):
         deepseek = read_config(imports["deepseek_v3"].root).model
-        hf_peft._check_peft_loads(deepseek, ["linear_proj", "linear_fc1"], hf_interop.FAMILIES["deepseek_v3"])
+        hf_peft._check_peft_loads(deepseek, ["linear_proj", "linear_fc1"], hf_checkpoint.FAMILIES["deepseek_v3"])
 
     gemma3 = imports["gemma3_text"].hf_model.config.to_dict()
     scaled_local = {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50.0}}
@@ -377,7 +379,7 @@ def test_deepseek_variants_are_refused_by_name(imports):
                                   ("rope_parameters", {"rope_type": "default"}, "per layer kind"),
                                   ("model_type", "gemma3", "gemma3_text \\(Gemma3ForCausalLM\\)")]:
         with pytest.raises(ConfigError, match=message):
-            hf_interop.model_config_from_hf({**gemma3, field: value})
+            hf_weights.model_config_from_hf({**gemma3, field: value})
 
 
 # Released Gemma 3 text configs as their config.json spell them (transformers 4.50): the 1B, and the 4B's
@@ -399,7 +401,7 @@ GEMMA3_4B_TEXT = dict(GEMMA3_1B, hidden_size=2560, intermediate_size=10240, num_
 def test_released_gemma3_configs_read_as_transformers_reads_them(released):
     """Our reading of the older fields (rope_local_base_freq, sliding_window_pattern, rope_scaling) against
     transformers' own: which layers are global, and each kind's RoPE."""
-    ours = hf_interop.model_config_from_hf(released)
+    ours = hf_weights.model_config_from_hf(released)
     theirs = transformers.Gemma3TextConfig(**{k: v for k, v in released.items() if k != "model_type"})
     assert [i for i in range(ours.num_layers) if layer_window(ours, i) is None] == [
         i for i, kind in enumerate(theirs.layer_types) if kind == "full_attention"]
@@ -432,17 +434,17 @@ def test_gpt_neox_variants_are_refused_by_name(imports):
                                   ("sliding_window", 4, "config.json field\\(s\\) sliding_window \\(not read by the "
                                                         "gpt_neox import\\)")]:
         with pytest.raises(ConfigError, match=message):
-            hf_interop.model_config_from_hf({**neox, field: value})
+            hf_weights.model_config_from_hf({**neox, field: value})
     # Files before transformers 5: rotary_pct and rotary_emb_base, read as transformers reads them.
     legacy = {k: v for k, v in neox.items() if k != "rope_parameters"}
-    old = hf_interop.model_config_from_hf({**legacy, "rotary_pct": 0.5, "rotary_emb_base": 300})
+    old = hf_weights.model_config_from_hf({**legacy, "rotary_pct": 0.5, "rotary_emb_base": 300})
     assert (old.rotary_percent, old.rotary_base) == (0.5, 300.0)
-    assert hf_interop.model_config_from_hf(legacy).rotary_percent == 0.25  # GPTNeoXConfig's default
+    assert hf_weights.model_config_from_hf(legacy).rotary_percent == 0.25  # GPTNeoXConfig's default
     # A parallel residual has no Hugging Face form beside GPT-NeoX's: a Llama with one is not exported as Llama.
     llama = dataclasses.replace(read_config(imports["qwen3"].root).model, hf_model_type=None, qk_layernorm=False,
                                 parallel_attention_mlp=True)
     with pytest.raises(ConfigError, match="parallel_attention_mlp"):
-        hf_interop.hf_config_from_model_config(llama)
+        hf_weights.hf_config_from_model_config(llama)
 
 
 def test_smollm3_variants_are_refused_by_name(imports):
@@ -452,23 +454,23 @@ def test_smollm3_variants_are_refused_by_name(imports):
                                   ("no_rope_layers", [1], "no_rope_layers of 1 entries for 2 layers"),
                                   ("mlp_bias", True, "mlp_bias")]:
         with pytest.raises(ConfigError, match=message):
-            hf_interop.model_config_from_hf({**smollm3, field: value})
+            hf_weights.model_config_from_hf({**smollm3, field: value})
     # Without no_rope_layers: every no_rope_layer_interval-th layer (default 4) is NoPE; SmolLM3's rope_theta.
     defaults = {k: v for k, v in smollm3.items() if k not in ("no_rope_layers", "no_rope_layer_interval",
                                                               "rope_parameters")}
-    config = hf_interop.model_config_from_hf({**defaults, "num_hidden_layers": 8})
+    config = hf_weights.model_config_from_hf({**defaults, "num_hidden_layers": 8})
     assert [config.is_nope_layer(i) for i in range(8)] == [False, False, False, True] * 2
     assert config.rotary_base == 2e6
     # NoPE layers on a model whose other features only Qwen3 describes: no family has both.
     qwen3 = dataclasses.replace(read_config(imports["qwen3"].root).model, hf_model_type=None, no_rope_freq="2")
     with pytest.raises(ConfigError, match="no_rope_freq"):
-        hf_interop.hf_config_from_model_config(qwen3)
+        hf_weights.hf_config_from_model_config(qwen3)
 
 
 def test_no_rope_freq_is_megatron_lms():
     """--no-rope-freq N or a list (1: NoPE), written into Megatron-LM's args as it parses them (an int or the list)
     and read back; without rotary embeddings, or a list of the wrong length, it is refused."""
-    from megatron_lite.checkpointing.megatron.args_mapping import (megatron_args_from_config,
+    from megatron_lite.interop.megatron.args_mapping import (megatron_args_from_config,
                                                                    model_config_from_megatron_args)
     from megatron_lite.cli.arguments import parse_args
     base = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -1,4 +1,4 @@
-"""What the ranks of tests/checkpointing/test_hf_families.py run: loading an imported checkpoint at a
+"""What the ranks of tests/interop/test_hf_families.py run: loading an imported checkpoint at a
 layout, a forward pass through the pipeline, training runs. Kept apart from the test module so
 that the spawned ranks do not import transformers and peft (seconds each, on every rank).
 """
@@ -128,7 +128,7 @@ def sgd_step_gradients(rank, world_size, root, microbatches, pp: int = 1):
     return gradients
 
 
-# The fair fight against transformers (tests/checkpointing/transformers_training.py): AdamW at a constant LR with
+# The fair fight against transformers (tests/interop/transformers_training.py): AdamW at a constant LR with
 # weight decay (matrices only, as Megatron and the reference's groups), every step clipped to norm 1.
 FAIR_STEPS, FAIR_BATCH = 3, 4
 FAIR_OPTIMIZER = OptimizerConfig(lr=1e-3, lr_decay_style="constant", weight_decay=0.01, clip_grad=1.0)

@@ -8,7 +8,7 @@ import safetensors.torch
 import torch
 
 from megatron_lite.checkpointing import load_checkpoint, read_config
-from megatron_lite.checkpointing.megatron.importer import read_megatron_checkpoint
+from megatron_lite.interop.megatron.importer import read_megatron_checkpoint
 from megatron_lite.config import CheckpointConfig, ConfigError
 from megatron_lite.model.builder import build_model
 from megatron_lite.pipeline_parallel import p2p
@@ -112,7 +112,7 @@ def test_the_saved_args_map_to_our_config():
 
 def test_unsupported_megatron_args_are_refused_by_name():
     import argparse
-    from megatron_lite.checkpointing.megatron.args_mapping import model_config_from_megatron_args
+    from megatron_lite.interop.megatron.args_mapping import model_config_from_megatron_args
     args = argparse.Namespace(moe_grouped_gemm=True, qk_layernorm=True, swiglu=False, bias_gelu_fusion=False)
     with pytest.raises(ConfigError, match=r"--moe-grouped-gemm \(experts stored as one grouped GEMM.*--qk-layernorm"):
         model_config_from_megatron_args(args, "ckpt")
@@ -138,8 +138,8 @@ def test_training_and_generate_start_straight_from_a_megatron_dir(tmp_path, monk
 def test_transformer_engine_layer_names_load_too(tmp_path):
     """Legacy files whose layers carry Transformer Engine's names (the norm inside the next linear), made from
     the tp2 x pp2 Megatron fixture by renaming its tensors: the same logits."""
-    from megatron_lite.checkpointing.megatron.legacy import rank_files
-    from megatron_lite.checkpointing.megatron.safe_unpickle import StandIn, load_torch_file
+    from megatron_lite.interop.megatron.legacy import rank_files
+    from megatron_lite.interop.megatron.safe_unpickle import StandIn, load_torch_file
     name = "gpt2_tp2pp2_torch"
     tokens, reference = megatron_logits(name)
     renames = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",

@@ -9,7 +9,7 @@ module with one A; our fused layers are several Hugging Face modules at once:
     linear_fc1  GPT-2: mlp.c_fc                           Llama: mlp.gate_proj, mlp.up_proj (SwiGLU)
 
 Export: each of those modules gets a copy of our shared A and its rows of our B
-(``hf_interop``'s q/k/v and gate/up split), so PEFT computes exactly our update. The experts of a
+(``weights``'s q/k/v and gate/up split), so PEFT computes exactly our update. The experts of a
 mixture-of-experts layer (Mixtral, Qwen3-MoE, OLMoE under transformers 5) are 3-D parameters, which PEFT
 adapts as ``target_parameters``, each expert with its own factors (``_EXPERT_PARAMETERS``); the dense MLPs of
 such a model have no PEFT form (``_check_dense_mlps_of_experts``), and no expert adapter is imported.
@@ -22,7 +22,7 @@ alpha = that rank (scale 1). Adapters that share A, rank and scale (ours, export
 come back unchanged.
 
 DeepSeek's multi-latent attention projections are one Hugging Face module each (q_a_proj,
-q_b_proj, kv_a_proj_with_mqa, ...; ``hf_latent_attention``); B's rows of the projections that
+q_b_proj, kv_a_proj_with_mqa, ...; ``latent_attention``); B's rows of the projections that
 produce rotated channels are reordered as the weights' are (files interleave the rotary rows, on
 import taken to be as DeepSeek's released weights have them).
 """
@@ -36,9 +36,10 @@ import safetensors
 import safetensors.torch
 import torch
 
-from megatron_lite.checkpointing.hf_interop import hf_architecture, hf_family, imported_from, pack_qkv, unpack_qkv
-from megatron_lite.checkpointing.hf_latent_attention import latent_rotary_rows, query_rotary_rows
-from megatron_lite.checkpointing.hf_tokenizer import write_json
+from megatron_lite.interop.hf.checkpoint import imported_from
+from megatron_lite.interop.hf.weights import hf_architecture, hf_family, pack_qkv, unpack_qkv
+from megatron_lite.interop.hf.latent_attention import latent_rotary_rows, query_rotary_rows
+from megatron_lite.interop.hf.tokenizer import write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.peft_base import adapter_reader, pointer_to
 from megatron_lite.checkpointing.resharding import CheckpointReader
@@ -85,7 +86,7 @@ _LAYERS = {"gpt2": "base_model.model.transformer.h.", "gpt_neox": "base_model.mo
 # with its own rank-r factors: A [E r, in] (expert e's rows e r .. e r + r - 1) and B [out, r E] (expert e's
 # columns e, E + e, ...). Both targeted, PEFT wraps gate_up_proj first, so its factors sit under base_layer.
 _EXPERT_PARAMETERS = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
-# DeepSeek's rotary rows are interleaved in its files, rotate-half in ours (hf_latent_attention): B's rows follow.
+# DeepSeek's rotary rows are interleaved in its files, rotate-half in ours (latent_attention): B's rows follow.
 _ROTARY_ROWS = {"linear_q_proj": query_rotary_rows, "linear_q_up_proj": query_rotary_rows,
                 "linear_kv_down_proj": latent_rotary_rows}
 
