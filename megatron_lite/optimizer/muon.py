@@ -119,13 +119,18 @@ class Muon(torch.optim.Optimizer):
             main.add_(update, alpha=-lr)
 
     def _orthogonalise(self, updates: dict) -> dict:
-        """main parameter -> its slice of the scaled, orthogonalised update."""
+        """main parameter -> its slice of the scaled, orthogonalised update.
+
+        A rank holds whole only the matrices it owns (their U, then their result) and one matrix in flight:
+        a matrix held whole nowhere else is orthogonalised and cut to its slice at once, and a broadcast
+        result is cut to this rank's slice before the next arrives."""
         by_matrix = {self.slices[main][0]: (main, update) for main, update in updates.items()}
-        whole = {}  # matrix -> its full update, for the matrices this rank orthogonalises
+        result, owned = {}, {}  # owned: matrix -> its full orthogonalised update, for the matrices this rank owns
         for matrix in self.matrices:
             if collectives.world_size(matrix.data_parallel_group) == 1:
                 if matrix in by_matrix:
-                    whole[matrix] = by_matrix[matrix][1].view(matrix.shape)
+                    main, update = by_matrix[matrix]
+                    result[main] = self._orthogonalise_matrix(matrix, update.view(matrix.shape)).view(-1)
                 continue
             # Sum every rank's slice into the owner: its whole U (zeros where a rank holds nothing).
             gathered = torch.zeros(matrix.numel, dtype=torch.float32, device=self._device(by_matrix))
@@ -136,23 +141,22 @@ class Muon(torch.optim.Optimizer):
             owner = self._owner_rank(matrix)
             collectives.reduce(gathered, dst=owner, group=matrix.data_parallel_group)
             if dist.get_rank() == owner:
-                whole[matrix] = gathered.view(matrix.shape)
+                owned[matrix] = gathered
         # Orthogonalise (each rank its own, in the shared order, so the tensor-parallel peers, which own
-        # the same matrices, meet in the same collectives).
-        done = {matrix: self._orthogonalise_matrix(matrix, u).view(-1) for matrix, u in whole.items()}
-        result = {}
+        # the same matrices, meet in the same collectives), then hand each result to the ranks that hold it.
+        for matrix in list(owned):
+            owned[matrix] = self._orthogonalise_matrix(matrix, owned[matrix].view(matrix.shape)).view(-1)
         for matrix in self.matrices:
-            if collectives.world_size(matrix.data_parallel_group) > 1:
-                owner = self._owner_rank(matrix)
-                full = done.get(matrix)
-                if full is None:
-                    full = torch.empty(matrix.numel, dtype=torch.float32, device=self._device(by_matrix))
-                collectives.broadcast(full, src=owner, group=matrix.data_parallel_group)
-                done[matrix] = full
+            if collectives.world_size(matrix.data_parallel_group) == 1:
+                continue
+            full = owned.pop(matrix, None)
+            if full is None:
+                full = torch.empty(matrix.numel, dtype=torch.float32, device=self._device(by_matrix))
+            collectives.broadcast(full, src=self._owner_rank(matrix), group=matrix.data_parallel_group)
             if matrix in by_matrix:
                 main = by_matrix[matrix][0]
                 _, start, end = self.slices[main]
-                result[main] = done[matrix][start:end]
+                result[main] = full[start:end].clone()  # a view would keep the whole matrix alive
         return result
 
     def _owner_rank(self, matrix: MuonMatrix) -> int:
@@ -202,19 +206,30 @@ class Muon(torch.optim.Optimizer):
 
 
 def _assign_owners(matrices: list) -> dict:
-    """matrix -> the data-parallel rank that orthogonalises it: biggest first, each to the least loaded rank
-    (NS costs about rows x cols x min(rows, cols)). The same on every rank: it reads only shapes and names."""
-    owners, load = {}, {}
-    sharded = [m for m in matrices if collectives.world_size(m.data_parallel_group) > 1]
-    for matrix in sorted(sharded, key=lambda m: (-_ns_cost(m), m.name)):
-        size = collectives.world_size(matrix.data_parallel_group)
-        ranks = load.setdefault(id(matrix.data_parallel_group), [0.0] * size)
-        owner = min(range(len(ranks)), key=lambda r: (ranks[r], r))
-        ranks[owner] += _ns_cost(matrix)
-        owners[matrix] = owner
+    """matrix -> the data-parallel rank that orthogonalises it (``assign_owners`` within each group)."""
+    by_group: dict = {}
+    for matrix in matrices:
+        if collectives.world_size(matrix.data_parallel_group) > 1:
+            by_group.setdefault(id(matrix.data_parallel_group), []).append(matrix)
+    owners = {}
+    for group in by_group.values():
+        size = collectives.world_size(group[0].data_parallel_group)
+        owners.update(assign_owners({m: (m.name, tuple(m.shape)) for m in group}, size))
     return owners
 
 
-def _ns_cost(matrix: MuonMatrix) -> float:
-    rows, cols = matrix.shape
+def assign_owners(shapes: dict, size: int) -> dict:
+    """key -> which of ``size`` ranks orthogonalises it, for the matrices ``shapes`` (key -> (name, (rows, cols))):
+    biggest first, each to the least loaded rank (NS costs about rows x cols x min(rows, cols)). It reads only
+    names and shapes, so every rank, and the planner, finds the same."""
+    owners, load = {}, [0.0] * size
+    for key, (name, shape) in sorted(shapes.items(), key=lambda item: (-ns_cost(item[1][1]), item[1][0])):
+        owner = min(range(size), key=lambda r: (load[r], r))
+        load[owner] += ns_cost(shape)
+        owners[key] = owner
+    return owners
+
+
+def ns_cost(shape: tuple) -> float:
+    rows, cols = shape
     return float(rows * cols * min(rows, cols))

@@ -6,7 +6,9 @@ chunk's layers plus the embedding on the first stage and the output layer's inpu
 the loss's fp32 softmax on the last; plus, under full recomputation, what a chunk's
 backward rebuilds while it runs. On top: the cross entropy's
 working copies of the logits on the last stage, and the cluster's allowance for the
-CUDA context, communication buffers and fragmentation.
+CUDA context, communication buffers and fragmentation. The optimizer step runs once the activations
+are freed: what it holds besides its state (Muon's whole matrices, ``muon_step``) counts where it
+outgrows them.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from dataclasses import dataclass
 from megatron_lite.planner import activations
 from megatron_lite.planner.activations import ActivationSetting
 from megatron_lite.planner.layouts import Layout
+from megatron_lite.planner.muon_step import MuonStep, muon_step
 from megatron_lite.planner.parameters import ChunkShape, distinct_stages, rank_chunk_shapes
 from megatron_lite.planner.pipeline import peak_activation_bytes
-from megatron_lite.planner.static_memory import StaticMemory, dtype_bytes, static_memory
+from megatron_lite.planner.static_memory import StaticMemory, dtype_bytes, expert_data_parallel_size, static_memory
 
 GB = 1e9
 
@@ -33,10 +36,12 @@ class MemoryEstimate:
     activation_bytes: float  # kept for backward at the schedule's peak, recomputation's rebuilt layers included
     loss_transient_bytes: float
     allowance_bytes: float
+    optimizer_step_bytes: float = 0.0  # held only during the optimizer step (Muon's whole matrices)
 
     @property
     def total_bytes(self) -> float:
-        return self.static.device_bytes + self.activation_bytes + self.loss_transient_bytes + self.allowance_bytes
+        during_steps = max(self.activation_bytes + self.loss_transient_bytes, self.optimizer_step_bytes)
+        return self.static.device_bytes + during_steps + self.allowance_bytes
 
     def as_dict(self) -> dict:
         return {"pipeline_rank": self.pipeline_rank, "parameters_gb": self.static.parameter_bytes / GB,
@@ -46,6 +51,7 @@ class MemoryEstimate:
                 "optimizer_state_gb": self.static.optimizer_state_bytes / GB,
                 "optimizer_state_on_host": self.static.optimizer_state_on_host,
                 "activations_gb": self.activation_bytes / GB, "loss_working_memory_gb": self.loss_transient_bytes / GB,
+                "optimizer_step_gb": self.optimizer_step_bytes / GB,
                 "allowance_gb": self.allowance_bytes / GB, "total_gb": self.total_bytes / GB}
 
 
@@ -120,9 +126,21 @@ def rank_memory(layout: Layout, *, device: str, pipeline_rank: int, data_paralle
     static = static_memory(config, pipeline_rank=pipeline_rank,
                            data_parallel_size=layout.data_parallel_size_with_context,
                            data_parallel_rank=data_parallel_rank, expert_data_parallel_rank=expert_data_parallel_rank)
+    step = (planned_muon_step(layout, pipeline_rank, data_parallel_rank, expert_data_parallel_rank).workspace_bytes
+            if config.optimizer.optimizer == "muon" else 0.0)
     return MemoryEstimate(pipeline_rank=pipeline_rank, static=static,
                           activation_bytes=peak, loss_transient_bytes=transient,
-                          allowance_bytes=allowance_gb * GB)
+                          allowance_bytes=allowance_gb * GB, optimizer_step_bytes=step)
+
+
+def planned_muon_step(layout: Layout, pipeline_rank: int, data_parallel_rank: int = 0,
+                      expert_data_parallel_rank: int = 0) -> MuonStep:
+    """``muon_step`` of a rank of ``layout``: its matrices sharded over the data x context ranks, experts over
+    their replicas, as the gradient buffers shard them."""
+    d = layout.data_parallel_size_with_context
+    return muon_step(layout.config, pipeline_rank, data_parallel_size=d,
+                     expert_data_parallel_size=expert_data_parallel_size(layout.config, d),
+                     data_parallel_rank=data_parallel_rank, expert_data_parallel_rank=expert_data_parallel_rank)
 
 
 def peak_memory(layout: Layout, *, device: str, allowance_gb: float = 0.0) -> MemoryEstimate:

@@ -23,6 +23,8 @@ class ParamSpec:
     elements: int
     shared_embedding: bool = False
     expert: bool = False  # an expert's weight: in the expert buffers, sharded over the expert-data-parallel group
+    matrix: tuple = ()  # (rows, columns) on this rank of a weight matrix, what --optimizer muon orthogonalises
+    partition_dim: int | None = None  # the matrix dimension split over the tensor-parallel ranks (None: whole)
 
     def numel(self) -> int:  # what the bucket planner asks of a parameter
         return self.elements
@@ -43,9 +45,11 @@ def _norm(prefix: str, model: ModelConfig, width: int | None = None) -> list[Par
     return [ParamSpec(f"{prefix}.{n}", width or model.hidden_size) for n in names]
 
 
-def _linear(prefix: str, rows: int, columns: int, bias: int | None) -> list[ParamSpec]:
-    """A [rows, columns] weight and, when the layer has one, a bias of ``bias`` elements."""
-    specs = [ParamSpec(f"{prefix}.weight", rows * columns)]
+def _linear(prefix: str, rows: int, columns: int, bias: int | None, partition_dim: int | None = None
+            ) -> list[ParamSpec]:
+    """A [rows, columns] weight (split along ``partition_dim``: 0 column-parallel, 1 row-parallel) and, when the
+    layer has one, a bias of ``bias`` elements."""
+    specs = [ParamSpec(f"{prefix}.weight", rows * columns, matrix=(rows, columns), partition_dim=partition_dim)]
     return specs + ([ParamSpec(f"{prefix}.bias", bias)] if bias is not None else [])
 
 
@@ -73,8 +77,8 @@ def _mlp(prefix: str, model: ModelConfig, width: int, t: int) -> list[ParamSpec]
     """A dense MLP ``width`` wide: column-parallel fc1 (SwiGLU's two halves), row-parallel fc2."""
     h, bias = model.hidden_size, model.add_bias_linear
     fc1 = width * (2 if model.swiglu else 1) // t
-    return (_linear(f"{prefix}.linear_fc1", fc1, h, fc1 if bias else None)
-            + _linear(f"{prefix}.linear_fc2", h, width // t, h if bias else None))
+    return (_linear(f"{prefix}.linear_fc1", fc1, h, fc1 if bias else None, partition_dim=0)
+            + _linear(f"{prefix}.linear_fc2", h, width // t, h if bias else None, partition_dim=1))
 
 
 def _experts(prefix: str, model: ModelConfig, t: int, ep: int, etp: int) -> list[ParamSpec]:
@@ -82,14 +86,16 @@ def _experts(prefix: str, model: ModelConfig, t: int, ep: int, etp: int) -> list
     expert-model-parallel rank's numbers: every rank holds the same sizes), each split over etp ranks,
     and the shared expert (a dense MLP over the tensor ranks, its gate first)."""
     h, width = model.hidden_size, model.moe_ffn_hidden_size
-    specs = [ParamSpec(f"{prefix}.router.weight", model.num_experts * h)]
+    specs = [ParamSpec(f"{prefix}.router.weight", model.num_experts * h, matrix=(model.num_experts, h))]
     fc1 = width * (2 if model.swiglu else 1) // etp
     for e in range(model.num_experts // ep):
         expert = f"{prefix}.experts.local_experts.{e}"
-        specs += [ParamSpec(f"{expert}.linear_fc1.weight", fc1 * h, expert=True),
-                  ParamSpec(f"{expert}.linear_fc2.weight", h * width // etp, expert=True)]
+        specs += [ParamSpec(f"{expert}.linear_fc1.weight", fc1 * h, expert=True, matrix=(fc1, h), partition_dim=0),
+                  ParamSpec(f"{expert}.linear_fc2.weight", h * width // etp, expert=True, matrix=(h, width // etp),
+                            partition_dim=1)]
     if model.moe_shared_expert_intermediate_size is not None:
-        gate = [ParamSpec(f"{prefix}.shared_experts.gate_weight", h)] if model.moe_shared_expert_gate else []
+        gate = ([ParamSpec(f"{prefix}.shared_experts.gate_weight", h, matrix=(1, h))] if model.moe_shared_expert_gate
+                else [])
         specs += gate + _mlp(f"{prefix}.shared_experts", model, model.moe_shared_expert_intermediate_size, t)
     return specs
 
@@ -111,8 +117,9 @@ def _attention(prefix: str, model: ModelConfig, t: int) -> list[ParamSpec]:
     qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim // t
     widths = ((model.num_attention_heads * model.head_dim // t, model.num_query_groups * model.head_dim // t)
               if model.qk_layernorm_whole_projection else (model.head_dim, model.head_dim))
-    return (_linear(f"{prefix}.linear_qkv", qkv, h, qkv if bias or model.add_qkv_bias else None)
-            + _linear(f"{prefix}.linear_proj", h, model.num_attention_heads * model.head_dim // t, h if bias else None)
+    return (_linear(f"{prefix}.linear_qkv", qkv, h, qkv if bias or model.add_qkv_bias else None, partition_dim=0)
+            + _linear(f"{prefix}.linear_proj", h, model.num_attention_heads * model.head_dim // t, h if bias else None,
+                      partition_dim=1)
             + (_norm(f"{prefix}.q_layernorm", model, widths[0]) + _norm(f"{prefix}.k_layernorm", model, widths[1])
                if model.qk_layernorm else []))
 
@@ -124,16 +131,17 @@ def _latent_attention(prefix: str, model: ModelConfig, t: int) -> list[ParamSpec
     query_rows = heads * (model.qk_head_dim + rotary) // t
     norm = _norm if model.qk_layernorm else (lambda *args: [])
     if model.q_lora_rank is None:
-        query = _linear(f"{prefix}.linear_q_proj", query_rows, h, None)
+        query = _linear(f"{prefix}.linear_q_proj", query_rows, h, None, partition_dim=0)
     else:
         query = (_linear(f"{prefix}.linear_q_down_proj", model.q_lora_rank, h, None)
                  + norm(f"{prefix}.q_layernorm", model, model.q_lora_rank)
-                 + _linear(f"{prefix}.linear_q_up_proj", query_rows, model.q_lora_rank, None))
+                 + _linear(f"{prefix}.linear_q_up_proj", query_rows, model.q_lora_rank, None, partition_dim=0))
     return (query + _linear(f"{prefix}.linear_kv_down_proj", model.kv_lora_rank + rotary, h, None)
             + norm(f"{prefix}.kv_layernorm", model, model.kv_lora_rank)
             + _linear(f"{prefix}.linear_kv_up_proj", heads * (model.qk_head_dim + model.v_head_dim) // t,
-                      model.kv_lora_rank, None)
-            + _linear(f"{prefix}.linear_proj", h, heads * model.v_head_dim // t, h if model.add_bias_linear else None))
+                      model.kv_lora_rank, None, partition_dim=0)
+            + _linear(f"{prefix}.linear_proj", h, heads * model.v_head_dim // t, h if model.add_bias_linear else None,
+                      partition_dim=1))
 
 
 def chunk_parameters(model: ModelConfig, *, tensor_model_parallel_size: int, layer_numbers: range,
@@ -148,7 +156,10 @@ def chunk_parameters(model: ModelConfig, *, tensor_model_parallel_size: int, lay
     if pre_process:
         specs.append(ParamSpec("embedding.word_embeddings.weight", vocab * h, shared_embedding=shared))
         if model.position_embedding_type == "learned_absolute":
-            specs.append(ParamSpec("embedding.position_embeddings.weight", model.max_position_embeddings * h))
+            # Muon orthogonalises it: only the word embedding and the output layer are left to the scalar optimizer,
+            # as in Megatron-LM.
+            specs.append(ParamSpec("embedding.position_embeddings.weight", model.max_position_embeddings * h,
+                                   matrix=(model.max_position_embeddings, h)))
     for n in layer_numbers:
         specs += layer_parameters(model, n, t, expert_model_parallel_size=expert_model_parallel_size,
                                   expert_tensor_parallel_size=expert_tensor_parallel_size)

@@ -66,6 +66,8 @@ def format_estimate(estimate: Estimate) -> str:
                if static.reference_bytes else []),
              f"  activations at the schedule's peak {memory.activation_bytes / GB:9.2f}",
              f"  loss working memory                {memory.loss_transient_bytes / GB:9.2f}",
+             *([f"  optimizer step (Muon's matrices)   {memory.optimizer_step_bytes / GB:9.2f}  (once the "
+                f"activations are freed)"] if memory.optimizer_step_bytes else []),
              f"  allowance (context, buffers)       {memory.allowance_bytes / GB:9.2f}",
              f"  total                              {memory.total_bytes / GB:9.2f} of "
              f"{estimate.cluster.gpu_memory_gb:g}: {fits}", "",

@@ -5,7 +5,8 @@ run, element for element (a test holds them equal for every strategy):
 
 - parameters in the model's dtype; gradients in the gradient buffer's dtype (fp32
   for bf16, or with --accumulate-allreduce-grads-in-fp32; else the model's);
-- optimizer state in fp32: Adam's two moments (SGD's momentum), plus an fp32 main
+- optimizer state in fp32: Adam's two moments (SGD's momentum, Lion's one; under Muon one momentum for the
+  matrices it orthogonalises and the scalar optimizer's for the rest), plus an fp32 main
   copy of the weights when the model is not fp32 (or lives apart, under offload), plus
   an fp32 main gradient when the gradient buffer is not fp32 (or lives apart: under
   offload, unless --grad-cpu-offload keeps the gradient shards in host memory already).
@@ -55,6 +56,7 @@ class StaticMemory:
     gradient_bytes: int
     optimizer_state_bytes: int
     optimizer_elements: int  # parameter elements this rank's optimizer updates
+    optimizer_matrix_elements: int = 0  # of them, those in weight matrices (what --optimizer muon orthogonalises)
     bucket_elements: tuple = ()  # padded size of each gradient bucket (what data parallelism communicates)
     expert_bucket_elements: tuple = ()  # the experts' buckets (what the expert-data-parallel group communicates)
     host_gradient_bytes: int = 0  # the part of gradient_bytes in host memory (--grad-cpu-offload's shards)
@@ -78,15 +80,20 @@ def gradient_dtype_bytes(config: Config) -> int:
     return 4 if fp32 else dtype_bytes(config)
 
 
-def optimizer_bytes_per_element(config: Config) -> int:
-    """fp32 bytes the optimizer keeps per element it owns (see the module docstring)."""
+def optimizer_state_bytes(config: Config, owned: int, owned_matrices: int) -> int:
+    """fp32 bytes the optimizer keeps for the ``owned`` elements it updates, ``owned_matrices`` of them in weight
+    matrices (see the module docstring)."""
     opt = config.optimizer
-    states = 2 if opt.optimizer == "adam" else int(opt.sgd_momentum > 0)
+    moments = {"adam": 2, "sgd": int(opt.sgd_momentum > 0), "lion": 1}
+    if opt.optimizer == "muon":  # a momentum buffer per matrix element, the scalar optimizer's state elsewhere
+        states = owned_matrices + (owned - owned_matrices) * moments[opt.muon_scalar_optimizer]
+    else:
+        states = owned * moments[opt.optimizer]
     offload = opt.optimizer_cpu_offload
     main_copy = dtype_bytes(config) != 4 or offload
     # Offloaded, the step reads its gradients from host memory: a copy, unless --grad-cpu-offload keeps them there.
     grad_copy = gradient_dtype_bytes(config) != 4 or (offload and not config.parallel.grad_cpu_offload)
-    return 4 * (states + main_copy + grad_copy)
+    return 4 * (states + owned * (main_copy + grad_copy))
 
 
 def planned_sharding(config: Config, data_parallel_size: int, data_parallel_rank: int = 0) -> NoShard:
@@ -101,6 +108,7 @@ class Bucket:
     real: int  # parameter elements
     padded: int  # with the padding that makes it divisible by the data-parallel size
     unit: str  # the unit (``parameters.fsdp_unit``) of its first parameter; under ZeRO-3, of all of them
+    matrices: tuple = ()  # (first, end) element of each weight matrix in it (``ParamSpec.matrix``)
 
 
 def buckets(chunk: list[ParamSpec], config: Config, data_parallel_size: int) -> list[Bucket]:
@@ -108,14 +116,26 @@ def buckets(chunk: list[ParamSpec], config: Config, data_parallel_size: int) -> 
     ``config.parallel``'s sharding strategy."""
     ordered = list(reversed(chunk))  # backward order: the buffer starts with the last layer
     plans = planned_sharding(config, data_parallel_size).bucket_plan(ordered, fsdp_unit)
-    return [Bucket(sum(s.elements for s in ordered[first:last]), padded, fsdp_unit(ordered[first]))
-            for first, last, padded in plans]
+    return [Bucket(sum(s.elements for s in ordered[first:last]), padded, fsdp_unit(ordered[first]),
+                   _matrix_spans(ordered[first:last])) for first, last, padded in plans]
 
 
-def _owned(bucket: Bucket, num_shards: int, shard_rank: int) -> int:
-    """Real elements in shard ``shard_rank``: the padding sits at the end of the bucket."""
+def _matrix_spans(specs: list[ParamSpec]) -> tuple:
+    """Where the weight matrices lie in a bucket holding ``specs`` one after the other."""
+    spans, start = [], 0
+    for spec in specs:
+        if spec.matrix:
+            spans.append((start, start + spec.elements))
+        start += spec.elements
+    return tuple(spans)
+
+
+def _owned(bucket: Bucket, num_shards: int, shard_rank: int) -> tuple[int, int]:
+    """(real elements, weight-matrix elements) in shard ``shard_rank``: the padding sits at the end of the bucket."""
     shard = bucket.padded // num_shards
-    return min(shard, max(0, bucket.real - shard_rank * shard))
+    first, end = shard_rank * shard, (shard_rank + 1) * shard
+    matrices = sum(max(0, min(end, stop) - max(first, start)) for start, stop in bucket.matrices)
+    return min(shard, max(0, bucket.real - first)), matrices
 
 
 def recompute_groups(config: Config, layers: list[str]) -> list[list[str]]:
@@ -183,6 +203,7 @@ class _Sizing:
                parallel.data_parallel_sharding_strategy, parallel.accumulate_allreduce_grads_in_fp32,
                parallel.ddp_bucket_size, parallel.overlap_grad_reduce, parallel.overlap_param_gather,
                parallel.grad_cpu_offload, optimizer.optimizer, optimizer.sgd_momentum > 0,
+               optimizer.muon_scalar_optimizer,
                optimizer.optimizer_cpu_offload, training.recompute_granularity, training.recompute_method,
                training.recompute_num_layers, reference_copy(config))
         return cls(key, config)
@@ -197,6 +218,7 @@ class _Chunk:
     gradients: int
     host_gradients: int
     owned: int
+    owned_matrices: int  # of ``owned``, the elements of weight matrices
     buckets: list
 
 
@@ -207,7 +229,8 @@ def _chunk_memory(config: Config, chunk: list[ParamSpec], tied_embedding: bool, 
     plan = buckets(chunk, config, d)
     sizes = [b.padded for b in plan]
     param_b, grad_b = dtype_bytes(config), gradient_dtype_bytes(config)
-    owned = sum(_owned(b, sharding.num_shards, sharding.shard_rank) for b in plan)
+    shares = [_owned(b, sharding.num_shards, sharding.shard_rank) for b in plan]
+    owned, owned_matrices = sum(s[0] for s in shares), sum(s[1] for s in shares)
     gradients, host_gradients = sharding.stored_gradient_elements(sizes)
     # Which units are whole at once (ZeRO-3's schedule; the other strategies gather nothing, so
     # their ``gathered_elements`` is 0 whatever these say).
@@ -220,7 +243,7 @@ def _chunk_memory(config: Config, chunk: list[ParamSpec], tied_embedding: bool, 
                                  groups=recompute_groups(config, layers))
     return _Chunk(sharding.stored_parameter_elements(sizes) * param_b,
                   sharding.gathered_elements(unit_elements, together) * param_b,
-                  gradients * grad_b, host_gradients * grad_b, owned, plan)
+                  gradients * grad_b, host_gradients * grad_b, owned, owned_matrices, plan)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -249,14 +272,15 @@ def _static_memory(sizing: _Sizing, shapes: tuple, data_parallel_size: int, data
     parameters = sum(c.parameters for c in chunks)
     # The reference holds its tensor-, pipeline- and expert-parallel shard whole on every data-parallel rank.
     reference = sum(b.real for c in chunks for b in c.buckets) * dtype_bytes(config) if reference_copy(config) else 0
-    owned = sum(c.owned for c in chunks)
+    owned, owned_matrices = sum(c.owned for c in chunks), sum(c.owned_matrices for c in chunks)
     return StaticMemory(
         parameter_bytes=parameters,
         # A rank runs one chunk at a time, and a chunk releases all it gathered before the next runs.
         peak_parameter_bytes=parameters + max(peaks),
         gradient_bytes=sum(c.gradients for c in chunks),
-        optimizer_state_bytes=owned * optimizer_bytes_per_element(config),
-        optimizer_elements=owned, bucket_elements=tuple(b.padded for c in dense_chunks for b in c.buckets),
+        optimizer_state_bytes=optimizer_state_bytes(config, owned, owned_matrices),
+        optimizer_elements=owned, optimizer_matrix_elements=owned_matrices,
+        bucket_elements=tuple(b.padded for c in dense_chunks for b in c.buckets),
         expert_bucket_elements=tuple(b.padded for c in expert_chunks for b in c.buckets),
         host_gradient_bytes=sum(c.host_gradients for c in chunks),
         optimizer_state_on_host=config.optimizer.optimizer_cpu_offload, reference_bytes=reference)

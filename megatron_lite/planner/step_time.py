@@ -38,7 +38,8 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.model import flops
 from megatron_lite.planner.cluster import Cluster, Link
 from megatron_lite.planner.layouts import Layout
-from megatron_lite.planner.memory import tokens_per_rank
+from megatron_lite.planner.memory import planned_muon_step, tokens_per_rank
+from megatron_lite.planner.muon_step import muon_step_s
 from megatron_lite.planner.parameters import ChunkShape, distinct_stages, rank_chunk_shapes
 from megatron_lite.planner.pipeline import bubble_fraction
 from megatron_lite.planner.static_memory import (StaticMemory, dtype_bytes, expert_data_parallel_size,
@@ -47,8 +48,9 @@ from megatron_lite.planner.static_memory import (StaticMemory, dtype_bytes, expe
 # Bytes of memory traffic per fp32 element the optimizer owns, per step. The fused AdamW reads the
 # weight, gradient and both moments once and writes back the weight and the moments (28 bytes);
 # gradient clipping reads once for the norm and scales once. SGD with momentum (torch's loop):
-# three read-write passes.
-OPTIMIZER_TRAFFIC_BYTES = {"adam": 28 + 12, "sgd": 36 + 12}
+# three read-write passes; Lion's loop five (its direction, its sign, decay, update, momentum); Muon's
+# element-wise part of a matrix three (decay, momentum, update), Newton-Schulz apart (``muon_step``).
+OPTIMIZER_TRAFFIC_BYTES = {"adam": 28 + 12, "sgd": 36 + 12, "lion": 52 + 12, "muon": 32 + 12}
 
 
 def all_reduce_s(message_bytes: float, group_size: int, link: Link) -> float:
@@ -235,14 +237,33 @@ def _buckets_s(layout: Layout, bucket_elements: tuple, group_size: int, link: Li
         exposed_in_forward=exposed(stage_forward))
 
 
-def _optimizer_s(layout: Layout, cluster: Cluster, memory: StaticMemory) -> float:
-    """The optimizer step and the gradient buffer's zeroing, at the device's memory bandwidth."""
-    config = layout.config
-    elements = memory.optimizer_elements
-    traffic = elements * OPTIMIZER_TRAFFIC_BYTES[config.optimizer.optimizer] + memory.gradient_bytes
+def _optimizer_s(layout: Layout, cluster: Cluster, memory: StaticMemory, pipeline_rank: int) -> float:
+    """The optimizer step and the gradient buffer's zeroing, at the device's memory bandwidth; Muon's
+    Newton-Schulz iterations and matrix moves besides (``muon_step``)."""
+    config, optimizer = layout.config, layout.config.optimizer
+    elements, matrices = memory.optimizer_elements, memory.optimizer_matrix_elements
+    if optimizer.optimizer == "muon":
+        traffic = (matrices * OPTIMIZER_TRAFFIC_BYTES["muon"]
+                   + (elements - matrices) * OPTIMIZER_TRAFFIC_BYTES[optimizer.muon_scalar_optimizer])
+    else:
+        traffic = elements * OPTIMIZER_TRAFFIC_BYTES[optimizer.optimizer]
+    traffic += memory.gradient_bytes
     if dtype_bytes(config) != 4:  # main grads copied in, main params copied back
         traffic += elements * (gradient_dtype_bytes(config) + 4 + 4 + dtype_bytes(config))
-    return traffic / (cluster.memory_bandwidth_gbs * 1e9)
+    seconds = traffic / (cluster.memory_bandwidth_gbs * 1e9)
+    if optimizer.optimizer == "muon":
+        seconds += muon_step_s(planned_muon_step(layout, pipeline_rank), config, cluster, _muon_links(layout, cluster))
+    return seconds
+
+
+def _muon_links(layout: Layout, cluster: Cluster) -> dict[str, Link]:
+    """The links of the groups Muon's step communicates over (the gradient reduction's, and the tensor ranks')."""
+    parallel = layout.config.parallel
+    t, d = layout.tensor_model_parallel_size, layout.data_parallel_size_with_context
+    etp = parallel.expert_tensor_size
+    return {"data": cluster.link(t, d), "tensor": cluster.link(1, t), "expert_tensor": cluster.link(1, etp),
+            "expert_data": cluster.link(parallel.expert_model_parallel_size * etp,
+                                        expert_data_parallel_size(layout.config, d))}
 
 
 def step_time(layout: Layout, cluster: Cluster) -> StepTime:
@@ -255,7 +276,7 @@ def step_time(layout: Layout, cluster: Cluster) -> StepTime:
         memory = static_memory(layout.config, pipeline_rank=ranks[0],
                                data_parallel_size=layout.data_parallel_size_with_context)
         stages.append((chunks, _data_parallel_s(layout, cluster, memory, forward, backward),
-                       _optimizer_s(layout, cluster, memory)))
+                       _optimizer_s(layout, cluster, memory, ranks[0])))
     chunks = max((chunks for chunks, _, _ in stages), key=lambda cs: sum(c.total for c in cs))
     bubble = bubble_fraction(layout.pipeline_model_parallel_size, m, layout.virtual_pipeline_model_parallel_size)
     data_parallel, optimizer = max(((dp, opt) for _, dp, opt in stages), key=sum)

@@ -40,7 +40,7 @@ WORLD = 8
 
 
 def _config(arch, tp=1, pp=1, vpp=None, *, ep=1, strategy="no_shard", bf16=False, fp16=False, bucket=None,
-            overlap=False, offload=False, grad_offload=False, optimizer="adam", **training):
+            overlap=False, offload=False, grad_offload=False, optimizer="adam", scalar_optimizer="adam", **training):
     """--overlap-grad-reduce comes with --overlap-param-gather when sharded (Megatron's pair)."""
     return Config(model=ModelConfig(**arch),
                   parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -50,7 +50,8 @@ def _config(arch, tp=1, pp=1, vpp=None, *, ep=1, strategy="no_shard", bf16=False
                                           overlap_param_gather=overlap and strategy != "no_shard",
                                           grad_cpu_offload=grad_offload),
                   training=TrainingConfig(bf16=bf16, fp16=fp16, **training),
-                  optimizer=OptimizerConfig(optimizer=optimizer, optimizer_cpu_offload=offload),
+                  optimizer=OptimizerConfig(optimizer=optimizer, optimizer_cpu_offload=offload,
+                                            muon_scalar_optimizer=scalar_optimizer),
                   data=DataConfig(mock_data=True), logging=LoggingConfig(log_memory=False))
 
 
@@ -107,6 +108,24 @@ def test_moe_parameter_list_is_the_chunks_named_parameters(tp, pp, ep):
         assert [[(s.name, s.elements, s.expert) for s in c] for c in planned] == [
             [(_first_experts_named_zero(n, first), p.numel(), getattr(p, "expert_parallel", False))
              for n, p in chunk.named_parameters()] for chunk in chunks]
+
+
+@pytest.mark.parametrize("optimizer,scalar", [("lion", "adam"), ("muon", "adam"), ("muon", "lion")])
+@pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
+@pytest.mark.parametrize("arch,tp,pp,ep", [(GPT, 2, 2, 1), (MOE, 2, 1, 2)], ids=["gpt", "moe"])
+def test_lion_and_muon_state_is_what_the_planner_says(optimizer, scalar, strategy, arch, tp, pp, ep):
+    """Lion's one moment; Muon's momentum for every weight matrix (GPT-2's position embedding, the routers and the
+    experts among them) and the scalar optimizer's state for the rest, on every rank's shards: equal to the live
+    optimizer's."""
+    config = _config(arch, tp, pp, ep=ep, strategy=strategy, bf16=True, bucket=3000, optimizer=optimizer,
+                     scalar_optimizer=scalar)
+    for rank in range(WORLD):
+        state, _, _, optimizer_ = _built(config, rank)
+        planned = static_memory(config, pipeline_rank=state.pipeline_model_parallel_rank,
+                                data_parallel_size=state.data_parallel_world_size,
+                                data_parallel_rank=state.data_parallel_rank,
+                                expert_data_parallel_rank=state.expert_data_parallel_rank)
+        assert planned.optimizer_state_bytes == optimizer_.memory_report()["optimizer_state_bytes"], rank
 
 
 @pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
