@@ -26,6 +26,14 @@ class SentencePieceTokenizer:
             raise ConfigError(f"{tokenizer_model} has no eos piece; SentencePieceTokenizer uses it as end of document.")
         self.eod = self._processor.eos_id()
         self.pad = self._processor.pad_id() if self._processor.pad_id() >= 0 else self.eod
+        self.bos = self._processor.bos_id() if self._processor.bos_id() >= 0 else None
+
+    @property
+    def special_tokens(self) -> dict:
+        """The model's own special pieces by Hugging Face's names (``bos_token``, ...): those it has."""
+        ids = {"bos_token": self._processor.bos_id(), "eos_token": self.eod, "unk_token": self._processor.unk_id(),
+               "pad_token": self._processor.pad_id()}
+        return {name: self._processor.id_to_piece(i) for name, i in ids.items() if i >= 0}
 
     @property
     def vocab_size(self) -> int:

@@ -48,6 +48,9 @@ def test_export_writes_the_recorded_tokenizer(tmp_path, tokenizers, tokenizer_ty
     config = json.loads((out / "config.json").read_text())
     generation = json.loads((out / "generation_config.json").read_text())
     assert config["eos_token_id"] == generation["eos_token_id"] == ours.eod == theirs.eos_token_id
+    if tokenizer_type == "SentencePieceTokenizer":  # the model's own pieces, not EOD for every role
+        assert (theirs.bos_token, theirs.unk_token, theirs.pad_token) == ("<s>", "<unk>", "<pad>")
+        assert config["bos_token_id"] == theirs.bos_token_id == 1 and config["pad_token_id"] == theirs.pad_token_id
     generator = transformers.pipeline("text-generation", model=str(out), device="cpu")
     text = generator(TEXT, max_new_tokens=4, do_sample=False)[0]["generated_text"]
     assert text.startswith(TEXT[:20])

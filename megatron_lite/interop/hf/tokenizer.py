@@ -68,15 +68,20 @@ def export_tokenizer(tokenizer_flags: dict, save_dir: str, *, model_max_length: 
         _check_chat_template(tokenizer, prompt_format, save_dir)
     if tokenizer_type == "HuggingFaceTokenizer":
         return _hf_special_ids(tokenizer)
-    ids = {"bos_token_id": tokenizer.eod, "eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad}
+    bos = tokenizer.bos if tokenizer_type == "SentencePieceTokenizer" else tokenizer.eod
+    ids = {"bos_token_id": bos, "eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad}
     return {"config.json": ids, "generation_config.json": ids}
 
 
 def _tokenizer_config(tokenizer, tokenizer_type: str, tokenizer_class: str, model_max_length: int) -> dict:
-    """The tokenizer_config.json of a tokenizer that has none of its own: EOD is every special token."""
-    eos = tokenizer.detokenize([tokenizer.eod]) if tokenizer_type != "SentencePieceTokenizer" else "</s>"
-    tokenizer_config = {"tokenizer_class": tokenizer_class, "model_max_length": model_max_length,
-                        "bos_token": eos, "eos_token": eos, "unk_token": eos,
+    """The tokenizer_config.json of a tokenizer that has none of its own: a SentencePiece model's own special
+    pieces (<s>, </s>, <unk>, and a pad where it has one); GPT-2's EOD as every special token, as GPT-2's is."""
+    if tokenizer_type == "SentencePieceTokenizer":
+        special = tokenizer.special_tokens
+    else:
+        eos = tokenizer.detokenize([tokenizer.eod])
+        special = {"bos_token": eos, "eos_token": eos, "unk_token": eos}
+    tokenizer_config = {"tokenizer_class": tokenizer_class, "model_max_length": model_max_length, **special,
                         # ours adds no BOS; without this LlamaTokenizer would prepend one
                         "add_bos_token": False, "add_eos_token": False}
     if tokenizer_type == "SentencePieceTokenizer":
