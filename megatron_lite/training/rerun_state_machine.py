@@ -197,7 +197,7 @@ def _ranges(ranges: list[range]) -> str:
             merged[-1][1] = r.stop
         else:
             merged.append([r.start, r.stop])
-    return ", ".join(f"{start}-{stop - 1}" for start, stop in merged)
+    return ", ".join(f"{start}-{stop - 1}" if stop - start > 1 else f"{start}" for start, stop in merged)
 
 
 @dataclasses.dataclass
