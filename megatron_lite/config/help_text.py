@@ -155,7 +155,8 @@ HELP = {
     "accumulate_allreduce_grads_in_fp32": "keep and reduce gradients in fp32 under bf16/fp16",
     "grad_reduce_in_bf16": "with --bf16: accumulate and reduce gradients in bf16 (the optimizer still gets fp32)",
     "distributed_backend": "torch.distributed backend (default nccl with CUDA, as Megatron-LM; gloo without)",
-    "distributed_timeout_minutes": "a collective that waits longer than this fails (every process group)",
+    "distributed_timeout_minutes": ("a collective that waits longer than this fails (every process group), naming "
+                                    "each rank's last collective"),
     # training
     "micro_batch_size": ("sequences per forward/backward on one data-parallel rank (Megatron-LM requires the flag; "
                          "1 here lets a flag-less tiny run start)"),

@@ -38,7 +38,7 @@ from megatron_lite.model.moe import routing_statistics
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.optimizer.optimizer_param_scheduler import get_optimizer_param_scheduler
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
-from megatron_lite.process_groups import collectives, failures
+from megatron_lite.process_groups import collectives, failures, hang_report
 from megatron_lite.process_groups.initialize import initialize_distributed
 from megatron_lite.process_groups.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from megatron_lite.tensor_parallel.random import set_random_seeds
@@ -52,6 +52,7 @@ from megatron_lite.training.rerun_state_machine import (IterationBatch, RerunSta
 from megatron_lite.training.restarts import describe_restart
 from megatron_lite.training.run_plan import RunPlan, plan_run
 from megatron_lite.training.signal_handler import DistributedSignalHandler
+from megatron_lite.training.straggler import StragglerDetector
 from megatron_lite.checkpointing.training_state import TrainingState
 
 
@@ -336,8 +337,10 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
     rerun = RerunStateMachine(training, parallel_state, has_loss_scaler=optimizer.grad_scaler is not None)
     if rerun.replays_data:
         train_iterator = wrap_data_iterator(train_iterator)
+    straggler = StragglerDetector() if config.logging.log_straggler else None
     # The save lock covers every save of the run: a second run on the same --save stops before its first step.
     with holding_save_lock(config.checkpoint.save, is_holder=parallel_state.rank == 0), signal_handler, \
+            hang_report.reporting_hangs(config.parallel.distributed_timeout_minutes), \
             operations.manual_garbage_collection(training), \
             operations.profiler(config, parallel_state.rank) as profiler:
         while state.iteration < train_iters:
@@ -345,6 +348,7 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
             num_microbatches = calculator.get_num_microbatches(state.consumed_train_samples)
             global_batch = calculator.get_current_global_batch_size(state.consumed_train_samples)
             step_start = time.perf_counter()
+            collectives.tracker.iteration = state.iteration + 1
             rerun.begin_iteration(IterationBatch(state.iteration + 1, state.consumed_train_samples, global_batch,
                                                  num_microbatches))
             try:
@@ -363,7 +367,10 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
             if loss is not None:
                 state.nan_iterations += 0 if math.isfinite(loss) else 1
                 state.losses.append(loss)
-            logger.record(loss, time.perf_counter() - step_start, skipped=not update_successful,
+            step_seconds = time.perf_counter() - step_start
+            if straggler is not None:
+                straggler.record(step_seconds)
+            logger.record(loss, step_seconds, skipped=not update_successful,
                           global_batch=global_batch, statistics=losses, consumed_samples=state.consumed_train_samples,
                           routing=routing_statistics.routing_summary(model_chunks, parallel_state, config.model))
             if _every(state.iteration, training.check_weight_hash_across_dp_replicas_interval):
@@ -371,6 +378,8 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
             if _every(state.iteration, config.logging.log_interval):
                 logger.log_interval(state, optimizer, grad_norm)
                 rerun.log_statistics(state.iteration)
+                if straggler is not None:
+                    straggler.report(state.iteration)
             if valid_iterator is not None and _every(state.iteration, training.eval_interval):
                 with operations.garbage_collection_around_evaluation(training):
                     valid_loss = evaluate(config, parallel_state, model_chunks, valid_iterator,
