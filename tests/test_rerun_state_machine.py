@@ -34,8 +34,8 @@ def _config(save=None, load=None, save_interval=None, **training):
                   training=TrainingConfig(micro_batch_size=1, global_batch_size=4, train_iters=TRAIN_ITERS,
                                           seed=SEED, eval_interval=1000, eval_iters=1, **training),
                   optimizer=OptimizerConfig(lr=1e-2, clip_grad=0.5), data=DataConfig(mock_data=True),
-                  checkpoint=CheckpointConfig(save=save, load=load, save_interval=save_interval), logging=LoggingConfig(log_interval=1,
-                                                                                          log_memory=False))
+                  checkpoint=CheckpointConfig(save=save, load=load, save_interval=save_interval),
+                  logging=LoggingConfig(log_interval=1, log_memory=False))
 
 
 def _train(config):

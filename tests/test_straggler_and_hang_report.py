@@ -54,7 +54,7 @@ def test_the_slow_rank_is_named_and_a_stall_names_every_ranks_last_collective(ru
 
     # Rank 0 waited in the gradients' all-reduce of iteration 2 (the second run's), rank 1 never reached it.
     assert first_error is not None and first_error.startswith(
-        f"rank 0 waited past --distributed-timeout-minutes ({TIMEOUT_MINUTES:g}) in all_reduce #"), first_error
+        f"rank 0 waited past --distributed-timeout-minutes ({TIMEOUT_MINUTES:g} minutes) in all_reduce #"), first_error
     waited = int(first_error.split("all_reduce #", 1)[1].split(" ", 1)[0])
     mine, theirs = first_error.split("; rank 1: ")
     assert f"rank 0: all_reduce #{waited} of group 'data'" in mine and "issued in iteration 2)" in mine

@@ -1,4 +1,4 @@
-"""Name each rank's last collective when one times out (--distributed-timeout-minutes).
+"""Name each rank's last collective when one times out (the groups' timeout: --distributed-timeout-minutes).
 
 A collective that times out says only that it waited (gloo: ``Timed out waiting 600000ms for recv operation``);
 the rank that stalled, and where, is on another machine. So while a job runs, a background thread on each rank
@@ -33,7 +33,7 @@ _TIMEOUT_SIGNS = ("timed out", "timeout", "connection closed by peer", "connecti
 
 
 class CollectiveTimeoutError(UserError, RuntimeError):
-    """A collective waited past --distributed-timeout-minutes, or lost a peer: the message names each rank's
+    """A collective waited past the groups' timeout, or lost a peer: the message names each rank's
     last collective. Not the user's input, but one line says all there is to say (no traceback helps)."""
 
 
@@ -67,9 +67,10 @@ class LastCollectivePublisher(threading.Thread):
 
 
 @contextlib.contextmanager
-def reporting_hangs(timeout_minutes: float):
+def reporting_hangs(timeout_minutes: float, setting: str = "the process groups' timeout"):
     """Publish this rank's last collective while the block runs; a collective timing out inside it raises
-    CollectiveTimeoutError naming every rank's. A world of one process has nothing to report."""
+    CollectiveTimeoutError naming every rank's (``setting``: what the error calls the timeout, so the caller
+    can name its flag). A world of one process has nothing to report."""
     store = _default_store()
     if store is None:
         yield
@@ -84,7 +85,8 @@ def reporting_hangs(timeout_minutes: float):
             raise
         publisher.stop()
         publisher.publish()  # this rank's entry as it is now, for the ranks that report after this one
-        raise CollectiveTimeoutError(describe_hang(rank, world_size, store, timeout_minutes, str(error))) from error
+        raise CollectiveTimeoutError(describe_hang(rank, world_size, store, f"{setting} ({timeout_minutes:g} minutes)",
+                                                   str(error))) from error
     finally:
         publisher.stop()
         collectives.tracker.iteration = None
@@ -104,7 +106,7 @@ def is_collective_failure(error: BaseException) -> bool:
     return any(sign in str(error).lower() for sign in _TIMEOUT_SIGNS)
 
 
-def describe_hang(rank: int, world_size: int, store, timeout_minutes: float, cause: str) -> str:
+def describe_hang(rank: int, world_size: int, store, timeout: str, cause: str) -> str:
     """The error: this rank's collective that failed, every rank's last one, and the ranks behind in its group."""
     entries = {r: _read(store, r) for r in range(world_size)}
     entries[rank] = current_entry()  # this rank's own from memory: the store may be gone
@@ -112,8 +114,9 @@ def describe_hang(rank: int, world_size: int, store, timeout_minutes: float, cau
     now = time.time()
     waited = f"{mine['op']} #{mine['group_sequence']} of group '{mine['group']}'" if mine else "a collective"
     timed_out = "timed out" in cause.lower() or "timeout" in cause.lower()
-    what = (f"waited past --distributed-timeout-minutes ({timeout_minutes:g}) in {waited}" if timed_out
-            else f"lost a peer in {waited} ({cause.strip().splitlines()[0][:160]})")
+    said = cause.strip().splitlines()[0][:160] if cause.strip() else "no message"
+    what = f"waited past {timeout} in {waited}" if timed_out else f"lost a peer in {waited}"
+    what += f" (the backend said: {said})"
     lines = [_describe_entry(r, entries[r], now) for r in range(world_size)]
     # Behind: fewer collectives of the group this rank waits in than this rank has issued.
     behind = [r for r, e in entries.items() if mine and e is not None
@@ -127,8 +130,8 @@ def describe_hang(rank: int, world_size: int, store, timeout_minutes: float, cau
                    f"a deadlock, or a dead process; look at that rank's log and stack (py-spy dump).")
     if silent:
         verdict += f" Ranks {', '.join(map(str, silent))} published nothing (no collective yet, or gone)."
-    return (f"rank {rank} {what}. Each rank's last collective: {'; '.join(lines)}.{verdict} Raise "
-            f"--distributed-timeout-minutes only if a rank is legitimately that slow (a long save or data build).")
+    return (f"rank {rank} {what}. Each rank's last collective: {'; '.join(lines)}.{verdict} Raise {timeout} "
+            f"only if a rank is legitimately that slow (a long save or data build).")
 
 
 def _describe_entry(rank: int, entry: Optional[dict], now: float) -> str:

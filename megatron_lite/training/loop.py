@@ -340,7 +340,8 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
     straggler = StragglerDetector() if config.logging.log_straggler else None
     # The save lock covers every save of the run: a second run on the same --save stops before its first step.
     with holding_save_lock(config.checkpoint.save, is_holder=parallel_state.rank == 0), signal_handler, \
-            hang_report.reporting_hangs(config.parallel.distributed_timeout_minutes), \
+            hang_report.reporting_hangs(config.parallel.distributed_timeout_minutes,
+                                        setting="--distributed-timeout-minutes"), \
             operations.manual_garbage_collection(training), \
             operations.profiler(config, parallel_state.rank) as profiler:
         while state.iteration < train_iters:
