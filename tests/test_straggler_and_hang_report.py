@@ -12,7 +12,7 @@ from megatron_lite.process_groups import collectives, hang_report
 from megatron_lite.training.straggler import format_straggler_report
 
 TIMEOUT_MINUTES = 0.04  # 2.4 s
-STALL_S = 6.0
+STALL_S = 5.0
 
 
 def _config(train_iters, log_straggler=False):
@@ -29,7 +29,7 @@ def _slow_then_stalled(rank, world_size):
     from megatron_lite.training.loop import pretrain
 
     read = MockGPTDataset.__getitem__
-    delays = iter([0.3, 0.3, 0.0, STALL_S] if rank == 1 else [])
+    delays = iter([0.15, 0.15, 0.0, STALL_S] if rank == 1 else [])
 
     def slow_read(self, index):
         time.sleep(next(delays, 0.0))

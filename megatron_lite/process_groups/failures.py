@@ -4,7 +4,7 @@ A rank that fails alone would leave the others waiting in a collective; a user e
 printed by every rank buries the one line that matters under copies and tracebacks.
 ``run_on_every_rank`` makes the ranks agree that a step failed and which rank reports
 it; ``run_command`` is how every command ends: a user error (``config.UserError``)
-prints once as ``error: ...`` and exits 2, the other ranks exit quietly with the same
+prints once as ``error: ...`` and exits 2 (or the error's ``exit_code``), the other ranks exit quietly with the same
 code, a bug keeps its traceback, Ctrl-C prints one line, and the process groups are
 torn down before the interpreter exits (a gloo group left alive at exit can abort the
 process with "terminate called without an active exception").
