@@ -144,3 +144,19 @@ def test_a_spike_is_ten_times_the_largest_of_the_first_hundred():
                                               (2.0, 1.0, 0.5)])
 def test_relative_difference(a, b, difference):
     assert relative_difference(a, b) == difference
+
+
+def test_the_flags_parse_and_injection_needs_validation():
+    from megatron_lite.cli.arguments import parse_args
+    from megatron_lite.config import ConfigError
+
+    base = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+            "--vocab-size", "64", "--mock-data"]
+    training = parse_args([*base, "--rerun-mode", "report_stats", "--check-for-spiky-loss", "--check-for-large-grads",
+                           "--log-straggler"]).training
+    assert (training.rerun_mode, training.check_for_spiky_loss, training.check_for_large_grads) == \
+        ("report_stats", True, True)
+    with pytest.raises(ConfigError, match="--error-injection-rate .* only --rerun-mode validate_results"):
+        parse_args([*base, "--rerun-mode", "disabled", "--error-injection-rate", "10"])
+    with pytest.raises(ConfigError, match="--error-injection-type"):
+        parse_args([*base, "--error-injection-type", "bit_flip"])

@@ -243,8 +243,8 @@ class RerunStateMachine:
 
     def __init__(self, training_config, parallel_state, *, has_loss_scaler: bool):
         self.mode = training_config.rerun_mode
-        self.check_nan = training_config.check_for_nan_in_loss_and_grad
         # Under fp16 the loss scaler owns NaN and Inf (it skips those steps) and the scale moves the grad norm.
+        self.check_nan = training_config.check_for_nan_in_loss_and_grad and not has_loss_scaler
         self.check_grads = not has_loss_scaler
         self.spikes = {"loss": SpikeDetector(SPIKY_LOSS_FACTOR) if training_config.check_for_spiky_loss else None,
                        "grad norm": (SpikeDetector(LARGE_GRADS_FACTOR)
@@ -261,7 +261,8 @@ class RerunStateMachine:
 
     @property
     def replays_data(self) -> bool:
-        return self.mode != "disabled"
+        """Whether an iteration may be re-run: its micro-batches are then kept until it is done."""
+        return self.mode == "report_stats" or (self.mode == "validate_results" and self.validates)
 
     def begin_iteration(self, batch: IterationBatch) -> None:
         self.batch = batch
@@ -269,7 +270,7 @@ class RerunStateMachine:
     def run(self, forward_backward: Callable[[], list], data_iterator, model_chunks) -> list:
         """``forward_backward()``'s losses for this iteration (a re-run's when there was one), its gradients in
         the buffers; raises ResultRejected on every rank when a rejected result reproduced on a fatal check."""
-        if self.mode == "disabled" or (self.mode == "validate_results" and not self.validates):
+        if not self.replays_data:
             losses = forward_backward()
             if self.mode == "disabled" and self.check_nan:
                 values = self._values(losses, model_chunks)
