@@ -29,7 +29,7 @@ def _slow_then_stalled(rank, world_size):
     from megatron_lite.training.loop import pretrain
 
     read = MockGPTDataset.__getitem__
-    delays = iter([0.15, 0.15, 0.0, STALL_S] if rank == 1 else [])
+    delays = iter([0.3, 0.3, 0.0, STALL_S] if rank == 1 else [])
 
     def slow_read(self, index):
         time.sleep(next(delays, 0.0))
@@ -61,8 +61,8 @@ def test_the_slow_rank_is_named_and_a_stall_names_every_ranks_last_collective(ru
     assert mine.endswith("not returned"), mine
     assert "issued in iteration 1; the rank is in iteration 2)" in theirs and ", returned." in theirs, theirs
     assert "Rank 1 never reached it (fewer collectives of group 'data')" in theirs
-    # Rank 1, once awake, finds rank 0 gone: its own error says it lost a peer.
-    assert second_error is not None and second_error.startswith("rank 1 lost a peer"), second_error
+    # Rank 1, once awake, finds rank 0 gone (or, while rank 0 tears down, waits in vain): its own error says so.
+    assert second_error is not None and second_error.startswith(("rank 1 lost a peer", "rank 1 waited past"))
 
 
 def test_a_published_entry_is_what_the_tracker_holds():
