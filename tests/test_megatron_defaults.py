@@ -59,6 +59,9 @@ MEGATRON_DEFAULTS = {
     "eval_iters": 100, "exit_signal_handler": False, "exit_interval": None, "exit_duration_in_mins": None,
     "check_weight_hash_across_dp_replicas_interval": None, "manual_gc": False, "manual_gc_interval": 0,
     "manual_gc_eval": True, "empty_unused_memory_level": 0, "check_for_nan_in_loss_and_grad": True,
+    # the re-run engine (RerunStateMachineConfig) and the straggler detector (StragglerDetectionConfig)
+    "rerun_mode": "validate_results", "check_for_spiky_loss": False, "check_for_large_grads": False,
+    "error_injection_rate": 0, "error_injection_type": "transient_error", "log_straggler": False,
     # optimizer
     "optimizer": "adam", "min_lr": 0.0, "lr_decay_style": "linear", "lr_wsd_decay_style": "exponential",
     "lr_wsd_decay_iters": None, "lr_wsd_decay_samples": None, "lr_warmup_init": 0.0, "lr_warmup_iters": 0,

@@ -32,8 +32,9 @@ ACCEPTED_FLAGS = {
     "--no-bias-dropout-fusion": _FUSION_NOOP,
     "--no-rope-fusion": _FUSION_NOOP,
     "--no-persist-layer-norm": _FUSION_NOOP,
-    "--check-for-nan-in-loss-and-grad": "accepted: the default (a non-finite loss or grad norm stops the run; "
-                                        "--no-check-for-nan-in-loss-and-grad turns the check off)",
+    "--check-for-nan-in-loss-and-grad": "accepted: the default (a non-finite loss or grad norm re-runs its iteration "
+                                        "and stops the run if it reproduces; --no-check-for-nan-in-loss-and-grad "
+                                        "turns the check off)",
     "--cache-mla-latents": "accepted, no effect: multi-latent attention's generation always caches its latents",
     "--mla-down-proj-fusion": _FUSION_NOOP,
     "--yarn-correction-range-round-to-int": "accepted: the default (YaRN's blended channel range is rounded out; "

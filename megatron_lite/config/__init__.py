@@ -32,6 +32,10 @@ from megatron_lite.config.optimizer import (LR_DECAY_STYLES, LR_WARMUP_STYLES, M
 from megatron_lite.config.parallel import CP_COMM_TYPES, SHARDING_STRATEGIES, ParallelConfig  # noqa: F401
 
 
+# --rerun-mode and --error-injection-type (Megatron-LM's re-run state machine, training/rerun_state_machine.py).
+RERUN_MODES = ("validate_results", "report_stats", "disabled")
+ERROR_INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
+
 # --dpo-loss-type: the preference losses of training/dpo.py.
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -76,6 +80,12 @@ class TrainingConfig:
     # torch.cuda.empty_cache(): 1 after forward-backward, 2 also after the step.
     empty_unused_memory_level: int = field(default=0, metadata={"choices": (0, 1, 2)})
     check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or grad norm stops the run (training/nan_check.py)
+    # A suspicious result (NaN, a spike) re-runs its iteration to tell a transient fault from a reproducible one.
+    rerun_mode: str = field(default="validate_results", metadata={"choices": RERUN_MODES})
+    check_for_spiky_loss: bool = False  # a loss 10x the largest of the first 100 is suspicious
+    check_for_large_grads: bool = False  # the same for the grad norm
+    error_injection_rate: int = 0  # inject a rejected result once every N validations (0: never)
+    error_injection_type: str = field(default="transient_error", metadata={"choices": ERROR_INJECTION_TYPES})
     # Direct preference optimisation (--dpo, training/dpo.py): the loss of each (chosen, rejected) pair.
     dpo_loss_type: str = field(default="sigmoid", metadata={"choices": DPO_LOSS_TYPES})
     dpo_beta: float = 0.1
@@ -113,6 +123,11 @@ class TrainingConfig:
         require(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
                  f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}.")
         require(self.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}.")
+        require(self.error_injection_rate >= 0,
+                 f"--error-injection-rate must be >= 0 (0: no injection), got {self.error_injection_rate}.")
+        require(self.error_injection_rate == 0 or self.rerun_mode == "validate_results",
+                 f"--error-injection-rate tests the re-run of a rejected result, which only --rerun-mode "
+                 f"validate_results does (got {self.rerun_mode}): drop one of them.")
 
     def _check_step_batch_size_schedule(self) -> None:
         """The schedule's last batch is the global batch: --global-batch-size may repeat it (Megatron-LM's
@@ -321,6 +336,7 @@ class LoggingConfig:
     peak_tflops: Optional[float] = None  # per device; None = look up the device table
     log_memory: bool = True
     log_throughput: bool = False  # TFLOP/s per GPU in the iteration line, as Megatron
+    log_straggler: bool = False  # each --log-interval: the ranks' step times, slowest and fastest named
     # A torch.profiler trace of iterations [start, end) into --tensorboard-dir, on --profile-ranks (all if none).
     profile: bool = False
     profile_step_start: int = 10

@@ -155,7 +155,8 @@ HELP = {
     "accumulate_allreduce_grads_in_fp32": "keep and reduce gradients in fp32 under bf16/fp16",
     "grad_reduce_in_bf16": "with --bf16: accumulate and reduce gradients in bf16 (the optimizer still gets fp32)",
     "distributed_backend": "torch.distributed backend (default nccl with CUDA, as Megatron-LM; gloo without)",
-    "distributed_timeout_minutes": "a collective that waits longer than this fails (every process group)",
+    "distributed_timeout_minutes": ("a collective that waits longer than this fails (every process group), naming "
+                                    "each rank's last collective"),
     # training
     "micro_batch_size": ("sequences per forward/backward on one data-parallel rank (Megatron-LM requires the flag; "
                          "1 here lets a flag-less tiny run start)"),
@@ -193,6 +194,16 @@ HELP = {
     "manual_gc_eval": "with --manual-gc: do not collect around evaluation",
     "check_for_nan_in_loss_and_grad": ("train on when the loss or grad norm is NaN or infinite (by default the run "
                                        "stops with an error naming the iteration and rank, before it saves)"),
+    "rerun_mode": ("validate_results: a rejected result (NaN or Inf, a spike) re-runs its iteration from the same "
+                   "state and micro-batches; a different result was a transient fault and training goes on, the same "
+                   "one stops the run (exit 17) naming iteration, rank and samples. report_stats: re-run every "
+                   "iteration and log how reproducible its results are. disabled: no re-run (NaN still stops)"),
+    "check_for_spiky_loss": "a loss over 10x the largest of the first 100 is rejected (re-run, never stops the run)",
+    "check_for_large_grads": "a grad norm over 10x the largest of the first 100 is rejected (re-run, never stops)",
+    "error_injection_rate": ("--rerun-mode validate_results: reject a result once every N validations, to test "
+                             "the re-run (0: never)"),
+    "error_injection_type": ("what an injected rejection acts as: correct_result (the re-run reproduces a sound "
+                             "result), transient_error (the re-run differs) or persistent_error (it reproduces)"),
     "empty_unused_memory_level": ("torch.cuda.empty_cache(): 1 after each forward-backward and evaluation step, "
                                   "2 also after each optimizer step"),
     "dpo_loss_type": ("--dpo: sigmoid (the DPO paper's, with --dpo-label-smoothing its conservative form), ipo "
@@ -321,6 +332,8 @@ HELP = {
     "peak_tflops": "peak TFLOP/s of one device, for MFU (default: looked up for known GPUs)",
     "log_memory": "no memory report and throughput line",
     "log_throughput": "TFLOP/s per GPU in the iteration line",
+    "log_straggler": ("every --log-interval, the spread of the ranks' step times (time outside collectives), the "
+                      "slowest and fastest rank named (one all-gather of a float)"),
     "profile": "write a torch.profiler trace of iterations --profile-step-start..end into --tensorboard-dir",
     "profile_step_start": "first profiled iteration",
     "profile_step_end": "iteration the profile stops before",

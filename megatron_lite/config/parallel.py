@@ -45,7 +45,7 @@ class ParallelConfig:
     accumulate_allreduce_grads_in_fp32: bool = False
     grad_reduce_in_bf16: bool = False  # with --bf16: bf16 gradient buffers and reductions (main grads stay fp32)
     distributed_backend: Optional[str] = field(default=None, metadata={"choices": ("nccl", "gloo")})  # None: by device
-    distributed_timeout_minutes: int = 10  # every process group's collective timeout
+    distributed_timeout_minutes: float = 10  # every process group's collective timeout (fractions allowed)
 
     def __post_init__(self) -> None:
         check_choices(self)

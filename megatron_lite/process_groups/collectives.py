@@ -5,10 +5,13 @@ counted), which keeps single-process runs on the same code path as parallel ones
 
 ``count_collectives()`` records calls and bytes per (operation, group name), so
 tests assert communication instead of guessing it, and benchmarks report it.
+``tracker`` keeps this rank's last collective and the time spent waiting in them:
+what a hang report names (``hang_report.py``) and what --log-straggler leaves out of a step.
 """
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -86,13 +89,60 @@ def count_collectives():
         _active_counters.remove(counter)
 
 
-def _record(op: str, group, tensor: torch.Tensor) -> None:
-    """Count a collective about to be issued (every wrapper calls this first)."""
+@dataclass
+class LastCollective:
+    """A collective this rank issued: its operation, its group's name, its number among this rank's collectives
+    and among those of its group (the same number on every member when they are in step), the training iteration
+    that issued it, when it began (``time.time()``) and whether it has returned (an asynchronous one returns at
+    once; one that failed never does)."""
+
+    op: str
+    group: str
+    sequence: int
+    group_sequence: int
+    iteration: Optional[int]
+    started: float
+    returned: bool = False
+
+
+class CollectiveTracker:
+    """This rank's last collective, and the seconds spent inside them. Plain attribute writes: a collective
+    pays two clock reads and a few assignments."""
+
+    def __init__(self):
+        self.last: Optional[LastCollective] = None
+        self.sequence = 0
+        self.group_sequences: dict = defaultdict(int)
+        self.seconds_in_collectives = 0.0
+        self.iteration: Optional[int] = None  # set by the training loop: where the collectives were issued
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        last = self.last
+        last.returned = exc_type is None
+        self.seconds_in_collectives += time.time() - last.started
+
+    def issue(self, op: str, group) -> "CollectiveTracker":
+        name = group_name(group)
+        self.sequence += 1
+        self.group_sequences[name] += 1
+        self.last = LastCollective(op, name, self.sequence, self.group_sequences[name], self.iteration, time.time())
+        return self
+
+
+tracker = CollectiveTracker()
+
+
+def _record(op: str, group, tensor: torch.Tensor) -> CollectiveTracker:
+    """Count a collective about to be issued (every wrapper issues it inside the context this returns)."""
     if isinstance(group, MockGroup):
         raise RuntimeError(f"{op} on a mocked process group {group.ranks}: mocked groups are for layout and "
                            f"shape bookkeeping only; run communication on real ranks (tests/distributed.py).")
     for counter in _active_counters:
         counter.record(op, group, tensor)
+    return tracker.issue(op, group)
 
 
 def world_size(group) -> int:
@@ -129,8 +179,8 @@ def _nccl_device() -> torch.device:
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
     if group is None:
         return None
-    _record("all_reduce", group, tensor)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    with _record("all_reduce", group, tensor):
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
@@ -138,8 +188,8 @@ def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group, as
     if group is None:
         output.copy_(tensor)
         return None
-    _record("all_gather", group, tensor)
-    return _all_gather_single(output, tensor.contiguous(), group=group, async_op=async_op)
+    with _record("all_gather", group, tensor):
+        return _all_gather_single(output, tensor.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM,
@@ -148,8 +198,8 @@ def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, group, op=
     if group is None:
         output.copy_(tensor)
         return None
-    _record("reduce_scatter", group, tensor)
-    return _reduce_scatter_single(output, tensor.contiguous(), op=op, group=group, async_op=async_op)
+    with _record("reduce_scatter", group, tensor):
+        return _reduce_scatter_single(output, tensor.contiguous(), op=op, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group, *, output_split_sizes: list[int],
@@ -159,24 +209,25 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group, *, outp
     if group is None:
         output.copy_(tensor)
         return None
-    _record("all_to_all", group, tensor)
-    return dist.all_to_all_single(output, tensor.contiguous(), output_split_sizes, input_split_sizes, group=group)
+    with _record("all_to_all", group, tensor):
+        return dist.all_to_all_single(output, tensor.contiguous(), output_split_sizes, input_split_sizes,
+                                      group=group)
 
 
 def reduce(tensor: torch.Tensor, dst: int, group, op=dist.ReduceOp.SUM):
     """Sum ``tensor`` over ``group`` into rank ``dst``'s (a global rank, as in torch.distributed)."""
     if group is None:
         return None
-    _record("reduce", group, tensor)
-    return dist.reduce(tensor, dst=dst, op=op, group=group)
+    with _record("reduce", group, tensor):
+        return dist.reduce(tensor, dst=dst, op=op, group=group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
     """``src`` is a global rank, as in torch.distributed."""
     if group is None:
         return None
-    _record("broadcast", group, tensor)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    with _record("broadcast", group, tensor):
+        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def batch_isend_irecv(ops: list) -> list:
@@ -186,4 +237,5 @@ def batch_isend_irecv(ops: list) -> list:
         return []
     for op in ops:
         _record("send" if op.op in (dist.isend, dist.send) else "recv", op.group, op.tensor)
-    return dist.batch_isend_irecv(ops)
+    with tracker:
+        return dist.batch_isend_irecv(ops)

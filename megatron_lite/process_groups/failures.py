@@ -4,7 +4,7 @@ A rank that fails alone would leave the others waiting in a collective; a user e
 printed by every rank buries the one line that matters under copies and tracebacks.
 ``run_on_every_rank`` makes the ranks agree that a step failed and which rank reports
 it; ``run_command`` is how every command ends: a user error (``config.UserError``)
-prints once as ``error: ...`` and exits 2, the other ranks exit quietly with the same
+prints once as ``error: ...`` and exits 2 (or the error's ``exit_code``), the other ranks exit quietly with the same
 code, a bug keeps its traceback, Ctrl-C prints one line, and the process groups are
 torn down before the interpreter exits (a gloo group left alive at exit can abort the
 process with "terminate called without an active exception").
@@ -33,13 +33,15 @@ class FailedOnAnotherRank(RuntimeError):
     """Raised on every rank but one when a step failed: that one rank reports the error.
 
     ``user_error`` says whether the failure was the user's (``config.UserError``), so a
-    command exits with the same code on every rank, and prints the message only once.
+    command exits with the same code on every rank (``exit_code``: the error's own, or 2), and prints the
+    message only once.
     """
 
-    def __init__(self, message: str, *, failed_rank: int, user_error: bool):
+    def __init__(self, message: str, *, failed_rank: int, user_error: bool, exit_code: int = USER_ERROR_EXIT_CODE):
         super().__init__(message)
         self.failed_rank = failed_rank
         self.user_error = user_error
+        self.exit_code = exit_code
 
 
 def run_on_every_rank(fn, what: str):
@@ -60,11 +62,13 @@ def run_on_every_rank(fn, what: str):
             raise error
         return result
     world, rank = dist.get_world_size(), dist.get_rank()
-    # MAX of (world - rank) finds the lowest failing rank; MAX of the flag whether any failure was a user error.
-    flags = torch.tensor([world - rank if error is not None else 0, int(isinstance(error, UserError))],
+    # MAX of (world - rank) finds the lowest failing rank; MAX of the flag whether any failure was a user error,
+    # and of its exit code (a user error may carry its own, as a failed result validation does).
+    flags = torch.tensor([world - rank if error is not None else 0, int(isinstance(error, UserError)),
+                          _user_error_exit_code(error) if isinstance(error, UserError) else 0],
                          device=collectives.reduction_device([dist.group.WORLD]))
     collectives.all_reduce(flags, dist.group.WORLD, op=dist.ReduceOp.MAX)
-    lowest, user_error = int(flags[0].item()), bool(flags[1].item())
+    lowest, user_error, exit_code = int(flags[0].item()), bool(flags[1].item()), int(flags[2].item())
     if lowest == 0:
         return result
     failed_rank = world - lowest
@@ -72,7 +76,12 @@ def run_on_every_rank(fn, what: str):
         error.reported_by_this_rank = True  # run_command prints it here, whatever this rank's number
         raise error
     raise FailedOnAnotherRank(f"rank {failed_rank} failed to {what}; its error message says why.",
-                              failed_rank=failed_rank, user_error=user_error)
+                              failed_rank=failed_rank, user_error=user_error,
+                              exit_code=exit_code or USER_ERROR_EXIT_CODE)
+
+
+def _user_error_exit_code(error: UserError) -> int:
+    return getattr(error, "exit_code", USER_ERROR_EXIT_CODE)
 
 
 def global_rank() -> int:
@@ -90,14 +99,14 @@ def run_command(body, *args) -> int:
         return _exit_code(body(*args))
     except FailedOnAnotherRank as error:
         _leave_after_the_reporting_rank()
-        return USER_ERROR_EXIT_CODE if error.user_error else BUG_EXIT_CODE
+        return error.exit_code if error.user_error else BUG_EXIT_CODE
     except UserError as error:
         # Raised alone (run_on_every_rank picked this rank), or by every rank alike: rank 0 speaks for them.
         if global_rank() == 0 or getattr(error, "reported_by_this_rank", False):
             print(f"error: {error}", file=sys.stderr, flush=True)
         else:
             _leave_after_the_reporting_rank()
-        return USER_ERROR_EXIT_CODE
+        return _user_error_exit_code(error)
     except KeyboardInterrupt:
         if global_rank() == 0:
             print("interrupted (Ctrl-C); nothing was saved since the last checkpoint "

@@ -349,7 +349,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                               expert_tensor_parallel_size: Optional[int] = None,
                               rank: Optional[int] = None, world_size: Optional[int] = None,
                               new_group: Optional[Callable] = None,
-                              distributed_timeout_minutes: int = 10) -> ParallelState:
+                              distributed_timeout_minutes: float = 10) -> ParallelState:
     """Build this rank's groups.
 
     Every rank must create every group in the same order (``torch.distributed``'s

@@ -38,19 +38,21 @@ from megatron_lite.model.moe import routing_statistics
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.optimizer.optimizer_param_scheduler import get_optimizer_param_scheduler
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
-from megatron_lite.process_groups import collectives, failures
+from megatron_lite.process_groups import collectives, failures, hang_report
 from megatron_lite.process_groups.initialize import initialize_distributed
 from megatron_lite.process_groups.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from megatron_lite.tensor_parallel.random import set_random_seeds
 from megatron_lite.training import dpo, host_memory, metrics, operations
 from megatron_lite.training.data_iterators import build_data_iterators
 from megatron_lite.planner import estimate_for_config, format_memory_estimate
-from megatron_lite.training.nan_check import check_for_nan_in_loss_and_grad
 from megatron_lite.training.logger import TrainingLogger, format_startup_summary, is_last_rank, print_rank_last
 from megatron_lite.training.num_microbatches_calculator import NumMicroBatchesCalculator
+from megatron_lite.training.rerun_state_machine import (IterationBatch, RerunStateMachine, ResultRejected,
+                                                        wrap_data_iterator)
 from megatron_lite.training.restarts import describe_restart
 from megatron_lite.training.run_plan import RunPlan, plan_run
 from megatron_lite.training.signal_handler import DistributedSignalHandler
+from megatron_lite.training.straggler import StragglerDetector
 from megatron_lite.checkpointing.training_state import TrainingState
 
 
@@ -108,21 +110,31 @@ def train_step(config: Config, parallel_state: ParallelState, model_chunks, opti
 
 def train_step_with_losses(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler,
                            data_iterator, num_microbatches: int, *, forward_step_func=forward_step,
-                           forward_backward_func=None):
+                           forward_backward_func=None, rerun_state_machine: RerunStateMachine | None = None):
     """``train_step`` returning every logged loss of the global batch ({name: mean} on the last stage, the
     main loss first, else None). ``forward_backward_func`` replaces the forward and backward over the
-    micro-batches (``_forward_backward``'s signature): --dpo's adds the reference's pass before them."""
+    micro-batches (``_forward_backward``'s signature): --dpo's adds the reference's pass before them.
+    ``rerun_state_machine`` validates the results before the optimizer step and re-runs the forward and
+    backward when one is rejected (the loop's; None: no validation)."""
     forward_backward_func = forward_backward_func or _forward_backward
-    for chunk in model_chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    # Mixture-of-experts routers: their losses' gradient follows the language-model loss's scaling.
-    routing_statistics.start_iteration(model_chunks, loss_scale=optimizer.get_loss_scale(),
-                                       num_microbatches=num_microbatches, per_token=calculate_per_token_loss(config),
-                                       context_parallel_size=parallel_state.context_parallel_world_size)
-    losses = forward_backward_func(config, parallel_state, model_chunks, data_iterator, num_microbatches,
-                                   forward_only=False, grad_scale_func=optimizer.scale_loss,
-                                   forward_step_func=forward_step_func)
+
+    def forward_and_backward():
+        for chunk in model_chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        # Mixture-of-experts routers: their losses' gradient follows the language-model loss's scaling.
+        routing_statistics.start_iteration(model_chunks, loss_scale=optimizer.get_loss_scale(),
+                                           num_microbatches=num_microbatches,
+                                           per_token=calculate_per_token_loss(config),
+                                           context_parallel_size=parallel_state.context_parallel_world_size)
+        return forward_backward_func(config, parallel_state, model_chunks, data_iterator, num_microbatches,
+                                     forward_only=False, grad_scale_func=optimizer.scale_loss,
+                                     forward_step_func=forward_step_func)
+
+    if rerun_state_machine is None:
+        losses = forward_and_backward()
+    else:
+        losses = rerun_state_machine.run(forward_and_backward, data_iterator, model_chunks)
     routing_statistics.update_expert_bias(model_chunks, parallel_state)  # once per global batch
     operations.empty_unused_memory(config.training, level=1)
     update_successful, grad_norm, _ = optimizer.step()
@@ -319,10 +331,17 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats()
     first_iteration = state.iteration + 1
+    saved_iteration = state.iteration  # the newest checkpoint of this run's state (the one it started from)
     signal_handler = DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext()
     saver = CheckpointSaver(config, parallel_state)
+    rerun = RerunStateMachine(training, parallel_state, has_loss_scaler=optimizer.grad_scaler is not None)
+    if rerun.replays_data:
+        train_iterator = wrap_data_iterator(train_iterator)
+    straggler = StragglerDetector() if config.logging.log_straggler else None
     # The save lock covers every save of the run: a second run on the same --save stops before its first step.
     with holding_save_lock(config.checkpoint.save, is_holder=parallel_state.rank == 0), signal_handler, \
+            hang_report.reporting_hangs(config.parallel.distributed_timeout_minutes,
+                                        setting="--distributed-timeout-minutes"), \
             operations.manual_garbage_collection(training), \
             operations.profiler(config, parallel_state.rank) as profiler:
         while state.iteration < train_iters:
@@ -330,13 +349,18 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
             num_microbatches = calculator.get_num_microbatches(state.consumed_train_samples)
             global_batch = calculator.get_current_global_batch_size(state.consumed_train_samples)
             step_start = time.perf_counter()
-            losses, update_successful, grad_norm = train_step_with_losses(
-                config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, num_microbatches,
-                forward_backward_func=forward_backward_func)
+            collectives.tracker.iteration = state.iteration + 1
+            rerun.begin_iteration(IterationBatch(state.iteration + 1, state.consumed_train_samples, global_batch,
+                                                 num_microbatches))
+            try:
+                losses, update_successful, grad_norm = train_step_with_losses(
+                    config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, num_microbatches,
+                    forward_backward_func=forward_backward_func, rerun_state_machine=rerun)
+            except ResultRejected as rejected:
+                _save_before_stopping(config, saver, model_chunks, optimizer, scheduler, state, saved_iteration)
+                rejected.raise_on_every_rank()
             loss = _main_loss(losses)
             state.iteration += 1
-            if training.check_for_nan_in_loss_and_grad and update_successful:
-                check_for_nan_in_loss_and_grad(loss, grad_norm, state.iteration)
             if config.logging.log_memory and state.iteration == first_iteration:
                 print_rank_last(metrics.format_memory_report(optimizer.memory_report(), state.iteration))
             state.consumed_train_samples += global_batch
@@ -344,13 +368,19 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
             if loss is not None:
                 state.nan_iterations += 0 if math.isfinite(loss) else 1
                 state.losses.append(loss)
-            logger.record(loss, time.perf_counter() - step_start, skipped=not update_successful,
+            step_seconds = time.perf_counter() - step_start
+            if straggler is not None:
+                straggler.record(step_seconds)
+            logger.record(loss, step_seconds, skipped=not update_successful,
                           global_batch=global_batch, statistics=losses, consumed_samples=state.consumed_train_samples,
                           routing=routing_statistics.routing_summary(model_chunks, parallel_state, config.model))
             if _every(state.iteration, training.check_weight_hash_across_dp_replicas_interval):
                 check_weight_hash_across_dp_replicas(model_chunks, parallel_state, state.iteration)
             if _every(state.iteration, config.logging.log_interval):
                 logger.log_interval(state, optimizer, grad_norm)
+                rerun.log_statistics(state.iteration)
+                if straggler is not None:
+                    straggler.report(state.iteration)
             if valid_iterator is not None and _every(state.iteration, training.eval_interval):
                 with operations.garbage_collection_around_evaluation(training):
                     valid_loss = evaluate(config, parallel_state, model_chunks, valid_iterator,
@@ -367,6 +397,7 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
                         or _every(state.iteration, config.checkpoint.save_interval))
             if config.checkpoint.save and save_now:
                 saver.save(model_chunks, optimizer, scheduler, state)
+                saved_iteration = state.iteration
             saver.maybe_finalize()
             if exit_now:
                 saver.finalize()
@@ -377,6 +408,15 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
     if test_iterator is not None:  # as Megatron, the test data is evaluated once, after training
         logger.log_validation(state.iteration, evaluate(config, parallel_state, model_chunks, test_iterator,
                                                         forward_backward_func=forward_backward_func), on="test set")
+
+
+def _save_before_stopping(config: Config, saver: CheckpointSaver, model_chunks, optimizer, scheduler,
+                          state: TrainingState, saved_iteration: int) -> None:
+    """A rejected result reproduced: the state before its iteration (the weights, the random states and the
+    data position it started from) is saved unless it already is, so the iteration can be re-run elsewhere."""
+    if config.checkpoint.save and state.iteration > saved_iteration:
+        saver.save(model_chunks, optimizer, scheduler, state)
+    saver.finalize()
 
 
 def _every(iteration: int, interval: int | None) -> bool:

@@ -1,12 +1,13 @@
 """Stop a run whose loss or gradient norm is no longer a number (Megatron-LM's
---check-for-nan-in-loss-and-grad, on by default).
+--check-for-nan-in-loss-and-grad, on by default), as --rerun-mode disabled does it: at once, without a re-run
+(rerun_state_machine.py re-runs the iteration first).
 
 Once the loss is NaN or infinite every later update is too: without the check a diverged run trains on
 to the end, exits 0 and saves NaN weights as its newest checkpoint, which a restart then resumes. The
-check comes right after the optimizer step and before the iteration's save, so the last checkpoint is
-the last good one. The loss lives on the last pipeline stage and the grad norm is the same on every rank;
+check comes after the forward-backward, before the optimizer step and the iteration's save, so the last
+checkpoint is the last good one. Each rank checks its own loss (last pipeline stage) and gradients;
 the ranks agree on the verdict (one all-reduce), so all of them stop, and the rank that saw it reports.
-An fp16 step skipped for overflow is not checked: the loss scaler handles it (the step changed nothing).
+Under fp16 the loss scaler handles NaN and Inf (it skips the step, which then changes nothing).
 """
 from __future__ import annotations
 
