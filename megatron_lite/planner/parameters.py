@@ -8,6 +8,7 @@ splits, tied or not).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from megatron_lite.config import Config, ModelConfig
@@ -182,16 +183,22 @@ class ChunkShape:
 def rank_chunk_shapes(config: Config, pipeline_rank: int) -> list[ChunkShape]:
     """The chunks pipeline stage ``pipeline_rank`` holds, one per virtual stage (``model/builder.py``'s split)."""
     parallel = config.parallel
-    p, v = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size or 1
-    return [ChunkShape(get_layer_numbers(
-                config.model.num_layers, pipeline_model_parallel_size=p, pipeline_rank=pipeline_rank,
-                virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-                virtual_pipeline_rank=virtual_rank,
-                decoder_first_pipeline_num_layers=parallel.decoder_first_pipeline_num_layers,
-                decoder_last_pipeline_num_layers=parallel.decoder_last_pipeline_num_layers),
-            pre_process=pipeline_rank == 0 and virtual_rank == 0,
-            post_process=pipeline_rank == p - 1 and virtual_rank == v - 1)
-            for virtual_rank in range(v)]
+    return list(_chunk_shapes(config.model.num_layers, parallel.pipeline_model_parallel_size,
+                              parallel.virtual_pipeline_model_parallel_size, parallel.decoder_first_pipeline_num_layers,
+                              parallel.decoder_last_pipeline_num_layers, pipeline_rank))
+
+
+@functools.lru_cache(maxsize=65536)  # a plan asks for the same stages of thousands of layouts
+def _chunk_shapes(num_layers: int, p: int, virtual: int | None, first: int | None, last: int | None,
+                  pipeline_rank: int) -> tuple[ChunkShape, ...]:
+    v = virtual or 1
+    return tuple(ChunkShape(get_layer_numbers(
+                     num_layers, pipeline_model_parallel_size=p, pipeline_rank=pipeline_rank,
+                     virtual_pipeline_model_parallel_size=virtual, virtual_pipeline_rank=virtual_rank,
+                     decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last),
+                 pre_process=pipeline_rank == 0 and virtual_rank == 0,
+                 post_process=pipeline_rank == p - 1 and virtual_rank == v - 1)
+                 for virtual_rank in range(v))
 
 
 def distinct_stages(config: Config) -> dict[tuple, list[int]]:

@@ -196,9 +196,7 @@ class _Sizing:
     @classmethod
     def of(cls, config: Config) -> "_Sizing":
         parallel, optimizer, training = config.parallel, config.optimizer, config.training
-        # Lists (--window-size) as tuples, to hash.
-        model = tuple(tuple(v) if isinstance(v, list) else v for v in dataclasses.astuple(config.model))
-        key = (model, parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size,
+        key = (_model_key(config.model), parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size,
                parallel.expert_tensor_size, training.bf16, training.fp16,
                parallel.data_parallel_sharding_strategy, parallel.accumulate_allreduce_grads_in_fp32,
                parallel.ddp_bucket_size, parallel.overlap_grad_reduce, parallel.overlap_param_gather,
@@ -207,6 +205,19 @@ class _Sizing:
                optimizer.optimizer_cpu_offload, training.recompute_granularity, training.recompute_method,
                training.recompute_num_layers, reference_copy(config))
         return cls(key, config)
+
+
+_MODEL_KEYS: dict = {}  # id(model) -> (model, its key): an enumeration's thousands of layouts share one model
+
+
+def _model_key(model) -> tuple:
+    """The model's fields as a hashable tuple (lists, --window-size's, as tuples), computed once per model object
+    (it is kept, so its id is not reused)."""
+    cached = _MODEL_KEYS.get(id(model))
+    if cached is None or cached[0] is not model:
+        key = tuple(tuple(v) if isinstance(v, list) else v for v in dataclasses.astuple(model))
+        cached = _MODEL_KEYS[id(model)] = (model, key)
+    return cached[1]
 
 
 @dataclass
