@@ -1,5 +1,5 @@
 """Hugging Face weights and config.json (GPT-2, GPT-NeoX, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE,
-OLMoE, Phi-3, Gemma 2 and 3, DeepSeek-V2/V3, SmolLM3) <-> our ModelConfig and global tensors.
+OLMoE, Phi-3, Gemma 2 and 3, DeepSeek-V2/V3, SmolLM3, GLM-4.5) <-> our ModelConfig and global tensors.
 
 The directories and whole checkpoints are ``interop.hf.checkpoint``'s; this module maps one family's
 ``config.json`` to our ModelConfig and its tensors to our global tensors, and back.
@@ -29,6 +29,7 @@ What differs between the two naming schemes:
 - DeepSeek's multi-latent attention: ``latent_attention`` (renames, and its interleaved rotary rows). Its
   experts are named as Qwen3-MoE's, its shared experts mlp.shared_experts.gate_proj/up_proj/down_proj (our
   shared_experts' fc1 and fc2), and V3's mlp.gate.e_score_correction_bias is our router's expert_bias.
+- GLM-4.5 (naming glm4_moe): Llama's names (q/k/v biases as Qwen2's, q_norm/k_norm as Qwen3's), DeepSeek's experts.
 - Vocabulary: ours is padded (``ModelConfig.padded_vocab_size``): zero rows are added
   on import and cut on export.
 """
@@ -179,6 +180,7 @@ _EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe.gate.weight", "block_s
                  "qwen_moe": ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", _QWEN_PROJECTIONS),  # Qwen3-MoE, OLMoE
                  "deepseek": ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", _QWEN_PROJECTIONS,
                                          shared="mlp.shared_experts.", expert_bias="mlp.gate.e_score_correction_bias")}
+_EXPERT_NAMES["glm4_moe"] = _EXPERT_NAMES["deepseek"]  # GLM-4.5: Llama's attention, DeepSeek's experts
 _LLAMA_LAYER = _LLAMA_PROJECTIONS + (("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", False),)
 _GEMMA_LAYER = _LLAMA_PROJECTIONS + (
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight", False),
