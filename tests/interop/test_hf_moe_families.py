@@ -74,8 +74,8 @@ FAMILIES = {
     "olmoe": lambda: transformers.OlmoeConfig(
         **SMALL, intermediate_size=48, num_hidden_layers=2, num_experts=EXPERTS, norm_topk_prob=False),
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
-        **DEEPSEEK, q_lora_rank=24, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
-        rope_parameters=dict(YARN, mscale=0.8, mscale_all_dim=0.6)),
+        **DEEPSEEK, q_lora_rank=24, num_nextn_predict_layers=0, n_group=2, topk_group=1, n_shared_experts=1,
+        routed_scaling_factor=2.5, rope_parameters=dict(YARN, mscale=0.8, mscale_all_dim=0.6)),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
         **DEEPSEEK, q_lora_rank=None, n_group=2, topk_group=1, topk_method="group_limited_greedy", n_shared_experts=2,
         routed_scaling_factor=1.5, rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.7)),

@@ -7,6 +7,7 @@ from typing import Callable
 from megatron_lite.config import ModelConfig
 from megatron_lite.interop.hf.family import Family, refuse, set_fields
 from megatron_lite.interop.hf.llama import LLAMA_FIELDS, llama_to_hf, llama_to_ours
+from megatron_lite.interop.hf.multi_token_prediction import MTP_FIELDS, mtp_fields_to_hf, mtp_fields_to_ours
 from megatron_lite.interop.hf.rope import YARN_FIELDS, rope_to_ours
 
 
@@ -33,6 +34,8 @@ def _deepseek_reader(version: int) -> Callable[[dict], dict]:
                "rope scaling other than yarn (rope_parameters.rope_type; DeepSeek's attention scales with yarn)")
         if dense < layers:
             fields.update(deepseek_experts({**DEEPSEEK_DEFAULTS[version], **set_fields(hf)}, dense, version))
+        if version == 3:
+            fields.update(mtp_fields_to_ours(hf))
         return dict(fields, **rope)
     return read
 
@@ -115,11 +118,13 @@ DEEPSEEK_FIELDS = LLAMA_FIELDS | DEEPSEEK_MOE_FIELDS | {
     "qk_head_dim"}  # qk_nope_head_dim + qk_rope_head_dim, which transformers recomputes (as head_dim)
 
 
-# Multi-token prediction modules (num_nextn_predict_layers) are not part of transformers' forward.
+# Multi-token prediction layers (num_nextn_predict_layers: interop/hf/multi_token_prediction.py) are not part of
+# transformers' forward.
 DEEPSEEK_V3 = Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek",
-                     DEEPSEEK_FIELDS | {"rope_interleave", "num_nextn_predict_layers"}, _deepseek_reader(3),
-                     lambda config: dict(_deepseek_to_hf(config, 3), rope_interleave=True, num_nextn_predict_layers=0),
-                     features={"multi_latent_attention": True, "qk_layernorm": True}, also=frozenset({"num_experts"}))
+                     DEEPSEEK_FIELDS | MTP_FIELDS | {"rope_interleave"}, _deepseek_reader(3),
+                     lambda config: dict(_deepseek_to_hf(config, 3), rope_interleave=True, **mtp_fields_to_hf(config)),
+                     features={"multi_latent_attention": True, "qk_layernorm": True},
+                     also=frozenset({"num_experts", "mtp_num_layers"}))
 
 # Exported when asked for (--hf-model-type deepseek_v2): V3 computes its dense models, not its experts.
 DEEPSEEK_V2 = Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek", DEEPSEEK_FIELDS | {"mlp_bias"},

@@ -110,7 +110,7 @@ FAMILIES = {family.model_type: family for family in (
 # The features only some families have, and the value each takes where it is absent.
 _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None,
                       "num_experts": None, "qk_layernorm_whole_projection": False, "multi_latent_attention": False,
-                      "parallel_attention_mlp": False, "no_rope_freq": None}
+                      "parallel_attention_mlp": False, "no_rope_freq": None, "mtp_num_layers": None}
 # Namings that are Llama's but for their experts' (weights._EXPERT_NAMES): a Llama-like model with experts.
 EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe", "glm4_moe"})
 
