@@ -84,6 +84,43 @@ def test_import_keeps_the_mtp_layer_and_the_logits_are_transformers(family):
         destroy_model_parallel(parallel_state)
 
 
+def _transformers_depth_one_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' MtpModel (what its generate(use_mtp=True) drafts with) on ``input_ids``: position i's logits
+    for token i + 2, from the main model's last hidden state at i and token i + 1's embedding."""
+    from transformers.modeling_layers import MtpModel
+
+    main = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    # It finds the MTP layers by its class's ignore list (model.layers.61 for DeepSeek-V3): ours is layer 2.
+    main._keys_to_ignore_on_load_unexpected = [r"model\.layers\.2\..*"]
+    mtp = MtpModel.from_pretrained(main).eval()
+    length = input_ids.shape[1] - 1
+    with torch.no_grad():
+        hidden = main(input_ids, output_hidden_states=True).hidden_states[-1][:, :length]
+        positions = torch.arange(1, length + 1).expand(input_ids.shape[0], length)
+        return mtp._project_to_logits(mtp.forward_layer(0, hidden, positions, None, input_ids=input_ids[:, 1:]))
+
+
+def test_the_mtp_loss_is_transformers_mtp_layers_cross_entropy(family):
+    """Our training forward's mtp_1 loss (the trainer's path: labels and loss mask) is the cross entropy of
+    transformers' depth-1 logits against the tokens two positions on."""
+    name, hf_dir, root = family
+    input_ids = torch.randint(2, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    theirs = _transformers_depth_one_logits(hf_dir, input_ids)[:, :-1]  # the last has no token two on
+    expected = torch.nn.functional.cross_entropy(theirs.reshape(-1, VOCAB), input_ids[:, 2:].reshape(-1))
+    labels = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+    loss_mask = torch.ones(2, 16)
+    loss_mask[:, -1] = 0  # no next token for the last position
+    model, parallel_state = load(root)
+    try:
+        model.train()
+        with torch.no_grad():
+            model(input_ids, labels=labels, loss_mask=loss_mask)
+        (ours,) = model.mtp.logged_losses
+        assert ours.item() == pytest.approx(expected.item(), rel=1e-5)
+    finally:
+        destroy_model_parallel(parallel_state)
+
+
 def test_round_trip_with_the_mtp_layer_is_bit_exact(family, tmp_path):
     name, hf_dir, root = family
     exported, again = str(tmp_path / "hf"), str(tmp_path / "again")
