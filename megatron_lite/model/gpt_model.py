@@ -47,11 +47,8 @@ class GPTModel(nn.Module):
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
 
         # Multi-token prediction's layers run on the last stage, which then holds a copy of the embedding too.
-        self.mtp = None
-        if post_process and config.mtp_num_layers is not None:
-            self.mtp = MultiTokenPredictionBlock(config, tp_config=tp_config, context_parallel=context_parallel,
-                                                 ep_config=ep_config)
-        self.holds_embedding = pre_process or self.mtp is not None
+        has_mtp = post_process and config.mtp_num_layers is not None
+        self.holds_embedding = pre_process or has_mtp
         if self.holds_embedding:
             self.embedding = LanguageModelEmbedding(config, padded_vocab_size=self.padded_vocab_size,
                                                     tp_config=tp_config)
@@ -69,6 +66,8 @@ class GPTModel(nn.Module):
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
                 skip_weight_param_allocation=tied_here, tp_config=tp_config)
+        self.mtp = (MultiTokenPredictionBlock(config, tp_config=tp_config, context_parallel=context_parallel,
+                                              ep_config=ep_config) if has_mtp else None)
         if pre_process != post_process:
             # First and last stage each hold a copy of the tied embedding (and, for multi-token prediction, of the
             # whole embedding); their gradients are summed over the embedding group so the copies stay identical.

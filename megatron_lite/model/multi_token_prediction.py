@@ -22,7 +22,7 @@ joins the language-model loss through the gradient alone (``attach_loss``, Megat
 MTPLossAutoScaler: the loss the trainer reports is the language model's), scaled as that loss's gradient is
 (``AuxLossScale``: with a per-token loss L_mtp counts the micro-batch's language-model tokens, as Megatron's
 original_num_tokens). Each L_k is logged as ``mtp_k loss``: Megatron-LM's mean over the micro-batches and
-data-parallel replicas of the step, then over the iterations of the log interval (docs/reference.md section 19).
+data-parallel replicas of the step, then over the iterations of the log interval (docs/reference.md section 18).
 
 The layers are trained and checkpointed, and used for nothing else: generation runs the decoder alone.
 """
