@@ -24,9 +24,9 @@ from megatron_lite.process_groups.parallel_state import mock_parallel_state
 VOCAB, LENGTH, EPS = 40, 8, 1e-5
 MODEL = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32, seq_length=LENGTH,
              vocab_size=VOCAB, make_vocab_size_divisible_by=8, normalization="RMSNorm", norm_epsilon=EPS,
-             position_embedding_type="rope", swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True,
-             hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3, mtp_num_layers=2,
-             mtp_loss_scaling_factor=0.3)
+             position_embedding_type="rope", swiglu=True, add_bias_linear=False,
+             untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3,
+             mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
