@@ -14,8 +14,11 @@ SGD with momentum and clipping that bites, so a gradient off by a factor shows i
 import contextlib
 import io
 
-from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                                  TrainingConfig)
+from megatron_lite.checkpointing.resharding import CheckpointReader
+from megatron_lite.checkpointing.save_load import OPTIMIZER_PREFIX
+from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
+from megatron_lite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
+                                  ParallelConfig, TrainingConfig)
 from tests.distributed import run_distributed
 from tests.parity import assert_losses_match, assert_relative_close, full_tensors, rank_tensors
 
@@ -29,7 +32,8 @@ VARIANTS = {
 }
 
 
-def _config(variant: str, tp: int = 1, pp: int = 1, ep: int = 1, strategy: str = "no_shard") -> Config:
+def _config(variant: str, tp: int = 1, pp: int = 1, ep: int = 1, strategy: str = "no_shard",
+            save: str | None = None) -> Config:
     return Config(
         model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
                           make_vocab_size_divisible_by=16, ffn_hidden_size=64, swiglu=True, normalization="RMSNorm",
@@ -41,7 +45,8 @@ def _config(variant: str, tp: int = 1, pp: int = 1, ep: int = 1, strategy: str =
         training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=STEPS,
                                 calculate_per_token_loss=variant == "B"),
         optimizer=OptimizerConfig(optimizer="sgd", lr=0.1, lr_decay_style="constant", clip_grad=0.5),
-        data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=1, log_memory=False))
+        data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=1, log_memory=False),
+        checkpoint=CheckpointConfig(save=save, save_interval=STEPS if save else None))
 
 
 def _train(rank, world_size, layouts):
@@ -75,8 +80,11 @@ def _train(rank, world_size, layouts):
     return results
 
 
-def test_mtp_layouts_match_one_process():
-    layouts = [{"variant": "A", "tp": 2, "pp": 2}, {"variant": "B", "pp": 2, "ep": 2, "strategy": "optim"},
+def test_mtp_layouts_match_one_process(tmp_path):
+    """Layout B also saves: the checkpoint holds the embedding once (the first stage's) and the MTP layers."""
+    saved = str(tmp_path / "b")
+    layouts = [{"variant": "A", "tp": 2, "pp": 2},
+               {"variant": "B", "pp": 2, "ep": 2, "strategy": "optim", "save": saved},
                {"variant": "A", "strategy": "optim_grads_params"}]
     (single,) = run_distributed(_train, 1, args=([{"variant": v} for v in VARIANTS],))
     reference = {variant: result for variant, result in zip(VARIANTS, single)}
@@ -97,3 +105,10 @@ def test_mtp_layouts_match_one_process():
         assert any(name.startswith("mtp.layers.") for name in weights)
         for name, value in weights.items():
             assert_relative_close(value, reference_weights[name], what=f"{what} {name}")
+    reader = CheckpointReader(resolve_checkpoint_dir(saved))
+    stored = {name for name in reader.tensors if not name.startswith(OPTIMIZER_PREFIX)}
+    b_weights = full_tensors([reference["B"]])
+    biases = {"decoder.layers.1.mlp.router.expert_bias", "mtp.layers.0.mtp_model_layer.mlp.router.expert_bias"}
+    assert stored == set(b_weights) | biases  # the routers' expert bias: buffers, saved too
+    for name in b_weights:
+        assert_relative_close(reader.read(name)[:b_weights[name].shape[0]], b_weights[name], what=f"saved {name}")
