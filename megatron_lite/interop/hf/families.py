@@ -67,6 +67,9 @@ never dropped: an unread field is a silently different model. A null field sets 
              (--moe-router-group-score max); both
              x routed_scaling_factor
 
+DeepSeek-V3's and GLM-4.5's multi-token prediction layers (num_nextn_predict_layers: --mtp-num-layers) are extra
+decoder layers in their files: ``multi_token_prediction``.
+
 On export the family is the one the model's features call for (``family_of``), or the one named
 (``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does, DeepSeek-V2
 what V3 does for dense layers.
