@@ -8,6 +8,8 @@ weights (the MTP layers', the embedding's copy on the last stage among them) too
        the expert bias, a shared expert, aux_loss), tied    layer has experts (as the decoder's last layer), the
        embeddings, one MTP depth, a per-token loss          last stage's tied output copy is the embedding MTP reads
     A  again                                                dp4 under ZeRO-3 (optim_grads_params)
+    C  A with 4 layers                                      interleaved pp2 x dp2 (2 chunks a stage): the depths
+                                                            on the last stage's second chunk
 
 SGD with momentum and clipping that bites, so a gradient off by a factor shows in the weights.
 """
@@ -24,24 +26,25 @@ from tests.parity import assert_losses_match, assert_relative_close, full_tensor
 
 STEPS = 3
 VARIANTS = {
-    "A": dict(untie_embeddings_and_output_weights=True, mtp_num_layers=2, mtp_loss_scaling_factor=0.5),
+    "A": dict(num_layers=2, untie_embeddings_and_output_weights=True, mtp_num_layers=2, mtp_loss_scaling_factor=0.5),
     "B": dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq="[0,1]",
               moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
               moe_router_bias_update_rate=1e-2, moe_shared_expert_intermediate_size=32, moe_aux_loss_coeff=1e-2,
-              mtp_num_layers=1, mtp_loss_scaling_factor=0.3),
+              mtp_num_layers=1, mtp_loss_scaling_factor=0.3, num_layers=2),
 }
+VARIANTS["C"] = dict(VARIANTS["A"], num_layers=4)
 
 
 def _config(variant: str, tp: int = 1, pp: int = 1, ep: int = 1, strategy: str = "no_shard",
-            save: str | None = None) -> Config:
+            save: str | None = None, vpp: bool = False) -> Config:
     return Config(
-        model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
+        model=ModelConfig(hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
                           make_vocab_size_divisible_by=16, ffn_hidden_size=64, swiglu=True, normalization="RMSNorm",
                           position_embedding_type="rope", add_bias_linear=False, hidden_dropout=0.0,
                           attention_dropout=0.0, init_method_std=0.1, **VARIANTS[variant]),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 expert_model_parallel_size=ep, data_parallel_sharding_strategy=strategy,
-                                sequence_parallel=tp > 1),
+                                sequence_parallel=tp > 1, num_layers_per_virtual_pipeline_stage=1 if vpp else None),
         training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=STEPS,
                                 calculate_per_token_loss=variant == "B"),
         optimizer=OptimizerConfig(optimizer="sgd", lr=0.1, lr_decay_style="constant", clip_grad=0.5),
@@ -85,7 +88,7 @@ def test_mtp_layouts_match_one_process(tmp_path):
     saved = str(tmp_path / "b")
     layouts = [{"variant": "A", "tp": 2, "pp": 2},
                {"variant": "B", "pp": 2, "ep": 2, "strategy": "optim", "save": saved},
-               {"variant": "A", "strategy": "optim_grads_params"}]
+               {"variant": "A", "strategy": "optim_grads_params"}, {"variant": "C", "pp": 2, "vpp": True}]
     (single,) = run_distributed(_train, 1, args=([{"variant": v} for v in VARIANTS],))
     reference = {variant: result for variant, result in zip(VARIANTS, single)}
     for variant, result in reference.items():
