@@ -1,16 +1,22 @@
 """GLM-4.5 (``Glm4MoeForCausalLM``) beyond the MoE family harness (``test_hf_moe_families``, where it is one entry):
-logits and greedy generation at tensor 2 x pipeline 2, the defaults transformers fills in, the variants refused
-by name."""
+logits and greedy generation at tensor 2 x pipeline 2, attention adapters exported to PEFT, the defaults
+transformers fills in, the variants refused by name."""
+import dataclasses
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 
-from megatron_lite.config import ConfigError  # noqa: E402
+from megatron_lite.config import ConfigError, OptimizerConfig, PeftConfig  # noqa: E402
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
+from megatron_lite.training.loop import pretrain  # noqa: E402
+from tools.checkpoint_convert import main as convert  # noqa: E402
 from megatron_lite.interop.hf import weights as hf_weights  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import MAX_NEW_TOKENS, PROMPTS  # noqa: E402
-from tests.interop.hf_family_ranks import layouts_rank  # noqa: E402
+from tests.interop.hf_family_ranks import layouts_rank, load, training_config  # noqa: E402
 from tests.interop.test_hf_moe_families import ATOL, EOS, FAMILIES, RTOL, _import, hf_generate  # noqa: E402
 
 
@@ -31,6 +37,29 @@ def test_logits_and_greedy_generation_at_tensor_and_pipeline_parallel_equal_tran
     for result in logits:
         torch.testing.assert_close(result, glm.logits, atol=ATOL, rtol=RTOL)
     assert all(rank[0][1] == [expected] for rank in per_rank)
+
+
+def test_attention_lora_exports_to_peft(glm, tmp_path):
+    """LoRA on q/k/v (with their biases in the base) and o_proj, 2 steps: peft loads the export onto the original
+    model and gives our logits (the harness covers the merged export of adapters on every linear)."""
+    adapters, peft_dir = str(tmp_path / "lora"), str(tmp_path / "peft")
+    config = training_config(glm.root, adapters, 1, 1, optimizer=OptimizerConfig(lr=3e-2), peft_config=PeftConfig(
+        peft="lora", lora_rank=4, lora_alpha=8.0, lora_target_modules=["linear_qkv", "linear_proj"]))
+    pretrain(dataclasses.replace(config, training=dataclasses.replace(config.training, train_iters=2),
+                                 checkpoint=dataclasses.replace(config.checkpoint, save_interval=2)))
+    model, parallel_state = load(adapters)
+    try:
+        with torch.no_grad():
+            ours = model(glm.input_ids)
+    finally:
+        destroy_model_parallel(parallel_state)
+    assert (ours - glm.logits).abs().max() > 1e-2  # LoRA moved the model
+    assert convert(["--target-format", "peft", "--load-dir", adapters, "--save-dir", peft_dir,
+                    "--base-model-name-or-path", glm.hf_dir]) == 0
+    adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(glm.hf_dir),
+                                             peft_dir).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(glm.input_ids).logits, ours, atol=ATOL, rtol=RTOL)
 
 
 def test_config_maps_glm_fields():
