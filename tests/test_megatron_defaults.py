@@ -43,6 +43,8 @@ MEGATRON_DEFAULTS = {
     "moe_z_loss_coeff": None, "moe_router_enable_expert_bias": False, "moe_router_bias_update_rate": 1e-3,
     "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs",
     "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False, "moe_grouped_gemm": False,
+    # multi-token prediction (TransformerConfig's)
+    "mtp_num_layers": None, "mtp_loss_scaling_factor": 0.1,
     # parallel
     "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
     "expert_model_parallel_size": 1,

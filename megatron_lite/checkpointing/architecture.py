@@ -103,6 +103,9 @@ ROLES = {
     "moe_z_loss_coeff": Role.TRAINING,
     "moe_router_bias_update_rate": Role.TRAINING,
     "moe_grouped_gemm": Role.MACHINE,  # the same experts, multiplied in one grouped GEMM
+    # Multi-token prediction: its layers are weights of the checkpoint; their loss's weight is how a run trains.
+    "mtp_num_layers": Role.ARCHITECTURE,
+    "mtp_loss_scaling_factor": Role.TRAINING,
     # Positions are bounded by max_position_embeddings; seq_length is only how long the samples are.
     "seq_length": Role.TRAINING,
     "hidden_dropout": Role.TRAINING,
@@ -139,6 +142,7 @@ _ONLY_WITH = {"max_position_embeddings": lambda model: model.position_embedding_
               **{name: _EXPERTS for name in ROLES if name.startswith("moe_")},
               "moe_router_group_score": lambda model: _EXPERTS(model) and model.moe_router_num_groups is not None,
               "moe_router_bias_update_rate": lambda model: _EXPERTS(model) and model.moe_router_enable_expert_bias,
+              "mtp_loss_scaling_factor": lambda model: model.mtp_num_layers is not None,
               **{name: lambda model: _EXPERTS(model) and model.moe_expert_capacity_factor is not None
                  for name in ("moe_pad_expert_input_to_capacity", "moe_token_drop_policy")}}
 

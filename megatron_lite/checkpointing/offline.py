@@ -17,7 +17,7 @@ import torch
 from megatron_lite.checkpointing import storage
 from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTensor, has_vocab_rows, index_of,
                                                     merge_index, resize_vocab)
-from megatron_lite.checkpointing.save_load import (OPTIMIZER_PREFIX, checkpoint_name, checkpointed_tensors, is_trained,
+from megatron_lite.checkpointing.save_load import (OPTIMIZER_PREFIX, checkpointed_tensors, is_stage_copy, is_trained,
                                                    new_metadata)
 from megatron_lite.config import Config
 from megatron_lite.model import GPTModel
@@ -72,10 +72,10 @@ def write_checkpoint(root: str, config: Config, read: Callable[[str], torch.Tens
 
     for pipeline_rank in range(pp):
         model = stage_model(config, pipeline_rank)
-        # As in training: the tied output copy is the embedding, a PEFT base is its own checkpoint, and a router's
-        # expert bias (a buffer) is saved with the weights.
+        # As in training: the later stages' copies of the embedding are the first stage's, a PEFT base is its own
+        # checkpoint, and a router's expert bias (a buffer) is saved with the weights.
         named = [(name, p) for name, p in checkpointed_tensors(model)
-                 if checkpoint_name(model, name) == name and is_trained(p, config)]
+                 if not is_stage_copy(model, name, p) and is_trained(p, config)]
         layers = sorted(int(n) for n in model.decoder.layers.keys())
         # Each stage's global tensors are read once and cut for every tensor-parallel rank.
         full = {key: read(key) for name, _ in named for key in [name, *states_of.get(name, [])]}

@@ -103,6 +103,13 @@ def checkpoint_name(model, name: str) -> str:
     return name
 
 
+def is_stage_copy(model, name: str, param) -> bool:
+    """Whether ``param`` is a later stage's copy of a weight the first stage holds (the tied output layer, the
+    embedding multi-token prediction reads on the last stage): stored by the first stage alone, under its name."""
+    return checkpoint_name(model, name) != name or (getattr(param, "shared_embedding", False)
+                                                    and not model.pre_process)
+
+
 def optimizer_key(state: str, name: str) -> str:
     return f"{OPTIMIZER_PREFIX}{state}.{name}"
 
@@ -127,7 +134,7 @@ def _stored_by_this_rank(model, name: str, param, parallel_state, config: Config
     """Trained tensors only (a frozen base is the base checkpoint's). The tied output copy is
     stored once, as the embedding; a tensor replicated over the ranks that split it (tensor-parallel,
     expert-tensor-parallel for expert weights) is stored once, by their rank 0."""
-    if checkpoint_name(model, name) != name or not is_trained(param, config):
+    if is_stage_copy(model, name, param) or not is_trained(param, config):
         return False
     return getattr(param, "tensor_model_parallel", False) or parallel_state.tensor_split(param)[0] == 0
 

@@ -408,6 +408,7 @@ class Config:
                  "different shard): drop the flag or pick a strategy that keeps whole parameters.")
         _check_peft_on_model(self.peft, model)
         _check_dpo(self)
+        _check_multi_token_prediction(self)
         _check_schedule_units(self.training, self.optimizer)
         self.training.step_schedule_in_samples(model.seq_length)  # thresholds closer than a sequence fail here
         if self.training.train_iters is not None and self.optimizer.lr_decay_iters is None:
@@ -457,6 +458,17 @@ def _check_dpo(config: "Config") -> None:
     require(config.data.sft_format == "auto" and not config.data.sft_data_keys,
              "--sft-format and --sft-data-keys say how to read supervised fine-tuning records; --dpo reads TRL's "
              "preference records (prompt, chosen, rejected): drop them.")
+
+
+def _check_multi_token_prediction(config: "Config") -> None:
+    if config.model.mtp_num_layers is None:
+        return
+    require(config.parallel.context_parallel_size == 1,
+             "--mtp-num-layers with --context-parallel-size > 1: each depth rolls the tokens one position left, "
+             "which crosses the context-parallel ranks' chunks (Megatron-LM exchanges their boundaries); "
+             "megatron_lite does not: train multi-token prediction without context parallelism.")
+    require(not config.data.dpo, "--mtp-num-layers with --dpo: the preference loss has no next-token targets for the "
+                                 "multi-token prediction layers; drop one.")
 
 
 def lora_targets_of(model: ModelConfig) -> tuple[str, ...]:

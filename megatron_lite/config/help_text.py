@@ -50,6 +50,11 @@ HELP = {
     "post_sublayer_norm": "normalise the attention and MLP outputs too, before they join the residual (Gemma 2)",
     "no_rope_freq": ("layers without rotary embeddings (NoPE): N (every Nth layer, counting from 1) or a list of "
                      "0s and 1s, 1 for a NoPE layer, e.g. \"([0]*3+[1])*2\" (SmolLM3's no_rope_layers, inverted)"),
+    "mtp_num_layers": ("multi-token prediction layers on the last pipeline stage (DeepSeek-V3): depth k predicts "
+                       "the token k + 1 after each position from the previous depth's hidden state and the next "
+                       "token's embedding; trained only, never used to generate"),
+    "mtp_loss_scaling_factor": ("the multi-token prediction loss's weight: factor / --mtp-num-layers times the sum "
+                                "of the depths' mean cross entropies joins the language-model loss"),
     "parallel_attention_mlp": ("attention and MLP side by side, both from the layer's input: x + Attn(Norm(x)) + "
                                "MLP(Norm(x)) (GPT-NeoX / Pythia's use_parallel_residual, GPT-J)"),
     "scale_embeddings": "multiply the word embeddings by sqrt(--hidden-size) (Gemma)",

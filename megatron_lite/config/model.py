@@ -135,6 +135,11 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
     moe_grouped_gemm: bool = False  # the experts as one grouped GEMM (torch._grouped_mm) instead of a loop
+    # Multi-token prediction (DeepSeek-V3; Megatron-LM's flags, model/multi_token_prediction.py): this many more
+    # layers on the last pipeline stage, depth k predicting the token k + 1 after each position, their mean
+    # cross entropy times mtp_loss_scaling_factor / mtp_num_layers added to the training loss.
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -203,6 +208,20 @@ class ModelConfig:
         if self.num_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size  # as Megatron-LM
         check_moe_fields(self)
+        self._check_multi_token_prediction()
+
+    def _check_multi_token_prediction(self) -> None:
+        if self.mtp_num_layers is None:
+            return
+        require(self.mtp_num_layers >= 1, f"--mtp-num-layers must be at least 1 (or left out), got "
+                                          f"{self.mtp_num_layers}.")
+        require(self.mtp_loss_scaling_factor >= 0,
+                f"--mtp-loss-scaling-factor must be >= 0, got {self.mtp_loss_scaling_factor}.")
+        require(self.num_experts is None or self.moe_router_load_balancing_type != "pooled_aux_loss"
+                or self.moe_aux_loss_coeff == 0,
+                "--moe-router-load-balancing-type pooled_aux_loss pools the routing of the decoder's layers "
+                "(transformers' loss, which has no multi-token prediction layers): drop --mtp-num-layers, or "
+                "balance with aux_loss or seq_aux_loss.")
 
     def _check_no_rope_freq(self) -> None:
         if self.no_rope_freq is None:
@@ -301,11 +320,19 @@ class ModelConfig:
         if self.no_rope_freq is None:
             return False
         freq = parse_moe_layer_freq(self.no_rope_freq, "--no-rope-freq", "layers without rotary embeddings")
+        layer_number = self.pattern_layer(layer_number)
         return (layer_number + 1) % freq == 0 if isinstance(freq, int) else bool(freq[layer_number])
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether layer ``layer_number`` (global, 0-based) has a mixture of experts for its MLP."""
-        return moe_layer_pattern(self.num_experts, self.moe_layer_freq, self.num_layers)[layer_number]
+        return moe_layer_pattern(self.num_experts, self.moe_layer_freq, self.num_layers)[
+            self.pattern_layer(layer_number)]
+
+    def pattern_layer(self, layer_number: int) -> int:
+        """The decoder layer whose kind layer ``layer_number`` has: itself, or for a multi-token prediction layer
+        (numbered on after the decoder's, num_layers + depth) the decoder's last, as Megatron-LM builds its MTP
+        layers from the decoder's last layer spec (DeepSeek-V3's and GLM-4.5's MTP layers have experts)."""
+        return min(layer_number, self.num_layers - 1)
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
         """Megatron pads the vocabulary so every tensor-parallel shard is a multiple of 128."""

@@ -61,5 +61,13 @@ def num_floating_point_operations(config: ModelConfig, batch_size: int, padded_v
     72 B s l h^2 (1 + s/(6h) + V/(12 l h)); GQA, MLA and SwiGLU change the attention and MLP terms.
     """
     per_token_forward = (sum(transformer_layer_flops_per_token(config, n) for n in range(config.num_layers))
-                         + output_layer_flops_per_token(config, padded_vocab_size))
+                         + output_layer_flops_per_token(config, padded_vocab_size)
+                         + (config.mtp_num_layers or 0) * mtp_depth_flops_per_token(config, padded_vocab_size))
     return 3.0 * batch_size * config.seq_length * per_token_forward
+
+
+def mtp_depth_flops_per_token(config: ModelConfig, padded_vocab_size: int) -> float:
+    """A multi-token prediction depth's (model/multi_token_prediction.py): eh_proj ([2h] -> [h]), its layer (the
+    decoder's last layer's kind) and its logits, as Megatron-LM's num_floating_point_operations counts them."""
+    return (4 * config.hidden_size ** 2 + transformer_layer_flops_per_token(config, config.num_layers)
+            + output_layer_flops_per_token(config, padded_vocab_size))

@@ -1,4 +1,5 @@
-"""GPT: embedding -> transformer layers -> final norm -> output layer -> loss.
+"""GPT: embedding -> transformer layers -> final norm -> output layer -> loss (and, with --mtp-num-layers, the
+multi-token prediction layers' loss: multi_token_prediction.py).
 
 One class covers GPT-2 and Llama (see ModelConfig). A pipeline stage is the same
 class built with ``pre_process`` (holds the embedding), ``post_process`` (holds the
@@ -17,6 +18,7 @@ from megatron_lite.expert_parallel import ExpertParallelConfig
 from megatron_lite.model.embedding import LanguageModelEmbedding, rotary_angles
 from megatron_lite.model.moe.router import TopKRouter
 from megatron_lite.model.moe.routing_pool import RoutingPool
+from megatron_lite.model.multi_token_prediction import MultiTokenPredictionBlock
 from megatron_lite.model.norm import Norm
 from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.model.transformer_block import TransformerBlock
@@ -44,7 +46,10 @@ class GPTModel(nn.Module):
         self.logit_capping = soft_capping(config.final_logit_softcapping)
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
 
-        if pre_process:
+        # Multi-token prediction's layers run on the last stage, which then holds a copy of the embedding too.
+        has_mtp = post_process and config.mtp_num_layers is not None
+        self.holds_embedding = pre_process or has_mtp
+        if self.holds_embedding:
             self.embedding = LanguageModelEmbedding(config, padded_vocab_size=self.padded_vocab_size,
                                                     tp_config=tp_config)
         self.decoder = TransformerBlock(config, layer_numbers, context_parallel=context_parallel,
@@ -57,16 +62,22 @@ class GPTModel(nn.Module):
                                         eps=config.norm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,
                                         sequence_parallel=tp_config.sequence_parallel,
                                         params_dtype=tp_config.params_dtype)
-            tied_here = self.share_embeddings_and_output_weights and pre_process
+            tied_here = self.share_embeddings_and_output_weights and self.holds_embedding
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
                 skip_weight_param_allocation=tied_here, tp_config=tp_config)
-        if self.share_embeddings_and_output_weights and (pre_process != post_process):
-            # First and last stage each hold a copy of the tied embedding; their gradients
-            # are summed over the embedding group so the copies stay identical.
-            self.shared_embedding_or_output_weight().shared_embedding = True
+        self.mtp = (MultiTokenPredictionBlock(config, tp_config=tp_config, context_parallel=context_parallel,
+                                              ep_config=ep_config) if has_mtp else None)
+        if pre_process != post_process:
+            # First and last stage each hold a copy of the tied embedding (and, for multi-token prediction, of the
+            # whole embedding); their gradients are summed over the embedding group so the copies stay identical.
+            if self.share_embeddings_and_output_weights:
+                self.shared_embedding_or_output_weight().shared_embedding = True
+            if config.mtp_num_layers is not None:
+                for param in self.embedding.parameters():
+                    param.shared_embedding = True
         # Megatron's mark for --decoupled-lr: these weights train on their own learning rate.
-        if pre_process:
+        if self.holds_embedding:
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
@@ -87,7 +98,7 @@ class GPTModel(nn.Module):
         return logits.masked_fill(padding, float("-inf"))
 
     def shared_embedding_or_output_weight(self) -> nn.Parameter:
-        if self.pre_process:
+        if self.holds_embedding:
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
@@ -121,7 +132,7 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                inference_context=None) -> torch.Tensor:
+                inference_context=None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Returns per-token loss [b, s] given labels on the last stage, logits over the
         (unpadded) vocabulary [b, s, V] without them, and hidden states [s, b, h] on other stages.
 
@@ -131,9 +142,14 @@ class GPTModel(nn.Module):
 
         With an ``inference_context`` (generation, ``inference/text_generation.py``) the tokens follow the
         ones it has cached: positions count on from its offset, and only the last token's logits [b, 1, V]
-        are computed, the only ones sampled from."""
+        are computed, the only ones sampled from.
+
+        With multi-token prediction layers (``multi_token_prediction.py``) and a ``loss_mask`` [b, s], a training
+        forward adds their loss to the returned loss's gradient (the returned values are the language model's)."""
         if position_ids is None:
             position_ids = self._position_ids(input_ids, inference_context)
+        if self.mtp is not None:
+            self.mtp.logged_losses = []  # a forward that runs no multi-token prediction logs none
         if self.pre_process:
             hidden_states = self.embedding(input_ids, position_ids)
         else:
@@ -157,12 +173,25 @@ class GPTModel(nn.Module):
         if inference_context is not None:
             hidden_states = hidden_states[-1:]
         hidden_states = self.final_layernorm(hidden_states)
-        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden_states, weight=output_weight)  # [s, b, V/tp]
-        if self.logit_capping is not None:
-            logits = self.logit_capping(logits)
+        logits = self._logits(hidden_states)
         if labels is None:
             logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
             return logits[..., :self.config.vocab_size].transpose(0, 1).contiguous()
+        loss = self._cross_entropy(logits, labels)
+        if self.mtp is not None and loss_mask is not None and self.training:
+            depths = self.mtp(hidden_states, input_ids, position_ids, self.embedding, rotary, attention_mask)
+            loss = self.mtp.attach_loss(loss, lambda k, k_labels: self._cross_entropy(self._logits(depths[k - 1]),
+                                                                                      k_labels),
+                                        labels, loss_mask, position_ids)
+        return loss
+
+    def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[s, b, h] -> [s, b, V/tp]: the output layer (the embedding when tied), soft-capped if the model caps."""
+        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=output_weight)
+        return logits if self.logit_capping is None else self.logit_capping(logits)
+
+    def _cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss [b, s] of logits [s, b, V/tp] against labels [b, s]."""
         loss = vocab_parallel_cross_entropy(self._mask_padding(logits.float()), labels.t().contiguous(), self.tp_group)
         return loss.t().contiguous()

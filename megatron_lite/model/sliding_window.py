@@ -33,7 +33,8 @@ def is_local_layer(config: ModelConfig, layer_number: int) -> bool:
     """Whether layer ``layer_number`` (global, 0-based) attends through the sliding window."""
     if config.window_size is None:
         return False
-    return config.window_attn_skip_freq is None or (layer_number + 1) % config.window_attn_skip_freq != 0
+    skip_freq = config.window_attn_skip_freq
+    return skip_freq is None or (config.pattern_layer(layer_number) + 1) % skip_freq != 0
 
 
 def layer_window(config: ModelConfig, layer_number: int) -> SlidingWindow | None:

@@ -43,7 +43,7 @@ class TransformerBlock(nn.Module):
         layers = list(self.layers.values())
         if not (self.recompute_full and self.training):
             for layer in layers:
-                hidden_states = layer(hidden_states, _angles(rotary, layer), attention_mask, inference_context)
+                hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask, inference_context)
             return hidden_states
         if self.recompute_method == "uniform":
             for start in range(0, len(layers), self.recompute_num_layers):
@@ -52,19 +52,20 @@ class TransformerBlock(nn.Module):
             return hidden_states
         for index, layer in enumerate(layers):  # "block"
             if index < self.recompute_num_layers:
-                hidden_states = checkpoint(layer, hidden_states, _angles(rotary, layer), attention_mask)
+                hidden_states = checkpoint(layer, hidden_states, layer_angles(rotary, layer), attention_mask)
             else:
-                hidden_states = layer(hidden_states, _angles(rotary, layer), attention_mask)
+                hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask)
         return hidden_states
 
 
-def _angles(rotary: RotaryAngles | None, layer: TransformerLayer) -> torch.Tensor | None:
+def layer_angles(rotary: RotaryAngles | None, layer: TransformerLayer) -> torch.Tensor | None:
+    """The rotary angles ``layer`` attends with: its kind's (local or global), none for a NoPE layer."""
     return None if rotary is None or layer.nope else rotary.of_layer(layer.local_attention)
 
 
 def _run_layers(layers):
     def run(hidden_states, rotary, attention_mask):
         for layer in layers:
-            hidden_states = layer(hidden_states, _angles(rotary, layer), attention_mask)
+            hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask)
         return hidden_states
     return run

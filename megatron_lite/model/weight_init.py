@@ -29,7 +29,7 @@ def _generator(seed: int, name: str) -> torch.Generator:
 def _init_full(name: str, param: nn.Parameter, shape: torch.Size, config: ModelConfig, seed: int) -> torch.Tensor:
     if hasattr(param, "full_init"):  # a parameter added on top of the model (PEFT) brings its own init
         return param.full_init(shape, _generator(seed, name))
-    if name.endswith("layernorm.weight"):
+    if name.endswith(("layernorm.weight", ".enorm.weight", ".hnorm.weight")):  # enorm, hnorm: multi-token prediction
         # --apply-layernorm-1p stores scale - 1: a scale of one either way.
         return torch.zeros(shape) if config.apply_layernorm_1p else torch.ones(shape)
     if name.endswith(".bias"):

@@ -37,6 +37,8 @@ def fsdp_unit(spec: ParamSpec) -> str:
     parts = spec.name.split(".")
     if parts[0] == "embedding":
         return "embedding"
+    if parts[:2] == ["mtp", "layers"] and parts[3] == "mtp_model_layer":  # a multi-token prediction depth's layer
+        return ".".join(parts[:4])
     return ".".join(parts[:3]) if parts[:2] == ["decoder", "layers"] else ""
 
 
@@ -55,13 +57,14 @@ def _linear(prefix: str, rows: int, columns: int, bias: int | None, partition_di
 
 
 def layer_parameters(model: ModelConfig, layer_number: int, tensor_model_parallel_size: int, *,
-                     expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None
-                     ) -> list[ParamSpec]:
+                     expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None,
+                     prefix: str | None = None) -> list[ParamSpec]:
     """One transformer layer's shards: column-parallel weights and biases are split over the rows,
     row-parallel weights over the columns, row-parallel biases and norms are replicated; a
-    mixture-of-experts layer's experts over the expert-model-parallel ranks, each over the expert-tensor ones."""
+    mixture-of-experts layer's experts over the expert-model-parallel ranks, each over the expert-tensor ones.
+    ``prefix``: its module path, by default decoder.layers.{layer_number}."""
     t = tensor_model_parallel_size
-    prefix = f"decoder.layers.{layer_number}"
+    prefix = prefix or f"decoder.layers.{layer_number}"
     attention = _latent_attention if model.multi_latent_attention else _attention
     if model.is_moe_layer(layer_number):
         mlp = _experts(f"{prefix}.mlp", model, t, expert_model_parallel_size, expert_tensor_parallel_size or t)
@@ -151,23 +154,33 @@ def chunk_parameters(model: ModelConfig, *, tensor_model_parallel_size: int, lay
     """Every parameter of one model chunk, in ``module.parameters()`` order."""
     t, h = tensor_model_parallel_size, model.hidden_size
     vocab = model.padded_vocab_size(t) // t
-    tied = not model.untie_embeddings_and_output_weights
+    tied, mtp = not model.untie_embeddings_and_output_weights, model.mtp_num_layers is not None
     shared = tied and pre_process != post_process  # both end stages hold a copy of the word embedding
+    # Multi-token prediction reads the embedding on the last stage: a copy of the whole of it there.
+    holds_embedding, copied = pre_process or (post_process and mtp), mtp and pre_process != post_process
+    experts = dict(expert_model_parallel_size=expert_model_parallel_size,
+                   expert_tensor_parallel_size=expert_tensor_parallel_size)
     specs = []
-    if pre_process:
-        specs.append(ParamSpec("embedding.word_embeddings.weight", vocab * h, shared_embedding=shared))
+    if holds_embedding:
+        specs.append(ParamSpec("embedding.word_embeddings.weight", vocab * h, shared_embedding=shared or copied))
         if model.position_embedding_type == "learned_absolute":
             # Muon orthogonalises it: only the word embedding and the output layer are left to the scalar optimizer,
             # as in Megatron-LM.
             specs.append(ParamSpec("embedding.position_embeddings.weight", model.max_position_embeddings * h,
-                                   matrix=(model.max_position_embeddings, h)))
+                                   shared_embedding=copied, matrix=(model.max_position_embeddings, h)))
     for n in layer_numbers:
-        specs += layer_parameters(model, n, t, expert_model_parallel_size=expert_model_parallel_size,
-                                  expert_tensor_parallel_size=expert_tensor_parallel_size)
+        specs += layer_parameters(model, n, t, **experts)
     if post_process:
         specs += _norm("final_layernorm", model)
-        if not (tied and pre_process):  # a tied output layer on the first stage reuses the embedding
+        if not (tied and holds_embedding):  # a tied output layer beside the embedding reuses it
             specs.append(ParamSpec("output_layer.weight", vocab * h, shared_embedding=shared))
+        for depth in range(model.mtp_num_layers if mtp else 0):  # model/multi_token_prediction.py
+            prefix = f"mtp.layers.{depth}"
+            specs += (_norm(f"{prefix}.enorm", model) + _norm(f"{prefix}.hnorm", model)
+                      + _linear(f"{prefix}.eh_proj", h // t, 2 * h, None, partition_dim=0)
+                      + layer_parameters(model, model.num_layers + depth, t, prefix=f"{prefix}.mtp_model_layer",
+                                         **experts)
+                      + _norm(f"{prefix}.final_layernorm", model))
     return specs
 
 

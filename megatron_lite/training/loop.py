@@ -34,7 +34,9 @@ from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_
 from megatron_lite.checkpointing.async_save import CheckpointSaver
 from megatron_lite.checkpointing.save_lock import holding_save_lock
 from megatron_lite.model.builder import FSDP_UNIT_MODULES, build_model, current_device
+from megatron_lite.model import multi_token_prediction
 from megatron_lite.model.moe import routing_statistics
+from megatron_lite.model.moe.router import AuxLossScale
 from megatron_lite.optimizer import get_megatron_optimizer
 from megatron_lite.optimizer.optimizer_param_scheduler import get_optimizer_param_scheduler
 from megatron_lite.pipeline_parallel.schedules import get_forward_backward_func
@@ -66,22 +68,26 @@ def get_model(config: Config, parallel_state: ParallelState) -> list[Distributed
             for chunk in build_model(config, parallel_state)]
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, mtp_losses: dict | None = None):
     """(sum of the masked per-token losses, number of loss tokens, {"lm loss": [sum, count]}) of one
     micro-batch, Megatron-Core's form: the schedule turns it into a micro-batch mean, or with a per-token
-    loss leaves the division by the global batch's count to finalize_model_grads."""
+    loss leaves the division by the global batch's count to finalize_model_grads. ``mtp_losses``: the
+    multi-token prediction losses to log beside it (``multi_token_prediction.logged_losses``)."""
     loss_mask = loss_mask.float()
     loss_sum = torch.sum(output_tensor.float() * loss_mask)
     num_tokens = loss_mask.sum().long()
-    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()]),
+                                  **(mtp_losses or {})}
 
 
 def forward_step(data_iterator, model):
     """One micro-batch through this rank's model chunk (Megatron's forward_step contract). Packed
     fine-tuning batches carry a block-diagonal ``attention_mask``; without one, attention is causal."""
     batch = {k: v.to(current_device(), non_blocking=True) for k, v in next(data_iterator).items()}
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                   loss_mask=batch["loss_mask"])
+    return output, functools.partial(loss_func, batch["loss_mask"],
+                                     mtp_losses=multi_token_prediction.logged_losses(model))
 
 
 def calculate_per_token_loss(config: Config) -> bool:
@@ -122,11 +128,12 @@ def train_step_with_losses(config: Config, parallel_state: ParallelState, model_
         for chunk in model_chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        # Mixture-of-experts routers: their losses' gradient follows the language-model loss's scaling.
-        routing_statistics.start_iteration(model_chunks, loss_scale=optimizer.get_loss_scale(),
-                                           num_microbatches=num_microbatches,
-                                           per_token=calculate_per_token_loss(config),
-                                           context_parallel_size=parallel_state.context_parallel_world_size)
+        # Mixture-of-experts routers and multi-token prediction: their losses' gradient follows the
+        # language-model loss's scaling.
+        loss_scale = AuxLossScale(optimizer.get_loss_scale(), num_microbatches, calculate_per_token_loss(config),
+                                  parallel_state.context_parallel_world_size)
+        routing_statistics.start_iteration(model_chunks, loss_scale)
+        multi_token_prediction.start_iteration(model_chunks, loss_scale)
         return forward_backward_func(config, parallel_state, model_chunks, data_iterator, num_microbatches,
                                      forward_only=False, grad_scale_func=optimizer.scale_loss,
                                      forward_step_func=forward_step_func)

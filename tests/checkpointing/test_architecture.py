@@ -81,7 +81,8 @@ def test_settings_not_checked_do_not_change_the_function(tmp_path, arch):
     saved = tiny_config(arch=arch, load=root)
     unchecked = dict(seq_length=8, hidden_dropout=0.3, attention_dropout=0.2, init_method_std=0.5,
                      make_vocab_size_divisible_by=16, use_fused_kernels=False, hf_model_type="phi3",
-                     pad_token_id=5, freeze_padding_embedding=True)  # a frozen row still computes the same
+                     pad_token_id=5, freeze_padding_embedding=True,  # a frozen row still computes the same
+                     mtp_loss_scaling_factor=0.7)
     if arch is GPT2:
         unchecked.update(rotary_base=123.0, rotary_percent=0.5)  # no rotary embedding with learned positions
     else:

@@ -98,8 +98,8 @@ FAMILIES = {
         query_pre_attn_scalar=24, final_logit_softcapping=5.0, tie_word_embeddings=True,
         rope_parameters={"full_attention": YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}},
         attn_implementation="eager"),
-    "deepseek_v3": lambda: transformers.DeepseekV3Config(
-        **DEEPSEEK, q_lora_rank=24, tie_word_embeddings=False,
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(  # MTP layers: tests/interop/test_hf_mtp.py
+        **DEEPSEEK, q_lora_rank=24, tie_word_embeddings=False, num_nextn_predict_layers=0,
         rope_parameters=dict(YARN, mscale=0.8, mscale_all_dim=0.6)),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
         **DEEPSEEK, q_lora_rank=None, tie_word_embeddings=True,

@@ -17,6 +17,9 @@ computes something of its own), imported at tensor x pipeline 2 x 2 and loaded b
     deepseek_  V2-Lite's attention (no query latent), the same layers: the softmax's top 2 within the group
     v2         of the best score (group_limited_greedy: --moe-router-group-score max), x 1.5, two shared
                experts
+    glm4_moe   Llama's attention with q/k/v biases, q/k norms per head, rotary on half of each head's 16
+           XX
+               e_score_correction_bias, x 2.5, a shared expert)
 
 The load-balancing loss: transformers pools the router statistics of all MoE layers, which the import
 selects (``pooled_aux_loss``, ``hf_families``): its value, the training loss and the gradients are
@@ -71,18 +74,26 @@ FAMILIES = {
     "olmoe": lambda: transformers.OlmoeConfig(
         **SMALL, intermediate_size=48, num_hidden_layers=2, num_experts=EXPERTS, norm_topk_prob=False),
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
-        **DEEPSEEK, q_lora_rank=24, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
-        rope_parameters=dict(YARN, mscale=0.8, mscale_all_dim=0.6)),
+        **DEEPSEEK, q_lora_rank=24, num_nextn_predict_layers=0, n_group=2, topk_group=1, n_shared_experts=1,
+        routed_scaling_factor=2.5, rope_parameters=dict(YARN, mscale=0.8, mscale_all_dim=0.6)),
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
         **DEEPSEEK, q_lora_rank=None, n_group=2, topk_group=1, topk_method="group_limited_greedy", n_shared_experts=2,
         routed_scaling_factor=1.5, rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.7)),
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **{k: v for k, v in SMALL.items() if k not in ("router_aux_loss_coef", "output_router_logits")},
+        intermediate_size=48, num_hidden_layers=2, head_dim=16, first_k_dense_replace=1, n_routed_experts=EXPERTS,
+        moe_intermediate_size=16, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+        use_qk_norm=True, attention_bias=True, num_nextn_predict_layers=0),
 }
 # Where each family names expert e's gate projection.
 EXPERT_NAMES = {"mixtral": "block_sparse_moe.experts.{e}.w1.weight", **{
-    name: "mlp.experts.{e}.gate_proj.weight" for name in ("qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2")}}
+    name: "mlp.experts.{e}.gate_proj.weight" for name in ("qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2",
+                                                          "glm4_moe")}}
 DEEPSEEK_FAMILIES = ("deepseek_v3", "deepseek_v2")
+# DeepSeek's routing, for which transformers computes no load-balancing loss.
+UNBALANCED_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe")
 # Dense MLPs (a dense layer, shared experts) in a model whose gate/up/down_proj peft remaps: no PEFT export of them.
-PEFT_REFUSED = ("qwen3_moe", *DEEPSEEK_FAMILIES)
+PEFT_REFUSED = ("qwen3_moe", *UNBALANCED_FAMILIES)
 
 
 def _moe_layers(imported: Imported) -> list[int]:
@@ -207,7 +218,7 @@ def test_training_loss_and_gradients_are_transformers(family):
         lm_loss.backward()
         routers = _routers(model)
         pooled = sum(r.loss_sums["pooled_load_balancing_loss"] for r in routers)  # the layers' shares
-        if family.name in DEEPSEEK_FAMILIES:  # no load-balancing loss in transformers', nor in the import
+        if family.name in UNBALANCED_FAMILIES:  # no load-balancing loss in transformers', nor in the import
             assert getattr(output, "aux_loss", None) is None and pooled == 0
         else:
             assert pooled.item() == pytest.approx(output.aux_loss.item(), rel=1e-6)
@@ -272,7 +283,7 @@ def test_round_trip_is_bit_exact(family, tmp_path):
     hf_config, original = hf_checkpoint.read_hf_directory(family.hf_dir)
     exported_config, round_trip = hf_checkpoint.read_hf_directory(exported)
     assert exported_config["model_type"] == family.name
-    if family.name not in DEEPSEEK_FAMILIES:
+    if family.name not in UNBALANCED_FAMILIES:
         assert exported_config["router_aux_loss_coef"] == pytest.approx(COEF)
         assert exported_config["output_router_logits"]
     assert hf_weights.model_config_from_hf(exported_config) == hf_weights.model_config_from_hf(hf_config)
@@ -424,6 +435,7 @@ FAIR_LAYOUTS = {
     "olmoe": dict(expert_model_parallel_size=2, use_distributed_optimizer=True),
     "deepseek_v3": dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
     "deepseek_v2": dict(expert_model_parallel_size=4, data_parallel_sharding_strategy="optim_grads"),
+    "glm4_moe": dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
 }
 
 

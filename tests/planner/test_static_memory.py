@@ -36,6 +36,9 @@ FAMILY_FEATURES = dict(LLAMA, add_qkv_bias=True, qk_layernorm=True, post_sublaye
 MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq="([0]+[1]*3)",
            moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True, qk_layernorm=True,
            qk_layernorm_whole_projection=True)
+# Two multi-token prediction depths (on the last stage, with a copy of the embedding) after a dense first layer
+# and experts, as DeepSeek-V3's: their layers have experts, as the decoder's last; learned positions copied too.
+MTP = dict(MOE, position_embedding_type="learned_absolute", mtp_num_layers=2)
 WORLD = 8
 
 
@@ -74,7 +77,8 @@ def _built(config, rank):
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 4, None)]
 
 
-@pytest.mark.parametrize("arch", [GPT, LLAMA, MLA, FAMILY_FEATURES], ids=["gpt", "llama", "mla", "family-features"])
+@pytest.mark.parametrize("arch", [GPT, LLAMA, MLA, FAMILY_FEATURES, MTP], ids=["gpt", "llama", "mla", "family-features",
+                                                                        "mtp"])
 @pytest.mark.parametrize("tp,pp,vpp", LAYOUTS)
 def test_parameter_list_is_the_chunks_named_parameters(arch, tp, pp, vpp):
     """Names, sizes and order of every chunk's parameters, and the ZeRO-3 unit each belongs to

@@ -21,6 +21,7 @@ from megatron_lite.checkpointing.save_load import OPTIMIZER_PREFIX
 from megatron_lite.checkpointing.storage import check_is_directory, resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ParallelConfig
 from megatron_lite.interop.hf.families import FAMILIES, config_json
+from megatron_lite.interop.hf.multi_token_prediction import without_absent_mtp_layers
 from megatron_lite.interop.hf.pad_token import note_trained_pad_token
 from megatron_lite.interop.hf.tokenizer import export_tokenizer, import_tokenizer, write_json
 from megatron_lite.interop.hf.weights import hf_family, model_config_from_hf, weights_from_hf, weights_to_hf
@@ -106,6 +107,7 @@ def import_hf_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_
     (``HF_SOURCE_FILE``: the base that a PEFT export of adapters trained on this checkpoint names)."""
     hf_config, tensors = read_hf_directory(load_dir)
     model_config = dataclasses.replace(model_config_from_hf(hf_config), hf_model_type=hf_config["model_type"])
+    model_config = without_absent_mtp_layers(model_config, tensors)
     weights = weights_from_hf(tensors, model_config, FAMILIES[hf_config["model_type"]].naming,
                               interleaved_rope=hf_config.get("rope_interleave", True))
     config = Config(model=model_config, parallel=ParallelConfig(

@@ -7,12 +7,13 @@ from typing import Callable
 from megatron_lite.config import ModelConfig
 from megatron_lite.interop.hf.family import Family, refuse, set_fields
 from megatron_lite.interop.hf.llama import LLAMA_FIELDS, llama_to_hf, llama_to_ours
+from megatron_lite.interop.hf.multi_token_prediction import MTP_FIELDS, mtp_fields_to_hf, mtp_fields_to_ours
 from megatron_lite.interop.hf.rope import YARN_FIELDS, rope_to_ours
 
 
 def _deepseek_reader(version: int) -> Callable[[dict], dict]:
     """DeepSeek-V2 or V3's config.json: multi-latent attention, the first first_k_dense_replace layers dense (their
-    defaults differ: 0 and 3), then mixtures of experts (``_deepseek_experts``)."""
+    defaults differ: 0 and 3), then mixtures of experts (``deepseek_experts``)."""
     def read(hf: dict) -> dict:
         layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace")
         dense = DEEPSEEK_DEFAULTS[version]["first_k_dense_replace"] if dense is None else dense
@@ -32,7 +33,9 @@ def _deepseek_reader(version: int) -> Callable[[dict], dict]:
         refuse(set(rope) - {"rotary_base", "rope_type"} - set(YARN_FIELDS) != set(),
                "rope scaling other than yarn (rope_parameters.rope_type; DeepSeek's attention scales with yarn)")
         if dense < layers:
-            fields.update(_deepseek_experts({**DEEPSEEK_DEFAULTS[version], **set_fields(hf)}, dense, version))
+            fields.update(deepseek_experts({**DEEPSEEK_DEFAULTS[version], **set_fields(hf)}, dense, version))
+        if version == 3:
+            fields.update(mtp_fields_to_ours(hf))
         return dict(fields, **rope)
     return read
 
@@ -46,7 +49,7 @@ DEEPSEEK_DEFAULTS = {
         "topk_method": "noaux_tc", "norm_topk_prob": True}}
 
 
-def _deepseek_experts(hf: dict, dense: int, version: int) -> dict:
+def deepseek_experts(hf: dict, dense: int, version: int) -> dict:
     """DeepSeek's mixture-of-experts layers (after the first ``dense``), as transformers computes them: V2 the top-k
     of a softmax over all experts as they are (within the groups of highest best score with topk_method
     group_limited_greedy), V3 the top-k of sigmoid scores chosen with e_score_correction_bias (our expert bias)
@@ -77,8 +80,8 @@ def _deepseek_experts(hf: dict, dense: int, version: int) -> dict:
     return fields
 
 
-def _deepseek_experts_to_hf(config: ModelConfig, version: int) -> dict:
-    """Inverse of ``_deepseek_experts`` (a dense model: every layer before first_k_dense_replace)."""
+def deepseek_experts_to_hf(config: ModelConfig, version: int) -> dict:
+    """Inverse of ``deepseek_experts`` (a dense model: every layer before first_k_dense_replace)."""
     moe_layers = [config.is_moe_layer(i) for i in range(config.num_layers)]
     if not any(moe_layers):
         return {"first_k_dense_replace": config.num_layers}
@@ -99,10 +102,10 @@ def _deepseek_to_hf(config: ModelConfig, version: int) -> dict:
     return dict(fields, q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
                 qk_nope_head_dim=config.qk_head_dim, qk_rope_head_dim=config.qk_pos_emb_head_dim,
                 v_head_dim=config.v_head_dim, num_key_value_heads=config.num_attention_heads, attention_bias=False,
-                **_deepseek_experts_to_hf(config, version))
+                **deepseek_experts_to_hf(config, version))
 
 
-# What a DeepSeek config.json sets for its mixture-of-experts layers (``_deepseek_experts``; nothing in a model
+# What a DeepSeek config.json sets for its mixture-of-experts layers (``deepseek_experts``; nothing in a model
 # whose layers are all dense; output_router_logits: transformers computes no router loss from them).
 DEEPSEEK_MOE_FIELDS = frozenset({
     "moe_intermediate_size", "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "n_group",
@@ -115,11 +118,13 @@ DEEPSEEK_FIELDS = LLAMA_FIELDS | DEEPSEEK_MOE_FIELDS | {
     "qk_head_dim"}  # qk_nope_head_dim + qk_rope_head_dim, which transformers recomputes (as head_dim)
 
 
-# Multi-token prediction modules (num_nextn_predict_layers) are not part of transformers' forward.
+# Multi-token prediction layers (num_nextn_predict_layers: interop/hf/multi_token_prediction.py) are not part of
+# transformers' forward.
 DEEPSEEK_V3 = Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek",
-                     DEEPSEEK_FIELDS | {"rope_interleave", "num_nextn_predict_layers"}, _deepseek_reader(3),
-                     lambda config: dict(_deepseek_to_hf(config, 3), rope_interleave=True, num_nextn_predict_layers=0),
-                     features={"multi_latent_attention": True, "qk_layernorm": True}, also=frozenset({"num_experts"}))
+                     DEEPSEEK_FIELDS | MTP_FIELDS | {"rope_interleave"}, _deepseek_reader(3),
+                     lambda config: dict(_deepseek_to_hf(config, 3), rope_interleave=True, **mtp_fields_to_hf(config)),
+                     features={"multi_latent_attention": True, "qk_layernorm": True},
+                     also=frozenset({"num_experts", "mtp_num_layers"}))
 
 # Exported when asked for (--hf-model-type deepseek_v2): V3 computes its dense models, not its experts.
 DEEPSEEK_V2 = Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek", DEEPSEEK_FIELDS | {"mlp_bias"},

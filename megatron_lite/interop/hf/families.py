@@ -40,6 +40,12 @@ never dropped: an unread field is a silently different model. A null field sets 
              projection (--qk-layernorm-whole-
              projection), experts in every layer,
              norm_topk_prob as qwen3_moe
+    glm4_moe llama + q/k/v biases (attention_bias),    norm_topk_prob false, groups other than
+             q/k RMSNorm (use_qk_norm), RoPE on         scored by their best two, rope scaling
+             partial_rotary_factor of each head (0.5   other than linear, llama3, yarn
+             unless set), first_k_dense_replace dense
+             layers, then deepseek_v3's experts (shared
+             experts, sigmoid, expert bias, groups)
     gemma2   llama + RMSNorm (1 + w), post-sublayer    attention_bias, hidden_activation other than
              norms, sqrt(hidden) embedding scale,      gelu_pytorch_tanh, use_bidirectional_attention,
              GeGLU, query_pre_attn_scalar, attention   layer_types other than every Nth layer global
@@ -61,6 +67,9 @@ never dropped: an unread field is a silently different model. A null field sets 
              (--moe-router-group-score max); both
              x routed_scaling_factor
 
+DeepSeek-V3's and GLM-4.5's multi-token prediction layers (num_nextn_predict_layers: --mtp-num-layers) are extra
+decoder layers in their files: ``multi_token_prediction``.
+
 On export the family is the one the model's features call for (``family_of``), or the one named
 (``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does, DeepSeek-V2
 what V3 does for dense layers.
@@ -76,8 +85,8 @@ from __future__ import annotations
 
 from megatron_lite.checkpointing.architecture import defines_function
 from megatron_lite.config import ConfigError, ModelConfig
-from megatron_lite.interop.hf import (deepseek, gemma, gpt2, gpt_neox, llama, mistral, mixtral, olmoe, phi3, qwen,
-                                      smollm3)
+from megatron_lite.interop.hf import (deepseek, gemma, glm4_moe, gpt2, gpt_neox, llama, mistral, mixtral, olmoe,
+                                      phi3, qwen, smollm3)
 from megatron_lite.interop.hf.family import GENERIC_FIELDS, Family, refuse
 from megatron_lite.interop.hf.pad_token import pad_token_id_from_hf
 
@@ -94,6 +103,7 @@ FAMILIES = {family.model_type: family for family in (
     mixtral.MIXTRAL,
     qwen.QWEN3_MOE,
     olmoe.OLMOE,
+    glm4_moe.GLM4_MOE,
     gemma.GEMMA2,
     gemma.GEMMA3_TEXT,
     deepseek.DEEPSEEK_V3,
@@ -103,9 +113,9 @@ FAMILIES = {family.model_type: family for family in (
 # The features only some families have, and the value each takes where it is absent.
 _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None,
                       "num_experts": None, "qk_layernorm_whole_projection": False, "multi_latent_attention": False,
-                      "parallel_attention_mlp": False, "no_rope_freq": None}
+                      "parallel_attention_mlp": False, "no_rope_freq": None, "mtp_num_layers": None}
 # Namings that are Llama's but for their experts' (weights._EXPERT_NAMES): a Llama-like model with experts.
-EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe"})
+EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe", "glm4_moe"})
 
 
 # Gemma's features (its own weight naming tells it apart on export): no other family describes them.

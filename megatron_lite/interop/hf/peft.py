@@ -64,7 +64,7 @@ _MODULES = {
 # GPT-NeoX's modules are ours one for one, rows in our order (its query_key_value is laid out per head, as ours).
 _MODULES["gpt_neox"] = {"linear_qkv": [("attention.query_key_value", None)], "linear_proj": [("attention.dense", None)],
                         "linear_fc1": [("mlp.dense_h_to_4h", None)], "linear_fc2": [("mlp.dense_4h_to_h", None)]}
-_MODULES["gemma"] = _MODULES["mixtral"] = _MODULES["qwen_moe"] = _MODULES["llama"]
+_MODULES["gemma"] = _MODULES["mixtral"] = _MODULES["qwen_moe"] = _MODULES["glm4_moe"] = _MODULES["llama"]
 _MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)],
                         "linear_q_down_proj": [("self_attn.q_a_proj", None)],
                         "linear_q_up_proj": [("self_attn.q_b_proj", None)],
@@ -80,7 +80,7 @@ _LAYERS = {"gpt2": "base_model.model.transformer.h.", "gpt_neox": "base_model.mo
            "llama": "base_model.model.model.layers.",
            "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers.",
            "mixtral": "base_model.model.model.layers.", "qwen_moe": "base_model.model.model.layers.",
-           "deepseek": "base_model.model.model.layers."}
+           "deepseek": "base_model.model.model.layers.", "glm4_moe": "base_model.model.model.layers."}
 # A mixture-of-experts layer's experts in transformers 5 (Mixtral, Qwen3-MoE, OLMoE): one 3-D parameter per
 # projection, [experts, out, in], which PEFT adapts as ``target_parameters`` (its ParamWrapper), every expert
 # with its own rank-r factors: A [E r, in] (expert e's rows e r .. e r + r - 1) and B [out, r E] (expert e's
@@ -187,8 +187,8 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
 
 
 # Namings whose gate_proj, up_proj and down_proj peft (0.21, for transformers 5) takes for a mixture of experts'
-# fused parameters, in every layer: Qwen3-MoE, OLMoE and DeepSeek (not Mixtral, whose experts are w1, w3, w2).
-_PEFT_REMAPS_MLPS = frozenset({"qwen_moe", "deepseek"})
+# fused parameters, in every layer: Qwen3-MoE, OLMoE, DeepSeek and GLM-4.5 (not Mixtral, whose experts are w1, w3, w2).
+_PEFT_REMAPS_MLPS = frozenset({"qwen_moe", "deepseek", "glm4_moe"})
 
 
 def _check_peft_loads(model: ModelConfig, targets: list, family) -> None:

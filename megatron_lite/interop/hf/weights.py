@@ -1,5 +1,5 @@
 """Hugging Face weights and config.json (GPT-2, GPT-NeoX, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE,
-OLMoE, Phi-3, Gemma 2 and 3, DeepSeek-V2/V3, SmolLM3) <-> our ModelConfig and global tensors.
+OLMoE, Phi-3, Gemma 2 and 3, DeepSeek-V2/V3, SmolLM3, GLM-4.5) <-> our ModelConfig and global tensors.
 
 The directories and whole checkpoints are ``interop.hf.checkpoint``'s; this module maps one family's
 ``config.json`` to our ModelConfig and its tensors to our global tensors, and back.
@@ -29,11 +29,13 @@ What differs between the two naming schemes:
 - DeepSeek's multi-latent attention: ``latent_attention`` (renames, and its interleaved rotary rows). Its
   experts are named as Qwen3-MoE's, its shared experts mlp.shared_experts.gate_proj/up_proj/down_proj (our
   shared_experts' fc1 and fc2), and V3's mlp.gate.e_score_correction_bias is our router's expert_bias.
+- GLM-4.5 (naming glm4_moe): Llama's names (q/k/v biases as Qwen2's, q_norm/k_norm as Qwen3's), DeepSeek's experts.
 - Vocabulary: ours is padded (``ModelConfig.padded_vocab_size``): zero rows are added
   on import and cut on export.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -42,6 +44,7 @@ from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.interop.hf.families import (GEMMA_FEATURES, Family, config_json, family_of,
                                                model_config_fields_from_hf, named_family)
 from megatron_lite.interop.hf.latent_attention import latent_attention_from_hf, latent_attention_to_hf
+from megatron_lite.interop.hf.multi_token_prediction import mtp_from_hf, mtp_to_hf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,6 +182,7 @@ _EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe.gate.weight", "block_s
                  "qwen_moe": ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", _QWEN_PROJECTIONS),  # Qwen3-MoE, OLMoE
                  "deepseek": ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", _QWEN_PROJECTIONS,
                                          shared="mlp.shared_experts.", expert_bias="mlp.gate.e_score_correction_bias")}
+_EXPERT_NAMES["glm4_moe"] = _EXPERT_NAMES["deepseek"]  # GLM-4.5: Llama's attention, DeepSeek's experts
 _LLAMA_LAYER = _LLAMA_PROJECTIONS + (("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", False),)
 _GEMMA_LAYER = _LLAMA_PROJECTIONS + (
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight", False),
@@ -243,25 +247,8 @@ def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = Non
     else:
         ours["embedding.word_embeddings.weight"] = _vocab_padded(take("embed_tokens.weight"), config)
         for i in range(config.num_layers):
-            hf, layer = f"layers.{i}.", f"decoder.layers.{i}."
-            if naming == "phi3":  # [all q; all k; all v] and [gate; up] in one weight each
-                ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
-                    *_split_qkv(take(hf + "self_attn.qkv_proj.weight"), config), config)
-                ours[layer + "mlp.linear_fc1.weight"] = take(hf + "mlp.gate_up_proj.weight")
-                ours.update(_renamed_from_hf(take, _LLAMA_MLP, hf, layer))
-            else:
-                if naming == "deepseek":
-                    ours.update(latent_attention_from_hf(take, hf, layer, config, interleaved=interleaved_rope))
-                else:
-                    ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
-                        take(hf + "self_attn.q_proj.weight"), take(hf + "self_attn.k_proj.weight"),
-                        take(hf + "self_attn.v_proj.weight"), config)
-                ours.update(_mlp_from_hf(take, hf, layer, config, naming, i))
-            if config.add_qkv_bias:  # Qwen2's q/k/v biases
-                ours[layer + "self_attention.linear_qkv.bias"] = pack_qkv(
-                    take(hf + "self_attn.q_proj.bias"), take(hf + "self_attn.k_proj.bias"),
-                    take(hf + "self_attn.v_proj.bias"), config)
-            ours.update(_renamed_from_hf(take, _llama_layer_table(config), hf, layer))
+            ours.update(_llama_layer_from_hf(take, f"layers.{i}.", f"decoder.layers.{i}.", config, naming, i,
+                                             interleaved_rope=interleaved_rope))
         ours.update(_renamed_from_hf(take, _LLAMA_FINAL, "", ""))
     output_layer = _OUTPUT_LAYERS.get(naming, "lm_head.weight")
     lm_head = tensors.pop(output_layer, None)
@@ -269,6 +256,9 @@ def weights_from_hf(tensors: dict, config: ModelConfig, naming: str | None = Non
         if lm_head is None:
             raise ConfigError(f"config.json says tie_word_embeddings is false but the weights have no {output_layer}.")
         ours["output_layer.weight"] = _vocab_padded(lm_head, config)
+    if config.mtp_num_layers is not None:
+        ours.update(mtp_from_hf(take, tensors, ours, config, functools.partial(
+            _llama_layer_from_hf, take, config=config, naming=naming, interleaved_rope=interleaved_rope)))
     leftover = sorted(k for k in tensors if not k.endswith("rotary_emb.inv_freq"))
     if leftover:
         raise ConfigError(f"Hugging Face weights not understood (a different architecture?): {leftover[:5]}")
@@ -300,28 +290,61 @@ def weights_to_hf(read, config: ModelConfig, naming: str | None = None) -> dict:
     else:
         hf["model.embed_tokens.weight"] = read("embedding.word_embeddings.weight")[:vocab]
         for i in range(config.num_layers):
-            theirs, layer = f"model.layers.{i}.", f"decoder.layers.{i}."
-            if naming == "phi3":
-                query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
-                hf[theirs + "self_attn.qkv_proj.weight"] = torch.cat([query, key, value])
-                hf[theirs + "mlp.gate_up_proj.weight"] = read(layer + "mlp.linear_fc1.weight")
-                hf.update(_renamed_to_hf(read, _LLAMA_MLP, theirs, layer))
-            else:
-                if naming == "deepseek":
-                    hf.update(latent_attention_to_hf(read, theirs, layer, config))
-                else:
-                    query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
-                    hf.update({theirs + f"self_attn.{name}_proj.weight": weight
-                               for name, weight in zip("qkv", (query, key, value))})
-                hf.update(_mlp_to_hf(read, theirs, layer, config, naming, i))
-            if config.add_qkv_bias:
-                biases = unpack_qkv(read(layer + "self_attention.linear_qkv.bias"), config)
-                hf.update({theirs + f"self_attn.{name}_proj.bias": bias for name, bias in zip("qkv", biases)})
-            hf.update(_renamed_to_hf(read, _llama_layer_table(config), theirs, layer))
+            hf.update(_llama_layer_to_hf(read, f"model.layers.{i}.", f"decoder.layers.{i}.", config, naming, i))
         hf.update(_renamed_to_hf(read, _LLAMA_FINAL, "model.", ""))
     if config.untie_embeddings_and_output_weights:
         hf[_OUTPUT_LAYERS.get(naming, "lm_head.weight")] = read("output_layer.weight")[:vocab]
+    if config.mtp_num_layers is not None:
+        hf.update(mtp_to_hf(read, config, functools.partial(_llama_layer_to_hf, read, config=config, naming=naming)))
     return {name: t.contiguous() for name, t in hf.items()}
+
+
+def _llama_layer_from_hf(take, theirs: str, layer: str, config: ModelConfig, naming: str, number: int, *,
+                         interleaved_rope: bool) -> dict:
+    """One Llama-named decoder layer's weights (``theirs``, ``layer``: the two prefixes; ``number``: global)."""
+    ours = {}
+    if naming == "phi3":  # [all q; all k; all v] and [gate; up] in one weight each
+        ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
+            *_split_qkv(take(theirs + "self_attn.qkv_proj.weight"), config), config)
+        ours[layer + "mlp.linear_fc1.weight"] = take(theirs + "mlp.gate_up_proj.weight")
+        ours.update(_renamed_from_hf(take, _LLAMA_MLP, theirs, layer))
+    else:
+        if naming == "deepseek":
+            ours.update(latent_attention_from_hf(take, theirs, layer, config, interleaved=interleaved_rope))
+        else:
+            ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
+                take(theirs + "self_attn.q_proj.weight"), take(theirs + "self_attn.k_proj.weight"),
+                take(theirs + "self_attn.v_proj.weight"), config)
+        ours.update(_mlp_from_hf(take, theirs, layer, config, naming, number))
+    if config.add_qkv_bias:  # Qwen2's q/k/v biases
+        ours[layer + "self_attention.linear_qkv.bias"] = pack_qkv(
+            take(theirs + "self_attn.q_proj.bias"), take(theirs + "self_attn.k_proj.bias"),
+            take(theirs + "self_attn.v_proj.bias"), config)
+    ours.update(_renamed_from_hf(take, _llama_layer_table(config), theirs, layer))
+    return ours
+
+
+def _llama_layer_to_hf(read, theirs: str, layer: str, config: ModelConfig, naming: str, number: int) -> dict:
+    """Inverse of ``_llama_layer_from_hf``."""
+    hf = {}
+    if naming == "phi3":
+        query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
+        hf[theirs + "self_attn.qkv_proj.weight"] = torch.cat([query, key, value])
+        hf[theirs + "mlp.gate_up_proj.weight"] = read(layer + "mlp.linear_fc1.weight")
+        hf.update(_renamed_to_hf(read, _LLAMA_MLP, theirs, layer))
+    else:
+        if naming == "deepseek":
+            hf.update(latent_attention_to_hf(read, theirs, layer, config))
+        else:
+            query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
+            hf.update({theirs + f"self_attn.{name}_proj.weight": weight
+                       for name, weight in zip("qkv", (query, key, value))})
+        hf.update(_mlp_to_hf(read, theirs, layer, config, naming, number))
+    if config.add_qkv_bias:
+        biases = unpack_qkv(read(layer + "self_attention.linear_qkv.bias"), config)
+        hf.update({theirs + f"self_attn.{name}_proj.bias": bias for name, bias in zip("qkv", biases)})
+    hf.update(_renamed_to_hf(read, _llama_layer_table(config), theirs, layer))
+    return hf
 
 
 def _mlp_from_hf(take, theirs: str, layer: str, config: ModelConfig, naming: str, number: int) -> dict:

@@ -26,18 +26,19 @@ from megatron_lite.process_groups import collectives
 
 
 def routers(model_chunks: list) -> dict[int, TopKRouter]:
-    """The routers of this rank's chunks by global layer number (wrapped chunks or bare models)."""
+    """The routers of this rank's chunks by global layer number (wrapped chunks or bare models); multi-token
+    prediction's depth d (mtp.layers.{d}) is layer num_layers + d."""
     found = {}
     for chunk in model_chunks:
-        for name, module in getattr(chunk, "module", chunk).named_modules():
+        model = getattr(chunk, "module", chunk)
+        for name, module in model.named_modules():
             if isinstance(module, TopKRouter):
-                found[int(name.split("layers.")[1].split(".")[0])] = module
+                number = int(name.split("layers.")[1].split(".")[0])
+                found[number + (model.config.num_layers if name.startswith("mtp.") else 0)] = module
     return found
 
 
-def start_iteration(model_chunks: list, *, loss_scale: float, num_microbatches: int, per_token: bool,
-                    context_parallel_size: int = 1) -> None:
-    scale = AuxLossScale(loss_scale, num_microbatches, per_token, context_parallel_size)
+def start_iteration(model_chunks: list, scale: AuxLossScale) -> None:
     for router in routers(model_chunks).values():
         router.reset_statistics()
         router.aux_loss_scale = scale
@@ -86,7 +87,7 @@ def routing_summary(model_chunks: list, parallel_state, config: ModelConfig) -> 
     names = LOSS_NAMES
     groups = _all_groups(parallel_state)
     # A row per layer: [this rank's share of each loss summed over micro-batches, micro-batches, counts...].
-    table = torch.zeros(config.num_layers, len(names) + 1 + config.num_experts,
+    table = torch.zeros(config.num_layers + (config.mtp_num_layers or 0), len(names) + 1 + config.num_experts,
                         device=collectives.reduction_device(groups))
     for layer, router in routers(model_chunks).items():
         table[layer, :len(names)] = torch.tensor([float(router.loss_sums[n]) for n in names])
