@@ -80,8 +80,8 @@ def our_config(shape: str, layout: Layout, checkpoint: str | None = None, save: 
                         max_position_embeddings=SEQ, vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0,
                         **SHAPES[shape])
     return Config(
-        model=model, training=TrainingConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES,
-                                             train_iters=10_000, seed=SEED),
+        model=model, training=TrainingConfig(micro_batch_size=MICRO_BATCH, train_iters=10_000, seed=SEED,
+                                             global_batch_size=MICRO_BATCH * MICRO_BATCHES),
         optimizer=OptimizerConfig(lr=1e-4, min_lr=1e-4, lr_decay_style="constant", weight_decay=0.01, clip_grad=1.0),
         parallel=ParallelConfig(tensor_model_parallel_size=layout.tensor_model_parallel_size,
                                 pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
@@ -178,6 +178,21 @@ def compare(shape: str, layout: Layout, megatron_lm: str, directory: str, ours: 
     return row(shape, layout, seconds, first)
 
 
+def compare_all(megatron_lm: str, shapes: list, layouts: list, rounds: int, threads: int, *,
+                progress: bool = False) -> list:
+    """Every shape at every layout (names of SHAPES and LAYOUTS): a row each, printed as it is measured
+    with ``progress``."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-vs-megatron-") as directory:
+        for shape in shapes:
+            ours = save_initial_weights(shape, directory)
+            for name in layouts:
+                rows.append(compare(shape, LAYOUTS[name], megatron_lm, directory, ours, rounds, threads))
+                if progress:
+                    print(table(rows[-1:]).splitlines()[-1], flush=True)
+    return rows
+
+
 def row(shape: str, layout: Layout, seconds: dict, first: dict) -> dict:
     """The bookkeeping of one comparison: ratios by wall clock and CPU time, median seconds, first losses."""
     return {"shape": shape, "layout": layout.name, "ratio": Ratio.of(seconds["ours"], seconds["megatron"]),
@@ -201,7 +216,8 @@ def table(rows: list) -> str:
         ["shape", "layout", "Megatron-Core / ours (wall), min / median / max", "by CPU time",
          "median iteration, ours / Megatron-Core (s)", "first loss, ours / Megatron-Core",
          "first grad norm, ours / Megatron-Core"],
-        [[SHAPE_NAMES[r["shape"]], r["layout"], r["ratio"], r["cpu_ratio"], f"{r['ours_s']:.3f} / {r['megatron_s']:.3f}",
+        [[SHAPE_NAMES[r["shape"]], r["layout"], r["ratio"], r["cpu_ratio"],
+          f"{r['ours_s']:.3f} / {r['megatron_s']:.3f}",
           f"{r['first']['ours']['loss']:.6f} / {r['first']['megatron']['loss']:.6f}",
           f"{r['first']['ours']['grad_norm']:.6f} / {r['first']['megatron']['grad_norm']:.6f}"] for r in rows])
 
@@ -239,13 +255,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     print(header(args.threads, args.rounds), flush=True)
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-vs-megatron-") as directory:
-        for shape in args.shapes:
-            ours = save_initial_weights(shape, directory)
-            for name in args.layouts:
-                rows.append(compare(shape, LAYOUTS[name], args.megatron_lm, directory, ours, args.rounds, args.threads))
-                print(table(rows[-1:]).splitlines()[-1], flush=True)
+    rows = compare_all(args.megatron_lm, args.shapes, args.layouts, args.rounds, args.threads, progress=True)
     print(table(rows))
     print(load_average())
     if args.json:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,8 @@ def import_megatron(megatron_lm: str) -> None:
     sys.path.insert(0, os.path.abspath(megatron_lm))
     sys.path.insert(0, REPOSITORY)
     import torch._dynamo
+
+    warnings.filterwarnings("ignore", module=r"megatron\.")  # its notes on the CPU fallbacks, every process
 
     torch._dynamo.config.disable = True  # Megatron's jit_fuser is torch.compile
     from tools.make_megatron_fixtures import cpu_stand_ins
