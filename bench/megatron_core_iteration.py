@@ -93,13 +93,12 @@ def transformer_config(args, *, tensor_model_parallel_size: int, pipeline_model_
 
 
 def rank_checkpoint(export_dir: str, tensor_rank: int, pipeline_rank: int, pipeline_size: int) -> dict:
-    """This rank's file of the legacy checkpoint ``export_dir`` (``model`` and ``args``)."""
+    """This rank's file of the legacy checkpoint ``export_dir`` (``model`` and ``args``), read as our importer
+    reads one."""
     from megatron_lite.checkpointing.megatron import legacy
 
-    iteration = int(open(os.path.join(export_dir, "latest_checkpointed_iteration.txt")).read())
-    path = os.path.join(legacy.iteration_path(export_dir, iteration),
-                        legacy.rank_dir_name(tensor_rank, pipeline_rank, pipeline_size), "model_optim_rng.pt")
-    return torch.load(path, weights_only=False)  # our own export: args is an argparse.Namespace
+    return legacy.read_rank_file(os.path.join(legacy.iteration_dir(export_dir), legacy.rank_dir_name(
+        tensor_rank, pipeline_rank, pipeline_size), legacy.MODEL_FILE))
 
 
 def loss_func(loss_mask, output_tensor):
