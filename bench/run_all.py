@@ -12,7 +12,10 @@
 - start-up: a fresh process to the end of the first training iteration, and the imports alone, against
   the equivalent transformers script (``bench_startup.py``);
 - planner: ``--cluster local``'s step-time estimate against measured steps of tp2, pp2 and dp2 layouts
-  (``bench_step_time.py``).
+  (``bench_step_time.py``);
+- megatron (with ``--megatron-lm DIR``, a Megatron-LM source tree whose imports resolve): one training
+  iteration against Megatron-Core's, GPT-2 and Llama shapes at one process, tp2, pp2 and dp2 with the
+  distributed optimizer, same initial weights (``bench_vs_megatron.py``).
 
 Each ratio is the peer's time over ours (> 1 = we are faster) per alternating round, given as
 min / median / max over the rounds; "by CPU time" is the same from the CPU time the processes spent,
@@ -30,7 +33,7 @@ import time
 # Run as a script, bench/ is on the path but the repository root is not.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import (bench_generation, bench_preprocess, bench_startup, bench_step_time,  # noqa: E402
-                   bench_training)
+                   bench_training, bench_vs_megatron)
 from bench.side_by_side import Ratio, load_average, markdown_table  # noqa: E402
 
 SPEED_TARGET = 1.1  # the median ratio every claimed shape should reach
@@ -94,6 +97,15 @@ def planner(args) -> tuple[list, str]:
     return summary, bench_step_time.table(cluster, rows)
 
 
+def megatron(args) -> tuple[list, str]:
+    rows = bench_vs_megatron.compare_all(args.megatron_lm, list(bench_vs_megatron.SHAPES),
+                                         list(bench_vs_megatron.LAYOUTS), args.rounds, args.threads)
+    summary = [(f"training vs Megatron-Core, {bench_vs_megatron.SHAPE_NAMES[r['shape']]}, {r['layout']}",
+                str(r["ratio"]), str(r["cpu_ratio"]), f">= {SPEED_TARGET}", r["ratio"].median >= SPEED_TARGET)
+               for r in rows]
+    return summary, "\n".join([bench_vs_megatron.header(args.threads, args.rounds), bench_vs_megatron.table(rows)])
+
+
 def summary_table(rows: list) -> str:
     verdict = {True: "yes", False: "**no**", None: ""}
     return markdown_table(["measure", "ours vs peer (wall), min / median / max", "by CPU time", "target", "met"],
@@ -101,15 +113,22 @@ def summary_table(rows: list) -> str:
 
 
 SECTIONS = {"training": training, "generation": generation, "preprocessing": preprocessing, "startup": startup,
-            "planner": planner}
+            "planner": planner, "megatron": megatron}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each comparison")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads of each side")
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, help="sections to run (default: all; megatron only "
+                        "with --megatron-lm)")
+    parser.add_argument("--megatron-lm", metavar="DIR", help="a Megatron-LM source tree: adds the megatron section")
     args = parser.parse_args(argv)
+    if args.megatron_lm:
+        bench_vs_megatron.check_megatron_lm(parser, args.megatron_lm)
+    args.only = args.only or [name for name in SECTIONS if name != "megatron" or args.megatron_lm]
+    if "megatron" in args.only and not args.megatron_lm:
+        parser.error("--only megatron needs --megatron-lm DIR: the root of a Megatron-LM source tree.")
     start, load_before = time.perf_counter(), load_average()
     summary = []
     for section in args.only:

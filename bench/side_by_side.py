@@ -9,12 +9,15 @@ Each contender lives in a process of its own (``Contender``), started once and a
 timed call per round, so each runs as its users run it: with its own imports, its own
 process-wide settings (megatron_lite's training keeps freed host memory for reuse,
 ``training/host_memory.py``; a transformers script does not) and its own warm caches. Only
-one process works at a time; the other waits on its pipe.
+one process works at a time; the other waits on its pipe. A distributed contender is a world
+of such processes, one per rank, started as torchrun starts them (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT`` in each one's environment); each call runs on every rank at once.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -48,8 +51,9 @@ class Ratio:
         return f"{min(self.rounds):.2f} / {self.median:.2f} / {max(self.rounds):.2f}"
 
 
-def _serve(connection, build, args, threads: int) -> None:
+def _serve(connection, build, args, threads: int, environment: dict) -> None:
     """The contender's process: build once, then time one call of the built function per request."""
+    os.environ.update(environment)
     import torch
 
     torch.set_num_threads(threads)
@@ -61,34 +65,67 @@ def _serve(connection, build, args, threads: int) -> None:
         connection.send((Seconds(time.perf_counter() - start, time.process_time() - cpu_start), result))
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_environment(rank: int, world_size: int, port: int) -> dict:
+    """What torchrun puts in a rank's environment (none of it for a single process)."""
+    if world_size == 1:
+        return {}
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
+
+
 class Contender:
     """``build(*args)`` run in a fresh process with ``threads`` intra-op threads; it returns (a callable,
     information for the parent). Calling the contender with some arguments runs the callable once there
-    with them and returns (its ``Seconds``, what it returned)."""
+    with them and returns (its ``Seconds``, what it returned).
 
-    def __init__(self, build, *args, threads: int):
+    With ``world_size`` > 1, ``build`` runs on that many ranks at once (it initialises its own process
+    group from the environment), ``info`` is the list of every rank's information, and a call returns
+    (the slowest rank's wall clock with every rank's CPU time, the list of every rank's result)."""
+
+    def __init__(self, build, *args, threads: int, world_size: int = 1):
         context = multiprocessing.get_context("spawn")  # nothing of the parent's state (or imports) carries over
-        self._connection, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, build, args, threads), daemon=True)
-        self._process.start()
-        child.close()  # the worker's end: with it closed here, a worker that dies ends our reads
-        self.info = self._receive()
+        port = _free_port() if world_size > 1 else 0
+        self._connections, self._processes = [], []
+        for rank in range(world_size):
+            connection, child = context.Pipe()
+            process = context.Process(target=_serve, daemon=True, args=(
+                child, build, args, threads, _rank_environment(rank, world_size, port)))
+            process.start()
+            child.close()  # the worker's end: with it closed here, a worker that dies ends our reads
+            self._connections.append(connection)
+            self._processes.append(process)
+        # Every rank is started before any is waited on: their builds meet in the process group's rendezvous.
+        infos = [self._receive(rank) for rank in range(world_size)]
+        self.info = infos[0] if world_size == 1 else infos
 
-    def _receive(self):
+    def _receive(self, rank: int):
         try:
-            return self._connection.recv()
+            return self._connections[rank].recv()
         except EOFError:
-            raise RuntimeError(f"the benchmark's worker process stopped (exit code {self._process.exitcode}); "
-                               "its error is printed above.") from None
+            raise RuntimeError(f"the benchmark's worker process (rank {rank}) stopped (exit code "
+                               f"{self._processes[rank].exitcode}); its error is printed above.") from None
 
     def __call__(self, *args):
-        self._connection.send(args)
-        return self._receive()
+        for connection in self._connections:
+            connection.send(args)
+        replies = [self._receive(rank) for rank in range(len(self._connections))]
+        if len(replies) == 1:
+            return replies[0]
+        seconds = Seconds(max(s.wall for s, _ in replies), sum(s.cpu for s, _ in replies))
+        return seconds, [result for _, result in replies]
 
     def close(self) -> None:
-        if self._process.is_alive():
-            self._connection.send(None)
-        self._process.join(timeout=60)
+        for connection, process in zip(self._connections, self._processes):
+            if process.is_alive():
+                connection.send(None)
+        for process in self._processes:
+            process.join(timeout=60)
 
     def __enter__(self):
         return self

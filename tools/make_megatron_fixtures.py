@@ -252,7 +252,7 @@ def worker(job: dict) -> None:
 def cpu_stand_ins() -> None:
     """What Megatron asks of CUDA that a CPU run answers: RNG states, synchronisation, the device."""
     import torch
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, *a, **k: None
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.manual_seed = lambda *a, **k: None
@@ -262,10 +262,17 @@ def cpu_stand_ins() -> None:
     # validate_args asks for the GPU generation to decide whether to require CUDA_DEVICE_MAX_CONNECTIONS.
     torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(major=9, minor=0, name="cpu")
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    # load_checkpoint all-reduces the tracker file's iteration in a tensor it creates on device "cuda".
-    cpu_tensor = torch.tensor
-    torch.tensor = lambda *a, device=None, **k: cpu_tensor(*a, device=None if str(device).startswith("cuda")
-                                                            else device, **k)
+    # Tensors created on device "cuda": load_checkpoint's all-reduce of the tracker file's iteration, the
+    # schedules' token counts and the optimizer's gradient-norm and overflow buffers.
+    for factory in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(torch, factory, _on_cpu(getattr(torch, factory)))
+
+
+def _on_cpu(factory):
+    """``factory`` creating on the CPU what it is asked to create on a CUDA device."""
+    def create(*args, device=None, **kwargs):
+        return factory(*args, device=None if str(device).startswith("cuda") else device, **kwargs)
+    return create
 
 
 def legacy_model_stand_ins() -> None:
