@@ -8,6 +8,10 @@ parallelism.
     torchrun --nproc-per-node 4 -m megatron_lite.generate --load CKPT --tensor-model-parallel-size 2 \\
         --pipeline-model-parallel-size 2 --prompts-file prompts.jsonl --output-file answers.jsonl --greedy
 
+    # long prompts: their prefill split over 2 context-parallel ranks, each with tensor-parallel size 2
+    torchrun --nproc-per-node 4 -m megatron_lite.generate --load CKPT --context-parallel-size 2 \\
+        --tensor-model-parallel-size 2 --prompts-file long_prompts.jsonl --greedy
+
     # a mixture of experts split over 4 processes, which also split the prompts (data-parallel size 4)
     torchrun --nproc-per-node 4 -m megatron_lite.generate --load CKPT --expert-model-parallel-size 4 \\
         --prompts-file prompts.jsonl --output-file answers.jsonl
@@ -70,6 +74,9 @@ def build_parser() -> ArgumentParser:
     sampling.add_argument("--seed", type=int, default=1234,
                           help="seed of the sampling generators, one per batch: --seed + its index (default: 1234)")
     add_layout_arguments(parser)
+    parser.add_argument("--context-parallel-size", type=int, default=1,
+                        help="split each batch's prompt prefill over this many ranks (a long prompt's keys and "
+                             "values gathered into every rank's cache, decoding then on each); default: 1")
     add_tokenizer_arguments(parser)
     return parser
 

@@ -73,3 +73,36 @@ def test_expert_parallel_ranks_with_batches_of_their_own_stop_together():
     expected = [generate(model, prompts, max_new_tokens=8, eod=eod, greedy=True) for prompts in prompts_of_rank]
     assert expected[0] == [[eod]] and max(len(tokens) for tokens in expected[1]) > 1
     assert run_distributed(_moe_rank, 2, args=(prompts_of_rank, eod), timeout=60) == expected
+
+
+# Long enough that every context-parallel rank holds real tokens of each: the prefill is split into 2 x cp chunks.
+LONG_PROMPTS = [[5, 17, 3, 60, 22, 9, 41, 7, 30, 11, 2], [40, 2, 9, 71, 8], [31, 4, 18, 27, 50, 6, 13, 44]]
+
+
+def _cp_rank(rank, world_size, arch, tp, cp):
+    from megatron_lite.model.builder import build_model
+    from megatron_lite.process_groups.parallel_state import initialize_model_parallel
+    from tests.inference.models import config_of
+
+    parallel_state = initialize_model_parallel(tp, 1, context_parallel_size=cp)
+    (model,) = build_model(config_of(arch, tp), parallel_state, whole_sequences=True)
+    model.eval()
+    greedy = generate(model, LONG_PROMPTS, max_new_tokens=8, greedy=True, parallel_state=parallel_state)
+    sampled = generate(model, LONG_PROMPTS[:1], max_new_tokens=8, generator=torch.Generator().manual_seed(5),
+                       parallel_state=parallel_state, **SAMPLED)
+    return greedy, sampled
+
+
+@pytest.mark.parametrize("arch,tp,cp", [("rope_gqa", 1, 2), ("rope_local_global", 1, 2), ("mla", 1, 2),
+                                        ("learned_mha", 2, 2)], ids=["cp2", "window_cp2", "mla_cp2", "tp2cp2"])
+def test_context_parallel_prefill_equals_one_process(arch, tp, cp):
+    """The prompts' prefill split over the context-parallel ranks (each caching the whole prompts' keys and
+    values), decoding then on every rank: every rank's tokens are one process's, greedy and sampled, with
+    padding (prompts of three lengths, padded further to 2 x cp positions), sliding windows and latent
+    attention's cache."""
+    model, _ = build(arch)
+    expected = (generate(model, LONG_PROMPTS, max_new_tokens=8, greedy=True),
+                generate(model, LONG_PROMPTS[:1], max_new_tokens=8, generator=torch.Generator().manual_seed(5),
+                         **SAMPLED))
+    for rank_result in run_distributed(_cp_rank, tp * cp, args=(arch, tp, cp), timeout=120):
+        assert rank_result == expected
