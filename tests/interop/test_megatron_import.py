@@ -67,7 +67,10 @@ def _stage_forward(model, tokens, parallel_state, hidden_size):
 ALL = ["gpt2_tp2pp2_torch", "llama_tp1pp1_torch_bf16", "gpt2_tp1pp1_legacy_model", "llama_tp2pp2_legacy_model",
        "gpt2_tp2pp1_torch_dist", "llama_tp2pp1_torch_dist_core020",
        "gpt2_tp2pp1_exact_gelu",  # --no-bias-gelu-fusion: the erf GeLU (our --gelu-exact)
-       "moe_tp1pp1_torch", "moe_tp2pp1ep2_torch"]  # 4 experts top-2, in one file and over 2 expert ranks x 2 tp
+       "moe_tp1pp1_torch", "moe_tp2pp1ep2_torch",  # 4 experts top-2, in one file and over 2 expert ranks x 2 tp
+       "moe_tp2pp1ep2_torch_dist",  # the experts stacked [layers, experts, ...] in torch_dist
+       "moe_expert_bias_tp1pp1_torch",  # sigmoid scores and the router's expert bias (a buffer)
+       "moe_grouped_gemm_tp2pp1ep2_torch_bf16"]  # core 0.16's GroupedMLP: weight1/weight2 per rank, bf16
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -113,8 +116,8 @@ def test_the_saved_args_map_to_our_config():
 def test_unsupported_megatron_args_are_refused_by_name():
     import argparse
     from megatron_lite.interop.megatron.args_mapping import model_config_from_megatron_args
-    args = argparse.Namespace(moe_grouped_gemm=True, qk_layernorm=True, swiglu=False, bias_gelu_fusion=False)
-    with pytest.raises(ConfigError, match=r"--moe-grouped-gemm \(experts stored as one grouped GEMM.*--qk-layernorm"):
+    args = argparse.Namespace(moe_latent_size=8, qk_layernorm=True, swiglu=False, bias_gelu_fusion=False)
+    with pytest.raises(ConfigError, match=r"--moe-latent-size \(latent experts\).*--qk-layernorm"):
         model_config_from_megatron_args(args, "ckpt")
 
 

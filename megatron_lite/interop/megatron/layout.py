@@ -125,6 +125,33 @@ def expert_number(name: str) -> Optional[int]:
     return None if match is None else int(match.group(1))
 
 
+_GROUPED_MLP = re.compile(r"^(.*\.mlp\.experts\.)weight([12])$")
+_TE_GROUPED_LINEAR = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+
+
+def as_sequential_mlp(name: str, tensor, *, local_experts: int, hidden_size: int) -> list:
+    """[(name, tensor)] of a legacy file's tensor with grouped-GEMM experts in the SequentialMLP layout
+    (``mlp.experts.local_experts.N.linear_fc1.weight``, [out/tp, in] per expert); any other tensor as it is.
+
+    --moe-grouped-gemm stores a rank's experts in one of two ways. Megatron-Core's legacy GroupedMLP (local
+    layers) keeps ``weight1`` [hidden, experts x fc1 out/tp] and ``weight2`` [experts x ffn/tp, hidden], which its
+    grouped GEMM reads as ``weight1.view(experts, hidden, -1)``: expert i's block of the storage is its fc1
+    weight transposed (its rows [gate_r; up_r] under SwiGLU, as SequentialMLP's), likewise ``weight2``.
+    Transformer Engine's TEGroupedMLP keeps each expert's linear as ``linear_fc1.weight{i}``, as SequentialMLP's.
+    """
+    grouped = _GROUPED_MLP.match(name)
+    if grouped is not None:
+        prefix, which = grouped.groups()
+        blocks = tensor.reshape(local_experts, hidden_size, -1) if which == "1" else \
+            tensor.reshape(local_experts, -1, hidden_size)
+        return [(f"{prefix}local_experts.{i}.linear_fc{which}.weight", block.t()) for i, block in enumerate(blocks)]
+    te = _TE_GROUPED_LINEAR.match(name)
+    if te is not None:
+        prefix, linear, kind, expert = te.groups()
+        return [(f"{prefix}local_experts.{expert}.{linear}.{kind}", tensor)]
+    return [(name, tensor)]
+
+
 def renumbered_expert(name: str, shift: int) -> str:
     """An expert tensor's name with its expert number moved by ``shift``: an expert-parallel rank's file
     numbers its experts from 0, ours by their global number (a rank's first is rank x experts per rank)."""
