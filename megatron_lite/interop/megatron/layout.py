@@ -110,13 +110,18 @@ def megatron_from_ours(name: str, layer_offset: int) -> str:
 _TE_NORM_FROM_OURS = {ours: theirs for theirs, ours in TE_NORM_RENAMES}
 
 
-def torch_dist_key(name: str) -> tuple[str, Optional[int]]:
-    """Megatron-Core's torch_dist key for our global ``name`` and, for a layer tensor, its global layer
-    number (torch_dist stacks the layers along a leading dimension under one key), else None."""
+def torch_dist_key(name: str) -> tuple[str, tuple]:
+    """Megatron-Core's torch_dist key for our global ``name`` and where the tensor sits along the key's leading
+    stacked dimensions: () outside the layers, (layer,) for a layer tensor (torch_dist stacks the layers under
+    one key), (layer, expert) for an expert's (``mlp.experts.experts.<name>``, [layers, experts, ...])."""
     layer = local_layer(name)
     if layer is None:
-        return _MCORE_FROM_OURS.get(name, name), None
-    return f"decoder.layers.{_TE_NORM_FROM_OURS.get(layer[1], layer[1])}", layer[0]
+        return _MCORE_FROM_OURS.get(name, name), ()
+    expert = expert_number(name)
+    if expert is not None:
+        inner = _LOCAL_EXPERT.sub(".mlp.experts.experts.", f".{layer[1]}", count=1).removeprefix(".")
+        return f"decoder.layers.{inner}", (layer[0], expert)
+    return f"decoder.layers.{_TE_NORM_FROM_OURS.get(layer[1], layer[1])}", (layer[0],)
 
 
 def expert_number(name: str) -> Optional[int]:
