@@ -65,10 +65,13 @@ def _read_legacy(directory: str) -> tuple:
         raise CheckpointError(f"{directory} lacks the files of (tensor, pipeline, expert) ranks {missing}.")
     first = legacy.read_rank_file(files[0, 0, 0])
     args = first["args"]
-    if ep > 1 and (getattr(args, "expert_tensor_parallel_size", None) or tp) != tp:
+    if getattr(args, "num_experts", None) and (getattr(args, "expert_tensor_parallel_size", None) or tp) != tp:
+        # Each legacy file is named by its dense tensor rank and expert rank only, so another expert-tensor size
+        # leaves files whose experts are cut otherwise than their names say (and some combinations missing).
         raise CheckpointError(f"{directory} splits its experts over --expert-tensor-parallel-size "
                               f"{args.expert_tensor_parallel_size} ranks, not the tensor-parallel {tp}: megatron_lite "
-                              f"imports expert-parallel checkpoints whose experts are split like the dense layers.")
+                              f"reads legacy files whose experts are split like the dense layers; save it with "
+                              f"--ckpt-format torch_dist (whole tensors, read at any expert-tensor size).")
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     model = stage_model(Config(model=model_config_from_megatron_args(args, directory)), 0)
     params = dict(model.named_parameters())
