@@ -25,7 +25,7 @@ end-of-turn marker). Prompts go through the chat template the checkpoint was fin
 pretrained model), exactly as training tokenized them: a ``{"prompt": p}`` is the conversation of
 one user message ``p``. The checkpoint's config gives the architecture and its weights are
 resharded to the layout asked for; the tokens do not depend on the layout. Processes beyond
-tensor x pipeline are data-parallel ranks, each generating every d-th batch (``inference/data_parallel.py``);
+tensor x context x pipeline are data-parallel ranks, each generating every d-th batch (``inference/data_parallel.py``);
 each batch samples from its own generator, seeded by ``--seed`` and its index, so the responses are those
 of one process.
 """

@@ -1,4 +1,4 @@
-"""Generating text from a GPT with a key/value cache, under tensor and pipeline parallelism.
+"""Generating text from a GPT with a key/value cache, under tensor, pipeline, expert, data and context parallelism.
 
     new_tokens = generate(model, [prompt_ids, ...], max_new_tokens=64, eod=tokenizer.eod, greedy=True)
 
