@@ -93,6 +93,8 @@ FIXTURES = {
     "moe_tp1pp1_torch": Fixture(MOE, 1, 1, TORCH),
     "moe_tp2pp1ep2_torch": Fixture(MOE, 2, 1, TORCH, ep=2),
     "moe_tp2pp1ep2_torch_dist": Fixture(MOE, 2, 1, TORCH_DIST, ep=2),
+    # The experts whole on each rank (expert-tensor size 1) under tensor size 2: torch_dist's tensors are global.
+    "moe_tp2pp1etp1ep2_torch_dist": Fixture(MOE, 2, 1, (*TORCH_DIST, "--expert-tensor-parallel-size", "1"), ep=2),
     # The router's expert bias (a buffer, moved off its zeros like the weights), which needs sigmoid scores.
     "moe_expert_bias_tp1pp1_torch": Fixture((*MOE, "--moe-router-score-function", "sigmoid",
                                              "--moe-router-enable-expert-bias"), 1, 1, TORCH),
@@ -406,7 +408,8 @@ def rank_main(rank: int, world_size: int, init_file: str, job: dict) -> None:
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     mpu.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                  expert_model_parallel_size=args.expert_model_parallel_size)
+                                  expert_model_parallel_size=args.expert_model_parallel_size,
+                                  expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed, inference_rng_tracker=True)
     from gpt_builders import gpt_builder

@@ -70,6 +70,7 @@ ALL = ["gpt2_tp2pp2_torch", "llama_tp1pp1_torch_bf16", "gpt2_tp1pp1_legacy_model
        "gpt2_tp2pp1_exact_gelu",  # --no-bias-gelu-fusion: the erf GeLU (our --gelu-exact)
        "moe_tp1pp1_torch", "moe_tp2pp1ep2_torch",  # 4 experts top-2, in one file and over 2 expert ranks x 2 tp
        "moe_tp2pp1ep2_torch_dist",  # the experts stacked [layers, experts, ...] in torch_dist
+       "moe_tp2pp1etp1ep2_torch_dist",  # ... there at --expert-tensor-parallel-size 1 under tensor size 2
        "moe_expert_bias_tp1pp1_torch",  # sigmoid scores and the router's expert bias (a buffer)
        "moe_grouped_gemm_tp2pp1ep2_torch_bf16"]  # core 0.16's GroupedMLP: weight1/weight2 per rank, bf16
 

@@ -66,8 +66,9 @@ def _read_legacy(directory: str) -> tuple:
     first = legacy.read_rank_file(files[0, 0, 0])
     args = first["args"]
     if getattr(args, "num_experts", None) and (getattr(args, "expert_tensor_parallel_size", None) or tp) != tp:
-        # Each legacy file is named by its dense tensor rank and expert rank only, so another expert-tensor size
-        # leaves files whose experts are cut otherwise than their names say (and some combinations missing).
+        # Megatron-LM's legacy save names a file by its dense tensor rank and expert rank only, and every rank of
+        # expert-data rank 0 writes one: under another expert-tensor size two ranks can share a name (tensor size
+        # 1, expert-tensor size 2: both write mp_rank_00) or (tensor, expert) pairs have none.
         raise CheckpointError(f"{directory} splits its experts over --expert-tensor-parallel-size "
                               f"{args.expert_tensor_parallel_size} ranks, not the tensor-parallel {tp}: megatron_lite "
                               f"reads legacy files whose experts are split like the dense layers; save it with "
