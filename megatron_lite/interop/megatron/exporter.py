@@ -13,7 +13,9 @@ tensor size:
   by tensor-parallel rank 0; tied embeddings once, by the first stage), and an
   ``_extra_state`` object (None) per layer linear.
 
-The weights only: Megatron-LM starts the optimizer fresh.
+A mixture of experts is written as Megatron-Core's SequentialMLP (``local_experts.N``; torch_dist:
+``mlp.experts.experts.*`` [layers, experts, ...]) over the target's expert-parallel ranks, with the router's
+expert bias (fp32). The weights only: Megatron-LM starts the optimizer fresh.
 """
 from __future__ import annotations
 
