@@ -8,6 +8,10 @@ parallelism.
     torchrun --nproc-per-node 4 -m megatron_lite.generate --load CKPT --tensor-model-parallel-size 2 \\
         --pipeline-model-parallel-size 2 --prompts-file prompts.jsonl --output-file answers.jsonl --greedy
 
+    # long prompts: their prefill split over 2 context-parallel ranks, each with tensor-parallel size 2
+    torchrun --nproc-per-node 4 -m megatron_lite.generate --load CKPT --context-parallel-size 2 \\
+        --tensor-model-parallel-size 2 --prompts-file long_prompts.jsonl --greedy
+
     # a mixture of experts split over 4 processes, which also split the prompts (data-parallel size 4)
     torchrun --nproc-per-node 4 -m megatron_lite.generate --load CKPT --expert-model-parallel-size 4 \\
         --prompts-file prompts.jsonl --output-file answers.jsonl
@@ -21,7 +25,7 @@ end-of-turn marker). Prompts go through the chat template the checkpoint was fin
 pretrained model), exactly as training tokenized them: a ``{"prompt": p}`` is the conversation of
 one user message ``p``. The checkpoint's config gives the architecture and its weights are
 resharded to the layout asked for; the tokens do not depend on the layout. Processes beyond
-tensor x pipeline are data-parallel ranks, each generating every d-th batch (``inference/data_parallel.py``);
+tensor x context x pipeline are data-parallel ranks, each generating every d-th batch (``inference/data_parallel.py``);
 each batch samples from its own generator, seeded by ``--seed`` and its index, so the responses are those
 of one process.
 """
@@ -70,6 +74,9 @@ def build_parser() -> ArgumentParser:
     sampling.add_argument("--seed", type=int, default=1234,
                           help="seed of the sampling generators, one per batch: --seed + its index (default: 1234)")
     add_layout_arguments(parser)
+    parser.add_argument("--context-parallel-size", type=int, default=1,
+                        help="split each batch's prompt prefill over this many ranks (a long prompt's keys and "
+                             "values gathered into every rank's cache, decoding then on each); default: 1")
     add_tokenizer_arguments(parser)
     return parser
 

@@ -45,10 +45,13 @@ import zlib
 # snapshot of main, whose megatron/core/package_info.py says 0.20.0 (the common state inside the .distcp files,
 # as from core 0.19).
 CORE_017 = "core_v0.17.0"
+# The last release with the legacy GroupedMLP (--moe-grouped-gemm without Transformer Engine): core 0.17 builds
+# SequentialMLP for local layers whatever the flag says.
+CORE_016 = "core_v0.16.0"
 CORE_020 = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 
 
-NEEDS_TRITON_STAND_IN = (CORE_020,)
+NEEDS_TRITON_STAND_IN = (CORE_016, CORE_020)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +92,15 @@ FIXTURES = {
     # creates a CUDA stream.
     "moe_tp1pp1_torch": Fixture(MOE, 1, 1, TORCH),
     "moe_tp2pp1ep2_torch": Fixture(MOE, 2, 1, TORCH, ep=2),
+    "moe_tp2pp1ep2_torch_dist": Fixture(MOE, 2, 1, TORCH_DIST, ep=2),
+    # The experts whole on each rank (expert-tensor size 1) under tensor size 2: torch_dist's tensors are global.
+    "moe_tp2pp1etp1ep2_torch_dist": Fixture(MOE, 2, 1, (*TORCH_DIST, "--expert-tensor-parallel-size", "1"), ep=2),
+    # The router's expert bias (a buffer, moved off its zeros like the weights), which needs sigmoid scores.
+    "moe_expert_bias_tp1pp1_torch": Fixture((*MOE, "--moe-router-score-function", "sigmoid",
+                                             "--moe-router-enable-expert-bias"), 1, 1, TORCH),
+    # The legacy GroupedMLP (weight1/weight2: each rank's experts as one grouped GEMM's matrices), bf16 only.
+    "moe_grouped_gemm_tp2pp1ep2_torch_bf16": Fixture((*MOE, "--moe-grouped-gemm"), 2, 1, (*TORCH, "--bf16"),
+                                                     ref=CORE_016, ep=2),
 }
 # NullTokenizer's vocabulary is --vocab-size + 1 (EOD): 28 tokens, padded to 32 at tensor sizes 1, 2 and 4 alike,
 # so an export at another tensor size pads as Megatron-LM does, and 4 padding rows are still there to get right.
@@ -121,6 +133,11 @@ EXPORT_CHECKS = (
     ExportCheck("llama_tp2pp2_legacy_model", "torch_dist", 2, 2, ref=CORE_020,
                 extra=("--megatron-common-state", "distcp")),
     ExportCheck("moe_tp2pp1ep2_torch", "torch", 1, 1), ExportCheck("moe_tp1pp1_torch", "torch", 2, 1, ep=2),
+    ExportCheck("moe_tp2pp1ep2_torch_dist", "torch_dist", 1, 1),
+    ExportCheck("moe_tp1pp1_torch", "torch_dist", 2, 1, ep=2),
+    ExportCheck("moe_expert_bias_tp1pp1_torch", "torch", 2, 1, ep=2),
+    ExportCheck("moe_expert_bias_tp1pp1_torch", "torch_dist", 1, 1),
+    ExportCheck("moe_grouped_gemm_tp2pp1ep2_torch_bf16", "torch", 1, 1),
 )
 EXPORT_ATOL = {"fp32": 1e-5, "bf16": 2e-2}  # bf16: Megatron's forward in bf16 at another layout
 # The fixed batch whose logits are saved: [batch, sequence], tokens below the 28 of the vocabulary.
@@ -261,6 +278,7 @@ def cpu_stand_ins() -> None:
     torch.cuda.current_device = lambda: "cpu"  # where Megatron's global memory buffer allocates
     # validate_args asks for the GPU generation to decide whether to require CUDA_DEVICE_MAX_CONNECTIONS.
     torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(major=9, minor=0, name="cpu")
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # --moe-grouped-gemm asks for sm80 or later
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     # Tensors created on device "cuda": load_checkpoint's all-reduce of the tracker file's iteration, the
     # schedules' token counts and the optimizer's gradient-norm and overflow buffers.
@@ -287,6 +305,21 @@ def legacy_model_stand_ins() -> None:
     for name in ("apex", "apex.normalization"):
         sys.modules[name] = types.ModuleType(name)
     sys.modules["apex.normalization.fused_layer_norm"] = fused
+
+
+def grouped_gemm_stand_in() -> None:
+    """The legacy GroupedMLP multiplies each expert's tokens by its matrices with the CUDA ``grouped_gemm``
+    package's ``ops.gmm(a, b, batch_sizes, trans_b)``: a stand-in computing the same products with torch,
+    the rows of ``a`` taken ``batch_sizes[i]`` at a time for group i."""
+    import torch
+
+    def gmm(a, b, batch_sizes, trans_b=False):
+        rows = torch.split(a, [int(n) for n in batch_sizes])
+        return torch.cat([r @ (w.t() if trans_b else w) for r, w in zip(rows, b)])
+
+    module = types.ModuleType("grouped_gemm")
+    module.ops = types.SimpleNamespace(gmm=gmm)
+    sys.modules["grouped_gemm"] = module
 
 
 def triton_stand_in() -> None:
@@ -371,13 +404,19 @@ def rank_main(rank: int, world_size: int, init_file: str, job: dict) -> None:
         legacy_model_stand_ins()  # before gpt_builders imports megatron.legacy.model
     if job["ref"] in NEEDS_TRITON_STAND_IN:
         triton_stand_in()
+    if "load" not in job and "--moe-grouped-gemm" in FIXTURES[job["name"]].model:
+        grouped_gemm_stand_in()  # before megatron.core imports grouped_gemm_util
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     args = megatron_args(job, world_size)
+    if job["ref"] == CORE_016:  # its router's linear asks for te_general_gemm, defined only when TE imports
+        from megatron.core.transformer.moe import moe_utils
+        moe_utils.te_general_gemm = None
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     mpu.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                  expert_model_parallel_size=args.expert_model_parallel_size)
+                                  expert_model_parallel_size=args.expert_model_parallel_size,
+                                  expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed, inference_rng_tracker=True)
     from gpt_builders import gpt_builder
@@ -421,6 +460,12 @@ def move_off_initial_values(model, args) -> None:
                 key += f"@ep{mpu.get_expert_model_parallel_rank()}"
             generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
             param.add_(0.05 * torch.randn(param.shape, generator=generator).to(param.dtype))
+        for name, buffer in model.named_buffers():
+            if name.endswith("router.expert_bias"):  # the same on every rank, as the router's weight; large
+                # enough to change which experts some tokens go to
+                key = f"{name}@stage{mpu.get_pipeline_model_parallel_rank()}"
+                generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+                buffer.add_(0.5 * torch.randn(buffer.shape, generator=generator))
 
 
 def forward(model, args):

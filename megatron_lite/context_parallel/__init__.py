@@ -11,9 +11,9 @@ data-parallel ones (docs/parallelism.md).
     attention.py         attention across the ranks: all-gathered keys and values, or a ring (p2p)
     block_attention.py   one block of keys: output and log-sum-exp, the merge rule, the backward
 """
-from megatron_lite.context_parallel.attention import context_parallel_attention
+from megatron_lite.context_parallel.attention import attend_own_chunks, context_parallel_attention, gather_sequence
 from megatron_lite.context_parallel.config import ContextParallelConfig
 from megatron_lite.context_parallel.sharding import get_batch_on_this_cp_rank, local_positions, slice_batches
 
-__all__ = ["ContextParallelConfig", "context_parallel_attention", "get_batch_on_this_cp_rank", "local_positions",
-           "slice_batches"]
+__all__ = ["ContextParallelConfig", "attend_own_chunks", "context_parallel_attention", "gather_sequence",
+           "get_batch_on_this_cp_rank", "local_positions", "slice_batches"]

@@ -60,23 +60,36 @@ class AllGatherAttention(nn.Module):
         self.cp = cp
 
     def forward(self, query, key, value, attention_mask=None, prefix=None):
-        local_length = query.shape[0]
-        _check_mask(attention_mask, local_length, self.cp.size)
-        chunk = local_length // 2
-        key_value = gather_from_sequence_parallel_region(_join(key, value), self.cp.cp_group)
-        key_value = key_value.index_select(0, global_order(self.cp.size, chunk).to(key_value.device))
+        _check_mask(attention_mask, query.shape[0], self.cp.size)
+        key_value = gather_sequence(_join(key, value), self.cp)
         key, value = _split(key_value, key.shape[-1])
-        if prefix is not None:
-            key, value, attention_mask = prefix(key, value, attention_mask)
-        prefix_length = key.shape[0] - local_length * self.cp.size
-        outputs = []
-        for half, chunk_id in enumerate(chunk_ids(self.cp.rank, self.cp.size)):
-            rows, end = slice(half * chunk, (half + 1) * chunk), prefix_length + (chunk_id + 1) * chunk
-            # The chunk's queries are the last ``chunk`` of the ``end`` keys it may see: the core's causal
-            # mask (and any sliding window) lines them up from the end.
-            mask = None if attention_mask is None else attention_mask[:, :, rows, :end]
-            outputs.append(self.local_attention(query[rows], key[:end], value[:end], mask))
-        return torch.cat(outputs)
+        return attend_own_chunks(self.local_attention, query, key, value, attention_mask, self.cp, prefix=prefix)
+
+
+def gather_sequence(tensor: torch.Tensor, cp: ContextParallelConfig) -> torch.Tensor:
+    """Every rank's positions [s/cp, ...] all-gathered into the whole sequence [s, ...], in sequence order (the
+    gradient reduce-scattered back)."""
+    gathered = gather_from_sequence_parallel_region(tensor, cp.cp_group)
+    return gathered.index_select(0, global_order(cp.size, tensor.shape[0] // 2).to(gathered.device))
+
+
+def attend_own_chunks(local_attention: nn.Module, query, key, value, attention_mask, cp: ContextParallelConfig,
+                      prefix=None) -> torch.Tensor:
+    """This rank's queries [s/cp, b, heads, d] (its two chunks) against the whole sequence's keys and values
+    [s, b, groups, d], each chunk seeing the keys up to its own end, with the layer's own core attention; a
+    ``prefix`` goes before the keys. The mask is [b, 1, s/cp, s] (None: causal)."""
+    chunk = query.shape[0] // 2
+    if prefix is not None:
+        key, value, attention_mask = prefix(key, value, attention_mask)
+    prefix_length = key.shape[0] - query.shape[0] * cp.size
+    outputs = []
+    for half, chunk_id in enumerate(chunk_ids(cp.rank, cp.size)):
+        rows, end = slice(half * chunk, (half + 1) * chunk), prefix_length + (chunk_id + 1) * chunk
+        # The chunk's queries are the last ``chunk`` of the ``end`` keys it may see: the core's causal
+        # mask (and any sliding window) lines them up from the end.
+        mask = None if attention_mask is None else attention_mask[:, :, rows, :end]
+        outputs.append(local_attention(query[rows], key[:end], value[:end], mask))
+    return torch.cat(outputs)
 
 
 def _join(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

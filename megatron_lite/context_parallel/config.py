@@ -26,6 +26,14 @@ class ContextParallelConfig:
     def rank(self) -> int:
         return collectives.rank(self.cp_group)
 
+    @classmethod
+    def of_layout(cls, parallel_state, comm_types: tuple[str, ...] = ("p2p",)) -> "ContextParallelConfig | None":
+        """The context-parallel group of ``parallel_state`` (a ParallelState), None without one."""
+        if parallel_state is None or parallel_state.context_parallel_world_size == 1:
+            return None
+        return cls(cp_group=parallel_state.context_parallel_group,
+                   global_ranks=tuple(parallel_state.group_ranks["context"]), comm_types=comm_types)
+
     def comm_type(self, layer_number: int) -> str:
         """How layer ``layer_number`` (global, 0-based) exchanges keys and values."""
         return self.comm_types[layer_number if len(self.comm_types) > 1 else 0]

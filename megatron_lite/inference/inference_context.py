@@ -17,6 +17,13 @@ holds it whole), a pipeline stage its own layers. ``sequence_len_offset`` is
 how many positions are already cached; the new tokens of a forward pass take the
 positions after it (the model numbers them from it when given no position ids).
 
+Under context parallelism (``context_parallel``) the first forward pass, the prompts' prefill, runs split:
+each context-parallel rank holds its chunks of the prompts (``context_parallel/sharding.py``), and every
+layer all-gathers the new keys and values into the cache in sequence order (``splits_sequence``), so each
+rank ends the prefill with the whole prompts' cache, and its queries attend chunk by chunk
+(``context_parallel.attend_own_chunks``). Every later pass (one new token per sequence) runs whole on every
+rank, on its own full cache: the ranks compute the same tokens, without a sequence to split.
+
 A sliding-window layer (Mistral, Gemma's local layers) never looks further back than its
 window, so it keeps only that many positions: its memory stays the window's however long
 the sequence grows. Its keys then start later than the other layers', and the attention
@@ -26,12 +33,21 @@ from __future__ import annotations
 
 import torch
 
+from megatron_lite.context_parallel import ContextParallelConfig, gather_sequence
+
 
 class StaticInferenceContext:
-    def __init__(self, max_sequence_length: int):
+    def __init__(self, max_sequence_length: int, context_parallel: ContextParallelConfig | None = None):
         self.max_sequence_length = max_sequence_length
         self.sequence_len_offset = 0
         self.key_value_memory_dict: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.context_parallel = context_parallel
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether this forward pass holds only this rank's chunks of the sequence: the prefill (nothing cached
+        yet) under context parallelism."""
+        return self.context_parallel is not None and self.sequence_len_offset == 0
 
     def append_key_value(self, layer_number: int, *tensors: torch.Tensor,
                          window: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -45,7 +61,12 @@ class StaticInferenceContext:
         apart.
 
         ``window``: the layer's queries see only the ``window`` positions before their own (a sliding
-        window), so only the last ``window`` are kept, and returned before the new ones."""
+        window), so only the last ``window`` are kept, and returned before the new ones.
+
+        Under ``splits_sequence`` the tensors are this rank's positions, and the whole sequence's are cached
+        and returned."""
+        if self.splits_sequence:
+            tensors = tuple(gather_sequence(t, self.context_parallel) for t in tensors)
         end = self.sequence_len_offset + tensors[0].shape[0]
         if end > self.max_sequence_length:
             raise ValueError(f"the key/value cache holds {self.max_sequence_length} positions; "

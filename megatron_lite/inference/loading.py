@@ -55,6 +55,7 @@ def layout_of(args) -> ParallelConfig:
     """The ParallelConfig of ``add_layout_arguments``' flags (checked as the trainer checks them)."""
     return ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                           pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                          context_parallel_size=getattr(args, "context_parallel_size", 1),
                           expert_model_parallel_size=args.expert_model_parallel_size,
                           expert_tensor_parallel_size=args.expert_tensor_parallel_size)
 
@@ -64,17 +65,19 @@ def model_parallel_state(parallel: ParallelConfig):
     env = initialize_distributed(parallel)
     parallel.data_parallel_size(env.world_size)  # the launch fits the layout, or one error says how
     return initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                                     context_parallel_size=parallel.context_parallel_size,
                                      expert_model_parallel_size=parallel.expert_model_parallel_size,
                                      expert_tensor_parallel_size=parallel.expert_tensor_parallel_size)
 
 
 def load_model(config: Config, parallel_state):
     """This rank's model chunk with the checkpoint's weights, in eval mode (on a CPU, with its matrices stored
-    for decoding: ``store_for_decoding``)."""
+    for decoding: ``store_for_decoding``). It runs whole sequences: under context parallelism generation
+    splits only the prefill (``inference/text_generation.py``)."""
     if (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1:
         raise ConfigError("generation runs one model chunk per pipeline stage: drop "
                           "--virtual-pipeline-model-parallel-size.")
-    (model,) = build_model(config, parallel_state)
+    (model,) = build_model(config, parallel_state, whole_sequences=True)
     load_checkpoint(config, parallel_state, [model], None, None)
     if next(model.parameters()).device.type == "cpu":
         store_for_decoding(model)

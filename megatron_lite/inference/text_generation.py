@@ -1,4 +1,4 @@
-"""Generating text from a GPT with a key/value cache, under tensor and pipeline parallelism.
+"""Generating text from a GPT with a key/value cache, under tensor, pipeline, expert, data and context parallelism.
 
     new_tokens = generate(model, [prompt_ids, ...], max_new_tokens=64, eod=tokenizer.eod, greedy=True)
 
@@ -19,6 +19,13 @@ one broadcast over the model-parallel group gives every rank the tokens (the fir
 embeds them next, and all ranks must agree when to stop). The sampling generator is
 seeded alike on every rank, so the tokens do not depend on the layout.
 
+Under context parallelism the prompts' prefill is split over the context-parallel ranks: the prompts are
+left-padded to a multiple of 2 x cp positions, each rank runs its two chunks of them, and every layer gathers
+the whole prompts' keys and values into each rank's cache (``inference_context.py``). Decoding then runs
+whole on every context-parallel rank (a step is one token per sequence, nothing to split), each on its full
+cache: the simplest exact design, which costs each rank the whole cache. The last position's logits are
+context-parallel rank 0's (it holds the last chunk, last), and its tokens are broadcast to the others.
+
 Data-parallel ranks generate batches of their own. Under expert parallelism they still share
 every mixture-of-experts layer (its tokens are dispatched over them), so they run the same
 number of steps: a batch stops when every data-parallel rank's batch is finished.
@@ -29,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import ConfigError
+from megatron_lite.context_parallel import ContextParallelConfig, get_batch_on_this_cp_rank
 from megatron_lite.inference.forward import forward_through_stages
 from megatron_lite.inference.inference_context import StaticInferenceContext
 from megatron_lite.process_groups import collectives
@@ -53,20 +61,24 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, eod: int |
     greedy = greedy or temperature == 0
     model.eval()
     device = next(model.parameters()).device
-    tokens, padding = _left_padded(prompts, device)
-    _check_length(model.config, tokens.shape[1], max_new_tokens)
-    context = StaticInferenceContext(tokens.shape[1] + max_new_tokens)
+    cp = ContextParallelConfig.of_layout(parallel_state)
+    tokens, padding = _left_padded(prompts, device, multiple=1 if cp is None else 2 * cp.size)
+    _check_length(model.config, int((~padding).sum(dim=1).max()), max_new_tokens)  # the padding takes no position
+    context = StaticInferenceContext(tokens.shape[1] + max_new_tokens, context_parallel=cp)
     position_ids = ((~padding).cumsum(dim=1) - 1).clamp(min=0)
     attention_mask = _prompt_mask(padding) if padding.any() else None
     new_tokens = []
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
-        logits = _forward(model, tokens, position_ids, attention_mask, context, parallel_state)
+        logits = _forward(model, *_this_ranks_positions(tokens, position_ids, attention_mask, context), context,
+                          parallel_state)
+        context.increment_sequence_len_offset(tokens.shape[1])
         next_tokens = torch.empty(len(prompts), dtype=torch.long, device=device)
         if logits is not None:
             next_tokens.copy_(sample(logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
                                      generator=generator))
         _broadcast_from_last_stage(next_tokens, parallel_state)
+        _broadcast_from_context_rank_0(next_tokens, parallel_state)
         new_tokens.append(next_tokens)
         if eod is not None:
             finished |= next_tokens == eod
@@ -108,11 +120,12 @@ def sample(logits: torch.Tensor, *, greedy: bool, temperature: float = 1.0, top_
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
 
 
-def _left_padded(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [b, longest] with padding on the left, and where the padding is (True)."""
+def _left_padded(prompts: list[list[int]], device, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [b, longest rounded up to ``multiple``] with padding on the left, and where the padding is
+    (True)."""
     if not prompts or not all(prompts):
         raise ValueError("generate needs at least one prompt, and no prompt may be empty (start one with EOD).")
-    longest = max(len(p) for p in prompts)
+    longest = -(-max(len(p) for p in prompts) // multiple) * multiple
     tokens = torch.zeros(len(prompts), longest, dtype=torch.long)
     padding = torch.ones(len(prompts), longest, dtype=torch.bool)
     for row, prompt in enumerate(prompts):
@@ -140,11 +153,22 @@ def _prompt_mask(padding: torch.Tensor) -> torch.Tensor:
     return (future | padding[:, None, None, :]) & ~itself
 
 
+def _this_ranks_positions(tokens, position_ids, attention_mask, context) -> tuple:
+    """(tokens, position ids, mask) of this pass on this rank: a context-parallel prefill's chunks of the
+    rank (the mask's query rows), else all of them."""
+    if not context.splits_sequence:
+        return tokens, position_ids, attention_mask
+    batch = {"tokens": tokens, "position_ids": position_ids}
+    if attention_mask is not None:
+        batch["attention_mask"] = attention_mask
+    batch = get_batch_on_this_cp_rank(batch, context.context_parallel.rank, context.context_parallel.size)
+    return batch["tokens"], batch["position_ids"], batch.get("attention_mask")
+
+
 def _forward(model, tokens, position_ids, attention_mask, context, parallel_state) -> torch.Tensor | None:
     """One forward pass through every pipeline stage: the last stage's logits [b, V], None elsewhere."""
     output = forward_through_stages(model, parallel_state, tokens, position_ids, attention_mask,
                                     inference_context=context)
-    context.increment_sequence_len_offset(tokens.shape[1])
     return None if output is None else output[:, -1]
 
 
@@ -153,8 +177,18 @@ def _broadcast_from_last_stage(next_tokens: torch.Tensor, parallel_state) -> Non
     if parallel_state is None:
         return
     source = parallel_state.layout.rank(tensor=0, data=parallel_state.data_parallel_rank,
-                                        pipeline=parallel_state.pipeline_model_parallel_world_size - 1)
+                                        pipeline=parallel_state.pipeline_model_parallel_world_size - 1,
+                                        context=parallel_state.context_parallel_rank)
     collectives.broadcast(next_tokens, source, parallel_state.model_parallel_group)
+
+
+def _broadcast_from_context_rank_0(next_tokens: torch.Tensor, parallel_state) -> None:
+    """Every context-parallel rank takes rank 0's tokens: after a split prefill only its last position is the
+    prompts' last (the others' are earlier positions), and so every rank decodes the same sequence."""
+    if parallel_state is None or parallel_state.context_parallel_world_size == 1:
+        return
+    source = parallel_state.group_ranks["context"][0]
+    collectives.broadcast(next_tokens, source, parallel_state.context_parallel_group)
 
 
 def _all_finished(finished: torch.Tensor, parallel_state) -> bool:

@@ -12,7 +12,7 @@ from torch import nn
 
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
-from megatron_lite.context_parallel import ContextParallelConfig
+from megatron_lite.context_parallel import ContextParallelConfig, attend_own_chunks
 from megatron_lite.model.dot_product_attention import build_core_attention
 from megatron_lite.model.embedding import apply_rotary, layer_rotary_concentration
 from megatron_lite.model.norm import Norm, ProjectionRMSNorm
@@ -76,8 +76,9 @@ class SelfAttention(nn.Module):
             query = apply_rotary(query, rotary_freqs, self.rotary_concentration)
             key = apply_rotary(key, rotary_freqs, self.rotary_concentration)
         if inference_context is not None:
-            # Keys are cached after their rotation: a position's angle never changes.
-            # Generation runs without context parallelism: the core is the layer's own DotProductAttention.
+            # Keys are cached after their rotation: a position's angle never changes. A generating model is built
+            # without context parallelism (the core is the layer's own DotProductAttention); a context-parallel
+            # prefill's cache gathers the whole prompts' keys, which this rank's chunks attend to.
             window = self.core_attention.sliding_window
             window = None if window is None else window.left
             key, value = inference_context.append_key_value(self.layer_number, key, value, window=window)
@@ -85,7 +86,10 @@ class SelfAttention(nn.Module):
                 attention_mask = attention_mask[..., -key.shape[0]:]
         # The prefix joins after the cache, which holds the sequence's own keys only.
         core_attention = functools.partial(self.core_attention, prefix=self.prefix)
-        if self.checkpoint_core_attention and self.training:
+        if inference_context is not None and inference_context.splits_sequence:
+            context = attend_own_chunks(self.core_attention, query, key, value, attention_mask,
+                                        inference_context.context_parallel, prefix=self.prefix)
+        elif self.checkpoint_core_attention and self.training:
             context = checkpoint(core_attention, query, key, value, attention_mask)
         else:
             context = core_attention(query, key, value, attention_mask)

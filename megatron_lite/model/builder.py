@@ -30,9 +30,10 @@ FSDP_UNIT_MODULES = (LanguageModelEmbedding, TransformerLayer)
 
 
 def build_model_chunk(config: Config, parallel_state: ParallelState, *, pipeline_rank: int,
-                      virtual_rank: int = 0) -> GPTModel:
+                      virtual_rank: int = 0, whole_sequences: bool = False) -> GPTModel:
     """Model chunk ``virtual_rank`` of pipeline stage ``pipeline_rank``, uninitialised; with --peft, its base
-    frozen and the PEFT weights added."""
+    frozen and the PEFT weights added. ``whole_sequences``: the model runs whole sequences whatever the
+    layout's context-parallel size (generation splits only a prompt's prefill, in its key/value cache)."""
     parallel, training = config.parallel, config.training
     pp = parallel.pipeline_model_parallel_size
     vpp = parallel.virtual_pipeline_model_parallel_size or 1
@@ -44,7 +45,7 @@ def build_model_chunk(config: Config, parallel_state: ParallelState, *, pipeline
         decoder_last_pipeline_num_layers=parallel.decoder_last_pipeline_num_layers)
     model = GPTModel(
         config.model, tensor_parallel_config(config, parallel_state), layer_numbers=layers,
-        context_parallel=context_parallel_config(config, parallel_state),
+        context_parallel=None if whole_sequences else context_parallel_config(config, parallel_state),
         pre_process=pipeline_rank == 0 and virtual_rank == 0,
         post_process=pipeline_rank == pp - 1 and virtual_rank == vpp - 1,
         recompute_granularity=training.recompute_granularity, recompute_method=training.recompute_method,
@@ -63,18 +64,16 @@ def tensor_parallel_config(config: Config, parallel_state: ParallelState) -> Ten
 
 def context_parallel_config(config: Config, parallel_state: ParallelState) -> ContextParallelConfig | None:
     """What every attention layer of this rank's model is told about context parallelism (None without it)."""
-    if parallel_state.context_parallel_world_size == 1:
-        return None
-    return ContextParallelConfig(cp_group=parallel_state.context_parallel_group,
-                                 global_ranks=tuple(parallel_state.group_ranks["context"]),
-                                 comm_types=tuple(config.parallel.cp_comm_type))
+    return ContextParallelConfig.of_layout(parallel_state, tuple(config.parallel.cp_comm_type))
 
 
-def build_model(config: Config, parallel_state: ParallelState) -> list[GPTModel]:
-    """The initialised model chunks this rank holds (one, or one per virtual stage), on its device."""
+def build_model(config: Config, parallel_state: ParallelState, *, whole_sequences: bool = False) -> list[GPTModel]:
+    """The initialised model chunks this rank holds (one, or one per virtual stage), on its device
+    (``whole_sequences`` as ``build_model_chunk``'s)."""
     vpp = config.parallel.virtual_pipeline_model_parallel_size or 1
     chunks = [build_model_chunk(config, parallel_state, pipeline_rank=parallel_state.pipeline_model_parallel_rank,
-                                virtual_rank=virtual_rank) for virtual_rank in range(vpp)]
+                                virtual_rank=virtual_rank, whole_sequences=whole_sequences)
+              for virtual_rank in range(vpp)]
     initialize_weights(chunks, config.model, parallel_state, seed=config.training.seed)
     return [chunk.to(current_device()) for chunk in chunks]
 

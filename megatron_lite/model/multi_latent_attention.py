@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.context_parallel import ContextParallelConfig
+from megatron_lite.context_parallel import ContextParallelConfig, attend_own_chunks
 from megatron_lite.model.dot_product_attention import build_core_attention
 from megatron_lite.model.embedding import apply_rotary, layer_rotary_concentration
 from megatron_lite.model.norm import Norm
@@ -95,7 +95,10 @@ class MultiLatentAttention(nn.Module):
         if inference_context is not None:
             latent, rotary_key = inference_context.append_key_value(self.layer_number, latent, rotary_key)
         key, value = self._keys_and_values(latent, rotary_key)
-        if self.checkpoint_core_attention and self.training:
+        if inference_context is not None and inference_context.splits_sequence:  # the cache gathered the latent
+            context = attend_own_chunks(self.core_attention, query, key, value, attention_mask,
+                                        inference_context.context_parallel)
+        elif self.checkpoint_core_attention and self.training:
             context = checkpoint(self.core_attention, query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)

@@ -96,6 +96,7 @@ SAMPLED = ["--temperature", "0.9", "--top-p", "0.9", "--seed", "11"]
 LAYOUTS = {"tp2": ("checkpoint", ["--tensor-model-parallel-size", "2"], PROMPTS, SAMPLED),
            "pp2": ("checkpoint", ["--pipeline-model-parallel-size", "2"], PROMPTS, SAMPLED),
            "dp2": ("checkpoint", [], PROMPTS, SAMPLED),
+           "cp2": ("checkpoint", ["--context-parallel-size", "2"], PROMPTS, SAMPLED),
            "ep2": ("moe_checkpoint", ["--expert-model-parallel-size", "2"], [*PROMPTS, "One more"], SAMPLED),
            "ep2-greedy": ("moe_checkpoint", ["--expert-model-parallel-size", "2"], [*PROMPTS, "One more"],
                           ["--greedy"])}

@@ -73,3 +73,56 @@ def test_expert_parallel_ranks_with_batches_of_their_own_stop_together():
     expected = [generate(model, prompts, max_new_tokens=8, eod=eod, greedy=True) for prompts in prompts_of_rank]
     assert expected[0] == [[eod]] and max(len(tokens) for tokens in expected[1]) > 1
     assert run_distributed(_moe_rank, 2, args=(prompts_of_rank, eod), timeout=60) == expected
+
+
+# Long enough that every context-parallel rank holds real tokens of each: the prefill is split into 2 x cp chunks.
+LONG_PROMPTS = [[5, 17, 3, 60, 22, 9, 41, 7, 30, 11, 2], [40, 2, 9, 71, 8], [31, 4, 18, 27, 50, 6, 13, 44]]
+
+
+def _cp_rank(rank, world_size, arch, layout, model_fields):
+    import dataclasses
+
+    from megatron_lite.model.builder import build_model
+    from megatron_lite.process_groups.parallel_state import initialize_model_parallel
+    from tests.inference.models import config_of
+
+    tp, pp, cp, ep = (layout.get(axis, 1) for axis in ("tp", "pp", "cp", "ep"))
+    config = config_of(arch, tp, pp, **model_fields)
+    config.parallel = dataclasses.replace(config.parallel, context_parallel_size=cp, expert_model_parallel_size=ep)
+    parallel_state = initialize_model_parallel(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep)
+    (model,) = build_model(config, parallel_state, whole_sequences=True)
+    model.eval()
+    if pp == 1:  # a split prefill: this rank runs 4 of the 8 positions and caches what the whole 8 cache
+        from megatron_lite.context_parallel import ContextParallelConfig, local_positions
+        split = StaticInferenceContext(12, context_parallel=ContextParallelConfig.of_layout(parallel_state))
+        whole = StaticInferenceContext(12)
+        positions = local_positions(8, parallel_state.context_parallel_rank, cp)[None]
+        with torch.no_grad():
+            model(positions + 1, positions, inference_context=split)
+            model(torch.arange(8)[None] + 1, torch.arange(8)[None], inference_context=whole)
+        assert split.splits_sequence and sorted(split.key_value_memory_dict) == sorted(whole.key_value_memory_dict)
+        for layer, cached in whole.key_value_memory_dict.items():
+            for ours, one_process in zip(split.key_value_memory_dict[layer], cached):
+                torch.testing.assert_close(ours[..., :8, :], one_process[..., :8, :])
+    greedy = generate(model, LONG_PROMPTS, max_new_tokens=8, greedy=True, parallel_state=parallel_state)
+    sampled = generate(model, LONG_PROMPTS[:1], max_new_tokens=8, generator=torch.Generator().manual_seed(5),
+                       parallel_state=parallel_state, **SAMPLED)
+    return greedy, sampled
+
+
+@pytest.mark.parametrize("arch,layout,model_fields", [
+    ("rope_gqa", dict(cp=2), {}), ("rope_local_global", dict(cp=2), {}), ("mla", dict(cp=2), {}),
+    ("learned_mha", dict(tp=2, cp=2), {}), ("rope_gqa", dict(pp=2, cp=2), {}), ("rope_gqa", dict(cp=2, ep=2), MOE)],
+    ids=["cp2", "window_cp2", "mla_cp2", "tp2cp2", "pp2cp2", "moe_cp2ep2"])
+def test_context_parallel_prefill_equals_one_process(arch, layout, model_fields):
+    """The prompts' prefill split over the context-parallel ranks (each caching the whole prompts' keys and
+    values), decoding then on every rank: every rank's tokens are one process's, greedy and sampled, with
+    padding (prompts of three lengths, padded further to 2 x cp positions), sliding windows, latent attention's
+    cache, pipeline stages and experts split over the context-parallel ranks."""
+    model, _ = build(arch, **model_fields)
+    expected = (generate(model, LONG_PROMPTS, max_new_tokens=8, greedy=True),
+                generate(model, LONG_PROMPTS[:1], max_new_tokens=8, generator=torch.Generator().manual_seed(5),
+                         **SAMPLED))
+    world_size = layout.get("tp", 1) * layout.get("pp", 1) * layout["cp"]
+    for rank_result in run_distributed(_cp_rank, world_size, args=(arch, layout, model_fields), timeout=120):
+        assert rank_result == expected

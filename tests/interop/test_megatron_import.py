@@ -2,6 +2,7 @@
 Megatron-LM's own code) import into megatron_lite and give Megatron's logits, at 1 process and tp2 x pp2."""
 import dataclasses
 import os
+import re
 
 import pytest
 import safetensors.torch
@@ -67,7 +68,11 @@ def _stage_forward(model, tokens, parallel_state, hidden_size):
 ALL = ["gpt2_tp2pp2_torch", "llama_tp1pp1_torch_bf16", "gpt2_tp1pp1_legacy_model", "llama_tp2pp2_legacy_model",
        "gpt2_tp2pp1_torch_dist", "llama_tp2pp1_torch_dist_core020",
        "gpt2_tp2pp1_exact_gelu",  # --no-bias-gelu-fusion: the erf GeLU (our --gelu-exact)
-       "moe_tp1pp1_torch", "moe_tp2pp1ep2_torch"]  # 4 experts top-2, in one file and over 2 expert ranks x 2 tp
+       "moe_tp1pp1_torch", "moe_tp2pp1ep2_torch",  # 4 experts top-2, in one file and over 2 expert ranks x 2 tp
+       "moe_tp2pp1ep2_torch_dist",  # the experts stacked [layers, experts, ...] in torch_dist
+       "moe_tp2pp1etp1ep2_torch_dist",  # ... there at --expert-tensor-parallel-size 1 under tensor size 2
+       "moe_expert_bias_tp1pp1_torch",  # sigmoid scores and the router's expert bias (a buffer)
+       "moe_grouped_gemm_tp2pp1ep2_torch_bf16"]  # core 0.16's GroupedMLP: weight1/weight2 per rank, bf16
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -113,8 +118,8 @@ def test_the_saved_args_map_to_our_config():
 def test_unsupported_megatron_args_are_refused_by_name():
     import argparse
     from megatron_lite.interop.megatron.args_mapping import model_config_from_megatron_args
-    args = argparse.Namespace(moe_grouped_gemm=True, qk_layernorm=True, swiglu=False, bias_gelu_fusion=False)
-    with pytest.raises(ConfigError, match=r"--moe-grouped-gemm \(experts stored as one grouped GEMM.*--qk-layernorm"):
+    args = argparse.Namespace(moe_latent_size=8, qk_layernorm=True, swiglu=False, bias_gelu_fusion=False)
+    with pytest.raises(ConfigError, match=r"--moe-latent-size \(latent experts\).*--qk-layernorm"):
         model_config_from_megatron_args(args, "ckpt")
 
 
@@ -135,23 +140,37 @@ def test_training_and_generate_start_straight_from_a_megatron_dir(tmp_path, monk
     assert generating.model == config.model and generating.checkpoint.load == config.checkpoint.pretrained_checkpoint
 
 
-def test_transformer_engine_layer_names_load_too(tmp_path):
-    """Legacy files whose layers carry Transformer Engine's names (the norm inside the next linear), made from
-    the tp2 x pp2 Megatron fixture by renaming its tensors: the same logits."""
-    from megatron_lite.interop.megatron.legacy import rank_files
-    from megatron_lite.interop.megatron.safe_unpickle import StandIn, load_torch_file
-    name = "gpt2_tp2pp2_torch"
-    tokens, reference = megatron_logits(name)
+def _te_norm_names(key: str) -> str:
+    """Transformer Engine's layers: the norm inside the next linear."""
     renames = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    return next((key.replace(ours, te) for ours, te in renames.items() if ours in key), key)
+
+
+def _te_grouped_linear_names(key: str) -> str:
+    """Transformer Engine's TEGroupedMLP (--moe-grouped-gemm): a rank's experts in one GroupedLinear per linear,
+    ``linear_fc1.weight{i}`` and one ``_extra_state``."""
+    return re.sub(r"\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|_extra_state)$",
+                  lambda m: f".{m[2]}.{m[3]}{m[1] if m[3] == 'weight' else ''}", key)
+
+
+@pytest.mark.parametrize("name,rename,renamed", [
+    ("gpt2_tp2pp2_torch", _te_norm_names, "decoder.layers.0.mlp.linear_fc1.layer_norm_bias"),
+    ("moe_tp2pp1ep2_torch", _te_grouped_linear_names, "decoder.layers.1.mlp.experts.linear_fc2.weight1")])
+def test_transformer_engine_layer_names_load_too(name, rename, renamed, tmp_path):
+    """Legacy files whose layers carry Transformer Engine's names (the norm inside the next linear; grouped
+    experts' linears), made from a Megatron fixture by renaming its tensors (Transformer Engine does not run on
+    a CPU): the same logits."""
+    from megatron_lite.interop.megatron.legacy import rank_files
+    from megatron_lite.interop.megatron.safe_unpickle import StandIn, load_torch_file
+    tokens, reference = megatron_logits(name)
     for source in rank_files(os.path.join(fixture(name), "iter_0000010")).values():
         state = load_torch_file(source)
         for key, value in vars(state["args"]).items():  # stand-ins name no importable class: save them as None
             if isinstance(value, StandIn):
                 setattr(state["args"], key, None)
-        state["model"] = {next((k.replace(ours, te) for ours, te in renames.items() if ours in k), k): v
-                          for k, v in state["model"].items()}
-        assert "decoder.layers.0.mlp.linear_fc1.layer_norm_bias" in state["model"]
+        state["model"] = {rename(k): v for k, v in state["model"].items()}
+        assert renamed in state["model"]
         te_dir = tmp_path / "te" / "iter_0000010" / os.path.basename(os.path.dirname(source))
         te_dir.mkdir(parents=True)
         torch.save(state, te_dir / "model_optim_rng.pt")
@@ -182,3 +201,22 @@ def test_megatron_and_hugging_face_convert_into_each_other_in_one_command(name, 
     again = our_logits(str(tmp_path / "ours"), tokens)
     torch.testing.assert_close(again[..., :reference.shape[-1]], reference, atol=ATOL, rtol=0)
     assert sorted(os.listdir(tmp_path)) == ["hf", "megatron", "ours"]  # no scratch left behind
+
+
+def test_legacy_experts_split_otherwise_than_the_dense_layers_are_refused(tmp_path, capsys):
+    """A legacy file names its dense tensor rank and expert rank only: experts over another
+    --expert-tensor-parallel-size are refused by name, pointing at torch_dist (whole tensors)."""
+    from megatron_lite.interop.megatron.legacy import rank_files
+    from megatron_lite.interop.megatron.safe_unpickle import StandIn, load_torch_file
+    (source,) = rank_files(os.path.join(fixture("moe_tp1pp1_torch"), "iter_0000010")).values()
+    state = load_torch_file(source)
+    for key, value in vars(state["args"]).items():
+        if isinstance(value, StandIn):
+            setattr(state["args"], key, None)
+    state["args"].expert_tensor_parallel_size = 2
+    (tmp_path / "etp" / "iter_0000010" / "mp_rank_00").mkdir(parents=True)
+    torch.save(state, tmp_path / "etp" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt")
+    (tmp_path / "etp" / "latest_checkpointed_iteration.txt").write_text("10")
+    assert convert(["--source-format", "megatron", "--load-dir", str(tmp_path / "etp"),
+                    "--save-dir", str(tmp_path / "ours")]) == 1
+    assert "--expert-tensor-parallel-size 2 ranks, not the tensor-parallel 1" in capsys.readouterr().err

@@ -21,11 +21,7 @@ from megatron_lite.config import Config, ConfigError, ModelConfig, TrainingConfi
 from megatron_lite.config.moe import parse_moe_layer_freq
 
 # args that change what the model computes and that megatron_lite does not implement: (name, what it is).
-_UNSUPPORTED = (("moe_grouped_gemm", "experts stored as one grouped GEMM's weights (GroupedMLP; import the "
-                                     "SequentialMLP layout, saved without --moe-grouped-gemm)"),
-                ("moe_latent_size", "latent experts"),
-                ("moe_router_enable_expert_bias",
-                 "the router's expert bias (a buffer the conversion does not carry)"),
+_UNSUPPORTED = (("moe_latent_size", "latent experts"),
                 ("moe_input_jitter_eps", "router input jitter"),
                 ("moe_apply_probs_on_input", "router probabilities applied to the expert input"),
                 ("multi_latent_attention", "multi-latent attention"),

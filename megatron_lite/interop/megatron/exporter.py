@@ -13,7 +13,9 @@ tensor size:
   by tensor-parallel rank 0; tied embeddings once, by the first stage), and an
   ``_extra_state`` object (None) per layer linear.
 
-The weights only: Megatron-LM starts the optimizer fresh.
+A mixture of experts is written as Megatron-Core's SequentialMLP (``local_experts.N``; torch_dist:
+``mlp.experts.experts.*`` [layers, experts, ...]) over the target's expert-parallel ranks, with the router's
+expert bias (fp32). The weights only: Megatron-LM starts the optimizer fresh.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from megatron_lite.interop.megatron import layout, legacy, torch_dist_writer
 from megatron_lite.interop.megatron.args_mapping import megatron_args_from_config
 from megatron_lite.checkpointing.offline import stage_model
 from megatron_lite.checkpointing.resharding import CheckpointReader, has_vocab_rows, resize_vocab
-from megatron_lite.checkpointing.save_load import checkpoint_name
+from megatron_lite.checkpointing.save_load import checkpoint_name, checkpointed_tensors
 from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ParallelConfig
 from megatron_lite.expert_parallel.layers import ExpertLinear
@@ -78,7 +80,7 @@ def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
                                      expert_model_parallel_size=ep)
     stages = (_stage(config, reader, pipeline_rank) for pipeline_rank in range(pp))
     if ckpt_format == "torch_dist":
-        _write_torch_dist(save_dir, stages, config, args, iteration, common_state)
+        _write_torch_dist(save_dir, stages, config, args, iteration, common_state, ep)
     else:
         _write_legacy(save_dir, stages, config, args, iteration, ep)
     legacy.write_tracker(save_dir, iteration)
@@ -86,15 +88,12 @@ def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
 
 
 def _check_experts(config: Config, ckpt_format: str, ep: int, load_dir: str) -> None:
-    """What a mixture-of-experts export writes: the legacy format's SequentialMLP, split over ``ep`` ranks."""
+    """A mixture of experts is written as Megatron-Core's SequentialMLP writes it, split over ``ep`` ranks."""
     experts = config.model.num_experts
     if experts is None:
         if ep != 1:
             raise ConfigError(f"{load_dir} has no experts to split over --target-expert-parallel-size {ep}.")
         return
-    if ckpt_format != "torch":
-        raise ConfigError(f"{load_dir} has a mixture of experts, which megatron_lite exports in the legacy format "
-                          f"only: give --megatron-ckpt-format torch.")
     if experts % ep:
         raise ConfigError(f"--target-expert-parallel-size {ep} does not divide the {experts} experts of {load_dir}.")
 
@@ -103,8 +102,10 @@ def _stage(config: Config, reader: CheckpointReader, pipeline_rank: int) -> Stag
     model = stage_model(config, pipeline_rank)
     padded_vocab = config.model.padded_vocab_size(config.parallel.tensor_model_parallel_size)
     full = {}
-    for name, _ in model.named_parameters():
-        tensor = reader.read(checkpoint_name(model, name)).to(config.params_dtype)
+    for name, tensor in checkpointed_tensors(model):
+        # Parameters in the run's precision; the router's expert bias (a buffer) fp32, as Megatron keeps it.
+        dtype = config.params_dtype if isinstance(tensor, torch.nn.Parameter) else tensor.dtype
+        tensor = reader.read(checkpoint_name(model, name)).to(dtype)
         full[name] = resize_vocab(tensor, padded_vocab) if has_vocab_rows(name) else tensor
     return Stage(pipeline_rank, model, full)
 
@@ -135,7 +136,7 @@ def _legacy_rank_state(stage: Stage, *, tp_rank: int, tp: int, experts: range) -
     """Tensor-parallel rank ``tp_rank``'s Megatron state dict of one stage: every dense name, and the experts
     ``experts`` numbered from 0, as an expert-parallel rank's file holds them."""
     state = {}
-    for name, param in stage.model.named_parameters():
+    for name, param in checkpointed_tensors(stage.model):
         expert = layout.expert_number(name)
         if expert is not None and expert not in experts:
             continue
@@ -158,42 +159,60 @@ def _legacy_rank_state(stage: Stage, *, tp_rank: int, tp: int, experts: range) -
 # torch_dist: every global rank's chunks of the global (layer-stacked) tensors
 
 
-def _write_torch_dist(save_dir: str, stages, config: Config, args, iteration: int, common_state: str) -> None:
+def _write_torch_dist(save_dir: str, stages, config: Config, args, iteration: int, common_state: str,
+                      ep: int) -> None:
     tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
-    ranks = [[] for _ in range(tp * pp)]  # Megatron's rank order with data-parallel size 1: tensor rank fastest
+    # Megatron's rank order: tensor rank fastest, then data-parallel (under expert parallelism the expert-parallel
+    # ranks, one data-parallel rank each), then pipeline.
+    ranks = [[] for _ in range(tp * ep * pp)]
+    per_rank = (config.model.num_experts or 0) // ep
     for stage in stages:
-        for tp_rank in range(tp):
-            ranks[stage.pipeline_rank * tp + tp_rank] = _torch_dist_items(stage, config, tp_rank=tp_rank, tp=tp)
+        for expert_rank in range(ep):
+            experts = range(expert_rank * per_rank, (expert_rank + 1) * per_rank)
+            for tp_rank in range(tp):
+                ranks[(stage.pipeline_rank * ep + expert_rank) * tp + tp_rank] = _torch_dist_items(
+                    stage, config, tp_rank=tp_rank, tp=tp, experts=experts, dense=expert_rank == 0)
     common = {"args": args, "checkpoint_version": legacy.CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT_METADATA)}
     torch_dist_writer.write(legacy.iteration_path(save_dir, iteration), ranks, common, common_state=common_state)
 
 
-def _torch_dist_items(stage: Stage, config: Config, *, tp_rank: int, tp: int) -> list:
-    """What one rank of a stage writes: its chunks of the tensor-parallel tensors, and on tensor-parallel
-    rank 0 the replicated tensors and the layers' ``_extra_state`` objects."""
-    num_layers = config.model.num_layers
+def _torch_dist_items(stage: Stage, config: Config, *, tp_rank: int, tp: int, experts: range, dense: bool) -> list:
+    """What one rank of a stage writes: its chunks of the tensor-parallel tensors of the dense layers (if
+    ``dense``: expert-parallel rank 0 writes them) and of ``experts``, and on tensor-parallel rank 0 their
+    replicated tensors and linears' ``_extra_state`` objects."""
     items = []
-    for name, param in stage.model.named_parameters():
-        if checkpoint_name(stage.model, name) != name:
-            continue  # the last stage's copy of tied embeddings: the first stage writes them
-        key, layer = layout.torch_dist_key(name)
+    for name, param in checkpointed_tensors(stage.model):
+        if checkpoint_name(stage.model, name) != name or not _written_here(name, experts, dense):
+            continue  # the last stage's copy of tied embeddings (the first stage writes them), or another rank's
+        key, index = layout.torch_dist_key(name)
         full = stage.full[name]
         if getattr(param, "tensor_model_parallel", False):
             pieces = _tensor_parallel_chunks(full, param, tp_rank=tp_rank, tp=tp)
         else:
             pieces = [((0,) * full.dim(), full)] if tp_rank == 0 else []
-        if layer is None:
-            items += [torch_dist_writer.Chunk(key, tuple(full.shape), offsets, piece) for offsets, piece in pieces]
-        else:  # a layer's piece is a [1, ...] slice of the stacked [layers, ...] tensor
-            items += [torch_dist_writer.Chunk(key, (num_layers, *full.shape), (layer, *offsets), piece.unsqueeze(0))
-                      for offsets, piece in pieces]
+        # A layer's (an expert's) piece is a [1, ...] ([1, 1, ...]) slice of the stacked tensor.
+        stacked = _stacked_shape(config, index)
+        items += [torch_dist_writer.Chunk(key, (*stacked, *full.shape), (*index, *offsets),
+                                          piece.reshape((1,) * len(index) + piece.shape)) for offsets, piece in pieces]
     if tp_rank == 0:
         for name in _linear_layers(stage.model):
-            key, layer = layout.torch_dist_key(f"{name}._extra_state")
-            if layer is not None:  # Megatron-Core saves the layers' linears' extra state, not the output layer's
-                items.append(torch_dist_writer.ShardedObject(key, offset=(layer,), shape=(num_layers,)))
+            key, index = layout.torch_dist_key(f"{name}._extra_state")
+            # Megatron-Core saves the layers' linears' extra state, not the output layer's.
+            if index and _written_here(name, experts, dense):
+                items.append(torch_dist_writer.ShardedObject(key, offset=index, shape=_stacked_shape(config, index)))
     return items
+
+
+def _written_here(name: str, experts: range, dense: bool) -> bool:
+    expert = layout.expert_number(name)
+    return dense if expert is None else expert in experts
+
+
+def _stacked_shape(config: Config, index: tuple) -> tuple:
+    """The leading dimensions of a torch_dist key that stacks tensors ``index`` says: (layers,), (layers,
+    experts), or () for one outside the layers."""
+    return (config.model.num_layers, config.model.num_experts)[:len(index)]
 
 
 def _tensor_parallel_chunks(full: torch.Tensor, param, *, tp_rank: int, tp: int) -> list:

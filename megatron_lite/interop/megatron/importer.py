@@ -13,6 +13,7 @@ import torch
 from megatron_lite.interop.megatron import layout, legacy, torch_dist
 from megatron_lite.interop.megatron.args_mapping import config_from_megatron_args, model_config_from_megatron_args
 from megatron_lite.checkpointing.offline import stage_model, write_checkpoint
+from megatron_lite.checkpointing.save_load import checkpointed_tensors
 from megatron_lite.checkpointing.storage import CheckpointError, read_latest_iteration
 from megatron_lite.config import Config, ParallelConfig
 from megatron_lite.tensor_parallel import gather_shards
@@ -48,9 +49,6 @@ def read_megatron_checkpoint(path: str) -> MegatronCheckpoint:
         args, iteration, tensors = _read_legacy(directory)
     else:
         args, iteration, tensors = torch_dist.read(directory)
-        if getattr(args, "num_experts", None):
-            raise CheckpointError(f"{path} is a mixture of experts in torch_dist, whose expert keys megatron_lite "
-                                  f"does not read yet: save it with --ckpt-format torch (the legacy format) first.")
         tied = not getattr(args, "untie_embeddings_and_output_weights", False)
         tensors = {layout.ours_from_megatron(name, 0): t for name, t in tensors.items()
                    if not layout.is_ignored(name, tied=tied)}
@@ -67,10 +65,14 @@ def _read_legacy(directory: str) -> tuple:
         raise CheckpointError(f"{directory} lacks the files of (tensor, pipeline, expert) ranks {missing}.")
     first = legacy.read_rank_file(files[0, 0, 0])
     args = first["args"]
-    if ep > 1 and (getattr(args, "expert_tensor_parallel_size", None) or tp) != tp:
+    if getattr(args, "num_experts", None) and (getattr(args, "expert_tensor_parallel_size", None) or tp) != tp:
+        # Megatron-LM's legacy save names a file by its dense tensor rank and expert rank only, and every rank of
+        # expert-data rank 0 writes one: under another expert-tensor size two ranks can share a name (tensor size
+        # 1, expert-tensor size 2: both write mp_rank_00) or (tensor, expert) pairs have none.
         raise CheckpointError(f"{directory} splits its experts over --expert-tensor-parallel-size "
                               f"{args.expert_tensor_parallel_size} ranks, not the tensor-parallel {tp}: megatron_lite "
-                              f"imports expert-parallel checkpoints whose experts are split like the dense layers.")
+                              f"reads legacy files whose experts are split like the dense layers; save it with "
+                              f"--ckpt-format torch_dist (whole tensors, read at any expert-tensor size).")
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     model = stage_model(Config(model=model_config_from_megatron_args(args, directory)), 0)
     params = dict(model.named_parameters())
@@ -82,7 +84,7 @@ def _read_legacy(directory: str) -> tuple:
             for expert_rank in range(ep):
                 key = (rank, stage, expert_rank)
                 state = first if key == (0, 0, 0) else legacy.read_rank_file(files[key])
-                for name, tensor in layout.flatten(state["model"]).items():
+                for name, tensor in _named_tensors(state, experts_per_rank, args.hidden_size):
                     if tensor is None or layout.is_ignored(name, tied=tied):
                         continue
                     if layout.expert_number(name) is not None:
@@ -98,6 +100,14 @@ def _read_legacy(directory: str) -> tuple:
     return args, first.get("iteration", 0), tensors
 
 
+def _named_tensors(state: dict, local_experts: int, hidden_size: int):
+    """(Megatron's name, tensor) of a rank file's model, grouped-GEMM experts as SequentialMLP's."""
+    for name, tensor in layout.flatten(state["model"]).items():
+        if tensor is None:
+            continue
+        yield from layout.as_sequential_mlp(name, tensor, local_experts=local_experts, hidden_size=hidden_size)
+
+
 def _merged(pieces: list, param) -> torch.Tensor:
     """One tensor from its tensor-parallel shards, split like our ``param`` (replicated: rank 0's copy)."""
     if param is None or not getattr(param, "tensor_model_parallel", False) or len(pieces) == 1:
@@ -108,8 +118,8 @@ def _merged(pieces: list, param) -> torch.Tensor:
 def _checked(tensors: dict, config: Config, source: str) -> dict:
     """Our model's tensors in the checkpoint's precision, after checking that the names and shapes are exactly
     our model's."""
-    params = dict(stage_model(dataclasses.replace(config, model=dataclasses.replace(
-        config.model, make_vocab_size_divisible_by=1)), 0).named_parameters())
+    params = dict(checkpointed_tensors(stage_model(dataclasses.replace(config, model=dataclasses.replace(
+        config.model, make_vocab_size_divisible_by=1)), 0)))
     unknown, missing = sorted(set(tensors) - set(params)), sorted(set(params) - set(tensors))
     if unknown or missing:
         raise CheckpointError(f"{source}: Megatron tensors not understood {unknown[:4]}, missing {missing[:4]}: "
@@ -118,7 +128,9 @@ def _checked(tensors: dict, config: Config, source: str) -> dict:
              if tuple(tensors[n].shape) != tuple(p.shape)]
     if wrong:
         raise CheckpointError(f"{source}: tensors whose shapes do not match the saved args: {wrong[:3]}")
-    return {name: t.to(config.params_dtype).contiguous() for name, t in tensors.items()}
+    # Parameters in the run's precision; buffers (the router's expert bias, fp32 in Megatron and ours) as ours.
+    return {name: t.to(config.params_dtype if isinstance(params[name], torch.nn.Parameter) else params[name].dtype)
+            .contiguous() for name, t in tensors.items()}
 
 
 def import_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1,

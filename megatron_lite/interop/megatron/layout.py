@@ -110,19 +110,51 @@ def megatron_from_ours(name: str, layer_offset: int) -> str:
 _TE_NORM_FROM_OURS = {ours: theirs for theirs, ours in TE_NORM_RENAMES}
 
 
-def torch_dist_key(name: str) -> tuple[str, Optional[int]]:
-    """Megatron-Core's torch_dist key for our global ``name`` and, for a layer tensor, its global layer
-    number (torch_dist stacks the layers along a leading dimension under one key), else None."""
+def torch_dist_key(name: str) -> tuple[str, tuple]:
+    """Megatron-Core's torch_dist key for our global ``name`` and where the tensor sits along the key's leading
+    stacked dimensions: () outside the layers, (layer,) for a layer tensor (torch_dist stacks the layers under
+    one key), (layer, expert) for an expert's (``mlp.experts.experts.<name>``, [layers, experts, ...])."""
     layer = local_layer(name)
     if layer is None:
-        return _MCORE_FROM_OURS.get(name, name), None
-    return f"decoder.layers.{_TE_NORM_FROM_OURS.get(layer[1], layer[1])}", layer[0]
+        return _MCORE_FROM_OURS.get(name, name), ()
+    expert = expert_number(name)
+    if expert is not None:
+        inner = _LOCAL_EXPERT.sub(".mlp.experts.experts.", f".{layer[1]}", count=1).removeprefix(".")
+        return f"decoder.layers.{inner}", (layer[0], expert)
+    return f"decoder.layers.{_TE_NORM_FROM_OURS.get(layer[1], layer[1])}", (layer[0],)
 
 
 def expert_number(name: str) -> Optional[int]:
     """The expert an expert tensor belongs to (``mlp.experts.local_experts.N.``), None for any other tensor."""
     match = _LOCAL_EXPERT.search(name)
     return None if match is None else int(match.group(1))
+
+
+_GROUPED_MLP = re.compile(r"^(.*\.mlp\.experts\.)weight([12])$")
+_TE_GROUPED_LINEAR = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+
+
+def as_sequential_mlp(name: str, tensor, *, local_experts: int, hidden_size: int) -> list:
+    """[(name, tensor)] of a legacy file's tensor with grouped-GEMM experts in the SequentialMLP layout
+    (``mlp.experts.local_experts.N.linear_fc1.weight``, [out/tp, in] per expert); any other tensor as it is.
+
+    --moe-grouped-gemm stores a rank's experts in one of two ways. Megatron-Core's legacy GroupedMLP (local
+    layers) keeps ``weight1`` [hidden, experts x fc1 out/tp] and ``weight2`` [experts x ffn/tp, hidden], which its
+    grouped GEMM reads as ``weight1.view(experts, hidden, -1)``: expert i's block of the storage is its fc1
+    weight transposed (its rows [gate_r; up_r] under SwiGLU, as SequentialMLP's), likewise ``weight2``.
+    Transformer Engine's TEGroupedMLP keeps each expert's linear as ``linear_fc1.weight{i}``, as SequentialMLP's.
+    """
+    grouped = _GROUPED_MLP.match(name)
+    if grouped is not None:
+        prefix, which = grouped.groups()
+        blocks = tensor.reshape(local_experts, hidden_size, -1) if which == "1" else \
+            tensor.reshape(local_experts, -1, hidden_size)
+        return [(f"{prefix}local_experts.{i}.linear_fc{which}.weight", block.t()) for i, block in enumerate(blocks)]
+    te = _TE_GROUPED_LINEAR.match(name)
+    if te is not None:
+        prefix, linear, kind, expert = te.groups()
+        return [(f"{prefix}local_experts.{expert}.{linear}.{kind}", tensor)]
+    return [(name, tensor)]
 
 
 def renumbered_expert(name: str, shift: int) -> str:

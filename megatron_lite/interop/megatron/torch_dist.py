@@ -8,7 +8,9 @@
 
 Keys are global and unsharded (each ``.distcp`` holds chunks of them): the layers are
 stacked into one tensor per name with a leading layer dimension
-(``decoder.layers.mlp.linear_fc1.weight`` of shape [layers, ...]) and the norms carry
+(``decoder.layers.mlp.linear_fc1.weight`` of shape [layers, ...]), a mixture of experts' expert
+tensors with an expert dimension after it (``decoder.layers.mlp.experts.experts.linear_fc1.weight``
+of shape [layers, experts, ...]), and the norms carry
 Transformer Engine's names (``linear_qkv.layer_norm_weight``) even with local layers. The
 ``.metadata`` pickle is read with the restricted unpickler, allowing only the
 metadata classes of ``torch.distributed.checkpoint``, and each chunk with
@@ -38,6 +40,9 @@ CONFIG_FILE = "metadata.json"
 COMMON_STATE_LAYOUTS = ("common.pt", "distcp")
 COMMON_STATE_KEY = "common_state"
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d)(.+)$")
+# The experts' tensors in torch_dist, [layers, experts, ...] under one key per name, whichever module wrote them
+# (SequentialMLP, GroupedMLP and TEGroupedMLP write the same keys).
+EXPERTS_KEY = "mlp.experts.experts."
 
 
 def _metadata_classes() -> dict:
@@ -122,13 +127,22 @@ def read(directory: str) -> tuple:
             piece = torch.load(io.BytesIO(_read_bytes(directory, info)), weights_only=True, map_location="cpu")
             region = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
             full[region] = piece
-        tensors.update(_unstacked(name, full))
+        tensors.update(_unstacked(name, full, {chunk.offsets[0] for chunk in item.chunks}))
     return common["args"], common.get("iteration", 0), tensors
 
 
-def _unstacked(name: str, tensor: torch.Tensor) -> dict:
-    """A stacked ``decoder.layers.<name>`` [layers, ...] as one tensor per global layer."""
+def _unstacked(name: str, tensor: torch.Tensor, layers_held: set) -> dict:
+    """A stacked ``decoder.layers.<name>`` [layers, ...] as one tensor per global layer that has chunks (with
+    --moe-layer-freq the dense and the expert layers each fill some layers of their keys), and the experts'
+    ``mlp.experts.experts.<name>`` [layers, experts, ...] as one tensor per layer and expert, named as the
+    legacy format names them (``mlp.experts.local_experts.<expert>.<name>``, the experts numbered globally)."""
     match = _STACKED.match(name)
     if match is None:
         return {name: tensor}
-    return {f"decoder.layers.{i}.{match.group(1)}": t for i, t in enumerate(tensor.unbind(0))}
+    inner = match.group(1)
+    layers = {i: t for i, t in enumerate(tensor.unbind(0)) if i in layers_held}
+    if not inner.startswith(EXPERTS_KEY):
+        return {f"decoder.layers.{i}.{inner}": t for i, t in layers.items()}
+    rest = inner.removeprefix(EXPERTS_KEY)
+    return {f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{rest}": expert
+            for i, t in layers.items() for e, expert in enumerate(t.unbind(0))}
