@@ -81,7 +81,8 @@ FAMILIES = {
         routed_scaling_factor=1.5, rope_parameters=dict(YARN, mscale=0.7, mscale_all_dim=0.7)),
     # transformers writes GLM's partial_rotary_factor into the rope_parameters it is given: a copy of SMALL's.
     "glm4_moe": lambda: transformers.Glm4MoeConfig(
-        **{k: v for k, v in SMALL.items() if k not in ("router_aux_loss_coef", "output_router_logits")},
+        **{k: v for k, v in SMALL.items() if k not in ("router_aux_loss_coef", "output_router_logits",
+                                                       "rope_parameters")},
         rope_parameters=dict(SMALL["rope_parameters"]),
         intermediate_size=48, num_hidden_layers=2, head_dim=16, first_k_dense_replace=1, n_routed_experts=EXPERTS,
         moe_intermediate_size=16, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
