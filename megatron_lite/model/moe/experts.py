@@ -28,7 +28,7 @@ from megatron_lite.model.mlp import mlp_activation
 class ExpertMLP(nn.Module):
     """One expert; ``etp_rank`` its expert-tensor rank, on which 0 alone adds fc2's bias (``ExpertLinear``)."""
 
-    def __init__(self, config: ModelConfig, *, etp_size: int, etp_rank: int, params_dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, *, etp_size: int, params_dtype: torch.dtype, etp_rank: int = 0):
         super().__init__()
         ffn = config.moe_ffn_hidden_size
         self.activation = mlp_activation(config)
@@ -47,7 +47,7 @@ class SequentialExperts(nn.Module):
     """Experts ``first_expert`` .. ``first_expert + num_local_experts - 1`` of the layer."""
 
     def __init__(self, config: ModelConfig, *, first_expert: int, num_local_experts: int, etp_size: int,
-                 etp_rank: int, params_dtype: torch.dtype):
+                 params_dtype: torch.dtype, etp_rank: int = 0):
         super().__init__()
         self.local_experts = nn.ModuleDict({
             str(first_expert + i): ExpertMLP(config, etp_size=etp_size, etp_rank=etp_rank, params_dtype=params_dtype)
