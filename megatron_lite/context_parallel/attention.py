@@ -272,4 +272,5 @@ class _RingAttentionFunction(torch.autograd.Function):
             _sequence_first(grad.to(prefix_key.dtype)) for grad in grad_prefix)
         grad_query = torch.cat(grad_query, dim=2).to(query.dtype)
         return (_sequence_first(grad_query), _sequence_first(grad_key.to(key.dtype)),
-                _sequence_first(grad_value.to(value.dtype)), grad_prefix_key, grad_prefix_value, grad_offset, None, None)
+                _sequence_first(grad_value.to(value.dtype)), grad_prefix_key, grad_prefix_value, grad_offset, None,
+                None)

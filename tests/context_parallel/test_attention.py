@@ -6,8 +6,8 @@ must equal the same positions of the whole-sequence core attention (``DotProduct
 --cp-comm-type variants and every local kernel: SDPA (the CPU flash kernel under p2p) and the explicit
 path, grouped-query heads, a packed block-diagonal mask, a sliding window, a prefix (whose gradient is
 the sum over the ranks), attention soft-capping, attention sinks (--softmax-type learnable: joined once to the
-ring's log-sum-exp merge, their gradient the sum over the ranks), bf16, and values narrower than keys with a softmax scale of
-their own (multi-latent attention's); and a whole GPT given this rank's tokens gives
+ring's log-sum-exp merge, their gradient the sum over the ranks), bf16, and values narrower than keys with a
+softmax scale of their own (multi-latent attention's); and a whole GPT given this rank's tokens gives
 the whole sequence's logits at them.
 """
 import dataclasses

@@ -454,6 +454,6 @@ FAIR_LAYOUTS = {
 
 
 def test_fine_tuning_equals_transformers_with_clipping(imports, tmp_path):
-    """transformers' loss with the load-balancing loss (pooled_aux_loss) for Mixtral, Qwen3-MoE, OLMoE and gpt-oss; DeepSeek's
-    expert bias held still (transformers' training does not step it)."""
+    """transformers' loss with the load-balancing loss (pooled_aux_loss) for Mixtral, Qwen3-MoE, OLMoE and gpt-oss;
+    DeepSeek's expert bias held still (transformers' training does not step it)."""
     fair_fight(imports, FAIR_LAYOUTS, tmp_path, {"deepseek_v2": "deepseek_v2"}, vocab=VOCAB, pad=EOS)
