@@ -185,5 +185,7 @@ def family_of(config: ModelConfig, naming: str) -> Family:
                       f"--window-size (Gemma 2) or with --window-size, --qk-layernorm and --rotary-base-local "
                       f"(Gemma 3), or --num-experts with or without --window-size (Mixtral), with --qk-layernorm "
                       f"(Qwen3-MoE) or with --qk-layernorm and --qk-layernorm-whole-projection (OLMoE), or "
-                      f"--multi-latent-attention with --qk-layernorm (DeepSeek); --parallel-attention-mlp only with "
-                      f"GPT-NeoX's LayerNorm, biases, GELU and rotary embeddings.")
+                      f"--multi-latent-attention with --qk-layernorm (DeepSeek), or --softmax-type learnable with "
+                      f"--num-experts, --quick-geglu, --glu-linear-offset 1 and --activation-func-clamp-value "
+                      f"(gpt-oss); --parallel-attention-mlp only with GPT-NeoX's LayerNorm, biases, GELU and rotary "
+                      f"embeddings.")
