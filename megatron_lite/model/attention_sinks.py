@@ -8,7 +8,9 @@ so a head can give a query's attention to nothing at all rather than spread it o
 ``softmax_offset`` per head (Megatron-Core's name), split over tensor-parallel ranks with the heads.
 
 The sinks take the explicit attention path (``dot_product_attention.py``), whose softmax this module's
-``sink_softmax`` replaces: SDPA's kernels have no column to add.
+``sink_softmax`` replaces: SDPA's kernels have no column to add. The parameter is the layer's
+(``SelfAttention.softmax_offset``), handed to the core with each call, so context parallelism's wrappers keep its
+name; their ring joins the sink to the log-sum-exp merge once (``context_parallel/block_attention.py``).
 """
 from __future__ import annotations
 
