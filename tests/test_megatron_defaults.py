@@ -27,6 +27,8 @@ MEGATRON_DEFAULTS = {
     "window_size": None, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
     "rotary_seq_len_interpolation_factor": None, "hidden_dropout": 0.1, "attention_dropout": 0.1,
     "init_method_std": 0.02, "make_vocab_size_divisible_by": 128,
+    # gpt-oss's: TransformerConfig's softmax_type, glu_linear_offset, activation_func_clamp_value; --quick-geglu
+    "softmax_type": "vanilla", "quick_geglu": False, "glu_linear_offset": 0.0, "activation_func_clamp_value": None,
     "multi_latent_attention": False, "q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
     "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "rope_type": None, "rotary_scaling_factor": 1.0, "mscale": 1.0,
     "mscale_all_dim": 0.0, "yarn_original_max_position_embeddings": None, "yarn_beta_fast": None,

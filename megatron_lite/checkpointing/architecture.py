@@ -61,6 +61,11 @@ ROLES = {
     "scale_embeddings": Role.ARCHITECTURE,
     "geglu": Role.ARCHITECTURE,
     "gelu_exact": Role.ARCHITECTURE,  # with a GELU only (no SwiGLU), see _ONLY_WITH
+    # gpt-oss's sinks and gated unit (the last three with --swiglu only)
+    "softmax_type": Role.ARCHITECTURE,
+    "quick_geglu": Role.ARCHITECTURE,
+    "glu_linear_offset": Role.ARCHITECTURE,
+    "activation_func_clamp_value": Role.ARCHITECTURE,
     "rotary_seq_len_interpolation_factor": Role.ARCHITECTURE,  # with rope only
     "use_rope_scaling": Role.ARCHITECTURE,  # with rope only
     "rope_scaling_factor": Role.ARCHITECTURE,  # with --use-rope-scaling only
@@ -133,6 +138,8 @@ _ONLY_WITH = {"max_position_embeddings": lambda model: model.position_embedding_
               "rope_scaling_factor": lambda model: model.use_rope_scaling,
               "kv_channels": lambda model: not model.multi_latent_attention,
               "gelu_exact": lambda model: not model.swiglu or model.geglu,
+              **{name: lambda model: model.swiglu for name in ("quick_geglu", "glu_linear_offset",
+                                                               "activation_func_clamp_value")},
               **{name: _YARN for name in ("rotary_scaling_factor", "mscale", "mscale_all_dim",
                                           "yarn_original_max_position_embeddings", "yarn_beta_fast",
                                           "yarn_beta_slow", "yarn_correction_range_round_to_int")},

@@ -535,6 +535,10 @@ def _check_expert_parallel(model: ModelConfig, parallel: ParallelConfig) -> None
     require(model.moe_ffn_hidden_size % etp == 0,
              f"--moe-ffn-hidden-size ({model.moe_ffn_hidden_size}) must be divisible by the expert-tensor-parallel "
              f"size ({etp}, --expert-tensor-parallel-size, default --tensor-model-parallel-size).")
+    tp = parallel.tensor_model_parallel_size
+    require(not model.add_bias_linear or etp in (1, tp),
+            f"the experts' biases (--add-bias-linear) are split as their weights only over the tensor-parallel "
+            f"ranks: --expert-tensor-parallel-size must be 1 or --tensor-model-parallel-size ({tp}), got {etp}.")
     shared = model.moe_shared_expert_intermediate_size
     require(shared is None or shared % parallel.tensor_model_parallel_size == 0,
              f"--moe-shared-expert-intermediate-size ({shared}) must be divisible by --tensor-model-parallel-size "

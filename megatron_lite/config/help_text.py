@@ -59,6 +59,12 @@ HELP = {
                                "MLP(Norm(x)) (GPT-NeoX / Pythia's use_parallel_residual, GPT-J)"),
     "scale_embeddings": "multiply the word embeddings by sqrt(--hidden-size) (Gemma)",
     "geglu": "with --swiglu, gate with tanh GELU instead of SiLU (GeGLU, Gemma)",
+    "softmax_type": ("attention softmax: vanilla, off-by-one (a sink logit 0 per head in the denominator) or "
+                     "learnable (one learned sink logit per head, gpt-oss's sinks)"),
+    "quick_geglu": "with --swiglu, gate with quick GELU x sigmoid(1.702 x) instead of SiLU (gpt-oss)",
+    "glu_linear_offset": "with --swiglu, add this to the linear (up) half: gate x (up + offset) (gpt-oss: 1)",
+    "activation_func_clamp_value": ("with --swiglu, clamp the gate to at most C and the linear half to [-C, C] "
+                                    "before the gated unit (gpt-oss: 7)"),
     "gelu_exact": "the exact (erf) GELU instead of the tanh approximation (Megatron-LM without "
                   "--bias-gelu-fusion, GPT-2's activation_function gelu)",
     "rotary_seq_len_interpolation_factor": "linear RoPE scaling: positions are divided by this factor",

@@ -2,6 +2,7 @@
 their checks."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -17,6 +18,9 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # yarn: rotary embeddings with YaRN's frequency scaling (model/rope_scaling.py), Megatron-LM's spelling for
 # attention other than multi-latent, which picks its flavour of rotary embedding with --rope-type.
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
+# Megatron-LM's --softmax-type: vanilla, or a sink logit per head in the softmax's denominator that no value
+# follows, fixed at 0 (off-by-one) or learned (learnable, gpt-oss's sinks; model/attention_sinks.py).
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 ROPE_TYPES = ("rope", "yarn")
 # Megatron-LM's YaRN settings where their flags are not given.
 YARN_DEFAULTS = {"yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0}
@@ -73,6 +77,14 @@ class ModelConfig:
     parallel_attention_mlp: bool = False
     scale_embeddings: bool = False  # word embeddings times sqrt(hidden_size) (Gemma)
     geglu: bool = False  # --swiglu's gate through tanh GELU instead of SiLU (GeGLU, Gemma)
+    # gpt-oss's attention and MLP, Megatron-LM's flags: the softmax's sinks (--softmax-type), and the gated MLP's
+    # gate through quick GELU x sigmoid(1.702 x) (--quick-geglu), its linear half offset (--glu-linear-offset: gate
+    # x (up + offset)), both halves clamped first (--activation-func-clamp-value c: gate to at most c, up to
+    # [-c, c]).
+    softmax_type: str = field(default="vanilla", metadata={"choices": SOFTMAX_TYPES})
+    quick_geglu: bool = False
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
     # The exact (erf) GELU instead of its tanh approximation: Megatron-LM's MLP without --bias-gelu-fusion
     # (Megatron-Core's F.gelu), GPT-2 configs with activation_function "gelu".
     gelu_exact: bool = False
@@ -196,6 +208,7 @@ class ModelConfig:
                  "--qk-layernorm-whole-projection widens --qk-layernorm's RMSNorm to all heads at once (OLMoE): it "
                  "takes --qk-layernorm and --normalization RMSNorm, without --apply-layernorm-1p.")
         require(not self.geglu or self.swiglu, "--geglu changes the gate of --swiglu's gated MLP: add --swiglu.")
+        self._check_gated_linear_unit()
         require(not self.gelu_exact or not self.swiglu or self.geglu,
                 "--gelu-exact changes the GELU, and --swiglu's gate is SiLU: drop one (or add --geglu).")
         for flag, value in [("--attn-logit-softcapping", self.attn_logit_softcapping),
@@ -222,6 +235,17 @@ class ModelConfig:
                 "--moe-router-load-balancing-type pooled_aux_loss pools the routing of the decoder's layers "
                 "(transformers' loss, which has no multi-token prediction layers): drop --mtp-num-layers, or "
                 "balance with aux_loss or seq_aux_loss.")
+
+    def _check_gated_linear_unit(self) -> None:
+        require(not (self.geglu and self.quick_geglu), "--geglu and --quick-geglu each pick the gate: give one.")
+        given = [flag for flag, on in [("--quick-geglu", self.quick_geglu),
+                                       ("--glu-linear-offset", self.glu_linear_offset != 0.0),
+                                       ("--activation-func-clamp-value", self.activation_func_clamp_value is not None)]
+                 if on]
+        require(self.swiglu or not given, f"{', '.join(given)} change(s) the gated MLP of --swiglu: add --swiglu.")
+        clamp = self.activation_func_clamp_value
+        require(clamp is None or (math.isfinite(clamp) and clamp > 0),
+                f"--activation-func-clamp-value must be finite and positive, got {clamp}.")
 
     def _check_no_rope_freq(self) -> None:
         if self.no_rope_freq is None:
@@ -288,6 +312,9 @@ class ModelConfig:
         require(self.num_query_groups == self.num_attention_heads,
                  "--multi-latent-attention gives every head its own keys and values from the shared latent: drop "
                  "--group-query-attention and --num-query-groups.")
+        require(self.softmax_type == "vanilla",
+                f"--softmax-type {self.softmax_type} puts sinks in grouped-query attention's softmax; "
+                f"--multi-latent-attention has none: drop one.")
         require(self.rotary_percent == 1.0 and not self.add_qkv_bias,
                  "--multi-latent-attention has no --rotary-percent (it rotates --qk-pos-emb-head-dim channels) and "
                  "no fused QKV for --add-qkv-bias: drop them.")

@@ -82,9 +82,6 @@ def check_moe_fields(model) -> None:
     require(shared is None or shared > 0, f"--moe-shared-expert-intermediate-size must be positive, got {shared}.")
     require(not model.moe_shared_expert_gate or shared is not None,
              "--moe-shared-expert-gate gates the shared expert: add --moe-shared-expert-intermediate-size.")
-    require(not model.add_bias_linear,
-             "mixture-of-experts layers have no biases here (Mixtral, Qwen-MoE, OLMoE and DeepSeek have none): add "
-             "--disable-bias-linear.")
     _check_router(model)
 
 

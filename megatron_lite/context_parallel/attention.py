@@ -3,7 +3,7 @@
 Each rank holds the queries, keys and values of its two chunks (``sharding.py``: chunks i and
 2 cp - 1 - i of 2 cp); a query must still see every key before it. Both variants wrap the layer's own
 core attention (``model/dot_product_attention.py``'s DotProductAttention) and keep its interface:
-``(query, key, value, attention_mask, prefix) -> context``, [s/cp, b, heads, d] queries and keys and
+``(query, key, value, attention_mask, prefix, softmax_offset) -> context``, [s/cp, b, heads, d] queries and keys and
 [s/cp, b, groups, dv] values in, [s/cp, b, heads x dv] out. Values may be narrower than keys (multi-latent
 attention's): keys and values travel together, joined along their channels.
 
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_lite.context_parallel.block_attention import (CAUSAL, ExplicitBlockAttention, FlashBlockAttention,
-                                                            causal_mask, merge)
+                                                            add_sink, causal_mask, merge, sink_gradient)
 from megatron_lite.context_parallel.config import ContextParallelConfig
 from megatron_lite.context_parallel.sharding import chunk_ids, global_order
 from megatron_lite.process_groups import collectives
@@ -59,11 +59,12 @@ class AllGatherAttention(nn.Module):
         self.local_attention = local_attention
         self.cp = cp
 
-    def forward(self, query, key, value, attention_mask=None, prefix=None):
+    def forward(self, query, key, value, attention_mask=None, prefix=None, softmax_offset=None):
         _check_mask(attention_mask, query.shape[0], self.cp.size)
         key_value = gather_sequence(_join(key, value), self.cp)
         key, value = _split(key_value, key.shape[-1])
-        return attend_own_chunks(self.local_attention, query, key, value, attention_mask, self.cp, prefix=prefix)
+        return attend_own_chunks(self.local_attention, query, key, value, attention_mask, self.cp, prefix=prefix,
+                                 softmax_offset=softmax_offset)
 
 
 def gather_sequence(tensor: torch.Tensor, cp: ContextParallelConfig) -> torch.Tensor:
@@ -74,10 +75,12 @@ def gather_sequence(tensor: torch.Tensor, cp: ContextParallelConfig) -> torch.Te
 
 
 def attend_own_chunks(local_attention: nn.Module, query, key, value, attention_mask, cp: ContextParallelConfig,
-                      prefix=None) -> torch.Tensor:
+                      prefix=None, softmax_offset=None) -> torch.Tensor:
     """This rank's queries [s/cp, b, heads, d] (its two chunks) against the whole sequence's keys and values
     [s, b, groups, d], each chunk seeing the keys up to its own end, with the layer's own core attention; a
-    ``prefix`` goes before the keys. The mask is [b, 1, s/cp, s] (None: causal)."""
+    ``prefix`` goes before the keys, ``softmax_offset`` (attention sinks) joins each query's one softmax. The mask
+    is [b, 1, s/cp, s] (None: causal)."""
+    sinks = {} if softmax_offset is None else {"softmax_offset": softmax_offset}
     chunk = query.shape[0] // 2
     if prefix is not None:
         key, value, attention_mask = prefix(key, value, attention_mask)
@@ -88,7 +91,7 @@ def attend_own_chunks(local_attention: nn.Module, query, key, value, attention_m
         # The chunk's queries are the last ``chunk`` of the ``end`` keys it may see: the core's causal
         # mask (and any sliding window) lines them up from the end.
         mask = None if attention_mask is None else attention_mask[:, :, rows, :end]
-        outputs.append(local_attention(query[rows], key[:end], value[:end], mask))
+        outputs.append(local_attention(query[rows], key[:end], value[:end], mask, **sinks))
     return torch.cat(outputs)
 
 
@@ -130,13 +133,14 @@ class RingAttention(nn.Module):
         window = local_attention.sliding_window
         self.window_left = None if window is None else window.left
 
-    def forward(self, query, key, value, attention_mask=None, prefix=None):
+    def forward(self, query, key, value, attention_mask=None, prefix=None, softmax_offset=None):
         local_length, batch = query.shape[:2]
         _check_mask(attention_mask, local_length, self.cp.size)
         prefix_key = prefix_value = None
         if prefix is not None:
             prefix_key, prefix_value = prefix.keys_and_values(batch, key.dtype)
-        return _RingAttentionFunction.apply(query, key, value, prefix_key, prefix_value, attention_mask, self)
+        return _RingAttentionFunction.apply(query, key, value, prefix_key, prefix_value, softmax_offset,
+                                            attention_mask, self)
 
     def around_the_ring(self, key_value: torch.Tensor):
         """(owner's context-parallel rank, its keys and values) of every rank, this rank's first; the next
@@ -207,13 +211,14 @@ def _sequence_first(tensor):
 
 class _RingAttentionFunction(torch.autograd.Function):
     """Ring attention over [2 chunk, b, heads, d] queries, [2 chunk, b, groups, d] keys and [2 chunk, b, groups, dv]
-    values, with an optional [p, b, groups, d or dv] prefix seen by every query; returns [2 chunk, b, heads x dv],
-    which is also what the backward keeps of the output (the output projection keeps the same tensor)."""
+    values, with an optional [p, b, groups, d or dv] prefix seen by every query and optional sinks [heads] (joined
+    after the last block, ``add_sink``); returns [2 chunk, b, heads x dv], which is also what the backward keeps of
+    the output (the output projection keeps the same tensor)."""
 
     @staticmethod
     def forward(ctx, *inputs):
         query, key, value, prefix_key, prefix_value = map(_blocks, inputs[:5])
-        attention_mask, ring = inputs[5:]
+        softmax_offset, attention_mask, ring = inputs[5:]
         chunk = query.shape[2] // 2
         prefix_length = 0 if prefix_key is None else prefix_key.shape[2]
         queries = _halves(query, chunk)
@@ -229,18 +234,23 @@ class _RingAttentionFunction(torch.autograd.Function):
         for owner, key_value in ring.around_the_ring(_join(key, value)):
             for half, key_half, mask in ring.block_pairs(owner, attention_mask, chunk, prefix_length, query.device):
                 attend(half, *_split(_halves(key_value, chunk)[key_half], key.shape[-1]), mask)
-        out = _sequence_first(torch.cat(out, dim=2).to(query.dtype))
+        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        if softmax_offset is not None:
+            out, lse = add_sink(out, lse, softmax_offset)
+        out = _sequence_first(out.to(query.dtype))
         out = out.reshape(out.shape[0], out.shape[1], -1)
-        ctx.save_for_backward(*inputs[:5], out, torch.cat(lse, dim=2))
+        ctx.save_for_backward(*inputs[:6], out, lse)
         ctx.attention_mask, ctx.ring = attention_mask, ring
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        *inputs, out, lse = ctx.saved_tensors
+        *inputs, softmax_offset, out, lse = ctx.saved_tensors
         query, key, value, prefix_key, prefix_value = map(_blocks, inputs)
         heads = query.shape[1]
         out, grad_out = (_blocks(t.reshape(t.shape[0], t.shape[1], heads, -1)) for t in (out, grad_out))
+        grad_offset = None if softmax_offset is None else sink_gradient(grad_out, out, lse, softmax_offset).to(
+            softmax_offset.dtype)
         ring, attention_mask = ctx.ring, ctx.attention_mask
         chunk = query.shape[2] // 2
         prefix_length = 0 if prefix_key is None else prefix_key.shape[2]
@@ -277,4 +287,5 @@ class _RingAttentionFunction(torch.autograd.Function):
             _sequence_first(grad.to(prefix_key.dtype)) for grad in grad_prefix)
         grad_query = torch.cat(grad_query, dim=2).to(query.dtype)
         return (_sequence_first(grad_query), _sequence_first(grad_key.to(key.dtype)),
-                _sequence_first(grad_value.to(value.dtype)), grad_prefix_key, grad_prefix_value, None, None)
+                _sequence_first(grad_value.to(value.dtype)), grad_prefix_key, grad_prefix_value, grad_offset, None,
+                None)

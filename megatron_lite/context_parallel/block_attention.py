@@ -14,6 +14,14 @@ the block's probabilities are P_j = exp(s q K_j^T - l), and with D = rowsum(dO *
 (the flash-attention backward), so a ring of key blocks can pass by twice without any block's
 probabilities being kept in between.
 
+Attention sinks (a logit per head in the softmax's denominator whose value is zero, ``model/attention_sinks.py``)
+join the merge once, as one more block of log-sum-exp ``sink_h`` and output zero: after the blocks' merge,
+
+    l' = log(exp(l) + exp(sink_h)),   o' = o exp(l - l')                  (``add_sink``)
+
+and the backward above runs unchanged from (o', l'); the sink's own gradient is that of its probability column,
+dsink_h = -sum over rows of exp(sink_h - l') rowsum(dO * o') (``sink_gradient``).
+
 Two kernels compute a block, chosen as ``--attention-backend`` chooses for the whole sequence:
 ``ExplicitBlockAttention`` writes the formulas out (unfused/local, and attention soft-capping, which acts
 between QK^T and the softmax); ``FlashBlockAttention`` runs the flash kernel torch's
@@ -41,6 +49,18 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     old_weight = torch.exp(lse - merged).nan_to_num_(0.0)  # exp(-inf - -inf) is nan: such a row has no weight
     new_weight = torch.exp(block_lse - merged).nan_to_num_(0.0)
     return out * old_weight[..., None] + block_out.float() * new_weight[..., None], merged
+
+
+def add_sink(out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor):
+    """(o', l') of merged blocks (o [b, heads, s, dv], l [b, heads, s]) with each head's sink ``offset`` [heads]."""
+    merged = torch.logaddexp(lse, offset.float().view(1, -1, 1))
+    return out * torch.exp(lse - merged)[..., None], merged
+
+
+def sink_gradient(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """d loss / d offset [heads] from dO and the final (o', l') ([b, heads, s, dv] and [b, heads, s])."""
+    sink_probability = torch.exp(offset.float().view(1, -1, 1) - lse)
+    return -(sink_probability * (grad_out.float() * out.float()).sum(dim=-1)).sum(dim=(0, 2))
 
 
 def causal_mask(query_length: int, key_length: int, device) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, attend_own_chunks
+from megatron_lite.model.attention_sinks import register_softmax_offset
 from megatron_lite.model.dot_product_attention import build_core_attention
 from megatron_lite.model.embedding import apply_rotary, layer_rotary_concentration
 from megatron_lite.model.norm import Norm, ProjectionRMSNorm
@@ -54,6 +55,8 @@ class SelfAttention(nn.Module):
         self.prefix = None
         self.q_layernorm = qk_layernorm(config, config.num_attention_heads, tp_config)
         self.k_layernorm = qk_layernorm(config, config.num_query_groups, tp_config)
+        # Here rather than in the core, which context parallelism wraps: one name for the sinks at every layout.
+        register_softmax_offset(self, config, self.local_query_groups * self.heads_per_group, tp_config.params_dtype)
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None,
                 attention_mask: torch.Tensor | None = None, inference_context=None):
@@ -86,9 +89,12 @@ class SelfAttention(nn.Module):
                 attention_mask = attention_mask[..., -key.shape[0]:]
         # The prefix joins after the cache, which holds the sequence's own keys only.
         core_attention = functools.partial(self.core_attention, prefix=self.prefix)
+        if self.softmax_offset is not None:
+            core_attention = functools.partial(core_attention, softmax_offset=self.softmax_offset)
         if inference_context is not None and inference_context.splits_sequence:
             context = attend_own_chunks(self.core_attention, query, key, value, attention_mask,
-                                        inference_context.context_parallel, prefix=self.prefix)
+                                        inference_context.context_parallel, prefix=self.prefix,
+                                        softmax_offset=self.softmax_offset)
         elif self.checkpoint_core_attention and self.training:
             context = checkpoint(core_attention, query, key, value, attention_mask)
         else:

@@ -23,6 +23,7 @@ from torch import nn
 from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, context_parallel_attention
+from megatron_lite.model.attention_sinks import sink_softmax
 from megatron_lite.model.sliding_window import layer_window
 from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.tensor_parallel.random import get_rng_tracker
@@ -53,17 +54,19 @@ class DotProductAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.heads_per_group = heads_per_group
         self.attention_dropout = config.attention_dropout
-        # Capping acts between QK^T and the softmax, which only the explicit path exposes.
+        # Capping acts between QK^T and the softmax, and sinks join the softmax: only the explicit path exposes them.
         self.logit_capping = soft_capping(config.attn_logit_softcapping)
-        self.unfused = config.attention_backend in ("unfused", "local") or self.logit_capping is not None
+        self.unfused = (config.attention_backend in ("unfused", "local") or self.logit_capping is not None
+                        or config.softmax_type != "vanilla")
         self.sliding_window = layer_window(config, layer_number)
 
-    def forward(self, query, key, value, attention_mask=None, prefix=None):
+    def forward(self, query, key, value, attention_mask=None, prefix=None, softmax_offset=None):
         """[s, b, heads, d] queries and [sk, b, groups, d or dv] keys and values -> [s, b, heads * dv].
 
         ``attention_mask``: None for causal attention, else bool [b, 1, s, sk], True where a query may not attend.
         ``prefix``: keys and values put before the sequence's own, which every query sees
-        (``peft/prefix_tuning.py``'s ``KeyValuePrefix``).
+        (``peft/prefix_tuning.py``'s ``KeyValuePrefix``). ``softmax_offset``: each head's sink logit [heads]
+        (``attention_sinks.py``), or None.
         """
         if prefix is not None:
             key, value, attention_mask = prefix(key, value, attention_mask)
@@ -87,7 +90,7 @@ class DotProductAttention(nn.Module):
         with rng:
             if self.unfused:
                 context = _unfused_attention(query, key, value, dropout, attention_mask, self.softmax_scale,
-                                             self.logit_capping)
+                                             self.logit_capping, softmax_offset)
             elif attention_mask is None:
                 context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout,
                                                          scale=self.softmax_scale,
@@ -98,13 +101,14 @@ class DotProductAttention(nn.Module):
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 
-def _unfused_attention(query, key, value, dropout: float, attention_mask, scale: float, logit_capping=None):
+def _unfused_attention(query, key, value, dropout: float, attention_mask, scale: float, logit_capping=None,
+                       softmax_offset=None):
     """softmax(QK^T * scale) V with the probabilities materialised; [b, n, s, d] in, [b, n, s, dv] out.
 
     As Megatron-LM, the scale (1/sqrt(d) unless --softmax-scale) goes into the QK^T matmul (so fp16
     scores stay in range) and the softmax kernel, which takes [b * n, sq, sk], applies the causal mask;
     an ``attention_mask`` (True = may not attend) replaces it. ``logit_capping`` (soft_capping.py)
-    caps the scaled scores before the mask.
+    caps the scaled scores before the mask; ``softmax_offset`` puts each head's sink in the softmax.
     """
     batch, heads, sq, d = query.shape
     sk, dv = key.shape[2], value.shape[-1]
@@ -112,7 +116,10 @@ def _unfused_attention(query, key, value, dropout: float, attention_mask, scale:
                            key.reshape(-1, sk, d).transpose(1, 2), beta=0.0, alpha=scale)
     if logit_capping is not None:
         scores = logit_capping(scores)
-    if attention_mask is None:
+    if softmax_offset is not None:
+        mask = _causal_mask(sq, sk, query.device) if attention_mask is None else attention_mask
+        probs = sink_softmax(scores.view(batch, heads, sq, sk), softmax_offset, mask).view(-1, sq, sk)
+    elif attention_mask is None:
         probs = kernels.scaled_upper_triang_masked_softmax(scores, 1.0)
     else:
         probs = kernels.scaled_masked_softmax(scores.view(batch, heads, sq, sk), attention_mask, 1.0).view(-1, sq, sk)
@@ -142,4 +149,9 @@ def _mask_after_cache(attention_mask, query_length: int, key_length: int, device
     new token sees them all. A given mask, or no earlier keys (None: causal), is left as it is."""
     if attention_mask is not None or query_length == key_length:
         return attention_mask
+    return _causal_mask(query_length, key_length, device)
+
+
+def _causal_mask(query_length: int, key_length: int, device) -> torch.Tensor:
+    """True above the diagonal that ends at the last query and key: queries are the last of the keys' positions."""
     return torch.ones(query_length, key_length, dtype=torch.bool, device=device).triu(key_length - query_length + 1)

@@ -1,4 +1,4 @@
-"""The feed-forward block: column-parallel up-projection, GELU, SwiGLU or GeGLU, row-parallel down."""
+"""The feed-forward block: column-parallel up-projection, GELU, SwiGLU, GeGLU or quick GeGLU, row-parallel down."""
 import functools
 from typing import Callable, Optional
 
@@ -35,13 +35,18 @@ class MLP(nn.Module):
 
 
 def mlp_activation(config: ModelConfig) -> Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]:
-    """``activation(fc1 output, fc1 bias or None)``: SwiGLU or GeGLU on ``[gate, up]``, else GELU (the experts
-    of a mixture-of-experts layer use it too); the GELU is the tanh approximation (the fused kernel's) or,
-    with --gelu-exact, the erf one (PyTorch's own kernel: there is no tanh to fuse away)."""
+    """``activation(fc1 output, fc1 bias or None)``: SwiGLU, GeGLU or quick GeGLU on ``[gate, up]``, else GELU (the
+    experts of a mixture-of-experts layer use it too); the GELU is the tanh approximation (the fused kernel's) or,
+    with --gelu-exact, the erf one (PyTorch's own kernel: there is no tanh to fuse away). gpt-oss's gated unit
+    (--quick-geglu, --glu-linear-offset, --activation-func-clamp-value) is ``_clamped_glu``."""
     gelu = _bias_gelu_exact if config.gelu_exact else kernels.bias_gelu
     if not config.swiglu:
         return gelu
-    gated = functools.partial(_geglu, gelu) if config.geglu else kernels.swiglu
+    if config.quick_geglu or config.glu_linear_offset or config.activation_func_clamp_value is not None:
+        gate = _quick_gelu if config.quick_geglu else F.silu
+        gated = functools.partial(_clamped_glu, gate, config.glu_linear_offset, config.activation_func_clamp_value)
+    else:
+        gated = functools.partial(_geglu, gelu) if config.geglu else kernels.swiglu
 
     def gated_activation(intermediate: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return gated(intermediate if bias is None else intermediate + bias)
@@ -56,3 +61,18 @@ def _geglu(gelu, x: torch.Tensor) -> torch.Tensor:
     """``gelu(gate) * up`` where the last dim of ``x`` is [gate, up]."""
     gate, up = torch.chunk(x, 2, dim=-1)
     return gelu(gate, None) * up
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x sigmoid(1.702 x), GELU's sigmoid approximation (Megatron-Core's quick_gelu; gpt-oss's swiglu_alpha)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _clamped_glu(gate_function, offset: float, clamp: Optional[float], x: torch.Tensor) -> torch.Tensor:
+    """``gate_function(gate) * (up + offset)`` where the last dim of ``x`` is [gate, up], with the gate clamped to
+    at most ``clamp`` and up to [-clamp, clamp] first (gpt-oss: quick GELU, offset 1, clamp 7), which bounds what
+    one expert can add to the residual however large its inputs grow."""
+    gate, up = torch.chunk(x, 2, dim=-1)
+    if clamp is not None:
+        gate, up = gate.clamp(max=clamp), up.clamp(min=-clamp, max=clamp)
+    return gate_function(gate) * (up + offset)

@@ -8,6 +8,7 @@ splits, tied or not).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -89,14 +90,14 @@ def _experts(prefix: str, model: ModelConfig, t: int, ep: int, etp: int) -> list
     """``moe/moe_layer.py``'s: the router (whole on every rank), this rank's E / ep experts (the first
     expert-model-parallel rank's numbers: every rank holds the same sizes), each split over etp ranks,
     and the shared expert (a dense MLP over the tensor ranks, its gate first)."""
-    h, width = model.hidden_size, model.moe_ffn_hidden_size
-    specs = [ParamSpec(f"{prefix}.router.weight", model.num_experts * h, matrix=(model.num_experts, h))]
+    h, width, bias = model.hidden_size, model.moe_ffn_hidden_size, model.add_bias_linear
+    specs = _linear(f"{prefix}.router", model.num_experts, h, model.num_experts if bias else None)
     fc1 = width * (2 if model.swiglu else 1) // etp
     for e in range(model.num_experts // ep):
-        expert = f"{prefix}.experts.local_experts.{e}"
-        specs += [ParamSpec(f"{expert}.linear_fc1.weight", fc1 * h, expert=True, matrix=(fc1, h), partition_dim=0),
-                  ParamSpec(f"{expert}.linear_fc2.weight", h * width // etp, expert=True, matrix=(h, width // etp),
-                            partition_dim=1)]
+        expert = f"{prefix}.experts.local_experts.{e}"  # with --add-bias-linear fc2's bias whole (gpt-oss)
+        specs += [dataclasses.replace(s, name=f"{expert}.{s.name}", expert=True)
+                  for s in _linear("linear_fc1", fc1, h, fc1 if bias else None, partition_dim=0)
+                  + _linear("linear_fc2", h, width // etp, h if bias else None, partition_dim=1)]
     if model.moe_shared_expert_intermediate_size is not None:
         gate = ([ParamSpec(f"{prefix}.shared_experts.gate_weight", h, matrix=(1, h))] if model.moe_shared_expert_gate
                 else [])
@@ -109,19 +110,25 @@ def active_parameters(model: ModelConfig, total: int) -> int:
     routed to (E - k of each mixture-of-experts layer)."""
     if model.num_experts is None:
         return total
-    expert = model.hidden_size * model.moe_ffn_hidden_size * (3 if model.swiglu else 2)
+    fc1 = model.moe_ffn_hidden_size * (2 if model.swiglu else 1)
+    expert = (model.hidden_size + model.add_bias_linear) * fc1 + model.moe_ffn_hidden_size * model.hidden_size + (
+        model.hidden_size if model.add_bias_linear else 0)
     moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
     return total - moe_layers * (model.num_experts - model.moe_router_topk) * expert
 
 
 def _attention(prefix: str, model: ModelConfig, t: int) -> list[ParamSpec]:
-    """``model/attention.py``'s: the fused QKV, the output projection, the q/k norms: per head (shared by the
-    heads), or over a whole projection (split with the heads)."""
+    """``model/attention.py``'s: the sinks (--softmax-type learnable, split with the heads, the module's own
+    parameter and so first), the fused QKV, the output projection, the q/k norms: per head (shared by the heads),
+    or over a whole projection (split with the heads)."""
     h, bias = model.hidden_size, model.add_bias_linear
+    sinks = ([ParamSpec(f"{prefix}.softmax_offset", model.num_attention_heads // t)]
+             if model.softmax_type == "learnable" else [])
     qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim // t
     widths = ((model.num_attention_heads * model.head_dim // t, model.num_query_groups * model.head_dim // t)
               if model.qk_layernorm_whole_projection else (model.head_dim, model.head_dim))
-    return (_linear(f"{prefix}.linear_qkv", qkv, h, qkv if bias or model.add_qkv_bias else None, partition_dim=0)
+    return (sinks + _linear(f"{prefix}.linear_qkv", qkv, h, qkv if bias or model.add_qkv_bias else None,
+                            partition_dim=0)
             + _linear(f"{prefix}.linear_proj", h, model.num_attention_heads * model.head_dim // t, h if bias else None,
                       partition_dim=1)
             + (_norm(f"{prefix}.q_layernorm", model, widths[0]) + _norm(f"{prefix}.k_layernorm", model, widths[1])

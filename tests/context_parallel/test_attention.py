@@ -5,8 +5,9 @@ values (and of a packed mask's rows); its output and the gradients of its querie
 must equal the same positions of the whole-sequence core attention (``DotProductAttention``), for both
 --cp-comm-type variants and every local kernel: SDPA (the CPU flash kernel under p2p) and the explicit
 path, grouped-query heads, a packed block-diagonal mask, a sliding window, a prefix (whose gradient is
-the sum over the ranks), attention soft-capping, bf16, and values narrower than keys with a softmax scale of
-their own (multi-latent attention's); and a whole GPT given this rank's tokens gives
+the sum over the ranks), attention soft-capping, attention sinks (--softmax-type learnable: joined once to the
+ring's log-sum-exp merge, their gradient the sum over the ranks), bf16, and values narrower than keys with a
+softmax scale of their own (multi-latent attention's); and a whole GPT given this rank's tokens gives
 the whole sequence's logits at them.
 """
 import dataclasses
@@ -40,6 +41,10 @@ CASES = {
     "prefix": dict(prefix=3),
     "prefix-window-gqa": dict(prefix=2, window_size=[6, 0], num_query_groups=2),
     "softcapping": dict(attn_logit_softcapping=2.0),
+    # gpt-oss's sinks, which take the explicit path: with grouped-query heads; with a window, a packed mask and a
+    # prefix, where a query may see few keys and the sink most of its attention.
+    "sinks-gqa": dict(softmax_type="learnable", num_query_groups=2),
+    "sinks-window-packed-prefix": dict(softmax_type="learnable", window_size=[3, 0], packed=True, prefix=2),
     # bf16 against bf16 over the whole sequence: the roundings differ, not the attention.
     "bf16-gqa": dict(num_query_groups=2, bf16=True),
     "bf16-packed-explicit": dict(packed=True, attention_backend="unfused", bf16=True),
@@ -75,6 +80,8 @@ def _inputs(config: ModelConfig, case: dict, seed: int) -> dict:
               "value": draw(SEQ, BATCH, groups, value_dim), "grad": draw(SEQ, BATCH, HEADS * value_dim)}
     if case.get("packed"):
         inputs["mask"] = _packed_mask()
+    if case.get("softmax_type") == "learnable":
+        inputs["sinks"] = 2 * draw(HEADS).float()
     return inputs
 
 
@@ -98,10 +105,13 @@ def _attend(attention, inputs: dict, prefix, positions=None) -> dict:
     """Output and input gradients of ``attention`` at ``positions`` (all of them when None)."""
     pick = (lambda t: t) if positions is None else (lambda t: t.index_select(0, positions))
     leaves = {name: pick(inputs[name]).clone().requires_grad_() for name in ("query", "key", "value")}
+    if "sinks" in inputs:
+        leaves["sinks"] = inputs["sinks"].clone().requires_grad_()
     mask = inputs.get("mask")
     if mask is not None and positions is not None:
         mask = mask.index_select(2, positions)
-    output = attention(leaves["query"], leaves["key"], leaves["value"], mask, prefix=prefix)
+    output = attention(leaves["query"], leaves["key"], leaves["value"], mask, prefix=prefix,
+                       softmax_offset=leaves.get("sinks"))
     output.backward(pick(inputs["grad"]))
     result = {"output": output.detach(), **{f"grad {name}": leaf.grad for name, leaf in leaves.items()}}
     if prefix is not None:
@@ -128,7 +138,7 @@ def _compare(rank, world_size):
             what, rel = f"cp{world_size} {comm_type} {name}", 3e-2 if case.get("bf16") else 1e-5
             for key, value in got.items():
                 assert value.dtype == expected[key].dtype, what
-                if key == "grad prefix":  # each rank's queries' share: the whole is the sum
+                if key in ("grad prefix", "grad sinks"):  # each rank's queries' share: the whole is the sum
                     dist.all_reduce(value, group=group)
                     assert_relative_close(value, expected[key], what=f"{what} {key}")
                 else:

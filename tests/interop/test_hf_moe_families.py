@@ -20,6 +20,10 @@ computes something of its own), imported at tensor x pipeline 2 x 2 and loaded b
     glm4_moe   Llama's attention with q/k/v biases, q/k norms per head, rotary on half of each head's 16
            XX
                e_score_correction_bias, x 2.5, a shared expert)
+    gpt_oss    biases on q/k/v/o, router and experts, a learned sink per head, a sliding layer (window 5) then
+               a global one, YaRN (unrounded correction range: truncate false), the experts' gated unit clamped
+               at swiglu_limit 1 (low enough to bite), their fused gate_up_proj with interleaved columns
+               (tests/interop/test_gpt_oss.py: what is gpt-oss's alone)
 
 The load-balancing loss: transformers pools the router statistics of all MoE layers, which the import
 selects (``pooled_aux_loss``, ``hf_families``): its value, the training loss and the gradients are
@@ -87,11 +91,26 @@ FAMILIES = {
         intermediate_size=48, num_hidden_layers=2, head_dim=16, first_k_dense_replace=1, n_routed_experts=EXPERTS,
         moe_intermediate_size=16, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
         use_qk_norm=True, attention_bias=True, num_nextn_predict_layers=0),
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **{**SMALL, "rope_parameters": dict(YARN, truncate=False)}, intermediate_size=24, num_hidden_layers=2,
+        head_dim=16, num_local_experts=EXPERTS, sliding_window=5, swiglu_limit=1.0),
 }
-# Where each family names expert e's gate projection.
+# Where each family names expert e's gate projection (gpt-oss stacks its experts: test_gpt_oss.py).
 EXPERT_NAMES = {"mixtral": "block_sparse_moe.experts.{e}.w1.weight", **{
     name: "mlp.experts.{e}.gate_proj.weight" for name in ("qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2",
                                                           "glm4_moe")}}
+# transformers' router weight of each layer, where not mlp.gate.weight.
+ROUTER_NAMES = {"gpt_oss": "mlp.router.weight"}
+# transformers' files hold each expert's gate, up and down projection apart, but gpt-oss's four stacked tensors.
+EXPERT_TENSORS = {"gpt_oss": lambda experts: 4}
+
+
+def _fc1_of_expert(name: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """One expert's transformers gate_up_proj (or its gradient) as our fc1, [gate; up]: gpt-oss's is [in, out] with
+    gate and up interleaved columns, the others' already ours."""
+    if name != "gpt_oss":
+        return gate_up
+    return torch.cat([gate_up[:, 0::2].t(), gate_up[:, 1::2].t()])
 DEEPSEEK_FAMILIES = ("deepseek_v3", "deepseek_v2")
 # DeepSeek's routing, for which transformers computes no load-balancing loss.
 UNBALANCED_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe")
@@ -230,10 +249,12 @@ def test_training_loss_and_gradients_are_transformers(family):
         ours = {name: p.grad for name, p in model.named_parameters()}
         theirs = {name: p.grad for name, p in hf_model.named_parameters()}
         first = _moe_layers(family)[0]
-        pairs = {f"decoder.layers.{i}.mlp.router.weight": theirs[f"model.layers.{i}.mlp.gate.weight"]
+        router = ROUTER_NAMES.get(family.name, "mlp.gate.weight")
+        pairs = {f"decoder.layers.{i}.mlp.router.weight": theirs[f"model.layers.{i}.{router}"]
                  for i in _moe_layers(family)}
         pairs.update({f"decoder.layers.{first}.mlp.experts.local_experts.{e}.linear_fc1.weight":
-                      theirs[f"model.layers.{first}.mlp.experts.gate_up_proj"][e] for e in range(EXPERTS)})
+                      _fc1_of_expert(family.name, theirs[f"model.layers.{first}.mlp.experts.gate_up_proj"][e])
+                      for e in range(EXPERTS)})
         for name, gradient in pairs.items():
             torch.testing.assert_close(ours[name], gradient, atol=1e-6, rtol=1e-5, msg=name)
         torch.testing.assert_close(ours["embedding.word_embeddings.weight"][:VOCAB],
@@ -292,7 +313,8 @@ def test_round_trip_is_bit_exact(family, tmp_path):
     assert hf_weights.model_config_from_hf(exported_config) == hf_weights.model_config_from_hf(hf_config)
     assert original.keys() == round_trip.keys()
     experts = read_config(family.root).model.num_experts
-    assert sum(".experts." in key for key in original) == len(_moe_layers(family)) * experts * 3
+    per_layer = EXPERT_TENSORS.get(family.name, lambda experts: experts * 3)(experts)
+    assert sum(".experts." in key for key in original) == len(_moe_layers(family)) * per_layer
     for key in original:
         assert torch.equal(original[key], round_trip[key]), key
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
@@ -306,6 +328,8 @@ def test_round_trip_is_bit_exact(family, tmp_path):
 
 
 def test_an_expert_missing_or_extra_in_the_files_is_refused(family):
+    if family.name not in EXPERT_NAMES:
+        pytest.skip("its experts are stacked in one tensor per projection: test_gpt_oss.py checks their count")
     hf_config, tensors = hf_checkpoint.read_hf_directory(family.hf_dir)
     config = hf_weights.model_config_from_hf(hf_config)
     naming = hf_checkpoint.FAMILIES[family.name].naming
@@ -439,10 +463,12 @@ FAIR_LAYOUTS = {
     "deepseek_v3": dict(expert_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
     "deepseek_v2": dict(expert_model_parallel_size=4, data_parallel_sharding_strategy="optim_grads"),
     "glm4_moe": dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
+    # Experts split over the tensor ranks with their biases (fc2's on rank 0), the sinks split with the heads.
+    "gpt_oss": dict(expert_model_parallel_size=2, tensor_model_parallel_size=2),
 }
 
 
 def test_fine_tuning_equals_transformers_with_clipping(imports, tmp_path):
-    """transformers' loss with the load-balancing loss (pooled_aux_loss) for Mixtral, Qwen3-MoE and OLMoE; DeepSeek's
-    expert bias held still (transformers' training does not step it)."""
+    """transformers' loss with the load-balancing loss (pooled_aux_loss) for Mixtral, Qwen3-MoE, OLMoE and gpt-oss;
+    DeepSeek's expert bias held still (transformers' training does not step it)."""
     fair_fight(imports, FAIR_LAYOUTS, tmp_path, {"deepseek_v2": "deepseek_v2"}, vocab=VOCAB, pad=EOS)

@@ -30,15 +30,17 @@ def mock_batches(vocab: int) -> list:
 def transformers_training(hf_model, vocab: int, *, padding_idx: int | None):
     """(the (cross-entropy loss, grad norm before clipping) of each step, the final weights) of ``hf_model``
     trained as ``FAIR_OPTIMIZER`` says, on micro-batches of one sequence as ``fair_config``'s: AdamW with decay
-    on the matrices only (Megatron's groups), gradients clipped to norm 1. ``padding_idx``: the input
+    on the matrices only, not biases (Megatron's groups), gradients clipped to norm 1. ``padding_idx``: the input
     embedding's (the row that gets no gradient), or None (every row trains, as megatron_lite's default). A
     mixture of experts trains on the cross entropy plus router_aux_loss_coef x its load-balancing loss, as
     transformers' own loss (of each micro-batch: the statistics of a micro-batch's tokens, as ours)."""
     model = copy.deepcopy(hf_model).train()
     model.get_input_embeddings().padding_idx = padding_idx
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in parameters if p.dim() > 1], "weight_decay": FAIR_OPTIMIZER.weight_decay},
-              {"params": [p for p in parameters if p.dim() <= 1], "weight_decay": 0.0}]
+    # Megatron's groups: biases and norms undecayed, by name too where a family stacks its experts' biases (gpt-oss).
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    decayed = {name: p.dim() > 1 and not name.endswith("bias") for name, p in named}
+    groups = [{"params": [p for name, p in named if decayed[name]], "weight_decay": FAIR_OPTIMIZER.weight_decay},
+              {"params": [p for name, p in named if not decayed[name]], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=FAIR_OPTIMIZER.lr, betas=(FAIR_OPTIMIZER.adam_beta1,
                                                                         FAIR_OPTIMIZER.adam_beta2),
                                   eps=FAIR_OPTIMIZER.adam_eps)

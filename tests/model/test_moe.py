@@ -173,8 +173,8 @@ def test_attached_loss_gets_the_iterations_gradient_scale():
     assert w.grad.item() == pytest.approx(0.75) and torch.equal(x.grad, torch.full((4,), 2.0))
 
 
-def _experts(kind, etp_size=1):
-    config = moe_config(moe_ffn_hidden_size=16)
+def _experts(kind, etp_size=1, **overrides):
+    config = moe_config(moe_ffn_hidden_size=16, **overrides)
     torch.manual_seed(1)
     experts = kind(config, first_expert=4, num_local_experts=3, etp_size=etp_size, params_dtype=torch.float32)
     for p in experts.parameters():
@@ -183,8 +183,10 @@ def _experts(kind, etp_size=1):
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
-def test_grouped_gemm_equals_the_loop_forward_and_backward():
-    loop, grouped = _experts(SequentialExperts), _experts(GroupedExperts)
+@pytest.mark.parametrize("overrides", [{}, dict(add_bias_linear=True, quick_geglu=True, glu_linear_offset=1.0,
+                                                activation_func_clamp_value=0.5)])  # gpt-oss's experts
+def test_grouped_gemm_equals_the_loop_forward_and_backward(overrides):
+    loop, grouped = _experts(SequentialExperts, **overrides), _experts(GroupedExperts, **overrides)
     grouped.load_state_dict(loop.state_dict())
     assert list(loop.local_experts) == ["4", "5", "6"]  # experts keep their global numbers
     rows = torch.randn(9, H)
@@ -295,9 +297,12 @@ def test_moe_flags_are_checked_naming_the_flag(extra, match):
         parse_args(BASE + extra)
 
 
-def test_expert_biases_are_refused_until_implemented():
-    with pytest.raises(ConfigError, match="add --disable-bias-linear"):
-        parse_args(BASE[:-1] + ["--num-experts", "4"])
+def test_expert_biases_split_only_as_the_tensor_parallel_layers():
+    """gpt-oss's biased experts (--add-bias-linear): whole on every rank or split over the tensor-parallel ranks."""
+    parse_args(BASE[:-1] + ["--num-experts", "4", "--tensor-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size must be 1 or --tensor-model-parallel-size"):
+        parse_args(BASE[:-1] + ["--num-experts", "4", "--tensor-model-parallel-size", "4",
+                                "--expert-tensor-parallel-size", "2"])
 
 
 def test_log_line_shows_the_routers_losses_and_expert_load(capsys):

@@ -164,7 +164,7 @@ def test_mixture_of_experts_from_hugging_face_configs(tmp_path, capsys, family):
 
 
 def test_parameters_total_and_active_are_the_published_ones(tmp_path):
-    """Mixtral 8x7B: 46.7 B parameters, 12.9 B active per token; OLMoE-1B-7B: 6.9 B, 1.3 B (their papers)."""
+    """Mixtral 8x7B: 46.7 B parameters, 12.9 B active per token; OLMoE-1B-7B: 6.9 B, 1.3 B (their papers); gpt-oss."""
     from megatron_lite.interop.hf.weights import model_config_from_hf
     from megatron_lite.planner.report import describe_model
 
@@ -176,6 +176,14 @@ def test_parameters_total_and_active_are_the_published_ones(tmp_path):
              "num_experts_per_tok": 8, "max_position_embeddings": 4096}
     assert "46.70 B parameters (12.88 B active per token)" in describe_model(model_config_from_hf(mixtral))
     assert "6.92 B parameters (1.28 B active per token)" in describe_model(model_config_from_hf(olmoe))
+    # gpt-oss-20b and -120b: 20.91 B and 116.83 B (OpenAI's model card), biases and sinks included; its active 3.61 B
+    # and 5.13 B leave out the unembedding (201088 x 2880 = 0.58 B), which a token does pass through here.
+    for layers, experts, expected in ((24, 32, "20.91 B parameters (4.19 B"), (36, 128, "116.83 B parameters (5.71 B")):
+        gpt_oss = {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+                   "head_dim": 64, "num_hidden_layers": layers, "num_attention_heads": 64, "num_key_value_heads": 8,
+                   "num_local_experts": experts, "num_experts_per_tok": 4, "max_position_embeddings": 4096,
+                   "sliding_window": 128}
+        assert expected in describe_model(model_config_from_hf(gpt_oss))
 
 
 @pytest.mark.parametrize("argv,message", [

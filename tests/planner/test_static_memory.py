@@ -162,7 +162,10 @@ FIELDS = {"gpt": {}, "rmsnorm": dict(normalization="RMSNorm"), "no-bias": dict(a
           "swiglu": dict(swiglu=True, ffn_hidden_size=48), "geglu": dict(swiglu=True, geglu=True, ffn_hidden_size=48),
           "post-sublayer-norm": dict(post_sublayer_norm=True), "untied": dict(untie_embeddings_and_output_weights=True),
           "rope": dict(position_embedding_type="rope"), "max-positions": dict(max_position_embeddings=64),
-          "vocab-padding": dict(make_vocab_size_divisible_by=1)}
+          "vocab-padding": dict(make_vocab_size_divisible_by=1),
+          # gpt-oss's: sinks per head, biased router and experts (fc1's split with its rows, fc2's whole).
+          "sinks": dict(softmax_type="learnable"),
+          "moe-biases": dict(num_experts=4, swiglu=True, moe_ffn_hidden_size=16, quick_geglu=True)}
 
 
 @pytest.mark.parametrize("field", FIELDS)

@@ -66,6 +66,15 @@ never dropped: an unread field is a silently different model. A null field sets 
              softmax's top-k, groups by their best
              (--moe-router-group-score max); both
              x routed_scaling_factor
+    gpt_oss  llama + biases on q/k/v/o, a learned sink  attention_bias false, swiglu_alpha other than
+             per head (--softmax-type learnable),      1.702, layer_types other than every Nth layer
+             sliding / global layers (layer_types),     global, quantization_config (MXFP4: import a
+             YaRN, experts in every layer: router and   dequantised copy)
+             expert biases, top-k of the logits then
+             their softmax, the experts' clamped gated
+             unit (--quick-geglu, --glu-linear-offset
+             1, --activation-func-clamp-value
+             swiglu_limit)
 
 DeepSeek-V3's and GLM-4.5's multi-token prediction layers (num_nextn_predict_layers: --mtp-num-layers) are extra
 decoder layers in their files: ``multi_token_prediction``.
@@ -85,8 +94,8 @@ from __future__ import annotations
 
 from megatron_lite.checkpointing.architecture import defines_function
 from megatron_lite.config import ConfigError, ModelConfig
-from megatron_lite.interop.hf import (deepseek, gemma, glm4_moe, gpt2, gpt_neox, llama, mistral, mixtral, olmoe,
-                                      phi3, qwen, smollm3)
+from megatron_lite.interop.hf import (deepseek, gemma, glm4_moe, gpt2, gpt_neox, gpt_oss, llama, mistral, mixtral,
+                                      olmoe, phi3, qwen, smollm3)
 from megatron_lite.interop.hf.family import GENERIC_FIELDS, Family, refuse
 from megatron_lite.interop.hf.pad_token import pad_token_id_from_hf
 
@@ -108,12 +117,15 @@ FAMILIES = {family.model_type: family for family in (
     gemma.GEMMA3_TEXT,
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
+    gpt_oss.GPT_OSS,
 )}
 
 # The features only some families have, and the value each takes where it is absent.
 _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None,
                       "num_experts": None, "qk_layernorm_whole_projection": False, "multi_latent_attention": False,
-                      "parallel_attention_mlp": False, "no_rope_freq": None, "mtp_num_layers": None}
+                      "parallel_attention_mlp": False, "no_rope_freq": None, "mtp_num_layers": None,
+                      "softmax_type": "vanilla", "quick_geglu": False, "glu_linear_offset": 0.0,
+                      "activation_func_clamp_value": None}
 # Namings that are Llama's but for their experts' (weights._EXPERT_NAMES): a Llama-like model with experts.
 EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe", "glm4_moe"})
 
@@ -184,5 +196,7 @@ def family_of(config: ModelConfig, naming: str) -> Family:
                       f"--window-size (Gemma 2) or with --window-size, --qk-layernorm and --rotary-base-local "
                       f"(Gemma 3), or --num-experts with or without --window-size (Mixtral), with --qk-layernorm "
                       f"(Qwen3-MoE) or with --qk-layernorm and --qk-layernorm-whole-projection (OLMoE), or "
-                      f"--multi-latent-attention with --qk-layernorm (DeepSeek); --parallel-attention-mlp only with "
-                      f"GPT-NeoX's LayerNorm, biases, GELU and rotary embeddings.")
+                      f"--multi-latent-attention with --qk-layernorm (DeepSeek), or --softmax-type learnable with "
+                      f"--num-experts, --quick-geglu, --glu-linear-offset 1 and --activation-func-clamp-value "
+                      f"(gpt-oss); --parallel-attention-mlp only with GPT-NeoX's LayerNorm, biases, GELU and rotary "
+                      f"embeddings.")

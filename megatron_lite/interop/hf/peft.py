@@ -10,7 +10,7 @@ module with one A; our fused layers are several Hugging Face modules at once:
 
 Export: each of those modules gets a copy of our shared A and its rows of our B
 (``weights``'s q/k/v and gate/up split), so PEFT computes exactly our update. The experts of a
-mixture-of-experts layer (Mixtral, Qwen3-MoE, OLMoE under transformers 5) are 3-D parameters, which PEFT
+mixture-of-experts layer (Mixtral, Qwen3-MoE, OLMoE under transformers 5, gpt-oss) are 3-D parameters, which PEFT
 adapts as ``target_parameters``, each expert with its own factors (``_EXPERT_PARAMETERS``); the dense MLPs of
 such a model have no PEFT form (``_check_dense_mlps_of_experts``), and no expert adapter is imported.
 Import: PEFT trains a separate A for q, k and v (and may adapt only some of them,
@@ -37,6 +37,7 @@ import safetensors.torch
 import torch
 
 from megatron_lite.interop.hf.checkpoint import imported_from
+from megatron_lite.interop.hf.gpt_oss_weights import interleaved_rows
 from megatron_lite.interop.hf.weights import hf_architecture, hf_family, pack_qkv, unpack_qkv
 from megatron_lite.interop.hf.latent_attention import latent_rotary_rows, query_rotary_rows
 from megatron_lite.interop.hf.tokenizer import write_json
@@ -64,7 +65,8 @@ _MODULES = {
 # GPT-NeoX's modules are ours one for one, rows in our order (its query_key_value is laid out per head, as ours).
 _MODULES["gpt_neox"] = {"linear_qkv": [("attention.query_key_value", None)], "linear_proj": [("attention.dense", None)],
                         "linear_fc1": [("mlp.dense_h_to_4h", None)], "linear_fc2": [("mlp.dense_4h_to_h", None)]}
-_MODULES["gemma"] = _MODULES["mixtral"] = _MODULES["qwen_moe"] = _MODULES["glm4_moe"] = _MODULES["llama"]
+_MODULES["gemma"] = _MODULES["mixtral"] = _MODULES["qwen_moe"] = _MODULES["glm4_moe"] = _MODULES["gpt_oss"] = (
+    _MODULES["llama"])
 _MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)],
                         "linear_q_down_proj": [("self_attn.q_a_proj", None)],
                         "linear_q_up_proj": [("self_attn.q_b_proj", None)],
@@ -80,11 +82,14 @@ _LAYERS = {"gpt2": "base_model.model.transformer.h.", "gpt_neox": "base_model.mo
            "llama": "base_model.model.model.layers.",
            "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers.",
            "mixtral": "base_model.model.model.layers.", "qwen_moe": "base_model.model.model.layers.",
-           "deepseek": "base_model.model.model.layers.", "glm4_moe": "base_model.model.model.layers."}
+           "deepseek": "base_model.model.model.layers.", "glm4_moe": "base_model.model.model.layers.",
+           "gpt_oss": "base_model.model.model.layers."}
 # A mixture-of-experts layer's experts in transformers 5 (Mixtral, Qwen3-MoE, OLMoE): one 3-D parameter per
 # projection, [experts, out, in], which PEFT adapts as ``target_parameters`` (its ParamWrapper), every expert
 # with its own rank-r factors: A [E r, in] (expert e's rows e r .. e r + r - 1) and B [out, r E] (expert e's
 # columns e, E + e, ...). Both targeted, PEFT wraps gate_up_proj first, so its factors sit under base_layer.
+# gpt-oss's are [experts, in, out] (transformers marks them transposed, which PEFT reads), gate_up_proj's outputs
+# gate and up in turn: B's rows are interleaved so (``interleaved_rows``).
 _EXPERT_PARAMETERS = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
 # DeepSeek's rotary rows are interleaved in its files, rotate-half in ours (latent_attention): B's rows follow.
 _ROTARY_ROWS = {"linear_q_proj": query_rotary_rows, "linear_q_up_proj": query_rotary_rows,
@@ -220,6 +225,8 @@ def _expert_adapters(reader, model: ModelConfig, layer: int, targets: list, arch
             f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{target}")] for e in range(model.num_experts)]
         inner = len(targets) > 1 and target == "linear_fc1"
         prefix = f"{_LAYERS[architecture]}{layer}.mlp.experts.{'base_layer.' if inner else ''}"
+        if architecture == "gpt_oss" and target == "linear_fc1":
+            factors = [(a, interleaved_rows(b)) for a, b in factors]
         tensors[prefix + "lora_A.weight"] = torch.cat([a for a, _ in factors])
         tensors[prefix + "lora_B.weight"] = torch.stack([b for _, b in factors], dim=-1).flatten(1)
     return tensors

@@ -1,5 +1,5 @@
 """Hugging Face weights and config.json (GPT-2, GPT-NeoX, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE,
-OLMoE, Phi-3, Gemma 2 and 3, DeepSeek-V2/V3, SmolLM3, GLM-4.5) <-> our ModelConfig and global tensors.
+OLMoE, Phi-3, Gemma 2 and 3, DeepSeek-V2/V3, SmolLM3, GLM-4.5, gpt-oss) <-> our ModelConfig and global tensors.
 
 The directories and whole checkpoints are ``interop.hf.checkpoint``'s; this module maps one family's
 ``config.json`` to our ModelConfig and its tensors to our global tensors, and back.
@@ -30,6 +30,7 @@ What differs between the two naming schemes:
   experts are named as Qwen3-MoE's, its shared experts mlp.shared_experts.gate_proj/up_proj/down_proj (our
   shared_experts' fc1 and fc2), and V3's mlp.gate.e_score_correction_bias is our router's expert_bias.
 - GLM-4.5 (naming glm4_moe): Llama's names (q/k/v biases as Qwen2's, q_norm/k_norm as Qwen3's), DeepSeek's experts.
+- gpt-oss: Llama's names, q/k/v/o biases, and its sinks, router and fused experts (``gpt_oss_weights``).
 - Vocabulary: ours is padded (``ModelConfig.padded_vocab_size``): zero rows are added
   on import and cut on export.
 """
@@ -43,6 +44,7 @@ import torch
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.interop.hf.families import (GEMMA_FEATURES, Family, config_json, family_of,
                                                model_config_fields_from_hf, named_family)
+from megatron_lite.interop.hf.gpt_oss_weights import gpt_oss_layer_from_hf, gpt_oss_layer_to_hf
 from megatron_lite.interop.hf.latent_attention import latent_attention_from_hf, latent_attention_to_hf
 from megatron_lite.interop.hf.multi_token_prediction import mtp_from_hf, mtp_to_hf
 
@@ -73,8 +75,10 @@ def hf_architecture(config: ModelConfig) -> str:
     deepseek = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, multi_latent_attention=True,
                     qk_layernorm=True, window_size=None, **GEMMA_FEATURES)
     gpt_neox = {**{k: v for k, v in gpt2.items() if k != "position_embedding_type"}, "rotary": True}
+    # Llama's names with biases on every linear, sinks and fused, biased experts in every layer.
+    gpt_oss = dict(llama, add_bias_linear=True, softmax_type="learnable", qk_layernorm=False)
     for name, required in (("gpt2", gpt2), ("gpt_neox", gpt_neox), ("llama", llama), ("gemma", gemma),
-                           ("deepseek", deepseek)):
+                           ("deepseek", deepseek), ("gpt_oss", gpt_oss)):
         if all(getattr(config, k) == v for k, v in required.items()):
             return name
     raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA, head width "
@@ -82,7 +86,8 @@ def hf_architecture(config: ModelConfig) -> str:
                       "on every channel, SwiGLU, no biases but --add-qkv-bias) nor Gemma (Llama's with "
                       "--apply-layernorm-1p, --post-sublayer-norm, "
                       "--scale-embeddings and --geglu) nor DeepSeek (Llama's with --multi-latent-attention and "
-                      "--qk-layernorm): Hugging Face has no matching architecture to export to.")
+                      "--qk-layernorm) nor gpt-oss (Llama's with biases and --softmax-type learnable): Hugging Face "
+                      "has no matching architecture to export to.")
 
 
 def _default_naming(config: ModelConfig) -> str:
@@ -315,8 +320,11 @@ def _llama_layer_from_hf(take, theirs: str, layer: str, config: ModelConfig, nam
             ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
                 take(theirs + "self_attn.q_proj.weight"), take(theirs + "self_attn.k_proj.weight"),
                 take(theirs + "self_attn.v_proj.weight"), config)
-        ours.update(_mlp_from_hf(take, theirs, layer, config, naming, number))
-    if config.add_qkv_bias:  # Qwen2's q/k/v biases
+        if naming == "gpt_oss":
+            ours.update(gpt_oss_layer_from_hf(take, theirs, layer, config))
+        else:
+            ours.update(_mlp_from_hf(take, theirs, layer, config, naming, number))
+    if config.add_qkv_bias or config.add_bias_linear:  # Qwen2's q/k/v biases, gpt-oss's
         ours[layer + "self_attention.linear_qkv.bias"] = pack_qkv(
             take(theirs + "self_attn.q_proj.bias"), take(theirs + "self_attn.k_proj.bias"),
             take(theirs + "self_attn.v_proj.bias"), config)
@@ -339,8 +347,11 @@ def _llama_layer_to_hf(read, theirs: str, layer: str, config: ModelConfig, namin
             query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
             hf.update({theirs + f"self_attn.{name}_proj.weight": weight
                        for name, weight in zip("qkv", (query, key, value))})
-        hf.update(_mlp_to_hf(read, theirs, layer, config, naming, number))
-    if config.add_qkv_bias:
+        if naming == "gpt_oss":
+            hf.update(gpt_oss_layer_to_hf(read, theirs, layer, config))
+        else:
+            hf.update(_mlp_to_hf(read, theirs, layer, config, naming, number))
+    if config.add_qkv_bias or config.add_bias_linear:
         biases = unpack_qkv(read(layer + "self_attention.linear_qkv.bias"), config)
         hf.update({theirs + f"self_attn.{name}_proj.bias": bias for name, bias in zip("qkv", biases)})
     hf.update(_renamed_to_hf(read, _llama_layer_table(config), theirs, layer))

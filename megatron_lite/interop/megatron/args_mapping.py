@@ -31,7 +31,10 @@ _UNSUPPORTED = (("moe_latent_size", "latent experts"),
                 ("use_rope_scaling", "rope scaling"), ("rotary_interleaved", "interleaved rotary embeddings"),
                 ("heterogeneous_layers_config_path", "heterogeneous layers"),
                 ("experimental_attention_variant", "an experimental attention variant"),
-                ("qk_l2_norm", "query/key L2 norms"))
+                ("qk_l2_norm", "query/key L2 norms"),
+                # gpt-oss's, which megatron_lite computes but whose weights this conversion does not map
+                ("quick_geglu", "quick GeGLU"), ("glu_linear_offset", "the gated MLP's linear offset"),
+                ("activation_func_clamp_value", "the gated MLP's clamp"))
 
 
 def _arg(args, name: str, default=None):
@@ -44,6 +47,10 @@ def refuse_unsupported(args, source: str) -> None:
              if what is not None and _arg(args, name) not in (None, False, 0)]
     if _arg(args, "add_qkv_bias") and not _arg(args, "add_bias_linear", True):
         found.append("--add-qkv-bias without --add-bias-linear (biases on the QKV projection alone)")
+    if _arg(args, "softmax_type", "vanilla") != "vanilla":
+        found.append(f"--softmax-type {args.softmax_type} (attention sinks)")
+    if _arg(args, "num_experts") and _arg(args, "add_bias_linear", True):
+        found.append("--num-experts with --add-bias-linear (the experts' and router's biases)")
     if _arg(args, "normalization", "LayerNorm") not in ("LayerNorm", "RMSNorm"):
         found.append(f"--normalization {args.normalization}")
     if _position_embedding_type(args) not in ("learned_absolute", "rope"):

@@ -26,15 +26,18 @@ from megatron_lite.model.mlp import mlp_activation
 
 
 class ExpertMLP(nn.Module):
-    def __init__(self, config: ModelConfig, *, etp_size: int, params_dtype: torch.dtype):
+    """One expert; ``etp_rank`` its expert-tensor rank, on which 0 alone adds fc2's bias (``ExpertLinear``)."""
+
+    def __init__(self, config: ModelConfig, *, etp_size: int, params_dtype: torch.dtype, etp_rank: int = 0):
         super().__init__()
         ffn = config.moe_ffn_hidden_size
         self.activation = mlp_activation(config)
         self.linear_fc1 = ExpertLinear(config.hidden_size, 2 * ffn if config.swiglu else ffn, partition_dim=0,
                                        partition_stride=2 if config.swiglu else 1, etp_size=etp_size,
-                                       params_dtype=params_dtype)
+                                       params_dtype=params_dtype, bias=config.add_bias_linear)
         self.linear_fc2 = ExpertLinear(ffn, config.hidden_size, partition_dim=1, etp_size=etp_size,
-                                       params_dtype=params_dtype)
+                                       params_dtype=params_dtype, bias=config.add_bias_linear,
+                                       adds_bias=etp_rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.activation(self.linear_fc1(x), None))
@@ -44,10 +47,10 @@ class SequentialExperts(nn.Module):
     """Experts ``first_expert`` .. ``first_expert + num_local_experts - 1`` of the layer."""
 
     def __init__(self, config: ModelConfig, *, first_expert: int, num_local_experts: int, etp_size: int,
-                 params_dtype: torch.dtype):
+                 params_dtype: torch.dtype, etp_rank: int = 0):
         super().__init__()
         self.local_experts = nn.ModuleDict({
-            str(first_expert + i): ExpertMLP(config, etp_size=etp_size, params_dtype=params_dtype)
+            str(first_expert + i): ExpertMLP(config, etp_size=etp_size, etp_rank=etp_rank, params_dtype=params_dtype)
             for i in range(num_local_experts)})
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
@@ -73,5 +76,16 @@ class GroupedExperts(SequentialExperts):
         offsets = torch.tensor(tokens_per_expert, device=rows.device).cumsum(0).to(torch.int32)
         fc1 = torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2)
         fc2 = torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2)
-        intermediate = self.activation(torch._grouped_mm(rows, fc1, offs=offsets), None)
-        return torch._grouped_mm(intermediate, fc2, offs=offsets)
+        intermediate = self.activation(torch._grouped_mm(rows, fc1, offs=offsets),
+                                       _row_biases([e.linear_fc1 for e in experts], tokens_per_expert))
+        output = torch._grouped_mm(intermediate, fc2, offs=offsets)
+        biases = _row_biases([e.linear_fc2 for e in experts], tokens_per_expert)
+        return output if biases is None else output + biases
+
+
+def _row_biases(linears: list, tokens_per_expert: list[int]):
+    """Each row's bias of its expert's ``linears`` [rows, out], or None where they add none."""
+    if linears[0].bias is None or not linears[0].adds_bias:
+        return None
+    counts = torch.tensor(tokens_per_expert, device=linears[0].bias.device)
+    return torch.stack([linear.bias for linear in linears]).repeat_interleave(counts, dim=0)

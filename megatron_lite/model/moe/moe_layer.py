@@ -64,7 +64,7 @@ class MoELayer(nn.Module):
         experts = GroupedExperts if config.moe_grouped_gemm else SequentialExperts
         self.experts = experts(config, first_expert=collectives.rank(ep_config.ep_group) * num_local,
                                num_local_experts=num_local, etp_size=collectives.world_size(ep_config.etp_group),
-                               params_dtype=tp_config.params_dtype)
+                               etp_rank=collectives.rank(ep_config.etp_group), params_dtype=tp_config.params_dtype)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config, tp_config=tp_config)

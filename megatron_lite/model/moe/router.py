@@ -103,8 +103,14 @@ class TopKRouter(nn.Module):
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         self.drop_policy = config.moe_token_drop_policy
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=params_dtype))
+        # With --add-bias-linear (gpt-oss) the logits have a bias too: Megatron-Core's router.bias.
+        self.bias = None
+        if config.add_bias_linear:
+            self.bias = nn.Parameter(torch.empty(self.num_experts, dtype=params_dtype))
         # MoELayer hands each tensor-parallel rank different tokens: their gradients are partial sums.
-        self.weight.sequence_parallel = tensor_parallel_size > 1
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.sequence_parallel = tensor_parallel_size > 1
         self.bias_update_rate = config.moe_router_bias_update_rate
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
@@ -124,7 +130,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, tokens: torch.Tensor, layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [n, h] -> (probs [n, E] fp32, zero where not routed; routing_map [n, E] bool)."""
-        logits = F.linear(tokens.float(), self.weight.float())
+        logits = F.linear(tokens.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         training = self.training and torch.is_grad_enabled()  # not in evaluation, nor a recomputation's first pass
         if training and self.z_loss_coeff:
             logits = self._attach(logits, "z_loss", z_loss(logits, num_tokens=layout.num_tokens), self.z_loss_coeff,
