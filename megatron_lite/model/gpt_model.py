@@ -121,7 +121,7 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                inference_context=None) -> torch.Tensor:
+                inference_context=None, temperature: float = 1.0) -> torch.Tensor:
         """Returns per-token loss [b, s] given labels on the last stage, logits over the
         (unpadded) vocabulary [b, s, V] without them, and hidden states [s, b, h] on other stages.
 
@@ -131,7 +131,10 @@ class GPTModel(nn.Module):
 
         With an ``inference_context`` (generation, ``inference/text_generation.py``) the tokens follow the
         ones it has cached: positions count on from its offset, and only the last token's logits [b, 1, V]
-        are computed, the only ones sampled from."""
+        are computed, the only ones sampled from.
+
+        ``temperature`` divides the logits before the loss: --grpo scores completions by the distribution they
+        were sampled from (logits / temperature), as TRL's GRPOTrainer does."""
         if position_ids is None:
             position_ids = self._position_ids(input_ids, inference_context)
         if self.pre_process:
@@ -164,5 +167,6 @@ class GPTModel(nn.Module):
         if labels is None:
             logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
             return logits[..., :self.config.vocab_size].transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(self._mask_padding(logits.float()), labels.t().contiguous(), self.tp_group)
+        logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+        loss = vocab_parallel_cross_entropy(self._mask_padding(logits), labels.t().contiguous(), self.tp_group)
         return loss.t().contiguous()

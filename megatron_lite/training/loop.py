@@ -42,7 +42,7 @@ from megatron_lite.process_groups import collectives, failures
 from megatron_lite.process_groups.initialize import initialize_distributed
 from megatron_lite.process_groups.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from megatron_lite.tensor_parallel.random import set_random_seeds
-from megatron_lite.training import dpo, host_memory, metrics, operations
+from megatron_lite.training import dpo, grpo, host_memory, metrics, operations
 from megatron_lite.training.data_iterators import build_data_iterators
 from megatron_lite.planner import estimate_for_config, format_memory_estimate
 from megatron_lite.training.nan_check import check_for_nan_in_loss_and_grad
@@ -254,9 +254,15 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                         f"further.")
     # Every rank holds the same consumed samples, so all raise together, before any collective of training.
     check_batches_ahead(config, plan.calculator, state.consumed_train_samples)
-    train_iterator, valid_iterator, test_iterator, tokens_in = build_data_iterators(
-        config, parallel_state, plan, state.consumed_train_samples, state.iteration)
     forward_backward_func = None
+    if config.data.grpo:  # it samples its own batches of completions from the prompts
+        train_iterator = valid_iterator = test_iterator = tokens_in = None
+        forward_backward_func = grpo.GroupRelativePolicyOptimization(
+            config, parallel_state, model_chunks, run_schedule=_forward_backward, start_iteration=state.iteration,
+            train_iters=plan.train_iters).forward_backward
+    else:
+        train_iterator, valid_iterator, test_iterator, tokens_in = build_data_iterators(
+            config, parallel_state, plan, state.consumed_train_samples, state.iteration)
     if config.data.dpo:  # the frozen reference's pass before the policy's (built after the policy is loaded)
         forward_backward_func = dpo.DirectPreferenceOptimization(config, parallel_state, model_chunks,
                                                                  run_schedule=_forward_backward).forward_backward
@@ -305,7 +311,7 @@ def print_training_summary(config: Config, start: TrainingState, end: TrainingSt
         tokens = tokens_in(end.consumed_train_samples) - tokens_in(start.consumed_train_samples)
         print(metrics.format_training_summary(iterations=iterations, first_iteration=start.iteration + 1,
                                               tokens=tokens, losses=end.losses[len(start.losses):],
-                                              seconds=seconds, loss_name="dpo loss" if config.data.dpo else "lm loss"),
+                                              seconds=seconds, loss_name=metrics.loss_name(config.data)),
               flush=True)
 
 
