@@ -361,5 +361,6 @@ HELP = {
                        "grpo (per completion, then over completions) or dr_grpo (over completions x --max-new-tokens)"),
     "grpo_scale_rewards": ("--grpo: divide the group-centred rewards by the group's std (group), the whole batch's "
                            "(batch), or not (none)"),
-    "grpo_log_completions": "--grpo: write every prompt, completion and reward to this JSONL file, iteration by iteration",
+    "grpo_log_completions": ("--grpo: write every prompt, completion and reward to this JSONL file, iteration by "
+                             "iteration"),
 }

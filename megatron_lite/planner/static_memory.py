@@ -59,7 +59,7 @@ class StaticMemory:
     expert_bucket_elements: tuple = ()  # the experts' buckets (what the expert-data-parallel group communicates)
     host_gradient_bytes: int = 0  # the part of gradient_bytes in host memory (--grad-cpu-offload's shards)
     optimizer_state_on_host: bool = False
-    reference_bytes: int = 0  # the frozen reference of --dpo, --grpo: this rank's model shard again (reference_model.py)
+    reference_bytes: int = 0  # the frozen reference (--dpo, --grpo): this rank's model shard again (reference_model)
 
     @property
     def device_bytes(self) -> int:

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from megatron_lite.config import ConfigError, Config, DataConfig, GRPOConfig, ModelConfig, ParallelConfig, TrainingConfig
+from megatron_lite.config import (Config, ConfigError, DataConfig, GRPOConfig, ModelConfig, ParallelConfig,
+                                  TrainingConfig)
 from megatron_lite.data.sft import SFTDataError
 from megatron_lite.data.sft.prompts import count_prompts, parse_prompt_record
 from megatron_lite.training import rewards
@@ -69,7 +70,8 @@ def test_a_prompt_record_without_its_field_names_the_file_and_line(tmp_path):
         count_prompts([str(data)])
     with pytest.raises(SFTDataError, match="ends with the assistant's message"):
         parse_prompt_record({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
-    assert parse_prompt_record({"messages": [{"role": "user", "content": "q"}], "answer": "4"}).columns == {"answer": "4"}
+    prompt = parse_prompt_record({"messages": [{"role": "user", "content": "q"}], "answer": "4"})
+    assert prompt.conversational and prompt.columns == {"answer": "4"}
 
 
 def test_the_command_line_checks_the_prompts_before_the_model(tmp_path, capsys, files):

@@ -11,7 +11,6 @@ space-separated ids, which our NullTokenizer reads and a word-level tokenizer gi
 import dataclasses
 import importlib.util
 import json
-import math
 import re
 
 import pytest
