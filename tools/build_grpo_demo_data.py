@@ -4,9 +4,10 @@
 
 writes prompts.jsonl, {"prompt": "a + b =", "answer": "c"} lines for --tokenizer-type NullTokenizer (text is
 space-separated ids: digits are ids 0-9, "+" is 10 and "=" 11, the EOD 12, so the model has --vocab-size 13),
-every pair a, b whose sum is one digit, and rewards.py, whose ``correct`` gives 1 to a completion that is the
-answer (then EOD) and ``starts_right`` 0.5 to one that begins with it: TRL's accuracy reward for math answers.
-docs/fine_tuning.md trains on it.
+every pair a, b whose sum is one digit; answers.jsonl, the same as {"prompt", "response"} for
+``megatron_lite.evaluate --sft --exact-match``; and rewards.py, whose ``correct`` gives 1 to a completion that is
+the answer (then EOD) and ``starts_right`` 0.5 to one that begins with it: TRL's accuracy reward for math
+answers. docs/fine_tuning.md trains on it.
 """
 from __future__ import annotations
 
@@ -38,24 +39,21 @@ def sum_prompts() -> list[dict]:
 
 def write(output_dir: str) -> dict:
     os.makedirs(output_dir, exist_ok=True)
-    paths = {"prompts": os.path.join(output_dir, "prompts.jsonl"), "rewards": os.path.join(output_dir, "rewards.py")}
-    with open(paths["prompts"], "w", encoding="utf-8") as f:
+    paths = {name: os.path.join(output_dir, name) for name in ("prompts.jsonl", "answers.jsonl", "rewards.py")}
+    with open(paths["prompts.jsonl"], "w", encoding="utf-8") as f:
         f.writelines(json.dumps(record) + "\n" for record in sum_prompts())
-    with open(paths["rewards"], "w", encoding="utf-8") as f:
+    with open(paths["answers.jsonl"], "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"prompt": r["prompt"], "response": r["answer"]}) + "\n" for r in sum_prompts())
+    with open(paths["rewards.py"], "w", encoding="utf-8") as f:
         f.write(REWARDS)
     return paths
 
 
 def main(argv=None) -> int:
-    return run_command(build, argv)
-
-
-def build(argv) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--output-dir", required=True)
-    args = parser.parse_args(argv)
-    for name, path in write(args.output_dir).items():
-        print(f"{name}: {path}")
+    return run_command(lambda: print("\n".join(f"{name}: {path}" for name, path in
+                                               write(parser.parse_args(argv).output_dir).items())))
 
 
 if __name__ == "__main__":

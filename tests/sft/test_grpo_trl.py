@@ -18,7 +18,8 @@ import torch
 
 from megatron_lite.checkpointing import read_config
 from megatron_lite.config import (CheckpointConfig, DataConfig, GRPOConfig, LoggingConfig, OptimizerConfig,
-                                  TrainingConfig)
+                                  ParallelConfig, TrainingConfig)
+from megatron_lite.inference.loading import read_checkpoint_config
 from megatron_lite.training import loop
 
 transformers = pytest.importorskip("transformers")
@@ -134,7 +135,9 @@ def _completions_by_batch(log: str, iterations: int) -> dict:
 def test_loss_and_logged_numbers_equal_trl_every_iteration(imported, tmp_path, capsys):
     hf_dir, ckpt, data, reward_file = imported
     log = str(tmp_path / "completions.jsonl")
-    state, _, _ = loop.pretrain(grpo_config(ckpt, data, reward_file, log))
+    config = grpo_config(ckpt, data, reward_file, log)
+    config.checkpoint.save = str(tmp_path / "trained")
+    state, _, _ = loop.pretrain(config)
     ours = logged(capsys.readouterr().out)
     expected = _trl_run(hf_dir, tmp_path, _completions_by_batch(log, 2), reward_file, beta=0.1, num_iterations=2,
                         reward_weights=[1.0, 0.5], temperature=0.9)
@@ -147,6 +150,8 @@ def test_loss_and_logged_numbers_equal_trl_every_iteration(imported, tmp_path, c
         assert mine["grad norm"] == pytest.approx(theirs["grad norm"], abs=1e-3)  # the log prints 3 decimals
     assert ours[0]["kl"] == 0 and ours[0]["clip ratio"] == 0  # the policy is the reference and the sampler
     assert max(row["clip ratio"] for row in ours[1::2]) > 0  # the second step of a batch clips: the test sees it
+    # generate and evaluate run the trained weights without the run's reference or reward functions
+    assert not read_checkpoint_config(str(tmp_path / "trained"), ParallelConfig()).data.grpo
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
