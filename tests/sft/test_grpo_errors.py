@@ -118,3 +118,14 @@ def test_bad_grpo_values_are_refused():
         GRPOConfig(reward_function=["a.py:f", "a.py:g"], reward_weights=[1.0])
     with pytest.raises(ConfigError, match="FILE.py:NAME"):
         GRPOConfig(reward_function=["a.py"])
+
+
+def test_the_reward_flag_repeats_or_takes_several_functions():
+    from megatron_lite.cli.arguments import parse_args
+
+    flags = ["--grpo", "--train-data-path", "p.jsonl", "--tokenizer-type", "NullTokenizer", "--num-layers", "1",
+             "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16", "--vocab-size", "16"]
+    config = parse_args(flags + ["--reward-function", "r.py:a", "r.py:b", "--reward-function", "s.py:c",
+                                 "--reward-weights", "1", "0.5", "2", "--grpo-epsilon-high", "0.28"])
+    assert config.grpo.reward_function == ["r.py:a", "r.py:b", "s.py:c"] and config.grpo.weights() == [1, 0.5, 2]
+    assert config.grpo.epsilon_high == 0.28 and config.grpo.grpo_epsilon == 0.2

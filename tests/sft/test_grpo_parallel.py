@@ -4,7 +4,8 @@ reward rises on two processes.
 A Llama-style model starts from a checkpoint of its own (one mock-data step) and trains 4 GRPO iterations, two per
 batch of completions (the second's ratio is to the sampling policy), with a KL penalty (beta 0.1) to the frozen
 reference: at tp2 x pp2 (generation's tokens cross the pipeline and the reference's log-probabilities reach the
-last stage), pp2 x dp2 (each data-parallel rank samples its share of the prompts) and LoRA at tp2 x dp2 (the
+last stage), pp2 x dp2 (each data-parallel rank samples its share of the prompts) with the distributed optimizer
+gathering the updated weights behind the next forward (sampling waits for them), and LoRA at tp2 x dp2 (the
 reference is the base with the adapters off). Each layout samples the same completions (a prompt's generator
 is seeded by its place in the run, not by the rank) and logs the same losses as one process.
 """
@@ -22,7 +23,8 @@ STEPS = 4
 LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16, vocab_size=64,
              normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
              untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.1)
-RUNS = {"tp2 x pp2": dict(tp=2, pp=2), "pp2 x dp2": dict(pp=2), "LoRA, tp2 x dp2": dict(tp=2, lora=True)}
+RUNS = {"tp2 x pp2": dict(tp=2, pp=2), "pp2 x dp2, distributed optimizer": dict(pp=2, zero1=True),
+        "LoRA, tp2 x dp2": dict(tp=2, lora=True)}
 REWARD = '''
 def small_ids(prompts, completions, completion_ids, **kwargs):
     return [sum(i < 20 for i in ids) / len(ids) for ids in completion_ids]
@@ -43,10 +45,12 @@ def files(tmp_path):
     return str(tmp_path / "prompts.jsonl"), str(tmp_path / "reward.py")
 
 
-def _config(data: str, reward: str, root: str, name: str, *, tp=1, pp=1, lora=False, grpo=True) -> Config:
+def _config(data: str, reward: str, root: str, name: str, *, tp=1, pp=1, lora=False, zero1=False,
+            grpo=True) -> Config:
     return Config(
         model=ModelConfig(**LLAMA),
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                use_distributed_optimizer=zero1, overlap_param_gather=zero1),
         training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=STEPS if grpo else 1),
         optimizer=OptimizerConfig(lr=1e-2, adam_eps=1e-6, clip_grad=1.0, lr_decay_style="constant"),
         data=(DataConfig(grpo=True, train_data_path=[data], tokenizer_type="NullTokenizer") if grpo
