@@ -113,11 +113,12 @@ def grpo_loss_func(settings: LossSettings, batch: dict, output_tensor: torch.Ten
         loss_sum, count = (masked.sum(dim=1) / tokens.clamp(min=1)).sum(), completions
     else:  # dr_grpo
         loss_sum, count = masked.sum() / settings.max_new_tokens, completions
-    per_completion = {"reward": batch["rewards"].sum(), "reward std": batch["reward_std"].sum()}
-    per_token = {"kl": (kl * mask).sum() if kl is not None else None, "clip ratio": (clipped * mask).sum()}
-    sums = {"grpo loss": (loss_sum.detach(), count), "completion length": (tokens.sum(), completions),
-            **{name: (value, completions) for name, value in per_completion.items()},
-            **{name: (value.detach(), mask.sum()) for name, value in per_token.items() if value is not None}}
+    # Means over the global batch: of completions (the batch's reward statistics each completion carries) or of
+    # completion tokens.
+    sums = {"grpo loss": (loss_sum.detach(), count), "reward": (batch["rewards"].sum(), completions),
+            "reward std": (batch["reward_std"].sum(), completions),
+            "kl": ((kl * mask).sum().detach() if kl is not None else None, mask.sum()),
+            "completion length": (tokens.sum(), completions), "clip ratio": ((clipped * mask).sum(), mask.sum())}
     reported = {name: torch.stack([sums[name][0].float(), sums[name][1].float()]) for name in logged_names(settings)}
     return loss_sum, count.long(), reported
 
@@ -141,6 +142,34 @@ def log_probs_forward_step(key: str, temperature: float, data_iterator, model):
     return output, keep_log_probs
 
 
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What --grpo reads besides the model: the tokenizer, the prompts and the reward functions."""
+    tokenizer: object
+    prompts: PromptDataset
+    reward_functions: list
+
+
+def read_inputs(config: Config, parallel_state, train_iters: int) -> Inputs:
+    """The prompts and reward functions, checked against the batch and --seq-length: at start-up, before the model
+    is built, so that a typo costs seconds."""
+    grpo, training = config.grpo, config.training
+    dp = parallel_state.data_parallel_world_size
+    global_batch = training.global_batch(dp)
+    if global_batch % (grpo.grpo_group_size * dp):
+        raise ConfigError(f"--grpo: the global batch ({global_batch} completions) must be a multiple of "
+                          f"--grpo-group-size ({grpo.grpo_group_size}) x data-parallel size ({dp}): each rank "
+                          f"samples whole groups of completions.")
+    tokenizer = build_model_tokenizer(dataclasses.asdict(config.data), config.model.vocab_size)
+    prompts, descriptions = load_prompts(config.data.train_data_path, tokenizer,
+                                         config.data.sft_tokenizer_prompt_format)
+    dataset = PromptDataset(prompts, seed=training.seed, num_batches=-(-train_iters // grpo.grpo_iterations),
+                            prompts_per_batch=global_batch // grpo.grpo_group_size, descriptions=descriptions)
+    _check_lengths(config, dataset.longest)
+    print_rank_last(f" data: train {dataset.describe()}")
+    return Inputs(tokenizer, dataset, rewards.load_reward_functions(grpo.reward_function))
+
+
 class GroupRelativePolicyOptimization:
     """The --grpo forward and backward: every mu iterations a new batch of completions (sampled, scored, and
     scored by the old policy and the reference where the loss needs them), then the policy's pass over it.
@@ -149,25 +178,12 @@ class GroupRelativePolicyOptimization:
     that one's place; ``data_iterator`` is not read (the prompts are this object's) and neither is
     ``forward_step_func``."""
 
-    def __init__(self, config: Config, parallel_state, model_chunks: list, *, run_schedule, start_iteration: int,
-                 train_iters: int):
-        grpo, training = config.grpo, config.training
+    def __init__(self, config: Config, parallel_state, model_chunks: list, inputs: Inputs, *, run_schedule,
+                 start_iteration: int):
+        grpo = config.grpo
         self.settings = LossSettings.of(config)
         self.run_schedule, self.iteration = run_schedule, start_iteration
-        dp = parallel_state.data_parallel_world_size
-        global_batch = training.global_batch(dp)
-        if global_batch % (grpo.grpo_group_size * dp):
-            raise ConfigError(f"--grpo: the global batch ({global_batch} completions) must be a multiple of "
-                              f"--grpo-group-size ({grpo.grpo_group_size}) x data-parallel size ({dp}): each rank "
-                              f"samples whole groups of completions.")
-        self.tokenizer = build_model_tokenizer(dataclasses.asdict(config.data), config.model.vocab_size)
-        prompts, descriptions = load_prompts(config.data.train_data_path, self.tokenizer,
-                                             config.data.sft_tokenizer_prompt_format)
-        self.prompts = PromptDataset(prompts, seed=training.seed, num_batches=-(-train_iters // grpo.grpo_iterations),
-                                     prompts_per_batch=global_batch // grpo.grpo_group_size, descriptions=descriptions)
-        _check_lengths(config, self.prompts.longest)
-        print_rank_last(f" data: train {self.prompts.describe()}")
-        self.reward_functions = rewards.load_reward_functions(grpo.reward_function)
+        self.tokenizer, self.prompts, self.reward_functions = inputs.tokenizer, inputs.prompts, inputs.reward_functions
         self.weights = torch.tensor(grpo.weights(), dtype=torch.float32)
         self.adapters_off = config.peft.peft == "lora"
         self.reference_chunks = None

@@ -233,6 +233,10 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     if not plan.resumes:  # a fresh run's batches all lie ahead: any that cannot split fails now, early
         check_batches_ahead(config, plan.calculator, consumed_samples=0)
     print_rank_last(format_startup_summary(config, parallel_state, plan))
+    grpo_inputs = None
+    if config.data.grpo:  # its prompts and reward functions fail now, before the model is built
+        grpo_inputs = failures.run_on_every_rank(lambda: grpo.read_inputs(config, parallel_state, plan.train_iters),
+                                                 "read --grpo's prompts and reward functions")
     if (restart := describe_restart(plan.checkpoint)) is not None:
         print_rank_last(restart)
     model_chunks, optimizer, scheduler = setup_model_and_optimizer(config, parallel_state)
@@ -258,8 +262,8 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     if config.data.grpo:  # it samples its own batches of completions from the prompts
         train_iterator = valid_iterator = test_iterator = tokens_in = None
         forward_backward_func = grpo.GroupRelativePolicyOptimization(
-            config, parallel_state, model_chunks, run_schedule=_forward_backward, start_iteration=state.iteration,
-            train_iters=plan.train_iters).forward_backward
+            config, parallel_state, model_chunks, grpo_inputs, run_schedule=_forward_backward,
+            start_iteration=state.iteration).forward_backward
     else:
         train_iterator, valid_iterator, test_iterator, tokens_in = build_data_iterators(
             config, parallel_state, plan, state.consumed_train_samples, state.iteration)

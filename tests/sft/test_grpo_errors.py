@@ -129,3 +129,13 @@ def test_the_reward_flag_repeats_or_takes_several_functions():
                                  "--reward-weights", "1", "0.5", "2", "--grpo-epsilon-high", "0.28"])
     assert config.grpo.reward_function == ["r.py:a", "r.py:b", "s.py:c"] and config.grpo.weights() == [1, 0.5, 2]
     assert config.grpo.epsilon_high == 0.28 and config.grpo.grpo_epsilon == 0.2
+
+
+def test_a_reward_file_that_is_missing_fails_before_the_model_is_built(files, tmp_path, capsys):
+    from megatron_lite.pretrain_gpt import main
+
+    data, _ = files
+    assert main(_argv(data, f"{tmp_path}/missing.py:score", tmp_path)) == 2
+    out, err = capsys.readouterr()
+    assert f"error: --reward-function {tmp_path}/missing.py:score: {tmp_path}/missing.py is not a file" in err
+    assert "memory per rank" not in out  # printed once the model and optimizer exist
