@@ -244,9 +244,10 @@ class GroupRelativePolicyOptimization:
                 return torch.zeros(len(texts), len(self.reward_functions))
             return rewards.score(self.reward_functions, [prompt.prompt for prompt in prompts], shown, completions,
                                  columns)
-        scores = failures.run_on_every_rank(score, "score the completions")
-        collectives.broadcast(scores, source, parallel_state.model_parallel_group)
-        return scores
+        group = parallel_state.model_parallel_group
+        scores = failures.run_on_every_rank(score, "score the completions").to(collectives.reduction_device([group]))
+        collectives.broadcast(scores, source, group)
+        return scores.cpu()
 
     def _score(self, config: Config, parallel_state, chunks: list, batches: list[dict], num_microbatches: int,
                key: str, *, adapters_off: bool) -> None:
@@ -343,7 +344,8 @@ def _sampling_source(parallel_state) -> int:
 
 
 def _gathered(values: torch.Tensor, group) -> torch.Tensor:
-    """Every data-parallel rank's ``values`` (equal sizes), in rank order."""
-    every = torch.empty(values.numel() * collectives.world_size(group), dtype=values.dtype)
-    collectives.all_gather_into_tensor(every, values, group)
-    return every
+    """Every data-parallel rank's ``values`` (equal sizes), in rank order (on the host)."""
+    device = collectives.reduction_device([group])
+    every = torch.empty(values.numel() * collectives.world_size(group), dtype=values.dtype, device=device)
+    collectives.all_gather_into_tensor(every, values.to(device), group)
+    return every.cpu()
