@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
             element = _list_element_type(kind)
             if element is not None:
                 group.add_argument(flag_name(f.name), nargs=f.metadata.get("nargs", "+"), type=element,
-                                   choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"), **common)
+                                   choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"),
+                                   action=f.metadata.get("action", "store"), **common)
             elif kind is bool and f.default is True:
                 group.add_argument(flag_name(f.name), action="store_false", **common)
             elif kind is bool:

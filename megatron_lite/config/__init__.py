@@ -30,6 +30,7 @@ from megatron_lite.config.optimizer import (LR_DECAY_STYLES, LR_WARMUP_STYLES, M
                                             MUON_SCALE_MODES, WEIGHT_DECAY_INCR_STYLES, WSD_DECAY_STYLES,
                                             OptimizerConfig)
 from megatron_lite.config.parallel import CP_COMM_TYPES, SHARDING_STRATEGIES, ParallelConfig  # noqa: F401
+from megatron_lite.config.grpo import GRPO_LOSS_TYPES, GRPO_SCALE_REWARDS, GRPOConfig  # noqa: F401
 
 
 # --rerun-mode and --error-injection-type (Megatron-LM's re-run state machine, training/rerun_state_machine.py).
@@ -204,10 +205,13 @@ class DataConfig:
     sft_data_keys: list = field(default_factory=list)  # NAME=COLUMN: read COLUMN as NAME (see SFT_DATA_KEY_NAMES)
     # Preference pairs {"prompt", "chosen", "rejected"} in the fine-tuning files: fine-tuning data, so --sft too.
     dpo: bool = False
+    # Prompts {"prompt"} or {"messages"} to sample completions of and reward (GRPOConfig): fine-tuning data too.
+    grpo: bool = False
 
     def __post_init__(self) -> None:
         check_choices(self)
-        self.sft = self.sft or self.dpo
+        require(not (self.dpo and self.grpo), "--dpo and --grpo are two ways to train: give one.")
+        self.sft = self.sft or self.dpo or self.grpo
         # Megatron reads only the numbers in --split, so a launcher's literal quotes ('99,1,0', as
         # Megatron-LM's Llama 3 example passes them) are harmless there; strip them here too.
         self.split = self.split.strip("'\"")
@@ -368,6 +372,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
         model, parallel = self.model, self.parallel
@@ -409,6 +414,7 @@ class Config:
         _check_peft_on_model(self.peft, model)
         _check_dpo(self)
         _check_multi_token_prediction(self)
+        _check_grpo(self)
         _check_schedule_units(self.training, self.optimizer)
         self.training.step_schedule_in_samples(model.seq_length)  # thresholds closer than a sequence fail here
         if self.training.train_iters is not None and self.optimizer.lr_decay_iters is None:
@@ -467,8 +473,41 @@ def _check_multi_token_prediction(config: "Config") -> None:
              "--mtp-num-layers with --context-parallel-size > 1: each depth rolls the tokens one position left, "
              "which crosses the context-parallel ranks' chunks (Megatron-LM exchanges their boundaries); "
              "megatron_lite does not: train multi-token prediction without context parallelism.")
-    require(not config.data.dpo, "--mtp-num-layers with --dpo: the preference loss has no next-token targets for the "
-                                 "multi-token prediction layers; drop one.")
+    for method, on in (("--dpo", config.data.dpo), ("--grpo", config.data.grpo)):
+        require(not on, f"--mtp-num-layers with {method}: its loss has no next-token targets for the multi-token "
+                        f"prediction layers; drop one.")
+
+
+def _check_grpo(config: "Config") -> None:
+    """--grpo needs a reward; a KL penalty needs a reference (as --dpo's); generation runs on the one model chunk
+    of each rank with whole sequences and parameters (training/grpo.py)."""
+    data, parallel = config.data, config.parallel
+    if not data.grpo:
+        require(not config.grpo.reward_function, "--reward-function scores --grpo's completions: add --grpo.")
+        return
+    require(bool(config.grpo.reward_function),
+             "--grpo needs --reward-function FILE.py:NAME (a function f(prompts, completions, **columns) returning "
+             "one float per completion, as TRL's GRPOTrainer calls it).")
+    require(config.grpo.grpo_beta == 0 or bool(config.checkpoint.pretrained_checkpoint) or config.peft.peft == "lora",
+             "--grpo-beta > 0 needs a reference model: give --pretrained-checkpoint CKPT (kept frozen as the "
+             "reference), or --peft lora (the base with the adapters off), or --grpo-beta 0 (no KL penalty).")
+    require(not (data.valid_data_path or data.test_data_path),
+             "--grpo has no validation loss (its loss needs completions sampled from the policy): drop "
+             "--valid-data-path/--test-data-path.")
+    require(not data.sft_pack_sequences and data.sft_format == "auto" and not data.sft_data_keys,
+             "--grpo reads prompts ({\"prompt\"} or {\"messages\"}), one completion per sequence: drop "
+             "--sft-pack-sequences/--sft-format/--sft-data-keys.")
+    require(config.training.rampup_batch_size is None and config.training.step_batch_size_schedule is None,
+             "--grpo takes a fixed global batch of completions: drop --rampup-batch-size/--step-batch-size-schedule.")
+    unsupported = [flag for flag, on in (("--sequence-parallel", parallel.sequence_parallel),
+                                         ("--context-parallel-size", parallel.context_parallel_size > 1),
+                                         ("--expert-model-parallel-size", parallel.expert_model_parallel_size > 1),
+                                         ("--virtual-pipeline-model-parallel-size",
+                                          (parallel.virtual_pipeline_model_parallel_size or 1) > 1),
+                                         ("--data-parallel-sharding-strategy optim_grads_params",
+                                          parallel.shards_parameters)) if on]
+    require(not unsupported, f"--grpo generates with the training model one token at a time, on one model chunk "
+                             f"with whole parameters and sequences per rank: drop {', '.join(unsupported)}.")
 
 
 def lora_targets_of(model: ModelConfig) -> tuple[str, ...]:
@@ -599,7 +638,7 @@ def _check_warmup_before_decay(optimizer: OptimizerConfig) -> None:
 # Config's sections by field name (``cli/arguments.py`` makes one flag group of each).
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
             "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-            "logging": LoggingConfig, "peft": PeftConfig}
+            "logging": LoggingConfig, "peft": PeftConfig, "grpo": GRPOConfig}
 
 
 def section_values(values: dict, section) -> dict:

@@ -314,6 +314,9 @@ HELP = {
     "dpo": ("direct preference optimisation on --train-data-path records {\"prompt\", \"chosen\", \"rejected\"} "
             "(strings or message lists), against a frozen reference: --pretrained-checkpoint, or under --peft lora "
             "the base with the adapters off. Batch sizes count sequences, two per pair"),
+    "grpo": ("group relative policy optimisation: sample --grpo-group-size completions of each --train-data-path "
+             "prompt ({\"prompt\"} or {\"messages\"}) from the policy, score them with --reward-function and train on "
+             "the group-normalised rewards (TRL's GRPO loss). Batch sizes count completions"),
     # checkpoint
     "save": "directory for checkpoints (checked for writability at start-up)",
     "load": "resume from this directory's newest checkpoint; starts from scratch if it holds none",
@@ -364,4 +367,24 @@ HELP = {
     "prefix_length": "learned key/value vectors prepended in every layer (--peft prefix)",
     "prefix_projection_hidden_size": ("produce the prefixes during training through a two-layer MLP of this width "
                                       "(Li and Liang's reparametrisation; default: learn them directly)"),
+    # grpo
+    "reward_function": ("--grpo: FILE.py:NAME ... (the flag may repeat): functions f(prompts, completions, "
+                        "completion_ids, **columns) -> one float per completion, TRL's reward-function signature; "
+                        "columns are the prompt records' other fields"),
+    "reward_weights": "--grpo: one weight per --reward-function (default: 1 each); the reward is their weighted sum",
+    "grpo_group_size": "--grpo: completions sampled per prompt, whose rewards are normalised together",
+    "max_new_tokens": "--grpo: the most tokens of a completion (it ends earlier at EOD)",
+    "temperature": "--grpo: sampling temperature; the log-probabilities trained on are of logits / temperature",
+    "top_p": "--grpo: sample from the smallest set of tokens whose probability reaches top-p (0: every token)",
+    "grpo_epsilon": "--grpo: the probability ratio is clipped to [1 - epsilon, 1 + epsilon-high]",
+    "grpo_epsilon_high": "--grpo: the ratio's upper clip (default: --grpo-epsilon; DAPO's clip-higher uses 0.28)",
+    "grpo_beta": "--grpo: weight of the k3 KL penalty to the reference model; 0 builds no reference",
+    "grpo_iterations": "--grpo: optimizer steps on each batch of completions (mu): the ratio is to the policy that "
+                       "sampled them",
+    "grpo_loss_type": ("--grpo: dapo (TRL's default: per-token losses over the global batch's completion tokens), "
+                       "grpo (per completion, then over completions) or dr_grpo (over completions x --max-new-tokens)"),
+    "grpo_scale_rewards": ("--grpo: divide the group-centred rewards by the group's std (group), the whole batch's "
+                           "(batch), or not (none)"),
+    "grpo_log_completions": ("--grpo: write every prompt, completion and reward to this JSONL file, iteration by "
+                             "iteration"),
 }

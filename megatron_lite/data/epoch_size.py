@@ -30,6 +30,9 @@ def samples_per_epoch(config: Config) -> int:
     if data.dpo:  # a pair is two sequences, and packed pairs fill a sample by their sizes: not counted yet
         raise ConfigError("--train-epochs does not count --dpo's preference pairs yet: give --train-iters or "
                           "--train-samples (a pair is two samples).")
+    if data.grpo:
+        raise ConfigError("--train-epochs does not count --grpo's batches of completions: give --train-iters or "
+                          "--train-samples (a completion is a sample).")
     if data.sft:
         return _sft_samples(config)
     if data.mock_data:

@@ -13,6 +13,7 @@ from megatron_lite.data.indexed_dataset import data_file_path, index_file_path
 from megatron_lite.data.sft.examples import count_sft_examples, is_preprocessed_sft
 from megatron_lite.data.sft.formats import RecordFormat, is_sft_data_source
 from megatron_lite.data.sft.preference import count_preference_pairs
+from megatron_lite.data.sft.prompts import count_prompts
 
 
 def check_data_paths(data: DataConfig) -> None:
@@ -32,6 +33,8 @@ def check_data_paths(data: DataConfig) -> None:
         for _, paths in flags:  # a misnamed field fails now, not after the model is built
             if data.dpo:
                 count_preference_pairs(paths)
+            elif data.grpo:
+                count_prompts(paths)
             else:
                 count_sft_examples(paths, record_format)
     elif not data.mock_data:

@@ -14,7 +14,7 @@ import os
 from megatron_lite.checkpointing import CheckpointError, load_checkpoint, read_config
 from megatron_lite.interop.megatron.importer import as_megatron_lite_checkpoint
 from megatron_lite.checkpointing.storage import TRACKER_FILE, read_latest_iteration
-from megatron_lite.config import CheckpointConfig, Config, ConfigError, ParallelConfig
+from megatron_lite.config import CheckpointConfig, Config, ConfigError, GRPOConfig, ParallelConfig
 from megatron_lite.model.builder import build_model
 from megatron_lite.process_groups.initialize import initialize_distributed
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
@@ -35,8 +35,10 @@ def read_checkpoint_config(load_dir: str, parallel: ParallelConfig) -> Config:
                               f"tools/checkpoint_convert.py.")
     saved = read_config(load_dir)
     # Sampling has its own --seed: the training ranks' random-number states mean nothing here, and loading
-    # them would warn about a layout change that generation does not care about.
-    return dataclasses.replace(saved, parallel=parallel, checkpoint=CheckpointConfig(load=load_dir, no_load_rng=True))
+    # them would warn about a layout change that generation does not care about. How the weights were trained
+    # (--dpo's or --grpo's reference and rewards) is no part of running them.
+    return dataclasses.replace(saved, parallel=parallel, checkpoint=CheckpointConfig(load=load_dir, no_load_rng=True),
+                               data=dataclasses.replace(saved.data, dpo=False, grpo=False), grpo=GRPOConfig())
 
 
 def add_layout_arguments(parser) -> None:

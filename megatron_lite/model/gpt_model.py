@@ -132,7 +132,8 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                inference_context=None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+                inference_context=None, loss_mask: torch.Tensor | None = None,
+                temperature: float = 1.0) -> torch.Tensor:
         """Returns per-token loss [b, s] given labels on the last stage, logits over the
         (unpadded) vocabulary [b, s, V] without them, and hidden states [s, b, h] on other stages.
 
@@ -145,7 +146,10 @@ class GPTModel(nn.Module):
         are computed, the only ones sampled from.
 
         With multi-token prediction layers (``multi_token_prediction.py``) and a ``loss_mask`` [b, s], a training
-        forward adds their loss to the returned loss's gradient (the returned values are the language model's)."""
+        forward adds their loss to the returned loss's gradient (the returned values are the language model's).
+
+        ``temperature`` divides the logits before the loss: --grpo scores completions by the distribution they
+        were sampled from (logits / temperature), as TRL's GRPOTrainer does."""
         if position_ids is None:
             position_ids = self._position_ids(input_ids, inference_context)
         if self.mtp is not None:
@@ -177,7 +181,7 @@ class GPTModel(nn.Module):
         if labels is None:
             logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
             return logits[..., :self.config.vocab_size].transpose(0, 1).contiguous()
-        loss = self._cross_entropy(logits, labels)
+        loss = self._cross_entropy(logits, labels, temperature)
         if self.mtp is not None and loss_mask is not None and self.training:
             depths = self.mtp(hidden_states, input_ids, position_ids, self.embedding, rotary, attention_mask)
             loss = self.mtp.attach_loss(loss, lambda k, k_labels: self._cross_entropy(self._logits(depths[k - 1]),
@@ -191,7 +195,8 @@ class GPTModel(nn.Module):
         logits, _ = self.output_layer(hidden_states, weight=output_weight)
         return logits if self.logit_capping is None else self.logit_capping(logits)
 
-    def _cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token loss [b, s] of logits [s, b, V/tp] against labels [b, s]."""
-        loss = vocab_parallel_cross_entropy(self._mask_padding(logits.float()), labels.t().contiguous(), self.tp_group)
+    def _cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Per-token loss [b, s] of logits [s, b, V/tp] / ``temperature`` against labels [b, s]."""
+        logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+        loss = vocab_parallel_cross_entropy(self._mask_padding(logits), labels.t().contiguous(), self.tp_group)
         return loss.t().contiguous()

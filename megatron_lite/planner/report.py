@@ -62,7 +62,7 @@ def format_estimate(estimate: Estimate) -> str:
              f"  parameters (at the peak of gathers){static.peak_parameter_bytes / GB:9.2f}",
              f"  gradients                          {static.gradient_bytes / GB:9.2f}{gradients_host}",
              f"  optimizer state                    {static.optimizer_state_bytes / GB:9.2f}{host}",
-             *([f"  DPO reference model (frozen)       {static.reference_bytes / GB:9.2f}"]
+             *([f"  reference model (frozen)           {static.reference_bytes / GB:9.2f}"]
                if static.reference_bytes else []),
              f"  activations at the schedule's peak {memory.activation_bytes / GB:9.2f}",
              f"  loss working memory                {memory.loss_transient_bytes / GB:9.2f}",

@@ -61,7 +61,7 @@ class StaticMemory:
     expert_bucket_elements: tuple = ()  # the experts' buckets (what the expert-data-parallel group communicates)
     host_gradient_bytes: int = 0  # the part of gradient_bytes in host memory (--grad-cpu-offload's shards)
     optimizer_state_on_host: bool = False
-    reference_bytes: int = 0  # --dpo's frozen reference: this rank's whole model shard again (training/dpo.py)
+    reference_bytes: int = 0  # the frozen reference (--dpo, --grpo): this rank's model shard again (reference_model)
 
     @property
     def device_bytes(self) -> int:
@@ -298,6 +298,6 @@ def _static_memory(sizing: _Sizing, shapes: tuple, data_parallel_size: int, data
 
 
 def reference_copy(config: Config) -> bool:
-    """Whether the run holds a second, frozen copy of the model: --dpo's reference, except under --peft lora
-    (whose reference is the base with the adapters off)."""
-    return config.data.dpo and config.peft.peft != "lora"
+    """Whether the run holds a second, frozen copy of the model: the reference of --dpo (and of --grpo with a KL
+    penalty), except under --peft lora (whose reference is the base with the adapters off)."""
+    return (config.data.dpo or (config.data.grpo and config.grpo.grpo_beta != 0)) and config.peft.peft != "lora"

@@ -13,8 +13,8 @@ averaged over the global batch's pairs (the per-token loss path, counting pairs 
 logged rewards are beta x log-ratio of each side, their accuracy the share of pairs whose chosen reward is
 the higher, their margin the mean difference: the numbers and definitions of TRL's DPOTrainer.
 
-The reference pi_ref is frozen: a second copy of --pretrained-checkpoint at the same layout, or under
---peft lora the policy itself with its adapters off (the frozen base; no second copy). Every iteration its
+The reference pi_ref is frozen (``reference_model``): a second copy of --pretrained-checkpoint at the same
+layout, or under --peft lora the policy itself with its adapters off (the frozen base). Every iteration its
 log-probabilities are computed once, in a forward-only pass of the same schedule over the same
 micro-batches, before the policy's forward and backward; the last pipeline stage keeps them with the
 micro-batches it computes the loss of. Under context parallelism each rank sums its own positions and the
@@ -22,19 +22,16 @@ sums are all-reduced (the gradient flows back to every rank's positions unchange
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
 import torch
 import torch.nn.functional as F
 
-from megatron_lite import checkpointing
-from megatron_lite.config import CheckpointConfig, Config, PeftConfig
-from megatron_lite.model.builder import build_model, current_device
-from megatron_lite.peft.apply import adapters_disabled
+from megatron_lite.config import Config
 from megatron_lite.process_groups import collectives
 from megatron_lite.tensor_parallel import reduce_from_tensor_model_parallel_region
+from megatron_lite.training.reference_model import build_reference, forward_only_outputs, to_device
 
 LOGGED = ("dpo loss", "rewards chosen", "rewards rejected", "reward accuracy", "reward margin")
 REFERENCE_KEY = "reference_log_probs"  # what the reference pass adds to a micro-batch on the last stage
@@ -111,20 +108,16 @@ def dpo_loss_func(settings: LossSettings, batch: dict, output_tensor: torch.Tens
     return loss_sum, count.long(), reported
 
 
-def _moved(batch: dict) -> dict:
-    return {key: value.to(current_device(), non_blocking=True) for key, value in batch.items()}
-
-
 def dpo_forward_step(settings: LossSettings, data_iterator, model):
     """The policy's forward of one micro-batch (``loop.forward_step``'s contract) and its DPO loss."""
-    batch = _moved(next(data_iterator))
+    batch = to_device(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, functools.partial(dpo_loss_func, settings, batch)
 
 
 def reference_forward_step(settings: LossSettings, data_iterator, model):
     """The reference's forward of one micro-batch; its 'loss' dict carries the sequences' log-probabilities."""
-    batch = _moved(next(data_iterator))
+    batch = to_device(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
 
     def keep_log_probs(output_tensor):
@@ -163,37 +156,9 @@ class DirectPreferenceOptimization:
                                  num_microbatches, forward_only=forward_only, grad_scale_func=grad_scale_func,
                                  forward_step_func=functools.partial(dpo_forward_step, self.settings))
 
-    @torch.no_grad()
     def _reference_log_probs(self, config: Config, parallel_state, micro_batches: list,
                              num_microbatches: int) -> list[torch.Tensor]:
         """The reference's [b, seq_length] sequence log-probabilities of each micro-batch (last stage)."""
-        was_training = [chunk.training for chunk in self.reference_chunks]
-        for chunk in self.reference_chunks:
-            chunk.eval()
-        iterators = [iter(batches) for batches in micro_batches]
-        with adapters_disabled(self.reference_chunks) if self.adapters_off else contextlib.nullcontext():
-            losses = self.run_schedule(config, parallel_state, self.reference_chunks,
-                                       iterators if len(iterators) > 1 else iterators[0], num_microbatches,
-                                       forward_only=True,
-                                       forward_step_func=functools.partial(reference_forward_step, self.settings))
-        for chunk, training in zip(self.reference_chunks, was_training):
-            chunk.train(training)
-        return [entry[REFERENCE_KEY] for entry in losses]
-
-
-def reference_config(config: Config) -> Config:
-    """The reference model's configuration: the run's model without PEFT, loaded from --pretrained-checkpoint."""
-    checkpoint = CheckpointConfig(pretrained_checkpoint=config.checkpoint.pretrained_checkpoint)
-    return dataclasses.replace(config, peft=PeftConfig(), checkpoint=checkpoint)
-
-
-def build_reference(config: Config, parallel_state) -> list:
-    """A frozen copy of --pretrained-checkpoint at this rank's layout (its tensor- and pipeline-parallel
-    shard, whole across the data-parallel ranks: it keeps no gradients or optimizer state)."""
-    reference = reference_config(config)
-    chunks = build_model(reference, parallel_state)
-    checkpointing.load_checkpoint(reference, parallel_state, chunks, None, None)  # it loads trainable weights
-    for chunk in chunks:
-        chunk.requires_grad_(False)
-        chunk.eval()
-    return chunks
+        return forward_only_outputs(self.run_schedule, config, parallel_state, self.reference_chunks, micro_batches,
+                                    num_microbatches, functools.partial(reference_forward_step, self.settings),
+                                    REFERENCE_KEY, adapters_off=self.adapters_off)

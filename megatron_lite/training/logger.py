@@ -119,7 +119,7 @@ class TrainingLogger:
         self.wandb = metrics.wandb_run(config.logging, config.checkpoint.save, config.to_dict()) \
             if is_last_rank() else None
         self.global_batch = None
-        self.loss_name = "dpo loss" if config.data.dpo else "lm loss"
+        self.loss_name = metrics.loss_name(config.data)
         self._reset()
 
     def _reset(self) -> None:

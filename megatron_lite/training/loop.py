@@ -44,7 +44,7 @@ from megatron_lite.process_groups import collectives, failures, hang_report
 from megatron_lite.process_groups.initialize import initialize_distributed
 from megatron_lite.process_groups.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from megatron_lite.tensor_parallel.random import set_random_seeds
-from megatron_lite.training import dpo, host_memory, metrics, operations
+from megatron_lite.training import dpo, grpo, host_memory, metrics, operations
 from megatron_lite.training.data_iterators import build_data_iterators
 from megatron_lite.planner import estimate_for_config, format_memory_estimate
 from megatron_lite.training.logger import TrainingLogger, format_startup_summary, is_last_rank, print_rank_last
@@ -252,6 +252,10 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
     if not plan.resumes:  # a fresh run's batches all lie ahead: any that cannot split fails now, early
         check_batches_ahead(config, plan.calculator, consumed_samples=0)
     print_rank_last(format_startup_summary(config, parallel_state, plan))
+    grpo_inputs = None
+    if config.data.grpo:  # its prompts and reward functions fail now, before the model is built
+        grpo_inputs = failures.run_on_every_rank(lambda: grpo.read_inputs(config, parallel_state, plan.train_iters),
+                                                 "read --grpo's prompts and reward functions")
     if (restart := describe_restart(plan.checkpoint)) is not None:
         print_rank_last(restart)
     model_chunks, optimizer, scheduler = setup_model_and_optimizer(config, parallel_state)
@@ -273,9 +277,15 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                         f"further.")
     # Every rank holds the same consumed samples, so all raise together, before any collective of training.
     check_batches_ahead(config, plan.calculator, state.consumed_train_samples)
-    train_iterator, valid_iterator, test_iterator, tokens_in = build_data_iterators(
-        config, parallel_state, plan, state.consumed_train_samples, state.iteration)
     forward_backward_func = None
+    if config.data.grpo:  # it samples its own batches of completions from the prompts
+        train_iterator = valid_iterator = test_iterator = tokens_in = None
+        forward_backward_func = grpo.GroupRelativePolicyOptimization(
+            config, parallel_state, model_chunks, grpo_inputs, run_schedule=_forward_backward,
+            start_iteration=state.iteration).forward_backward
+    else:
+        train_iterator, valid_iterator, test_iterator, tokens_in = build_data_iterators(
+            config, parallel_state, plan, state.consumed_train_samples, state.iteration)
     if config.data.dpo:  # the frozen reference's pass before the policy's (built after the policy is loaded)
         forward_backward_func = dpo.DirectPreferenceOptimization(config, parallel_state, model_chunks,
                                                                  run_schedule=_forward_backward).forward_backward
@@ -324,7 +334,7 @@ def print_training_summary(config: Config, start: TrainingState, end: TrainingSt
         tokens = tokens_in(end.consumed_train_samples) - tokens_in(start.consumed_train_samples)
         print(metrics.format_training_summary(iterations=iterations, first_iteration=start.iteration + 1,
                                               tokens=tokens, losses=end.losses[len(start.losses):],
-                                              seconds=seconds, loss_name="dpo loss" if config.data.dpo else "lm loss"),
+                                              seconds=seconds, loss_name=metrics.loss_name(config.data)),
               flush=True)
 
 

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from megatron_lite.config import LoggingConfig
+from megatron_lite.config import DataConfig, LoggingConfig
 from megatron_lite.planner.cluster import BF16_PEAK_TFLOPS
 
 
@@ -44,6 +44,11 @@ def peak_memory_mb() -> float:
         return torch.cuda.max_memory_allocated() / 2 ** 20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2 ** 20 if sys.platform == "darwin" else 2 ** 10)
+
+
+def loss_name(data: DataConfig) -> str:
+    """The name a run logs its trained loss under: ``dpo loss`` (--dpo), ``grpo loss`` (--grpo) or ``lm loss``."""
+    return "dpo loss" if data.dpo else "grpo loss" if data.grpo else "lm loss"
 
 
 def format_iteration_log(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,

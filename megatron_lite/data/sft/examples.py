@@ -91,6 +91,23 @@ def records_of(path: str):
     return read_sft_records([path])
 
 
+def read_records(path: str, parse) -> list:
+    """``parse(record)`` of every JSON record of ``path``, in order; one SFTDataError names every record that is not
+    JSON or that ``parse`` rejects (a ValueError: SFTDataError, or text the tokenizer rejects) as ``file:line``."""
+    items, problems = [], []
+    for _, number, line in records_of(path):
+        try:
+            items.append(parse(json.loads(line)))
+        except json.JSONDecodeError as error:
+            problems.append((path, number, f"malformed JSON ({error.msg} at column {error.colno})"))
+        except ConfigError:
+            raise  # the template or tokenizer is wrong for every record, not this one
+        except ValueError as error:
+            problems.append((path, number, str(error)))
+    raise_for_problems(problems, path, found=len(items))
+    return items
+
+
 def raise_for_problems(problems: list[tuple[str, int, str]], path: str, *, found: int) -> None:
     """``problems``: (file, line or row, what is wrong). One line per kind of mistake (the same words, in the same
     file), at its first record, with the count and the first few numbers: a misnamed column is one line, not one

@@ -20,12 +20,11 @@ pair that keeps no answer token on one side is dropped, and counted.
 from __future__ import annotations
 
 import functools
-import json
 
 import numpy as np
 
 from megatron_lite.config import ConfigError
-from megatron_lite.data.sft.examples import raise_for_problems, records_of
+from megatron_lite.data.sft.examples import read_records
 from megatron_lite.data.sft.formats import SFTDataError, checked_messages
 from megatron_lite.data.sft.prompt_format import format_prompt, tokenize_conversation
 from megatron_lite.data.sft.sft_dataset import EpochLayout, build_sample, example_positions
@@ -116,19 +115,10 @@ def count_preference_pairs(paths: list[str]) -> int:
 def _read_pairs(path: str, tokenize=None) -> list:
     """(prompt, chosen, rejected) messages of every record of ``path``, each passed through ``tokenize`` (which
     may reject text); one SFTDataError names every bad record."""
-    pairs, problems = [], []
-    for _, number, line in records_of(path):
-        try:
-            record = parse_preference_record(json.loads(line))
-            pairs.append(tokenize(*record) if tokenize is not None else record)
-        except json.JSONDecodeError as error:
-            problems.append((path, number, f"malformed JSON ({error.msg} at column {error.colno})"))
-        except ConfigError:
-            raise  # the template or tokenizer is wrong for every record, not this one
-        except ValueError as error:  # SFTDataError, or text the tokenizer rejects
-            problems.append((path, number, str(error)))
-    raise_for_problems(problems, path, found=len(pairs))
-    return pairs
+    def parse(record):
+        sides = parse_preference_record(record)
+        return tokenize(*sides) if tokenize is not None else sides
+    return read_records(path, parse)
 
 
 class PreferenceDataset:
