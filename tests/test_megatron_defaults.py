@@ -43,6 +43,10 @@ MEGATRON_DEFAULTS = {
     "moe_z_loss_coeff": None, "moe_router_enable_expert_bias": False, "moe_router_bias_update_rate": 1e-3,
     "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs",
     "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False, "moe_grouped_gemm": False,
+    # Gated attention and gated DeltaNet (read off Megatron-LM's TransformerConfig at a later commit, which added them)
+    "attention_output_gate": False, "experimental_attention_variant": None, "linear_attention_freq": None,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
     # parallel
     "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
     "expert_model_parallel_size": 1,

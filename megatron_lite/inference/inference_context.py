@@ -17,6 +17,9 @@ holds it whole), a pipeline stage its own layers. ``sequence_len_offset`` is
 how many positions are already cached; the new tokens of a forward pass take the
 positions after it (the model numbers them from it when given no position ids).
 
+A gated DeltaNet layer (linear attention) keeps no positions at all: its state is the last few inputs of its
+convolution and its scan's state, of a fixed size, replaced at every step (``recurrent_state``).
+
 A sliding-window layer (Mistral, Gemma's local layers) never looks further back than its
 window, so it keeps only that many positions: its memory stays the window's however long
 the sequence grows. Its keys then start later than the other layers', and the attention
@@ -32,6 +35,14 @@ class StaticInferenceContext:
         self.max_sequence_length = max_sequence_length
         self.sequence_len_offset = 0
         self.key_value_memory_dict: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.recurrent_states: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def recurrent_state(self, layer_number: int) -> tuple[torch.Tensor, ...] | None:
+        """Layer ``layer_number``'s state after the tokens so far (each tensor [b, ...]), None before the first."""
+        return self.recurrent_states.get(layer_number)
+
+    def set_recurrent_state(self, layer_number: int, state: tuple[torch.Tensor, ...]) -> None:
+        self.recurrent_states[layer_number] = state
 
     def append_key_value(self, layer_number: int, *tensors: torch.Tensor,
                          window: int | None = None) -> tuple[torch.Tensor, ...]:

@@ -60,6 +60,16 @@ never dropped: an unread field is a silently different model. A null field sets 
              softmax's top-k, groups by their best
              (--moe-router-group-score max); both
              x routed_scaling_factor
+    qwen3_next, qwen3_5_text (qwen3_next.py):
+             hybrid layers: gated DeltaNet (layer_types    layer_types other than linear_attention and
+             linear_attention: --experimental-attention-   full_attention, attention_bias, mlp_bias, other
+             variant gdn, --linear-attention-freq) and     rope types than llama's
+             gated attention (--attention-output-gate)
+             with q/k (1 + w) RMSNorms and partial RoPE;
+             (1 + w) RMSNorms; qwen3_next: experts as
+             qwen3_moe's with a sigmoid-gated shared
+             expert; qwen3_5_text: dense, unfused
+             DeltaNet projections
 
 On export the family is the one the model's features call for (``family_of``), or the one named
 (``named_family``, the converter's --hf-model-type): Phi-3 computes what Llama or Mistral does, DeepSeek-V2
@@ -77,7 +87,7 @@ from __future__ import annotations
 from megatron_lite.checkpointing.architecture import defines_function
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.interop.hf import (deepseek, gemma, gpt2, gpt_neox, llama, mistral, mixtral, olmoe, phi3, qwen,
-                                      smollm3)
+                                      qwen3_next, smollm3)
 from megatron_lite.interop.hf.family import GENERIC_FIELDS, Family, refuse
 from megatron_lite.interop.hf.pad_token import pad_token_id_from_hf
 
@@ -98,12 +108,15 @@ FAMILIES = {family.model_type: family for family in (
     gemma.GEMMA3_TEXT,
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
+    qwen3_next.QWEN3_NEXT,
+    qwen3_next.QWEN3_5,
 )}
 
 # The features only some families have, and the value each takes where it is absent.
 _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None,
                       "num_experts": None, "qk_layernorm_whole_projection": False, "multi_latent_attention": False,
-                      "parallel_attention_mlp": False, "no_rope_freq": None}
+                      "parallel_attention_mlp": False, "no_rope_freq": None,
+                      "experimental_attention_variant": None, "attention_output_gate": False}
 # Namings that are Llama's but for their experts' (weights._EXPERT_NAMES): a Llama-like model with experts.
 EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe"})
 
