@@ -23,8 +23,6 @@ refuses it): a rank's chunk would need the state the ranks before it reach.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,11 +121,11 @@ class GatedDeltaNet(nn.Module):
             initial = scan_state.new_zeros(rows, *scan_state.shape[1:]).index_copy(0, documents.first_of_row,
                                                                                    scan_state)
         extended = torch.cat([history, mixed], dim=1)
-        convolved = F.silu(F.conv1d(extended.transpose(1, 2), self.conv1d.weight, groups=mixed.shape[-1])).transpose(1, 2)
+        convolved = F.silu(F.conv1d(extended.transpose(1, 2).contiguous(), self.conv1d.weight, groups=mixed.shape[-1])).transpose(1, 2)
         length = mixed.shape[1]
         query, key, value = convolved.reshape(rows, length, self.key_heads, -1).split(
             [self.key_dim, self.key_dim, self.group_split[0] - 2 * self.key_dim], dim=-1)
-        query = l2_normalize(query.float()) / math.sqrt(self.key_dim)
+        query = l2_normalize(query.float()) * self.key_dim ** -0.5
         key = l2_normalize(key.float())
         # Each query/key head serves its value heads, which follow one another.
         query, key = (x.repeat_interleave(self.values_per_key, dim=2) for x in (query, key))
