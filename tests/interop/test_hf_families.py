@@ -30,8 +30,9 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
              residual (use_parallel_residual false) with tied embeddings apart, in logits and round trip
     qwen3_next  hybrid: a gated DeltaNet layer (2 key heads of 8, each serving 2 value heads of 8, convolution 4)
              then a gated attention layer (q/k (1 + w) RMSNorm, RoPE on half of each head), (1 + w) norms, dense
-             MLPs (num_experts 0), untied; at pp 2 one layer of each kind per stage, at tp 2 one key head per rank
-    qwen3_5_text  the same with Qwen3.5's unfused DeltaNet projections, tied embeddings
+             MLPs (num_experts 0), tied embeddings; at pp 2 one layer of each kind per stage, at tp 2 one key head per rank
+    qwen3_5_text  the same with Qwen3.5's unfused DeltaNet projections, RoPE on a quarter of each head (the
+             default partial_rotary_factor), untied
     smollm3  Llama with its second layer NoPE (no_rope_layer_interval 2: at pp 2 the second stage's layer, so
              the global layer number decides), tied embeddings
 
@@ -119,8 +120,9 @@ FAMILIES = {
     "smollm3": lambda: transformers.SmolLM3Config(**SMALL, no_rope_layer_interval=2, tie_word_embeddings=True,
                                                   rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(**GPT_NEOX, use_parallel_residual=True, tie_word_embeddings=False),
-    "qwen3_next": lambda: transformers.Qwen3NextConfig(**QWEN3_NEXT, num_experts=0, tie_word_embeddings=False),
-    "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**QWEN3_NEXT, tie_word_embeddings=True),
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(**QWEN3_NEXT, num_experts=0, tie_word_embeddings=True),
+    "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(  # partial_rotary_factor left to its default, 0.25
+        **dict(QWEN3_NEXT, rope_parameters={"rope_type": "default", "rope_theta": 500.0}), tie_word_embeddings=False),
 }
 # DeepSeek: every projection of multi-latent attention (linear_qkv is all of them: the query and key/value down-
 # and up-projections, two of them replicated over tensor-parallel ranks) and o_proj. peft loads no LoRA on dense
@@ -258,8 +260,9 @@ def test_round_trip_is_bit_exact(family, tmp_path):
 # lr 0.1: rounding leaves 7e-6 of its scale 0.6 between layouts (5e-5 of the distance moved; a wrong shard or
 # a missing reduction is 1e-2).
 CONVOLUTION_RTOL = 3e-5
-# Multi-latent attention's replicated down-projections and rotary key under sequence parallelism too.
-SEQUENCE_PARALLEL = ("deepseek_v3",)
+# Multi-latent attention's replicated down-projections and rotary key, and the DeltaNet's gathered in_proj, under
+# sequence parallelism too.
+SEQUENCE_PARALLEL = ("deepseek_v3", "qwen3_next")
 
 
 def test_training_at_tp2_pp2_dp2_equals_one_process(imports, tmp_path):
@@ -534,5 +537,12 @@ FAIR_LAYOUTS = {
 }
 
 
+# The hybrids' gradients grow to a norm of 40-80 by the third step (7 at the first), where the DeltaNet's float32
+# rounding (its gradients 3e-6 of transformers' at the first step) leaves the norm 3e-5 off (measured: 78.775
+# against 78.773), more than the log's three decimals; losses and weights stay within the defaults.
+HYBRID_TOLERANCES = {name: dict(norm_rtol=5e-5) for name in HYBRID_ATOL}
+
+
 def test_fine_tuning_equals_transformers_with_clipping(imports, tmp_path):
-    fair_fight(imports, FAIR_LAYOUTS, tmp_path, {"phi3": "phi3", "deepseek_v2": "deepseek_v2"}, vocab=VOCAB, pad=EOS)
+    fair_fight(imports, FAIR_LAYOUTS, tmp_path, {"phi3": "phi3", "deepseek_v2": "deepseek_v2"}, vocab=VOCAB, pad=EOS,
+               tolerances=HYBRID_TOLERANCES)
