@@ -499,7 +499,7 @@ def _check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> Non
 def _check_linear_attention_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
     """Gated DeltaNet layers split their key heads (each with its value heads) over tensor-parallel ranks, and
     have no context parallelism: a rank's chunk of the sequence would need the recurrent state at its start,
-    which only the ranks before it can compute (docs/model_families.md, "Gated DeltaNet")."""
+    which only the ranks before it can compute (docs/model_families.md, "Qwen3-Next, Qwen3.5 and gated DeltaNet")."""
     if model.experimental_attention_variant is None:
         return
     tp = parallel.tensor_model_parallel_size
