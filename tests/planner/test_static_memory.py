@@ -36,6 +36,10 @@ FAMILY_FEATURES = dict(LLAMA, add_qkv_bias=True, qk_layernorm=True, post_sublaye
 MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq="([0]+[1]*3)",
            moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True, qk_layernorm=True,
            qk_layernorm_whole_projection=True)
+# Qwen3-Next's hybrid: gated DeltaNet layers (every 4th keeps gated attention, whose q projection holds the gates).
+HYBRID = dict(LLAMA, qk_layernorm=True, attention_output_gate=True, experimental_attention_variant="gdn",
+              linear_attention_freq="4", linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+              linear_value_head_dim=8)
 WORLD = 8
 
 
@@ -73,7 +77,8 @@ def _built(config, rank):
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 4, None)]
 
 
-@pytest.mark.parametrize("arch", [GPT, LLAMA, MLA, FAMILY_FEATURES], ids=["gpt", "llama", "mla", "family-features"])
+@pytest.mark.parametrize("arch", [GPT, LLAMA, MLA, FAMILY_FEATURES, HYBRID],
+                         ids=["gpt", "llama", "mla", "family-features", "hybrid"])
 @pytest.mark.parametrize("tp,pp,vpp", LAYOUTS)
 def test_parameter_list_is_the_chunks_named_parameters(arch, tp, pp, vpp):
     """Names, sizes and order of every chunk's parameters, and the ZeRO-3 unit each belongs to
