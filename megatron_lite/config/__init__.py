@@ -463,6 +463,9 @@ def _check_peft_on_model(peft: PeftConfig, model: ModelConfig) -> None:
     require(not (peft.peft == "prefix" and model.multi_latent_attention),
              "--peft prefix prepends keys and values to each head's, which --multi-latent-attention expands from a "
              "latent: fine-tune it with --peft lora or adapter.")
+    require(not (peft.peft == "prefix" and model.experimental_attention_variant is not None),
+            "--peft prefix prepends keys and values to each attention head's, which a gated DeltaNet layer "
+            "(--experimental-attention-variant gdn) has none of: fine-tune it with --peft lora or adapter.")
     if peft.peft != "lora":
         return
     targets = set(peft.lora_target_modules)

@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatron_lite.config import Config, ConfigError, ModelConfig, ParallelConfig  # noqa: E402
+from megatron_lite.config import Config, ConfigError, ModelConfig, ParallelConfig, PeftConfig  # noqa: E402
 from megatron_lite.interop.hf import checkpoint as hf_checkpoint, weights as hf_weights  # noqa: E402
 from megatron_lite.model.delta_rule import (chunk_gated_delta_rule, l2_normalize,  # noqa: E402
                                             recurrent_gated_delta_rule)
@@ -140,6 +140,8 @@ def test_variants_are_refused_by_name(moe):
                                           "--tensor-model-parallel-size \\(4\\)"):
         Config(model=dataclasses.replace(model, num_attention_heads=4, num_query_groups=4),
                parallel=ParallelConfig(tensor_model_parallel_size=4))
+    with pytest.raises(ConfigError, match="--peft prefix prepends keys and values"):
+        Config(model=model, peft=PeftConfig(peft="prefix"))
     with pytest.raises(ConfigError, match="--linear-attention-freq places gated DeltaNet layers"):
         dataclasses.replace(model, experimental_attention_variant=None)
     with pytest.raises(ConfigError, match="one 0 or 1 per layer"):
