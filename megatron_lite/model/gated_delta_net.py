@@ -98,8 +98,8 @@ class GatedDeltaNet(nn.Module):
         scan_inputs = (documents.to_rows(mixed.reshape(seq, batch, -1).transpose(0, 1)),
                        documents.to_rows(beta.float()) * valid, documents.to_rows(decay) * valid)
         generating = inference_context is not None
-        if self.checkpoint_scan and self.training:
-            output, new_state = checkpoint(self._scan, *scan_inputs, documents, state, generating)
+        if self.checkpoint_scan and self.training:  # --recompute-granularity selective: the scan's activations
+            output, new_state = checkpoint(self._scan_outputs, *scan_inputs, documents), None
         else:
             output, new_state = self._scan(*scan_inputs, documents, state, generating)
         if generating:
@@ -107,6 +107,10 @@ class GatedDeltaNet(nn.Module):
         output = documents.from_rows(output).transpose(0, 1)  # [s, b, value heads, dv]
         output = self.out_norm(output, gate.reshape(seq, batch, self.value_heads, self.value_dim))
         return self.out_proj(output.reshape(seq, batch, -1))
+
+    def _scan_outputs(self, mixed, beta, decay, documents: DocumentRows):
+        """``_scan``'s outputs in training, which keeps no state (what a recomputed region may return)."""
+        return self._scan(mixed, beta, decay, documents, None, False)[0]
 
     def _scan(self, mixed, beta, decay, documents: DocumentRows, state, generating: bool):
         """The convolution and the gated delta rule over the document rows ([n, L, ...]), after ``state`` (the
@@ -116,12 +120,13 @@ class GatedDeltaNet(nn.Module):
         history = mixed.new_zeros(rows, self.kernel_size - 1, mixed.shape[-1])
         initial = None
         if state is not None:  # a generation's rows continue where their last step ended
-            conv_state, scan_state = (x * documents.continues[(...,) + (None,) * (x.dim() - 1)] for x in state)
+            conv_state, scan_state = (x * documents.continues.view(-1, *[1] * (x.dim() - 1)) for x in state)
             history = history.index_copy(0, documents.first_of_row, conv_state.to(mixed.dtype))
             initial = scan_state.new_zeros(rows, *scan_state.shape[1:]).index_copy(0, documents.first_of_row,
                                                                                    scan_state)
         extended = torch.cat([history, mixed], dim=1)
-        convolved = F.silu(F.conv1d(extended.transpose(1, 2).contiguous(), self.conv1d.weight, groups=mixed.shape[-1])).transpose(1, 2)
+        convolved = F.conv1d(extended.transpose(1, 2).contiguous(), self.conv1d.weight, groups=mixed.shape[-1])
+        convolved = F.silu(convolved).transpose(1, 2)
         length = mixed.shape[1]
         query, key, value = convolved.reshape(rows, length, self.key_heads, -1).split(
             [self.key_dim, self.key_dim, self.group_split[0] - 2 * self.key_dim], dim=-1)

@@ -150,3 +150,28 @@ def test_variants_are_refused_by_name(moe):
     with pytest.raises(ConfigError, match="moe_shared_expert"):
         hf_weights.hf_config_from_model_config(dataclasses.replace(
             model, moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False))
+
+
+@pytest.mark.parametrize("granularity", ["selective", "full"])
+def test_recomputation_gives_the_same_gradients(granularity):
+    """--recompute-granularity selective recomputes the DeltaNet's convolution and scan, full whole layers: the
+    gradients of a hybrid model are those without recomputation."""
+    from megatron_lite.model.gpt_model import GPTModel
+
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
+                         normalization="RMSNorm", swiglu=True, add_bias_linear=False, position_embedding_type="rope",
+                         experimental_attention_variant="gdn", linear_attention_freq="2", linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, hidden_dropout=0.0,
+                         attention_dropout=0.0)
+    input_ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    gradients = []
+    for recompute in (None, granularity):
+        torch.manual_seed(0)
+        model = GPTModel(config, TensorParallelConfig(), recompute_granularity=recompute,
+                         recompute_num_layers=1 if recompute == "full" else None)
+        for param in model.parameters():
+            torch.nn.init.normal_(param, 0.0, 0.1)
+        model.train()
+        model(input_ids, labels=input_ids).mean().backward()
+        gradients.append(torch.cat([param.grad.flatten() for param in model.parameters()]))
+    torch.testing.assert_close(gradients[1], gradients[0], atol=1e-7, rtol=1e-6)
