@@ -1,6 +1,7 @@
 """Qwen3-Next's and Qwen3.5's own cases: the gated delta rule chunked against its recurrence, packed documents
-restarting the DeltaNet, Qwen3-Next's mixture of experts with its gated shared expert (logits and greedy generation
-at 1 process, tp2 x pp2 and ep2 x pp2, a bit-exact round trip), and the variants refused by name. The shared family
+restarting the DeltaNet, recomputation, Qwen3-Next's mixture of experts with its gated shared expert (logits and
+greedy generation at 1 process, tp2 x pp2 and ep2 x pp2, a bit-exact round trip, clipped AdamW training against
+transformers' at 1 process and ep2 x pp2), and the variants refused by name. The shared family
 tests (tests/interop/test_hf_families.py) cover the dense models.
 """
 import dataclasses
@@ -21,8 +22,10 @@ from tests.checkpointing.common import import_hf_model  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import EOS, MAX_NEW_TOKENS, PROMPTS  # noqa: E402
 from tests.interop.hf_family_ranks import layouts_rank, load  # noqa: E402
-from tests.interop.test_hf_families import HYBRID_ATOL, QWEN3_NEXT, VOCAB, _our_tensors  # noqa: E402
+from tests.interop.test_hf_families import (HYBRID_ATOL, HYBRID_TOLERANCES, QWEN3_NEXT, VOCAB,  # noqa: E402
+                                            _our_tensors)
 from tests.interop.test_hf_moe_families import hf_generate  # noqa: E402
+from tests.interop.transformers_training import fair_fight  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
 
 ATOL = HYBRID_ATOL["qwen3_next"]
@@ -175,3 +178,10 @@ def test_recomputation_gives_the_same_gradients(granularity):
         model(input_ids, labels=input_ids).mean().backward()
         gradients.append(torch.cat([param.grad.flatten() for param in model.parameters()]))
     torch.testing.assert_close(gradients[1], gradients[0], atol=1e-7, rtol=1e-6)
+
+
+def test_moe_fine_tuning_equals_transformers_with_clipping(moe, tmp_path):
+    """AdamW with every step clipped, against transformers' training (its pooled load-balancing loss included), at
+    1 process and at ep2 x pp2 (the experts split, the DeltaNet layer on the first stage)."""
+    fair_fight({"qwen3_next": moe}, {"qwen3_next": dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2)},
+               tmp_path, {}, vocab=VOCAB, pad=EOS, tolerances=HYBRID_TOLERANCES)
