@@ -72,7 +72,7 @@ class GatedDeltaNet(nn.Module):
         for param in (self.conv1d.weight, self.A_log, self.dt_bias):
             set_tensor_model_parallel_attributes(param, is_parallel=True, partition_dim=0, partition_stride=1)
         # Mamba-2's range of decay rates (A in [1, 16]) and a neutral step bias (softplus(0 + 1)).
-        self.A_log.full_init = lambda shape, generator: torch.empty(shape).uniform_(1.0, 16.0, generator=generator).log()
+        self.A_log.full_init = lambda shape, generator: torch.empty(shape).uniform_(1, 16, generator=generator).log()
         self.dt_bias.full_init = lambda shape, generator: torch.ones(shape)
         self.out_norm = GatedRMSNorm(self.value_dim, eps=config.norm_epsilon, params_dtype=tp_config.params_dtype,
                                      sequence_parallel=tp_size > 1)

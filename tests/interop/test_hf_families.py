@@ -30,7 +30,8 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
              residual (use_parallel_residual false) with tied embeddings apart, in logits and round trip
     qwen3_next  hybrid: a gated DeltaNet layer (2 key heads of 8, each serving 2 value heads of 8, convolution 4)
              then a gated attention layer (q/k (1 + w) RMSNorm, RoPE on half of each head), (1 + w) norms, dense
-             MLPs (num_experts 0), tied embeddings; at pp 2 one layer of each kind per stage, at tp 2 one key head per rank
+             MLPs (num_experts 0), tied embeddings; at pp 2 one layer of each kind per stage, at tp 2 one key head
+             per rank
     qwen3_5_text  the same with Qwen3.5's unfused DeltaNet projections, RoPE on a quarter of each head (the
              default partial_rotary_factor), untied
     smollm3  Llama with its second layer NoPE (no_rope_layer_interval 2: at pp 2 the second stage's layer, so
