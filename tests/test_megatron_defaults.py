@@ -47,6 +47,10 @@ MEGATRON_DEFAULTS = {
     "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False, "moe_grouped_gemm": False,
     # multi-token prediction (TransformerConfig's)
     "mtp_num_layers": None, "mtp_loss_scaling_factor": 0.1,
+    # Gated attention and gated DeltaNet (read off Megatron-LM's TransformerConfig at a later commit, which added them)
+    "attention_output_gate": False, "experimental_attention_variant": None, "linear_attention_freq": None,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
     # parallel
     "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
     "expert_model_parallel_size": 1,

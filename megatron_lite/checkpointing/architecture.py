@@ -145,6 +145,10 @@ _ONLY_WITH = {"max_position_embeddings": lambda model: model.position_embedding_
                                           "yarn_beta_slow", "yarn_correction_range_round_to_int")},
               **{name: _LATENT for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                                             "v_head_dim", "rope_type")},
+              # The gated DeltaNet's sizes, in a model with such layers only.
+              **{name: lambda model: model.experimental_attention_variant is not None
+                 for name in ("linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+                              "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")},
               # Every expert and router setting, the router's training ones too: a dense model has none.
               **{name: _EXPERTS for name in ROLES if name.startswith("moe_")},
               "moe_router_group_score": lambda model: _EXPERTS(model) and model.moe_router_num_groups is not None,

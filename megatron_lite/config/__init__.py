@@ -387,6 +387,7 @@ class Config:
                  f"--ffn-hidden-size ({model.ffn_hidden_size}) must be divisible by "
                  f"--tensor-model-parallel-size ({tp}).")
         _check_expert_parallel(model, parallel)
+        _check_linear_attention_layout(model, parallel)
         require(model.num_experts is None or model.moe_router_load_balancing_type != "pooled_aux_loss"
                  or self.training.recompute_granularity != "full",
                  "--moe-router-load-balancing-type pooled_aux_loss pools each micro-batch's routing over all layers, "
@@ -529,6 +530,9 @@ def _check_peft_on_model(peft: PeftConfig, model: ModelConfig) -> None:
     require(not (peft.peft == "prefix" and model.multi_latent_attention),
              "--peft prefix prepends keys and values to each head's, which --multi-latent-attention expands from a "
              "latent: fine-tune it with --peft lora or adapter.")
+    require(not (peft.peft == "prefix" and model.experimental_attention_variant is not None),
+            "--peft prefix prepends keys and values to each attention head's, which a gated DeltaNet layer "
+            "(--experimental-attention-variant gdn) has none of: fine-tune it with --peft lora or adapter.")
     if peft.peft != "lora":
         return
     targets = set(peft.lora_target_modules)
@@ -560,6 +564,22 @@ def _check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> Non
              f"--cp-comm-type p2p computes attention block by block without keeping the probabilities, so it has no "
              f"attention dropout: give --attention-dropout 0 (--attention-dropout {model.attention_dropout} now; "
              f"Megatron-LM's default is 0.1), or --cp-comm-type all_gather.")
+
+
+def _check_linear_attention_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Gated DeltaNet layers split their key heads (each with its value heads) over tensor-parallel ranks, and
+    have no context parallelism: a rank's chunk of the sequence would need the recurrent state at its start,
+    which only the ranks before it can compute (docs/model_families.md, "Qwen3-Next, Qwen3.5 and gated DeltaNet")."""
+    if model.experimental_attention_variant is None:
+        return
+    tp = parallel.tensor_model_parallel_size
+    require(model.linear_num_key_heads % tp == 0,
+            f"--linear-num-key-heads ({model.linear_num_key_heads}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp}): each tensor-parallel rank holds whole gated DeltaNet key heads.")
+    require(parallel.context_parallel_size == 1,
+            f"--context-parallel-size {parallel.context_parallel_size} with --experimental-attention-variant gdn: "
+            f"a gated DeltaNet layer's scan carries a state from each position to the next, so a rank's chunk of "
+            f"the sequence cannot start before the ranks ahead of it finish; use --context-parallel-size 1.")
 
 
 def _check_expert_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

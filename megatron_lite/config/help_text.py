@@ -55,6 +55,20 @@ HELP = {
                        "token's embedding; trained only, never used to generate"),
     "mtp_loss_scaling_factor": ("the multi-token prediction loss's weight: factor / --mtp-num-layers times the sum "
                                 "of the depths' mean cross entropies joins the language-model loss"),
+    "attention_output_gate": ("gated attention (Qwen3-Next): the query projection also makes a gate per head "
+                              "channel, and each head's output is multiplied by its sigmoid before the output "
+                              "projection"),
+    "experimental_attention_variant": ("gdn: gated DeltaNet linear attention (Qwen3-Next, Qwen3.5) on the layers "
+                                       "--linear-attention-freq picks, softmax attention on the others"),
+    "linear_attention_freq": ("with --experimental-attention-variant gdn, which layers are linear attention: N "
+                              "(every Nth layer, counting from 1, keeps softmax attention) or a list of 0s and 1s, "
+                              "1 for a linear-attention layer"),
+    "linear_conv_kernel_dim": "the gated DeltaNet's short causal depthwise convolution width (Qwen3-Next: 4)",
+    "linear_key_head_dim": "the gated DeltaNet's query and key head width",
+    "linear_value_head_dim": "the gated DeltaNet's value (and output gate) head width",
+    "linear_num_key_heads": "the gated DeltaNet's query and key heads",
+    "linear_num_value_heads": ("the gated DeltaNet's value heads, a multiple of --linear-num-key-heads (each "
+                               "query/key head serves that many)"),
     "parallel_attention_mlp": ("attention and MLP side by side, both from the layer's input: x + Attn(Norm(x)) + "
                                "MLP(Norm(x)) (GPT-NeoX / Pythia's use_parallel_residual, GPT-J)"),
     "scale_embeddings": "multiply the word embeddings by sqrt(--hidden-size) (Gemma)",

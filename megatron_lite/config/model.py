@@ -22,6 +22,9 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
 # follows, fixed at 0 (off-by-one) or learned (learnable, gpt-oss's sinks; model/attention_sinks.py).
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 ROPE_TYPES = ("rope", "yarn")
+# Megatron-LM's --experimental-attention-variant values we have: gdn, the gated DeltaNet (its older spelling
+# gated_delta_net is the same).
+ATTENTION_VARIANTS = ("gdn",)
 # Megatron-LM's YaRN settings where their flags are not given.
 YARN_DEFAULTS = {"yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0}
 
@@ -152,6 +155,18 @@ class ModelConfig:
     # cross entropy times mtp_loss_scaling_factor / mtp_num_layers added to the training loss.
     mtp_num_layers: Optional[int] = None
     mtp_loss_scaling_factor: float = 0.1
+    # Gated attention (Qwen3-Next): each head's output times sigmoid of a gate its query projection also makes.
+    attention_output_gate: bool = False
+    # Gated DeltaNet linear attention on some layers (Qwen3-Next, Qwen3.5; model/gated_delta_net.py), Megatron-LM's
+    # --experimental-attention-variant gdn: --linear-attention-freq N (every Nth layer, counting from 1, keeps
+    # softmax attention) or a 0/1 list, 1 for a linear-attention layer; the heads' sizes and the convolution's width.
+    experimental_attention_variant: Optional[str] = field(default=None, metadata={"choices": ATTENTION_VARIANTS})
+    linear_attention_freq: Optional[str] = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -217,6 +232,7 @@ class ModelConfig:
             require(value is None or value > 0, f"{flag} must be positive, got {value}.")
         self._check_rope_scaling()
         self._check_no_rope_freq()
+        self._check_linear_attention()
         self.moe_layer_freq = str(self.moe_layer_freq)  # Megatron-LM's int or list, given in code
         if self.num_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size  # as Megatron-LM
@@ -259,6 +275,30 @@ class ModelConfig:
         require(freq >= 1 if isinstance(freq, int) else len(freq) == self.num_layers,
                 f"--no-rope-freq {self.no_rope_freq!r} must be N >= 1 or give one 0 or 1 per layer (--num-layers "
                 f"{self.num_layers}).")
+
+    def _check_linear_attention(self) -> None:
+        if self.experimental_attention_variant is None:
+            require(self.linear_attention_freq is None, "--linear-attention-freq places gated DeltaNet layers: add "
+                                                         "--experimental-attention-variant gdn.")
+            return
+        require(self.linear_attention_freq is not None, "--experimental-attention-variant gdn needs "
+                                                         "--linear-attention-freq (which layers are linear attention).")
+        freq = parse_moe_layer_freq(self.linear_attention_freq, "--linear-attention-freq", "linear-attention layers")
+        self.linear_attention_freq = str(freq)  # one spelling of a pattern, as --no-rope-freq
+        require(freq >= 1 if isinstance(freq, int) else len(freq) == self.num_layers,
+                f"--linear-attention-freq {self.linear_attention_freq!r} must be N >= 1 or give one 0 or 1 per layer "
+                f"(--num-layers {self.num_layers}).")
+        for flag, value in [("--linear-conv-kernel-dim", self.linear_conv_kernel_dim),
+                            ("--linear-key-head-dim", self.linear_key_head_dim),
+                            ("--linear-value-head-dim", self.linear_value_head_dim),
+                            ("--linear-num-key-heads", self.linear_num_key_heads),
+                            ("--linear-num-value-heads", self.linear_num_value_heads)]:
+            require(value > 0, f"{flag} must be positive, got {value}.")
+        require(self.linear_num_value_heads % self.linear_num_key_heads == 0,
+                f"--linear-num-value-heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"--linear-num-key-heads ({self.linear_num_key_heads}): each key head serves whole value heads.")
+        require(not self.multi_latent_attention, "--experimental-attention-variant gdn mixes gated DeltaNet with "
+                                                  "grouped-query attention: drop --multi-latent-attention.")
 
     def _check_padding_embedding(self) -> None:
         require(self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
@@ -349,6 +389,14 @@ class ModelConfig:
         freq = parse_moe_layer_freq(self.no_rope_freq, "--no-rope-freq", "layers without rotary embeddings")
         layer_number = self.pattern_layer(layer_number)
         return (layer_number + 1) % freq == 0 if isinstance(freq, int) else bool(freq[layer_number])
+
+    def is_linear_attention_layer(self, layer_number: int) -> bool:
+        """Whether layer ``layer_number`` (global, 0-based) is a gated DeltaNet layer (--linear-attention-freq):
+        with N, every layer but each Nth (counting from 1) is."""
+        if self.experimental_attention_variant is None:
+            return False
+        freq = parse_moe_layer_freq(self.linear_attention_freq, "--linear-attention-freq", "linear-attention layers")
+        return (layer_number + 1) % freq != 0 if isinstance(freq, int) else bool(freq[layer_number])
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether layer ``layer_number`` (global, 0-based) has a mixture of experts for its MLP."""

@@ -24,6 +24,9 @@ rank ends the prefill with the whole prompts' cache, and its queries attend chun
 (``context_parallel.attend_own_chunks``). Every later pass (one new token per sequence) runs whole on every
 rank, on its own full cache: the ranks compute the same tokens, without a sequence to split.
 
+A gated DeltaNet layer (linear attention) keeps no positions at all: its state is the last few inputs of its
+convolution and its scan's state, of a fixed size, replaced at every step (``recurrent_state``).
+
 A sliding-window layer (Mistral, Gemma's local layers) never looks further back than its
 window, so it keeps only that many positions: its memory stays the window's however long
 the sequence grows. Its keys then start later than the other layers', and the attention
@@ -42,12 +45,20 @@ class StaticInferenceContext:
         self.sequence_len_offset = 0
         self.key_value_memory_dict: dict[int, tuple[torch.Tensor, ...]] = {}
         self.context_parallel = context_parallel
+        self.recurrent_states: dict[int, tuple[torch.Tensor, ...]] = {}
 
     @property
     def splits_sequence(self) -> bool:
         """Whether this forward pass holds only this rank's chunks of the sequence: the prefill (nothing cached
         yet) under context parallelism."""
         return self.context_parallel is not None and self.sequence_len_offset == 0
+
+    def recurrent_state(self, layer_number: int) -> tuple[torch.Tensor, ...] | None:
+        """Layer ``layer_number``'s state after the tokens so far (each tensor [b, ...]), None before the first."""
+        return self.recurrent_states.get(layer_number)
+
+    def set_recurrent_state(self, layer_number: int, state: tuple[torch.Tensor, ...]) -> None:
+        self.recurrent_states[layer_number] = state
 
     def append_key_value(self, layer_number: int, *tensors: torch.Tensor,
                          window: int | None = None) -> tuple[torch.Tensor, ...]:

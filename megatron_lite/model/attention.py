@@ -26,6 +26,10 @@ class SelfAttention(nn.Module):
     """The fused QKV weight is laid out per query group, ``[q heads of the group, k, v]``,
     so a contiguous tensor-parallel shard holds whole groups with their keys and values.
 
+    With ``--attention-output-gate`` (Qwen3-Next's gated attention) each group's rows are ``[q heads, their
+    gates, k, v]`` (Megatron-LM's order), and each head's output is multiplied by the sigmoid of its gate before
+    the output projection.
+
     ``context_parallel``: when given, this rank holds only its chunks of each sequence and the core
     attention exchanges keys and values with the other context-parallel ranks (``build_core_attention``)."""
 
@@ -45,7 +49,9 @@ class SelfAttention(nn.Module):
             heads_per_group=self.heads_per_group, context_parallel=context_parallel)
         self.checkpoint_core_attention = checkpoint_core_attention
         self.rotary_concentration = layer_rotary_concentration(config, layer_number)
-        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
+        self.output_gate = config.attention_output_gate
+        query_rows = config.num_attention_heads * (2 if self.output_gate else 1)
+        qkv_size = (query_rows + 2 * config.num_query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, tp_config=tp_config, bias=config.add_bias_linear or config.add_qkv_bias)
         self.linear_proj = RowParallelLinear(
@@ -70,9 +76,12 @@ class SelfAttention(nn.Module):
         its last columns)."""
         qkv, _ = self.linear_qkv(hidden_states)
         seq, batch = qkv.shape[:2]
-        qkv = qkv.view(seq, batch, self.local_query_groups, (self.heads_per_group + 2) * self.head_dim)
-        query, key, value = torch.split(
-            qkv, [self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        qkv = qkv.view(seq, batch, self.local_query_groups, -1)
+        query_width = self.heads_per_group * self.head_dim
+        if self.output_gate:
+            query, gate, key, value = torch.split(qkv, [query_width, query_width, self.head_dim, self.head_dim], dim=-1)
+        else:
+            query, key, value = torch.split(qkv, [query_width, self.head_dim, self.head_dim], dim=-1)
         query = query.reshape(seq, batch, -1, self.head_dim)
         query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_freqs is not None:
@@ -99,6 +108,8 @@ class SelfAttention(nn.Module):
             context = checkpoint(core_attention, query, key, value, attention_mask)
         else:
             context = core_attention(query, key, value, attention_mask)
+        if self.output_gate:
+            context = context * torch.sigmoid(gate.reshape(*context.shape))
         return self.linear_proj(context)
 
 

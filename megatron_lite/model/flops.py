@@ -6,6 +6,7 @@ Every matmul is counted, forward only per token; a backward costs twice its forw
 from __future__ import annotations
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model.delta_rule import CHUNK_SIZE
 
 
 def attention_core_flops_per_token(config: ModelConfig) -> float:
@@ -22,7 +23,8 @@ def attention_projection_flops_per_token(config: ModelConfig) -> float:
     multi-latent attention's down- and up-projections and output."""
     h, heads = config.hidden_size, config.num_attention_heads
     if not config.multi_latent_attention:
-        qkv = 2 * h * (heads + 2 * config.num_query_groups) * config.head_dim
+        query_heads = heads * (2 if config.attention_output_gate else 1)  # gated attention: the gates too
+        qkv = 2 * h * (query_heads + 2 * config.num_query_groups) * config.head_dim
         return qkv + 2 * heads * config.head_dim * h
     query_width = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim)
     query = (2 * h * query_width if config.q_lora_rank is None
@@ -34,9 +36,24 @@ def attention_projection_flops_per_token(config: ModelConfig) -> float:
 
 def transformer_layer_flops_per_token(config: ModelConfig, layer_number: int = 0) -> float:
     """Forward FLOPs of layer ``layer_number`` for one token, counting every matmul (GQA, MLA and SwiGLU included;
-    a mixture of experts' router, the k experts the token goes to and the shared expert)."""
+    a mixture of experts' router, the k experts the token goes to and the shared expert; a gated DeltaNet layer's
+    linear attention in place of softmax attention)."""
+    if config.is_linear_attention_layer(layer_number):
+        return gated_delta_net_flops_per_token(config) + mlp_flops_per_token(config, layer_number)
     return (attention_projection_flops_per_token(config) + attention_core_flops_per_token(config)
             + mlp_flops_per_token(config, layer_number))
+
+
+def gated_delta_net_flops_per_token(config: ModelConfig) -> float:
+    """Forward FLOPs of a gated DeltaNet layer for one token (docs/reference.md section 19): its projections, the
+    convolution, the state's update and read, and the chunk's within-chunk products."""
+    h, key_heads, value_heads = config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads
+    keys, values = key_heads * config.linear_key_head_dim, value_heads * config.linear_value_head_dim
+    projections = 2 * h * (2 * keys + 2 * values + 2 * value_heads) + 2 * values * h
+    convolution = 2 * config.linear_conv_kernel_dim * (2 * keys + values)
+    state = 4 * value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    chunk = 2 * CHUNK_SIZE * value_heads * (config.linear_key_head_dim + config.linear_value_head_dim)
+    return projections + convolution + state + chunk
 
 
 def mlp_flops_per_token(config: ModelConfig, layer_number: int) -> float:

@@ -5,7 +5,8 @@ from the model's config and the layer's number, so ``TransformerLayer`` builds w
 tests no flag itself.
 
     self_attention  SelfAttention (grouped-query, attention.py), or MultiLatentAttention
-                    (--multi-latent-attention, multi_latent_attention.py)
+                    (--multi-latent-attention, multi_latent_attention.py), or GatedDeltaNet (linear attention,
+                    gated_delta_net.py) where --experimental-attention-variant gdn and --linear-attention-freq put one
     mlp             MLP (dense, mlp.py), or MoELayer (a mixture of experts, moe/moe_layer.py) where
                     --num-experts and --moe-layer-freq put one
 
@@ -24,6 +25,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig
 from megatron_lite.expert_parallel import ExpertParallelConfig
 from megatron_lite.model.attention import SelfAttention
+from megatron_lite.model.gated_delta_net import GatedDeltaNet
 from megatron_lite.model.mlp import MLP
 from megatron_lite.model.moe import MoELayer
 from megatron_lite.model.multi_latent_attention import MultiLatentAttention
@@ -42,6 +44,8 @@ def transformer_layer_spec(config: ModelConfig, layer_number: int, *,
     """The modules of layer ``layer_number`` (global, 0-based; layers may differ, as DeepSeek's first dense
     MLPs from its mixture-of-experts ones)."""
     attention = MultiLatentAttention if config.multi_latent_attention else SelfAttention
+    if config.is_linear_attention_layer(layer_number):
+        attention = GatedDeltaNet
     mlp = (functools.partial(MoELayer, ep_config=ep_config, context_parallel=context_parallel)
            if config.is_moe_layer(layer_number) else MLP)
     return TransformerLayerSpec(self_attention=attention, mlp=mlp)

@@ -67,6 +67,8 @@ def layer_parameters(model: ModelConfig, layer_number: int, tensor_model_paralle
     t = tensor_model_parallel_size
     prefix = prefix or f"decoder.layers.{layer_number}"
     attention = _latent_attention if model.multi_latent_attention else _attention
+    if model.is_linear_attention_layer(layer_number):
+        attention = _gated_delta_net
     if model.is_moe_layer(layer_number):
         mlp = _experts(f"{prefix}.mlp", model, t, expert_model_parallel_size, expert_tensor_parallel_size or t)
     else:
@@ -124,7 +126,8 @@ def _attention(prefix: str, model: ModelConfig, t: int) -> list[ParamSpec]:
     h, bias = model.hidden_size, model.add_bias_linear
     sinks = ([ParamSpec(f"{prefix}.softmax_offset", model.num_attention_heads // t)]
              if model.softmax_type == "learnable" else [])
-    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim // t
+    query_heads = model.num_attention_heads * (2 if model.attention_output_gate else 1)  # gated: the gates too
+    qkv = (query_heads + 2 * model.num_query_groups) * model.head_dim // t
     widths = ((model.num_attention_heads * model.head_dim // t, model.num_query_groups * model.head_dim // t)
               if model.qk_layernorm_whole_projection else (model.head_dim, model.head_dim))
     return (sinks + _linear(f"{prefix}.linear_qkv", qkv, h, qkv if bias or model.add_qkv_bias else None,
@@ -133,6 +136,18 @@ def _attention(prefix: str, model: ModelConfig, t: int) -> list[ParamSpec]:
                       partition_dim=1)
             + (_norm(f"{prefix}.q_layernorm", model, widths[0]) + _norm(f"{prefix}.k_layernorm", model, widths[1])
                if model.qk_layernorm else []))
+
+
+def _gated_delta_net(prefix: str, model: ModelConfig, t: int) -> list[ParamSpec]:
+    """``model/gated_delta_net.py``'s, split with the key heads: A_log and dt_bias (the module's own parameters
+    come first), in_proj, the convolution, the gated norm (one head wide, replicated), out_proj."""
+    h, key_heads, value_heads = model.hidden_size, model.linear_num_key_heads // t, model.linear_num_value_heads // t
+    keys, values = key_heads * model.linear_key_head_dim, value_heads * model.linear_value_head_dim
+    return ([ParamSpec(f"{prefix}.A_log", value_heads), ParamSpec(f"{prefix}.dt_bias", value_heads)]
+            + _linear(f"{prefix}.in_proj", 2 * keys + 2 * values + 2 * value_heads, h, None)
+            + [ParamSpec(f"{prefix}.conv1d.weight", (2 * keys + values) * model.linear_conv_kernel_dim),
+               ParamSpec(f"{prefix}.out_norm.weight", model.linear_value_head_dim)]
+            + _linear(f"{prefix}.out_proj", h, values, None))
 
 
 def _latent_attention(prefix: str, model: ModelConfig, t: int) -> list[ParamSpec]:

@@ -28,13 +28,20 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
     gpt_neox attention and MLP in parallel (use_parallel_residual), RoPE on a quarter of each head (rotary_pct
              0.25 of 16 channels), exact GELU, LayerNorm and biases everywhere, untied embed_out; the sequential
              residual (use_parallel_residual false) with tied embeddings apart, in logits and round trip
+    qwen3_next  hybrid: a gated DeltaNet layer (2 key heads of 8, each serving 2 value heads of 8, convolution 4)
+             then a gated attention layer (q/k (1 + w) RMSNorm, RoPE on half of each head), (1 + w) norms, dense
+             MLPs (num_experts 0), tied embeddings; at pp 2 one layer of each kind per stage, at tp 2 one key head
+             per rank
+    qwen3_5_text  the same with Qwen3.5's unfused DeltaNet projections, RoPE on a quarter of each head (the
+             default partial_rotary_factor), untied
     smollm3  Llama with its second layer NoPE (no_rope_layer_interval 2: at pp 2 the second stage's layer, so
              the global layer number decides), tied embeddings
 
 For each: logits equal transformers' at 1 process and at tp2 x pp2; greedy generation (alone and
 batched, left-padded) equals ``generate``; HF -> ours -> HF -> ours is bit-exact; 5 training
 steps at tp2 x pp2 x dp2 equal 1 process; a LoRA export loads in peft and gives our logits; the
-first --sft loss (and, with a window, the packed one) is transformers' loss over the response tokens.
+first --sft loss (and, with a window or a gated DeltaNet, the packed one) is transformers' loss over the response
+tokens.
 """
 import dataclasses
 
@@ -67,6 +74,9 @@ from tools.checkpoint_convert import main as convert  # noqa: E402
 
 VOCAB = 100  # the vocabulary pads to 128 rows at tp 1, 256 at tp 2
 ATOL = RTOL = 1e-5
+# The gated DeltaNet's scan rounds its float32 sums in another order than transformers' (4e-6 of its output of 6
+# measured), which the widened MLP after it grows to 2e-5 of logits near 9.
+HYBRID_ATOL = {"qwen3_next": 5e-5, "qwen3_5_text": 5e-5}
 TOKENS = dict(bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, **TOKENS)
@@ -81,6 +91,10 @@ GEMMA3_LAYERS = ["sliding_attention", "full_attention"]
 GPT_NEOX = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                 max_position_embeddings=64, layer_norm_eps=1e-6, hidden_act="gelu", **TOKENS,
                 rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25})
+# One gated DeltaNet layer, then one gated attention layer (Qwen3-Next's and Qwen3.5's hybrid).
+QWEN3_NEXT = dict(SMALL, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                  linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+                  rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5})
 FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(
         **SMALL, tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
@@ -107,11 +121,17 @@ FAMILIES = {
     "smollm3": lambda: transformers.SmolLM3Config(**SMALL, no_rope_layer_interval=2, tie_word_embeddings=True,
                                                   rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(**GPT_NEOX, use_parallel_residual=True, tie_word_embeddings=False),
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(**QWEN3_NEXT, num_experts=0, tie_word_embeddings=True),
+    "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(  # partial_rotary_factor left to its default, 0.25
+        **dict(QWEN3_NEXT, rope_parameters={"rope_type": "default", "rope_theta": 500.0}), tie_word_embeddings=False),
 }
 # DeepSeek: every projection of multi-latent attention (linear_qkv is all of them: the query and key/value down-
 # and up-projections, two of them replicated over tensor-parallel ranks) and o_proj. peft loads no LoRA on dense
 # DeepSeek MLPs (it takes their gate/up/down_proj for experts), which the export refuses.
-LORA_TARGETS = {"deepseek_v3": ["linear_qkv", "linear_proj"], "deepseek_v2": ["linear_qkv", "linear_proj"]}
+# Qwen3-Next: peft remaps its mlp.gate_proj/up_proj/down_proj to experts (transformers' qwen2_moe conversion) even
+# in a dense model, which the export refuses; its attention (the gated layer's q_proj with the gates) is exported.
+LORA_TARGETS = {"deepseek_v3": ["linear_qkv", "linear_proj"], "deepseek_v2": ["linear_qkv", "linear_proj"],
+                "qwen3_next": ["linear_qkv", "linear_proj"]}
 
 
 def _import(name: str, directory) -> Imported:
@@ -170,7 +190,8 @@ def test_logits_equal_transformers(family):
     model, parallel_state = load(family.root)
     try:
         with torch.no_grad():
-            torch.testing.assert_close(model(family.input_ids), family.logits, atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(model(family.input_ids), family.logits,
+                                       atol=HYBRID_ATOL.get(family.name, ATOL), rtol=RTOL)
     finally:
         destroy_model_parallel(parallel_state)
 
@@ -201,7 +222,8 @@ def test_tp2_pp2_logits_and_generation_equal_transformers(imports):
         assert sum(logits is not None for logits, _ in results) == 2, name  # the last stage's two tp ranks
         for logits, tokens in results:
             if logits is not None:
-                torch.testing.assert_close(logits, imports[name].logits, atol=ATOL, rtol=RTOL, msg=name)
+                torch.testing.assert_close(logits, imports[name].logits, atol=HYBRID_ATOL.get(name, ATOL), rtol=RTOL,
+                                           msg=name)
             assert tokens == expected_tokens, name
 
 
@@ -235,8 +257,13 @@ def test_round_trip_is_bit_exact(family, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Training and LoRA
 
-# Multi-latent attention's replicated down-projections and rotary key under sequence parallelism too.
-SEQUENCE_PARALLEL = ("deepseek_v3",)
+# The gated DeltaNet's convolution weight takes a gradient summed over every position, moved 0.1 in 5 steps at
+# lr 0.1: rounding leaves 7e-6 of its scale 0.6 between layouts (5e-5 of the distance moved; a wrong shard or
+# a missing reduction is 1e-2).
+CONVOLUTION_RTOL = 3e-5
+# Multi-latent attention's replicated down-projections and rotary key, and the DeltaNet's gathered in_proj, under
+# sequence parallelism too.
+SEQUENCE_PARALLEL = ("deepseek_v3", "qwen3_next")
 
 
 def test_training_at_tp2_pp2_dp2_equals_one_process(imports, tmp_path):
@@ -259,6 +286,7 @@ def test_training_at_tp2_pp2_dp2_equals_one_process(imports, tmp_path):
             if not key.startswith("optimizer."):  # vocabulary rows past VOCAB are tp-dependent padding
                 actual = parallel[key][:VOCAB] if parallel[key].shape != value.shape else parallel[key]
                 assert_relative_close(actual, value[:VOCAB] if actual.shape != value.shape else value,
+                                      rel=CONVOLUTION_RTOL if key.endswith("conv1d.weight") else 1e-5,
                                       what=f"{name} {key}")
 
 
@@ -279,7 +307,7 @@ def test_lora_export_loads_in_peft(family, tmp_path):
     assert (ours - family.logits).abs().max() > 1e-2  # LoRA moved the model
     assert convert(["--target-format", "peft", "--load-dir", adapters, "--save-dir", peft_dir,
                     "--base-model-name-or-path", family.hf_dir]) == 0
-    if family.name in LORA_TARGETS:  # LoRA on every MLA projection (replicated down-projections too), and back
+    if family.name.startswith("deepseek"):  # LoRA on every MLA projection (replicated down-projections too), and back
         ours_factors = {k: v for k, v in _our_tensors(adapters).items()
                         if ".lora." in k and not k.startswith("optimizer.")}
         assert {f"{name}.lora.lora_A.weight" for name in ("linear_kv_down_proj", "linear_kv_up_proj")} <= {
@@ -291,7 +319,8 @@ def test_lora_export_loads_in_peft(family, tmp_path):
     adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(family.hf_dir),
                                              peft_dir).eval()
     with torch.no_grad():
-        torch.testing.assert_close(adapted(family.input_ids).logits, ours, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(adapted(family.input_ids).logits, ours, atol=HYBRID_ATOL.get(family.name, ATOL),
+                                   rtol=RTOL)
 
 
 # (prompt, response) longer than the windows of 5, so the window acts inside each example; 37 tokens with
@@ -307,7 +336,9 @@ def test_sft_first_loss_equals_transformers(family, tmp_path):
     data = _write_jsonl(tmp_path / "sft.jsonl", SFT_PAIRS)
     base = training_config(family.root, str(tmp_path / "sft"), 1, 1,
                            optimizer=OptimizerConfig(optimizer="sgd", lr=0.1, lr_decay_style="constant"))
-    windowed = read_config(family.root).model.window_size is not None
+    model = read_config(family.root).model
+    # A window, or a scan that must restart at each example (gated DeltaNet), acts only when packed.
+    windowed = model.window_size is not None or model.experimental_attention_variant is not None
     with torch.no_grad():
         expected = _transformers_response_loss(family.hf_model, SFT_PAIRS).item()
     for pack in [False, True] if windowed else [False]:
@@ -501,8 +532,18 @@ FAIR_LAYOUTS = {
     "deepseek_v2": dict(pipeline_model_parallel_size=2, use_distributed_optimizer=True, bf16=True),
     "gpt_neox": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),  # the parallel residual's norms
     "smollm3": dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2),  # the NoPE layer on stage 2
+    # The DeltaNet's heads split, its norm's gradient summed over the tensor ranks; the attention layer on stage 2.
+    "qwen3_next": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+    "qwen3_5_text": dict(tensor_model_parallel_size=2, use_distributed_optimizer=True, sequence_parallel=True),
 }
 
 
+# The hybrids' gradients grow to a norm of 40-80 by the third step (7 at the first), where the DeltaNet's float32
+# rounding (its gradients 3e-6 of transformers' at the first step) leaves the norm 3e-5 off (measured: 78.775
+# against 78.773), more than the log's three decimals; losses and weights stay within the defaults.
+HYBRID_TOLERANCES = {name: dict(norm_rtol=5e-5) for name in HYBRID_ATOL}
+
+
 def test_fine_tuning_equals_transformers_with_clipping(imports, tmp_path):
-    fair_fight(imports, FAIR_LAYOUTS, tmp_path, {"phi3": "phi3", "deepseek_v2": "deepseek_v2"}, vocab=VOCAB, pad=EOS)
+    fair_fight(imports, FAIR_LAYOUTS, tmp_path, {"phi3": "phi3", "deepseek_v2": "deepseek_v2"}, vocab=VOCAB, pad=EOS,
+               tolerances=HYBRID_TOLERANCES)

@@ -39,6 +39,10 @@ MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_
 # Two multi-token prediction depths (on the last stage, with a copy of the embedding) after a dense first layer
 # and experts, as DeepSeek-V3's: their layers have experts, as the decoder's last; learned positions copied too.
 MTP = dict(MOE, position_embedding_type="learned_absolute", mtp_num_layers=2)
+# Qwen3-Next's hybrid: gated DeltaNet layers (every 4th keeps gated attention, whose q projection holds the gates).
+HYBRID = dict(LLAMA, qk_layernorm=True, attention_output_gate=True, experimental_attention_variant="gdn",
+              linear_attention_freq="4", linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+              linear_value_head_dim=8)
 WORLD = 8
 
 
@@ -77,8 +81,8 @@ def _built(config, rank):
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2), (2, 4, None)]
 
 
-@pytest.mark.parametrize("arch", [GPT, LLAMA, MLA, FAMILY_FEATURES, MTP], ids=["gpt", "llama", "mla", "family-features",
-                                                                        "mtp"])
+@pytest.mark.parametrize("arch", [GPT, LLAMA, MLA, FAMILY_FEATURES, MTP, HYBRID],
+                         ids=["gpt", "llama", "mla", "family-features", "mtp", "hybrid"])
 @pytest.mark.parametrize("tp,pp,vpp", LAYOUTS)
 def test_parameter_list_is_the_chunks_named_parameters(arch, tp, pp, vpp):
     """Names, sizes and order of every chunk's parameters, and the ZeRO-3 unit each belongs to

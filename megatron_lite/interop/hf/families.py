@@ -76,6 +76,17 @@ never dropped: an unread field is a silently different model. A null field sets 
              1, --activation-func-clamp-value
              swiglu_limit)
 
+    qwen3_next, qwen3_5_text (qwen3_next.py):
+             hybrid layers: gated DeltaNet (layer_types    layer_types other than linear_attention and
+             linear_attention: --experimental-attention-   full_attention, attention_bias, mlp_bias, other
+             variant gdn, --linear-attention-freq) and     rope types than llama's
+             gated attention (--attention-output-gate)
+             with q/k (1 + w) RMSNorms and partial RoPE;
+             (1 + w) RMSNorms; qwen3_next: experts as
+             qwen3_moe's with a sigmoid-gated shared
+             expert; qwen3_5_text: dense, unfused
+             DeltaNet projections
+
 DeepSeek-V3's and GLM-4.5's multi-token prediction layers (num_nextn_predict_layers: --mtp-num-layers) are extra
 decoder layers in their files: ``multi_token_prediction``.
 
@@ -95,7 +106,7 @@ from __future__ import annotations
 from megatron_lite.checkpointing.architecture import defines_function
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.interop.hf import (deepseek, gemma, glm4_moe, gpt2, gpt_neox, gpt_oss, llama, mistral, mixtral,
-                                      olmoe, phi3, qwen, smollm3)
+                                      olmoe, phi3, qwen, qwen3_next, smollm3)
 from megatron_lite.interop.hf.family import GENERIC_FIELDS, Family, refuse
 from megatron_lite.interop.hf.pad_token import pad_token_id_from_hf
 
@@ -118,6 +129,8 @@ FAMILIES = {family.model_type: family for family in (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
     gpt_oss.GPT_OSS,
+    qwen3_next.QWEN3_NEXT,
+    qwen3_next.QWEN3_5,
 )}
 
 # The features only some families have, and the value each takes where it is absent.
@@ -125,7 +138,8 @@ _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size
                       "num_experts": None, "qk_layernorm_whole_projection": False, "multi_latent_attention": False,
                       "parallel_attention_mlp": False, "no_rope_freq": None, "mtp_num_layers": None,
                       "softmax_type": "vanilla", "quick_geglu": False, "glu_linear_offset": 0.0,
-                      "activation_func_clamp_value": None}
+                      "activation_func_clamp_value": None, "experimental_attention_variant": None,
+                      "attention_output_gate": False}
 # Namings that are Llama's but for their experts' (weights._EXPERT_NAMES): a Llama-like model with experts.
 EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe", "glm4_moe"})
 

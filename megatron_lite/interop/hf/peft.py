@@ -65,8 +65,8 @@ _MODULES = {
 # GPT-NeoX's modules are ours one for one, rows in our order (its query_key_value is laid out per head, as ours).
 _MODULES["gpt_neox"] = {"linear_qkv": [("attention.query_key_value", None)], "linear_proj": [("attention.dense", None)],
                         "linear_fc1": [("mlp.dense_h_to_4h", None)], "linear_fc2": [("mlp.dense_4h_to_h", None)]}
-_MODULES["gemma"] = _MODULES["mixtral"] = _MODULES["qwen_moe"] = _MODULES["glm4_moe"] = _MODULES["gpt_oss"] = (
-    _MODULES["llama"])
+for _naming in ("gemma", "mixtral", "qwen_moe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5"):
+    _MODULES[_naming] = _MODULES["llama"]
 _MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)],
                         "linear_q_down_proj": [("self_attn.q_a_proj", None)],
                         "linear_q_up_proj": [("self_attn.q_b_proj", None)],
@@ -83,7 +83,8 @@ _LAYERS = {"gpt2": "base_model.model.transformer.h.", "gpt_neox": "base_model.mo
            "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers.",
            "mixtral": "base_model.model.model.layers.", "qwen_moe": "base_model.model.model.layers.",
            "deepseek": "base_model.model.model.layers.", "glm4_moe": "base_model.model.model.layers.",
-           "gpt_oss": "base_model.model.model.layers."}
+           "gpt_oss": "base_model.model.model.layers.", "qwen3_next": "base_model.model.model.layers.",
+           "qwen3_5": "base_model.model.model.layers."}
 # A mixture-of-experts layer's experts in transformers 5 (Mixtral, Qwen3-MoE, OLMoE): one 3-D parameter per
 # projection, [experts, out, in], which PEFT adapts as ``target_parameters`` (its ParamWrapper), every expert
 # with its own rank-r factors: A [E r, in] (expert e's rows e r .. e r + r - 1) and B [out, r E] (expert e's
@@ -119,7 +120,8 @@ def _join_blocks(target: str, blocks: dict, config: ModelConfig) -> torch.Tensor
 
 def _block_rows(target: str, config: ModelConfig) -> dict:
     """How many rows each block of ``target`` has."""
-    sizes = {"q": config.num_attention_heads * config.head_dim, "k": config.num_query_groups * config.head_dim,
+    gated = 2 if config.attention_output_gate else 1  # a gated attention's q_proj holds each head's gate too
+    sizes = {"q": gated * config.num_attention_heads * config.head_dim, "k": config.num_query_groups * config.head_dim,
              "v": config.num_query_groups * config.head_dim, "gate": config.ffn_hidden_size,
              "up": config.ffn_hidden_size}
     return {block: sizes[block] for block in ("q", "k", "v")} if target == "linear_qkv" else {
@@ -137,7 +139,8 @@ def _inputs(target: str, config: ModelConfig) -> int:
 
 def _full_rows(target: str, config: ModelConfig) -> int:
     heads, rotary = config.num_attention_heads, config.qk_pos_emb_head_dim
-    return {"linear_qkv": (heads + 2 * config.num_query_groups) * config.head_dim,
+    query_heads = heads * (2 if config.attention_output_gate else 1)  # a gated attention's gates too
+    return {"linear_qkv": (query_heads + 2 * config.num_query_groups) * config.head_dim,
             "linear_proj": config.hidden_size, "linear_fc2": config.hidden_size,
             "linear_fc1": config.ffn_hidden_size * (2 if config.swiglu else 1),
             "linear_q_proj": heads * (config.qk_head_dim + rotary), "linear_q_down_proj": config.q_lora_rank,
@@ -167,7 +170,7 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
         if experts:
             tensors.update(_expert_adapters(reader, model, layer, experts, architecture, peft))
             expert_targets.update(_EXPERT_PARAMETERS[t] for t in experts)
-        for target in (t for t in peft.lora_target_modules if t not in experts):
+        for target in (t for t in peft.lora_target_modules if t not in experts and _has_target(model, layer, t)):
             lora_a, lora_b = (reader.read(n) for n in factor_names(f"decoder.layers.{layer}.{_OUR_MODULE[target]}"))
             lora_b = _hf_rows(target, lora_b, model, to_hf=True)
             blocks = _row_blocks(target, lora_b, model)
@@ -192,8 +195,15 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
 
 
 # Namings whose gate_proj, up_proj and down_proj peft (0.21, for transformers 5) takes for a mixture of experts'
-# fused parameters, in every layer: Qwen3-MoE, OLMoE, DeepSeek and GLM-4.5 (not Mixtral, whose experts are w1, w3, w2).
-_PEFT_REMAPS_MLPS = frozenset({"qwen_moe", "deepseek", "glm4_moe"})
+# fused parameters, in every layer: Qwen3-MoE, OLMoE, DeepSeek, GLM-4.5 and Qwen3-Next (not Mixtral, whose experts
+# are w1, w3, w2).
+_PEFT_REMAPS_MLPS = frozenset({"qwen_moe", "deepseek", "glm4_moe", "qwen3_next"})
+
+
+def _has_target(model: ModelConfig, layer: int, target: str) -> bool:
+    """Whether layer ``layer`` has the linear ``target``: a gated DeltaNet layer has no attention projections."""
+    attention = target == "linear_proj" or target.startswith(("linear_q", "linear_kv"))
+    return not (attention and model.is_linear_attention_layer(layer))
 
 
 def _check_peft_loads(model: ModelConfig, targets: list, family) -> None:

@@ -31,6 +31,10 @@ What differs between the two naming schemes:
   shared_experts' fc1 and fc2), and V3's mlp.gate.e_score_correction_bias is our router's expert_bias.
 - GLM-4.5 (naming glm4_moe): Llama's names (q/k/v biases as Qwen2's, q_norm/k_norm as Qwen3's), DeepSeek's experts.
 - gpt-oss: Llama's names, q/k/v/o biases, and its sinks, router and fused experts (``gpt_oss_weights``).
+- Qwen3-Next and Qwen3.5: their gated DeltaNet layers' linear_attn tensors are ``qwen3_next``'s to convert; a
+  gated attention's q_proj rows are [q; gate] per head, ours [q heads; their gates] per query group
+  (``pack_qkv``); the shared expert is mlp.shared_expert (our shared_experts) with mlp.shared_expert_gate (our
+  shared_experts.gate_weight). Their norms are zero-centred as Gemma's, copied unchanged.
 - Vocabulary: ours is padded (``ModelConfig.padded_vocab_size``): zero rows are added
   on import and cut on export.
 """
@@ -47,6 +51,7 @@ from megatron_lite.interop.hf.families import (GEMMA_FEATURES, Family, config_js
 from megatron_lite.interop.hf.gpt_oss_weights import gpt_oss_layer_from_hf, gpt_oss_layer_to_hf
 from megatron_lite.interop.hf.latent_attention import latent_attention_from_hf, latent_attention_to_hf
 from megatron_lite.interop.hf.multi_token_prediction import mtp_from_hf, mtp_to_hf
+from megatron_lite.interop.hf.qwen3_next import gated_delta_net_from_hf, gated_delta_net_to_hf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,13 +77,15 @@ def hf_architecture(config: ModelConfig) -> str:
     gemma = dict(normalization="RMSNorm", rotary=True, swiglu=True, geglu=True, add_bias_linear=False,
                  add_qkv_bias=False, rotary_percent=1.0, apply_layernorm_1p=True, post_sublayer_norm=True,
                  scale_embeddings=True, multi_latent_attention=False)
+    qwen3_next = dict(normalization="RMSNorm", rotary=True, swiglu=True, add_bias_linear=False, apply_layernorm_1p=True,
+                      attention_output_gate=True, multi_latent_attention=False, **GEMMA_FEATURES)
     deepseek = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, multi_latent_attention=True,
                     qk_layernorm=True, window_size=None, **GEMMA_FEATURES)
     gpt_neox = {**{k: v for k, v in gpt2.items() if k != "position_embedding_type"}, "rotary": True}
     # Llama's names with biases on every linear, sinks and fused, biased experts in every layer.
     gpt_oss = dict(llama, add_bias_linear=True, softmax_type="learnable", qk_layernorm=False)
-    for name, required in (("gpt2", gpt2), ("gpt_neox", gpt_neox), ("llama", llama), ("gemma", gemma),
-                           ("deepseek", deepseek), ("gpt_oss", gpt_oss)):
+    for name, required in (("gpt2", gpt2), ("gpt_neox", gpt_neox), ("qwen3_next", qwen3_next), ("llama", llama),
+                           ("gemma", gemma), ("deepseek", deepseek), ("gpt_oss", gpt_oss)):
         if all(getattr(config, k) == v for k, v in required.items()):
             return name
     raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA, head width "
@@ -86,8 +93,9 @@ def hf_architecture(config: ModelConfig) -> str:
                       "on every channel, SwiGLU, no biases but --add-qkv-bias) nor Gemma (Llama's with "
                       "--apply-layernorm-1p, --post-sublayer-norm, "
                       "--scale-embeddings and --geglu) nor DeepSeek (Llama's with --multi-latent-attention and "
-                      "--qk-layernorm) nor gpt-oss (Llama's with biases and --softmax-type learnable): Hugging Face "
-                      "has no matching architecture to export to.")
+                      "--qk-layernorm), gpt-oss (Llama's with biases and --softmax-type learnable) nor Qwen3-Next "
+                      "(Llama's with --apply-layernorm-1p and --attention-output-gate): Hugging Face has no matching "
+                      "architecture to export to.")
 
 
 def _default_naming(config: ModelConfig) -> str:
@@ -114,9 +122,13 @@ def hf_config_from_model_config(config: ModelConfig, model_type: str | None = No
 
 
 def pack_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """[heads*d, ...], [groups*d, ...], [groups*d, ...] -> our fused [groups*(heads/groups + 2)*d, ...]."""
+    """[heads*d, ...], [groups*d, ...], [groups*d, ...] -> our fused [groups*(heads/groups + 2)*d, ...]. With
+    --attention-output-gate the query rows are [q; gate] per head (Qwen3-Next's q_proj), ours [q heads; their
+    gates] per group."""
     groups, d = config.num_query_groups, config.head_dim
     rest = query.shape[1:]
+    if config.attention_output_gate:  # [group, head, q or gate, d] -> [group, q or gate, head, d]
+        query = query.reshape(groups, -1, 2, d, *rest).transpose(1, 2)
     parts = [query.reshape(groups, -1, *rest), key.reshape(groups, d, *rest), value.reshape(groups, d, *rest)]
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
@@ -124,9 +136,11 @@ def pack_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, config
 def unpack_qkv(fused: torch.Tensor, config: ModelConfig) -> tuple:
     """Inverse of ``pack_qkv``: (query, key, value)."""
     groups, d = config.num_query_groups, config.head_dim
-    per_group = config.num_attention_heads // groups * d
+    per_group = config.num_attention_heads // groups * d * (2 if config.attention_output_gate else 1)
     rest = fused.shape[1:]
     query, key, value = fused.reshape(groups, per_group + 2 * d, *rest).split([per_group, d, d], dim=1)
+    if config.attention_output_gate:
+        query = query.reshape(groups, 2, -1, d, *rest).transpose(1, 2)
     return tuple(t.reshape(-1, *rest) for t in (query, key, value))
 
 
@@ -178,6 +192,7 @@ class ExpertNames(NamedTuple):
     expert: str  # "{e}": the expert's number
     projections: tuple  # (gate, up, down)
     shared: str | None = None  # the shared experts' MLP (gate_proj, up_proj, down_proj), as one of ours
+    shared_gate: str | None = None  # the shared expert's sigmoid gate (our shared_experts.gate_weight)
     expert_bias: str | None = None  # the router's bias on the scores that choose (our expert_bias)
 
 
@@ -186,7 +201,9 @@ _EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe.gate.weight", "block_s
                                         ("w1.weight", "w3.weight", "w2.weight")),
                  "qwen_moe": ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", _QWEN_PROJECTIONS),  # Qwen3-MoE, OLMoE
                  "deepseek": ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", _QWEN_PROJECTIONS,
-                                         shared="mlp.shared_experts.", expert_bias="mlp.gate.e_score_correction_bias")}
+                                         shared="mlp.shared_experts.", expert_bias="mlp.gate.e_score_correction_bias"),
+                 "qwen3_next": ExpertNames("mlp.gate.weight", "mlp.experts.{e}.", _QWEN_PROJECTIONS,
+                                           shared="mlp.shared_expert.", shared_gate="mlp.shared_expert_gate.weight")}
 _EXPERT_NAMES["glm4_moe"] = _EXPERT_NAMES["deepseek"]  # GLM-4.5: Llama's attention, DeepSeek's experts
 _LLAMA_LAYER = _LLAMA_PROJECTIONS + (("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", False),)
 _GEMMA_LAYER = _LLAMA_PROJECTIONS + (
@@ -199,7 +216,13 @@ _QK_NORMS = (("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", Fa
              ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", False))
 
 
-def _llama_layer_table(config: ModelConfig) -> tuple:
+# Namings whose norm weights are stored as scale - 1, as ours with --apply-layernorm-1p.
+ZERO_CENTRED_NAMINGS = frozenset({"gemma", "qwen3_next", "qwen3_5"})
+
+
+def _llama_layer_table(config: ModelConfig, number: int) -> tuple:
+    if config.is_linear_attention_layer(number):  # the norms only: the linear attention is qwen3_next's
+        return _LLAMA_LAYER[1:]
     qk_norms = _QK_NORMS if config.qk_layernorm and not config.multi_latent_attention else ()  # MLA's: its own
     return (_GEMMA_LAYER if config.post_sublayer_norm else _LLAMA_LAYER) + qk_norms
 
@@ -274,7 +297,7 @@ def weights_to_hf(read, config: ModelConfig, naming: str | None = None) -> dict:
     """Our global tensors (``read(name)``) -> HF state dict (vocabulary padding cut), named as ``weights_from_hf``."""
     naming = naming or _default_naming(config)
     vocab = config.vocab_size
-    if config.apply_layernorm_1p and naming != "gemma":  # Gemma stores scale - 1 as ours does
+    if config.apply_layernorm_1p and naming not in ZERO_CENTRED_NAMINGS:
         read = _with_unit_norm_scale(read)
     hf = {}
     if naming == "gpt2":
@@ -316,6 +339,8 @@ def _llama_layer_from_hf(take, theirs: str, layer: str, config: ModelConfig, nam
     else:
         if naming == "deepseek":
             ours.update(latent_attention_from_hf(take, theirs, layer, config, interleaved=interleaved_rope))
+        elif config.is_linear_attention_layer(number):
+            ours.update(gated_delta_net_from_hf(take, theirs, layer, config, naming))
         else:
             ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
                 take(theirs + "self_attn.q_proj.weight"), take(theirs + "self_attn.k_proj.weight"),
@@ -328,7 +353,7 @@ def _llama_layer_from_hf(take, theirs: str, layer: str, config: ModelConfig, nam
         ours[layer + "self_attention.linear_qkv.bias"] = pack_qkv(
             take(theirs + "self_attn.q_proj.bias"), take(theirs + "self_attn.k_proj.bias"),
             take(theirs + "self_attn.v_proj.bias"), config)
-    ours.update(_renamed_from_hf(take, _llama_layer_table(config), theirs, layer))
+    ours.update(_renamed_from_hf(take, _llama_layer_table(config, number), theirs, layer))
     return ours
 
 
@@ -343,6 +368,8 @@ def _llama_layer_to_hf(read, theirs: str, layer: str, config: ModelConfig, namin
     else:
         if naming == "deepseek":
             hf.update(latent_attention_to_hf(read, theirs, layer, config))
+        elif config.is_linear_attention_layer(number):
+            hf.update(gated_delta_net_to_hf(read, theirs, layer, config, naming))
         else:
             query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
             hf.update({theirs + f"self_attn.{name}_proj.weight": weight
@@ -354,7 +381,7 @@ def _llama_layer_to_hf(read, theirs: str, layer: str, config: ModelConfig, namin
     if config.add_qkv_bias or config.add_bias_linear:
         biases = unpack_qkv(read(layer + "self_attention.linear_qkv.bias"), config)
         hf.update({theirs + f"self_attn.{name}_proj.bias": bias for name, bias in zip("qkv", biases)})
-    hf.update(_renamed_to_hf(read, _llama_layer_table(config), theirs, layer))
+    hf.update(_renamed_to_hf(read, _llama_layer_table(config, number), theirs, layer))
     return hf
 
 
@@ -376,6 +403,8 @@ def _mlp_from_hf(take, theirs: str, layer: str, config: ModelConfig, naming: str
         prefix, mine = theirs + names.shared, f"{layer}mlp.shared_experts."
         ours[mine + "linear_fc1.weight"] = torch.cat([take(prefix + gate), take(prefix + up)])
         ours[mine + "linear_fc2.weight"] = take(prefix + down)
+    if config.moe_shared_expert_gate:
+        ours[f"{layer}mlp.shared_experts.gate_weight"] = take(theirs + names.shared_gate)
     if config.moe_router_enable_expert_bias:
         ours[layer + "mlp.router.expert_bias"] = take(theirs + names.expert_bias).float()
     return ours
@@ -398,6 +427,8 @@ def _mlp_to_hf(read, theirs: str, layer: str, config: ModelConfig, naming: str, 
         gate, up = read(mine + "linear_fc1.weight").chunk(2)
         hf.update({prefix + gate_name: gate, prefix + up_name: up,
                    prefix + down_name: read(mine + "linear_fc2.weight")})
+    if config.moe_shared_expert_gate:
+        hf[theirs + names.shared_gate] = read(f"{layer}mlp.shared_experts.gate_weight")
     if config.moe_router_enable_expert_bias:
         hf[theirs + names.expert_bias] = read(layer + "mlp.router.expert_bias")
     return hf
@@ -407,8 +438,10 @@ def _expert_names(naming: str, config: ModelConfig) -> ExpertNames:
     """How ``naming`` names a mixture-of-experts layer's weights, if it names all of ``config``'s."""
     names = _EXPERT_NAMES[naming]
     if (config.moe_shared_expert_intermediate_size is not None and names.shared is None) or (
-            config.moe_router_enable_expert_bias and names.expert_bias is None):
-        raise ConfigError(f"the {naming} naming has no shared expert or expert bias, which this model has.")
+            config.moe_router_enable_expert_bias and names.expert_bias is None) or (
+            config.moe_shared_expert_gate and names.shared_gate is None):
+        raise ConfigError(f"the {naming} naming has no shared expert, shared expert gate or expert bias, which this "
+                          f"model has.")
     return names
 
 

@@ -30,6 +30,8 @@ _UNSUPPORTED = (("moe_latent_size", "latent experts"),
                 ("apply_residual_connection_post_layernorm", "residuals after the norm"),
                 ("use_rope_scaling", "rope scaling"), ("rotary_interleaved", "interleaved rotary embeddings"),
                 ("heterogeneous_layers_config_path", "heterogeneous layers"),
+                # Its gates' rows in Megatron-LM's linear_qkv are not mapped (Qwen3-Next imports from Hugging Face).
+                ("attention_output_gate", "gated attention"),
                 ("experimental_attention_variant", "an experimental attention variant"),
                 ("qk_l2_norm", "query/key L2 norms"),
                 # gpt-oss's, which megatron_lite computes but whose weights this conversion does not map
