@@ -396,6 +396,7 @@ class ModelConfig:
         if self.experimental_attention_variant is None:
             return False
         freq = parse_moe_layer_freq(self.linear_attention_freq, "--linear-attention-freq", "linear-attention layers")
+        layer_number = self.pattern_layer(layer_number)
         return (layer_number + 1) % freq != 0 if isinstance(freq, int) else bool(freq[layer_number])
 
     def is_moe_layer(self, layer_number: int) -> bool:

@@ -79,7 +79,8 @@ def num_floating_point_operations(config: ModelConfig, batch_size: int, padded_v
     """
     per_token_forward = (sum(transformer_layer_flops_per_token(config, n) for n in range(config.num_layers))
                          + output_layer_flops_per_token(config, padded_vocab_size)
-                         + (config.mtp_num_layers or 0) * mtp_depth_flops_per_token(config, padded_vocab_size))
+                         + (config.mtp_num_layers * mtp_depth_flops_per_token(config, padded_vocab_size)
+                            if config.mtp_num_layers else 0.0))
     return 3.0 * batch_size * config.seq_length * per_token_forward
 
 
