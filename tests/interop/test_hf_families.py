@@ -1,5 +1,5 @@
-"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, dense DeepSeek-V2/V3, GPT-NeoX and SmolLM3 import, run, train,
-fine-tune and export exactly against transformers.
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, dense DeepSeek-V2/V3, GPT-NeoX, SmolLM3 and OLMo 2/3 import,
+run, train, fine-tune and export exactly against transformers.
 
 Each family is a tiny random model (``from_config``, saved locally) with every feature it has
 switched on, and weights drawn wider than transformers' init (biases and norm scales included),
@@ -28,6 +28,10 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
     gpt_neox attention and MLP in parallel (use_parallel_residual), RoPE on a quarter of each head (rotary_pct
              0.25 of 16 channels), exact GELU, LayerNorm and biases everywhere, untied embed_out; the sequential
              residual (use_parallel_residual false) with tied embeddings apart, in logits and round trip
+    olmo2    norms after attention and the MLP only (post_attention_layernorm, post_feedforward_layernorm), q/k
+             RMSNorms over the whole projections (across tensor-parallel ranks), tied embeddings
+    olmo3    olmo2's with a local layer (window 5, its own unscaled RoPE base 50) then a global one (YaRN),
+             untied
     smollm3  Llama with its second layer NoPE (no_rope_layer_interval 2: at pp 2 the second stage's layer, so
              the global layer number decides), tied embeddings
 
@@ -107,6 +111,11 @@ FAMILIES = {
     "smollm3": lambda: transformers.SmolLM3Config(**SMALL, no_rope_layer_interval=2, tie_word_embeddings=True,
                                                   rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(**GPT_NEOX, use_parallel_residual=True, tie_word_embeddings=False),
+    "olmo2": lambda: transformers.Olmo2Config(**SMALL, tie_word_embeddings=True,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    "olmo3": lambda: transformers.Olmo3Config(
+        **SMALL, sliding_window=5, layer_types=GEMMA3_LAYERS, tie_word_embeddings=False,
+        rope_parameters={"full_attention": YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}),
 }
 # DeepSeek: every projection of multi-latent attention (linear_qkv is all of them: the query and key/value down-
 # and up-projections, two of them replicated over tensor-parallel ranks) and o_proj. peft loads no LoRA on dense
@@ -161,6 +170,12 @@ def test_config_maps_every_feature(imports):
     assert (neox.normalization, neox.position_embedding_type, neox.rotary_dim, neox.rotary_base) == (
         "LayerNorm", "rope", 4, 500.0)
     assert neox.untie_embeddings_and_output_weights and neox.norm_epsilon == 1e-6
+    olmo2, olmo3 = (read_config(imports[n].root).model for n in ("olmo2", "olmo3"))
+    for olmo in (olmo2, olmo3):
+        assert olmo.post_sublayer_norm and olmo.no_pre_sublayer_norm and olmo.qk_layernorm_whole_projection
+    assert not olmo2.untie_embeddings_and_output_weights and olmo2.window_size is None
+    assert (olmo3.window_size, olmo3.window_attn_skip_freq, olmo3.rotary_base_local) == ([4, 0], 2, 50.0)
+    assert olmo3.position_embedding_type == "yarn" and olmo3.untie_embeddings_and_output_weights
     smollm3 = read_config(imports["smollm3"].root).model
     assert smollm3.no_rope_freq == "[0, 1]" and [smollm3.is_nope_layer(i) for i in range(2)] == [False, True]
     assert not smollm3.untie_embeddings_and_output_weights and smollm3.rotary_base == 500.0
@@ -501,6 +516,9 @@ FAIR_LAYOUTS = {
     "deepseek_v2": dict(pipeline_model_parallel_size=2, use_distributed_optimizer=True, bf16=True),
     "gpt_neox": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),  # the parallel residual's norms
     "smollm3": dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2),  # the NoPE layer on stage 2
+    # the whole-projection q/k norms over tp ranks, under sequence parallelism
+    "olmo2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True),
+    "olmo3": dict(tensor_model_parallel_size=2, context_parallel_size=2),  # the window across cp ranks
 }
 
 

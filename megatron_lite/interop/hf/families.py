@@ -40,6 +40,14 @@ never dropped: an unread field is a silently different model. A null field sets 
              projection (--qk-layernorm-whole-
              projection), experts in every layer,
              norm_topk_prob as qwen3_moe
+    olmo2    llama + norms after the sublayers, none   attention_bias
+             before (--post-sublayer-norm
+             --no-pre-sublayer-norm), q/k RMSNorm over
+             the whole projection (olmoe's)
+    olmo3    olmo2 + sliding / global layers (every    olmo2's; layer_types other than every Nth
+             4th global by default), RoPE per layer    layer global, rope_parameters.
+             kind (the local layers' unscaled:         sliding_attention scaled other than as the
+             --rotary-base-local)                      global layers
     gemma2   llama + RMSNorm (1 + w), post-sublayer    attention_bias, hidden_activation other than
              norms, sqrt(hidden) embedding scale,      gelu_pytorch_tanh, use_bidirectional_attention,
              GeGLU, query_pre_attn_scalar, attention   layer_types other than every Nth layer global
@@ -76,8 +84,8 @@ from __future__ import annotations
 
 from megatron_lite.checkpointing.architecture import defines_function
 from megatron_lite.config import ConfigError, ModelConfig
-from megatron_lite.interop.hf import (deepseek, gemma, gpt2, gpt_neox, llama, mistral, mixtral, olmoe, phi3, qwen,
-                                      smollm3)
+from megatron_lite.interop.hf import (deepseek, gemma, gpt2, gpt_neox, llama, mistral, mixtral, olmo, olmoe, phi3,
+                                      qwen, smollm3)
 from megatron_lite.interop.hf.family import GENERIC_FIELDS, Family, refuse
 from megatron_lite.interop.hf.pad_token import pad_token_id_from_hf
 
@@ -94,6 +102,8 @@ FAMILIES = {family.model_type: family for family in (
     mixtral.MIXTRAL,
     qwen.QWEN3_MOE,
     olmoe.OLMOE,
+    olmo.OLMO2,
+    olmo.OLMO3,
     gemma.GEMMA2,
     gemma.GEMMA3_TEXT,
     deepseek.DEEPSEEK_V3,
@@ -103,7 +113,7 @@ FAMILIES = {family.model_type: family for family in (
 # The features only some families have, and the value each takes where it is absent.
 _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size": None, "rotary_base_local": None,
                       "num_experts": None, "qk_layernorm_whole_projection": False, "multi_latent_attention": False,
-                      "parallel_attention_mlp": False, "no_rope_freq": None}
+                      "parallel_attention_mlp": False, "no_rope_freq": None, "no_pre_sublayer_norm": False}
 # Namings that are Llama's but for their experts' (weights._EXPERT_NAMES): a Llama-like model with experts.
 EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe"})
 
@@ -173,6 +183,7 @@ def family_of(config: ModelConfig, naming: str) -> Family:
                       f"--qk-layernorm (Qwen3) and --window-size (Mistral), or Gemma's features with "
                       f"--window-size (Gemma 2) or with --window-size, --qk-layernorm and --rotary-base-local "
                       f"(Gemma 3), or --num-experts with or without --window-size (Mixtral), with --qk-layernorm "
-                      f"(Qwen3-MoE) or with --qk-layernorm and --qk-layernorm-whole-projection (OLMoE), or "
+                      f"(Qwen3-MoE) or with --qk-layernorm and --qk-layernorm-whole-projection (OLMoE), OLMo's norms "
+                      f"(--post-sublayer-norm --no-pre-sublayer-norm) with those q/k norms and maybe --window-size, or "
                       f"--multi-latent-attention with --qk-layernorm (DeepSeek); --parallel-attention-mlp only with "
                       f"GPT-NeoX's LayerNorm, biases, GELU and rotary embeddings.")

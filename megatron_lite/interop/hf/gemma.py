@@ -14,7 +14,7 @@ def _gemma_to_ours(hf: dict, every: int) -> dict:
            f"hidden_activation {hf.get('hidden_activation')!r} (GeGLU takes gelu_pytorch_tanh)")
     refuse(hf.get("attention_bias", False), "attention_bias (biases on q, k, v and o_proj)")
     refuse(hf.get("use_bidirectional_attention", False), "use_bidirectional_attention (ours is causal)")
-    window, skip_freq = _layer_pattern(hf, every)
+    window, skip_freq = sliding_layer_pattern(hf, every)
     return dict(llama_to_ours(hf), apply_layernorm_1p=True, post_sublayer_norm=True, scale_embeddings=True,
                 geglu=True, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
                 softmax_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -23,7 +23,7 @@ def _gemma_to_ours(hf: dict, every: int) -> dict:
                 window_size=[window - 1, 0], window_attn_skip_freq=skip_freq)
 
 
-def _layer_pattern(hf: dict, every: int) -> tuple:
+def sliding_layer_pattern(hf: dict, every: int) -> tuple:
     """(sliding_window, --window-attn-skip-freq) of ``layer_types``, which defaults to every ``every``-th layer
     global (Gemma 3's ``sliding_window_pattern``): every Nth layer global, or none. Other patterns, and none
     sliding, are refused."""

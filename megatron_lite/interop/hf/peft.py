@@ -64,7 +64,7 @@ _MODULES = {
 # GPT-NeoX's modules are ours one for one, rows in our order (its query_key_value is laid out per head, as ours).
 _MODULES["gpt_neox"] = {"linear_qkv": [("attention.query_key_value", None)], "linear_proj": [("attention.dense", None)],
                         "linear_fc1": [("mlp.dense_h_to_4h", None)], "linear_fc2": [("mlp.dense_4h_to_h", None)]}
-_MODULES["gemma"] = _MODULES["mixtral"] = _MODULES["qwen_moe"] = _MODULES["llama"]
+_MODULES["gemma"] = _MODULES["olmo2"] = _MODULES["mixtral"] = _MODULES["qwen_moe"] = _MODULES["llama"]
 _MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)],
                         "linear_q_down_proj": [("self_attn.q_a_proj", None)],
                         "linear_q_up_proj": [("self_attn.q_b_proj", None)],
@@ -79,6 +79,7 @@ _OUR_MODULE = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_a
 _LAYERS = {"gpt2": "base_model.model.transformer.h.", "gpt_neox": "base_model.model.gpt_neox.layers.",
            "llama": "base_model.model.model.layers.",
            "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers.",
+           "olmo2": "base_model.model.model.layers.",
            "mixtral": "base_model.model.model.layers.", "qwen_moe": "base_model.model.model.layers.",
            "deepseek": "base_model.model.model.layers."}
 # A mixture-of-experts layer's experts in transformers 5 (Mixtral, Qwen3-MoE, OLMoE): one 3-D parameter per

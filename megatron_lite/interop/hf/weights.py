@@ -1,5 +1,5 @@
 """Hugging Face weights and config.json (GPT-2, GPT-NeoX, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE,
-OLMoE, Phi-3, Gemma 2 and 3, DeepSeek-V2/V3, SmolLM3) <-> our ModelConfig and global tensors.
+OLMoE, OLMo 2 and 3, Phi-3, Gemma 2 and 3, DeepSeek-V2/V3, SmolLM3) <-> our ModelConfig and global tensors.
 
 The directories and whole checkpoints are ``interop.hf.checkpoint``'s; this module maps one family's
 ``config.json`` to our ModelConfig and its tensors to our global tensors, and back.
@@ -21,6 +21,8 @@ What differs between the two naming schemes:
   before the MLP as Llama's), pre_feedforward_layernorm and post_feedforward_layernorm, and store
   their weights (Gemma 3's q_norm/k_norm too) as scale - 1, as ours do with --apply-layernorm-1p:
   they are copied unchanged.
+- OLMo 2 and 3 have no norms before the sublayers, and name the two after them post_attention_layernorm and
+  post_feedforward_layernorm (the ``olmo2`` naming); their q_norm/k_norm span the whole projection, as OLMoE's.
 - Mixtral's experts (block_sparse_moe.experts.{e}.w1/w3/w2: gate, up, down) become our experts by the same
   number, w1 and w3 fused into fc1 as SwiGLU's [gate; up]; its router (block_sparse_moe.gate) is ours.
   Qwen3-MoE and OLMoE name them mlp.experts.{e}.gate_proj/up_proj/down_proj and the router mlp.gate;
@@ -66,19 +68,22 @@ def hf_architecture(config: ModelConfig) -> str:
                  multi_latent_attention=False, **GEMMA_FEATURES)
     gemma = dict(normalization="RMSNorm", rotary=True, swiglu=True, geglu=True, add_bias_linear=False,
                  add_qkv_bias=False, rotary_percent=1.0, apply_layernorm_1p=True, post_sublayer_norm=True,
-                 scale_embeddings=True, multi_latent_attention=False)
+                 no_pre_sublayer_norm=False, scale_embeddings=True, multi_latent_attention=False)
+    olmo2 = {**{k: v for k, v in llama.items() if k != "window_attn_skip_freq"},  # OLMo 3's global layers
+             "post_sublayer_norm": True, "no_pre_sublayer_norm": True}
     deepseek = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, multi_latent_attention=True,
                     qk_layernorm=True, window_size=None, **GEMMA_FEATURES)
     gpt_neox = {**{k: v for k, v in gpt2.items() if k != "position_embedding_type"}, "rotary": True}
     for name, required in (("gpt2", gpt2), ("gpt_neox", gpt_neox), ("llama", llama), ("gemma", gemma),
-                           ("deepseek", deepseek)):
+                           ("olmo2", olmo2), ("deepseek", deepseek)):
         if all(getattr(config, k) == v for k, v in required.items()):
             return name
     raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA, head width "
                       "hidden / heads) nor GPT-NeoX (GPT-2's with rotary positions) nor Llama-like (RMSNorm, rope "
                       "on every channel, SwiGLU, no biases but --add-qkv-bias) nor Gemma (Llama's with "
                       "--apply-layernorm-1p, --post-sublayer-norm, "
-                      "--scale-embeddings and --geglu) nor DeepSeek (Llama's with --multi-latent-attention and "
+                      "--scale-embeddings and --geglu) nor OLMo 2 (Llama's with --post-sublayer-norm and "
+                      "--no-pre-sublayer-norm) nor DeepSeek (Llama's with --multi-latent-attention and "
                       "--qk-layernorm): Hugging Face has no matching architecture to export to.")
 
 
@@ -184,6 +189,10 @@ _GEMMA_LAYER = _LLAMA_PROJECTIONS + (
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight", False),
     ("pre_feedforward_layernorm.weight", "pre_mlp_layernorm.weight", False),
     ("post_feedforward_layernorm.weight", "post_mlp_layernorm.weight", False))
+# OLMo 2 and 3: norms after the sublayers alone, post_attention_layernorm the one after attention (as Gemma's).
+_OLMO2_LAYER = (("self_attn.o_proj.weight", "self_attention.linear_proj.weight", False),
+                ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight", False),
+                ("post_feedforward_layernorm.weight", "post_mlp_layernorm.weight", False))
 _LLAMA_FINAL = (("norm.weight", "final_layernorm.weight", False),)
 # Qwen3's per-head query and key norms (--qk-layernorm).
 _QK_NORMS = (("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", False),
@@ -192,6 +201,8 @@ _QK_NORMS = (("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", Fa
 
 def _llama_layer_table(config: ModelConfig) -> tuple:
     qk_norms = _QK_NORMS if config.qk_layernorm and not config.multi_latent_attention else ()  # MLA's: its own
+    if config.no_pre_sublayer_norm:
+        return _OLMO2_LAYER + qk_norms
     return (_GEMMA_LAYER if config.post_sublayer_norm else _LLAMA_LAYER) + qk_norms
 
 
