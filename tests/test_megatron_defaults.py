@@ -122,6 +122,7 @@ NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", 
                    "lr_warmup_style", "train_epochs",  # HF Trainer's num_train_epochs: Megatron-LM has no epochs
                    "softmax_scale", "attn_logit_softcapping", "final_logit_softcapping",  # Gemma 2's
                    "post_sublayer_norm", "scale_embeddings", "geglu",
+                   "no_pre_sublayer_norm",  # OLMo 2's reordered norms: Megatron-Core builds them from a layer spec
                    "qk_layernorm_whole_projection",  # OLMoE's q/k norms; Megatron-Bridge has them, Megatron-LM not
                    "moe_router_group_score",  # DeepSeek-V2's group max beside Megatron-LM's top-k sum
                    "rotary_base_local",  # Gemma 3's local layers; Megatron-Bridge's field, no Megatron-LM flag

@@ -57,6 +57,7 @@ ROLES = {
     "attn_logit_softcapping": Role.ARCHITECTURE,
     "final_logit_softcapping": Role.ARCHITECTURE,
     "post_sublayer_norm": Role.ARCHITECTURE,
+    "no_pre_sublayer_norm": Role.ARCHITECTURE,
     "parallel_attention_mlp": Role.ARCHITECTURE,
     "scale_embeddings": Role.ARCHITECTURE,
     "geglu": Role.ARCHITECTURE,

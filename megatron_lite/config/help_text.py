@@ -48,6 +48,8 @@ HELP = {
                                "(Gemma 2; takes the explicit attention path, not SDPA)"),
     "final_logit_softcapping": "cap the output logits to cap * tanh(logit / cap) (Gemma 2)",
     "post_sublayer_norm": "normalise the attention and MLP outputs too, before they join the residual (Gemma 2)",
+    "no_pre_sublayer_norm": ("with --post-sublayer-norm, no norm before attention and the MLP: each reads the "
+                             "residual as it is, x + Norm(Attn(x)) (OLMo 2 and 3)"),
     "no_rope_freq": ("layers without rotary embeddings (NoPE): N (every Nth layer, counting from 1) or a list of "
                      "0s and 1s, 1 for a NoPE layer, e.g. \"([0]*3+[1])*2\" (SmolLM3's no_rope_layers, inverted)"),
     "mtp_num_layers": ("multi-token prediction layers on the last pipeline stage (DeepSeek-V3): depth k predicts "

@@ -75,6 +75,8 @@ class ModelConfig:
     attn_logit_softcapping: Optional[float] = None  # attention scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: Optional[float] = None  # the output logits likewise (Gemma 2)
     post_sublayer_norm: bool = False  # a norm on the attention and MLP outputs too, before the residual (Gemma 2)
+    # With --post-sublayer-norm, no norm before the sublayers: x + Norm(Attn(x)) (OLMo 2's reordered norms).
+    no_pre_sublayer_norm: bool = False
     # Attention and MLP both read the layer's input, x + Attn(Norm(x)) + MLP(Norm(x)) (GPT-NeoX's
     # use_parallel_residual, GPT-J; Transformer Engine's TransformerLayer name).
     parallel_attention_mlp: bool = False
@@ -222,6 +224,9 @@ class ModelConfig:
             self.qk_layernorm and self.normalization == "RMSNorm" and not self.apply_layernorm_1p),
                  "--qk-layernorm-whole-projection widens --qk-layernorm's RMSNorm to all heads at once (OLMoE): it "
                  "takes --qk-layernorm and --normalization RMSNorm, without --apply-layernorm-1p.")
+        require(not self.no_pre_sublayer_norm or self.post_sublayer_norm,
+                "--no-pre-sublayer-norm leaves the post-sublayer norms alone to normalise (OLMo 2): add "
+                "--post-sublayer-norm.")
         require(not self.geglu or self.swiglu, "--geglu changes the gate of --swiglu's gated MLP: add --swiglu.")
         self._check_gated_linear_unit()
         require(not self.gelu_exact or not self.swiglu or self.geglu,

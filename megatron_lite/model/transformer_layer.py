@@ -5,7 +5,8 @@ its spec's choice (``layer_spec.py``).
 
 With ``--post-sublayer-norm`` (Gemma 2) each sublayer's output is normalised too before it joins the
 residual: x + Norm(Attn(Norm(x))), then x + Norm(MLP(Norm(x))); the norms are named as Megatron-Core's
-``post_self_attn_layernorm`` and ``post_mlp_layernorm``.
+``post_self_attn_layernorm`` and ``post_mlp_layernorm``. With ``--no-pre-sublayer-norm`` as well (OLMo 2's
+reordered norms) the sublayers read the residual unnormalised, x + Norm(Attn(x)), then x + Norm(MLP(x)).
 
 With ``--parallel-attention-mlp`` (GPT-NeoX's parallel residual) the MLP reads the layer's input rather than
 the residual after attention, x + Attn(Norm(x)) + MLP(Norm(x)): the two sublayers are independent, each with
@@ -42,11 +43,12 @@ class TransformerLayer(nn.Module):
                     apply_layernorm_1p=config.apply_layernorm_1p, sequence_parallel=tp_config.sequence_parallel,
                     params_dtype=tp_config.params_dtype)
         spec = transformer_layer_spec(config, layer_number, ep_config=ep_config, context_parallel=context_parallel)
-        self.input_layernorm = Norm(config.hidden_size, **norm)
+        # --no-pre-sublayer-norm (OLMo 2): the sublayers read the residual as it is.
+        self.input_layernorm = nn.Identity() if config.no_pre_sublayer_norm else Norm(config.hidden_size, **norm)
         self.self_attention = spec.self_attention(config, layer_number=layer_number, tp_config=tp_config,
                                                   context_parallel=context_parallel,
                                                   checkpoint_core_attention=checkpoint_core_attention)
-        self.pre_mlp_layernorm = Norm(config.hidden_size, **norm)
+        self.pre_mlp_layernorm = nn.Identity() if config.no_pre_sublayer_norm else Norm(config.hidden_size, **norm)
         self.mlp = spec.mlp(config, tp_config=tp_config)
         if config.post_sublayer_norm:
             self.post_self_attn_layernorm = Norm(config.hidden_size, **norm)

@@ -73,9 +73,9 @@ def layer_parameters(model: ModelConfig, layer_number: int, tensor_model_paralle
         mlp = _experts(f"{prefix}.mlp", model, t, expert_model_parallel_size, expert_tensor_parallel_size or t)
     else:
         mlp = _mlp(f"{prefix}.mlp", model, model.ffn_hidden_size, t)
-    return (_norm(f"{prefix}.input_layernorm", model)
-            + attention(f"{prefix}.self_attention", model, t)
-            + _norm(f"{prefix}.pre_mlp_layernorm", model) + mlp
+    pre_norm = (lambda name: []) if model.no_pre_sublayer_norm else (lambda name: _norm(f"{prefix}.{name}", model))
+    return (pre_norm("input_layernorm") + attention(f"{prefix}.self_attention", model, t)
+            + pre_norm("pre_mlp_layernorm") + mlp
             + (_norm(f"{prefix}.post_self_attn_layernorm", model) + _norm(f"{prefix}.post_mlp_layernorm", model)
                if model.post_sublayer_norm else []))
 

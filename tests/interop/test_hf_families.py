@@ -1,5 +1,5 @@
-"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, dense DeepSeek-V2/V3, GPT-NeoX and SmolLM3 import, run, train,
-fine-tune and export exactly against transformers.
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, dense DeepSeek-V2/V3, GPT-NeoX, SmolLM3 and OLMo 2/3 import,
+run, train, fine-tune and export exactly against transformers.
 
 Each family is a tiny random model (``from_config``, saved locally) with every feature it has
 switched on, and weights drawn wider than transformers' init (biases and norm scales included),
@@ -34,6 +34,10 @@ so a dropped bias, swapped norm or unpermuted head changes the logits:
              per rank
     qwen3_5_text  the same with Qwen3.5's unfused DeltaNet projections, RoPE on a quarter of each head (the
              default partial_rotary_factor), untied
+    olmo2    norms after attention and the MLP only (post_attention_layernorm, post_feedforward_layernorm), q/k
+             RMSNorms over the whole projections (across tensor-parallel ranks), tied embeddings
+    olmo3    olmo2's with a local layer (window 5, its own unscaled RoPE base 50) then a global one (YaRN),
+             untied
     smollm3  Llama with its second layer NoPE (no_rope_layer_interval 2: at pp 2 the second stage's layer, so
              the global layer number decides), tied embeddings
 
@@ -124,6 +128,11 @@ FAMILIES = {
     "qwen3_next": lambda: transformers.Qwen3NextConfig(**QWEN3_NEXT, num_experts=0, tie_word_embeddings=True),
     "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(  # partial_rotary_factor left to its default, 0.25
         **dict(QWEN3_NEXT, rope_parameters={"rope_type": "default", "rope_theta": 500.0}), tie_word_embeddings=False),
+    "olmo2": lambda: transformers.Olmo2Config(**SMALL, tie_word_embeddings=True,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    "olmo3": lambda: transformers.Olmo3Config(
+        **SMALL, sliding_window=5, layer_types=GEMMA3_LAYERS, tie_word_embeddings=False,
+        rope_parameters={"full_attention": YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}),
 }
 # DeepSeek: every projection of multi-latent attention (linear_qkv is all of them: the query and key/value down-
 # and up-projections, two of them replicated over tensor-parallel ranks) and o_proj. peft loads no LoRA on dense
@@ -181,6 +190,12 @@ def test_config_maps_every_feature(imports):
     assert (neox.normalization, neox.position_embedding_type, neox.rotary_dim, neox.rotary_base) == (
         "LayerNorm", "rope", 4, 500.0)
     assert neox.untie_embeddings_and_output_weights and neox.norm_epsilon == 1e-6
+    olmo2, olmo3 = (read_config(imports[n].root).model for n in ("olmo2", "olmo3"))
+    for olmo in (olmo2, olmo3):
+        assert olmo.post_sublayer_norm and olmo.no_pre_sublayer_norm and olmo.qk_layernorm_whole_projection
+    assert not olmo2.untie_embeddings_and_output_weights and olmo2.window_size is None
+    assert (olmo3.window_size, olmo3.window_attn_skip_freq, olmo3.rotary_base_local) == ([4, 0], 2, 50.0)
+    assert olmo3.position_embedding_type == "yarn" and olmo3.untie_embeddings_and_output_weights
     smollm3 = read_config(imports["smollm3"].root).model
     assert smollm3.no_rope_freq == "[0, 1]" and [smollm3.is_nope_layer(i) for i in range(2)] == [False, True]
     assert not smollm3.untie_embeddings_and_output_weights and smollm3.rotary_base == 500.0
@@ -535,6 +550,9 @@ FAIR_LAYOUTS = {
     # The DeltaNet's heads split, its norm's gradient summed over the tensor ranks; the attention layer on stage 2.
     "qwen3_next": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
     "qwen3_5_text": dict(tensor_model_parallel_size=2, use_distributed_optimizer=True, sequence_parallel=True),
+    # the whole-projection q/k norms over tp ranks, under sequence parallelism
+    "olmo2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True),
+    "olmo3": dict(tensor_model_parallel_size=2, context_parallel_size=2),  # the window across cp ranks
 }
 
 

@@ -164,7 +164,9 @@ FIELDS = {"gpt": {}, "rmsnorm": dict(normalization="RMSNorm"), "no-bias": dict(a
           "qk-rmsnorm": dict(qk_layernorm=True, normalization="RMSNorm"), "kv-channels": dict(kv_channels=16),
           "query-groups": dict(num_query_groups=2), "ffn-hidden": dict(ffn_hidden_size=48),
           "swiglu": dict(swiglu=True, ffn_hidden_size=48), "geglu": dict(swiglu=True, geglu=True, ffn_hidden_size=48),
-          "post-sublayer-norm": dict(post_sublayer_norm=True), "untied": dict(untie_embeddings_and_output_weights=True),
+          "post-sublayer-norm": dict(post_sublayer_norm=True),
+          "olmo-norms": dict(post_sublayer_norm=True, no_pre_sublayer_norm=True),
+          "untied": dict(untie_embeddings_and_output_weights=True),
           "rope": dict(position_embedding_type="rope"), "max-positions": dict(max_position_embeddings=64),
           "vocab-padding": dict(make_vocab_size_divisible_by=1),
           # gpt-oss's: sinks per head, biased router and experts (fc1's split with its rows, fc2's whole).

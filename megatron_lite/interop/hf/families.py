@@ -46,6 +46,14 @@ never dropped: an unread field is a silently different model. A null field sets 
              unless set), first_k_dense_replace dense
              layers, then deepseek_v3's experts (shared
              experts, sigmoid, expert bias, groups)
+    olmo2    llama + norms after the sublayers, none   attention_bias
+             before (--post-sublayer-norm
+             --no-pre-sublayer-norm), q/k RMSNorm over
+             the whole projection (olmoe's)
+    olmo3    olmo2 + sliding / global layers (every    olmo2's; layer_types other than every Nth
+             4th global by default), RoPE per layer    layer global, rope_parameters.
+             kind (the local layers' unscaled:         sliding_attention scaled other than as the
+             --rotary-base-local)                      global layers
     gemma2   llama + RMSNorm (1 + w), post-sublayer    attention_bias, hidden_activation other than
              norms, sqrt(hidden) embedding scale,      gelu_pytorch_tanh, use_bidirectional_attention,
              GeGLU, query_pre_attn_scalar, attention   layer_types other than every Nth layer global
@@ -106,7 +114,7 @@ from __future__ import annotations
 from megatron_lite.checkpointing.architecture import defines_function
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.interop.hf import (deepseek, gemma, glm4_moe, gpt2, gpt_neox, gpt_oss, llama, mistral, mixtral,
-                                      olmoe, phi3, qwen, qwen3_next, smollm3)
+                                      olmo, olmoe, phi3, qwen, qwen3_next, smollm3)
 from megatron_lite.interop.hf.family import GENERIC_FIELDS, Family, refuse
 from megatron_lite.interop.hf.pad_token import pad_token_id_from_hf
 
@@ -124,6 +132,8 @@ FAMILIES = {family.model_type: family for family in (
     qwen.QWEN3_MOE,
     olmoe.OLMOE,
     glm4_moe.GLM4_MOE,
+    olmo.OLMO2,
+    olmo.OLMO3,
     gemma.GEMMA2,
     gemma.GEMMA3_TEXT,
     deepseek.DEEPSEEK_V3,
@@ -139,7 +149,7 @@ _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size
                       "parallel_attention_mlp": False, "no_rope_freq": None, "mtp_num_layers": None,
                       "softmax_type": "vanilla", "quick_geglu": False, "glu_linear_offset": 0.0,
                       "activation_func_clamp_value": None, "experimental_attention_variant": None,
-                      "attention_output_gate": False}
+                      "attention_output_gate": False, "no_pre_sublayer_norm": False}
 # Namings that are Llama's but for their experts' (weights._EXPERT_NAMES): a Llama-like model with experts.
 EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe", "glm4_moe"})
 
@@ -209,7 +219,8 @@ def family_of(config: ModelConfig, naming: str) -> Family:
                       f"--qk-layernorm (Qwen3) and --window-size (Mistral), or Gemma's features with "
                       f"--window-size (Gemma 2) or with --window-size, --qk-layernorm and --rotary-base-local "
                       f"(Gemma 3), or --num-experts with or without --window-size (Mixtral), with --qk-layernorm "
-                      f"(Qwen3-MoE) or with --qk-layernorm and --qk-layernorm-whole-projection (OLMoE), or "
+                      f"(Qwen3-MoE) or with --qk-layernorm and --qk-layernorm-whole-projection (OLMoE), OLMo's norms "
+                      f"(--post-sublayer-norm --no-pre-sublayer-norm) with those q/k norms and maybe --window-size, or "
                       f"--multi-latent-attention with --qk-layernorm (DeepSeek), or --softmax-type learnable with "
                       f"--num-experts, --quick-geglu, --glu-linear-offset 1 and --activation-func-clamp-value "
                       f"(gpt-oss); --parallel-attention-mlp only with GPT-NeoX's LayerNorm, biases, GELU and rotary "

@@ -65,7 +65,7 @@ _MODULES = {
 # GPT-NeoX's modules are ours one for one, rows in our order (its query_key_value is laid out per head, as ours).
 _MODULES["gpt_neox"] = {"linear_qkv": [("attention.query_key_value", None)], "linear_proj": [("attention.dense", None)],
                         "linear_fc1": [("mlp.dense_h_to_4h", None)], "linear_fc2": [("mlp.dense_4h_to_h", None)]}
-for _naming in ("gemma", "mixtral", "qwen_moe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5"):
+for _naming in ("gemma", "olmo2", "mixtral", "qwen_moe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5"):
     _MODULES[_naming] = _MODULES["llama"]
 _MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)],
                         "linear_q_down_proj": [("self_attn.q_a_proj", None)],
@@ -81,6 +81,7 @@ _OUR_MODULE = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_a
 _LAYERS = {"gpt2": "base_model.model.transformer.h.", "gpt_neox": "base_model.model.gpt_neox.layers.",
            "llama": "base_model.model.model.layers.",
            "phi3": "base_model.model.model.layers.", "gemma": "base_model.model.model.layers.",
+           "olmo2": "base_model.model.model.layers.",
            "mixtral": "base_model.model.model.layers.", "qwen_moe": "base_model.model.model.layers.",
            "deepseek": "base_model.model.model.layers.", "glm4_moe": "base_model.model.model.layers.",
            "gpt_oss": "base_model.model.model.layers.", "qwen3_next": "base_model.model.model.layers.",

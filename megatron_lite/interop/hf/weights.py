@@ -1,5 +1,6 @@
 """Hugging Face weights and config.json (GPT-2, GPT-NeoX, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE,
-OLMoE, Phi-3, Gemma 2 and 3, DeepSeek-V2/V3, SmolLM3, GLM-4.5, gpt-oss) <-> our ModelConfig and global tensors.
+OLMoE, OLMo 2 and 3, Phi-3, Gemma 2 and 3, DeepSeek-V2/V3, SmolLM3, GLM-4.5, gpt-oss) <-> our ModelConfig and
+global tensors.
 
 The directories and whole checkpoints are ``interop.hf.checkpoint``'s; this module maps one family's
 ``config.json`` to our ModelConfig and its tensors to our global tensors, and back.
@@ -21,6 +22,8 @@ What differs between the two naming schemes:
   before the MLP as Llama's), pre_feedforward_layernorm and post_feedforward_layernorm, and store
   their weights (Gemma 3's q_norm/k_norm too) as scale - 1, as ours do with --apply-layernorm-1p:
   they are copied unchanged.
+- OLMo 2 and 3 have no norms before the sublayers, and name the two after them post_attention_layernorm and
+  post_feedforward_layernorm (the ``olmo2`` naming); their q_norm/k_norm span the whole projection, as OLMoE's.
 - Mixtral's experts (block_sparse_moe.experts.{e}.w1/w3/w2: gate, up, down) become our experts by the same
   number, w1 and w3 fused into fc1 as SwiGLU's [gate; up]; its router (block_sparse_moe.gate) is ours.
   Qwen3-MoE and OLMoE name them mlp.experts.{e}.gate_proj/up_proj/down_proj and the router mlp.gate;
@@ -76,26 +79,30 @@ def hf_architecture(config: ModelConfig) -> str:
                  multi_latent_attention=False, **GEMMA_FEATURES)
     gemma = dict(normalization="RMSNorm", rotary=True, swiglu=True, geglu=True, add_bias_linear=False,
                  add_qkv_bias=False, rotary_percent=1.0, apply_layernorm_1p=True, post_sublayer_norm=True,
-                 scale_embeddings=True, multi_latent_attention=False)
+                 no_pre_sublayer_norm=False, scale_embeddings=True, multi_latent_attention=False)
     qwen3_next = dict(normalization="RMSNorm", rotary=True, swiglu=True, add_bias_linear=False, apply_layernorm_1p=True,
                       attention_output_gate=True, multi_latent_attention=False, **GEMMA_FEATURES)
+    olmo2 = {**{k: v for k, v in llama.items() if k != "window_attn_skip_freq"},  # OLMo 3's global layers
+             "post_sublayer_norm": True, "no_pre_sublayer_norm": True}
     deepseek = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, multi_latent_attention=True,
                     qk_layernorm=True, window_size=None, **GEMMA_FEATURES)
     gpt_neox = {**{k: v for k, v in gpt2.items() if k != "position_embedding_type"}, "rotary": True}
     # Llama's names with biases on every linear, sinks and fused, biased experts in every layer.
     gpt_oss = dict(llama, add_bias_linear=True, softmax_type="learnable", qk_layernorm=False)
     for name, required in (("gpt2", gpt2), ("gpt_neox", gpt_neox), ("qwen3_next", qwen3_next), ("llama", llama),
-                           ("gemma", gemma), ("deepseek", deepseek), ("gpt_oss", gpt_oss)):
+                           ("gemma", gemma), ("olmo2", olmo2), ("deepseek", deepseek),
+                           ("gpt_oss", gpt_oss)):
         if all(getattr(config, k) == v for k, v in required.items()):
             return name
     raise ConfigError("this model is neither GPT-2 (LayerNorm, learned positions, GELU, biases, no GQA, head width "
                       "hidden / heads) nor GPT-NeoX (GPT-2's with rotary positions) nor Llama-like (RMSNorm, rope "
                       "on every channel, SwiGLU, no biases but --add-qkv-bias) nor Gemma (Llama's with "
                       "--apply-layernorm-1p, --post-sublayer-norm, "
-                      "--scale-embeddings and --geglu) nor DeepSeek (Llama's with --multi-latent-attention and "
-                      "--qk-layernorm), gpt-oss (Llama's with biases and --softmax-type learnable) nor Qwen3-Next "
-                      "(Llama's with --apply-layernorm-1p and --attention-output-gate): Hugging Face has no matching "
-                      "architecture to export to.")
+                      "--scale-embeddings and --geglu), OLMo 2 (Llama's with --post-sublayer-norm and "
+                      "--no-pre-sublayer-norm), DeepSeek (Llama's with --multi-latent-attention and --qk-layernorm), "
+                      "gpt-oss (Llama's with biases and --softmax-type learnable) nor Qwen3-Next (Llama's with "
+                      "--apply-layernorm-1p and --attention-output-gate): Hugging Face has no matching architecture "
+                      "to export to.")
 
 
 def _default_naming(config: ModelConfig) -> str:
@@ -210,6 +217,10 @@ _GEMMA_LAYER = _LLAMA_PROJECTIONS + (
     ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight", False),
     ("pre_feedforward_layernorm.weight", "pre_mlp_layernorm.weight", False),
     ("post_feedforward_layernorm.weight", "post_mlp_layernorm.weight", False))
+# OLMo 2 and 3: norms after the sublayers alone, post_attention_layernorm the one after attention (as Gemma's).
+_OLMO2_LAYER = (("self_attn.o_proj.weight", "self_attention.linear_proj.weight", False),
+                ("post_attention_layernorm.weight", "post_self_attn_layernorm.weight", False),
+                ("post_feedforward_layernorm.weight", "post_mlp_layernorm.weight", False))
 _LLAMA_FINAL = (("norm.weight", "final_layernorm.weight", False),)
 # Qwen3's per-head query and key norms (--qk-layernorm).
 _QK_NORMS = (("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", False),
@@ -224,6 +235,8 @@ def _llama_layer_table(config: ModelConfig, number: int) -> tuple:
     if config.is_linear_attention_layer(number):  # the norms only: the linear attention is qwen3_next's
         return _LLAMA_LAYER[1:]
     qk_norms = _QK_NORMS if config.qk_layernorm and not config.multi_latent_attention else ()  # MLA's: its own
+    if config.no_pre_sublayer_norm:
+        return _OLMO2_LAYER + qk_norms
     return (_GEMMA_LAYER if config.post_sublayer_norm else _LLAMA_LAYER) + qk_norms
 
 
