@@ -112,6 +112,11 @@ ROLES = {
     # Multi-token prediction: its layers are weights of the checkpoint; their loss's weight is how a run trains.
     "mtp_num_layers": Role.ARCHITECTURE,
     "mtp_loss_scaling_factor": Role.TRAINING,
+    # Gated attention and gated DeltaNet layers (Qwen3-Next): which layers mix tokens how, and their sizes.
+    "attention_output_gate": Role.ARCHITECTURE,
+    "experimental_attention_variant": Role.ARCHITECTURE,
+    **{name: Role.ARCHITECTURE for name in ("linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+                                            "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")},
     # Positions are bounded by max_position_embeddings; seq_length is only how long the samples are.
     "seq_length": Role.TRAINING,
     "hidden_dropout": Role.TRAINING,
