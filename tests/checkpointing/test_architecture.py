@@ -57,7 +57,7 @@ def test_a_checkpoint_predating_a_field_has_its_default():
     del saved["rotary_base"]
     check_architecture(saved, parse_args(BASE).model, "ckpt")
     saved["a_future_model_setting"] = True
-    with pytest.raises(ConfigError, match=r"model settings this megatron_lite does not know \(a_future_model_setting\)"):
+    with pytest.raises(ConfigError, match=r"settings this megatron_lite does not know \(a_future_model_setting\)"):
         check_architecture(saved, parse_args(BASE).model, "ckpt")
 
 
