@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
 import time
 
@@ -35,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_lite.config import ModelConfig, OptimizerConfig, ParallelConfig
+from megatron_lite.process_groups.initialize import free_local_port
 from megatron_lite.config import SHARDING_STRATEGIES
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.model import GPTModel, initialize_weights
@@ -142,9 +142,7 @@ def main():
     context = mp.get_context("spawn")
     results = {}
     for dp in args.data_parallel_sizes:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_local_port()
         queue = context.SimpleQueue()
         mp.start_processes(worker, args=(dp, port, args, queue), nprocs=dp, start_method="spawn")
         results[dp] = queue.get()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
@@ -31,6 +30,7 @@ from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig,
 from megatron_lite.expert_parallel import ExpertParallelConfig
 from megatron_lite.model.moe import MoELayer
 from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups.initialize import free_local_port
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.tensor_parallel import TensorParallelConfig
 
@@ -73,9 +73,7 @@ def _dispatch_rank(rank: int, world_size: int, port: int, results) -> None:
 
 def dispatch_bytes(ep: int) -> tuple[float, float]:
     """(all-to-all bytes per token per rank, the fraction of routed rows that left the rank), averaged."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_local_port()
     context = mp.get_context("spawn")
     results = context.Queue()
     processes = [context.Process(target=_dispatch_rank, args=(r, ep, port, results)) for r in range(ep)]

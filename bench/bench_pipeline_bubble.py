@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 
 import torch
@@ -24,6 +23,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from megatron_lite.process_groups import collectives
+from megatron_lite.process_groups.initialize import free_local_port
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.pipeline_parallel import get_forward_backward_func
 from megatron_lite.pipeline_parallel.schedule_table import build_schedule
@@ -119,9 +119,7 @@ def main():
     world_size = max(args.pipeline_sizes)
     if any(world_size % p for p in args.pipeline_sizes):
         parser.error("every --pipeline-sizes entry must divide the largest (they share one world)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_local_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(worker, args=(world_size, port, args, configs), nprocs=world_size)
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass
+
+from megatron_lite.process_groups.initialize import free_local_port
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,6 @@ def _serve(connection, build, args, threads: int, environment: dict) -> None:
         connection.send((Seconds(time.perf_counter() - start, time.process_time() - cpu_start), result))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_environment(rank: int, world_size: int, port: int) -> dict:
     """What torchrun puts in a rank's environment (none of it for a single process)."""
     if world_size == 1:
@@ -90,7 +85,7 @@ class Contender:
 
     def __init__(self, build, *args, threads: int, world_size: int = 1):
         context = multiprocessing.get_context("spawn")  # nothing of the parent's state (or imports) carries over
-        port = _free_port() if world_size > 1 else 0
+        port = free_local_port() if world_size > 1 else 0
         self._connections, self._processes = [], []
         for rank in range(world_size):
             connection, child = context.Pipe()

@@ -22,11 +22,12 @@ import contextlib
 import io
 import os
 import pickle
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
+
+from megatron_lite.process_groups.initialize import free_local_port
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRON_LITE_TEST_TIMEOUT", "180"))
 GRACE_S = 1.0  # after one rank fails, how long the others get to report before they are killed
@@ -39,12 +40,6 @@ _context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", 
 
 class DistributedTestError(AssertionError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(fn, rank, world_size, port, args, kwargs, results):
@@ -71,7 +66,7 @@ def start_ranks(fn, world_size: int, args: tuple = (), kwargs: dict | None = Non
     """Start ``fn(rank, world_size, *args, **kwargs)`` on every rank and return at once: the processes, and the
     queue receiving (rank, status, pickled result) from each (keep it until they end). For a test that kills
     the job (SIGKILL) at a moment of its choosing."""
-    port = free_port()
+    port = free_local_port()
     results = _context.SimpleQueue()
     procs = [_context.Process(target=_rank_main, args=(fn, r, world_size, port, args, kwargs or {}, results),
                               daemon=True) for r in range(world_size)]

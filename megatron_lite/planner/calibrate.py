@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from megatron_lite.config import ModelConfig
 from megatron_lite.model import flops
 from megatron_lite.planner.cluster import Cluster, Link
+from megatron_lite.process_groups.initialize import free_local_port
 
 REPEATS = 3
 PROBE_MAX_HIDDEN = 1024
@@ -198,12 +198,6 @@ def local_cluster(measured: Measurements, *, num_processes: int, dtype: str) -> 
                    device="cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _process(rank: int, world_size: int, port: int, target, args: tuple, results) -> None:
     torch.set_num_threads(1)  # one core per rank, as the distributed tests and CPU launches run
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -218,7 +212,7 @@ def run_on_local_processes(target, num_processes: int, *args) -> list:
     machine (one intra-op thread each, as CPU training ranks run); their results, in rank order."""
     context = torch.multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
-    port = _free_port()
+    port = free_local_port()
     processes = [context.Process(target=_process, args=(rank, num_processes, port, target, args, results))
                  for rank in range(num_processes)]
     for process in processes:

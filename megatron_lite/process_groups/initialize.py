@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -31,6 +32,14 @@ from megatron_lite.config import ConfigError, ParallelConfig
 
 # torchrun's own default rendezvous port, used when nothing else names one.
 DEFAULT_MASTER_PORT = 29500
+
+
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a one-machine process group (tests, benches,
+    the planner's calibration): the OS picks it, so concurrent jobs on one machine do not collide."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

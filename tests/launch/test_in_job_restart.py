@@ -12,7 +12,8 @@ import psutil
 
 from megatron_lite.checkpointing import storage
 from megatron_lite.pretrain_gpt import main
-from tests.distributed import free_port, run_command_on_ranks
+from megatron_lite.process_groups.initialize import free_local_port
+from tests.distributed import run_command_on_ranks
 from tests.launch.helpers import REPO, script_env
 
 ITERS = 8
@@ -36,7 +37,7 @@ def test_a_killed_worker_restarts_the_job_which_resumes_exactly(tmp_path):
     assert codes == [0, 0]
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_local_port()}",
                "-m", "megatron_lite.pretrain_gpt", *FLAGS, "--save", root, "--load", root]
     env = script_env(tmp_path / "env", OMP_NUM_THREADS=1, PYTHONPATH=str(REPO))
     job = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

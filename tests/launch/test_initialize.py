@@ -124,11 +124,11 @@ def test_initialize_distributed_keeps_an_existing_group(run_distributed):
 
 def _joins_from_slurm_variables(rank, world_size):
     """Build a fresh world from srun-style variables only (the harness's group is torn down first)."""
-    from tests.distributed import free_port
+    from megatron_lite.process_groups.initialize import free_local_port
 
     # Rank 0 picks the port while the harness's group can still share it, so no other
     # process can take it between the pick and the bind on every rank.
-    port = [free_port() if rank == 0 else None]
+    port = [free_local_port() if rank == 0 else None]
     dist.broadcast_object_list(port, src=0)
     port = port[0]
     dist.destroy_process_group()

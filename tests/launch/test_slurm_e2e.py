@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.distributed import free_port
+from megatron_lite.process_groups.initialize import free_local_port
 from tests.launch.helpers import LAUNCH_SCRIPTS, REPO, slurm_job_env
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron_lite.pretrain_gpt") is None,
@@ -31,7 +31,7 @@ def test_srun_mode_trains_and_checkpoints(tmp_path):
     save = tmp_path / "ckpt"
     env = slurm_job_env(tmp_path / "slurm", nodes=2, tasks_per_node=2, CONFIG="tiny", LAUNCH_MODE="srun",
                         TENSOR_MODEL_PARALLEL_SIZE=2, TRAIN_ITERS=4, SAVE=save, SAVE_INTERVAL=2, LOG_INTERVAL=1,
-                        MASTER_PORT=free_port())
+                        MASTER_PORT=free_local_port())
     result = subprocess.run(["bash", str(LAUNCH_SCRIPTS / "pretrain_gpt_slurm.sh")], env=env, cwd=REPO,
                             capture_output=True, text=True, timeout=TIMEOUT_S)
     log = result.stdout + result.stderr
@@ -80,7 +80,8 @@ def test_sigterm_checkpoints_requeues_and_resumes(tmp_path):
     save, state = tmp_path / "ckpt", tmp_path / "slurm"
     # One task per node: two ranks on two nodes show every rank stopping together (local ranks are the srun test's).
     env = slurm_job_env(state, nodes=2, tasks_per_node=1, CONFIG="tiny", LAUNCH_MODE="torchrun",
-                        TRAIN_ITERS=100000, SAVE=save, SAVE_INTERVAL=100000, LOG_INTERVAL=1, MASTER_PORT=free_port())
+                        TRAIN_ITERS=100000, SAVE=save, SAVE_INTERVAL=100000, LOG_INTERVAL=1,
+                        MASTER_PORT=free_local_port())
 
     first = BatchJob(env, tmp_path / "first.out")
     first.wait_for_iteration(1)
