@@ -119,7 +119,7 @@ def save_initial_weights(shape: str, directory: str) -> str:
 
 def export_for_megatron(ours: str, layout: Layout, directory: str) -> str:
     """Our checkpoint as a legacy Megatron-LM checkpoint at ``layout``'s tensor and pipeline sizes."""
-    from megatron_lite.checkpointing.megatron.exporter import export_megatron_checkpoint
+    from megatron_lite.interop.megatron.exporter import export_megatron_checkpoint
 
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     save_dir = os.path.join(directory, f"{os.path.basename(ours)}-megatron-tp{tp}pp{pp}")

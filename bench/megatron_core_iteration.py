@@ -95,7 +95,7 @@ def transformer_config(args, *, tensor_model_parallel_size: int, pipeline_model_
 def rank_checkpoint(export_dir: str, tensor_rank: int, pipeline_rank: int, pipeline_size: int) -> dict:
     """This rank's file of the legacy checkpoint ``export_dir`` (``model`` and ``args``), read as our importer
     reads one."""
-    from megatron_lite.checkpointing.megatron import legacy
+    from megatron_lite.interop.megatron import legacy
 
     return legacy.read_rank_file(os.path.join(legacy.iteration_dir(export_dir), legacy.rank_dir_name(
         tensor_rank, pipeline_rank, pipeline_size), legacy.MODEL_FILE))
