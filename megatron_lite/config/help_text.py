@@ -234,10 +234,17 @@ HELP = {
     "empty_unused_memory_level": ("torch.cuda.empty_cache(): 1 after each forward-backward and evaluation step, "
                                   "2 also after each optimizer step"),
     "dpo_loss_type": ("--dpo: sigmoid (the DPO paper's, with --dpo-label-smoothing its conservative form), ipo "
-                      "(squared, on per-token log-ratios) or hinge"),
-    "dpo_beta": "--dpo: the strength of the pull to the reference (beta; IPO's tau)",
-    "dpo_label_smoothing": ("--dpo --dpo-loss-type sigmoid: the assumed fraction of pairs whose preference is flipped "
-                            "(conservative DPO), in [0, 0.5)"),
+                      "(squared, on per-token log-ratios) or hinge; without a reference model: simpo (per-token "
+                      "log-probabilities, a target margin) or orpo (odds ratio plus the chosen side's NLL)"),
+    "dpo_beta": "--dpo: the strength of the pull to the reference (beta; IPO's tau; SimPO's beta; ORPO's lambda)",
+    "dpo_label_smoothing": ("--dpo --dpo-loss-type sigmoid or simpo: the assumed fraction of pairs whose preference "
+                            "is flipped (conservative DPO), in [0, 0.5)"),
+    "dpo_simpo_gamma": "--dpo-loss-type simpo: the target reward margin gamma (TRL's simpo_gamma)",
+    "dpo_cpo_alpha": ("--dpo-loss-type simpo: weight of the chosen answers' per-token NLL added to the loss (TRL's "
+                      "cpo_alpha: CPO-SimPO; 0, SimPO's own, adds none)"),
+    "dpo_precompute_ref_log_probs": ("--dpo: score every pair the run will read (train, validation, test) with the "
+                                     "reference in one forward-only pass before training, then free the reference's "
+                                     "copy (TRL's precompute_ref_log_probs)"),
     # optimizer
     "optimizer": ("adam (AdamW), sgd, lion, or muon (Newton-Schulz-orthogonalised momentum on the weight matrices, "
                   "--muon-scalar-optimizer on the rest; docs/training.md)"),
@@ -398,7 +405,8 @@ HELP = {
     "grpo_iterations": "--grpo: optimizer steps on each batch of completions (mu): the ratio is to the policy that "
                        "sampled them",
     "grpo_loss_type": ("--grpo: dapo (TRL's default: per-token losses over the global batch's completion tokens), "
-                       "grpo (per completion, then over completions) or dr_grpo (over completions x --max-new-tokens)"),
+                       "grpo (per completion, then over completions), bnpo (over each micro-batch's completion tokens, then over "
+                       "micro-batches) or dr_grpo (over completions x --max-new-tokens)"),
     "grpo_scale_rewards": ("--grpo: divide the group-centred rewards by the group's std (group), the whole batch's "
                            "(batch), or not (none)"),
     "grpo_log_completions": ("--grpo: write every prompt, completion and reward to this JSONL file, iteration by "

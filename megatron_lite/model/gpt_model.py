@@ -24,7 +24,7 @@ from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.model.transformer_block import TransformerBlock
 from megatron_lite.tensor_parallel import (ColumnParallelLinear, TensorParallelConfig,
                                            gather_from_tensor_model_parallel_region)
-from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_entropy
 
 
 class GPTModel(nn.Module):
@@ -133,7 +133,7 @@ class GPTModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 inference_context=None, loss_mask: torch.Tensor | None = None,
-                temperature: float = 1.0) -> torch.Tensor:
+                temperature: float = 1.0, entropy: bool = False):
         """Returns per-token loss [b, s] given labels on the last stage, logits over the
         (unpadded) vocabulary [b, s, V] without them, and hidden states [s, b, h] on other stages.
 
@@ -149,7 +149,8 @@ class GPTModel(nn.Module):
         forward adds their loss to the returned loss's gradient (the returned values are the language model's).
 
         ``temperature`` divides the logits before the loss: --grpo scores completions by the distribution they
-        were sampled from (logits / temperature), as TRL's GRPOTrainer does."""
+        were sampled from (logits / temperature), as TRL's GRPOTrainer does; with ``entropy`` the last stage returns
+        (per-token loss, per-token entropy [b, s] of that distribution, without a gradient), which --grpo logs."""
         if position_ids is None:
             position_ids = self._position_ids(input_ids, inference_context)
         if self.mtp is not None:
@@ -182,6 +183,8 @@ class GPTModel(nn.Module):
             logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
             return logits[..., :self.config.vocab_size].transpose(0, 1).contiguous()
         loss = self._cross_entropy(logits, labels, temperature)
+        if entropy:
+            return loss, vocab_parallel_entropy(self._scaled(logits.detach(), temperature), self.tp_group).t()
         if self.mtp is not None and loss_mask is not None and self.training:
             depths = self.mtp(hidden_states, input_ids, position_ids, self.embedding, rotary, attention_mask)
             loss = self.mtp.attach_loss(loss, lambda k, k_labels: self._cross_entropy(self._logits(depths[k - 1]),
@@ -197,6 +200,10 @@ class GPTModel(nn.Module):
 
     def _cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Per-token loss [b, s] of logits [s, b, V/tp] / ``temperature`` against labels [b, s]."""
-        logits = logits.float() if temperature == 1.0 else logits.float() / temperature
-        loss = vocab_parallel_cross_entropy(self._mask_padding(logits), labels.t().contiguous(), self.tp_group)
+        loss = vocab_parallel_cross_entropy(self._scaled(logits, temperature), labels.t().contiguous(), self.tp_group)
         return loss.t().contiguous()
+
+    def _scaled(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """fp32 logits / ``temperature``, the vocabulary's padding rows out of the softmax."""
+        logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+        return self._mask_padding(logits)

@@ -40,7 +40,8 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> float:
-        during_steps = max(self.activation_bytes + self.loss_transient_bytes, self.optimizer_step_bytes)
+        during_steps = max(self.activation_bytes + self.loss_transient_bytes, self.optimizer_step_bytes,
+                           self.static.reference_pass_bytes + self.loss_transient_bytes)
         return self.static.device_bytes + during_steps + self.allowance_bytes
 
     def as_dict(self) -> dict:
