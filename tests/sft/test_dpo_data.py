@@ -85,18 +85,33 @@ def test_dpo_without_a_reference_is_refused_by_name(tmp_path, capsys):
     assert "error: --dpo needs a reference model: give --pretrained-checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--dpo-precompute-ref-log-probs"], "--dpo-precompute-ref-log-probs needs --dpo"),
+    (["--dpo", "--dpo-loss-type", "orpo", "--dpo-precompute-ref-log-probs"],
+     "--dpo-loss-type orpo has no reference model to precompute"),
+    (["--dpo", "--dpo-cpo-alpha", "1", "--pretrained-checkpoint", "base"], "are SimPO's: add --dpo-loss-type simpo"),
+    (["--dpo", "--dpo-loss-type", "orpo", "--dpo-label-smoothing", "0.1"], "smooths the sigmoid and simpo losses")])
+def test_the_new_preference_flags_are_refused_where_they_mean_nothing(tmp_path, capsys, flags, message):
+    data = _jsonl(tmp_path / "pairs.jsonl", RECORDS)
+    code = pretrain_main(flags + ["--train-data-path", data, "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                                  "64", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+                                  "--seq-length", "16", "--micro-batch-size", "2"] + ([] if "--dpo" in flags else
+                                                                                      ["--sft"]))
+    assert code != 0 and message in capsys.readouterr().err
+
+
 def test_the_planner_counts_the_reference_whole_on_every_data_parallel_rank_and_none_under_lora():
     from megatron_lite.config import (CheckpointConfig, Config, DataConfig, ModelConfig, ParallelConfig, PeftConfig,
                                       TrainingConfig)
     from megatron_lite.model.builder import count_parameters
     from megatron_lite.planner.static_memory import static_memory
 
-    def memory(peft=None, strategy=None):
+    def memory(peft=None, strategy=None, **training):
         config = Config(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                                           vocab_size=64),
                         parallel=ParallelConfig(data_parallel_sharding_strategy=strategy),
                         data=DataConfig(dpo=True, train_data_path=["pairs.jsonl"], tokenizer_type="NullTokenizer"),
-                        training=TrainingConfig(micro_batch_size=2), peft=PeftConfig(peft=peft),
+                        training=TrainingConfig(micro_batch_size=2, **training), peft=PeftConfig(peft=peft),
                         checkpoint=CheckpointConfig(pretrained_checkpoint="base"))
         return config, static_memory(config, pipeline_rank=0, data_parallel_size=2)
     config, replicated = memory()
@@ -104,3 +119,8 @@ def test_the_planner_counts_the_reference_whole_on_every_data_parallel_rank_and_
     assert replicated.reference_bytes == zero3.reference_bytes == 4 * count_parameters(config).total
     assert zero3.parameter_bytes < zero3.reference_bytes  # the policy is sharded, the reference is not
     assert memory(peft="lora")[1].reference_bytes == 0
+    assert memory(dpo_loss_type="simpo")[1].reference_bytes == 0  # a loss without a reference builds none
+    # Precomputed: held only for the pass before training, so out of the static bytes, in the peak beside the pass's
+    _, precomputed = memory(dpo_precompute_ref_log_probs=True)
+    assert (precomputed.reference_bytes, precomputed.reference_pass_bytes) == (0, replicated.reference_bytes)
+    assert precomputed.device_bytes == replicated.device_bytes - replicated.reference_bytes
