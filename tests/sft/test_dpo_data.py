@@ -124,3 +124,18 @@ def test_the_planner_counts_the_reference_whole_on_every_data_parallel_rank_and_
     _, precomputed = memory(dpo_precompute_ref_log_probs=True)
     assert (precomputed.reference_bytes, precomputed.reference_pass_bytes) == (0, replicated.reference_bytes)
     assert precomputed.device_bytes == replicated.device_bytes - replicated.reference_bytes
+
+
+def test_the_planner_command_plans_a_dpo_run_and_shows_the_reference(capsys):
+    """``python -m megatron_lite.plan`` takes --dpo with its --train-data-path (never read): the reference is a line of
+    the memory account, held through training or, precomputed, only before it."""
+    from megatron_lite.plan import main as plan_main
+
+    flags = ["--cluster", "h100-80g", "--num-gpus", "4", "--num-layers", "2", "--hidden-size", "64",
+             "--num-attention-heads", "4", "--seq-length", "64", "--vocab-size", "256", "--global-batch-size", "8",
+             "--micro-batch-size", "2", "--tensor-model-parallel-size", "2", "--dpo", "--train-data-path",
+             "pairs.jsonl", "--pretrained-checkpoint", "base", "--tokenizer-type", "NullTokenizer"]
+    assert plan_main(flags) == 0
+    assert "reference model (frozen)" in capsys.readouterr().out
+    assert plan_main(flags + ["--dpo-precompute-ref-log-probs"]) == 0
+    assert "reference model, before training" in capsys.readouterr().out
