@@ -108,6 +108,7 @@ def _build_sft_datasets(config: Config, num_samples: tuple):
         if not paths or count <= 0:
             datasets.append(None)
             continue
+        check_preprocessed_sft_token_ids(paths, config.model.vocab_size)
         if data.dpo:
             pairs = load_preference_pairs(paths, tokenizer, data.sft_tokenizer_prompt_format)
             datasets.append(PreferenceDataset(pairs, seq_length=config.model.seq_length, num_samples=count,
@@ -115,7 +116,6 @@ def _build_sft_datasets(config: Config, num_samples: tuple):
                                               pack_sequences=data.sft_pack_sequences))
             continue
         examples = load_sft_examples(paths, tokenizer, data.sft_tokenizer_prompt_format, record_format)
-        check_preprocessed_sft_token_ids(paths, config.model.vocab_size)
         datasets.append(SFTDataset(examples, seq_length=config.model.seq_length, num_samples=count,
                                    seed=config.training.seed, pad_token=tokenizer.pad,
                                    pack_sequences=data.sft_pack_sequences))

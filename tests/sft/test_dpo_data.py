@@ -1,6 +1,7 @@
 """--dpo's data: TRL's preference records in every file format, the chat template applied, the loss mask on the
 answer only, pairs kept whole by padding, packing and truncation; and the errors a bad run gets."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -67,6 +68,44 @@ def test_a_pair_is_never_split_padded_packed_or_truncated(tmp_path, pack):
         seen.update(tuple(chosen["tokens"][chosen["segment_ids"] == d][:1]) for d in documents[0])
         assert pack or len(documents[0]) == 1
     assert (40,) not in seen  # the pair whose prompt fills the sequence is dropped
+
+
+def test_preprocessed_pairs_read_as_the_jsonl_and_each_kind_refuses_the_other(tmp_path, capsys):
+    """tools/preprocess_data.py --dpo writes a pair per document (chosen, rejected); read back, the pairs and the
+    padded and packed (truncating) samples equal the JSONL's, a bad line is named and skipped, and --sft data is
+    not taken for pairs nor pairs for --sft data."""
+    from megatron_lite.data.sft import load_sft_examples
+    from tools.preprocess_data import main as preprocess_data
+
+    records = RECORDS + [{"prompt": "20 21 22 23 24 25 26", "chosen": " 27 28 29 30", "rejected": " 31"}]
+    data = _jsonl(tmp_path / "pairs.jsonl", records[:2] + [{"prompt": "1", "chosen": " 2"}] + records[2:])
+    common = ["--input", data, "--tokenizer-type", "NullTokenizer", "--vocab-size", "63"]
+    assert preprocess_data(["--dpo", *common, "--output-prefix", str(tmp_path / "pairs")]) == 0
+    assert "pairs.jsonl:3: a preference record needs" in capsys.readouterr().err
+    direct = load_preference_pairs([_jsonl(tmp_path / "good.jsonl", records)], NULL, "plain")
+    preprocessed = load_preference_pairs([str(tmp_path / "pairs")], NULL, "plain")
+    assert _sides(preprocessed) == _sides(direct) and len(direct) == 4
+    for pack in (False, True):
+        samples = [PreferenceDataset(pairs, seq_length=10, num_samples=8, seed=1, pad_token=63, pack_sequences=pack)
+                   for pairs in (direct, preprocessed)]
+        assert samples[0].num_truncated == 1
+        for index in range(8):
+            assert all(np.array_equal(samples[0][index][key], samples[1][index][key]) for key in samples[0][index])
+    losses = []  # trained from either source (ORPO: no reference checkpoint needed), the same loss
+    for source in (str(tmp_path / "good.jsonl"), str(tmp_path / "pairs")):
+        assert pretrain_main(["--dpo", "--dpo-loss-type", "orpo", "--train-data-path", source, "--tokenizer-type",
+                              "NullTokenizer", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16",
+                              "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
+                              "--global-batch-size", "4", "--train-iters", "2", "--log-interval", "1"]) == 0
+        losses.append(re.findall(r"dpo loss: (\S+)", capsys.readouterr().out))
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+    with pytest.raises(ValueError, match="holds preference pairs, but this run reads fine-tuning examples"):
+        load_sft_examples([str(tmp_path / "pairs")], NULL, "plain")
+    sft = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "1 2", "response": " 3"}])
+    assert preprocess_data(["--sft", *common[:1], sft, *common[2:], "--output-prefix", str(tmp_path / "sft")]) == 0
+    with pytest.raises(ValueError, match="holds fine-tuning examples, but this run reads preference pairs: "
+                                         "preprocess its records with tools/preprocess_data.py --dpo"):
+        load_preference_pairs([str(tmp_path / "sft")], NULL, "plain")
 
 
 def test_a_record_missing_chosen_or_rejected_names_the_file_and_line(tmp_path, capsys):
