@@ -405,8 +405,8 @@ HELP = {
     "grpo_iterations": "--grpo: optimizer steps on each batch of completions (mu): the ratio is to the policy that "
                        "sampled them",
     "grpo_loss_type": ("--grpo: dapo (TRL's default: per-token losses over the global batch's completion tokens), "
-                       "grpo (per completion, then over completions), bnpo (over each micro-batch's completion tokens, then over "
-                       "micro-batches) or dr_grpo (over completions x --max-new-tokens)"),
+                       "grpo (per completion, then over completions), bnpo (over each micro-batch's completion "
+                       "tokens, then over micro-batches) or dr_grpo (over completions x --max-new-tokens)"),
     "grpo_scale_rewards": ("--grpo: divide the group-centred rewards by the group's std (group), the whole batch's "
                            "(batch), or not (none)"),
     "grpo_log_completions": ("--grpo: write every prompt, completion and reward to this JSONL file, iteration by "

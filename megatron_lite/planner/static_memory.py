@@ -63,7 +63,8 @@ class StaticMemory:
     optimizer_state_on_host: bool = False
     reference_bytes: int = 0  # the frozen reference (--dpo, --grpo): this rank's model shard again (reference_model)
     # --dpo-precompute-ref-log-probs: that reference held only for its pass before training (no activation is kept
-    # for a backward then), and freed; so not in device_bytes, but in the estimate's peak beside the pass's working memory
+    # for a backward then), then freed: not in device_bytes, but in the estimate's peak beside that pass's working
+    # memory
     reference_pass_bytes: int = 0
 
     @property

@@ -79,7 +79,7 @@ class LossSettings:
 
 
 def pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, chosen_tokens: torch.Tensor,
-                rejected_tokens: torch.Tensor, settings: LossSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                rejected_tokens: torch.Tensor, settings: LossSettings) -> tuple[torch.Tensor, ...]:
     """(per-pair losses, chosen rewards, rejected rewards) of the module docstring. ``chosen``, ``rejected``: each
     side's log-ratio to the reference, or without one its log-probability, summed over its answer tokens."""
     beta = settings.beta
@@ -260,10 +260,10 @@ class DirectPreferenceOptimization:
                         f"in {time.perf_counter() - start:.1f} s; {freed_text}")
         if not parallel_state.is_pipeline_last_stage():
             return iterators
+        seq_length = config.model.seq_length
         return tuple(None if iterator is None else
-                     [with_reference(i, values, config.model.seq_length) for i in iterator] if isinstance(iterator, list)
-                     else with_reference(iterator, values, config.model.seq_length)
-                     for iterator, values in zip(iterators, scored))
+                     [with_reference(i, values, seq_length) for i in iterator] if isinstance(iterator, list)
+                     else with_reference(iterator, values, seq_length) for iterator, values in zip(iterators, scored))
 
     def _score_ahead(self, config: Config, parallel_state, source, count: int, num_microbatches: int) -> list:
         """The reference's log-probabilities of the next ``count`` micro-batches of ``source`` (last stage; their

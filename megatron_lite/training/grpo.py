@@ -19,16 +19,17 @@ log-probabilities of logits / --temperature (what was sampled from), per complet
 
 where pi_old is the policy that sampled the batch (mu > 1: scored once, after sampling; mu = 1: the policy
 itself, detached, so ratio = 1). --grpo-loss-type averages the per-token losses over the global batch's
-completion tokens (dapo, TRL 1.16's default), per completion then over completions (grpo), or over
-completions x --max-new-tokens (dr_grpo), or per micro-batch's completion tokens then over micro-batches (bnpo,
-TRL's "local batch" being a micro-batch, so it depends on --micro-batch-size as TRL's does on its per-device
-batch): each is the per-token loss contract of ``loop.loss_func`` with its own count. The reference pi_ref (``reference_model``, only when --grpo-beta > 0) is scored once per batch
-of completions, in a forward-only pass of the schedule, as --dpo's.
+completion tokens (dapo, TRL 1.16's default), per completion then over completions (grpo), over completions x
+--max-new-tokens (dr_grpo), or over each micro-batch's completion tokens then over micro-batches (bnpo: TRL's
+"local batch" is a micro-batch, so it depends on --micro-batch-size as TRL's does on its per-device batch): each
+is the per-token loss contract of ``loop.loss_func`` with its own count. The reference pi_ref
+(``reference_model``, only when --grpo-beta > 0) is scored once per batch of completions, in a forward-only pass
+of the schedule, as --dpo's.
 
 The logged line carries TRL's numbers: ``reward`` (the mean of the batch's rewards), ``reward std`` (their
-standard deviation), ``kl`` (the mean of kl over completion tokens, with --grpo-beta > 0), ``entropy`` (the mean over
-completion tokens of the entropy of the distribution each was scored with, logits / --temperature), ``completion
-length`` (mean tokens per completion, its EOD included) and ``clip ratio`` (the share of completion tokens
+standard deviation), ``kl`` (the mean of kl over completion tokens, with --grpo-beta > 0), ``entropy`` (the
+mean over completion tokens of the entropy of the distribution each was scored with, logits / --temperature),
+``completion length`` (mean tokens per completion, its EOD included) and ``clip ratio`` (the share of completion tokens
 whose ratio is clipped on the side its advantage pushes).
 """
 from __future__ import annotations

@@ -126,7 +126,8 @@ def test_losses_rewards_and_grad_norms_equal_trl_every_iteration(imported, tmp_p
     assert len(ours) == len(expected) == STEPS
     assert state.losses == pytest.approx([row[0] for row in expected], abs=1e-5)
     for mine, theirs in zip(ours, expected):
-        assert len(mine) == len(theirs) and mine[:5] + mine[6:] == pytest.approx(theirs[:5] + theirs[6:], abs=1e-5)  # and the nll loss
+        assert len(mine) == len(theirs)
+        assert mine[:5] + mine[6:] == pytest.approx(theirs[:5] + theirs[6:], abs=1e-5)  # and the nll loss
         assert mine[5] == pytest.approx(theirs[5], abs=1e-3)  # the log prints 3 decimals
     if loss_type == "sigmoid":
         assert state.losses[0] == pytest.approx(math.log(2), abs=1e-7)  # the policy is the reference
