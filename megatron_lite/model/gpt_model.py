@@ -182,9 +182,10 @@ class GPTModel(nn.Module):
         if labels is None:
             logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
             return logits[..., :self.config.vocab_size].transpose(0, 1).contiguous()
+        if entropy:  # of the logits the loss reads (its forward leaves them as they are)
+            scaled = self._scaled(logits, temperature)
+            return self._loss_of(scaled, labels), vocab_parallel_entropy(scaled.detach(), self.tp_group).t()
         loss = self._cross_entropy(logits, labels, temperature)
-        if entropy:
-            return loss, vocab_parallel_entropy(self._scaled(logits.detach(), temperature), self.tp_group).t()
         if self.mtp is not None and loss_mask is not None and self.training:
             depths = self.mtp(hidden_states, input_ids, position_ids, self.embedding, rotary, attention_mask)
             loss = self.mtp.attach_loss(loss, lambda k, k_labels: self._cross_entropy(self._logits(depths[k - 1]),
@@ -200,8 +201,11 @@ class GPTModel(nn.Module):
 
     def _cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Per-token loss [b, s] of logits [s, b, V/tp] / ``temperature`` against labels [b, s]."""
-        loss = vocab_parallel_cross_entropy(self._scaled(logits, temperature), labels.t().contiguous(), self.tp_group)
-        return loss.t().contiguous()
+        return self._loss_of(self._scaled(logits, temperature), labels)
+
+    def _loss_of(self, scaled: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss [b, s] of ``_scaled`` logits [s, b, V/tp] against labels [b, s]."""
+        return vocab_parallel_cross_entropy(scaled, labels.t().contiguous(), self.tp_group).t().contiguous()
 
     def _scaled(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """fp32 logits / ``temperature``, the vocabulary's padding rows out of the softmax."""

@@ -119,6 +119,8 @@ def vocab_parallel_entropy(vocab_parallel_logits: torch.Tensor, tp_group) -> tor
     collectives.all_reduce(logits_max, tp_group, op=torch.distributed.ReduceOp.MAX)
     shifted = logits - logits_max.unsqueeze(-1)
     exp = shifted.exp()
-    sums = torch.stack([exp.sum(dim=-1), (exp * shifted.nan_to_num(neginf=0.0)).sum(dim=-1)])
+    sum_exp = exp.sum(dim=-1)
+    # Two vocabulary-sized tensors at a time (the logits are the largest activation): the product in place.
+    sums = torch.stack([sum_exp, shifted.nan_to_num_(neginf=0.0).mul_(exp).sum(dim=-1)])
     collectives.all_reduce(sums, tp_group)
     return sums[0].log() - sums[1] / sums[0]
