@@ -8,7 +8,8 @@ backward rebuilds while it runs. On top: the cross entropy's
 working copies of the logits on the last stage, and the cluster's allowance for the
 CUDA context, communication buffers and fragmentation. The optimizer step runs once the activations
 are freed: what it holds besides its state (Muon's whole matrices, ``muon_step``) counts where it
-outgrows them.
+outgrows them. So does --dpo-precompute-ref-log-probs's reference, held (with a forward's working memory) only
+before training.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ pp2 x dp2 with the interleaved schedule (each chunk reads its own iterator of th
 tp2 x dp2 under ZeRO-3 (the reference is a whole copy while the policy is sharded), cp2 x dp2 (each rank
 sums its positions' log-probabilities), ep2 over 4 data-parallel ranks (experts split), and LoRA at
 tp2 x dp2 (the reference is the base with the adapters off), and pp2 x dp2 interleaved with the reference's
-log-probabilities precomputed (scored ahead, then the reference freed). Adam's eps sits above float32 noise.
+log-probabilities precomputed (scored ahead, then the reference freed); and ORPO at cp2 x dp2 (no reference; its
+NLL term's per-token mean over the global batch counted before the pass). Adam's eps sits above float32 noise.
 """
 import json
 import math
@@ -29,7 +30,8 @@ RUNS = {"tp2 x pp2": dict(model="llama", tp=2, pp=2), "pp2 x dp2, interleaved": 
         "tp2 x dp2, ZeRO-3": dict(model="llama", tp=2, zero3=True),
         "cp2 x dp2": dict(model="llama", cp=2), "ep2 x dp4": dict(model="moe", ep=2, pack=False),
         "LoRA, tp2 x dp2": dict(model="llama", tp=2, lora=True),
-        "pp2 x dp2, interleaved, precomputed": dict(model="llama4", pp=2, vpp=1, precompute=True)}
+        "pp2 x dp2, interleaved, precomputed": dict(model="llama4", pp=2, vpp=1, precompute=True),
+        "ORPO, cp2 x dp2": dict(model="llama", cp=2, loss="orpo")}
 
 
 def _write_pairs(path) -> str:
@@ -43,7 +45,7 @@ def _write_pairs(path) -> str:
 
 
 def _config(data: str, ckpt: str, *, model: str, tp=1, pp=1, cp=1, ep=1, vpp=None, zero3=False, lora=False,
-            pack=True, dpo=True, precompute=False) -> Config:
+            pack=True, dpo=True, precompute=False, loss="sigmoid") -> Config:
     return Config(
         model=ModelConfig(**MODELS[model]),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -51,7 +53,7 @@ def _config(data: str, ckpt: str, *, model: str, tp=1, pp=1, cp=1, ep=1, vpp=Non
                                 num_layers_per_virtual_pipeline_stage=vpp,
                                 data_parallel_sharding_strategy="optim_grads_params" if zero3 else None),
         training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=STEPS if dpo else 1,
-                                dpo_precompute_ref_log_probs=precompute),
+                                dpo_precompute_ref_log_probs=precompute, dpo_loss_type=loss),
         optimizer=OptimizerConfig(lr=1e-2, adam_eps=1e-6, clip_grad=1.0, lr_decay_style="constant"),
         data=(DataConfig(dpo=True, train_data_path=[data], tokenizer_type="NullTokenizer", sft_pack_sequences=pack)
               if dpo else DataConfig(mock_data=True)),
@@ -66,10 +68,12 @@ def _references(rank, world_size, data, root):
 
     for model in MODELS:
         pretrain(_config(data, f"{root}/{model}", model=model, dpo=False), keep_process_group=True)
-    kinds = {(run["model"], run.get("pack", True), run.get("lora", False)) for run in RUNS.values()}
-    losses = {(model, pack, lora): pretrain(_config(data, f"{root}/{model}", model=model, pack=pack, lora=lora),
-                                            keep_process_group=True)[0].losses for model, pack, lora in kinds}
-    return {name: losses[(run["model"], run.get("pack", True), run.get("lora", False))] for name, run in RUNS.items()}
+    def kind(run):
+        return run["model"], run.get("pack", True), run.get("lora", False), run.get("loss", "sigmoid")
+    losses = {(model, pack, lora, loss): pretrain(_config(data, f"{root}/{model}", model=model, pack=pack, lora=lora,
+                                                          loss=loss), keep_process_group=True)[0].losses
+              for model, pack, lora, loss in {kind(run) for run in RUNS.values()}}
+    return {name: losses[kind(run)] for name, run in RUNS.items()}
 
 
 def _layouts(rank, world_size, data, root):
@@ -84,7 +88,8 @@ def test_dpo_layouts_match_single_process(tmp_path):
     (reference,) = run_distributed(_references, 1, args=(data, str(tmp_path)))
     per_rank = run_distributed(_layouts, 4, args=(data, str(tmp_path)), timeout=600)
     for name in RUNS:
-        assert abs(reference[name][0] - math.log(2)) < 1e-6, name  # the policy starts as the reference
+        # the policy starts as the reference (ORPO has none)
+        assert abs(reference[name][0] - math.log(2)) < 1e-6 or RUNS[name].get("loss") == "orpo", name
         assert reference[name][-1] < reference[name][0] or RUNS[name]["model"] == "moe", name  # (its router loss)
         assert_losses_match([losses[name] for losses in per_rank], reference[name], STEPS, name)
 
