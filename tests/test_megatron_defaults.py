@@ -129,6 +129,7 @@ NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", 
                    "parallel_attention_mlp",  # GPT-NeoX's parallel residual; Transformer Engine's name
                    "hf_model_type",  # the Hugging Face family an export names
                    "dpo", "dpo_beta", "dpo_loss_type", "dpo_label_smoothing",  # Megatron-LM has no DPO (NeMo-RL does)
+                   "dpo_simpo_gamma", "dpo_cpo_alpha", "dpo_precompute_ref_log_probs",
                    # nor GRPO: TRL's GRPOConfig names, and the generate command's sampling flags
                    "grpo", "reward_function", "reward_weights", "grpo_group_size", "max_new_tokens", "temperature",
                    "top_p", "grpo_epsilon", "grpo_epsilon_high", "grpo_beta", "grpo_iterations", "grpo_loss_type",
