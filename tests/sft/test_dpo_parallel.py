@@ -101,6 +101,7 @@ def test_precomputed_reference_equals_the_per_batch_pass_and_resumes_exactly(tmp
     import dataclasses
     import re
 
+    from megatron_lite.inference.loading import read_checkpoint_config
     from megatron_lite.training.loop import pretrain
 
     data, ckpt = _write_pairs(tmp_path / "pairs.jsonl"), str(tmp_path / "llama")
@@ -121,3 +122,5 @@ def test_precomputed_reference_equals_the_per_batch_pass_and_resumes_exactly(tmp
     run(True, exit_interval=2)
     losses, evaluations = run(True, load=str(tmp_path / "stopped"))
     assert losses == precomputed[0] and evaluations == precomputed[1][1:]
+    # generate and evaluate run the trained weights without the run's reference or data
+    assert not read_checkpoint_config(str(tmp_path / "stopped"), ParallelConfig()).data.dpo
