@@ -335,8 +335,9 @@ HELP = {
                       "instruction, input, output, system, history, conversations), e.g. prompt=question "
                       "response=answer"),
     "dpo": ("direct preference optimisation on --train-data-path records {\"prompt\", \"chosen\", \"rejected\"} "
-            "(strings or message lists), against a frozen reference: --pretrained-checkpoint, or under --peft lora "
-            "the base with the adapters off. Batch sizes count sequences, two per pair"),
+            "(strings or message lists, or a prefix of tools/preprocess_data.py --dpo), against a frozen reference: "
+            "--pretrained-checkpoint, or under --peft lora the base with the adapters off (none for --dpo-loss-type "
+            "simpo and orpo). Batch sizes count sequences, two per pair"),
     "grpo": ("group relative policy optimisation: sample --grpo-group-size completions of each --train-data-path "
              "prompt ({\"prompt\"} or {\"messages\"}) from the policy, score them with --reward-function and train on "
              "the group-normalised rewards (TRL's GRPO loss). Batch sizes count completions"),
