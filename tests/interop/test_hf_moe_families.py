@@ -49,17 +49,17 @@ from megatron_lite.interop.hf import checkpoint as hf_checkpoint, weights as hf_
 from megatron_lite.checkpointing.offline import write_checkpoint  # noqa: E402
 from megatron_lite.checkpointing.resharding import CheckpointReader  # noqa: E402
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir  # noqa: E402
-from megatron_lite.config import ConfigError, DataConfig, OptimizerConfig, PeftConfig, TrainingConfig  # noqa: E402
+from megatron_lite.config import ConfigError, OptimizerConfig, PeftConfig  # noqa: E402
 from megatron_lite.inference.text_generation import generate  # noqa: E402
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel  # noqa: E402
 from tests.checkpointing.common import Imported, import_hf_model  # noqa: E402
 from megatron_lite.training.loop import pretrain  # noqa: E402
 from tests.interop.hf_family_ranks import layouts_rank, load, sgd_step_gradients, training_config  # noqa: E402
-from tests.interop.test_hf_families import SFT_PAIRS  # noqa: E402
+from tests.interop.test_hf_families import SFT_PAIRS, sft_first_loss, sft_packings  # noqa: E402
 from tests.interop.transformers_training import fair_fight  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import EOS, MAX_NEW_TOKENS, PAD, PROMPTS, _hf_generate  # noqa: E402
-from tests.sft.test_sft_training import _transformers_response_loss, _write_jsonl  # noqa: E402
+from tests.sft.test_sft_training import _transformers_response_loss  # noqa: E402
 from tools.checkpoint_convert import main as convert  # noqa: E402
 
 VOCAB, EXPERTS, TOPK, COEF = 100, 4, 2, 0.02
@@ -443,23 +443,11 @@ def test_sft_first_loss_equals_transformers(family, tmp_path):
     same examples, each run alone (the router's loss is not part of it, in either). With Llama 4's chunks and
     temperature, packed too: both count each example's positions from its first token (and the block-diagonal mask
     of --sft-pack-sequences must act besides the chunks')."""
-    data = _write_jsonl(tmp_path / "sft.jsonl", SFT_PAIRS)
-    base = training_config(family.root, str(tmp_path / "sft"), 1, 1)
     with torch.no_grad():
         expected = _transformers_response_loss(family.hf_model, SFT_PAIRS).item()
-    positional = base.model.attention_chunk_size is not None or base.model.attn_temperature_tuning
-    for pack in [False, True] if positional else [False]:
-        batch = dict(micro_batch_size=1, global_batch_size=1) if pack else dict(micro_batch_size=2,
-                                                                               global_batch_size=4)
-        config = dataclasses.replace(
-            base, model=dataclasses.replace(base.model, seq_length=48),
-            training=TrainingConfig(train_iters=1, eval_iters=1, **batch),
-            checkpoint=dataclasses.replace(base.checkpoint, save=None, save_interval=None),
-            data=DataConfig(sft=True, train_data_path=[data], tokenizer_type="NullTokenizer",
-                            sft_pack_sequences=pack))
-        state, _, parallel_state = pretrain(config, keep_process_group=True)
-        destroy_model_parallel(parallel_state)
-        assert state.losses[0] == pytest.approx(expected, rel=1e-5), f"{family.name} packed={pack}"
+    for pack in sft_packings(family.root):
+        assert sft_first_loss(family.root, tmp_path, pack=pack) == pytest.approx(expected, rel=1e-5), (
+            f"{family.name} packed={pack}")
 
 
 def test_unknown_fields_and_variants_are_refused_by_name(imports):

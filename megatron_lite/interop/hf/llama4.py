@@ -32,6 +32,7 @@ from megatron_lite.interop.hf.smollm3 import no_rope_freq, no_rope_layers, nope_
 
 # transformers' Llama4TextConfig defaults where they matter and differ from Llama's (a config.json may leave them out).
 LLAMA4_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                   "max_position_embeddings": 131072,
                    "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_local_experts": 16,
                    "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "use_qk_norm": True,
                    "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1}

@@ -25,11 +25,9 @@ _EXPERTS = "feed_forward.experts."
 _SHARED = "feed_forward.shared_expert."
 
 
-def llama4_query_key_rows(query: torch.Tensor, key: torch.Tensor, config: ModelConfig, *,
-                          to_interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_proj's and k_proj's rows (or a LoRA B's) reordered between Llama 4's interleaved pairs and our halves."""
-    return tuple(rotary_rows_reordered(rows, config.head_dim, config.head_dim, to_interleaved=to_interleaved)
-                 for rows in (query, key))
+def llama4_rotary_rows(rows: torch.Tensor, config: ModelConfig, *, to_interleaved: bool) -> torch.Tensor:
+    """q_proj's or k_proj's rows (or a LoRA B's) reordered between Llama 4's interleaved pairs and our halves."""
+    return rotary_rows_reordered(rows, config.head_dim, config.head_dim, to_interleaved=to_interleaved)
 
 
 def _gated_mlp_from_hf(take, theirs: str, mine: str) -> dict:

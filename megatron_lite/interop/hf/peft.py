@@ -42,7 +42,7 @@ from megatron_lite.interop.hf.checkpoint import imported_from
 from megatron_lite.interop.hf.gpt_oss_weights import interleaved_rows
 from megatron_lite.interop.hf.weights import hf_family, pack_qkv, unpack_qkv
 from megatron_lite.interop.hf.latent_attention import latent_rotary_rows, query_rotary_rows
-from megatron_lite.interop.hf.llama4_weights import llama4_query_key_rows
+from megatron_lite.interop.hf.llama4_weights import llama4_rotary_rows
 from megatron_lite.interop.hf.tokenizer import write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.peft_base import adapter_reader, pointer_to
@@ -111,13 +111,18 @@ _ROTARY_ROWS = {"linear_q_proj": query_rotary_rows, "linear_q_up_proj": query_ro
                 "linear_kv_down_proj": latent_rotary_rows}
 
 
-def _hf_rows(target: str, lora_b: torch.Tensor, config: ModelConfig, naming: str, *, to_hf: bool) -> torch.Tensor:
-    """B's rows in the other naming's order (only DeepSeek's and Llama 4's rotary rows move)."""
-    if naming == "llama4" and target == "linear_qkv":
-        query, key, value = unpack_qkv(lora_b, config)
-        return pack_qkv(*llama4_query_key_rows(query, key, config, to_interleaved=to_hf), value, config)
+def _hf_rows(target: str, lora_b: torch.Tensor, config: ModelConfig, *, to_hf: bool) -> torch.Tensor:
+    """B's rows in the other naming's order (only DeepSeek's rotary rows move)."""
     reorder = _ROTARY_ROWS.get(target)
     return lora_b if reorder is None else reorder(lora_b, config, to_interleaved=to_hf)
+
+
+def _hf_block(naming: str, block: str, rows: torch.Tensor, config: ModelConfig, *, to_hf: bool) -> torch.Tensor:
+    """The rows of one block of B (q, k, v, gate, up) in the other naming's order: Llama 4's q and k rotate
+    interleaved pairs."""
+    if naming == "llama4" and block in ("q", "k"):
+        return llama4_rotary_rows(rows, config, to_interleaved=to_hf)
+    return rows
 
 
 def _row_blocks(target: str, rows: torch.Tensor, config: ModelConfig) -> dict:
@@ -194,8 +199,9 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
             modules += [(t, f"mlp.shared_experts.{t}", _SHARED_EXPERT_MODULES[architecture][t]) for t in experts]
         for target, ours, hf_modules in modules:
             lora_a, lora_b = (reader.read(n) for n in factor_names(f"decoder.layers.{layer}.{ours}"))
-            lora_b = _hf_rows(target, lora_b, model, architecture, to_hf=True)
-            blocks = _row_blocks(target, lora_b, model)
+            lora_b = _hf_rows(target, lora_b, model, to_hf=True)
+            blocks = {name: _hf_block(architecture, name, rows, model, to_hf=True)
+                      for name, rows in _row_blocks(target, lora_b, model).items()}
             for hf_module, covered in hf_modules:
                 prefix = f"{_LAYERS[architecture]}{layer}.{hf_module}"
                 tensors[f"{prefix}.lora_A.weight"] = lora_a.clone()  # one file entry per module
@@ -364,8 +370,11 @@ def _updates_by_target(peft_config: dict, tensors: dict, architecture: str, mode
                 names = (f"{key}.lora_A.weight", f"{key}.lora_B.weight")
                 if names[0] not in tensors:
                     continue
-                lora_a, lora_b = tensors[names[0]], _hf_rows(target, tensors[names[1]], model, architecture,
-                                                             to_hf=False)
+                lora_a, lora_b = tensors[names[0]], _hf_rows(target, tensors[names[1]], model, to_hf=False)
+                if covered is not None:
+                    sizes = _block_rows(target, model)
+                    lora_b = torch.cat([_hf_block(architecture, block, rows, model, to_hf=False) for block, rows in
+                                        zip(covered, lora_b.split([sizes[block] for block in covered]))])
                 updates.setdefault((layer, target), {})[covered] = (
                     lora_a, lora_b, _scale(peft_config, key.removeprefix("base_model.model."), lora_a.shape[0]))
                 used.update(names)

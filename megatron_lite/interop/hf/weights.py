@@ -55,7 +55,7 @@ from megatron_lite.interop.hf.families import (GEMMA_FEATURES, Family, config_js
                                                model_config_fields_from_hf, named_family)
 from megatron_lite.interop.hf.gpt_oss_weights import gpt_oss_layer_from_hf, gpt_oss_layer_to_hf
 from megatron_lite.interop.hf.latent_attention import latent_attention_from_hf, latent_attention_to_hf
-from megatron_lite.interop.hf.llama4_weights import llama4_mlp_from_hf, llama4_mlp_to_hf, llama4_query_key_rows
+from megatron_lite.interop.hf.llama4_weights import llama4_mlp_from_hf, llama4_mlp_to_hf, llama4_rotary_rows
 from megatron_lite.interop.hf.multi_token_prediction import mtp_from_hf, mtp_to_hf
 from megatron_lite.interop.hf.qwen3_next import gated_delta_net_from_hf, gated_delta_net_to_hf
 
@@ -360,7 +360,7 @@ def _llama_layer_from_hf(take, theirs: str, layer: str, config: ModelConfig, nam
         else:
             query, key = take(theirs + "self_attn.q_proj.weight"), take(theirs + "self_attn.k_proj.weight")
             if naming == "llama4":
-                query, key = llama4_query_key_rows(query, key, config, to_interleaved=False)
+                query, key = (llama4_rotary_rows(rows, config, to_interleaved=False) for rows in (query, key))
             ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
                 query, key, take(theirs + "self_attn.v_proj.weight"), config)
         if naming == "gpt_oss":
@@ -393,7 +393,7 @@ def _llama_layer_to_hf(read, theirs: str, layer: str, config: ModelConfig, namin
         else:
             query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
             if naming == "llama4":
-                query, key = llama4_query_key_rows(query, key, config, to_interleaved=True)
+                query, key = (llama4_rotary_rows(rows, config, to_interleaved=True) for rows in (query, key))
             hf.update({theirs + f"self_attn.{name}_proj.weight": weight
                        for name, weight in zip("qkv", (query, key, value))})
         if naming == "gpt_oss":
