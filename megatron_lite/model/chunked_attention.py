@@ -7,6 +7,11 @@ left-padded prompt's first real token. A query at position p is the (p mod C)-th
 p mod C keys: one more mask, OR-ed with whatever attention already masks (causal, packed examples, a
 generation's padding), and counted in distances along the key sequence, as the generation cache stores the
 keys (the chunked layers cache them all). transformers' Llama 4 counts its chunks the same way.
+
+A position is never past its key column (positions restart at packed examples and after left padding, never
+skip ahead), so keys no longer than a chunk are all in their sequence's first: the mask would add nothing to
+what attention already masks, and is left out, which keeps a sequence of at most one chunk (a fine-tune of the
+released models, chunks of 8192) on the causal fast path.
 """
 import torch
 
@@ -20,6 +25,8 @@ class ChunkedAttention:
     def mask(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, key_length: int) -> torch.Tensor:
         """``attention_mask`` (bool [b or 1, 1, s, key_length], True = may not attend; None = causal) with the keys
         outside each query's chunk added. ``position_ids`` [b, s]: the queries', the last s of the keys."""
+        if key_length <= self.chunk_size:
+            return attention_mask
         query_length = position_ids.shape[1]
         columns = torch.arange(key_length, device=position_ids.device)
         rows = torch.arange(key_length - query_length, key_length, device=position_ids.device)
