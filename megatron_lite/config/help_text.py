@@ -52,6 +52,15 @@ HELP = {
                              "residual as it is, x + Norm(Attn(x)) (OLMo 2 and 3)"),
     "no_rope_freq": ("layers without rotary embeddings (NoPE): N (every Nth layer, counting from 1) or a list of "
                      "0s and 1s, 1 for a NoPE layer, e.g. \"([0]*3+[1])*2\" (SmolLM3's no_rope_layers, inverted)"),
+    "attention_chunk_size": ("chunked local attention (Llama 4): on the layers with rotary embeddings a query sees "
+                             "only the earlier keys of its own chunk of this many positions, counted from the "
+                             "sequence's first (each packed example's, each prompt's); NoPE layers see everything"),
+    "qk_l2_norm": ("divide each head's queries and keys by their root mean square, no weight (Llama 4's "
+                   "use_qk_norm), on every layer but the NoPE ones (--no-rope-freq), which Megatron-LM normalises too"),
+    "attn_temperature_tuning": ("Llama 4: the NoPE layers' queries times 1 + --attn-temperature-scale x "
+                                "ln(1 + floor((position + 1) / --attn-temperature-floor-scale))"),
+    "attn_temperature_floor_scale": "positions per step of --attn-temperature-tuning's temperature (Llama 4: 8192)",
+    "attn_temperature_scale": "how much --attn-temperature-tuning's temperature grows per step (Llama 4: 0.1)",
     "mtp_num_layers": ("multi-token prediction layers on the last pipeline stage (DeepSeek-V3): depth k predicts "
                        "the token k + 1 after each position from the previous depth's hidden state and the next "
                        "token's embedding; trained only, never used to generate"),
@@ -85,8 +94,13 @@ HELP = {
                   "--bias-gelu-fusion, GPT-2's activation_function gelu)",
     "rotary_seq_len_interpolation_factor": "linear RoPE scaling: positions are divided by this factor",
     "use_rope_scaling": ("Llama 3.x RoPE scaling: low frequencies divided by --rope-scaling-factor (original "
-                         "context 8192, low/high frequency factors 1 and 4, as Megatron-LM)"),
+                         "context 8192, low/high frequency factors 1 and 4 unless given, as Megatron-LM)"),
     "rope_scaling_factor": "the factor of --use-rope-scaling",
+    "rope_scaling_low_freq_factor": ("--use-rope-scaling's low frequency factor: wavelengths over the original "
+                                     "context / this are divided by the factor (1, as Megatron-LM)"),
+    "rope_scaling_high_freq_factor": ("--use-rope-scaling's high frequency factor: wavelengths under the original "
+                                      "context / this keep their frequency, those between blend (4, as Megatron-LM; "
+                                      "Llama 4 Scout: 1)"),
     "rotary_scaling_factor": "YaRN's context stretch: low frequencies divided by it, high ones kept",
     "mscale": ("YaRN: rotated channels scaled by (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) "
                "+ 1)"),
@@ -124,7 +138,7 @@ HELP = {
                        'Megatron-LM, which also keeps the text as an int)'),
     "moe_router_topk": "experts each token is routed to",
     "moe_router_score_function": ("router scores: softmax (Mixtral, Qwen-MoE) or sigmoid, normalised over the "
-                                  "top-k (DeepSeek-V3)"),
+                                  "top-k when k > 1 (DeepSeek-V3; the top-1's sigmoid as it is: Llama 4)"),
     "moe_router_pre_softmax": ("softmax over all experts before choosing the top-k, which are then not "
                                "renormalised (OLMoE, Qwen2-MoE); default: softmax over the top-k logits"),
     "moe_router_topk_scaling_factor": "multiply the top-k routing weights by this (DeepSeek's routed_scaling_factor)",
@@ -149,6 +163,8 @@ HELP = {
     "moe_token_drop_policy": "which tokens past capacity are dropped: lowest routing probability, or last in position",
     "moe_shared_expert_intermediate_size": "inner width of the shared expert every token also passes through",
     "moe_shared_expert_gate": "scale the shared expert's output by sigmoid of a learned projection (Qwen2-MoE)",
+    "moe_apply_probs_on_input": ("scale each expert's input by its routing weight instead of its output (Llama 4; "
+                                 "with --moe-router-topk 1)"),
     "moe_grouped_gemm": ("run each rank's experts as one grouped GEMM (torch._grouped_mm) instead of a loop over "
                          "experts"),
     # parallel

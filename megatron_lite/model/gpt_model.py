@@ -159,9 +159,8 @@ class GPTModel(nn.Module):
             hidden_states = self.embedding(input_ids, position_ids)
         else:
             hidden_states = self.input_tensor
-        rotary = None
-        if self.config.rotary:
-            rotary = rotary_angles(position_ids.to(hidden_states.device), self.config)
+        positions = position_ids.to(hidden_states.device)
+        rotary = rotary_angles(positions, self.config) if self.config.rotary else None
         pool, self.next_pool = self.next_pool, None
         whole_model = (self.pools_routing and pool is None and self.pre_process and self.post_process
                        and self.training and torch.is_grad_enabled())
@@ -170,7 +169,7 @@ class GPTModel(nn.Module):
             self.next_pool = None
         for router in self.routers:
             router.pool = pool
-        hidden_states = self.decoder(hidden_states, rotary, attention_mask, inference_context)
+        hidden_states = self.decoder(hidden_states, rotary, attention_mask, positions, inference_context)
         if whole_model:
             pool.complete()
         if not self.post_process:

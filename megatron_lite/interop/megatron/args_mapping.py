@@ -23,7 +23,6 @@ from megatron_lite.config.moe import parse_moe_layer_freq
 # args that change what the model computes and that megatron_lite does not implement: (name, what it is).
 _UNSUPPORTED = (("moe_latent_size", "latent experts"),
                 ("moe_input_jitter_eps", "router input jitter"),
-                ("moe_apply_probs_on_input", "router probabilities applied to the expert input"),
                 ("multi_latent_attention", "multi-latent attention"),
                 ("qk_layernorm", "query/key layer norms"), ("squared_relu", "squared ReLU"),
                 ("openai_gelu", "OpenAI's GeLU"), ("mtp_num_layers", "multi-token prediction layers"),
@@ -33,10 +32,13 @@ _UNSUPPORTED = (("moe_latent_size", "latent experts"),
                 # Its gates' rows in Megatron-LM's linear_qkv are not mapped (Qwen3-Next imports from Hugging Face).
                 ("attention_output_gate", "gated attention"),
                 ("experimental_attention_variant", "an experimental attention variant"),
-                ("qk_l2_norm", "query/key L2 norms"),
                 # gpt-oss's, which megatron_lite computes but whose weights this conversion does not map
                 ("quick_geglu", "quick GeGLU"), ("glu_linear_offset", "the gated MLP's linear offset"),
-                ("activation_func_clamp_value", "the gated MLP's clamp"))
+                ("activation_func_clamp_value", "the gated MLP's clamp"),
+                # Llama 4's, which megatron_lite computes but this conversion does not map (Megatron-LM's --qk-l2-norm
+                # also normalises the NoPE layers, ours not)
+                ("qk_l2_norm", "query/key L2 norms"),
+                ("moe_apply_probs_on_input", "router probabilities applied to the expert input"))
 
 
 def _arg(args, name: str, default=None):
