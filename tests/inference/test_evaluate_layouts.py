@@ -1,7 +1,9 @@
 """``python -m megatron_lite.evaluate`` at the trainer's layouts gives one process's numbers: the perplexity of
 an indexed dataset and of fine-tuning data, and the exact match of greedy answers (each answer in input order
 in --output-file), at tp2 x pp2, dp2, and ep2 for a mixture of experts (whose data-parallel ranks run filler
-batches to stay in step)."""
+batches to stay in step), and with each sequence split over 2 context-parallel ranks beside tensor, pipeline,
+data and expert parallelism. The checkpoints were trained with dropout, which context parallelism's ring
+attention cannot train with, and which evaluation does not use."""
 import json
 import re
 
@@ -22,7 +24,7 @@ MOE = dict(num_experts=4, moe_ffn_hidden_size=32)
 def _checkpoint(root, **model_fields) -> str:
     """A random model of the sft demo's vocabulary (its NullTokenizer's EOD the last id) written to ``root``."""
     fields = dict(vocab_size=VOCAB_SIZE + 1, seq_length=24, **model_fields)
-    config = config_of("rope_gqa", **fields)
+    config = config_of("rope_gqa", **fields, attention_dropout=0.1)
     config.data = DataConfig(mock_data=True, tokenizer_type="NullTokenizer")
     model, _ = build("rope_gqa", **fields)
     weights = dict(model.named_parameters())
@@ -47,10 +49,16 @@ def data(tmp_path_factory):
 
 RUNS = {"indexed": ["--micro-batch-size", "2"],
         "sft": ["--sft", "--exact-match", "--max-new-tokens", "6", "--micro-batch-size", "2"]}
-LAYOUTS = {"tp2-pp2": ("dense", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4),
-           "dp2": ("dense", [], 2), "ep2": ("moe", ["--expert-model-parallel-size", "2"], 2)}
+TP2, PP2, CP2 = (["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"],
+                 ["--context-parallel-size", "2"])
+LAYOUTS = {"tp2-pp2": ("dense", [*TP2, *PP2], 4), "dp2": ("dense", [], 2),
+           "ep2": ("moe", ["--expert-model-parallel-size", "2"], 2), "tp2-cp2": ("dense", [*TP2, *CP2], 4),
+           "pp2-cp2": ("dense", [*PP2, *CP2], 4),
+           # experts over the 2 data-parallel x 2 context-parallel ranks
+           "cp2-dp2-ep2": ("moe", [*CP2, "--expert-model-parallel-size", "2"], 4)}
 # A fine-tuning run reports both the perplexity and the exact match; the indexed one a perplexity streamed from .bin.
-CASES = [("sft", "tp2-pp2"), ("sft", "dp2"), ("sft", "ep2"), ("indexed", "dp2"), ("indexed", "ep2")]
+CASES = [("sft", "tp2-pp2"), ("sft", "dp2"), ("sft", "ep2"), ("indexed", "dp2"), ("indexed", "ep2"),
+         ("sft", "tp2-cp2"), ("indexed", "pp2-cp2"), ("sft", "cp2-dp2-ep2")]
 
 
 def _numbers(line: str) -> list[float]:
