@@ -38,9 +38,15 @@ def read_checkpoint_config(load_dir: str, parallel: ParallelConfig) -> Config:
     # them would warn about a layout change that generation does not care about. How the weights were trained
     # (--dpo's or --grpo's reference and rewards, dropout) is no part of running them: an evaluated model drops
     # nothing, and a context-parallel layout would otherwise be refused for a training run's dropout.
-    return dataclasses.replace(saved, parallel=parallel, checkpoint=CheckpointConfig(load=load_dir, no_load_rng=True),
-                               model=dataclasses.replace(saved.model, hidden_dropout=0.0, attention_dropout=0.0),
-                               data=dataclasses.replace(saved.data, dpo=False, grpo=False), grpo=GRPOConfig())
+    model = dataclasses.replace(saved.model, hidden_dropout=0.0, attention_dropout=0.0)
+    # Multi-token prediction's layers are built and loaded (they are weights of the checkpoint) but only training
+    # runs them: the layout is checked as for the model without them, so that training's limit on them (no
+    # context parallelism) does not refuse a long prompt's split prefill.
+    config = dataclasses.replace(saved, parallel=parallel, checkpoint=CheckpointConfig(load=load_dir, no_load_rng=True),
+                                 model=dataclasses.replace(model, mtp_num_layers=None),
+                                 data=dataclasses.replace(saved.data, dpo=False, grpo=False), grpo=GRPOConfig())
+    config.model = model
+    return config
 
 
 def add_layout_arguments(parser) -> None:

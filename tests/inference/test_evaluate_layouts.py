@@ -3,7 +3,9 @@ an indexed dataset and of fine-tuning data, and the exact match of greedy answer
 in --output-file), at tp2 x pp2, dp2, and ep2 for a mixture of experts (whose data-parallel ranks run filler
 batches to stay in step), and with each sequence split over 2 context-parallel ranks beside tensor, pipeline,
 data and expert parallelism. The checkpoints were trained with dropout, which context parallelism's ring
-attention cannot train with, and which evaluation does not use."""
+attention cannot train with, and which evaluation does not use; the dense one has a multi-token prediction
+layer (DeepSeek-V3's), which training cannot split over context-parallel ranks, and which evaluation does not
+run."""
 import json
 import re
 
@@ -44,7 +46,7 @@ def data(tmp_path_factory):
         builder.finalize(str(root / "corpus.idx"))
     test = write_splits(str(root / "sft"), train=10, valid=1, test=5)["test"]
     return {"corpus": str(root / "corpus"), "sft": test,
-            "dense": _checkpoint(root / "dense"), "moe": _checkpoint(root / "moe", **MOE)}
+            "dense": _checkpoint(root / "dense", mtp_num_layers=1), "moe": _checkpoint(root / "moe", **MOE)}
 
 
 RUNS = {"indexed": ["--micro-batch-size", "2"],
