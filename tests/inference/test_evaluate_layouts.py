@@ -86,3 +86,15 @@ def test_every_layout_evaluates_as_one_process(data, tmp_path, capsys, run, layo
         one, parallel = ([json.loads(line) for line in open(tmp_path / name)] for name in ("one.jsonl",
                                                                                           "parallel.jsonl"))
         assert parallel == one and len(one) == 5
+
+
+def test_a_model_that_cannot_split_its_sequences_is_refused_by_name(data, tmp_path, capsys):
+    """A gated DeltaNet layer's scan runs from each position to the next: as training, evaluation refuses to
+    split its sequences, in one line before any process group."""
+    gated_delta_net = dict(experimental_attention_variant="gdn", linear_attention_freq="2", linear_num_key_heads=2,
+                           linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    load = _checkpoint(tmp_path, **gated_delta_net)
+    assert main(["--load", load, "--data-path", data["corpus"], *CP2]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: --context-parallel-size 2 with --experimental-attention-variant gdn")
+    assert error.count("\n") == 1
