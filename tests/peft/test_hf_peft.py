@@ -115,6 +115,13 @@ def test_merged_lora_gives_the_adapted_logits(trained, tmp_path):
     assert convert(["--merge-lora", "--target-format", "hf", "--load-dir", adapters, "--save-dir", merged_hf]) == 0
     torch.testing.assert_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(merged_hf), input_ids),
                                logits, atol=ATOL, rtol=0)
+    # Merged and written as a Megatron-LM checkpoint in one command (our format in a scratch directory between).
+    merged_megatron = str(tmp_path / "merged_megatron")
+    assert convert(["--merge-lora", "--target-format", "megatron", "--load-dir", adapters, "--save-dir",
+                    merged_megatron, "--target-tensor-parallel-size", "2"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["merged", "merged_hf", "merged_megatron"]
+    # Megatron-LM's vocabulary is the padded one (the logits of the padding rows come after ours).
+    torch.testing.assert_close(_our_logits(merged_megatron, input_ids)[..., :VOCAB], logits, atol=ATOL, rtol=0)
 
 
 def test_our_export_imports_back_unchanged(trained, tmp_path):
