@@ -74,6 +74,8 @@ LLAMA = ("--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4
          "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--max-position-embeddings", "8")
 MOE = (*LLAMA, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "12",
        "--moe-token-dispatcher-type", "allgather")
+LLAMA_VARIANTS = (*LLAMA, "--qk-layernorm", "--add-qkv-bias", "--window-size", "3,0", "--window-attn-skip-freq", "2",
+                  "--use-rope-scaling", "--rotary-base", "1000000")
 TORCH, TORCH_DIST = ("--ckpt-format", "torch"), ("--ckpt-format", "torch_dist")
 LEGACY_MODEL = ("--use-legacy-models",)  # the nested language_model.encoder... layout
 # Every layout the tests need once: tp1pp1 and tp2pp2 of both model implementations (the tp2pp2 GPT-2 one has
@@ -101,6 +103,11 @@ FIXTURES = {
     # The legacy GroupedMLP (weight1/weight2: each rank's experts as one grouped GEMM's matrices), bf16 only.
     "moe_grouped_gemm_tp2pp1ep2_torch_bf16": Fixture((*MOE, "--moe-grouped-gemm"), 2, 1, (*TORCH, "--bf16"),
                                                      ref=CORE_016, ep=2),
+    # Llama's variants of Qwen, Mistral and Llama 3.1: query/key norms, biases on the QKV projection alone, a
+    # sliding window of 3 on every other layer, and Llama 3's RoPE scaling (a base of 1e6, so that the scaling
+    # moves a frequency of these 4-channel heads), in both formats.
+    "llama_variants_tp2pp1_torch": Fixture(LLAMA_VARIANTS, 2, 1, TORCH),
+    "llama_variants_tp2pp1_torch_dist": Fixture(LLAMA_VARIANTS, 2, 1, TORCH_DIST),
 }
 # NullTokenizer's vocabulary is --vocab-size + 1 (EOD): 28 tokens, padded to 32 at tensor sizes 1, 2 and 4 alike,
 # so an export at another tensor size pads as Megatron-LM does, and 4 padding rows are still there to get right.
