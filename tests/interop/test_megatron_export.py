@@ -142,12 +142,13 @@ def test_torch_dist_export_writes_megatrons_files(name, common_state, our_layout
     assert our_common["args"].ckpt_format == "torch_dist"
 
 
-def test_torch_dist_moe_export_writes_megatrons_chunks(tmp_path):
-    """A mixture of experts in torch_dist (tp2 x ep2), imported and exported at its layout: the same keys (the
-    experts' [layers, experts, ...] and their ``_extra_state`` objects per layer and expert), global shapes,
-    dtypes, chunks and values, each expert's chunks in its (tensor, expert) rank's file. Megatron spreads the
-    writing of replicated tensors over the data-parallel ranks; our export writes them from expert rank 0."""
-    name = "moe_tp2pp1ep2_torch_dist"
+@pytest.mark.parametrize("name", ["moe_tp2pp1ep2_torch_dist", "moe_glm_tp2pp1ep2_torch_dist"])
+def test_torch_dist_moe_export_writes_megatrons_chunks(name, tmp_path):
+    """A mixture of experts in torch_dist (tp2 x ep2; then GLM-4.5's, with the expert bias, a gated shared expert
+    and query/key norms), imported and exported at its layout: the same keys (the experts' [layers, experts, ...]
+    and their ``_extra_state`` objects per layer and expert), global shapes, dtypes, chunks and values, each
+    expert's chunks in its (tensor, expert) rank's file. Megatron spreads the writing of replicated tensors over
+    the data-parallel ranks; our export writes them from expert rank 0."""
     exported = _exported(_imported(name, tmp_path), str(tmp_path / "megatron"), 2, 1, "torch_dist",
                          "--target-expert-parallel-size", "2")
     theirs, ours = (_torch_dist_files(os.path.join(root, "iter_0000010")) for root in (fixture(name), exported))
@@ -184,7 +185,8 @@ def test_a_bf16_checkpoint_stays_bf16_through_torch_dist(tmp_path):
                                                        ("moe_tp2pp1ep2_torch_dist", "torch_dist", 1, 1, 1),
                                                        ("moe_expert_bias_tp1pp1_torch", "torch_dist", 2, 1, 2),
                                                        ("moe_grouped_gemm_tp2pp1ep2_torch_bf16", "torch", 2, 1, 2),
-                                                       ("llama_variants_tp2pp1_torch", "torch_dist", 1, 2, 1)])
+                                                       ("llama_variants_tp2pp1_torch", "torch_dist", 1, 2, 1),
+                                                       ("moe_glm_tp2pp1ep2_torch_dist", "torch", 1, 1, 2)])
 def test_export_then_import_round_trips(name, ckpt_format, tp, pp, ep, tmp_path):
     """Ours -> Megatron-LM at (tp, pp, ep) -> ours: the same weights (and expert bias), and the same logits,
     Megatron's own (grouped-GEMM experts come back as SequentialMLP's, which our export writes)."""

@@ -75,7 +75,8 @@ ALL = ["gpt2_tp2pp2_torch", "llama_tp1pp1_torch_bf16", "gpt2_tp1pp1_legacy_model
        "moe_grouped_gemm_tp2pp1ep2_torch_bf16",  # core 0.16's GroupedMLP: weight1/weight2 per rank, bf16
        # query/key norms, the QKV projection's biases alone, a sliding window on every other layer, Llama 3's
        # RoPE scaling; the same norms and biases with linear RoPE scaling in torch_dist
-       "llama_variants_tp2pp1_torch", "llama_variants_tp2pp1_torch_dist"]
+       "llama_variants_tp2pp1_torch", "llama_variants_tp2pp1_torch_dist",
+       "moe_glm_tp2pp1ep2_torch_dist"]  # GLM-4.5's: grouped sigmoid routing, expert bias, gated shared expert
 
 
 @pytest.mark.parametrize("name", ALL)
