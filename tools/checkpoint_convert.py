@@ -142,6 +142,9 @@ def _convert(args, sizes: dict) -> str:
     if args.merge_lora and (source not in ("megatron_lite", "peft") or target == "peft"):
         raise ConfigError("--merge-lora reads LoRA adapters (a megatron_lite LoRA checkpoint, or --source-format peft) "
                           "and writes the merged model: --target-format megatron_lite, hf or megatron.")
+    if target == "peft" and source in ("hf", "megatron"):
+        raise ConfigError(f"--target-format peft writes LoRA adapters, and a {source} checkpoint holds a whole model "
+                          f"without any: fine-tune it with --peft lora, then export the adapters.")
     if source == "peft" and target in ("hf", "megatron") and not args.merge_lora:
         raise ConfigError(f"--source-format peft holds adapters, and a {target} checkpoint holds a whole model: add "
                           f"--merge-lora to write the base with the adapters merged in.")
