@@ -8,6 +8,7 @@ unless ``--tokenizer-type`` names another, so a user does not have to repeat the
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 
@@ -62,10 +63,20 @@ def add_layout_arguments(parser) -> None:
     parallel.add_argument("--expert-model-parallel-size", type=int, default=1)
     parallel.add_argument("--expert-tensor-parallel-size", type=int,
                           help="tensor-parallel size of the experts (default: --tensor-model-parallel-size)")
+    # Training's own: taken from a training command line, and refused with the reason.
+    parallel.add_argument("--sequence-parallel", action="store_true", help=argparse.SUPPRESS)
+    parallel.add_argument("--virtual-pipeline-model-parallel-size", type=int, help=argparse.SUPPRESS)
 
 
 def layout_of(args) -> ParallelConfig:
     """The ParallelConfig of ``add_layout_arguments``' flags (checked as the trainer checks them)."""
+    if args.sequence_parallel:
+        raise ConfigError("--sequence-parallel splits training's activations between the tensor-parallel ranks; "
+                          "generation and evaluation run without it (a decoding step holds one token per sequence, "
+                          "which does not split): drop it.")
+    if (args.virtual_pipeline_model_parallel_size or 1) > 1:
+        raise ConfigError("--virtual-pipeline-model-parallel-size interleaves training's pipeline schedule; a forward "
+                          "pass here runs one model chunk per pipeline stage: drop it.")
     return ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                           pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                           context_parallel_size=args.context_parallel_size,
@@ -88,9 +99,6 @@ def load_model(config: Config, parallel_state, *, split_sequences: bool = False)
     for decoding: ``store_for_decoding``). It runs whole sequences: under context parallelism generation
     splits only the prefill (``inference/text_generation.py``). ``split_sequences``: it runs this rank's
     chunks of each sequence instead, as training does (a loss over whole sequences, no decoding)."""
-    if (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1:
-        raise ConfigError("generation runs one model chunk per pipeline stage: drop "
-                          "--virtual-pipeline-model-parallel-size.")
     (model,) = build_model(config, parallel_state, whole_sequences=not split_sequences)
     load_checkpoint(config, parallel_state, [model], None, None)
     if next(model.parameters()).device.type == "cpu":
