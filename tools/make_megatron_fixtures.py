@@ -411,7 +411,8 @@ def megatron_args(job: dict, world_size: int):
 # load_args_from_checkpoint restores a fixed list, and leaves these at their defaults): (flag, takes a value).
 NOT_RESTORED = (("--norm-epsilon", True), ("--qk-layernorm", False), ("--window-size", True),
                 ("--window-attn-skip-freq", True), ("--use-rope-scaling", False), ("--rope-scaling-factor", True),
-                ("--moe-router-num-groups", True), ("--moe-router-group-topk", True), ("--moe-shared-expert-gate", False))
+                ("--moe-router-num-groups", True), ("--moe-router-group-topk", True),
+                ("--moe-shared-expert-gate", False))
 
 
 def not_restored_by_checkpoint_args(flags: tuple) -> list:
