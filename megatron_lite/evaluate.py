@@ -11,10 +11,18 @@
     torchrun --nproc-per-node 8 -m megatron_lite.evaluate --load CKPT --data-path data/corpus_text_document \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 
+    # long sequences: each split over 2 context-parallel ranks, as training splits them
+    torchrun --nproc-per-node 2 -m megatron_lite.evaluate --load CKPT --data-path data/corpus_text_document \
+        --context-parallel-size 2
+
 The checkpoint's own config gives the architecture (any training layout; it is resharded to the one
-asked for: tensor, pipeline and expert sizes as in training, the processes beyond tensor x pipeline
-splitting the batches as data-parallel ranks, ``inference/data_parallel.py``) and, unless
-``--tokenizer-type`` names another, the tokenizer. Every layout gives one process's numbers. Fine-tuning data is read as
+asked for: tensor, pipeline, context and expert sizes as in training, the processes beyond tensor x context
+x pipeline splitting the batches as data-parallel ranks, ``inference/data_parallel.py``) and, unless
+``--tokenizer-type`` names another, the tokenizer. Every layout gives one process's numbers. Under context
+parallelism the perplexity runs the trainer's model on each rank's load-balanced chunks of every sequence
+(``context_parallel/sharding.py``), the losses summed over the ranks; the greedy answers are generation's,
+their prompts' prefill split over the ranks (``inference/text_generation.py``), on the model loaded a second
+time to run whole sequences (the first is freed before). Fine-tuning data is read as
 in training (the checkpoint's ``--sft-tokenizer-prompt-format`` unless given, one example per sample,
 truncated to --seq-length + 1 tokens); the answer to each JSONL line is generated greedily, with the
 key/value cache, from its conversation without the last (assistant) message and compared with that
@@ -33,6 +41,7 @@ import numpy as np
 import torch
 
 from megatron_lite.config import SFT_PROMPT_FORMATS, ConfigError
+from megatron_lite.context_parallel import get_batch_on_this_cp_rank
 from megatron_lite.cli.parser import ArgumentParser
 from megatron_lite.data import IndexedDataset
 from megatron_lite.data.data_samplers import collate_gpt_batch
@@ -98,14 +107,12 @@ def evaluate_checkpoint(args: argparse.Namespace) -> dict:
     prompt_format = args.sft_tokenizer_prompt_format or config.data.sft_tokenizer_prompt_format
     parallel_state = model_parallel_state(config.parallel)
     try:
-        model = load_model(config, parallel_state)
-        return _evaluate(model, config, tokenizer, prompt_format, record_format, args, parallel_state)
+        return _evaluate(config, tokenizer, prompt_format, record_format, args, parallel_state)
     finally:
         destroy_model_parallel(parallel_state)
 
 
-def _evaluate(model, config, tokenizer, prompt_format: str, record_format: RecordFormat, args,
-              parallel_state) -> dict:
+def _evaluate(config, tokenizer, prompt_format: str, record_format: RecordFormat, args, parallel_state) -> dict:
     seq_length = config.model.seq_length
     if args.sft:
         examples = load_sft_examples(args.data_path, tokenizer, prompt_format, record_format)
@@ -115,11 +122,15 @@ def _evaluate(model, config, tokenizer, prompt_format: str, record_format: Recor
     else:
         samples = ({"tokens": window} for window in _consecutive_windows(args.data_path, seq_length))
         collate = functools.partial(collate_gpt_batch, eod_token=None, eod_mask_loss=False)
+    model = load_model(config, parallel_state, split_sequences=True)  # whole sequences at context-parallel size 1
     loss_sum, num_tokens = _loss_sum_and_count(model, samples, collate, args.micro_batch_size, args.max_samples,
                                                parallel_state)
     lm_loss = loss_sum / max(num_tokens, 1)
     results = {"lm loss": lm_loss, "ppl": math.exp(min(20.0, lm_loss)), "tokens": num_tokens}
     if args.exact_match:
+        if parallel_state.context_parallel_world_size > 1:  # decoding runs whole sequences on every rank
+            del model
+            model = load_model(config, parallel_state)
         results.update(_exact_match(model, tokenizer, prompt_format, record_format, args, parallel_state))
     return results
 
@@ -147,21 +158,24 @@ def _consecutive_windows(prefixes: list[str], seq_length: int):
 @torch.no_grad()
 def _loss_sum_and_count(model, samples, collate, micro_batch_size: int, max_samples: int | None, parallel_state):
     """(sum of the loss-masked token losses, their number) over ``samples``, batched by ``collate``: each
-    data-parallel rank sums its batches on the last stage, and the sums are added over the stages (only the
-    last one's are not zero) and the data-parallel ranks."""
+    data-parallel rank sums its batches on the last stage (each context-parallel rank its chunks of them, as
+    training cuts a micro-batch), and the sums are added over the stages (only the last one's are not zero),
+    the context-parallel and the data-parallel ranks."""
     model.eval()
     device = next(model.parameters()).device
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # float64: a sum over millions of tokens
     samples = itertools.islice(samples, max_samples)
     batches = iter(lambda: list(itertools.islice(samples, micro_batch_size)), [])
     for index, batch in share_of_rank(batches, parallel_state):
-        batch = {key: value.to(device) for key, value in collate(batch).items()}
+        batch = get_batch_on_this_cp_rank({key: value.to(device) for key, value in collate(batch).items()},
+                                          parallel_state.context_parallel_rank,
+                                          parallel_state.context_parallel_world_size)
         output = forward_through_stages(model, parallel_state, batch["tokens"], batch["position_ids"],
                                         labels=batch["labels"])
         if output is not None and index is not None:  # the last stage, and no filler
             batch_sum, batch_tokens, _ = loss_func(batch["loss_mask"], output)
             totals += torch.stack([batch_sum.double(), batch_tokens.double()])
-    for group in (parallel_state.pipeline_model_parallel_group, parallel_state.data_parallel_group):
+    for group in (parallel_state.pipeline_model_parallel_group, parallel_state.data_parallel_group_with_context):
         collectives.all_reduce(totals, group)
     return totals[0].item(), int(totals[1].item())
 

@@ -74,9 +74,6 @@ def build_parser() -> ArgumentParser:
     sampling.add_argument("--seed", type=int, default=1234,
                           help="seed of the sampling generators, one per batch: --seed + its index (default: 1234)")
     add_layout_arguments(parser)
-    parser.add_argument("--context-parallel-size", type=int, default=1,
-                        help="split each batch's prompt prefill over this many ranks (a long prompt's keys and "
-                             "values gathered into every rank's cache, decoding then on each); default: 1")
     add_tokenizer_arguments(parser)
     return parser
 

@@ -35,7 +35,8 @@
         --base-checkpoint ckpt
 
     # any other pair in one command, through megatron_lite's format in a scratch directory beside --save-dir:
-    # Megatron-LM <-> Hugging Face, Hugging Face as another family, Megatron-LM at another TP/PP, PEFT merged
+    # Megatron-LM <-> Hugging Face, Hugging Face as another family, Megatron-LM at another TP/PP, LoRA or PEFT
+    # adapters merged into their base and written as megatron_lite, hf or megatron
     python tools/checkpoint_convert.py --source-format megatron --target-format hf --load-dir megatron-ckpt \
         --save-dir hf-dir
     python tools/checkpoint_convert.py --source-format peft --merge-lora --target-format hf --load-dir peft-dir \
@@ -48,6 +49,7 @@ root (its newest iteration) or one ``iter_*`` directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -137,13 +139,15 @@ def main(argv: list[str] | None = None) -> int:
 def _convert(args, sizes: dict) -> str:
     """Every pair of formats: an import into megatron_lite's format, an export from it, or both in turn."""
     source, target = args.source_format, args.target_format
-    if args.merge_lora and (source not in ("megatron_lite", "peft") or target not in ("megatron_lite", "hf")):
+    if args.merge_lora and (source not in ("megatron_lite", "peft") or target == "peft"):
         raise ConfigError("--merge-lora reads LoRA adapters (a megatron_lite LoRA checkpoint, or --source-format peft) "
-                          "and writes --target-format megatron_lite or hf (export the merged model to megatron "
-                          "from there).")
+                          "and writes the merged model: --target-format megatron_lite, hf or megatron.")
+    if target == "peft" and source in ("hf", "megatron"):
+        raise ConfigError(f"--target-format peft writes LoRA adapters, and a {source} checkpoint holds a whole model "
+                          f"without any: fine-tune it with --peft lora, then export the adapters.")
     if source == "peft" and target in ("hf", "megatron") and not args.merge_lora:
         raise ConfigError(f"--source-format peft holds adapters, and a {target} checkpoint holds a whole model: add "
-                          f"--merge-lora (and --target-format hf) to write the base with the adapters merged in.")
+                          f"--merge-lora to write the base with the adapters merged in.")
     if args.fold_prefix_projection and (source, target) != ("megatron_lite", "megatron_lite"):
         raise ConfigError("--fold-prefix-projection rewrites a megatron_lite prefix-tuning checkpoint as one.")
     if args.target_expert_parallel_size != 1 and target != "megatron":
@@ -159,12 +163,19 @@ def _convert(args, sizes: dict) -> str:
         return _export(args, args.load_dir, sizes)
     if target == "megatron_lite" and not args.merge_lora:
         return _import(args, args.save_dir, sizes)
-    # Two steps: the import is written at one process (the export reshards anyway) next to --save-dir, so that
-    # it lies on the same file system, and removed afterwards.
-    parent = os.path.dirname(os.path.abspath(args.save_dir))
+    # Two steps: the import is written at one process (the export reshards anyway), and removed afterwards.
+    with _scratch_beside(args.save_dir) as scratch:
+        return _export(args, _import(args, scratch, {}), sizes)
+
+
+@contextlib.contextmanager
+def _scratch_beside(save_dir: str):
+    """A directory for an intermediate megatron_lite checkpoint next to ``save_dir`` (so that it lies on the same
+    file system), removed afterwards."""
+    parent = os.path.dirname(os.path.abspath(save_dir))
     os.makedirs(parent, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".checkpoint_convert-", dir=parent) as scratch:
-        return _export(args, _import(args, scratch, {}), sizes)
+        yield scratch
 
 
 def _import(args, save_dir: str, sizes: dict) -> str:
@@ -191,12 +202,13 @@ def _export(args, load_dir: str, sizes: dict) -> str:
             hf_checkpoint.export_hf_weights(config, read, args.save_dir, tokenizer_flags=tokenizer,
                                          hf_model_type=args.hf_model_type)
             return args.save_dir
+        if target == "megatron":  # the merged model in our format first, which the Megatron-LM export reads
+            with _scratch_beside(args.save_dir) as scratch:
+                return _export_megatron(args, write_checkpoint(scratch, config, read, iteration=0), sizes)
         return write_checkpoint(args.save_dir, dataclasses.replace(config, parallel=ParallelConfig(**sizes)), read,
                                 iteration=0)
     if target == "megatron":
-        return export_megatron_checkpoint(load_dir, args.save_dir, ckpt_format=args.megatron_ckpt_format,
-                                          common_state=args.megatron_common_state or "common.pt",
-                                          expert_model_parallel_size=args.target_expert_parallel_size, **sizes)
+        return _export_megatron(args, load_dir, sizes)
     if target == "peft":
         hf_peft.export_peft_adapters(load_dir, args.save_dir, hf_model_type=args.hf_model_type,
                                      base_model_name_or_path=args.base_model_name_or_path)
@@ -206,6 +218,12 @@ def _export(args, load_dir: str, sizes: dict) -> str:
                                         hf_model_type=args.hf_model_type)
         return args.save_dir
     return reshard_checkpoint(load_dir, args.save_dir, **sizes)
+
+
+def _export_megatron(args, load_dir: str, sizes: dict) -> str:
+    return export_megatron_checkpoint(load_dir, args.save_dir, ckpt_format=args.megatron_ckpt_format,
+                                      common_state=args.megatron_common_state or "common.pt",
+                                      expert_model_parallel_size=args.target_expert_parallel_size, **sizes)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ LLAMA = ("--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4
          "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--max-position-embeddings", "8")
 MOE = (*LLAMA, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "12",
        "--moe-token-dispatcher-type", "allgather")
+LLAMA_VARIANTS = (*LLAMA, "--qk-layernorm", "--add-qkv-bias", "--window-size", "3,0", "--window-attn-skip-freq", "2",
+                  "--use-rope-scaling", "--rotary-base", "1000000")
 TORCH, TORCH_DIST = ("--ckpt-format", "torch"), ("--ckpt-format", "torch_dist")
 LEGACY_MODEL = ("--use-legacy-models",)  # the nested language_model.encoder... layout
 # Every layout the tests need once: tp1pp1 and tp2pp2 of both model implementations (the tp2pp2 GPT-2 one has
@@ -101,6 +103,18 @@ FIXTURES = {
     # The legacy GroupedMLP (weight1/weight2: each rank's experts as one grouped GEMM's matrices), bf16 only.
     "moe_grouped_gemm_tp2pp1ep2_torch_bf16": Fixture((*MOE, "--moe-grouped-gemm"), 2, 1, (*TORCH, "--bf16"),
                                                      ref=CORE_016, ep=2),
+    # Llama's variants of Qwen, Mistral and Llama 3.1: query/key norms, biases on the QKV projection alone, a
+    # sliding window of 3 on every other layer, and Llama 3's RoPE scaling (a base of 1e6, so that the scaling
+    # moves a frequency of these 4-channel heads), in both formats.
+    "llama_variants_tp2pp1_torch": Fixture(LLAMA_VARIANTS, 2, 1, TORCH),
+    "llama_variants_tp2pp1_torch_dist": Fixture(LLAMA_VARIANTS, 2, 1, TORCH_DIST),
+    # GLM-4.5's mixture of experts over 2 expert ranks: sigmoid scores with the expert bias, chosen within the
+    # best of 2 groups, scaled by 2.5; a gated shared expert; query/key norms, QKV biases, RoPE on half of each head.
+    "moe_glm_tp2pp1ep2_torch_dist": Fixture(
+        (*MOE, "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups",
+         "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5",
+         "--moe-shared-expert-intermediate-size", "8", "--moe-shared-expert-gate", "--qk-layernorm", "--add-qkv-bias",
+         "--rotary-percent", "0.5"), 2, 1, TORCH_DIST, ep=2),
 }
 # NullTokenizer's vocabulary is --vocab-size + 1 (EOD): 28 tokens, padded to 32 at tensor sizes 1, 2 and 4 alike,
 # so an export at another tensor size pads as Megatron-LM does, and 4 padding rows are still there to get right.
@@ -138,6 +152,9 @@ EXPORT_CHECKS = (
     ExportCheck("moe_expert_bias_tp1pp1_torch", "torch", 2, 1, ep=2),
     ExportCheck("moe_expert_bias_tp1pp1_torch", "torch_dist", 1, 1),
     ExportCheck("moe_grouped_gemm_tp2pp1ep2_torch_bf16", "torch", 1, 1),
+    ExportCheck("llama_variants_tp2pp1_torch", "torch", 1, 1),
+    ExportCheck("llama_variants_tp2pp1_torch_dist", "torch_dist", 1, 1),
+    ExportCheck("moe_glm_tp2pp1ep2_torch_dist", "torch", 1, 1, ep=2),
 )
 EXPORT_ATOL = {"fp32": 1e-5, "bf16": 2e-2}  # bf16: Megatron's forward in bf16 at another layout
 # The fixed batch whose logits are saved: [batch, sequence], tokens below the 28 of the vocabulary.
@@ -390,10 +407,19 @@ def megatron_args(job: dict, world_size: int):
     return args
 
 
+# The model flags Megatron-LM's ``--use-checkpoint-args`` does not take from the saved args (its
+# load_args_from_checkpoint restores a fixed list, and leaves these at their defaults): (flag, takes a value).
+NOT_RESTORED = (("--norm-epsilon", True), ("--qk-layernorm", False), ("--window-size", True),
+                ("--window-attn-skip-freq", True), ("--use-rope-scaling", False), ("--rope-scaling-factor", True),
+                ("--moe-router-num-groups", True), ("--moe-router-group-topk", True),
+                ("--moe-shared-expert-gate", False))
+
+
 def not_restored_by_checkpoint_args(flags: tuple) -> list:
-    """The model flags Megatron-LM's ``--use-checkpoint-args`` does not take from the saved args (its
-    load_args_from_checkpoint leaves the norm epsilon at the default): given on the command line."""
-    return [item for i, flag in enumerate(flags) if flag == "--norm-epsilon" for item in flags[i:i + 2]]
+    """The fixture's model flags that Megatron-LM's ``--use-checkpoint-args`` does not restore (``NOT_RESTORED``),
+    given on the command line as a Megatron-LM user loading such a checkpoint gives them."""
+    taking = dict(NOT_RESTORED)
+    return [item for i, flag in enumerate(flags) if flag in taking for item in flags[i:i + 1 + taking[flag]]]
 
 
 def rank_main(rank: int, world_size: int, init_file: str, job: dict) -> None:

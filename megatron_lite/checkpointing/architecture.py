@@ -148,7 +148,10 @@ _LATENT = lambda model: model.multi_latent_attention  # noqa: E731
 _YARN = lambda model: model.yarn  # noqa: E731
 _EXPERTS = lambda model: model.num_experts is not None  # noqa: E731
 _ONLY_WITH = {"max_position_embeddings": lambda model: model.position_embedding_type == "learned_absolute",
-              "rotary_base": _ROTARY, "rotary_percent": _ROTARY, "rotary_seq_len_interpolation_factor": _ROTARY,
+              "rotary_base": _ROTARY, "rotary_seq_len_interpolation_factor": _ROTARY,
+              # Multi-latent attention rotates --qk-pos-emb-head-dim channels, and every head has its own keys.
+              "rotary_percent": lambda model: model.rotary and not model.multi_latent_attention,
+              "num_query_groups": lambda model: not model.multi_latent_attention,
               "use_rope_scaling": _ROTARY, "no_rope_freq": _ROTARY,
               **{name: lambda model: model.use_rope_scaling
                  for name in ("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor")},
@@ -180,10 +183,21 @@ def role(field: str) -> Role:
     return ROLES.get(field, Role.ARCHITECTURE)
 
 
+# Settings at the value that leaves their feature out (no attention sinks, no offset of the gated unit): taken
+# from a checkpoint and checked like the others, but they tell a reader nothing about the model.
+_FEATURE_OFF = {"softmax_type": "vanilla", "glu_linear_offset": 0.0}
+
+
 def describes(field: str, model: ModelConfig) -> bool:
     """Whether ``field`` means anything for ``model`` (a YaRN factor does not without YaRN, nor a router
     setting without experts)."""
     return field not in _ONLY_WITH or _ONLY_WITH[field](model)
+
+
+def worth_showing(field: str, model: ModelConfig) -> bool:
+    """Whether ``field`` says something about ``model`` to a reader: it ``describes`` it, at a value other than
+    the one that leaves its feature out."""
+    return describes(field, model) and (field not in _FEATURE_OFF or getattr(model, field) != _FEATURE_OFF[field])
 
 
 def defines_function(field: str, model: ModelConfig) -> bool:

@@ -6,7 +6,7 @@ compute. They work on the parsed flags by field name (``arguments.build_parser``
 """
 from __future__ import annotations
 
-from megatron_lite.checkpointing.architecture import describes, model_args_from_checkpoint
+from megatron_lite.checkpointing.architecture import model_args_from_checkpoint, worth_showing
 from megatron_lite.interop.megatron.importer import as_megatron_lite_checkpoint
 from megatron_lite.checkpointing.peft_base import peft_fields_from_checkpoint
 from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
@@ -41,7 +41,7 @@ def checkpoint_model_args(values: dict) -> dict:
     taken.update(_tokenizer_args_from_checkpoint(values, saved.data))
     if resolve_launch_env().rank == 0:
         # All of them are taken, but only those that mean something for this model are worth reading.
-        shown = {name: value for name, value in taken.items() if describes(name, saved.model)}
+        shown = {name: value for name, value in taken.items() if worth_showing(name, saved.model)}
         print(f" --use-checkpoint-args: the model of {root}: {as_flags(shown)}", flush=True)
     return taken
 

@@ -71,6 +71,9 @@ def check_moe_fields(model) -> None:
     require(experts >= 1, f"--num-experts must be >= 1, got {experts}.")
     require(1 <= topk <= experts, f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts}).")
     freq = parse_moe_layer_freq(model.moe_layer_freq)
+    # One spelling of a pattern ("[0,1]", "([0]+[1])" and Megatron-LM's list are the same layers), so that
+    # checkpoints and exports compare patterns, not texts.
+    model.moe_layer_freq = str(freq)
     if isinstance(freq, int):
         require(freq >= 1, f"--moe-layer-freq must be >= 1 (every Nth layer is an MoE layer), got {freq}.")
     else:

@@ -1,6 +1,6 @@
 """A checkpoint made ready to generate from: its model at this run's layout, and its tokenizer.
 
-The checkpoint's own config gives the architecture, so only the layout (tensor, pipeline and
+The checkpoint's own config gives the architecture, so only the layout (tensor, pipeline, context and
 expert sizes; the processes beyond them are data-parallel ranks) is chosen here; the weights are
 resharded on load. The tokenizer is the
 one the checkpoint was trained with (its config records the ``--tokenizer-*`` flags)
@@ -8,6 +8,7 @@ unless ``--tokenizer-type`` names another, so a user does not have to repeat the
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 
@@ -36,29 +37,50 @@ def read_checkpoint_config(load_dir: str, parallel: ParallelConfig) -> Config:
     saved = read_config(load_dir)
     # Sampling has its own --seed: the training ranks' random-number states mean nothing here, and loading
     # them would warn about a layout change that generation does not care about. How the weights were trained
-    # (--dpo's or --grpo's reference and rewards) is no part of running them.
-    return dataclasses.replace(saved, parallel=parallel, checkpoint=CheckpointConfig(load=load_dir, no_load_rng=True),
-                               data=dataclasses.replace(saved.data, dpo=False, grpo=False), grpo=GRPOConfig(),
-                               training=dataclasses.replace(saved.training, dpo_precompute_ref_log_probs=False))
+    # (--dpo's or --grpo's reference and rewards, dropout) is no part of running them: an evaluated model drops
+    # nothing, and a context-parallel layout would otherwise be refused for a training run's dropout.
+    model = dataclasses.replace(saved.model, hidden_dropout=0.0, attention_dropout=0.0)
+    # Multi-token prediction's layers are built and loaded (they are weights of the checkpoint) but only training
+    # runs them: the layout is checked as for the model without them, so that training's limit on them (no
+    # context parallelism) does not refuse a long prompt's split prefill.
+    config = dataclasses.replace(saved, parallel=parallel, checkpoint=CheckpointConfig(load=load_dir, no_load_rng=True),
+                                 model=dataclasses.replace(model, mtp_num_layers=None),
+                                 data=dataclasses.replace(saved.data, dpo=False, grpo=False), grpo=GRPOConfig(),
+                                 training=dataclasses.replace(saved.training, dpo_precompute_ref_log_probs=False))
+    config.model = model
+    return config
 
 
 def add_layout_arguments(parser) -> None:
     """The layout flags of a command running a checkpoint's model, as the trainer names them."""
     parallel = parser.add_argument_group(
-        "parallelism (launch with torchrun: processes beyond tensor x pipeline are data-parallel ranks, which "
-        "split the work; experts are split over the data-parallel ranks)")
+        "parallelism (launch with torchrun: processes beyond tensor x context x pipeline are data-parallel ranks, "
+        "which split the work; experts are split over the data-parallel and context-parallel ranks)")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--context-parallel-size", type=int, default=1,
+                          help="split each sequence over this many ranks, as training does (generation: each "
+                               "batch's prompt prefill, whose keys and values every rank then caches whole)")
     parallel.add_argument("--expert-model-parallel-size", type=int, default=1)
     parallel.add_argument("--expert-tensor-parallel-size", type=int,
                           help="tensor-parallel size of the experts (default: --tensor-model-parallel-size)")
+    # Training's own: taken from a training command line, and refused with the reason.
+    parallel.add_argument("--sequence-parallel", action="store_true", help=argparse.SUPPRESS)
+    parallel.add_argument("--virtual-pipeline-model-parallel-size", type=int, help=argparse.SUPPRESS)
 
 
 def layout_of(args) -> ParallelConfig:
     """The ParallelConfig of ``add_layout_arguments``' flags (checked as the trainer checks them)."""
+    if args.sequence_parallel:
+        raise ConfigError("--sequence-parallel splits training's activations between the tensor-parallel ranks; "
+                          "generation and evaluation run without it (a decoding step holds one token per sequence, "
+                          "which does not split): drop it.")
+    if (args.virtual_pipeline_model_parallel_size or 1) > 1:
+        raise ConfigError("--virtual-pipeline-model-parallel-size interleaves training's pipeline schedule; a forward "
+                          "pass here runs one model chunk per pipeline stage: drop it.")
     return ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                           pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                          context_parallel_size=getattr(args, "context_parallel_size", 1),
+                          context_parallel_size=args.context_parallel_size,
                           expert_model_parallel_size=args.expert_model_parallel_size,
                           expert_tensor_parallel_size=args.expert_tensor_parallel_size)
 
@@ -73,14 +95,12 @@ def model_parallel_state(parallel: ParallelConfig):
                                      expert_tensor_parallel_size=parallel.expert_tensor_parallel_size)
 
 
-def load_model(config: Config, parallel_state):
+def load_model(config: Config, parallel_state, *, split_sequences: bool = False):
     """This rank's model chunk with the checkpoint's weights, in eval mode (on a CPU, with its matrices stored
     for decoding: ``store_for_decoding``). It runs whole sequences: under context parallelism generation
-    splits only the prefill (``inference/text_generation.py``)."""
-    if (config.parallel.virtual_pipeline_model_parallel_size or 1) > 1:
-        raise ConfigError("generation runs one model chunk per pipeline stage: drop "
-                          "--virtual-pipeline-model-parallel-size.")
-    (model,) = build_model(config, parallel_state, whole_sequences=True)
+    splits only the prefill (``inference/text_generation.py``). ``split_sequences``: it runs this rank's
+    chunks of each sequence instead, as training does (a loss over whole sequences, no decoding)."""
+    (model,) = build_model(config, parallel_state, whole_sequences=not split_sequences)
     load_checkpoint(config, parallel_state, [model], None, None)
     if next(model.parameters()).device.type == "cpu":
         store_for_decoding(model)

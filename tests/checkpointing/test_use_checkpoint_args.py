@@ -154,20 +154,29 @@ def test_the_echo_names_only_what_describes_the_model(pretrained, capsys):
     printed = capsys.readouterr().out
     echo = next(line for line in printed.splitlines() if "--use-checkpoint-args: the model of" in line)
     for meaningless in ("--kv-lora-rank", "--yarn-", "--mscale", "--moe-", "--rope-scaling-factor", "--rope-type",
-                        "--max-position-embeddings"):
+                        "--max-position-embeddings", "--softmax-type", "--glu-linear-offset"):
         assert meaningless not in echo
     assert "--rotary-base 500.0" in echo and "--num-query-groups 4" in echo
 
 
-def test_the_echo_of_an_moe_model_names_its_router(tmp_path, capsys):
+def test_the_echo_of_a_deepseek_style_model_names_its_router_and_latent_attention(tmp_path, capsys):
     config = tiny_config(iters=1, save=str(tmp_path))
-    config.model.num_experts, config.model.moe_ffn_hidden_size, config.model.use_fused_kernels = 2, 16, False
+    config.model = dataclasses.replace(
+        config.model, num_experts=2, moe_ffn_hidden_size=16, use_fused_kernels=False, multi_latent_attention=True,
+        num_query_groups=None, rope_type="yarn",
+        kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8, rotary_scaling_factor=4.0,
+        yarn_original_max_position_embeddings=8)
     pretrain(config)
     taken = parse_args(["--use-checkpoint-args", "--pretrained-checkpoint", str(tmp_path), *TRAINING]).model
     echo = next(line for line in capsys.readouterr().out.splitlines() if "--use-checkpoint-args:" in line)
     assert "--num-experts 2 --moe-ffn-hidden-size 16" in echo and "--moe-router-topk 2" in echo
-    # Settings of router variants this model does not use stay out (groups, the expert bias, capacity).
-    assert "--moe-router-group-score" not in echo and "--moe-token-drop-policy" not in echo
+    assert "--kv-lora-rank 16" in echo and "--rope-type yarn" in echo and "--rotary-scaling-factor 4.0" in echo
+    # Settings of router variants this model does not use stay out (groups, the expert bias, capacity), and
+    # those latent attention has no use for (key/value groups: each head has its own keys; the rotated channels
+    # are --qk-pos-emb-head-dim's).
+    for meaningless in ("--moe-router-group-score", "--moe-token-drop-policy", "--num-query-groups",
+                        "--rotary-percent", "--kv-channels"):
+        assert meaningless not in echo
     assert taken.moe_router_group_score == config.model.moe_router_group_score  # taken all the same
 
 

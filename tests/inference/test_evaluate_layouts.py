@@ -1,7 +1,11 @@
 """``python -m megatron_lite.evaluate`` at the trainer's layouts gives one process's numbers: the perplexity of
 an indexed dataset and of fine-tuning data, and the exact match of greedy answers (each answer in input order
 in --output-file), at tp2 x pp2, dp2, and ep2 for a mixture of experts (whose data-parallel ranks run filler
-batches to stay in step)."""
+batches to stay in step), and with each sequence split over 2 context-parallel ranks beside tensor, pipeline,
+data and expert parallelism. The checkpoints were trained with dropout, which context parallelism's ring
+attention cannot train with, and which evaluation does not use; the dense one has a multi-token prediction
+layer (DeepSeek-V3's), which training cannot split over context-parallel ranks, and which evaluation does not
+run."""
 import json
 import re
 
@@ -22,7 +26,7 @@ MOE = dict(num_experts=4, moe_ffn_hidden_size=32)
 def _checkpoint(root, **model_fields) -> str:
     """A random model of the sft demo's vocabulary (its NullTokenizer's EOD the last id) written to ``root``."""
     fields = dict(vocab_size=VOCAB_SIZE + 1, seq_length=24, **model_fields)
-    config = config_of("rope_gqa", **fields)
+    config = config_of("rope_gqa", **fields, attention_dropout=0.1)
     config.data = DataConfig(mock_data=True, tokenizer_type="NullTokenizer")
     model, _ = build("rope_gqa", **fields)
     weights = dict(model.named_parameters())
@@ -42,15 +46,21 @@ def data(tmp_path_factory):
         builder.finalize(str(root / "corpus.idx"))
     test = write_splits(str(root / "sft"), train=10, valid=1, test=5)["test"]
     return {"corpus": str(root / "corpus"), "sft": test,
-            "dense": _checkpoint(root / "dense"), "moe": _checkpoint(root / "moe", **MOE)}
+            "dense": _checkpoint(root / "dense", mtp_num_layers=1), "moe": _checkpoint(root / "moe", **MOE)}
 
 
 RUNS = {"indexed": ["--micro-batch-size", "2"],
         "sft": ["--sft", "--exact-match", "--max-new-tokens", "6", "--micro-batch-size", "2"]}
-LAYOUTS = {"tp2-pp2": ("dense", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4),
-           "dp2": ("dense", [], 2), "ep2": ("moe", ["--expert-model-parallel-size", "2"], 2)}
+TP2, PP2, CP2 = (["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"],
+                 ["--context-parallel-size", "2"])
+LAYOUTS = {"tp2-pp2": ("dense", [*TP2, *PP2], 4), "dp2": ("dense", [], 2),
+           "ep2": ("moe", ["--expert-model-parallel-size", "2"], 2), "tp2-cp2": ("dense", [*TP2, *CP2], 4),
+           "pp2-cp2": ("dense", [*PP2, *CP2], 4),
+           # experts over the 2 data-parallel x 2 context-parallel ranks
+           "cp2-dp2-ep2": ("moe", [*CP2, "--expert-model-parallel-size", "2"], 4)}
 # A fine-tuning run reports both the perplexity and the exact match; the indexed one a perplexity streamed from .bin.
-CASES = [("sft", "tp2-pp2"), ("sft", "dp2"), ("sft", "ep2"), ("indexed", "dp2"), ("indexed", "ep2")]
+CASES = [("sft", "tp2-pp2"), ("sft", "dp2"), ("sft", "ep2"), ("indexed", "dp2"), ("indexed", "ep2"),
+         ("sft", "tp2-cp2"), ("indexed", "pp2-cp2"), ("sft", "cp2-dp2-ep2")]
 
 
 def _numbers(line: str) -> list[float]:
@@ -76,3 +86,15 @@ def test_every_layout_evaluates_as_one_process(data, tmp_path, capsys, run, layo
         one, parallel = ([json.loads(line) for line in open(tmp_path / name)] for name in ("one.jsonl",
                                                                                           "parallel.jsonl"))
         assert parallel == one and len(one) == 5
+
+
+def test_a_model_that_cannot_split_its_sequences_is_refused_by_name(data, tmp_path, capsys):
+    """A gated DeltaNet layer's scan runs from each position to the next: as training, evaluation refuses to
+    split its sequences, in one line before any process group."""
+    gated_delta_net = dict(experimental_attention_variant="gdn", linear_attention_freq="2", linear_num_key_heads=2,
+                           linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    load = _checkpoint(tmp_path, **gated_delta_net)
+    assert main(["--load", load, "--data-path", data["corpus"], *CP2]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: --context-parallel-size 2 with --experimental-attention-variant gdn")
+    assert error.count("\n") == 1

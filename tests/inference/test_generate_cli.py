@@ -174,6 +174,10 @@ def test_a_prompt_too_long_for_the_model_is_a_clean_error(checkpoint, capsys):
 def test_flags_are_checked(checkpoint, capsys):
     assert main(["--load", checkpoint[0], "--top-p", "2"]) == 2
     assert "--top-p" in capsys.readouterr().err
+    # Training's layout flags that a forward pass here has no use for: refused with the reason, not unknown.
+    for flag in (["--sequence-parallel"], ["--virtual-pipeline-model-parallel-size", "2"]):
+        assert main(["--load", checkpoint[0], "--tensor-model-parallel-size", "2", *flag]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {flag[0]} ")
     assert main(["--load", checkpoint[0], "--greedy", "--max-new-token", "3"]) == 2
     assert "did you mean --max-new-tokens" in capsys.readouterr().err
 

@@ -67,7 +67,7 @@ def test_config_maps_glm_fields():
     assert (config.add_qkv_bias, config.qk_layernorm, config.rotary_percent, config.kv_channels) == (True, True, 0.5,
                                                                                                       16)
     assert (config.moe_router_score_function, config.moe_router_enable_expert_bias) == ("sigmoid", True)
-    assert (config.moe_layer_freq, config.moe_router_num_groups, config.moe_router_group_topk) == ("[0,1]", 2, 1)
+    assert (config.moe_layer_freq, config.moe_router_num_groups, config.moe_router_group_topk) == ("[0, 1]", 2, 1)
     assert (config.moe_router_topk_scaling_factor, config.moe_shared_expert_intermediate_size) == (2.5, 16)
     assert config.moe_aux_loss_coeff == 0.0 and config.ffn_hidden_size == 48
     # transformers' own default where config.json names no partial_rotary_factor: half of each head rotates.

@@ -174,7 +174,7 @@ def test_config_maps_every_feature(imports):
     v3, v2 = (read_config(imports[n].root).model for n in DEEPSEEK_FAMILIES)
     for config in (v3, v2):
         assert (config.num_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (8, TOPK, 16)
-        assert config.multi_latent_attention and config.moe_layer_freq == "[0,1]" and config.moe_aux_loss_coeff == 0
+        assert config.multi_latent_attention and config.moe_layer_freq == "[0, 1]" and config.moe_aux_loss_coeff == 0
         assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 1)
     assert v3.moe_router_score_function == "sigmoid" and v3.moe_router_enable_expert_bias
     assert (v3.moe_router_group_score, v3.moe_router_topk_scaling_factor) == ("topk_sum", 2.5)
@@ -187,7 +187,7 @@ def test_config_maps_every_feature(imports):
         assert (config.moe_router_load_balancing_type, config.moe_aux_loss_coeff) == ("pooled_aux_loss", COEF)
     assert mixtral.window_size == [4, 0] and mixtral.moe_layer_freq == "1" and not mixtral.moe_router_pre_softmax
     assert mixtral.moe_ffn_hidden_size == 48
-    assert qwen3_moe.moe_layer_freq == "[0,1]"
+    assert qwen3_moe.moe_layer_freq == "[0, 1]"
     assert (qwen3_moe.ffn_hidden_size, qwen3_moe.moe_ffn_hidden_size) == (48, 24)
     assert qwen3_moe.qk_layernorm and not qwen3_moe.qk_layernorm_whole_projection and qwen3_moe.kv_channels == 16
     assert not qwen3_moe.moe_router_pre_softmax

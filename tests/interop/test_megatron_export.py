@@ -46,12 +46,16 @@ ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "num_qu
                      "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "kv_channels")
 
 
+# The Qwen/Mistral/Llama 3.1 features' args (llama_variants_*).
+VARIANT_ARGS = ("qk_layernorm", "add_qkv_bias", "window_size", "window_attn_skip_freq", "use_rope_scaling",
+                "rope_scaling_factor", "rotary_base")
 MOE_ARGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_score_function",
             "expert_model_parallel_size", "moe_grouped_gemm")
 
 
 @pytest.mark.parametrize("name,tp,pp,ep", [("gpt2_tp2pp2_torch", 2, 2, 1), ("llama_tp1pp1_torch_bf16", 1, 1, 1),
-                                           ("moe_tp2pp1ep2_torch", 2, 1, 2), ("moe_expert_bias_tp1pp1_torch", 1, 1, 1)])
+                                           ("moe_tp2pp1ep2_torch", 2, 1, 2), ("moe_expert_bias_tp1pp1_torch", 1, 1, 1),
+                                           ("llama_variants_tp2pp1_torch", 2, 1, 1)])
 def test_legacy_export_writes_megatrons_files(name, tp, pp, ep, tmp_path):
     """Imported from Megatron-LM's files and exported at their layout: every rank file has Megatron's names,
     shapes and dtypes (bf16 stays bf16; the ``_extra_state`` entries and the tied embeddings' last-stage copy
@@ -68,7 +72,7 @@ def test_legacy_export_writes_megatrons_files(name, tp, pp, ep, tmp_path):
             if tensor is not None:
                 assert torch.equal(our_file["model"][key], tensor), (rank, key)
         assert (our_file["iteration"], our_file["checkpoint_version"]) == (10, 3.0)
-        for arg in ARCHITECTURE_ARGS + (MOE_ARGS if ep > 1 else ()):
+        for arg in ARCHITECTURE_ARGS + (MOE_ARGS if ep > 1 else ()) + (VARIANT_ARGS if "variants" in name else ()):
             assert getattr(our_file["args"], arg) == getattr(their_file["args"], arg), arg
     with open(os.path.join(exported, "latest_checkpointed_iteration.txt")) as f:
         assert f.read() == "10"
@@ -103,7 +107,8 @@ def _files(directory: str) -> list:
 
 
 @pytest.mark.parametrize("name,common_state,our_layout", [("gpt2_tp2pp1_torch_dist", "common.pt", (2, 2)),
-                                                          ("llama_tp2pp1_torch_dist_core020", "distcp", (1, 1))])
+                                                          ("llama_tp2pp1_torch_dist_core020", "distcp", (1, 1)),
+                                                          ("llama_variants_tp2pp1_torch_dist", "common.pt", (1, 1))])
 def test_torch_dist_export_writes_megatrons_files(name, common_state, our_layout, tmp_path):
     """Imported from Megatron-Core's torch_dist files (core 0.17: common.pt; main: the common state inside the
     .distcp) into our checkpoint at ``our_layout``, and exported as torch_dist at their layout: the same keys
@@ -132,17 +137,18 @@ def test_torch_dist_export_writes_megatrons_files(name, common_state, our_layout
     assert sorted(our_common) == sorted(their_common)
     for key in ("checkpoint_version", "iteration", "num_floating_point_operations_so_far", "content_metadata"):
         assert our_common[key] == their_common[key], key
-    for arg in ARCHITECTURE_ARGS:
+    for arg in ARCHITECTURE_ARGS + (VARIANT_ARGS if "variants" in name else ()):
         assert getattr(our_common["args"], arg) == getattr(their_common["args"], arg), arg
     assert our_common["args"].ckpt_format == "torch_dist"
 
 
-def test_torch_dist_moe_export_writes_megatrons_chunks(tmp_path):
-    """A mixture of experts in torch_dist (tp2 x ep2), imported and exported at its layout: the same keys (the
-    experts' [layers, experts, ...] and their ``_extra_state`` objects per layer and expert), global shapes,
-    dtypes, chunks and values, each expert's chunks in its (tensor, expert) rank's file. Megatron spreads the
-    writing of replicated tensors over the data-parallel ranks; our export writes them from expert rank 0."""
-    name = "moe_tp2pp1ep2_torch_dist"
+@pytest.mark.parametrize("name", ["moe_tp2pp1ep2_torch_dist", "moe_glm_tp2pp1ep2_torch_dist"])
+def test_torch_dist_moe_export_writes_megatrons_chunks(name, tmp_path):
+    """A mixture of experts in torch_dist (tp2 x ep2; then GLM-4.5's, with the expert bias, a gated shared expert
+    and query/key norms), imported and exported at its layout: the same keys (the experts' [layers, experts, ...]
+    and their ``_extra_state`` objects per layer and expert), global shapes, dtypes, chunks and values, each
+    expert's chunks in its (tensor, expert) rank's file. Megatron spreads the writing of replicated tensors over
+    the data-parallel ranks; our export writes them from expert rank 0."""
     exported = _exported(_imported(name, tmp_path), str(tmp_path / "megatron"), 2, 1, "torch_dist",
                          "--target-expert-parallel-size", "2")
     theirs, ours = (_torch_dist_files(os.path.join(root, "iter_0000010")) for root in (fixture(name), exported))
@@ -178,7 +184,9 @@ def test_a_bf16_checkpoint_stays_bf16_through_torch_dist(tmp_path):
                                                        ("gpt2_tp1pp1_legacy_model", "torch_dist", 2, 1, 1),
                                                        ("moe_tp2pp1ep2_torch_dist", "torch_dist", 1, 1, 1),
                                                        ("moe_expert_bias_tp1pp1_torch", "torch_dist", 2, 1, 2),
-                                                       ("moe_grouped_gemm_tp2pp1ep2_torch_bf16", "torch", 2, 1, 2)])
+                                                       ("moe_grouped_gemm_tp2pp1ep2_torch_bf16", "torch", 2, 1, 2),
+                                                       ("llama_variants_tp2pp1_torch", "torch_dist", 1, 2, 1),
+                                                       ("moe_glm_tp2pp1ep2_torch_dist", "torch", 1, 1, 2)])
 def test_export_then_import_round_trips(name, ckpt_format, tp, pp, ep, tmp_path):
     """Ours -> Megatron-LM at (tp, pp, ep) -> ours: the same weights (and expert bias), and the same logits,
     Megatron's own (grouped-GEMM experts come back as SequentialMLP's, which our export writes)."""
@@ -200,10 +208,15 @@ def test_export_then_import_round_trips(name, ckpt_format, tp, pp, ep, tmp_path)
 
 
 def test_a_model_megatron_cannot_rebuild_is_refused_by_flag():
+    """Gemma 2's norms after each sublayer have no Megatron-LM arg; an imported model's pad token (which row
+    trains, not what the weights compute) does not stop an export."""
     config = read_megatron_checkpoint(fixture("llama_tp1pp1_torch_bf16")).config
-    windowed = dataclasses.replace(config, model=dataclasses.replace(config.model, window_size=(4, 0)))
-    with pytest.raises(ConfigError, match="--window-size"):
-        megatron_args_from_config(windowed, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+    padded = dataclasses.replace(config, model=dataclasses.replace(config.model, pad_token_id=0))
+    megatron_args_from_config(padded, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, iteration=0,
+                              source="ckpt")
+    normed = dataclasses.replace(config, model=dataclasses.replace(config.model, post_sublayer_norm=True))
+    with pytest.raises(ConfigError, match="its model settings --post-sublayer-norm have no Megatron-LM args"):
+        megatron_args_from_config(normed, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                   iteration=0, source="ckpt")
 
 

@@ -72,7 +72,11 @@ ALL = ["gpt2_tp2pp2_torch", "llama_tp1pp1_torch_bf16", "gpt2_tp1pp1_legacy_model
        "moe_tp2pp1ep2_torch_dist",  # the experts stacked [layers, experts, ...] in torch_dist
        "moe_tp2pp1etp1ep2_torch_dist",  # ... there at --expert-tensor-parallel-size 1 under tensor size 2
        "moe_expert_bias_tp1pp1_torch",  # sigmoid scores and the router's expert bias (a buffer)
-       "moe_grouped_gemm_tp2pp1ep2_torch_bf16"]  # core 0.16's GroupedMLP: weight1/weight2 per rank, bf16
+       "moe_grouped_gemm_tp2pp1ep2_torch_bf16",  # core 0.16's GroupedMLP: weight1/weight2 per rank, bf16
+       # query/key norms, the QKV projection's biases alone, a sliding window on every other layer, Llama 3's
+       # RoPE scaling; the same norms and biases with linear RoPE scaling in torch_dist
+       "llama_variants_tp2pp1_torch", "llama_variants_tp2pp1_torch_dist",
+       "moe_glm_tp2pp1ep2_torch_dist"]  # GLM-4.5's: grouped sigmoid routing, expert bias, gated shared expert
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -118,8 +122,10 @@ def test_the_saved_args_map_to_our_config():
 def test_unsupported_megatron_args_are_refused_by_name():
     import argparse
     from megatron_lite.interop.megatron.args_mapping import model_config_from_megatron_args
-    args = argparse.Namespace(moe_latent_size=8, qk_layernorm=True, swiglu=False, bias_gelu_fusion=False)
-    with pytest.raises(ConfigError, match=r"--moe-latent-size \(latent experts\).*--qk-layernorm"):
+    args = argparse.Namespace(moe_latent_size=8, rotary_interleaved=True, window_attn_skip_freq=[1, 0],
+                              swiglu=False, bias_gelu_fusion=False)
+    with pytest.raises(ConfigError, match=r"--moe-latent-size \(latent experts\).*--rotary-interleaved.*"
+                                          r"--window-attn-skip-freq as a list"):
         model_config_from_megatron_args(args, "ckpt")
 
 

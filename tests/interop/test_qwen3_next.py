@@ -85,7 +85,7 @@ def moe(tmp_path_factory):
 def test_moe_logits_and_generation_equal_transformers_at_every_layout(moe):
     config = hf_weights.model_config_from_hf(moe.hf_model.config.to_dict())
     assert config.moe_shared_expert_gate and config.moe_shared_expert_intermediate_size == 16
-    assert config.moe_layer_freq == "[0,1]" and config.moe_router_load_balancing_type == "pooled_aux_loss"
+    assert config.moe_layer_freq == "[0, 1]" and config.moe_router_load_balancing_type == "pooled_aux_loss"
     assert config.linear_attention_freq == "[1, 0]" and config.attention_output_gate and config.apply_layernorm_1p
     expected = hf_generate(moe.hf_model, PROMPTS)
     model, parallel_state = load(moe.root)

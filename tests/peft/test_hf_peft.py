@@ -104,8 +104,8 @@ def test_peft_loads_our_adapters_and_gives_our_logits(trained, tmp_path, onto):
     torch.testing.assert_close(_hf_logits(adapted, input_ids), logits, atol=ATOL, rtol=0)
 
 
-def test_merged_lora_gives_the_adapted_logits(trained, tmp_path):
-    _, _, _, adapters, input_ids, logits = trained
+def test_merged_lora_gives_the_adapted_logits(trained, tmp_path, capsys):
+    _, hf_dir, _, adapters, input_ids, logits = trained
     merged, merged_hf = str(tmp_path / "merged"), str(tmp_path / "merged_hf")
     assert convert(["--merge-lora", "--load-dir", adapters, "--save-dir", merged,
                     "--target-tensor-parallel-size", "2"]) == 0
@@ -115,6 +115,21 @@ def test_merged_lora_gives_the_adapted_logits(trained, tmp_path):
     assert convert(["--merge-lora", "--target-format", "hf", "--load-dir", adapters, "--save-dir", merged_hf]) == 0
     torch.testing.assert_close(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(merged_hf), input_ids),
                                logits, atol=ATOL, rtol=0)
+    # Merged and written as a Megatron-LM checkpoint in one command (our format in a scratch directory between).
+    merged_megatron = str(tmp_path / "merged_megatron")
+    assert convert(["--merge-lora", "--target-format", "megatron", "--load-dir", adapters, "--save-dir",
+                    merged_megatron, "--target-tensor-parallel-size", "2"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["merged", "merged_hf", "merged_megatron"]
+    # Megatron-LM's vocabulary is the padded one (the logits of the padding rows come after ours).
+    torch.testing.assert_close(_our_logits(merged_megatron, input_ids)[..., :VOCAB], logits, atol=ATOL, rtol=0)
+    # Without --merge-lora the adapters alone are no Megatron-LM model; a whole model has no adapters for PEFT.
+    capsys.readouterr()
+    assert convert(["--target-format", "megatron", "--load-dir", adapters, "--save-dir", str(tmp_path / "no")]) == 1
+    assert "holds no base weights: add --merge-lora" in capsys.readouterr().err
+    assert convert(["--source-format", "hf", "--target-format", "peft", "--load-dir", hf_dir, "--save-dir",
+                    str(tmp_path / "no")]) == 1
+    assert capsys.readouterr().err.startswith("error: --target-format peft writes LoRA adapters, and a hf checkpoint")
+    assert not (tmp_path / "no").exists()
 
 
 def test_our_export_imports_back_unchanged(trained, tmp_path):

@@ -59,7 +59,7 @@ def deepseek_experts(hf: dict, dense: int, version: int) -> dict:
     width, shared, scale = hf["moe_intermediate_size"], hf.get("n_shared_experts", 0), hf["routed_scaling_factor"]
     groups, group_topk, method = hf.get("n_group"), hf.get("topk_group"), hf["topk_method"]
     fields = dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=width,
-                  moe_layer_freq="[" + ",".join(["0"] * dense + ["1"] * (layers - dense)) + "]",
+                  moe_layer_freq=str([0] * dense + [1] * (layers - dense)),
                   moe_shared_expert_intermediate_size=width * shared if shared else None,
                   moe_router_topk_scaling_factor=None if scale == 1.0 else scale, moe_aux_loss_coeff=0.0)
     if version == 3:

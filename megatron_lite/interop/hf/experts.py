@@ -12,7 +12,7 @@ def router_to_ours(hf: dict, *, num_experts: int, topk: int, coef: float, moe_la
     """The routing fields every MoE family shares: E experts, top-k of a softmax (renormalised over the k,
     ``norm_topk_prob``, or kept as they are: --moe-router-pre-softmax), which layers have experts, and
     transformers' load-balancing loss (pooled over the layers, the module docstring says how)."""
-    pattern = "1" if all(moe_layers) else "[" + ",".join(str(int(moe)) for moe in moe_layers) + "]"
+    pattern = "1" if all(moe_layers) else str([int(moe) for moe in moe_layers])  # ModelConfig's spelling
     return dict(num_experts=num_experts, moe_router_topk=topk, moe_router_pre_softmax=not norm_topk_prob,
                 moe_layer_freq=pattern, moe_router_load_balancing_type="pooled_aux_loss",
                 moe_aux_loss_coeff=coef if hf.get("output_router_logits") else 0.0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from megatron_lite.checkpointing.architecture import defines_function
 from megatron_lite.config import Config, ConfigError, ModelConfig, TrainingConfig
 from megatron_lite.config.moe import parse_moe_layer_freq
 
@@ -24,10 +25,10 @@ from megatron_lite.config.moe import parse_moe_layer_freq
 _UNSUPPORTED = (("moe_latent_size", "latent experts"),
                 ("moe_input_jitter_eps", "router input jitter"),
                 ("multi_latent_attention", "multi-latent attention"),
-                ("qk_layernorm", "query/key layer norms"), ("squared_relu", "squared ReLU"),
+                ("squared_relu", "squared ReLU"),
                 ("openai_gelu", "OpenAI's GeLU"), ("mtp_num_layers", "multi-token prediction layers"),
                 ("apply_residual_connection_post_layernorm", "residuals after the norm"),
-                ("use_rope_scaling", "rope scaling"), ("rotary_interleaved", "interleaved rotary embeddings"),
+                ("rotary_interleaved", "interleaved rotary embeddings"),
                 ("heterogeneous_layers_config_path", "heterogeneous layers"),
                 # Its gates' rows in Megatron-LM's linear_qkv are not mapped (Qwen3-Next imports from Hugging Face).
                 ("attention_output_gate", "gated attention"),
@@ -47,10 +48,18 @@ def _arg(args, name: str, default=None):
 
 def refuse_unsupported(args, source: str) -> None:
     """One ConfigError naming every model-changing arg of ``args`` that megatron_lite does not implement."""
+    found = unsupported_settings(args)
+    if found:
+        raise ConfigError(f"the Megatron-LM checkpoint {source} was trained with settings megatron_lite does not "
+                          f"implement: {', '.join(found)}.")
+
+
+def unsupported_settings(args) -> list[str]:
+    """The model-changing args of ``args`` that megatron_lite does not implement (or does not map), as flags."""
     found = [f"--{name.replace('_', '-')} ({what})" for name, what in _UNSUPPORTED
              if what is not None and _arg(args, name) not in (None, False, 0)]
-    if _arg(args, "add_qkv_bias") and not _arg(args, "add_bias_linear", True):
-        found.append("--add-qkv-bias without --add-bias-linear (biases on the QKV projection alone)")
+    if isinstance(_arg(args, "window_attn_skip_freq"), list):
+        found.append("--window-attn-skip-freq as a list of layers (megatron_lite takes N: every Nth layer global)")
     if _arg(args, "softmax_type", "vanilla") != "vanilla":
         found.append(f"--softmax-type {args.softmax_type} (attention sinks)")
     if _arg(args, "num_experts") and _arg(args, "add_bias_linear", True):
@@ -59,9 +68,7 @@ def refuse_unsupported(args, source: str) -> None:
         found.append(f"--normalization {args.normalization}")
     if _position_embedding_type(args) not in ("learned_absolute", "rope"):
         found.append(f"--position-embedding-type {args.position_embedding_type}")
-    if found:
-        raise ConfigError(f"the Megatron-LM checkpoint {source} was trained with settings megatron_lite does not "
-                          f"implement: {', '.join(found)}.")
+    return found
 
 
 def _position_embedding_type(args) -> str:
@@ -107,11 +114,19 @@ def model_config_from_megatron_args(args, source: str) -> ModelConfig:
         rotary_percent=float(_arg(args, "rotary_percent", 1.0)), swiglu=bool(_arg(args, "swiglu", False)),
         no_rope_freq=None if _arg(args, "no_rope_freq") is None else str(args.no_rope_freq),  # N or its list
         add_bias_linear=bool(_arg(args, "add_bias_linear", True)),
+        # Megatron-LM sets add_qkv_bias whenever add_bias_linear is: ours is the QKV projection's bias alone.
+        add_qkv_bias=bool(_arg(args, "add_qkv_bias", False)) and not _arg(args, "add_bias_linear", True),
+        qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
+        window_size=None if _arg(args, "window_size") is None else list(args.window_size),
+        window_attn_skip_freq=_arg(args, "window_attn_skip_freq"),
+        use_rope_scaling=bool(_arg(args, "use_rope_scaling", False)),
+        rope_scaling_factor=float(_arg(args, "rope_scaling_factor", 8.0)),
         gelu_exact=not _arg(args, "swiglu", False) and not _arg(args, "bias_gelu_fusion", True),
         untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
         hidden_dropout=_arg(args, "hidden_dropout", 0.1), attention_dropout=_arg(args, "attention_dropout", 0.1),
         init_method_std=_arg(args, "init_method_std", 0.02),
-        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128), **_moe_fields(args))
+        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128),
+        hf_model_type=_arg(args, HF_MODEL_TYPE_ARG), **_moe_fields(args))
 
 
 def config_from_megatron_args(args, source: str) -> Config:
@@ -121,9 +136,10 @@ def config_from_megatron_args(args, source: str) -> Config:
                   training=TrainingConfig(bf16=bool(_arg(args, "bf16", False)), fp16=bool(_arg(args, "fp16", False))))
 
 
-# Our fields that do not change the weights or what they compute (kernels, attention implementation, the
-# Hugging Face family an export names).
-_NOT_ARCHITECTURE = ("attention_backend", "use_fused_kernels", "hf_model_type")
+# Not Megatron-LM's: the Hugging Face family the model was imported as (``hf_model_type``), so that a model
+# exported to Megatron-LM and imported back exports to Hugging Face as that family again (Megatron-LM keeps
+# args it does not know and reads none of them).
+HF_MODEL_TYPE_ARG = "hf_model_type"
 
 
 def _moe_args(model: ModelConfig, expert_model_parallel_size: int) -> dict:
@@ -167,7 +183,9 @@ def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int
         apply_layernorm_1p=model.apply_layernorm_1p, swiglu=model.swiglu, squared_relu=False, openai_gelu=False,
         bias_gelu_fusion=not model.swiglu and not model.gelu_exact, add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias or model.add_bias_linear, qk_layernorm=model.qk_layernorm,
-        window_size=model.window_size, untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
+        window_size=None if model.window_size is None else tuple(model.window_size),  # Megatron's tuple_type
+        window_attn_skip_freq=model.window_attn_skip_freq,
+        untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
         apply_query_key_layer_scaling=False, apply_residual_connection_post_layernorm=False,
         hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
@@ -179,15 +197,22 @@ def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int
         bf16=config.training.bf16, fp16=config.training.fp16, params_dtype=config.params_dtype,
         **_moe_args(model, expert_model_parallel_size), mtp_num_layers=None, use_legacy_models=False,
         transformer_impl="local",
-        ckpt_format=ckpt_format, iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0)
+        ckpt_format=ckpt_format, iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
+        **({HF_MODEL_TYPE_ARG: model.hf_model_type} if model.hf_model_type else {}))
     _check_round_trip(args, model, source)
     return args
 
 
 def _check_round_trip(args, model: ModelConfig, source: str) -> None:
-    back = model_config_from_megatron_args(args, source)  # refuses by name what Megatron-LM has and we do not map
-    differ = [f.name for f in dataclasses.fields(ModelConfig)
-              if f.name not in (*_NOT_ARCHITECTURE, "vocab_size") and getattr(back, f.name) != getattr(model, f.name)]
+    """Every setting that changes what the weights compute comes back from ``args`` (the vocabulary as the padded
+    one); the others (how a run trains: an imported model's pad token) need not."""
+    unmapped = unsupported_settings(args)
+    if unmapped:
+        raise ConfigError(f"{source} cannot be written as a Megatron-LM checkpoint: megatron_lite maps no Megatron-LM "
+                          f"checkpoint with {', '.join(unmapped)}.")
+    back = model_config_from_megatron_args(args, source)
+    differ = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"
+              and defines_function(f.name, model) and getattr(back, f.name) != getattr(model, f.name)]
     if differ:
         raise ConfigError(f"{source} cannot be written as a Megatron-LM checkpoint: its model settings "
                           f"{', '.join('--' + name.replace('_', '-') for name in differ)} have no Megatron-LM args "

@@ -62,9 +62,14 @@ def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
         raise ValueError(f"ckpt_format must be one of {CKPT_FORMATS}, got {ckpt_format!r}")
     reader = CheckpointReader(resolve_checkpoint_dir(load_dir))
     config = Config.from_dict(reader.metadata["config"])
+    if config.peft.peft == "lora":
+        raise ConfigError(f"{load_dir} is an adapter checkpoint (--peft lora), which holds no base weights: add "
+                          f"--merge-lora to export the base with the LoRA update merged in.")
     if config.peft.peft is not None:
-        raise ConfigError(f"{load_dir} is a --peft {config.peft.peft} checkpoint: merge it into its base first "
-                          f"(--merge-lora or --fold-prefix-projection), then export the result.")
+        raise ConfigError(f"{load_dir} is a --peft {config.peft.peft} checkpoint, which has no Megatron-LM form: its "
+                          f"weights do not merge into the base (that is LoRA's --merge-lora). It stays a megatron_lite "
+                          f"checkpoint: generate, evaluate or fine-tune on with it as --load; export its base on its "
+                          f"own.")
     tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
     _check_experts(config, ckpt_format, ep, load_dir)
     # Re-validates heads, groups, ffn and layers against the target sizes before anything is written.
