@@ -12,6 +12,7 @@ from megatron_lite.checkpointing import load_checkpoint, read_config
 from megatron_lite.interop.megatron.importer import read_megatron_checkpoint
 from megatron_lite.config import CheckpointConfig, ConfigError
 from megatron_lite.model.builder import build_model
+from megatron_lite.model.multi_token_prediction import logged_losses as mtp_logged_losses
 from megatron_lite.pipeline_parallel import p2p
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.distributed import run_distributed
@@ -28,13 +29,28 @@ def fixture(name: str) -> str:
     return path
 
 
+def megatron_outputs(name: str) -> dict:
+    """What tools/make_megatron_fixtures.py saved of Megatron's forward: "tokens" and "logits"; for a
+    multi-token prediction fixture also "labels", the training forward's "lm_loss" per token and "mtp_losses"
+    (L_k of each depth)."""
+    return safetensors.torch.load_file(os.path.join(fixture(name), "logits.safetensors"))
+
+
 def megatron_logits(name: str) -> tuple:
-    saved = safetensors.torch.load_file(os.path.join(fixture(name), "logits.safetensors"))
+    saved = megatron_outputs(name)
     return saved["tokens"], saved["logits"]
 
 
 def our_logits(root: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1):
     """Our model loaded from ``root`` at (tp, pp) in this process's world: the logits on the last stage."""
+    outputs = our_outputs(root, {"tokens": tokens}, tp, pp)
+    return None if outputs is None else outputs["logits"]
+
+
+def our_outputs(root: str, saved: dict, tp: int = 1, pp: int = 1):
+    """``megatron_outputs``' entries for ``saved``'s tokens (and labels) from our model loaded from ``root`` at
+    (tp, pp) in this process's world, on the last stage (None elsewhere): the losses from the training forward
+    (dropout is 0) and multi-token prediction's L_k as the trainer logs them."""
     config = read_config(root)
     config = dataclasses.replace(config, checkpoint=CheckpointConfig(load=root), parallel=dataclasses.replace(
         config.parallel, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
@@ -44,19 +60,31 @@ def our_logits(root: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1):
         load_checkpoint(config, parallel_state, [model], None, None)
         model.eval()
         with torch.no_grad():
-            return _stage_forward(model, tokens, parallel_state, config.model.hidden_size)
+            logits = _stage_forward(model, saved["tokens"], parallel_state, config.model.hidden_size)
+            if "labels" not in saved:
+                return None if logits is None else {"logits": logits}
+            model.train()
+            labels = saved["labels"]
+            lm_loss = _stage_forward(model, saved["tokens"], parallel_state, config.model.hidden_size,
+                                     labels=labels, loss_mask=torch.ones(labels.shape))
+        if logits is None:
+            return None
+        depths = mtp_logged_losses(model)
+        return {"logits": logits, "lm_loss": lm_loss,
+                "mtp_losses": torch.stack([depths[f"mtp_{k} loss"][0] for k in range(1, len(depths) + 1)])}
     finally:
         destroy_model_parallel(parallel_state)
 
 
-def _stage_forward(model, tokens, parallel_state, hidden_size):
-    """This stage's forward; the stages hand activations [s, b, h] on. The last stage's logits, else None."""
+def _stage_forward(model, tokens, parallel_state, hidden_size, **kwargs):
+    """This stage's forward; the stages hand activations [s, b, h] on. The last stage's logits (given labels,
+    its loss), else None."""
     exchange = dict(shape=(tokens.shape[1], tokens.shape[0], hidden_size), dtype=torch.float32,
                     device=torch.device("cpu"), group=parallel_state.pipeline_model_parallel_group)
     if not parallel_state.is_pipeline_first_stage():
         (received,) = p2p.exchange(sends=[], receives=[parallel_state.pipeline_prev_rank], **exchange)
         model.set_input_tensor(received)
-    output = model(tokens)
+    output = model(tokens, **kwargs)
     if not parallel_state.is_pipeline_last_stage():
         p2p.exchange(sends=[(output, parallel_state.pipeline_next_rank)], receives=[], **exchange)
         return None
@@ -72,34 +100,44 @@ ALL = ["gpt2_tp2pp2_torch", "llama_tp1pp1_torch_bf16", "gpt2_tp1pp1_legacy_model
        "moe_tp2pp1ep2_torch_dist",  # the experts stacked [layers, experts, ...] in torch_dist
        "moe_tp2pp1etp1ep2_torch_dist",  # ... there at --expert-tensor-parallel-size 1 under tensor size 2
        "moe_expert_bias_tp1pp1_torch",  # sigmoid scores and the router's expert bias (a buffer)
-       "moe_grouped_gemm_tp2pp1ep2_torch_bf16"]  # core 0.16's GroupedMLP: weight1/weight2 per rank, bf16
+       "moe_grouped_gemm_tp2pp1ep2_torch_bf16",  # core 0.16's GroupedMLP: weight1/weight2 per rank, bf16
+       # multi-token prediction (its losses too): 2 depths, tied embeddings over 2 stages; 1 depth with experts
+       "mtp_tp2pp2_torch", "mtp_moe_tp1pp1ep2_torch_dist"]
+
+
+def assert_megatrons_outputs(ours: dict, saved: dict, atol: float = ATOL) -> None:
+    """Our logits (and multi-token prediction fixtures' losses: the language model's per token, each depth's L_k)
+    are those Megatron-LM saved."""
+    assert sorted(ours) == sorted(set(saved) - {"tokens", "labels"})
+    for key, value in ours.items():
+        torch.testing.assert_close(value.float(), saved[key], atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_import_gives_megatrons_logits(name, tmp_path):
-    tokens, reference = megatron_logits(name)
+    saved = megatron_outputs(name)
     root = str(tmp_path / "ours")
     assert convert(["--source-format", "megatron", "--load-dir", fixture(name), "--save-dir", root]) == 0
-    logits = our_logits(root, tokens)
     atol = 2e-2 if "bf16" in name else ATOL  # both forwards in bf16, each with its own rounding
-    torch.testing.assert_close(logits.float(), reference, atol=atol, rtol=0)
+    assert_megatrons_outputs(our_outputs(root, saved), saved, atol)
 
 
-def _pipeline_logits(rank, world_size, root, tokens):
-    return our_logits(root, tokens, tp=2, pp=2)
+def _pipeline_outputs(rank, world_size, root, saved):
+    return our_outputs(root, saved, tp=2, pp=2)
 
 
-@pytest.mark.parametrize("name", ["gpt2_tp2pp2_torch", "llama_tp2pp2_legacy_model", "moe_tp2pp1ep2_torch"])
+@pytest.mark.parametrize("name", ["gpt2_tp2pp2_torch", "llama_tp2pp2_legacy_model", "moe_tp2pp1ep2_torch",
+                                  "mtp_tp2pp2_torch"])
 def test_import_at_tp2_pp2_gives_megatrons_logits(name, tmp_path):
-    tokens, reference = megatron_logits(name)
+    saved = megatron_outputs(name)
     root = str(tmp_path / "ours")
     assert convert(["--source-format", "megatron", "--load-dir", fixture(name), "--save-dir", root,
                     "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]) == 0
-    results = run_distributed(_pipeline_logits, 4, args=(root, tokens))
+    results = run_distributed(_pipeline_outputs, 4, args=(root, saved))
     last_stage = [r for r in results if r is not None]
     assert len(last_stage) == 2
-    for logits in last_stage:
-        torch.testing.assert_close(logits, reference, atol=ATOL, rtol=0)
+    for outputs in last_stage:
+        assert_megatrons_outputs(outputs, saved)
 
 
 def test_the_saved_args_map_to_our_config():

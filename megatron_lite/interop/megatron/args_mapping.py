@@ -26,7 +26,11 @@ _UNSUPPORTED = (("moe_latent_size", "latent experts"),
                 ("moe_apply_probs_on_input", "router probabilities applied to the expert input"),
                 ("multi_latent_attention", "multi-latent attention"),
                 ("qk_layernorm", "query/key layer norms"), ("squared_relu", "squared ReLU"),
-                ("openai_gelu", "OpenAI's GeLU"), ("mtp_num_layers", "multi-token prediction layers"),
+                ("openai_gelu", "OpenAI's GeLU"),
+                ("mtp_use_repeated_layer", "one multi-token prediction layer repeated at every depth"),
+                ("mtp_detach_heads", "multi-token prediction layers detached from the decoder's gradient"),
+                ("mtp_hsm", "multi-token prediction's hidden state mixing"),
+                ("mtp_hybrid_override_pattern", "hybrid (Mamba) multi-token prediction layers"),
                 ("apply_residual_connection_post_layernorm", "residuals after the norm"),
                 ("use_rope_scaling", "rope scaling"), ("rotary_interleaved", "interleaved rotary embeddings"),
                 ("heterogeneous_layers_config_path", "heterogeneous layers"),
@@ -57,6 +61,13 @@ def refuse_unsupported(args, source: str) -> None:
         found.append(f"--normalization {args.normalization}")
     if _position_embedding_type(args) not in ("learned_absolute", "rope"):
         found.append(f"--position-embedding-type {args.position_embedding_type}")
+    if _arg(args, "mtp_num_layers"):
+        # Megatron-LM numbers a multi-token prediction layer by its depth (1, 2, ...) where it picks a layer's
+        # window or rotary embedding; ours take the decoder's last layer's kind.
+        found += [f"--mtp-num-layers with --{name.replace('_', '-')} (multi-token prediction layers whose {what} "
+                  f"Megatron-LM picks by their depth)" for name, what in (("window_attn_skip_freq", "window"),
+                                                                         ("no_rope_freq", "rotary embedding"))
+                  if _arg(args, name) is not None]
     if found:
         raise ConfigError(f"the Megatron-LM checkpoint {source} was trained with settings megatron_lite does not "
                           f"implement: {', '.join(found)}.")
@@ -109,7 +120,16 @@ def model_config_from_megatron_args(args, source: str) -> ModelConfig:
         untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
         hidden_dropout=_arg(args, "hidden_dropout", 0.1), attention_dropout=_arg(args, "attention_dropout", 0.1),
         init_method_std=_arg(args, "init_method_std", 0.02),
-        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128), **_moe_fields(args))
+        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128), **_moe_fields(args),
+        **_mtp_fields(args))
+
+
+def _mtp_fields(args) -> dict:
+    """Our multi-token prediction fields of ``args`` ({} without its layers)."""
+    if not _arg(args, "mtp_num_layers"):
+        return {}
+    scaling = _arg(args, "mtp_loss_scaling_factor")
+    return dict(mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=0.1 if scaling is None else scaling)
 
 
 def config_from_megatron_args(args, source: str) -> Config:
@@ -175,7 +195,8 @@ def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int
         transformer_pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         bf16=config.training.bf16, fp16=config.training.fp16, params_dtype=config.params_dtype,
-        **_moe_args(model, expert_model_parallel_size), mtp_num_layers=None, use_legacy_models=False,
+        **_moe_args(model, expert_model_parallel_size), mtp_num_layers=model.mtp_num_layers,
+        mtp_loss_scaling_factor=model.mtp_loss_scaling_factor, use_legacy_models=False,
         transformer_impl="local",
         ckpt_format=ckpt_format, iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0)
     _check_round_trip(args, model, source)

@@ -28,7 +28,7 @@ from megatron_lite.interop.megatron import layout, legacy, torch_dist_writer
 from megatron_lite.interop.megatron.args_mapping import megatron_args_from_config
 from megatron_lite.checkpointing.offline import stage_model
 from megatron_lite.checkpointing.resharding import CheckpointReader, has_vocab_rows, resize_vocab
-from megatron_lite.checkpointing.save_load import checkpoint_name, checkpointed_tensors
+from megatron_lite.checkpointing.save_load import checkpoint_name, checkpointed_tensors, is_stage_copy
 from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ParallelConfig
 from megatron_lite.expert_parallel.layers import ExpertLinear
@@ -67,6 +67,7 @@ def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
                           f"(--merge-lora or --fold-prefix-projection), then export the result.")
     tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
     _check_experts(config, ckpt_format, ep, load_dir)
+    _check_multi_token_prediction(config, ckpt_format, pp, load_dir)
     # Re-validates heads, groups, ffn and layers against the target sizes before anything is written.
     config = dataclasses.replace(config, parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                                                  pipeline_model_parallel_size=pp))
@@ -96,6 +97,18 @@ def _check_experts(config: Config, ckpt_format: str, ep: int, load_dir: str) -> 
         return
     if experts % ep:
         raise ConfigError(f"--target-expert-parallel-size {ep} does not divide the {experts} experts of {load_dir}.")
+
+
+def _check_multi_token_prediction(config: Config, ckpt_format: str, pp: int, load_dir: str) -> None:
+    """Megatron-Core (0.17 to 0.20) has no torch_dist layout for tied embeddings with multi-token prediction
+    over pipeline stages: its last stage's sharded state dict asserts that the output layer it holds has no
+    weight. It saves and loads them in the legacy format only."""
+    model = config.model
+    if (ckpt_format == "torch_dist" and pp > 1 and model.mtp_num_layers is not None
+            and not model.untie_embeddings_and_output_weights):
+        raise ConfigError(f"{load_dir} has tied embeddings and --mtp-num-layers: Megatron-LM cannot save or load "
+                          f"them as torch_dist over pipeline stages; export with --megatron-ckpt-format torch, or "
+                          f"--target-pipeline-parallel-size 1.")
 
 
 def _stage(config: Config, reader: CheckpointReader, pipeline_rank: int) -> Stage:
@@ -152,7 +165,16 @@ def _legacy_rank_state(stage: Stage, *, tp_rank: int, tp: int, experts: range) -
         if expert is None or expert in experts:
             name = name if expert is None else layout.renumbered_expert(name, -experts.start)
             state[layout.megatron_from_ours(f"{name}._extra_state", stage.layer_offset)] = None
+    if _holds_unread_output_weight(stage.model):
+        state["output_layer.weight"] = state["embedding.word_embeddings.weight"].clone()
     return state
+
+
+def _holds_unread_output_weight(model: GPTModel) -> bool:
+    """Whether Megatron-Core's model of this stage has an output layer weight that it never reads: a last stage
+    with tied embeddings and multi-token prediction holds the embedding (which is then the output weight) and
+    an output layer of its own too. Its strict load wants it: written as the embedding."""
+    return model.share_embeddings_and_output_weights and model.mtp is not None and not model.pre_process
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -183,8 +205,8 @@ def _torch_dist_items(stage: Stage, config: Config, *, tp_rank: int, tp: int, ex
     replicated tensors and linears' ``_extra_state`` objects."""
     items = []
     for name, param in checkpointed_tensors(stage.model):
-        if checkpoint_name(stage.model, name) != name or not _written_here(name, experts, dense):
-            continue  # the last stage's copy of tied embeddings (the first stage writes them), or another rank's
+        if is_stage_copy(stage.model, name, param) or not _written_here(name, experts, dense):
+            continue  # the last stage's copy of the embedding (the first stage writes it), or another rank's
         key, index = layout.torch_dist_key(name)
         full = stage.full[name]
         if getattr(param, "tensor_model_parallel", False):
@@ -192,15 +214,17 @@ def _torch_dist_items(stage: Stage, config: Config, *, tp_rank: int, tp: int, ex
         else:
             pieces = [((0,) * full.dim(), full)] if tp_rank == 0 else []
         # A layer's (an expert's) piece is a [1, ...] ([1, 1, ...]) slice of the stacked tensor.
-        stacked = _stacked_shape(config, index)
+        stacked = _stacked_shape(config, key, index)
         items += [torch_dist_writer.Chunk(key, (*stacked, *full.shape), (*index, *offsets),
                                           piece.reshape((1,) * len(index) + piece.shape)) for offsets, piece in pieces]
     if tp_rank == 0:
         for name in _linear_layers(stage.model):
             key, index = layout.torch_dist_key(f"{name}._extra_state")
-            # Megatron-Core saves the layers' linears' extra state, not the output layer's.
-            if index and _written_here(name, experts, dense):
-                items.append(torch_dist_writer.ShardedObject(key, offset=index, shape=_stacked_shape(config, index)))
+            # Megatron-Core saves the layers' linears' extra state, not the output layer's; an object outside the
+            # stacked keys (multi-token prediction's) at offset (0,) of shape (1,).
+            if name != "output_layer" and _written_here(name, experts, dense):
+                items.append(torch_dist_writer.ShardedObject(key, offset=index or (0,),
+                                                             shape=_stacked_shape(config, key, index) or (1,)))
     return items
 
 
@@ -209,10 +233,11 @@ def _written_here(name: str, experts: range, dense: bool) -> bool:
     return dense if expert is None else expert in experts
 
 
-def _stacked_shape(config: Config, index: tuple) -> tuple:
-    """The leading dimensions of a torch_dist key that stacks tensors ``index`` says: (layers,), (layers,
-    experts), or () for one outside the layers."""
-    return (config.model.num_layers, config.model.num_experts)[:len(index)]
+def _stacked_shape(config: Config, key: str, index: tuple) -> tuple:
+    """The leading dimensions of a torch_dist key that stacks tensors ``index`` says: (layers,) or (layers,
+    experts) for the decoder's, (experts,) for a multi-token prediction layer's experts, () for the others."""
+    stacked = (config.model.num_layers,) if key.startswith("decoder.layers.") else ()
+    return (*stacked, config.model.num_experts)[:len(index)]
 
 
 def _tensor_parallel_chunks(full: torch.Tensor, param, *, tp_rank: int, tp: int) -> list:

@@ -9,6 +9,11 @@ model of ``--use-legacy-models``, whose state dict nests
 paper (``query_key_value``, ``dense_h_to_4h``...). Files of one pipeline stage number
 their layers from 0.
 
+Multi-token prediction's depths (``--mtp-num-layers``, on the last stage) are ``mtp.layers.D.``: ``enorm``,
+``hnorm``, ``eh_proj`` and ``final_layernorm`` as ours, and a transformer layer, ``mtp_model_layer.`` in the
+legacy files of core 0.17 and later (ours), ``transformer_layer.`` in core 0.16's and in every torch_dist (where
+Megatron-Core keeps the older name), named inside as a decoder layer is.
+
 The splits are ours too (Megatron's column-parallel layers split dim 0 and row-parallel
 layers dim 1; the fused QKV holds whole query groups ``[q heads of the group; k; v]``
 per rank, SwiGLU's fc1 ``[gate_r; up_r]`` per rank), so one tensor-parallel rank's
@@ -54,6 +59,7 @@ TOP_RENAMES = {
 }
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _LAYER = re.compile(r"^(?:decoder|language_model\.encoder|language_model\.transformer)\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(?:mtp_model_layer|transformer_layer)\.(.+)$")
 TIED_OUTPUT_COPIES = ("output_layer.weight", "word_embeddings_for_head.weight")
 
 
@@ -73,12 +79,14 @@ def local_layer(name: str) -> Optional[tuple[int, str]]:
     match = _LAYER.match(name)
     if match is None:
         return None
-    inner = match.group(2)
+    return int(match.group(1)), _ours_inside_layer(match.group(2))
+
+
+def _ours_inside_layer(inner: str) -> str:
     for theirs, ours in LAYER_RENAMES:
-        if inner.startswith(theirs) or inner == theirs:
-            inner = ours + inner[len(theirs):]
-            break
-    return int(match.group(1)), inner
+        if inner.startswith(theirs):
+            return ours + inner[len(theirs):]
+    return inner
 
 
 def is_ignored(name: str, *, tied: bool) -> bool:
@@ -92,6 +100,9 @@ def ours_from_megatron(name: str, layer_offset: int) -> str:
     layer = local_layer(name)
     if layer is not None:
         return f"decoder.layers.{layer[0] + layer_offset}.{layer[1]}"
+    mtp = _MTP_LAYER.match(name)
+    if mtp is not None:
+        return f"mtp.layers.{mtp.group(1)}.mtp_model_layer.{_ours_inside_layer(mtp.group(2))}"
     return TOP_RENAMES.get(name, name)
 
 
@@ -112,16 +123,20 @@ _TE_NORM_FROM_OURS = {ours: theirs for theirs, ours in TE_NORM_RENAMES}
 
 def torch_dist_key(name: str) -> tuple[str, tuple]:
     """Megatron-Core's torch_dist key for our global ``name`` and where the tensor sits along the key's leading
-    stacked dimensions: () outside the layers, (layer,) for a layer tensor (torch_dist stacks the layers under
-    one key), (layer, expert) for an expert's (``mlp.experts.experts.<name>``, [layers, experts, ...])."""
-    layer = local_layer(name)
-    if layer is None:
+    stacked dimensions: () outside the layers, (layer,) for a decoder layer's tensor (torch_dist stacks the
+    decoder's layers under one key), (layer, expert) for its experts' (``mlp.experts.experts.<name>``, [layers,
+    experts, ...]); a multi-token prediction layer's tensors are each their own key
+    (``mtp.layers.D.transformer_layer.<name>``), its experts' stacked [experts, ...]: (expert,)."""
+    layer, mtp = local_layer(name), _MTP_LAYER.match(name)
+    if layer is None and mtp is None:
         return _MCORE_FROM_OURS.get(name, name), ()
+    prefix, inner, where = (("decoder.layers.", layer[1], (layer[0],)) if layer is not None else
+                            (f"mtp.layers.{mtp.group(1)}.transformer_layer.", mtp.group(2), ()))
     expert = expert_number(name)
     if expert is not None:
-        inner = _LOCAL_EXPERT.sub(".mlp.experts.experts.", f".{layer[1]}", count=1).removeprefix(".")
-        return f"decoder.layers.{inner}", (layer[0], expert)
-    return f"decoder.layers.{_TE_NORM_FROM_OURS.get(layer[1], layer[1])}", (layer[0],)
+        inner = _LOCAL_EXPERT.sub(".mlp.experts.experts.", f".{inner}", count=1).removeprefix(".")
+        return prefix + inner, (*where, expert)
+    return prefix + _TE_NORM_FROM_OURS.get(inner, inner), where
 
 
 def expert_number(name: str) -> Optional[int]:

@@ -43,6 +43,8 @@ _STACKED = re.compile(r"^decoder\.layers\.(?!\d)(.+)$")
 # The experts' tensors in torch_dist, [layers, experts, ...] under one key per name, whichever module wrote them
 # (SequentialMLP, GroupedMLP and TEGroupedMLP write the same keys).
 EXPERTS_KEY = "mlp.experts.experts."
+# A multi-token prediction layer's experts: [experts, ...] under one key per name (its layer is not stacked).
+_MTP_EXPERTS = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.mlp\.experts\.)experts\.(.+)$")
 
 
 def _metadata_classes() -> dict:
@@ -135,10 +137,14 @@ def _unstacked(name: str, tensor: torch.Tensor, layers_held: set) -> dict:
     """A stacked ``decoder.layers.<name>`` [layers, ...] as one tensor per global layer that has chunks (with
     --moe-layer-freq the dense and the expert layers each fill some layers of their keys), and the experts'
     ``mlp.experts.experts.<name>`` [layers, experts, ...] as one tensor per layer and expert, named as the
-    legacy format names them (``mlp.experts.local_experts.<expert>.<name>``, the experts numbered globally)."""
+    legacy format names them (``mlp.experts.local_experts.<expert>.<name>``, the experts numbered globally);
+    a multi-token prediction layer's experts [experts, ...] likewise."""
     match = _STACKED.match(name)
     if match is None:
-        return {name: tensor}
+        mtp = _MTP_EXPERTS.match(name)
+        if mtp is None:
+            return {name: tensor}
+        return {f"{mtp.group(1)}local_experts.{e}.{mtp.group(2)}": expert for e, expert in enumerate(tensor.unbind(0))}
     inner = match.group(1)
     layers = {i: t for i, t in enumerate(tensor.unbind(0)) if i in layers_held}
     if not inner.startswith(EXPERTS_KEY):
