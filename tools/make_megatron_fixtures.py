@@ -77,6 +77,17 @@ MOE = (*LLAMA, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden
 TIED_LLAMA = tuple(flag for flag in LLAMA if flag != "--untie-embeddings-and-output-weights")
 # Weights of std 0.2 make the logits, and so the losses, far from uniform.
 MTP = ("--mtp-loss-scaling-factor", "0.3", "--init-method-std", "0.2")
+# The clamp small enough to bite at these activations; the window shorter than the sequence; YaRN's defaults
+# (original context 4096, beta 32 and 1) interpolate some of the 4 rotary frequencies of an 8-channel head.
+GPT_OSS = ("--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4", "--group-query-attention",
+           "--num-query-groups", "2", "--kv-channels", "8", "--ffn-hidden-size", "24", "--quick-geglu",
+           "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "0.3", "--no-bias-gelu-fusion",
+           "--normalization", "RMSNorm", "--softmax-type", "learnable", "--window-size", "3,0",
+           "--window-attn-skip-freq", "2", "--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+           "--untie-embeddings-and-output-weights", "--max-position-embeddings", "8", "--num-experts", "4",
+           "--moe-layer-freq", "[0,1]", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "12",
+           "--moe-token-dispatcher-type", "allgather", "--init-method-std", "0.2")
+QWEN_ATTENTION = (*LLAMA, "--qk-layernorm", "--attention-output-gate", "--add-qkv-bias", "--init-method-std", "0.2")
 TORCH, TORCH_DIST = ("--ckpt-format", "torch"), ("--ckpt-format", "torch_dist")
 LEGACY_MODEL = ("--use-legacy-models",)  # the nested language_model.encoder... layout
 # Every layout the tests need once: tp1pp1 and tp2pp2 of both model implementations (the tp2pp2 GPT-2 one has
@@ -111,6 +122,15 @@ FIXTURES = {
     # (Megatron's training forward, which records the MTP losses, refuses experts under tensor parallelism
     # without sequence parallelism: tensor size 1.)
     "mtp_moe_tp1pp1ep2_torch_dist": Fixture((*MOE, *MTP, "--mtp-num-layers", "1"), 1, 1, TORCH_DIST, ep=2),
+    # gpt-oss's features, in main (the first with YaRN for attention other than multi-latent): learnable sinks,
+    # quick GeGLU with its linear offset and clamp, biases everywhere (experts' and router's too), a sliding
+    # window on every other layer, YaRN; a dense first layer beside the mixture of experts, whose biases
+    # Megatron-LM takes at expert-tensor size 1 only.
+    "gpt_oss_tp2pp1etp1ep2_torch_dist_core020": Fixture(GPT_OSS, 2, 1, (*TORCH_DIST, "--expert-tensor-parallel-size",
+                                                                       "1"), ref=CORE_020, ep=2),
+    # Qwen's attention: query/key layer norms, gated attention (--attention-output-gate), biases on the QKV
+    # projection alone.
+    "qwen_attention_tp2pp1_torch": Fixture(QWEN_ATTENTION, 2, 1, TORCH),
 }
 # NullTokenizer's vocabulary is --vocab-size + 1 (EOD): 28 tokens, padded to 32 at tensor sizes 1, 2 and 4 alike,
 # so an export at another tensor size pads as Megatron-LM does, and 4 padding rows are still there to get right.
@@ -154,6 +174,11 @@ EXPORT_CHECKS = (
     ExportCheck("mtp_tp2pp2_torch", "torch_dist", 1, 1, ref=CORE_020, extra=("--megatron-common-state", "distcp")),
     ExportCheck("mtp_moe_tp1pp1ep2_torch_dist", "torch", 1, 1, ep=2),
     ExportCheck("mtp_moe_tp1pp1ep2_torch_dist", "torch_dist", 1, 1),
+    # Biased experts whole on each rank under tp2 (torch_dist only), or in the legacy format at tp1.
+    ExportCheck("gpt_oss_tp2pp1etp1ep2_torch_dist_core020", "torch_dist", 2, 1, ref=CORE_020, ep=2,
+                extra=("--megatron-common-state", "distcp")),
+    ExportCheck("gpt_oss_tp2pp1etp1ep2_torch_dist_core020", "torch", 1, 2, ref=CORE_020),
+    ExportCheck("qwen_attention_tp2pp1_torch", "torch", 1, 2), ExportCheck("qwen_attention_tp2pp1_torch", "torch_dist", 2, 1),
 )
 EXPORT_ATOL = {"fp32": 1e-5, "bf16": 2e-2}  # bf16: Megatron's forward in bf16 at another layout
 # The fixed batch whose logits are saved: [batch, sequence], tokens below the 28 of the vocabulary.
@@ -389,7 +414,7 @@ def megatron_args(job: dict, world_size: int):
     flags, tp, pp, ep, extra = fixture.model, fixture.tp, fixture.pp, fixture.ep, fixture.extra
     if "load" in job:  # the architecture is the args our export wrote, but for what Megatron does not restore;
         # our exports are Megatron-Core models in the format asked for, in the fixture's precision
-        flags, tp, pp, ep = not_restored_by_checkpoint_args(flags), job["tp"], job["pp"], job["ep"]
+        flags, tp, pp, ep = not_restored_by_checkpoint_args((*flags, *extra)), job["tp"], job["pp"], job["ep"]
         extra = ["--ckpt-format", job["ckpt_format"], *(["--bf16"] if "--bf16" in extra else []), "--load",
                  job["load"], "--use-checkpoint-args", "--no-load-optim", "--no-load-rng"]
     else:
@@ -411,7 +436,10 @@ def megatron_args(job: dict, world_size: int):
 
 # The model flags Megatron-LM's --use-checkpoint-args does not take from the saved args (its
 # load_args_from_checkpoint restores a fixed list), with the number of values each takes.
-NOT_RESTORED = {"--norm-epsilon": 1, "--mtp-loss-scaling-factor": 1}
+NOT_RESTORED = {"--norm-epsilon": 1, "--mtp-loss-scaling-factor": 1, "--softmax-type": 1, "--quick-geglu": 0,
+                "--glu-linear-offset": 1, "--activation-func-clamp-value": 1, "--no-bias-gelu-fusion": 0,
+                "--window-size": 1, "--window-attn-skip-freq": 1, "--rotary-scaling-factor": 1, "--qk-layernorm": 0,
+                "--attention-output-gate": 0, "--expert-tensor-parallel-size": 1}
 
 
 def not_restored_by_checkpoint_args(flags: tuple) -> list:

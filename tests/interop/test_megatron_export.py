@@ -53,7 +53,7 @@ MOE_ARGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_
 
 @pytest.mark.parametrize("name,tp,pp,ep", [("gpt2_tp2pp2_torch", 2, 2, 1), ("llama_tp1pp1_torch_bf16", 1, 1, 1),
                                            ("moe_tp2pp1ep2_torch", 2, 1, 2), ("moe_expert_bias_tp1pp1_torch", 1, 1, 1),
-                                           ("mtp_tp2pp2_torch", 2, 2, 1)])
+                                           ("mtp_tp2pp2_torch", 2, 2, 1), ("qwen_attention_tp2pp1_torch", 2, 1, 1)])
 def test_legacy_export_writes_megatrons_files(name, tp, pp, ep, tmp_path):
     """Imported from Megatron-LM's files and exported at their layout: every rank file has Megatron's names,
     shapes and dtypes (bf16 stays bf16; the ``_extra_state`` entries and the tied embeddings' last-stage copy
@@ -144,16 +144,20 @@ def test_torch_dist_export_writes_megatrons_files(name, common_state, our_layout
     assert our_common["args"].ckpt_format == "torch_dist"
 
 
-@pytest.mark.parametrize("name,tp", [("moe_tp2pp1ep2_torch_dist", 2), ("mtp_moe_tp1pp1ep2_torch_dist", 1)])
-def test_torch_dist_moe_export_writes_megatrons_chunks(name, tp, tmp_path):
+@pytest.mark.parametrize("name,tp,common_state", [("moe_tp2pp1ep2_torch_dist", 2, "common.pt"),
+                                                  ("mtp_moe_tp1pp1ep2_torch_dist", 1, "common.pt"),
+                                                  ("gpt_oss_tp2pp1etp1ep2_torch_dist_core020", 2, "distcp")])
+def test_torch_dist_moe_export_writes_megatrons_chunks(name, tp, common_state, tmp_path):
     """A mixture of experts in torch_dist (tp2 x ep2; with a multi-token prediction layer, whose tensors are
-    each their own key, its experts [experts, ...], at tp1 x ep2), imported and exported at its layout: the same
-    keys (the experts' [layers, experts, ...] and their ``_extra_state`` objects per layer and expert), global
-    shapes, dtypes, chunks and values, each expert's chunks in its (tensor, expert) rank's file. Megatron
-    spreads the writing of replicated tensors over the data-parallel ranks; our export writes them from expert
-    rank 0."""
+    each their own key, its experts [experts, ...], at tp1 x ep2; gpt-oss's, a dense layer and then experts
+    with biases, a key per layer, the experts whole on each rank under tp2, written by main), imported and
+    exported at its layout: the same keys (the experts' [layers, experts, ...] and their ``_extra_state``
+    objects per layer and expert), global shapes, dtypes, chunks and values, each expert's chunks in its
+    (tensor, expert) rank's file where they are split over the tensor ranks. Megatron spreads the writing of
+    replicated tensors (whole experts too) over the data-parallel ranks; our export writes them from expert
+    rank 0 (its experts' from their expert rank's tensor rank 0)."""
     exported = _exported(_imported(name, tmp_path), str(tmp_path / "megatron"), tp, 1, "torch_dist",
-                         "--target-expert-parallel-size", "2")
+                         "--target-expert-parallel-size", "2", "--megatron-common-state", common_state)
     theirs, ours = (_torch_dist_files(os.path.join(root, "iter_0000010")) for root in (fixture(name), exported))
     assert sorted(ours) == sorted(theirs)
     for key, (shape, dtype, chunks) in theirs.items():
@@ -165,7 +169,7 @@ def test_torch_dist_moe_export_writes_megatrons_chunks(name, tp, tmp_path):
         assert sorted(our_chunks) == sorted(chunks), key
         for offsets, (sizes, file, value) in chunks.items():
             assert our_chunks[offsets][0] == sizes and torch.equal(our_chunks[offsets][2], value), (key, offsets)
-            if ".experts.experts." in key:
+            if ".experts.experts." in key and "etp1" not in name:
                 assert our_chunks[offsets][1] == file, (key, offsets)
 
 
@@ -188,8 +192,10 @@ def test_a_bf16_checkpoint_stays_bf16_through_torch_dist(tmp_path):
                                                        ("moe_tp2pp1ep2_torch_dist", "torch_dist", 1, 1, 1),
                                                        ("moe_expert_bias_tp1pp1_torch", "torch_dist", 2, 1, 2),
                                                        ("moe_grouped_gemm_tp2pp1ep2_torch_bf16", "torch", 2, 1, 2),
-                                                       ("mtp_tp2pp2_torch", "torch_dist", 1, 2, 1),
-                                                       ("mtp_moe_tp1pp1ep2_torch_dist", "torch", 2, 1, 2)])
+                                                       ("mtp_tp2pp2_torch", "torch_dist", 2, 1, 1),
+                                                       ("mtp_moe_tp1pp1ep2_torch_dist", "torch", 2, 1, 2),
+                                                       ("gpt_oss_tp2pp1etp1ep2_torch_dist_core020", "torch", 1, 2, 2),
+                                                       ("qwen_attention_tp2pp1_torch", "torch_dist", 1, 2, 1)])
 def test_export_then_import_round_trips(name, ckpt_format, tp, pp, ep, tmp_path):
     """Ours -> Megatron-LM at (tp, pp, ep) -> ours: the same weights (and expert bias), and the same logits
     (and multi-token prediction's losses), Megatron's own (grouped-GEMM experts come back as SequentialMLP's,
@@ -219,12 +225,18 @@ def test_a_model_megatron_cannot_rebuild_is_refused_by_flag():
                                   iteration=0, source="ckpt")
 
 
-def test_tied_multi_token_prediction_over_stages_is_refused_as_torch_dist(tmp_path, capsys):
-    """Megatron-Core's torch_dist has no layout for it (its sharded state dict asserts): the legacy format."""
-    root = _imported("mtp_tp2pp2_torch", tmp_path)
-    assert convert(["--target-format", "megatron", "--megatron-ckpt-format", "torch_dist", "--load-dir", root,
-                    "--save-dir", str(tmp_path / "megatron"), "--target-pipeline-parallel-size", "2"]) == 1
-    assert "cannot save or load them as torch_dist over pipeline stages" in capsys.readouterr().err
+@pytest.mark.parametrize("name,flags,message", [
+    # Megatron-Core's torch_dist has no layout for it (its sharded state dict asserts): the legacy format.
+    ("mtp_tp2pp2_torch", ["torch_dist", "--target-pipeline-parallel-size", "2"],
+     "cannot save or load them as torch_dist over pipeline stages"),
+    # Megatron-Core keeps biased experts whole (expert-tensor size 1), beside tensor-parallel dense layers.
+    ("gpt_oss_tp2pp1etp1ep2_torch_dist_core020", ["torch", "--target-tensor-parallel-size", "2"],
+     "its legacy format cannot hold beside --target-tensor-parallel-size 2")])
+def test_a_layout_megatron_cannot_hold_is_refused_before_writing(name, flags, message, tmp_path, capsys):
+    root = _imported(name, tmp_path)
+    assert convert(["--target-format", "megatron", "--load-dir", root, "--save-dir", str(tmp_path / "megatron"),
+                    "--megatron-ckpt-format", *flags]) == 1
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "megatron").exists()
 
 

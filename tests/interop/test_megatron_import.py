@@ -102,7 +102,10 @@ ALL = ["gpt2_tp2pp2_torch", "llama_tp1pp1_torch_bf16", "gpt2_tp1pp1_legacy_model
        "moe_expert_bias_tp1pp1_torch",  # sigmoid scores and the router's expert bias (a buffer)
        "moe_grouped_gemm_tp2pp1ep2_torch_bf16",  # core 0.16's GroupedMLP: weight1/weight2 per rank, bf16
        # multi-token prediction (its losses too): 2 depths, tied embeddings over 2 stages; 1 depth with experts
-       "mtp_tp2pp2_torch", "mtp_moe_tp1pp1ep2_torch_dist"]
+       "mtp_tp2pp2_torch", "mtp_moe_tp1pp1ep2_torch_dist",
+       # gpt-oss's sinks, clamped quick GeGLU, biases (experts' too), windows and YaRN, in main's torch_dist, its
+       # layers keyed one by one (a dense layer, then experts); Qwen's QK norms, gated attention and QKV bias
+       "gpt_oss_tp2pp1etp1ep2_torch_dist_core020", "qwen_attention_tp2pp1_torch"]
 
 
 def assert_megatrons_outputs(ours: dict, saved: dict, atol: float = ATOL) -> None:
@@ -127,7 +130,7 @@ def _pipeline_outputs(rank, world_size, root, saved):
 
 
 @pytest.mark.parametrize("name", ["gpt2_tp2pp2_torch", "llama_tp2pp2_legacy_model", "moe_tp2pp1ep2_torch",
-                                  "mtp_tp2pp2_torch"])
+                                  "mtp_tp2pp2_torch", "gpt_oss_tp2pp1etp1ep2_torch_dist_core020"])
 def test_import_at_tp2_pp2_gives_megatrons_logits(name, tmp_path):
     saved = megatron_outputs(name)
     root = str(tmp_path / "ours")
@@ -156,8 +159,13 @@ def test_the_saved_args_map_to_our_config():
 def test_unsupported_megatron_args_are_refused_by_name():
     import argparse
     from megatron_lite.interop.megatron.args_mapping import model_config_from_megatron_args
-    args = argparse.Namespace(moe_latent_size=8, qk_layernorm=True, swiglu=False, bias_gelu_fusion=False)
-    with pytest.raises(ConfigError, match=r"--moe-latent-size \(latent experts\).*--qk-layernorm"):
+    args = argparse.Namespace(moe_latent_size=8, experimental_attention_variant="gdn", swiglu=True,
+                              glu_linear_offset=1.0, mtp_num_layers=1, mtp_use_repeated_layer=True,
+                              window_size=(4, 0), window_attn_skip_freq=[1, 0])
+    with pytest.raises(ConfigError, match=r"--moe-latent-size \(latent experts\).*--mtp-use-repeated-layer.*"
+                                          r"--experimental-attention-variant.*--window-attn-skip-freq as a list.*"
+                                          r"--glu-linear-offset .* with --swiglu and its fusion.*"
+                                          r"--mtp-num-layers with --window-attn-skip-freq"):
         model_config_from_megatron_args(args, "ckpt")
 
 

@@ -66,7 +66,7 @@ def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
         raise ConfigError(f"{load_dir} is a --peft {config.peft.peft} checkpoint: merge it into its base first "
                           f"(--merge-lora or --fold-prefix-projection), then export the result.")
     tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
-    _check_experts(config, ckpt_format, ep, load_dir)
+    _check_experts(config, ckpt_format, tp, ep, load_dir)
     _check_multi_token_prediction(config, ckpt_format, pp, load_dir)
     # Re-validates heads, groups, ffn and layers against the target sizes before anything is written.
     config = dataclasses.replace(config, parallel=ParallelConfig(tensor_model_parallel_size=tp,
@@ -88,8 +88,10 @@ def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
     return save_dir
 
 
-def _check_experts(config: Config, ckpt_format: str, ep: int, load_dir: str) -> None:
-    """A mixture of experts is written as Megatron-Core's SequentialMLP writes it, split over ``ep`` ranks."""
+def _check_experts(config: Config, ckpt_format: str, tp: int, ep: int, load_dir: str) -> None:
+    """A mixture of experts is written as Megatron-Core's SequentialMLP writes it, split over ``ep`` ranks, each
+    expert split over the tensor ranks, or whole when it has biases (Megatron-Core asks for expert-tensor size 1
+    then, which a legacy file cannot hold beside tensor-parallel dense layers: ``importer._read_legacy``)."""
     experts = config.model.num_experts
     if experts is None:
         if ep != 1:
@@ -97,6 +99,11 @@ def _check_experts(config: Config, ckpt_format: str, ep: int, load_dir: str) -> 
         return
     if experts % ep:
         raise ConfigError(f"--target-expert-parallel-size {ep} does not divide the {experts} experts of {load_dir}.")
+    if config.model.add_bias_linear and ckpt_format == "torch" and tp > 1:
+        raise ConfigError(f"{load_dir} has experts with biases, which Megatron-LM keeps whole on each rank "
+                          f"(--expert-tensor-parallel-size 1) and its legacy format cannot hold beside "
+                          f"--target-tensor-parallel-size {tp}: export with --megatron-ckpt-format torch_dist, or at "
+                          f"--target-tensor-parallel-size 1.")
 
 
 def _check_multi_token_prediction(config: Config, ckpt_format: str, pp: int, load_dir: str) -> None:
@@ -188,18 +195,46 @@ def _write_torch_dist(save_dir: str, stages, config: Config, args, iteration: in
     # ranks, one data-parallel rank each), then pipeline.
     ranks = [[] for _ in range(tp * ep * pp)]
     per_rank = (config.model.num_experts or 0) // ep
+    keys = TorchDistKeys.of(config, args)
     for stage in stages:
         for expert_rank in range(ep):
             experts = range(expert_rank * per_rank, (expert_rank + 1) * per_rank)
             for tp_rank in range(tp):
                 ranks[(stage.pipeline_rank * ep + expert_rank) * tp + tp_rank] = _torch_dist_items(
-                    stage, config, tp_rank=tp_rank, tp=tp, experts=experts, dense=expert_rank == 0)
+                    stage, keys, tp_rank=tp_rank, tp=tp, experts=experts, dense=expert_rank == 0)
     common = {"args": args, "checkpoint_version": legacy.CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT_METADATA)}
     torch_dist_writer.write(legacy.iteration_path(save_dir, iteration), ranks, common, common_state=common_state)
 
 
-def _torch_dist_items(stage: Stage, config: Config, *, tp_rank: int, tp: int, experts: range, dense: bool) -> list:
+@dataclasses.dataclass(frozen=True)
+class TorchDistKeys:
+    """How Megatron-Core keys the model's tensors in torch_dist: the decoder's layers stacked under one key per
+    name, unless they differ (--moe-layer-freq other than 1: a key per layer, as Megatron-Core's
+    ``non_homogeneous_layers``); the experts stacked, each expert split over the expert-tensor ranks (the tensor
+    ranks, or none: biased experts, which Megatron-Core keeps whole)."""
+
+    sizes: dict  # stacked dimension -> its size
+    layers_stacked: bool
+    expert_tensor_parallel_size: int
+
+    @classmethod
+    def of(cls, config: Config, args) -> "TorchDistKeys":
+        """The keys of ``config``'s model as Megatron-Core builds it from the export's ``args``."""
+        freq = args.moe_layer_freq if config.model.num_experts is not None else 1
+        return cls(sizes={"layers": config.model.num_layers, "experts": config.model.num_experts},
+                   layers_stacked=not isinstance(freq, list) and freq == 1,
+                   expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None)
+                   or config.parallel.tensor_model_parallel_size)
+
+    def key(self, name: str) -> tuple[str, tuple, tuple]:
+        """(key, the tensor's offsets along the key's stacked dimensions, their sizes) of our ``name``."""
+        key, where = layout.torch_dist_key(name, layers_stacked=self.layers_stacked)
+        return key, tuple(position for _, position in where), tuple(self.sizes[axis] for axis, _ in where)
+
+
+def _torch_dist_items(stage: Stage, keys: TorchDistKeys, *, tp_rank: int, tp: int, experts: range,
+                      dense: bool) -> list:
     """What one rank of a stage writes: its chunks of the tensor-parallel tensors of the dense layers (if
     ``dense``: expert-parallel rank 0 writes them) and of ``experts``, and on tensor-parallel rank 0 their
     replicated tensors and linears' ``_extra_state`` objects."""
@@ -207,37 +242,29 @@ def _torch_dist_items(stage: Stage, config: Config, *, tp_rank: int, tp: int, ex
     for name, param in checkpointed_tensors(stage.model):
         if is_stage_copy(stage.model, name, param) or not _written_here(name, experts, dense):
             continue  # the last stage's copy of the embedding (the first stage writes it), or another rank's
-        key, index = layout.torch_dist_key(name)
+        key, index, stacked = keys.key(name)
         full = stage.full[name]
         if getattr(param, "tensor_model_parallel", False):
-            pieces = _tensor_parallel_chunks(full, param, tp_rank=tp_rank, tp=tp)
+            split = tp if layout.expert_number(name) is None else keys.expert_tensor_parallel_size
+            pieces = _tensor_parallel_chunks(full, param, tp_rank=tp_rank, tp=split) if tp_rank < split else []
         else:
             pieces = [((0,) * full.dim(), full)] if tp_rank == 0 else []
         # A layer's (an expert's) piece is a [1, ...] ([1, 1, ...]) slice of the stacked tensor.
-        stacked = _stacked_shape(config, key, index)
         items += [torch_dist_writer.Chunk(key, (*stacked, *full.shape), (*index, *offsets),
                                           piece.reshape((1,) * len(index) + piece.shape)) for offsets, piece in pieces]
     if tp_rank == 0:
         for name in _linear_layers(stage.model):
-            key, index = layout.torch_dist_key(f"{name}._extra_state")
+            key, index, stacked = keys.key(f"{name}._extra_state")
             # Megatron-Core saves the layers' linears' extra state, not the output layer's; an object outside the
-            # stacked keys (multi-token prediction's) at offset (0,) of shape (1,).
+            # stacked keys at offset (0,) of shape (1,).
             if name != "output_layer" and _written_here(name, experts, dense):
-                items.append(torch_dist_writer.ShardedObject(key, offset=index or (0,),
-                                                             shape=_stacked_shape(config, key, index) or (1,)))
+                items.append(torch_dist_writer.ShardedObject(key, offset=index or (0,), shape=stacked or (1,)))
     return items
 
 
 def _written_here(name: str, experts: range, dense: bool) -> bool:
     expert = layout.expert_number(name)
     return dense if expert is None else expert in experts
-
-
-def _stacked_shape(config: Config, key: str, index: tuple) -> tuple:
-    """The leading dimensions of a torch_dist key that stacks tensors ``index`` says: (layers,) or (layers,
-    experts) for the decoder's, (experts,) for a multi-token prediction layer's experts, () for the others."""
-    stacked = (config.model.num_layers,) if key.startswith("decoder.layers.") else ()
-    return (*stacked, config.model.num_experts)[:len(index)]
 
 
 def _tensor_parallel_chunks(full: torch.Tensor, param, *, tp_rank: int, tp: int) -> list:
