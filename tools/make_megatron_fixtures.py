@@ -178,7 +178,8 @@ EXPORT_CHECKS = (
     ExportCheck("gpt_oss_tp2pp1etp1ep2_torch_dist_core020", "torch_dist", 2, 1, ref=CORE_020, ep=2,
                 extra=("--megatron-common-state", "distcp")),
     ExportCheck("gpt_oss_tp2pp1etp1ep2_torch_dist_core020", "torch", 1, 2, ref=CORE_020),
-    ExportCheck("qwen_attention_tp2pp1_torch", "torch", 1, 2), ExportCheck("qwen_attention_tp2pp1_torch", "torch_dist", 2, 1),
+    ExportCheck("qwen_attention_tp2pp1_torch", "torch", 1, 2),
+    ExportCheck("qwen_attention_tp2pp1_torch", "torch_dist", 2, 1),
 )
 EXPORT_ATOL = {"fp32": 1e-5, "bf16": 2e-2}  # bf16: Megatron's forward in bf16 at another layout
 # The fixed batch whose logits are saved: [batch, sequence], tokens below the 28 of the vocabulary.

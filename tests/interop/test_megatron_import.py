@@ -200,26 +200,35 @@ def _te_grouped_linear_names(key: str) -> str:
                   lambda m: f".{m[2]}.{m[3]}{m[1] if m[3] == 'weight' else ''}", key)
 
 
+def _core016_mtp_names(key: str) -> str:
+    """Megatron-Core 0.16's legacy files name a multi-token prediction layer's transformer layer
+    ``transformer_layer``."""
+    return key.replace(".mtp_model_layer.", ".transformer_layer.")
+
+
 @pytest.mark.parametrize("name,rename,renamed", [
     ("gpt2_tp2pp2_torch", _te_norm_names, "decoder.layers.0.mlp.linear_fc1.layer_norm_bias"),
-    ("moe_tp2pp1ep2_torch", _te_grouped_linear_names, "decoder.layers.1.mlp.experts.linear_fc2.weight1")])
+    ("moe_tp2pp1ep2_torch", _te_grouped_linear_names, "decoder.layers.1.mlp.experts.linear_fc2.weight1"),
+    ("mtp_tp2pp2_torch", _core016_mtp_names, "mtp.layers.1.transformer_layer.mlp.linear_fc2.weight")])
 def test_transformer_engine_layer_names_load_too(name, rename, renamed, tmp_path):
     """Legacy files whose layers carry Transformer Engine's names (the norm inside the next linear; grouped
-    experts' linears), made from a Megatron fixture by renaming its tensors (Transformer Engine does not run on
-    a CPU): the same logits."""
+    experts' linears) or core 0.16's (multi-token prediction's ``transformer_layer``), made from a Megatron
+    fixture by renaming its tensors (Transformer Engine does not run on a CPU): the same logits."""
     from megatron_lite.interop.megatron.legacy import rank_files
     from megatron_lite.interop.megatron.safe_unpickle import StandIn, load_torch_file
     tokens, reference = megatron_logits(name)
+    names = set()
     for source in rank_files(os.path.join(fixture(name), "iter_0000010")).values():
         state = load_torch_file(source)
         for key, value in vars(state["args"]).items():  # stand-ins name no importable class: save them as None
             if isinstance(value, StandIn):
                 setattr(state["args"], key, None)
         state["model"] = {rename(k): v for k, v in state["model"].items()}
-        assert renamed in state["model"]
+        names |= set(state["model"])
         te_dir = tmp_path / "te" / "iter_0000010" / os.path.basename(os.path.dirname(source))
         te_dir.mkdir(parents=True)
         torch.save(state, te_dir / "model_optim_rng.pt")
+    assert renamed in names
     (tmp_path / "te" / "latest_checkpointed_iteration.txt").write_text("10")
     root = str(tmp_path / "ours")
     assert convert(["--source-format", "megatron", "--load-dir", str(tmp_path / "te"), "--save-dir", root]) == 0
