@@ -174,6 +174,7 @@ EXPORT_CHECKS = (
     ExportCheck("mtp_tp2pp2_torch", "torch_dist", 1, 1, ref=CORE_020, extra=("--megatron-common-state", "distcp")),
     ExportCheck("mtp_moe_tp1pp1ep2_torch_dist", "torch", 1, 1, ep=2),
     ExportCheck("mtp_moe_tp1pp1ep2_torch_dist", "torch_dist", 1, 1),
+    ExportCheck("mtp_moe_tp1pp1ep2_torch_dist", "torch_dist", 1, 2),  # untied: the embedding's copy over stages
     # Biased experts whole on each rank under tp2 (torch_dist only), or in the legacy format at tp1.
     ExportCheck("gpt_oss_tp2pp1etp1ep2_torch_dist_core020", "torch_dist", 2, 1, ref=CORE_020, ep=2,
                 extra=("--megatron-common-state", "distcp")),
