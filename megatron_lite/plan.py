@@ -91,7 +91,7 @@ def parse_plan_args(argv: list[str] | None = None):
     layout_given = bool(LAYOUT_FIELDS & set(namespace))  # else every layout and sharding strategy is ranked
     if planner["hf_config"]:
         namespace = _with_hf_model(namespace, planner["hf_config"])
-    if not namespace.get("data_path"):
+    if not (namespace.get("data_path") or namespace.get("train_data_path")):
         namespace["mock_data"] = True  # the planner reads no data; pretraining's check wants a source
     return config_from_namespace(namespace), planner, layout_given
 

@@ -45,6 +45,7 @@ MEGATRON_DEFAULTS = {
     "moe_z_loss_coeff": None, "moe_router_enable_expert_bias": False, "moe_router_bias_update_rate": 1e-3,
     "moe_expert_capacity_factor": None, "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs",
     "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False, "moe_grouped_gemm": False,
+    "moe_apply_probs_on_input": False, "qk_l2_norm": False,  # TransformerConfig's (Llama 4's)
     # multi-token prediction (TransformerConfig's)
     "mtp_num_layers": None, "mtp_loss_scaling_factor": 0.1,
     # Gated attention and gated DeltaNet (read off Megatron-LM's TransformerConfig at a later commit, which added them)
@@ -127,8 +128,13 @@ NOT_IN_MEGATRON = {"use_fused_kernels", "virtual_pipeline_model_parallel_size", 
                    "moe_router_group_score",  # DeepSeek-V2's group max beside Megatron-LM's top-k sum
                    "rotary_base_local",  # Gemma 3's local layers; Megatron-Bridge's field, no Megatron-LM flag
                    "parallel_attention_mlp",  # GPT-NeoX's parallel residual; Transformer Engine's name
+                   # Llama 4's chunked attention, NoPE temperature and Scout's RoPE frequency factors (Megatron-LM
+                   # fixes them at 1 and 4)
+                   "attention_chunk_size", "attn_temperature_tuning", "attn_temperature_floor_scale",
+                   "attn_temperature_scale", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
                    "hf_model_type",  # the Hugging Face family an export names
                    "dpo", "dpo_beta", "dpo_loss_type", "dpo_label_smoothing",  # Megatron-LM has no DPO (NeMo-RL does)
+                   "dpo_simpo_gamma", "dpo_cpo_alpha", "dpo_precompute_ref_log_probs",
                    # nor GRPO: TRL's GRPOConfig names, and the generate command's sampling flags
                    "grpo", "reward_function", "reward_weights", "grpo_group_size", "max_new_tokens", "temperature",
                    "top_p", "grpo_epsilon", "grpo_epsilon_high", "grpo_beta", "grpo_iterations", "grpo_loss_type",

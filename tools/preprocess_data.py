@@ -12,7 +12,8 @@ writes data/corpus_text_document.bin/.idx; train with --data-path data/corpus_te
 reads prompt/response, chat, Alpaca or ShareGPT records (JSONL, JSON array, Parquet, Arrow, or a
 datasets.save_to_disk directory; see docs/coming_from_hf_and_deepspeed.md) and writes the ids
 (data/sft_text_document) and their loss mask (data/sft_loss_mask_document); fine-tune with
---sft --train-data-path data/sft.
+--sft --train-data-path data/sft. With --dpo instead, TRL's preference records (prompt, chosen, rejected), each
+pair one document of two sequences (chosen, rejected); train with --dpo --train-data-path data/pairs.
 """
 import argparse
 import sys
@@ -36,8 +37,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one output pair each")
     group.add_argument("--sft", action="store_true",
                        help='fine-tuning lines ({"prompt", "response"} or {"messages"}): write ids and loss mask')
+    group.add_argument("--dpo", action="store_true",
+                       help='preference pairs ({"prompt", "chosen", "rejected"}, as --dpo reads them): write ids and '
+                            'loss mask, a pair per document (chosen, rejected)')
     group.add_argument("--sft-tokenizer-prompt-format", choices=SFT_PROMPT_FORMATS, default="plain",
-                       help="how --sft conversations become text (default: plain)")
+                       help="how --sft and --dpo conversations become text (default: plain)")
     add_record_format_arguments(group)
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
@@ -59,9 +63,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
     group.add_argument("--strict", action="store_true", help="abort on the first bad line instead of skipping it")
     args = parser.parse_args(argv)
-    if args.sft:  # the training flags' own checks, so both name a bad --sft-data-keys alike
-        DataConfig(sft=True, train_data_path=args.input, tokenizer_type=args.tokenizer_type,
+    if args.sft or args.dpo:  # the training flags' own checks, so both name a bad --sft-data-keys alike
+        DataConfig(sft=True, dpo=args.dpo, train_data_path=args.input, tokenizer_type=args.tokenizer_type,
                    sft_format=args.sft_format, sft_data_keys=args.sft_data_keys)
+    if args.dpo and (args.sft or args.sft_format != "auto" or args.sft_data_keys):
+        raise ConfigError("--dpo reads TRL's preference records (prompt, chosen, rejected): drop --sft, --sft-format "
+                          "and --sft-data-keys.")
     return args
 
 
@@ -79,13 +86,14 @@ def main(argv=None) -> int:
         preprocess_jsonl(args.input, output_prefix=args.output_prefix, tokenizer_kwargs=tokenizer_kwargs,
                          json_keys=tuple(args.json_keys), append_eod=args.append_eod, workers=args.workers,
                          log_interval=args.log_interval, strict=args.strict,
-                         sft_prompt_format=args.sft_tokenizer_prompt_format if args.sft else None,
-                         sft_record_format=RecordFormat.from_flags(args.sft_format, args.sft_data_keys))
+                         sft_prompt_format=args.sft_tokenizer_prompt_format if args.sft or args.dpo else None,
+                         sft_record_format=RecordFormat.from_flags(args.sft_format, args.sft_data_keys),
+                         preference=args.dpo)
     except (PreprocessError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    if args.sft:
-        print(f"--sft --train-data-path {args.output_prefix}")
+    if args.sft or args.dpo:
+        print(f"--{'dpo' if args.dpo else 'sft'} --train-data-path {args.output_prefix}")
         return 0
     for key in args.json_keys:
         print(f"--data-path {output_prefix_for(args.output_prefix, key)}")

@@ -45,6 +45,12 @@ ROLES = {
     "rotary_base_local": Role.ARCHITECTURE,
     "rotary_percent": Role.ARCHITECTURE,  # with rope only
     "no_rope_freq": Role.ARCHITECTURE,
+    # Llama 4's attention: chunked layers, q/k L2 norms, the NoPE layers' temperature
+    "attention_chunk_size": Role.ARCHITECTURE,
+    "qk_l2_norm": Role.ARCHITECTURE,
+    "attn_temperature_tuning": Role.ARCHITECTURE,
+    "attn_temperature_floor_scale": Role.ARCHITECTURE,  # with the tuning only, see _ONLY_WITH
+    "attn_temperature_scale": Role.ARCHITECTURE,
     "swiglu": Role.ARCHITECTURE,
     "add_bias_linear": Role.ARCHITECTURE,
     "untie_embeddings_and_output_weights": Role.ARCHITECTURE,
@@ -70,6 +76,8 @@ ROLES = {
     "rotary_seq_len_interpolation_factor": Role.ARCHITECTURE,  # with rope only
     "use_rope_scaling": Role.ARCHITECTURE,  # with rope only
     "rope_scaling_factor": Role.ARCHITECTURE,  # with --use-rope-scaling only
+    "rope_scaling_low_freq_factor": Role.ARCHITECTURE,
+    "rope_scaling_high_freq_factor": Role.ARCHITECTURE,
     # YaRN's, with YaRN only
     "rotary_scaling_factor": Role.ARCHITECTURE,
     "mscale": Role.ARCHITECTURE,
@@ -99,6 +107,7 @@ ROLES = {
     "moe_router_enable_expert_bias": Role.ARCHITECTURE,  # the bias is stored with the weights and routes
     "moe_shared_expert_intermediate_size": Role.ARCHITECTURE,
     "moe_shared_expert_gate": Role.ARCHITECTURE,
+    "moe_apply_probs_on_input": Role.ARCHITECTURE,
     # Dropping tokens past capacity changes the output in evaluation too, as in Megatron-LM.
     "moe_expert_capacity_factor": Role.ARCHITECTURE,
     "moe_pad_expert_input_to_capacity": Role.ARCHITECTURE,
@@ -141,7 +150,10 @@ _EXPERTS = lambda model: model.num_experts is not None  # noqa: E731
 _ONLY_WITH = {"max_position_embeddings": lambda model: model.position_embedding_type == "learned_absolute",
               "rotary_base": _ROTARY, "rotary_percent": _ROTARY, "rotary_seq_len_interpolation_factor": _ROTARY,
               "use_rope_scaling": _ROTARY, "no_rope_freq": _ROTARY,
-              "rope_scaling_factor": lambda model: model.use_rope_scaling,
+              **{name: lambda model: model.use_rope_scaling
+                 for name in ("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor")},
+              **{name: lambda model: model.attn_temperature_tuning
+                 for name in ("attn_temperature_floor_scale", "attn_temperature_scale")},
               "kv_channels": lambda model: not model.multi_latent_attention,
               "gelu_exact": lambda model: not model.swiglu or model.geglu,
               **{name: lambda model: model.swiglu for name in ("quick_geglu", "glu_linear_offset",

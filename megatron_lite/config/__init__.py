@@ -37,8 +37,9 @@ from megatron_lite.config.grpo import GRPO_LOSS_TYPES, GRPO_SCALE_REWARDS, GRPOC
 RERUN_MODES = ("validate_results", "report_stats", "disabled")
 ERROR_INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
 
-# --dpo-loss-type: the preference losses of training/dpo.py.
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+# --dpo-loss-type: the preference losses of training/dpo.py; the last two need no reference model.
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+REFERENCE_FREE_DPO_LOSS_TYPES = ("simpo", "orpo")
 
 # The flags that give a run's length (one at most), and the length without any (Megatron-LM requires one).
 RUN_LENGTH_FIELDS = ("train_iters", "train_samples", "train_epochs")
@@ -91,6 +92,10 @@ class TrainingConfig:
     dpo_loss_type: str = field(default="sigmoid", metadata={"choices": DPO_LOSS_TYPES})
     dpo_beta: float = 0.1
     dpo_label_smoothing: float = 0.0
+    dpo_simpo_gamma: float = 0.5  # SimPO's target reward margin (TRL's CPOConfig.simpo_gamma)
+    dpo_cpo_alpha: float = 0.0  # SimPO: the weight of the chosen answers' NLL (TRL's cpo_alpha; CPO-SimPO)
+    # One forward-only pass of the reference before training scores every pair the run reads; its copy is freed.
+    dpo_precompute_ref_log_probs: bool = False
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -103,6 +108,7 @@ class TrainingConfig:
         require(self.dpo_beta > 0, f"--dpo-beta must be positive, got {self.dpo_beta}.")
         require(0.0 <= self.dpo_label_smoothing < 0.5,
                  f"--dpo-label-smoothing must be in [0, 0.5), got {self.dpo_label_smoothing}.")
+        require(self.dpo_cpo_alpha >= 0, f"--dpo-cpo-alpha must be >= 0, got {self.dpo_cpo_alpha}.")
         require(self.global_batch_size is None or self.global_batch_size >= 1,
                  f"--global-batch-size must be >= 1, got {self.global_batch_size}.")
         require(self.train_iters is None or self.train_iters >= 0,
@@ -149,6 +155,11 @@ class TrainingConfig:
         if self.step_batch_size_schedule is None:
             return None
         return schedule_in_samples(parse_step_batch_size_schedule(self.step_batch_size_schedule), seq_length)
+
+    @property
+    def dpo_uses_reference(self) -> bool:
+        """Whether --dpo's loss compares the policy with a reference model (simpo and orpo do not)."""
+        return self.dpo_loss_type not in REFERENCE_FREE_DPO_LOSS_TYPES
 
     def global_batch(self, data_parallel_size: int) -> int:
         """Sequences per iteration (after any ramp-up); without --global-batch-size, one micro-batch per replica."""
@@ -450,13 +461,26 @@ class Config:
 
 
 def _check_dpo(config: "Config") -> None:
-    """--dpo needs a frozen reference (the checkpoint it starts from, or LoRA's base with the adapters off) and
-    takes its pairs whole: a pair is two consecutive sequences of a micro-batch."""
+    """--dpo needs a frozen reference (the checkpoint it starts from, or LoRA's base with the adapters off) unless
+    its loss is reference-free, and takes its pairs whole: a pair is two consecutive sequences of a micro-batch."""
+    training = config.training
     if not config.data.dpo:
+        require(not training.dpo_precompute_ref_log_probs, "--dpo-precompute-ref-log-probs needs --dpo.")
         return
-    require(bool(config.checkpoint.pretrained_checkpoint) or config.peft.peft == "lora",
-             "--dpo needs a reference model: give --pretrained-checkpoint CKPT (kept frozen as the reference, "
-             "and the policy starts from it), or --peft lora (the reference is the base with the adapters off).")
+    loss_type = training.dpo_loss_type
+    if not training.dpo_uses_reference:
+        require(not training.dpo_precompute_ref_log_probs,
+                 f"--dpo-precompute-ref-log-probs: --dpo-loss-type {loss_type} has no reference model to precompute; "
+                 f"drop the flag.")
+    else:
+        require(bool(config.checkpoint.pretrained_checkpoint) or config.peft.peft == "lora",
+                 "--dpo needs a reference model: give --pretrained-checkpoint CKPT (kept frozen as the reference, "
+                 "and the policy starts from it), or --peft lora (the reference is the base with the adapters off), "
+                 "or a loss without one (--dpo-loss-type simpo or orpo).")
+    require(training.dpo_label_smoothing == 0 or loss_type in ("sigmoid", "simpo"),
+             f"--dpo-label-smoothing smooths the sigmoid and simpo losses, not --dpo-loss-type {loss_type}.")
+    require(loss_type == "simpo" or (training.dpo_cpo_alpha == 0 and training.dpo_simpo_gamma == 0.5),
+             f"--dpo-cpo-alpha and --dpo-simpo-gamma are SimPO's: add --dpo-loss-type simpo (got {loss_type}).")
     require(config.training.micro_batch_size % 2 == 0,
              f"--dpo: a micro-batch holds whole pairs, two sequences each (chosen, rejected): --micro-batch-size "
              f"must be even, got {config.training.micro_batch_size}.")
@@ -557,6 +581,9 @@ def _check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> Non
              f"--context-parallel-size {cp} splits each sequence into 2 x {cp} = {2 * cp} equal chunks (rank i holds "
              f"chunks i and {2 * cp - 1} - i, which balances causal attention): --seq-length ({model.seq_length}) must "
              f"be divisible by {2 * cp}.")
+    require(model.attention_chunk_size is None,
+            f"--context-parallel-size {cp} with --attention-chunk-size: the context-parallel attention does not "
+            f"cut its blocks into chunks; use --context-parallel-size 1.")
     require(not parallel.sequence_parallel or (model.seq_length // cp) % tp == 0,
              f"--sequence-parallel splits each context-parallel rank's {model.seq_length // cp} positions over "
              f"--tensor-model-parallel-size ({tp}) ranks: make --seq-length divisible by {cp} x {tp}.")

@@ -11,7 +11,7 @@ from typing import Optional
 from megatron_lite.config.fields import check_choices, require
 
 # --grpo-loss-type: how the per-token losses are averaged (TRL's loss_type; dapo is TRL 1.16's default).
-GRPO_LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
+GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 # --grpo-scale-rewards: what the group-centred rewards are divided by (TRL's scale_rewards).
 GRPO_SCALE_REWARDS = ("group", "batch", "none")
 

@@ -52,6 +52,15 @@ HELP = {
                              "residual as it is, x + Norm(Attn(x)) (OLMo 2 and 3)"),
     "no_rope_freq": ("layers without rotary embeddings (NoPE): N (every Nth layer, counting from 1) or a list of "
                      "0s and 1s, 1 for a NoPE layer, e.g. \"([0]*3+[1])*2\" (SmolLM3's no_rope_layers, inverted)"),
+    "attention_chunk_size": ("chunked local attention (Llama 4): on the layers with rotary embeddings a query sees "
+                             "only the earlier keys of its own chunk of this many positions, counted from the "
+                             "sequence's first (each packed example's, each prompt's); NoPE layers see everything"),
+    "qk_l2_norm": ("divide each head's queries and keys by their root mean square, no weight (Llama 4's "
+                   "use_qk_norm), on every layer but the NoPE ones (--no-rope-freq), which Megatron-LM normalises too"),
+    "attn_temperature_tuning": ("Llama 4: the NoPE layers' queries times 1 + --attn-temperature-scale x "
+                                "ln(1 + floor((position + 1) / --attn-temperature-floor-scale))"),
+    "attn_temperature_floor_scale": "positions per step of --attn-temperature-tuning's temperature (Llama 4: 8192)",
+    "attn_temperature_scale": "how much --attn-temperature-tuning's temperature grows per step (Llama 4: 0.1)",
     "mtp_num_layers": ("multi-token prediction layers on the last pipeline stage (DeepSeek-V3): depth k predicts "
                        "the token k + 1 after each position from the previous depth's hidden state and the next "
                        "token's embedding; trained only, never used to generate"),
@@ -85,8 +94,13 @@ HELP = {
                   "--bias-gelu-fusion, GPT-2's activation_function gelu)",
     "rotary_seq_len_interpolation_factor": "linear RoPE scaling: positions are divided by this factor",
     "use_rope_scaling": ("Llama 3.x RoPE scaling: low frequencies divided by --rope-scaling-factor (original "
-                         "context 8192, low/high frequency factors 1 and 4, as Megatron-LM)"),
+                         "context 8192, low/high frequency factors 1 and 4 unless given, as Megatron-LM)"),
     "rope_scaling_factor": "the factor of --use-rope-scaling",
+    "rope_scaling_low_freq_factor": ("--use-rope-scaling's low frequency factor: wavelengths over the original "
+                                     "context / this are divided by the factor (1, as Megatron-LM)"),
+    "rope_scaling_high_freq_factor": ("--use-rope-scaling's high frequency factor: wavelengths under the original "
+                                      "context / this keep their frequency, those between blend (4, as Megatron-LM; "
+                                      "Llama 4 Scout: 1)"),
     "rotary_scaling_factor": "YaRN's context stretch: low frequencies divided by it, high ones kept",
     "mscale": ("YaRN: rotated channels scaled by (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) "
                "+ 1)"),
@@ -124,7 +138,7 @@ HELP = {
                        'Megatron-LM, which also keeps the text as an int)'),
     "moe_router_topk": "experts each token is routed to",
     "moe_router_score_function": ("router scores: softmax (Mixtral, Qwen-MoE) or sigmoid, normalised over the "
-                                  "top-k (DeepSeek-V3)"),
+                                  "top-k when k > 1 (DeepSeek-V3; the top-1's sigmoid as it is: Llama 4)"),
     "moe_router_pre_softmax": ("softmax over all experts before choosing the top-k, which are then not "
                                "renormalised (OLMoE, Qwen2-MoE); default: softmax over the top-k logits"),
     "moe_router_topk_scaling_factor": "multiply the top-k routing weights by this (DeepSeek's routed_scaling_factor)",
@@ -149,6 +163,8 @@ HELP = {
     "moe_token_drop_policy": "which tokens past capacity are dropped: lowest routing probability, or last in position",
     "moe_shared_expert_intermediate_size": "inner width of the shared expert every token also passes through",
     "moe_shared_expert_gate": "scale the shared expert's output by sigmoid of a learned projection (Qwen2-MoE)",
+    "moe_apply_probs_on_input": ("scale each expert's input by its routing weight instead of its output (Llama 4; "
+                                 "with --moe-router-topk 1)"),
     "moe_grouped_gemm": ("run each rank's experts as one grouped GEMM (torch._grouped_mm) instead of a loop over "
                          "experts"),
     # parallel
@@ -234,10 +250,17 @@ HELP = {
     "empty_unused_memory_level": ("torch.cuda.empty_cache(): 1 after each forward-backward and evaluation step, "
                                   "2 also after each optimizer step"),
     "dpo_loss_type": ("--dpo: sigmoid (the DPO paper's, with --dpo-label-smoothing its conservative form), ipo "
-                      "(squared, on per-token log-ratios) or hinge"),
-    "dpo_beta": "--dpo: the strength of the pull to the reference (beta; IPO's tau)",
-    "dpo_label_smoothing": ("--dpo --dpo-loss-type sigmoid: the assumed fraction of pairs whose preference is flipped "
-                            "(conservative DPO), in [0, 0.5)"),
+                      "(squared, on per-token log-ratios) or hinge; without a reference model: simpo (per-token "
+                      "log-probabilities, a target margin) or orpo (odds ratio plus the chosen side's NLL)"),
+    "dpo_beta": "--dpo: the strength of the pull to the reference (beta; IPO's tau; SimPO's beta; ORPO's lambda)",
+    "dpo_label_smoothing": ("--dpo --dpo-loss-type sigmoid or simpo: the assumed fraction of pairs whose preference "
+                            "is flipped (conservative DPO), in [0, 0.5)"),
+    "dpo_simpo_gamma": "--dpo-loss-type simpo: the target reward margin gamma (TRL's simpo_gamma)",
+    "dpo_cpo_alpha": ("--dpo-loss-type simpo: weight of the chosen answers' per-token NLL added to the loss (TRL's "
+                      "cpo_alpha: CPO-SimPO; 0, SimPO's own, adds none)"),
+    "dpo_precompute_ref_log_probs": ("--dpo: score every pair the run will read (train, validation, test) with the "
+                                     "reference in one forward-only pass before training, then free the reference's "
+                                     "copy (TRL's precompute_ref_log_probs)"),
     # optimizer
     "optimizer": ("adam (AdamW), sgd, lion, or muon (Newton-Schulz-orthogonalised momentum on the weight matrices, "
                   "--muon-scalar-optimizer on the rest; docs/training.md)"),
@@ -328,8 +351,9 @@ HELP = {
                       "instruction, input, output, system, history, conversations), e.g. prompt=question "
                       "response=answer"),
     "dpo": ("direct preference optimisation on --train-data-path records {\"prompt\", \"chosen\", \"rejected\"} "
-            "(strings or message lists), against a frozen reference: --pretrained-checkpoint, or under --peft lora "
-            "the base with the adapters off. Batch sizes count sequences, two per pair"),
+            "(strings or message lists, or a prefix of tools/preprocess_data.py --dpo), against a frozen reference: "
+            "--pretrained-checkpoint, or under --peft lora the base with the adapters off (none for --dpo-loss-type "
+            "simpo and orpo). Batch sizes count sequences, two per pair"),
     "grpo": ("group relative policy optimisation: sample --grpo-group-size completions of each --train-data-path "
              "prompt ({\"prompt\"} or {\"messages\"}) from the policy, score them with --reward-function and train on "
              "the group-normalised rewards (TRL's GRPO loss). Batch sizes count completions"),
@@ -398,7 +422,8 @@ HELP = {
     "grpo_iterations": "--grpo: optimizer steps on each batch of completions (mu): the ratio is to the policy that "
                        "sampled them",
     "grpo_loss_type": ("--grpo: dapo (TRL's default: per-token losses over the global batch's completion tokens), "
-                       "grpo (per completion, then over completions) or dr_grpo (over completions x --max-new-tokens)"),
+                       "grpo (per completion, then over completions), bnpo (over each micro-batch's completion "
+                       "tokens, then over micro-batches) or dr_grpo (over completions x --max-new-tokens)"),
     "grpo_scale_rewards": ("--grpo: divide the group-centred rewards by the group's std (group), the whole batch's "
                            "(batch), or not (none)"),
     "grpo_log_completions": ("--grpo: write every prompt, completion and reward to this JSONL file, iteration by "

@@ -61,6 +61,18 @@ class ModelConfig:
     # Megatron-LM's NoPE layers: N (every Nth layer, counting from 1, has no rotary embedding) or a 0/1 list
     # expression, 1 for a layer without (SmolLM3's no_rope_layers, inverted).
     no_rope_freq: Optional[str] = None
+    # Llama 4's attention (model/chunked_attention.py): the layers with rotary embeddings attend within chunks of
+    # this many positions (a query sees the keys of its own chunk, counted from the sequence's first position);
+    # the NoPE layers attend to the whole sequence.
+    attention_chunk_size: Optional[int] = None
+    # Megatron-LM's --qk-l2-norm: each head's queries and keys divided by their root mean square, no weight (Llama
+    # 4's use_qk_norm), on every layer but the NoPE ones (which Megatron-LM normalises too; Llama 4 does not).
+    qk_l2_norm: bool = False
+    # Llama 4's temperature tuning of the NoPE layers' attention: each query times
+    # 1 + scale * ln(1 + floor((position + 1) / floor_scale)), which sharpens the softmax far into a long context.
+    attn_temperature_tuning: bool = False
+    attn_temperature_floor_scale: int = 8192
+    attn_temperature_scale: float = 0.1
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     swiglu: bool = False
     add_bias_linear: bool = True
@@ -96,6 +108,9 @@ class ModelConfig:
     rotary_seq_len_interpolation_factor: Optional[float] = None  # linear RoPE scaling: positions / factor
     use_rope_scaling: bool = False  # Llama 3.x's RoPE frequency scaling, by rope_scaling_factor
     rope_scaling_factor: float = 8.0
+    # Its low and high frequency factors (Megatron-LM fixes them at 1 and 4, Llama 3.1's; Llama 4 Scout's are 1, 1).
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
     # YaRN (--position-embedding-type yarn, or multi-latent attention's --rope-type yarn): the frequencies
     # stretched by rotary_scaling_factor between the corrections beta_fast and beta_slow of the original context,
     # and the "mscale" concentration of the scores (model/rope_scaling.py).
@@ -151,6 +166,8 @@ class ModelConfig:
     moe_token_drop_policy: str = field(default="probs", metadata={"choices": TOKEN_DROP_POLICIES})
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
+    # Megatron-LM's: the routing weight scales each expert's input rather than its output (Llama 4; top-1 only).
+    moe_apply_probs_on_input: bool = False
     moe_grouped_gemm: bool = False  # the experts as one grouped GEMM (torch._grouped_mm) instead of a loop
     # Multi-token prediction (DeepSeek-V3; Megatron-LM's flags, model/multi_token_prediction.py): this many more
     # layers on the last pipeline stage, depth k predicting the token k + 1 after each position, their mean
@@ -237,6 +254,7 @@ class ModelConfig:
             require(value is None or value > 0, f"{flag} must be positive, got {value}.")
         self._check_rope_scaling()
         self._check_no_rope_freq()
+        self._check_llama4_attention()
         self._check_linear_attention()
         self.moe_layer_freq = str(self.moe_layer_freq)  # Megatron-LM's int or list, given in code
         if self.num_experts is not None and self.moe_ffn_hidden_size is None:
@@ -280,6 +298,21 @@ class ModelConfig:
         require(freq >= 1 if isinstance(freq, int) else len(freq) == self.num_layers,
                 f"--no-rope-freq {self.no_rope_freq!r} must be N >= 1 or give one 0 or 1 per layer (--num-layers "
                 f"{self.num_layers}).")
+
+    def _check_llama4_attention(self) -> None:
+        chunk = self.attention_chunk_size
+        require(chunk is None or chunk > 0, f"--attention-chunk-size must be positive, got {chunk}.")
+        require(chunk is None or (self.rotary and not self.multi_latent_attention and self.window_size is None),
+                "--attention-chunk-size makes the layers with rotary embeddings attend within chunks: it needs "
+                "--position-embedding-type rope (or yarn), and neither --multi-latent-attention nor --window-size.")
+        require(not self.qk_l2_norm or not (self.qk_layernorm or self.multi_latent_attention),
+                "--qk-l2-norm normalises each head's queries and keys without a weight: drop --qk-layernorm (it "
+                "normalises them with one), and --multi-latent-attention (its latents have their own norms).")
+        require(not self.attn_temperature_tuning or self.no_rope_freq is not None,
+                "--attn-temperature-tuning scales the queries of the NoPE layers: add --no-rope-freq.")
+        require(self.attn_temperature_floor_scale > 0 and self.attn_temperature_scale >= 0,
+                f"--attn-temperature-floor-scale must be positive and --attn-temperature-scale >= 0, got "
+                f"{self.attn_temperature_floor_scale} and {self.attn_temperature_scale}.")
 
     def _check_linear_attention(self) -> None:
         if self.experimental_attention_variant is None:
@@ -326,6 +359,12 @@ class ModelConfig:
                              ("--rope-scaling-factor", self.rope_scaling_factor),
                              ("--rotary-scaling-factor", self.rotary_scaling_factor)]:
             require(factor is None or factor >= 1.0, f"{flag} must be >= 1 (it stretches positions), got {factor}.")
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        require(self.use_rope_scaling or (low, high) == (1.0, 4.0),
+                "--rope-scaling-low-freq-factor and --rope-scaling-high-freq-factor configure --use-rope-scaling: "
+                "add it.")
+        require(0 < low <= high, f"--rope-scaling-low-freq-factor ({low}) must be positive and at most "
+                                 f"--rope-scaling-high-freq-factor ({high}).")
         for name, default in YARN_DEFAULTS.items():
             if getattr(self, name) is None:
                 setattr(self, name, default)

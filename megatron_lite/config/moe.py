@@ -110,6 +110,9 @@ def _check_router(model) -> None:
     require(not model.moe_router_enable_expert_bias or model.moe_router_score_function == "sigmoid",
              "--moe-router-enable-expert-bias biases the sigmoid scores (DeepSeek-V3's aux-loss-free balancing): add "
              "--moe-router-score-function sigmoid.")
+    require(not model.moe_apply_probs_on_input or topk == 1,
+            f"--moe-apply-probs-on-input scales each expert's input by its routing weight, which Megatron-LM allows "
+            f"with --moe-router-topk 1 only, got {topk}.")
     require(model.moe_router_bias_update_rate >= 0,
              f"--moe-router-bias-update-rate must be >= 0, got {model.moe_router_bias_update_rate}.")
     require(not model.moe_router_pre_softmax or model.moe_router_score_function == "softmax",
@@ -129,4 +132,5 @@ def _moe_only_settings(model) -> dict:
             "--moe-router-group-score": model.moe_router_group_score != "topk_sum",
             "--moe-router-enable-expert-bias": model.moe_router_enable_expert_bias,
             "--moe-expert-capacity-factor": model.moe_expert_capacity_factor is not None,
-            "--moe-grouped-gemm": model.moe_grouped_gemm}
+            "--moe-grouped-gemm": model.moe_grouped_gemm,
+            "--moe-apply-probs-on-input": model.moe_apply_probs_on_input}

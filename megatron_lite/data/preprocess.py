@@ -12,7 +12,9 @@ bytes, and the same samples, in both projects.
 
 Fine-tuning data (``sft_prompt_format``) is a prompt/response, chat, Alpaca or ShareGPT record per line
 of JSONL, element of a JSON array or row of a Parquet/Arrow table (``data/sft/formats.py``): it becomes
-two datasets of equal lengths, the token ids and their loss mask (``data/sft``).
+two datasets of equal lengths, the token ids and their loss mask (``data/sft``). Preference pairs (``preference``,
+TRL's prompt/chosen/rejected records) are written alike, each pair one document of two sequences, chosen then
+rejected (``data/sft/preference.py``).
 
 Progress lines show the share of the input read and an ETA when its size is known (text files: their bytes).
 """
@@ -33,6 +35,7 @@ from megatron_lite.config import UserError
 from megatron_lite.data.jsonl import read_jsonl_lines
 from megatron_lite.data.sft.examples import LOSS_MASK_KEY, TOKENS_KEY, encode_sft_line, write_prompt_format
 from megatron_lite.data.sft.formats import RecordFormat, container_of, is_sft_data_source, read_sft_records
+from megatron_lite.data.sft.preference import encode_preference_line
 from megatron_lite.data.indexed_dataset import (IndexedDatasetBuilder, best_fitting_dtype, data_file_path,
                                                 index_file_path, output_prefix_for)
 from megatron_lite.tokenizer import build_tokenizer
@@ -94,7 +97,7 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
                      json_keys: tuple[str, ...] = ("text",), append_eod: bool = False, workers: int = 1,
                      log_interval: int = 1000, strict: bool = False, log: Optional[TextIO] = None,
                      sft_prompt_format: Optional[str] = None,
-                     sft_record_format: RecordFormat = RecordFormat()) -> PreprocessStats:
+                     sft_record_format: RecordFormat = RecordFormat(), preference: bool = False) -> PreprocessStats:
     """Tokenizes every line of ``input_paths`` into one ``.bin``/``.idx`` pair per JSON key.
 
     Args:
@@ -104,6 +107,8 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
             ``{output_prefix}_text_document`` (ids, EOD included) and ``{output_prefix}_loss_mask_document``,
             and records the format in ``{output_prefix}_prompt_format.json``.
         sft_record_format: how fine-tuning records are read (--sft-format, --sft-data-keys).
+        preference: with ``sft_prompt_format``, the records are preference pairs (--dpo): each is written as one
+            document of two sequences, chosen then rejected.
     """
     log = log or sys.stderr
     if workers < 1:
@@ -119,6 +124,8 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
     if sft_prompt_format is not None:
         dtypes = {TOKENS_KEY: best_fitting_dtype(tokenizer.vocab_size), LOSS_MASK_KEY: np.uint8}
         encode = functools.partial(encode_sft_line, prompt_format=sft_prompt_format, record_format=sft_record_format)
+        if preference:
+            encode = functools.partial(encode_preference_line, prompt_format=sft_prompt_format)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     builders = {}
     stats = PreprocessStats()
@@ -193,12 +200,19 @@ def _write_documents(results, builders: dict, stats: PreprocessStats, *, input_p
                                       f"{stats.first_problem}; stopping instead of listing every line. Fix "
                                       f"--json-keys or the input.")
             continue
-        if any(ids.size == 0 for ids in encoded.values()):
+        # A key's value is one sequence, or a list of them that make one document (a preference pair).
+        sequences = {key: ids if isinstance(ids, list) else [ids] for key, ids in encoded.items()}
+        if any(np.size(ids) == 0 for values in sequences.values() for ids in values):
             stats.empty_documents += 1
-        for key, ids in encoded.items():
-            builders[key].add_document(ids)
+        for key, values in sequences.items():
+            if len(values) == 1:
+                builders[key].add_document(values[0])
+            else:
+                for ids in values:
+                    builders[key].add_item(ids)
+                builders[key].end_document()
         stats.documents += 1
-        stats.tokens += sum(ids.size for key, ids in encoded.items() if key != LOSS_MASK_KEY)
+        stats.tokens += sum(np.size(ids) for key, values in sequences.items() if key != LOSS_MASK_KEY for ids in values)
         if stats.documents % log_interval == 0:
             print(progress_line(documents=stats.documents, done_bytes=stats.input_bytes, total_bytes=total_bytes,
                                 elapsed=time.monotonic() - start), file=log)

@@ -15,6 +15,9 @@ holds (``MoELayer`` makes sure of it), so a token goes to exactly one copy of ea
               group, all-to-all back, then each row weighted by its routing probability and summed into
               its token
 
+With ``probs_on_input`` (--moe-apply-probs-on-input, Llama 4) each row is weighted as it is permuted, before
+the experts, and the outputs are summed as they come back.
+
 Row counts are uneven everywhere (they are whatever the router chose), so each rank first tells the
 others how many rows it sends per expert; the counts travel in one small all-to-all (and all-gather).
 """
@@ -33,7 +36,7 @@ class DispatchPlan:
     """What ``combine`` needs to undo one ``dispatch``."""
 
     token_ids: torch.Tensor  # the token of each permuted row
-    probs: torch.Tensor  # the routing probability of each permuted row
+    probs: torch.Tensor | None  # the routing probability of each permuted row (None: applied on the input)
     num_tokens: int
     input_splits: list[int]  # rows sent to each expert-model rank
     output_splits: list[int]  # rows received from each
@@ -45,8 +48,9 @@ class AllToAllTokenDispatcher:
     """Dispatch and combine for ``num_experts`` experts split over ``ep_group`` (expert-model parallel),
     each split over ``etp_group`` (expert-tensor parallel); a group of None is one rank."""
 
-    def __init__(self, num_experts: int, *, ep_group, etp_group):
+    def __init__(self, num_experts: int, *, ep_group, etp_group, probs_on_input: bool = False):
         self.num_experts = num_experts
+        self.probs_on_input = probs_on_input
         self.ep_group, self.etp_group = ep_group, etp_group
         self.ep_size = collectives.world_size(ep_group)
         if num_experts % self.ep_size:
@@ -58,6 +62,9 @@ class AllToAllTokenDispatcher:
         experts compute [rows, h], grouped by local expert; each local expert's row count; the plan)."""
         expert_ids, token_ids = routing_map.t().nonzero(as_tuple=True)  # expert-major, tokens in order
         rows = tokens.index_select(0, token_ids)
+        row_probs = probs.t()[expert_ids, token_ids]
+        if self.probs_on_input:
+            rows = rows * row_probs.unsqueeze(-1).to(rows.dtype)
         counts = routing_map.sum(dim=0).long()  # rows per (global) expert
         received = self._exchange_counts(counts)  # [source rank, local expert]
         input_splits = counts.view(self.ep_size, self.num_local_experts).sum(dim=1).tolist()
@@ -68,8 +75,8 @@ class AllToAllTokenDispatcher:
         rows = gather_rows(rows, gathered_sizes, self.etp_group, partial_grads=True)
         local_expert = torch.arange(self.num_local_experts, device=rows.device).repeat(blocks.shape[0])
         order = torch.repeat_interleave(local_expert, blocks.flatten().to(rows.device)).argsort(stable=True)
-        plan = DispatchPlan(token_ids, probs.t()[expert_ids, token_ids], tokens.shape[0], input_splits, output_splits,
-                            gathered_sizes, order)
+        plan = DispatchPlan(token_ids, None if self.probs_on_input else row_probs, tokens.shape[0], input_splits,
+                            output_splits, gathered_sizes, order)
         return rows.index_select(0, order), blocks.sum(dim=0).tolist(), plan
 
     def combine(self, expert_output: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
@@ -77,7 +84,8 @@ class AllToAllTokenDispatcher:
         rows = expert_output.index_select(0, plan.order.argsort())
         rows = reduce_scatter_rows(rows, plan.gathered_sizes, self.etp_group)
         rows = all_to_all(rows, self.ep_group, output_splits=plan.input_splits, input_splits=plan.output_splits)
-        rows = rows * plan.probs.unsqueeze(-1).to(rows.dtype)
+        if plan.probs is not None:
+            rows = rows * plan.probs.unsqueeze(-1).to(rows.dtype)
         output = rows.new_zeros((plan.num_tokens, rows.shape[-1]))
         return output.index_add(0, plan.token_ids, rows)
 

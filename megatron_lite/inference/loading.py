@@ -38,7 +38,8 @@ def read_checkpoint_config(load_dir: str, parallel: ParallelConfig) -> Config:
     # them would warn about a layout change that generation does not care about. How the weights were trained
     # (--dpo's or --grpo's reference and rewards) is no part of running them.
     return dataclasses.replace(saved, parallel=parallel, checkpoint=CheckpointConfig(load=load_dir, no_load_rng=True),
-                               data=dataclasses.replace(saved.data, dpo=False, grpo=False), grpo=GRPOConfig())
+                               data=dataclasses.replace(saved.data, dpo=False, grpo=False), grpo=GRPOConfig(),
+                               training=dataclasses.replace(saved.training, dpo_precompute_ref_log_probs=False))
 
 
 def add_layout_arguments(parser) -> None:

@@ -14,9 +14,11 @@ from megatron_lite.process_groups import collectives
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, attend_own_chunks
 from megatron_lite.model.attention_sinks import register_softmax_offset
+from megatron_lite.model.attention_temperature import layer_temperature
+from megatron_lite.model.chunked_attention import layer_chunks
 from megatron_lite.model.dot_product_attention import build_core_attention
 from megatron_lite.model.embedding import apply_rotary, layer_rotary_concentration
-from megatron_lite.model.norm import Norm, ProjectionRMSNorm
+from megatron_lite.model.norm import L2Norm, Norm, ProjectionRMSNorm
 from megatron_lite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.tensor_parallel.random import checkpoint
 from megatron_lite.tensor_parallel.config import TensorParallelConfig
@@ -29,6 +31,10 @@ class SelfAttention(nn.Module):
     With ``--attention-output-gate`` (Qwen3-Next's gated attention) each group's rows are ``[q heads, their
     gates, k, v]`` (Megatron-LM's order), and each head's output is multiplied by the sigmoid of its gate before
     the output projection.
+
+    Llama 4's layers (--attention-chunk-size, --attn-temperature-tuning) read the queries' ``position_ids``: a
+    layer with rotary embeddings attends within its chunk (``chunked_attention.py``), a NoPE layer scales its
+    queries by their position's temperature (``attention_temperature.py``).
 
     ``context_parallel``: when given, this rank holds only its chunks of each sequence and the core
     attention exchanges keys and values with the other context-parallel ranks (``build_core_attention``)."""
@@ -59,13 +65,16 @@ class SelfAttention(nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True)
         # Keys and values to put before the sequence's own (prefix tuning, megatron_lite/peft/prefix_tuning.py).
         self.prefix = None
-        self.q_layernorm = qk_layernorm(config, config.num_attention_heads, tp_config)
-        self.k_layernorm = qk_layernorm(config, config.num_query_groups, tp_config)
+        self.q_layernorm = qk_layernorm(config, config.num_attention_heads, tp_config, layer_number)
+        self.k_layernorm = qk_layernorm(config, config.num_query_groups, tp_config, layer_number)
+        self.chunks = layer_chunks(config, layer_number)
+        self.temperature = layer_temperature(config, layer_number)
         # Here rather than in the core, which context parallelism wraps: one name for the sinks at every layout.
         register_softmax_offset(self, config, self.local_query_groups * self.heads_per_group, tp_config.params_dtype)
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None,
-                attention_mask: torch.Tensor | None = None, inference_context=None):
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inference_context=None):
         """[s, b, h] (or [s/tp, b, h] under sequence parallelism) -> (output, bias) before the residual.
 
         ``attention_mask``: None for causal attention, else bool [b, 1, s, s], True where a query may not
@@ -73,7 +82,7 @@ class SelfAttention(nn.Module):
         context parallelism s is this rank's positions for the rows, the whole sequence for the columns).
         With an ``inference_context`` (generation) the new tokens attend to the cached earlier ones too:
         the mask is then [b, 1, s, cached + s] (a sliding-window layer, which caches only its window, takes
-        its last columns)."""
+        its last columns). ``position_ids`` [b, s]: the tokens' positions, read by Llama 4's layers only."""
         qkv, _ = self.linear_qkv(hidden_states)
         seq, batch = qkv.shape[:2]
         qkv = qkv.view(seq, batch, self.local_query_groups, -1)
@@ -87,6 +96,8 @@ class SelfAttention(nn.Module):
         if rotary_freqs is not None:
             query = apply_rotary(query, rotary_freqs, self.rotary_concentration)
             key = apply_rotary(key, rotary_freqs, self.rotary_concentration)
+        if self.temperature is not None:
+            query = self.temperature(query, position_ids)
         if inference_context is not None:
             # Keys are cached after their rotation: a position's angle never changes. A generating model is built
             # without context parallelism (the core is the layer's own DotProductAttention); a context-parallel
@@ -96,6 +107,8 @@ class SelfAttention(nn.Module):
             key, value = inference_context.append_key_value(self.layer_number, key, value, window=window)
             if attention_mask is not None:  # a windowed cache returns the most recent keys only
                 attention_mask = attention_mask[..., -key.shape[0]:]
+        if self.chunks is not None:
+            attention_mask = self.chunks.mask(attention_mask, position_ids, key.shape[0])
         # The prefix joins after the cache, which holds the sequence's own keys only.
         core_attention = functools.partial(self.core_attention, prefix=self.prefix)
         if self.softmax_offset is not None:
@@ -113,13 +126,18 @@ class SelfAttention(nn.Module):
         return self.linear_proj(context)
 
 
-def qk_layernorm(config: ModelConfig, num_heads: int, tp_config: TensorParallelConfig) -> nn.Module:
+def qk_layernorm(config: ModelConfig, num_heads: int, tp_config: TensorParallelConfig, layer_number: int
+                 ) -> nn.Module:
     """``--qk-layernorm``'s norm of every query (or key) head over its channels, else the identity; with
-    ``--qk-layernorm-whole-projection`` one norm over all ``num_heads`` heads (``ProjectionRMSNorm``).
+    ``--qk-layernorm-whole-projection`` one norm over all ``num_heads`` heads (``ProjectionRMSNorm``); with
+    ``--qk-l2-norm`` the weightless one, on layer ``layer_number`` unless it is NoPE (Llama 4 normalises after the
+    rotation, which keeps each channel pair's length: the same).
 
     A per-head norm's weight (head_dim wide) is shared by all heads, and tensor-parallel ranks hold different
     heads: each rank's gradient is a partial sum, all-reduced over the tensor-parallel group as
     sequence-parallel norm weights are (``finalize_model_grads``), hence the ``sequence_parallel`` mark."""
+    if config.qk_l2_norm and not config.is_nope_layer(layer_number):
+        return L2Norm(config.norm_epsilon)
     if not config.qk_layernorm:
         return nn.Identity()
     if config.qk_layernorm_whole_projection:

@@ -1,21 +1,35 @@
 """FLOPs of the model: what the training log's throughput and MFU count and the planner's step time
 charges, one count for both (docs/reference.md section 7).
 
-Every matmul is counted, forward only per token; a backward costs twice its forward.
+Every matmul is counted, forward only per token; a backward costs twice its forward. Attention is counted as
+the square of the keys a query may see, without the causal half (Megatron-LM's convention): the whole sequence,
+or on a chunked layer (--attention-chunk-size, Llama 4) the squares of its chunks.
 """
 from __future__ import annotations
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model.chunked_attention import layer_chunks
 from megatron_lite.model.delta_rule import CHUNK_SIZE
 
 
-def attention_core_flops_per_token(config: ModelConfig) -> float:
-    """Forward FLOPs of QK^T and attention x V for one token (counted without the causal half)."""
+def attention_core_flops_per_token(config: ModelConfig, layer_number: int = 0) -> float:
+    """Forward FLOPs of QK^T and attention x V for one token of layer ``layer_number`` (counted without the causal
+    half)."""
     if config.multi_latent_attention:  # queries/keys and values of their own widths
         key_width, value_width = config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
     else:
         key_width = value_width = config.head_dim
-    return 2 * config.seq_length * config.num_attention_heads * (key_width + value_width)
+    return 2 * _keys_per_query(config, layer_number) * config.num_attention_heads * (key_width + value_width)
+
+
+def _keys_per_query(config: ModelConfig, layer_number: int) -> float:
+    """The sequence, or on a chunked layer the sum of its chunks' squares over the sequence (a query sees its
+    own chunk's keys: the last chunk may be shorter)."""
+    seq, chunks = config.seq_length, layer_chunks(config, layer_number)
+    if chunks is None:
+        return seq
+    whole, rest = divmod(seq, chunks.chunk_size)
+    return (whole * chunks.chunk_size ** 2 + rest ** 2) / seq
 
 
 def attention_projection_flops_per_token(config: ModelConfig) -> float:
@@ -40,7 +54,7 @@ def transformer_layer_flops_per_token(config: ModelConfig, layer_number: int = 0
     linear attention in place of softmax attention)."""
     if config.is_linear_attention_layer(layer_number):
         return gated_delta_net_flops_per_token(config) + mlp_flops_per_token(config, layer_number)
-    return (attention_projection_flops_per_token(config) + attention_core_flops_per_token(config)
+    return (attention_projection_flops_per_token(config) + attention_core_flops_per_token(config, layer_number)
             + mlp_flops_per_token(config, layer_number))
 
 

@@ -24,7 +24,7 @@ from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.model.transformer_block import TransformerBlock
 from megatron_lite.tensor_parallel import (ColumnParallelLinear, TensorParallelConfig,
                                            gather_from_tensor_model_parallel_region)
-from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_entropy
 
 
 class GPTModel(nn.Module):
@@ -133,7 +133,7 @@ class GPTModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 inference_context=None, loss_mask: torch.Tensor | None = None,
-                temperature: float = 1.0) -> torch.Tensor:
+                temperature: float = 1.0, entropy: bool = False):
         """Returns per-token loss [b, s] given labels on the last stage, logits over the
         (unpadded) vocabulary [b, s, V] without them, and hidden states [s, b, h] on other stages.
 
@@ -149,7 +149,8 @@ class GPTModel(nn.Module):
         forward adds their loss to the returned loss's gradient (the returned values are the language model's).
 
         ``temperature`` divides the logits before the loss: --grpo scores completions by the distribution they
-        were sampled from (logits / temperature), as TRL's GRPOTrainer does."""
+        were sampled from (logits / temperature), as TRL's GRPOTrainer does; with ``entropy`` the last stage returns
+        (per-token loss, per-token entropy [b, s] of that distribution, without a gradient), which --grpo logs."""
         if position_ids is None:
             position_ids = self._position_ids(input_ids, inference_context)
         if self.mtp is not None:
@@ -158,9 +159,8 @@ class GPTModel(nn.Module):
             hidden_states = self.embedding(input_ids, position_ids)
         else:
             hidden_states = self.input_tensor
-        rotary = None
-        if self.config.rotary:
-            rotary = rotary_angles(position_ids.to(hidden_states.device), self.config)
+        positions = position_ids.to(hidden_states.device)
+        rotary = rotary_angles(positions, self.config) if self.config.rotary else None
         pool, self.next_pool = self.next_pool, None
         whole_model = (self.pools_routing and pool is None and self.pre_process and self.post_process
                        and self.training and torch.is_grad_enabled())
@@ -169,7 +169,7 @@ class GPTModel(nn.Module):
             self.next_pool = None
         for router in self.routers:
             router.pool = pool
-        hidden_states = self.decoder(hidden_states, rotary, attention_mask, inference_context)
+        hidden_states = self.decoder(hidden_states, rotary, attention_mask, positions, inference_context)
         if whole_model:
             pool.complete()
         if not self.post_process:
@@ -181,6 +181,9 @@ class GPTModel(nn.Module):
         if labels is None:
             logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
             return logits[..., :self.config.vocab_size].transpose(0, 1).contiguous()
+        if entropy:  # of the logits the loss reads (its forward leaves them as they are)
+            scaled = self._scaled(logits, temperature)
+            return self._loss_of(scaled, labels), vocab_parallel_entropy(scaled.detach(), self.tp_group).t()
         loss = self._cross_entropy(logits, labels, temperature)
         if self.mtp is not None and loss_mask is not None and self.training:
             depths = self.mtp(hidden_states, input_ids, position_ids, self.embedding, rotary, attention_mask)
@@ -197,6 +200,13 @@ class GPTModel(nn.Module):
 
     def _cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Per-token loss [b, s] of logits [s, b, V/tp] / ``temperature`` against labels [b, s]."""
+        return self._loss_of(self._scaled(logits, temperature), labels)
+
+    def _loss_of(self, scaled: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss [b, s] of ``_scaled`` logits [s, b, V/tp] against labels [b, s]."""
+        return vocab_parallel_cross_entropy(scaled, labels.t().contiguous(), self.tp_group).t().contiguous()
+
+    def _scaled(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """fp32 logits / ``temperature``, the vocabulary's padding rows out of the softmax."""
         logits = logits.float() if temperature == 1.0 else logits.float() / temperature
-        loss = vocab_parallel_cross_entropy(self._mask_padding(logits), labels.t().contiguous(), self.tp_group)
-        return loss.t().contiguous()
+        return self._mask_padding(logits)

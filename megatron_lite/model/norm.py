@@ -1,5 +1,5 @@
 """Pre-norm LayerNorm (GPT-2) or RMSNorm (Llama), through the fused-kernel dispatch; OLMoE's RMSNorm of a whole
-query or key projection, over tensor-parallel ranks.
+query or key projection, over tensor-parallel ranks; Llama 4's weightless L2 norm of queries and keys.
 
 With ``--apply-layernorm-1p`` the stored weight is the scale minus one (zero at init), Megatron-LM's
 zero-centred gamma: a 16-bit weight near 0 resolves far finer changes than one near 1.
@@ -67,3 +67,16 @@ class ProjectionRMSNorm(nn.Module):
                 reduce_from_tensor_model_parallel_region(square_sum, self.tp_group), self.tp_group)
         normed = flat * torch.rsqrt(square_sum / self.width + self.eps)
         return (self.weight * normed.to(x.dtype)).view_as(x)
+
+
+class L2Norm(nn.Module):
+    """Each vector divided by its root mean square, without a weight (Megatron-Core's L2Norm, --qk-l2-norm; Llama
+    4's q/k norm), in float32."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + self.eps)).to(x.dtype)

@@ -3,9 +3,12 @@ frequencies base^(-2i/d) to new ones (see docs/reference.md section 12, "Rotary 
 
 - linear (``--rotary-seq-len-interpolation-factor f``): every frequency / f, i.e. positions / f.
 - Llama 3.x (``--use-rope-scaling``, factor f): wavelengths 2 pi / freq shorter than the original
-  context / 4 keep their frequency, those longer than the original context are divided by f, and
+  context / high keep their frequency, those longer than the original context / low are divided by f, and
   between the two it is blended linearly in (original context / wavelength). As Megatron-LM, the
-  original context is 8192 and the low/high frequency factors are 1 and 4 (Llama 3.1 and 3.2's values).
+  original context is 8192 and the low/high frequency factors are 1 and 4 unless given
+  (``--rope-scaling-low-freq-factor``, ``--rope-scaling-high-freq-factor``): Llama 3.1 and 3.2's values; Llama
+  4 Scout's are 1 and 1, a step at the original context (the blend's division by zero gives +-inf, clamped to
+  the two sides, as transformers' formula does).
 - YaRN (``--position-embedding-type yarn``, multi-latent attention's ``--rope-type yarn``; factor f =
   ``--rotary-scaling-factor``): channel pairs that turn more than beta_fast times over the original
   context keep their frequency, those turning fewer than beta_slow times are divided by f, and between
@@ -22,8 +25,6 @@ import torch
 from megatron_lite.config import ModelConfig
 
 LLAMA3_ORIGINAL_CONTEXT = 8192
-LLAMA3_LOW_FREQ_FACTOR = 1.0
-LLAMA3_HIGH_FREQ_FACTOR = 4.0
 
 
 def scaled_inverse_frequencies(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -31,17 +32,17 @@ def scaled_inverse_frequencies(inv_freq: torch.Tensor, config: ModelConfig) -> t
     if config.rotary_seq_len_interpolation_factor is not None:
         return inv_freq / config.rotary_seq_len_interpolation_factor
     if config.use_rope_scaling:
-        return _llama3(inv_freq, config.rope_scaling_factor)
+        return _llama3(inv_freq, config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
+                       config.rope_scaling_high_freq_factor)
     if config.yarn:
         return _yarn(inv_freq, config)
     return inv_freq
 
 
-def _llama3(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+def _llama3(inv_freq: torch.Tensor, factor: float, low: float, high: float) -> torch.Tensor:
     wavelength = 2 * math.pi / inv_freq
-    # 0 where the wavelength exceeds the original context (fully scaled), 1 where it is under context / 4.
-    smooth = ((LLAMA3_ORIGINAL_CONTEXT / wavelength - LLAMA3_LOW_FREQ_FACTOR)
-              / (LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR)).clamp(0.0, 1.0)
+    # 0 where the wavelength exceeds the original context / low (fully scaled), 1 where it is under context / high.
+    smooth = ((LLAMA3_ORIGINAL_CONTEXT / wavelength - low) / (high - low)).clamp(0.0, 1.0)
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 

@@ -39,22 +39,25 @@ class TransformerBlock(nn.Module):
         self.recompute_num_layers = recompute_num_layers or 1
 
     def forward(self, hidden_states: torch.Tensor, rotary: RotaryAngles | None = None,
-                attention_mask: torch.Tensor | None = None, inference_context=None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inference_context=None) -> torch.Tensor:
         layers = list(self.layers.values())
         if not (self.recompute_full and self.training):
             for layer in layers:
-                hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask, inference_context)
+                hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask, position_ids,
+                                      inference_context)
             return hidden_states
         if self.recompute_method == "uniform":
             for start in range(0, len(layers), self.recompute_num_layers):
                 group = layers[start:start + self.recompute_num_layers]
-                hidden_states = checkpoint(_run_layers(group), hidden_states, rotary, attention_mask)
+                hidden_states = checkpoint(_run_layers(group), hidden_states, rotary, attention_mask, position_ids)
             return hidden_states
         for index, layer in enumerate(layers):  # "block"
             if index < self.recompute_num_layers:
-                hidden_states = checkpoint(layer, hidden_states, layer_angles(rotary, layer), attention_mask)
+                hidden_states = checkpoint(layer, hidden_states, layer_angles(rotary, layer), attention_mask,
+                                           position_ids)
             else:
-                hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask)
+                hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask, position_ids)
         return hidden_states
 
 
@@ -64,8 +67,8 @@ def layer_angles(rotary: RotaryAngles | None, layer: TransformerLayer) -> torch.
 
 
 def _run_layers(layers):
-    def run(hidden_states, rotary, attention_mask):
+    def run(hidden_states, rotary, attention_mask, position_ids):
         for layer in layers:
-            hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask)
+            hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask, position_ids)
         return hidden_states
     return run

@@ -8,7 +8,8 @@ backward rebuilds while it runs. On top: the cross entropy's
 working copies of the logits on the last stage, and the cluster's allowance for the
 CUDA context, communication buffers and fragmentation. The optimizer step runs once the activations
 are freed: what it holds besides its state (Muon's whole matrices, ``muon_step``) counts where it
-outgrows them.
+outgrows them. So does --dpo-precompute-ref-log-probs's reference, held (with a forward's working memory) only
+before training.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> float:
-        during_steps = max(self.activation_bytes + self.loss_transient_bytes, self.optimizer_step_bytes)
+        during_steps = max(self.activation_bytes + self.loss_transient_bytes, self.optimizer_step_bytes,
+                           self.static.reference_pass_bytes + self.loss_transient_bytes)
         return self.static.device_bytes + during_steps + self.allowance_bytes
 
     def as_dict(self) -> dict:

@@ -64,6 +64,8 @@ def format_estimate(estimate: Estimate) -> str:
              f"  optimizer state                    {static.optimizer_state_bytes / GB:9.2f}{host}",
              *([f"  reference model (frozen)           {static.reference_bytes / GB:9.2f}"]
                if static.reference_bytes else []),
+             *([f"  reference model, before training   {static.reference_pass_bytes / GB:9.2f}  (scores the run's "
+                f"pairs, then freed)"] if static.reference_pass_bytes else []),
              f"  activations at the schedule's peak {memory.activation_bytes / GB:9.2f}",
              f"  loss working memory                {memory.loss_transient_bytes / GB:9.2f}",
              *([f"  optimizer step (Muon's matrices)   {memory.optimizer_step_bytes / GB:9.2f}  (once the "

@@ -62,6 +62,10 @@ class StaticMemory:
     host_gradient_bytes: int = 0  # the part of gradient_bytes in host memory (--grad-cpu-offload's shards)
     optimizer_state_on_host: bool = False
     reference_bytes: int = 0  # the frozen reference (--dpo, --grpo): this rank's model shard again (reference_model)
+    # --dpo-precompute-ref-log-probs: that reference held only for its pass before training (no activation is kept
+    # for a backward then), then freed: not in device_bytes, but in the estimate's peak beside that pass's working
+    # memory
+    reference_pass_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
@@ -203,7 +207,7 @@ class _Sizing:
                parallel.grad_cpu_offload, optimizer.optimizer, optimizer.sgd_momentum > 0,
                optimizer.muon_scalar_optimizer,
                optimizer.optimizer_cpu_offload, training.recompute_granularity, training.recompute_method,
-               training.recompute_num_layers, reference_copy(config))
+               training.recompute_num_layers, reference_copy(config), training.dpo_precompute_ref_log_probs)
         return cls(key, config)
 
 
@@ -283,6 +287,7 @@ def _static_memory(sizing: _Sizing, shapes: tuple, data_parallel_size: int, data
     parameters = sum(c.parameters for c in chunks)
     # The reference holds its tensor-, pipeline- and expert-parallel shard whole on every data-parallel rank.
     reference = sum(b.real for c in chunks for b in c.buckets) * dtype_bytes(config) if reference_copy(config) else 0
+    precomputed = config.data.dpo and config.training.dpo_precompute_ref_log_probs
     owned, owned_matrices = sum(c.owned for c in chunks), sum(c.owned_matrices for c in chunks)
     return StaticMemory(
         parameter_bytes=parameters,
@@ -294,10 +299,12 @@ def _static_memory(sizing: _Sizing, shapes: tuple, data_parallel_size: int, data
         bucket_elements=tuple(b.padded for c in dense_chunks for b in c.buckets),
         expert_bucket_elements=tuple(b.padded for c in expert_chunks for b in c.buckets),
         host_gradient_bytes=sum(c.host_gradients for c in chunks),
-        optimizer_state_on_host=config.optimizer.optimizer_cpu_offload, reference_bytes=reference)
+        optimizer_state_on_host=config.optimizer.optimizer_cpu_offload,
+        reference_bytes=0 if precomputed else reference, reference_pass_bytes=reference if precomputed else 0)
 
 
 def reference_copy(config: Config) -> bool:
-    """Whether the run holds a second, frozen copy of the model: the reference of --dpo (and of --grpo with a KL
-    penalty), except under --peft lora (whose reference is the base with the adapters off)."""
-    return (config.data.dpo or (config.data.grpo and config.grpo.grpo_beta != 0)) and config.peft.peft != "lora"
+    """Whether the run builds a second, frozen copy of the model: the reference of --dpo (unless its loss needs none)
+    and of --grpo with a KL penalty, except under --peft lora (whose reference is the base with the adapters off)."""
+    dpo = config.data.dpo and config.training.dpo_uses_reference
+    return (dpo or (config.data.grpo and config.grpo.grpo_beta != 0)) and config.peft.peft != "lora"

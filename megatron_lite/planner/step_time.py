@@ -141,7 +141,7 @@ def chunk_time(layout: Layout, cluster: Cluster, chunk: ChunkShape) -> ChunkTime
     recomputed_layers = _recomputed_layers(layout, layers)
     recompute = tokens * sum(layer_flops[:recomputed_layers]) / t
     if config.training.recompute_granularity == "selective":
-        recompute = tokens * layers * flops.attention_core_flops_per_token(model) / t
+        recompute = tokens * sum(flops.attention_core_flops_per_token(model, n) for n in chunk.layer_numbers) / t
     time = ChunkTime(forward_compute=forward / rate, backward_compute=(2 * forward + recompute) / rate)
 
     activation = tokens * model.hidden_size * dtype_bytes(config)

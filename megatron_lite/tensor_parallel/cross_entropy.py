@@ -106,3 +106,21 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     if collectives.world_size(tp_group) == 1:
         return _CrossEntropy.apply(vocab_parallel_logits, target)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group)
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(vocab_parallel_logits: torch.Tensor, tp_group) -> torch.Tensor:
+    """Per-token entropy -sum_j p_j log p_j of the softmax of vocab-sharded logits [..., vocab / tp], without a
+    gradient (a logged statistic). With z the logits less their max over the ranks and Z = sum_j e^(z_j),
+    H = log Z - sum_j e^(z_j) z_j / Z: the same max and two sums, all-reduced as the cross entropy's. Logits of
+    -inf (padding rows of the vocabulary) contribute nothing."""
+    logits = vocab_parallel_logits.float()
+    logits_max = logits.max(dim=-1).values
+    collectives.all_reduce(logits_max, tp_group, op=torch.distributed.ReduceOp.MAX)
+    shifted = logits - logits_max.unsqueeze(-1)
+    exp = shifted.exp()
+    sum_exp = exp.sum(dim=-1)
+    # Two vocabulary-sized tensors at a time (the logits are the largest activation): the product in place.
+    sums = torch.stack([sum_exp, shifted.nan_to_num_(neginf=0.0).mul_(exp).sum(dim=-1)])
+    collectives.all_reduce(sums, tp_group)
+    return sums[0].log() - sums[1] / sums[0]

@@ -32,21 +32,34 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, plan: Ru
 
     Fourth: ``tokens_in(n)``, the tokens the first n training samples feed through the model (padding of
     --sft samples left out), which throughput counts."""
+    datasets = build_datasets(config, plan)
+    return (*positioned_iterators(config, parallel_state, datasets, consumed_train_samples, iteration),
+            tokens_counter(config, datasets[0]))
+
+
+def build_datasets(config: Config, plan: RunPlan) -> tuple:
+    """The run's (train, valid, test) datasets, sized for the samples it reads (None where a split is absent)."""
+    num_samples = _num_samples(config.training, plan.calculator, plan.train_iters)
+    if config.data.sft:
+        train_ds, valid_ds, test_ds = _build_sft_datasets(config, num_samples)
+    else:
+        (train_ds, valid_ds), test_ds = _build_datasets(config, num_samples, plan.train_iters)[:2], None
+    print_rank_last(f" data: train {train_ds.describe() if train_ds else 'none'} | "
+                    f"validation {valid_ds.describe() if valid_ds else 'none'}"
+                    + (f" | test {test_ds.describe()}" if test_ds else ""))
+    return train_ds, valid_ds, test_ds
+
+
+def positioned_iterators(config: Config, parallel_state: ParallelState, datasets: tuple, consumed_train_samples: int,
+                         iteration: int = 0) -> tuple:
+    """(train, valid, test) micro-batch iterators over ``datasets`` (``build_data_iterators``'); called again, a
+    second set over the same micro-batches (what --dpo-precompute-ref-log-probs scores ahead of training)."""
     training, data = config.training, config.data
     global_batch = training.global_batch(parallel_state.data_parallel_world_size)
     consumed_valid_samples = (iteration // training.eval_interval) * training.eval_iters * global_batch
     eod_token = None
     if data.eod_mask_loss:
         eod_token = build_model_tokenizer(dataclasses.asdict(data), config.model.vocab_size).eod
-    train_iters = plan.train_iters
-    num_samples = _num_samples(training, plan.calculator, train_iters)
-    if data.sft:
-        train_ds, valid_ds, test_ds = _build_sft_datasets(config, num_samples)
-    else:
-        (train_ds, valid_ds), test_ds = _build_datasets(config, num_samples, train_iters)[:2], None
-    print_rank_last(f" data: train {train_ds.describe() if train_ds else 'none'} | "
-                    f"validation {valid_ds.describe() if valid_ds else 'none'}"
-                    + (f" | test {test_ds.describe()}" if test_ds else ""))
     vpp = config.parallel.virtual_pipeline_model_parallel_size or 1
     # SFT samples are whole fields already (tokens, labels, masks), which the default collation stacks.
     collate_fn = torch.utils.data.default_collate if data.sft else None
@@ -63,10 +76,14 @@ def build_data_iterators(config: Config, parallel_state: ParallelState, plan: Ru
             for _ in range(vpp)]
         return made if vpp > 1 else made[0]
 
+    train_ds, valid_ds, test_ds = datasets
+    return loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples), loaders(test_ds, 0)
+
+
+def tokens_counter(config: Config, train_ds):
+    """``tokens_in(n)``: the tokens of the first n training samples (a fine-tuning set's without padding)."""
     seq_length = config.model.seq_length
-    tokens_in = train_ds.tokens_in if isinstance(train_ds, SFTDataset) else lambda samples: samples * seq_length
-    return (loaders(train_ds, consumed_train_samples), loaders(valid_ds, consumed_valid_samples), loaders(test_ds, 0),
-            tokens_in)
+    return train_ds.tokens_in if isinstance(train_ds, SFTDataset) else lambda samples: samples * seq_length
 
 
 def _num_samples(training: TrainingConfig, calculator: NumMicroBatchesCalculator,
@@ -91,6 +108,7 @@ def _build_sft_datasets(config: Config, num_samples: tuple):
         if not paths or count <= 0:
             datasets.append(None)
             continue
+        check_preprocessed_sft_token_ids(paths, config.model.vocab_size)
         if data.dpo:
             pairs = load_preference_pairs(paths, tokenizer, data.sft_tokenizer_prompt_format)
             datasets.append(PreferenceDataset(pairs, seq_length=config.model.seq_length, num_samples=count,
@@ -98,7 +116,6 @@ def _build_sft_datasets(config: Config, num_samples: tuple):
                                               pack_sequences=data.sft_pack_sequences))
             continue
         examples = load_sft_examples(paths, tokenizer, data.sft_tokenizer_prompt_format, record_format)
-        check_preprocessed_sft_token_ids(paths, config.model.vocab_size)
         datasets.append(SFTDataset(examples, seq_length=config.model.seq_length, num_samples=count,
                                    seed=config.training.seed, pad_token=tokenizer.pad,
                                    pack_sequences=data.sft_pack_sequences))

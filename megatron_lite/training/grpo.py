@@ -19,14 +19,17 @@ log-probabilities of logits / --temperature (what was sampled from), per complet
 
 where pi_old is the policy that sampled the batch (mu > 1: scored once, after sampling; mu = 1: the policy
 itself, detached, so ratio = 1). --grpo-loss-type averages the per-token losses over the global batch's
-completion tokens (dapo, TRL 1.16's default), per completion then over completions (grpo), or over
-completions x --max-new-tokens (dr_grpo): each is the per-token loss contract of ``loop.loss_func`` with its
-own count. The reference pi_ref (``reference_model``, only when --grpo-beta > 0) is scored once per batch
-of completions, in a forward-only pass of the schedule, as --dpo's.
+completion tokens (dapo, TRL 1.16's default), per completion then over completions (grpo), over completions x
+--max-new-tokens (dr_grpo), or over each micro-batch's completion tokens then over micro-batches (bnpo: TRL's
+"local batch" is a micro-batch, so it depends on --micro-batch-size as TRL's does on its per-device batch): each
+is the per-token loss contract of ``loop.loss_func`` with its own count. The reference pi_ref
+(``reference_model``, only when --grpo-beta > 0) is scored once per batch of completions, in a forward-only pass
+of the schedule, as --dpo's.
 
 The logged line carries TRL's numbers: ``reward`` (the mean of the batch's rewards), ``reward std`` (their
-standard deviation), ``kl`` (the mean of kl over completion tokens, with --grpo-beta > 0), ``completion
-length`` (mean tokens per completion, its EOD included) and ``clip ratio`` (the share of completion tokens
+standard deviation), ``kl`` (the mean of kl over completion tokens, with --grpo-beta > 0), ``entropy`` (the
+mean over completion tokens of the entropy of the distribution each was scored with, logits / --temperature),
+``completion length`` (mean tokens per completion, its EOD included) and ``clip ratio`` (the share of completion tokens
 whose ratio is clipped on the side its advantage pushes).
 """
 from __future__ import annotations
@@ -89,7 +92,7 @@ def per_token_losses(log_probs: torch.Tensor, old_log_probs: torch.Tensor, refer
 
 def logged_names(settings: LossSettings) -> tuple[str, ...]:
     kl = ("kl",) if settings.beta != 0 else ()
-    return ("grpo loss", "reward", "reward std", *kl, "completion length", "clip ratio")
+    return ("grpo loss", "reward", "reward std", *kl, "entropy", "completion length", "clip ratio")
 
 
 def completion_log_probs(output_tensor: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -98,9 +101,11 @@ def completion_log_probs(output_tensor: torch.Tensor, loss_mask: torch.Tensor) -
     return torch.where(loss_mask > 0, -output_tensor.float(), torch.zeros((), device=output_tensor.device))
 
 
-def grpo_loss_func(settings: LossSettings, batch: dict, output_tensor: torch.Tensor):
+def grpo_loss_func(settings: LossSettings, batch: dict, outputs: tuple[torch.Tensor, torch.Tensor]):
     """(sum of the micro-batch's losses, its count, the logged sums and counts): ``loop.loss_func``'s contract,
-    counting completion tokens (dapo) or completions (grpo, dr_grpo)."""
+    counting completion tokens (dapo), completions (grpo, dr_grpo) or micro-batches (bnpo). ``outputs``: the
+    model's per-token loss and entropy."""
+    output_tensor, entropy = outputs
     mask = batch["loss_mask"].float()
     log_probs = completion_log_probs(output_tensor, mask)
     old = batch[OLD_KEY] if OLD_KEY in batch else log_probs.detach()
@@ -111,6 +116,8 @@ def grpo_loss_func(settings: LossSettings, batch: dict, output_tensor: torch.Ten
         loss_sum, count = masked.sum(), mask.sum()
     elif settings.loss_type == "grpo":
         loss_sum, count = (masked.sum(dim=1) / tokens.clamp(min=1)).sum(), completions
+    elif settings.loss_type == "bnpo":  # TRL's local batch is a micro-batch: its token mean, one count each
+        loss_sum, count = masked.sum() / mask.sum().clamp(min=1), torch.ones((), device=mask.device)
     else:  # dr_grpo
         loss_sum, count = masked.sum() / settings.max_new_tokens, completions
     # Means over the global batch: of completions (the batch's reward statistics each completion carries) or of
@@ -118,6 +125,7 @@ def grpo_loss_func(settings: LossSettings, batch: dict, output_tensor: torch.Ten
     sums = {"grpo loss": (loss_sum.detach(), count), "reward": (batch["rewards"].sum(), completions),
             "reward std": (batch["reward_std"].sum(), completions),
             "kl": ((kl * mask).sum().detach() if kl is not None else None, mask.sum()),
+            "entropy": ((entropy * mask).sum(), mask.sum()),
             "completion length": (tokens.sum(), completions), "clip ratio": ((clipped * mask).sum(), mask.sum())}
     reported = {name: torch.stack([sums[name][0].float(), sums[name][1].float()]) for name in logged_names(settings)}
     return loss_sum, count.long(), reported
@@ -126,9 +134,9 @@ def grpo_loss_func(settings: LossSettings, batch: dict, output_tensor: torch.Ten
 def grpo_forward_step(settings: LossSettings, data_iterator, model):
     """The policy's forward of one micro-batch (``loop.forward_step``'s contract) and its GRPO loss."""
     batch = to_device(next(data_iterator))
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   temperature=settings.temperature)
-    return output, functools.partial(grpo_loss_func, settings, batch)
+    outputs = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                    temperature=settings.temperature, entropy=True)
+    return outputs, functools.partial(grpo_loss_func, settings, batch)
 
 
 def log_probs_forward_step(key: str, temperature: float, data_iterator, model):

@@ -45,7 +45,7 @@ from megatron_lite.process_groups.initialize import initialize_distributed
 from megatron_lite.process_groups.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 from megatron_lite.tensor_parallel.random import set_random_seeds
 from megatron_lite.training import dpo, grpo, host_memory, metrics, operations
-from megatron_lite.training.data_iterators import build_data_iterators
+from megatron_lite.training.data_iterators import build_datasets, positioned_iterators, tokens_counter
 from megatron_lite.planner import estimate_for_config, format_memory_estimate
 from megatron_lite.training.logger import TrainingLogger, format_startup_summary, is_last_rank, print_rank_last
 from megatron_lite.training.num_microbatches_calculator import NumMicroBatchesCalculator
@@ -284,17 +284,36 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
             config, parallel_state, model_chunks, grpo_inputs, run_schedule=_forward_backward,
             start_iteration=state.iteration).forward_backward
     else:
-        train_iterator, valid_iterator, test_iterator, tokens_in = build_data_iterators(
-            config, parallel_state, plan, state.consumed_train_samples, state.iteration)
+        datasets = build_datasets(config, plan)
+        train_iterator, valid_iterator, test_iterator = positioned_iterators(
+            config, parallel_state, datasets, state.consumed_train_samples, state.iteration)
+        tokens_in = tokens_counter(config, datasets[0])
     if config.data.dpo:  # the frozen reference's pass before the policy's (built after the policy is loaded)
-        forward_backward_func = dpo.DirectPreferenceOptimization(config, parallel_state, model_chunks,
-                                                                 run_schedule=_forward_backward).forward_backward
+        preference = dpo.DirectPreferenceOptimization(config, parallel_state, model_chunks,
+                                                      run_schedule=_forward_backward)
+        if config.training.dpo_precompute_ref_log_probs:  # one pass ahead over the same micro-batches, then freed
+            train_iterator, valid_iterator, test_iterator = preference.precompute_reference(
+                config, parallel_state, (train_iterator, valid_iterator, test_iterator),
+                positioned_iterators(config, parallel_state, datasets, state.consumed_train_samples, state.iteration),
+                micro_batches_ahead(config, parallel_state, plan.train_iters, state.iteration))
+        forward_backward_func = preference.forward_backward
     train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
           test_iterator, plan=plan, start_time=start_time, forward_backward_func=forward_backward_func,
           tokens_in=tokens_in)
     if not keep_process_group:
         destroy_model_parallel(parallel_state)
     return state, model_chunks, parallel_state
+
+
+def micro_batches_ahead(config: Config, parallel_state: ParallelState, train_iters: int,
+                        iteration: int) -> tuple[int, int, int]:
+    """The micro-batches a run at ``iteration`` will read from each split (train, validation, test), per data-parallel
+    rank, as ``_train`` reads them: a fixed batch each iteration, --eval-iters of them at each --eval-interval."""
+    training = config.training
+    per_batch = training.num_microbatches(parallel_state.data_parallel_world_size)
+    evaluations = train_iters // training.eval_interval - iteration // training.eval_interval
+    return (train_iters - iteration) * per_batch, evaluations * training.eval_iters * per_batch, \
+        training.eval_iters * per_batch
 
 
 def check_batches_ahead(config: Config, calculator: NumMicroBatchesCalculator, consumed_samples: int) -> None:

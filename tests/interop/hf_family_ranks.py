@@ -54,12 +54,12 @@ def tp2_pp2_rank(rank, world_size, runs, prompts, generation):
     return results
 
 
-def layouts_rank(rank, world_size, runs, layouts, generation):
-    """For each (checkpoint, input ids, prompt batches) of ``runs`` and each (tp, pp, ep) of ``layouts``: (logits of
-    the input ids on the last stage, else None; for each batch of prompts, the greedy tokens after its prompts with
-    ``generation``'s settings)."""
+def layouts_rank(rank, world_size, runs, generation):
+    """For each (checkpoint, input ids, prompt batches, layouts) of ``runs`` and each (tp, pp, ep) of its layouts:
+    (logits of the input ids on the last stage, else None; for each batch of prompts, the greedy tokens after its
+    prompts with ``generation``'s settings)."""
     results = []
-    for root, input_ids, prompt_batches in runs:
+    for root, input_ids, prompt_batches, layouts in runs:
         for tp, pp, ep in layouts:
             model, parallel_state = load(root, tp=tp, pp=pp, ep=ep)
             with torch.no_grad():

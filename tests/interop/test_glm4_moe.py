@@ -28,9 +28,8 @@ def glm(tmp_path_factory):
 def test_logits_and_greedy_generation_at_tensor_and_pipeline_parallel_equal_transformers(glm):
     """tp2 x pp2: the q/k/v biases and q/k norms split by heads over the tensor ranks, the dense layer on the first
     stage and the experts on the second."""
-    runs = [(glm.root, glm.input_ids, [PROMPTS[:3]])]
-    per_rank = run_distributed(layouts_rank, 4, args=(runs, [(2, 2, 1)], dict(max_new_tokens=MAX_NEW_TOKENS,
-                                                                                 eod=EOS)))
+    runs = [(glm.root, glm.input_ids, [PROMPTS[:3]], [(2, 2, 1)])]
+    per_rank = run_distributed(layouts_rank, 4, args=(runs, dict(max_new_tokens=MAX_NEW_TOKENS, eod=EOS)))
     expected = hf_generate(glm.hf_model, PROMPTS[:3])
     logits = [rank[0][0] for rank in per_rank if rank[0][0] is not None]
     assert len(logits) == 2

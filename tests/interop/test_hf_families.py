@@ -344,30 +344,41 @@ SFT_PAIRS = [([5, 6, 7, 8, 9, 10], [11, 12]), ([13, 14, 15], [16, 17, 18, 19, 20
              ([21, 22, 23, 24, 25, 26, 27], [28, 29, 30]), ([31, 32], [33, 34, 35, 36])]
 
 
+def sft_packings(root: str) -> list[bool]:
+    """Whether to run the --sft loss unpacked, and also packed: where something acts only on a packed sequence (a
+    window, a scan that must restart at each example: gated DeltaNet, Llama 4's chunks and temperature counted from
+    each example's first token)."""
+    model = read_config(root).model
+    positional = (model.window_size is not None or model.experimental_attention_variant is not None
+                  or model.attention_chunk_size is not None or model.attn_temperature_tuning)
+    return [False, True] if positional else [False]
+
+
+def sft_first_loss(root: str, tmp_path, *, pack: bool) -> float:
+    """The first loss of --sft through the trainer, from the checkpoint ``root`` on SFT_PAIRS: micro-batches of 2, or
+    one sequence of them all (--sft-pack-sequences)."""
+    data = _write_jsonl(tmp_path / "sft.jsonl", SFT_PAIRS)
+    base = training_config(root, str(tmp_path / "sft"), 1, 1)
+    batch = dict(micro_batch_size=1, global_batch_size=1) if pack else dict(micro_batch_size=2, global_batch_size=4)
+    config = dataclasses.replace(
+        base, model=dataclasses.replace(base.model, seq_length=48),
+        training=TrainingConfig(train_iters=1, eval_iters=1, **batch),
+        checkpoint=dataclasses.replace(base.checkpoint, save=None, save_interval=None),
+        data=DataConfig(sft=True, train_data_path=[data], tokenizer_type="NullTokenizer", sft_pack_sequences=pack))
+    state, _, parallel_state = pretrain(config, keep_process_group=True)
+    destroy_model_parallel(parallel_state)
+    return state.losses[0]
+
+
 def test_sft_first_loss_equals_transformers(family, tmp_path):
     """--sft through the trainer: the first loss is transformers' cross-entropy over the response tokens of the
     same examples, each run alone. With a sliding window, packed too: the window and the block-diagonal mask
     of --sft-pack-sequences must both act (either alone lets an example see another's or too-old tokens)."""
-    data = _write_jsonl(tmp_path / "sft.jsonl", SFT_PAIRS)
-    base = training_config(family.root, str(tmp_path / "sft"), 1, 1,
-                           optimizer=OptimizerConfig(optimizer="sgd", lr=0.1, lr_decay_style="constant"))
-    model = read_config(family.root).model
-    # A window, or a scan that must restart at each example (gated DeltaNet), acts only when packed.
-    windowed = model.window_size is not None or model.experimental_attention_variant is not None
     with torch.no_grad():
         expected = _transformers_response_loss(family.hf_model, SFT_PAIRS).item()
-    for pack in [False, True] if windowed else [False]:
-        batch = dict(micro_batch_size=1, global_batch_size=1) if pack else dict(micro_batch_size=2,
-                                                                               global_batch_size=4)
-        config = dataclasses.replace(
-            base, model=dataclasses.replace(base.model, seq_length=48),
-            training=TrainingConfig(train_iters=1, eval_iters=1, **batch),
-            checkpoint=dataclasses.replace(base.checkpoint, save=None, save_interval=None),
-            data=DataConfig(sft=True, train_data_path=[data], tokenizer_type="NullTokenizer",
-                            sft_pack_sequences=pack))
-        state, _, parallel_state = pretrain(config, keep_process_group=True)
-        destroy_model_parallel(parallel_state)
-        assert state.losses[0] == pytest.approx(expected, rel=1e-5), f"{family.name} packed={pack}"
+    for pack in sft_packings(family.root):
+        assert sft_first_loss(family.root, tmp_path, pack=pack) == pytest.approx(expected, rel=1e-5), (
+            f"{family.name} packed={pack}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,9 +393,11 @@ def test_unknown_fields_and_variants_are_refused_by_name(imports):
         hf_weights.model_config_from_hf({**qwen2, "use_sliding_window": True})
     with pytest.raises(ConfigError, match="rope scaling 'longrope'"):
         hf_weights.model_config_from_hf({**qwen2, "rope_parameters": {"rope_type": "longrope", "factor": 4.0}})
-    llama3 = dict(LLAMA3_ROPE, low_freq_factor=2.0)
-    with pytest.raises(ConfigError, match="rope_parameters.low_freq_factor"):
+    llama3 = dict(LLAMA3_ROPE, original_max_position_embeddings=4096)
+    with pytest.raises(ConfigError, match="rope_parameters.original_max_position_embeddings 4096"):
         hf_weights.model_config_from_hf({**qwen2, "rope_parameters": llama3})
+    factors = hf_weights.model_config_from_hf({**qwen2, "rope_parameters": dict(LLAMA3_ROPE, low_freq_factor=2.0)})
+    assert (factors.rope_scaling_low_freq_factor, factors.rope_scaling_high_freq_factor) == (2.0, 4.0)
     qwen3 = imports["qwen3"].hf_model.config.to_dict()
     with pytest.raises(ConfigError, match="attention_bias"):
         hf_weights.model_config_from_hf({**qwen3, "attention_bias": True})

@@ -94,7 +94,7 @@ def test_moe_logits_and_generation_equal_transformers_at_every_layout(moe):
             torch.testing.assert_close(model(moe.input_ids), moe.logits, atol=ATOL, rtol=1e-5)
     finally:
         destroy_model_parallel(parallel_state)
-    per_rank = run_distributed(layouts_rank, 4, args=([(moe.root, moe.input_ids, [PROMPTS])], [(2, 2, 1), (1, 2, 2)],
+    per_rank = run_distributed(layouts_rank, 4, args=([(moe.root, moe.input_ids, [PROMPTS], [(2, 2, 1), (1, 2, 2)])],
                                                       dict(max_new_tokens=MAX_NEW_TOKENS, eod=EOS)))
     last_stage = 0
     for results in per_rank:

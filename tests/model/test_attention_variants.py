@@ -1,11 +1,16 @@
-"""The sliding window's mask and the flags of the attention and RoPE variants (their numerics are checked
-against transformers in tests/interop/test_hf_families.py)."""
+"""The sliding window's and the chunks' masks, the NoPE layers' temperature, and the flags of the attention and RoPE
+variants (their numerics are checked against transformers in tests/interop/test_hf_families.py and
+test_hf_moe_families.py)."""
+import math
+
 import pytest
 import torch
 
 from megatron_lite import kernels
 from megatron_lite.config import ConfigError, ModelConfig
 from megatron_lite.model import dot_product_attention as attention
+from megatron_lite.model.attention_temperature import AttentionTemperature
+from megatron_lite.model.chunked_attention import ChunkedAttention
 from megatron_lite.model.embedding import rotary_freqs
 from megatron_lite.model.sliding_window import SlidingWindow, layer_window
 from megatron_lite.model.soft_capping import soft_capping
@@ -26,6 +31,32 @@ def test_window_after_cached_keys_and_with_a_given_mask():
     padding = torch.tensor([True, False, False, False, False, False])[None, None, None, :]
     mask = SlidingWindow(2).mask(padding, 1, 6, "cpu")
     assert mask[0, 0, 0].tolist() == [True, True, True, False, False, False]
+
+
+def _visible(mask: torch.Tensor) -> list:
+    return [[j for j in range(mask.shape[-1]) if not mask[..., i, j].item()] for i in range(mask.shape[-2])]
+
+
+def test_chunks_count_from_each_sequences_first_position():
+    """Chunks of 3: a packed row of examples of 4 and 3 tokens (the block-diagonal mask given), whose second
+    example starts its own chunks; one new token at position 4 after 6 cached keys, two of them left padding."""
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2]])
+    examples = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    packed = ((examples[:, None] != examples[None, :]) | torch.ones(7, 7, dtype=torch.bool).triu(1))[None, None]
+    mask = ChunkedAttention(3).mask(packed, positions, 7)
+    assert _visible(mask) == [[0], [0, 1], [0, 1, 2], [3], [4], [4, 5], [4, 5, 6]]
+    padding = torch.tensor([True, True, False, False, False, False, False])[None, None, None, :]
+    assert _visible(ChunkedAttention(3).mask(padding, torch.tensor([[4]]), 7)) == [[5, 6]]
+    # Keys within one chunk: nothing to add to the mask (None: causal).
+    assert ChunkedAttention(8).mask(None, positions, 7) is None
+
+
+def test_temperature_grows_each_floor_scale_positions():
+    query = torch.ones(6, 1, 2, 4)  # [s, b, heads, d]
+    tuned = AttentionTemperature(floor_scale=2, scale=0.5)(query, torch.arange(6)[None])
+    expected = [1.0, 1 + 0.5 * math.log(2), 1 + 0.5 * math.log(2), 1 + 0.5 * math.log(3), 1 + 0.5 * math.log(3),
+                1 + 0.5 * math.log(4)]
+    assert tuned[:, 0, 0, 0].tolist() == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -66,7 +66,8 @@ def _formula(model, tokens, labels, positions, loss_mask, documents, attention_m
     for k, layer in enumerate(model.mtp.layers, start=1):
         next_embeddings = embedding[_shifted(tokens, k)].transpose(0, 1)
         combined = torch.cat([_rms(next_embeddings, layer.enorm.weight), _rms(hidden, layer.hnorm.weight)], dim=-1)
-        inner = layer.mtp_model_layer(combined @ layer.eh_proj.weight.t(), rotary.global_angles, attention_mask)
+        inner = layer.mtp_model_layer(combined @ layer.eh_proj.weight.t(), rotary.global_angles, attention_mask,
+                                      positions)
         hidden = _rms(inner, layer.final_layernorm.weight)
         mask = _shifted(loss_mask, k) * (_shifted(documents, k) == documents)
         depth_losses.append((cross_entropy(hidden, _shifted(labels, k)) * mask).sum() / mask.sum())

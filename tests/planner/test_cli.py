@@ -164,7 +164,8 @@ def test_mixture_of_experts_from_hugging_face_configs(tmp_path, capsys, family):
 
 
 def test_parameters_total_and_active_are_the_published_ones(tmp_path):
-    """Mixtral 8x7B: 46.7 B parameters, 12.9 B active per token; OLMoE-1B-7B: 6.9 B, 1.3 B (their papers); gpt-oss."""
+    """Mixtral 8x7B: 46.7 B parameters, 12.9 B active per token; OLMoE-1B-7B: 6.9 B, 1.3 B (their papers); gpt-oss;
+    Llama 4."""
     from megatron_lite.interop.hf.weights import model_config_from_hf
     from megatron_lite.planner.report import describe_model
 
@@ -184,6 +185,16 @@ def test_parameters_total_and_active_are_the_published_ones(tmp_path):
                    "num_local_experts": experts, "num_experts_per_tok": 4, "max_position_embeddings": 4096,
                    "sliding_window": 128}
         assert expected in describe_model(model_config_from_hf(gpt_oss))
+    # Llama 4 Scout's and Maverick's language models: 107.77 B (transformers' Llama4ForCausalLM of Scout's text
+    # config counts 107,769,861,120; Meta's 109 B takes the vision encoder in) and 400 B, 17 B active: a top-1 expert
+    # and the shared expert in every MoE layer (Scout's 48 of 16 experts, Maverick's 24 of 128, dense MLPs between).
+    llama4 = {"model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+              "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
+              "num_key_value_heads": 8, "head_dim": 128, "num_experts_per_tok": 1, "max_position_embeddings": 4096}
+    for experts, step, expected in ((16, 1, "107.77 B parameters (17.17 B active"),
+                                    (128, 2, "400.71 B parameters (17.19 B active")):
+        config = model_config_from_hf(dict(llama4, num_local_experts=experts, interleave_moe_layer_step=step))
+        assert expected in describe_model(config)
 
 
 @pytest.mark.parametrize("argv,message", [

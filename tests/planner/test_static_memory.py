@@ -171,7 +171,14 @@ FIELDS = {"gpt": {}, "rmsnorm": dict(normalization="RMSNorm"), "no-bias": dict(a
           "vocab-padding": dict(make_vocab_size_divisible_by=1),
           # gpt-oss's: sinks per head, biased router and experts (fc1's split with its rows, fc2's whole).
           "sinks": dict(softmax_type="learnable"),
-          "moe-biases": dict(num_experts=4, swiglu=True, moe_ffn_hidden_size=16, quick_geglu=True)}
+          "moe-biases": dict(num_experts=4, swiglu=True, moe_ffn_hidden_size=16, quick_geglu=True),
+          # Llama 4's: a NoPE dense layer, then chunked attention with weightless q/k norms and top-1 experts fed
+          # their routing weight, beside a shared expert as wide.
+          "llama4": dict(position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False, swiglu=True,
+                         ffn_hidden_size=48, no_rope_freq="[1, 0]", attention_chunk_size=4, qk_l2_norm=True,
+                         attn_temperature_tuning=True, num_experts=4, moe_router_topk=1,
+                         moe_router_score_function="sigmoid", moe_apply_probs_on_input=True, moe_ffn_hidden_size=16,
+                         moe_shared_expert_intermediate_size=16, moe_layer_freq="[0,1]")}
 
 
 @pytest.mark.parametrize("field", FIELDS)

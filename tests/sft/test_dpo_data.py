@@ -1,6 +1,7 @@
 """--dpo's data: TRL's preference records in every file format, the chat template applied, the loss mask on the
 answer only, pairs kept whole by padding, packing and truncation; and the errors a bad run gets."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -69,6 +70,44 @@ def test_a_pair_is_never_split_padded_packed_or_truncated(tmp_path, pack):
     assert (40,) not in seen  # the pair whose prompt fills the sequence is dropped
 
 
+def test_preprocessed_pairs_read_as_the_jsonl_and_each_kind_refuses_the_other(tmp_path, capsys):
+    """tools/preprocess_data.py --dpo writes a pair per document (chosen, rejected); read back, the pairs and the
+    padded and packed (truncating) samples equal the JSONL's, a bad line is named and skipped, and --sft data is
+    not taken for pairs nor pairs for --sft data."""
+    from megatron_lite.data.sft import load_sft_examples
+    from tools.preprocess_data import main as preprocess_data
+
+    records = RECORDS + [{"prompt": "20 21 22 23 24 25 26", "chosen": " 27 28 29 30", "rejected": " 31"}]
+    data = _jsonl(tmp_path / "pairs.jsonl", records[:2] + [{"prompt": "1", "chosen": " 2"}] + records[2:])
+    common = ["--input", data, "--tokenizer-type", "NullTokenizer", "--vocab-size", "63"]
+    assert preprocess_data(["--dpo", *common, "--output-prefix", str(tmp_path / "pairs")]) == 0
+    assert "pairs.jsonl:3: a preference record needs" in capsys.readouterr().err
+    direct = load_preference_pairs([_jsonl(tmp_path / "good.jsonl", records)], NULL, "plain")
+    preprocessed = load_preference_pairs([str(tmp_path / "pairs")], NULL, "plain")
+    assert _sides(preprocessed) == _sides(direct) and len(direct) == 4
+    for pack in (False, True):
+        samples = [PreferenceDataset(pairs, seq_length=10, num_samples=8, seed=1, pad_token=63, pack_sequences=pack)
+                   for pairs in (direct, preprocessed)]
+        assert samples[0].num_truncated == 1
+        for index in range(8):
+            assert all(np.array_equal(samples[0][index][key], samples[1][index][key]) for key in samples[0][index])
+    losses = []  # trained from either source (ORPO: no reference checkpoint needed), the same loss
+    for source in (str(tmp_path / "good.jsonl"), str(tmp_path / "pairs")):
+        assert pretrain_main(["--dpo", "--dpo-loss-type", "orpo", "--train-data-path", source, "--tokenizer-type",
+                              "NullTokenizer", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16",
+                              "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
+                              "--global-batch-size", "4", "--train-iters", "2", "--log-interval", "1"]) == 0
+        losses.append(re.findall(r"dpo loss: (\S+)", capsys.readouterr().out))
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+    with pytest.raises(ValueError, match="holds preference pairs, but this run reads fine-tuning examples"):
+        load_sft_examples([str(tmp_path / "pairs")], NULL, "plain")
+    sft = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "1 2", "response": " 3"}])
+    assert preprocess_data(["--sft", *common[:1], sft, *common[2:], "--output-prefix", str(tmp_path / "sft")]) == 0
+    with pytest.raises(ValueError, match="holds fine-tuning examples, but this run reads preference pairs: "
+                                         "preprocess its records with tools/preprocess_data.py --dpo"):
+        load_preference_pairs([str(tmp_path / "sft")], NULL, "plain")
+
+
 def test_a_record_missing_chosen_or_rejected_names_the_file_and_line(tmp_path, capsys):
     data = _jsonl(tmp_path / "pairs.jsonl", RECORDS[:1] + [{"prompt": "1", "chosen": " 2"}])
     with pytest.raises(ValueError, match=r"pairs.jsonl:2: a preference record needs \"chosen\" and \"rejected\""
@@ -85,18 +124,33 @@ def test_dpo_without_a_reference_is_refused_by_name(tmp_path, capsys):
     assert "error: --dpo needs a reference model: give --pretrained-checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--dpo-precompute-ref-log-probs"], "--dpo-precompute-ref-log-probs needs --dpo"),
+    (["--dpo", "--dpo-loss-type", "orpo", "--dpo-precompute-ref-log-probs"],
+     "--dpo-loss-type orpo has no reference model to precompute"),
+    (["--dpo", "--dpo-cpo-alpha", "1", "--pretrained-checkpoint", "base"], "are SimPO's: add --dpo-loss-type simpo"),
+    (["--dpo", "--dpo-loss-type", "orpo", "--dpo-label-smoothing", "0.1"], "smooths the sigmoid and simpo losses")])
+def test_the_new_preference_flags_are_refused_where_they_mean_nothing(tmp_path, capsys, flags, message):
+    data = _jsonl(tmp_path / "pairs.jsonl", RECORDS)
+    code = pretrain_main(flags + ["--train-data-path", data, "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                                  "64", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+                                  "--seq-length", "16", "--micro-batch-size", "2"] + ([] if "--dpo" in flags else
+                                                                                      ["--sft"]))
+    assert code != 0 and message in capsys.readouterr().err
+
+
 def test_the_planner_counts_the_reference_whole_on_every_data_parallel_rank_and_none_under_lora():
     from megatron_lite.config import (CheckpointConfig, Config, DataConfig, ModelConfig, ParallelConfig, PeftConfig,
                                       TrainingConfig)
     from megatron_lite.model.builder import count_parameters
     from megatron_lite.planner.static_memory import static_memory
 
-    def memory(peft=None, strategy=None):
+    def memory(peft=None, strategy=None, **training):
         config = Config(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                                           vocab_size=64),
                         parallel=ParallelConfig(data_parallel_sharding_strategy=strategy),
                         data=DataConfig(dpo=True, train_data_path=["pairs.jsonl"], tokenizer_type="NullTokenizer"),
-                        training=TrainingConfig(micro_batch_size=2), peft=PeftConfig(peft=peft),
+                        training=TrainingConfig(micro_batch_size=2, **training), peft=PeftConfig(peft=peft),
                         checkpoint=CheckpointConfig(pretrained_checkpoint="base"))
         return config, static_memory(config, pipeline_rank=0, data_parallel_size=2)
     config, replicated = memory()
@@ -104,3 +158,23 @@ def test_the_planner_counts_the_reference_whole_on_every_data_parallel_rank_and_
     assert replicated.reference_bytes == zero3.reference_bytes == 4 * count_parameters(config).total
     assert zero3.parameter_bytes < zero3.reference_bytes  # the policy is sharded, the reference is not
     assert memory(peft="lora")[1].reference_bytes == 0
+    assert memory(dpo_loss_type="simpo")[1].reference_bytes == 0  # a loss without a reference builds none
+    # Precomputed: held only for the pass before training, so out of the static bytes, in the peak beside the pass's
+    _, precomputed = memory(dpo_precompute_ref_log_probs=True)
+    assert (precomputed.reference_bytes, precomputed.reference_pass_bytes) == (0, replicated.reference_bytes)
+    assert precomputed.device_bytes == replicated.device_bytes - replicated.reference_bytes
+
+
+def test_the_planner_command_plans_a_dpo_run_and_shows_the_reference(capsys):
+    """``python -m megatron_lite.plan`` takes --dpo with its --train-data-path (never read): the reference is a line of
+    the memory account, held through training or, precomputed, only before it."""
+    from megatron_lite.plan import main as plan_main
+
+    flags = ["--cluster", "h100-80g", "--num-gpus", "4", "--num-layers", "2", "--hidden-size", "64",
+             "--num-attention-heads", "4", "--seq-length", "64", "--vocab-size", "256", "--global-batch-size", "8",
+             "--micro-batch-size", "2", "--tensor-model-parallel-size", "2", "--dpo", "--train-data-path",
+             "pairs.jsonl", "--pretrained-checkpoint", "base", "--tokenizer-type", "NullTokenizer"]
+    assert plan_main(flags) == 0
+    assert "reference model (frozen)" in capsys.readouterr().out
+    assert plan_main(flags + ["--dpo-precompute-ref-log-probs"]) == 0
+    assert "reference model, before training" in capsys.readouterr().out

@@ -50,38 +50,49 @@ def imported(tmp_path_factory):
     return hf_dir, ckpt, str(data)
 
 
-def _trl_run(hf_dir: str, tmp_path, loss_type: str) -> list[tuple]:
+def _trl_run(hf_dir: str, tmp_path, loss_type: str, **settings) -> list[tuple]:
+    """TRL's loss, rewards and pre-clipping grad norm per step: DPOTrainer, or for simpo CPOTrainer and for orpo
+    ORPOTrainer (``trl.experimental``); ``settings`` go to the trainer's config."""
     vocab = {str(i): i for i in range(EOD)} | {"<eos>": EOD}
     word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<eos>"))
     word_level.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="<eos>",
                                                      pad_token="<eos>")
     records = []
+    if loss_type == "simpo":
+        from trl.experimental.cpo import CPOConfig as Config, CPOTrainer as Trainer
+        settings |= dict(loss_type="simpo")
+    elif loss_type == "orpo":
+        from trl.experimental.orpo import ORPOConfig as Config, ORPOTrainer as Trainer
+    else:
+        Config, Trainer = trl.DPOConfig, trl.DPOTrainer
+        settings |= dict(loss_type=[loss_type])
 
-    class Recording(trl.DPOTrainer):
+    class Recording(Trainer):
         def training_step(self, *args, **kwargs):
             loss = super().training_step(*args, **kwargs)
-            metrics = self._metrics["train"]
+            metrics = self._metrics["train"] if hasattr(self, "_metrics") else self._stored_metrics["train"]
             norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in self.model.parameters()))
-            records.append((loss.item(), *(metrics[name][-1] for name in TRL_FIELDS), norm.item()))
+            records.append((loss.item(), *(metrics[name][-1] for name in TRL_FIELDS), norm.item(),
+                            *metrics.get("nll_loss", [])[-1:]))
             return loss
 
-    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, max_steps=STEPS,
-                         learning_rate=1e-2, lr_scheduler_type="constant", weight_decay=0.0, adam_epsilon=1e-8,
-                         max_grad_norm=1.0, report_to="none", use_cpu=True, save_strategy="no", bf16=False,
-                         beta=0.1, loss_type=[loss_type], seed=0, disable_tqdm=True)
+    args = Config(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, max_steps=STEPS,
+                  learning_rate=1e-2, lr_scheduler_type="constant", weight_decay=0.0, adam_epsilon=1e-8,
+                  max_grad_norm=1.0, report_to="none", use_cpu=True, save_strategy="no", bf16=False, beta=0.1, seed=0,
+                  disable_tqdm=True, **settings)
     pairs = datasets.Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
     Recording(model=transformers.LlamaForCausalLM.from_pretrained(hf_dir), args=args, train_dataset=pairs,
               processing_class=tokenizer).train()
     return records
 
 
-def dpo_config(ckpt: str, data: str, *, loss_type: str = "sigmoid", label_smoothing: float = 0.0, steps=STEPS):
+def dpo_config(ckpt: str, data: str, *, loss_type: str = "sigmoid", steps=STEPS, **dpo):
     saved = read_config(ckpt)
     return dataclasses.replace(
         saved, model=dataclasses.replace(saved.model, seq_length=32, hidden_dropout=0.0, attention_dropout=0.0),
         training=TrainingConfig(micro_batch_size=4, global_batch_size=8, train_iters=steps, dpo_loss_type=loss_type,
-                                dpo_beta=0.1, dpo_label_smoothing=label_smoothing),
+                                dpo_beta=0.1, **dpo),
         optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.0, adam_eps=1e-8, clip_grad=1.0, lr_decay_style="constant"),
         data=DataConfig(dpo=True, train_data_path=[data], tokenizer_type="NullTokenizer"),
         checkpoint=CheckpointConfig(pretrained_checkpoint=ckpt),
@@ -89,23 +100,34 @@ def dpo_config(ckpt: str, data: str, *, loss_type: str = "sigmoid", label_smooth
 
 
 def logged(output: str) -> list[tuple]:
-    """Each iteration line's DPO fields and grad norm."""
+    """Each iteration line's DPO fields, grad norm and (SimPO with an NLL term, ORPO) nll loss."""
     lines = [line for line in output.splitlines() if line.startswith(" iteration ")]
-    return [tuple(float(re.search(rf"\| {name}: ([-+.\dE]+) \|", line).group(1)) for name in FIELDS)
-            for line in lines]
+    return [tuple(float(match.group(1)) for name in FIELDS + ("nll loss",)
+                  if (match := re.search(rf"\| {name}: ([-+.\dE]+) \|", line))) for line in lines]
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
-def test_losses_rewards_and_grad_norms_equal_trl_every_iteration(imported, tmp_path, capsys, loss_type):
+# (our loss type and flags, TRL's settings): the reference-free losses against CPOTrainer (SimPO; with cpo_alpha,
+# its NLL of the chosen answers) and ORPOTrainer; the reference's log-probabilities precomputed on both sides.
+RUNS = {"sigmoid": ("sigmoid", {}, {}), "ipo": ("ipo", {}, {}), "hinge": ("hinge", {}, {}),
+        "sigmoid, precomputed": ("sigmoid", dict(dpo_precompute_ref_log_probs=True),
+                                 dict(precompute_ref_log_probs=True)),
+        "simpo": ("simpo", dict(dpo_simpo_gamma=0.3, dpo_cpo_alpha=0.5), dict(simpo_gamma=0.3, cpo_alpha=0.5)),
+        "orpo": ("orpo", {}, {})}
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_losses_rewards_and_grad_norms_equal_trl_every_iteration(imported, tmp_path, capsys, run):
     hf_dir, ckpt, data = imported
-    expected = _trl_run(hf_dir, tmp_path, loss_type)
+    loss_type, ours_flags, trl_settings = RUNS[run]
+    expected = _trl_run(hf_dir, tmp_path, loss_type, **trl_settings)
     capsys.readouterr()
-    state, _, _ = loop.pretrain(dpo_config(ckpt, data, loss_type=loss_type))
+    state, _, _ = loop.pretrain(dpo_config(ckpt, data, loss_type=loss_type, **ours_flags))
     ours = logged(capsys.readouterr().out)
     assert len(ours) == len(expected) == STEPS
     assert state.losses == pytest.approx([row[0] for row in expected], abs=1e-5)
     for mine, theirs in zip(ours, expected):
-        assert mine[:5] == pytest.approx(theirs[:5], abs=1e-5)
+        assert len(mine) == len(theirs)
+        assert mine[:5] + mine[6:] == pytest.approx(theirs[:5] + theirs[6:], abs=1e-5)  # and the nll loss
         assert mine[5] == pytest.approx(theirs[5], abs=1e-3)  # the log prints 3 decimals
     if loss_type == "sigmoid":
         assert state.losses[0] == pytest.approx(math.log(2), abs=1e-7)  # the policy is the reference
@@ -118,7 +140,7 @@ def test_label_smoothing_scales_the_first_gradient_by_one_minus_twice_epsilon(im
     _, ckpt, data = imported
     norms = []
     for smoothing in (0.0, 0.25):
-        state, _, _ = loop.pretrain(dpo_config(ckpt, data, label_smoothing=smoothing, steps=1))
+        state, _, _ = loop.pretrain(dpo_config(ckpt, data, dpo_label_smoothing=smoothing, steps=1))
         assert state.losses[0] == pytest.approx(math.log(2), abs=1e-7)
         norms.append(logged(capsys.readouterr().out)[0][5])
     assert norms[1] == pytest.approx(0.5 * norms[0], abs=2e-3)

@@ -39,8 +39,8 @@ def low_ids(prompts, completions, completion_ids, **kwargs):
 def short(prompts, completions, **kwargs):
     return [-len(text.split()) / 5 for text in completions]
 '''
-FIELDS = ("grpo loss", "reward", "reward std", "kl", "completion length", "clip ratio", "grad norm")
-TRL_FIELDS = ("reward", "reward_std", "kl", "completions/mean_length", "clip_ratio/region_mean")
+FIELDS = ("grpo loss", "reward", "reward std", "kl", "entropy", "completion length", "clip ratio", "grad norm")
+TRL_FIELDS = ("reward", "reward_std", "kl", "entropy", "completions/mean_length", "clip_ratio/region_mean")
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +81,11 @@ def logged(output: str, fields=FIELDS) -> list[dict]:
              if (match := re.search(rf"\| {name}: ([-+.\dE]+) \|", line))} for line in lines]
 
 
-def _trl_run(hf_dir: str, tmp_path, completions: dict, reward_file: str, steps=STEPS, **settings) -> list[dict]:
+def _trl_run(hf_dir: str, tmp_path, completions: dict, reward_file: str, steps=STEPS, micro_batch=GROUP * len(PROMPTS),
+             **settings) -> list[dict]:
     """TRL's per-step loss, metrics and pre-clipping gradient norm, sampling replaced by our completions
-    (``completions[(batch, prompt ids)]``: the completions of that prompt in our batch, in order)."""
+    (``completions[(batch, prompt ids)]``: the completions of that prompt in our batch, in order); with a
+    ``micro_batch`` below the batch, one record per micro-batch (gradient accumulation)."""
     vocab = {str(i): i for i in range(EOD)} | {"<eos>": EOD}
     word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<eos>"))
     word_level.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
@@ -105,11 +107,12 @@ def _trl_run(hf_dir: str, tmp_path, completions: dict, reward_file: str, steps=S
             metrics = self._metrics["train"]
             norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in self.model.parameters()))
             records.append({"grpo loss": loss.item(), "grad norm": norm.item(),
-                            **{ours: metrics[theirs][-1] for ours, theirs in zip(FIELDS[1:6], TRL_FIELDS)
+                            **{ours: metrics[theirs][-1] for ours, theirs in zip(FIELDS[1:7], TRL_FIELDS)
                                if metrics.get(theirs)}})
             return loss
 
-    args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=GROUP * len(PROMPTS),
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=micro_batch,
+                          gradient_accumulation_steps=GROUP * len(PROMPTS) // micro_batch,
                           num_generations=GROUP, max_completion_length=NEW_TOKENS, max_steps=steps,
                           learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, adam_epsilon=1e-8,
                           max_grad_norm=1.0, report_to="none", use_cpu=True, save_strategy="no", bf16=False,
@@ -144,8 +147,8 @@ def test_loss_and_logged_numbers_equal_trl_every_iteration(imported, tmp_path, c
     assert len(ours) == len(expected) == STEPS
     assert state.losses == pytest.approx([row["grpo loss"] for row in expected], abs=1e-5)
     for iteration, (mine, theirs) in enumerate(zip(ours, expected)):
-        for name in ("kl", "clip ratio") + (("reward", "reward std", "completion length") if iteration % 2 == 0
-                                            else ()):
+        for name in ("kl", "entropy", "clip ratio") + (("reward", "reward std", "completion length")
+                                                       if iteration % 2 == 0 else ()):
             assert mine[name] == pytest.approx(theirs[name], abs=1e-5), (iteration, name)
         assert mine["grad norm"] == pytest.approx(theirs["grad norm"], abs=1e-3)  # the log prints 3 decimals
     assert ours[0]["kl"] == 0 and ours[0]["clip ratio"] == 0  # the policy is the reference and the sampler
@@ -169,3 +172,30 @@ def test_the_other_normalisations_equal_trl_without_a_reference(imported, tmp_pa
     assert state.losses == pytest.approx([row["grpo loss"] for row in expected], abs=1e-5)
     assert [row["grad norm"] for row in ours] == pytest.approx([row["grad norm"] for row in expected], abs=1e-3)
     assert all("kl" not in row for row in ours)
+
+
+def test_bnpo_averages_per_micro_batch_as_trl_does_per_local_batch(imported, tmp_path, capsys, monkeypatch):
+    """--grpo-loss-type bnpo: each micro-batch's mean over its completion tokens, then the mean over micro-batches.
+    TRL's "local batch" is ours: 2 micro-batches of 4 completions against per_device_train_batch_size 4 with 2
+    accumulation steps, TRL's shuffle of the batch of completions replaced by none so that its micro-batches hold
+    ours. --seed 10 samples a short completion in each batch (asserted), so the micro-batches differ in tokens and
+    bnpo differs from dapo: loss and grad norm per iteration as TRL's."""
+    hf_dir, ckpt, data, reward_file = imported
+    runs = {}
+    for loss_type in ("bnpo", "dapo"):
+        log = str(tmp_path / f"{loss_type}.jsonl")
+        config = grpo_config(ckpt, data, reward_file, log, steps=2, grpo_beta=0.0, grpo_iterations=1,
+                             grpo_loss_type=loss_type)
+        config.training.seed = 10
+        state, _, _ = loop.pretrain(config)
+        runs[loss_type] = state.losses, logged(capsys.readouterr().out)
+    lengths = [len(json.loads(line)["completion_ids"]) for line in open(tmp_path / "bnpo.jsonl")]
+    assert all(sum(lengths[i:i + GROUP]) != sum(lengths[i + GROUP:i + 2 * GROUP]) for i in (0, 2 * GROUP))
+    monkeypatch.setattr(trl.trainer.grpo_trainer, "shuffle_sequence_dict", lambda batch: batch)
+    expected = _trl_run(hf_dir, tmp_path, _completions_by_batch(str(tmp_path / "bnpo.jsonl"), 1), reward_file,
+                        steps=2, micro_batch=GROUP, beta=0.0, num_iterations=1, reward_weights=[1.0, 0.5],
+                        temperature=0.9, loss_type="bnpo")
+    losses, ours = runs["bnpo"]
+    step_losses = [expected[i]["grpo loss"] + expected[i + 1]["grpo loss"] for i in (0, 2)]  # each micro-batch's
+    assert losses == pytest.approx(step_losses, abs=1e-6) and losses != pytest.approx(runs["dapo"][0], abs=1e-4)
+    assert [row["grad norm"] for row in ours] == pytest.approx([row["grad norm"] for row in expected[1::2]], abs=1e-3)

@@ -1,5 +1,6 @@
 """Vocab-parallel cross entropy against torch.nn.functional.cross_entropy, value and gradient: the three-reduction
-form on 2 and 4 ranks, the fused log_softmax form that one rank takes, and the two forms against each other."""
+form on 2 and 4 ranks, the fused log_softmax form that one rank takes, and the two forms against each other; the
+vocab-parallel entropy (--grpo's logged statistic) against torch's, with -inf padding on the last rank."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,7 +8,8 @@ import torch.nn.functional as F
 from megatron_lite.process_groups.collectives import count_collectives
 from megatron_lite.process_groups.parallel_state import initialize_model_parallel
 from megatron_lite.tensor_parallel import vocab_parallel_cross_entropy
-from megatron_lite.tensor_parallel.cross_entropy import _CrossEntropy, _VocabParallelCrossEntropy
+from megatron_lite.tensor_parallel.cross_entropy import (_CrossEntropy, _VocabParallelCrossEntropy,
+                                                       vocab_parallel_entropy)
 
 S, B, V = 6, 3, 32
 
@@ -35,6 +37,11 @@ def _check(rank, world_size):
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(local.grad, expected_grad.chunk(world_size, dim=-1)[rank], rtol=1e-5, atol=1e-6)
     assert loss.shape == (S, B)
+    padded = logits / 10  # spread: entropies well above 0
+    padded[..., -3:] = float("-inf")  # the vocabulary's padding rows, on the last rank
+    entropy = vocab_parallel_entropy(padded.chunk(world_size, dim=-1)[rank], group)
+    torch.testing.assert_close(entropy, torch.distributions.Categorical(logits=padded).entropy(), rtol=1e-5,
+                               atol=1e-5)
     return dict(forward_count.calls), dict(backward_count.calls)
 
 

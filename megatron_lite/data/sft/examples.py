@@ -8,7 +8,8 @@ unknown role) is reported as ``file:line`` (``file:row`` in a table).
 
 Preprocessed (``tools/preprocess_data.py --sft``): ``{prefix}_text_document`` holds the ids and
 ``{prefix}_loss_mask_document`` the masks, one sequence per example with equal lengths;
-``{prefix}_prompt_format.json`` records the chat template they were rendered with.
+``{prefix}_prompt_format.json`` records the chat template they were rendered with. Preference pairs
+(``--dpo``, ``preference``) are written alike, a pair being one document of two sequences, chosen then rejected.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def count_sft_examples(paths: list[str], record_format: RecordFormat = RecordFor
     count = 0
     for path in paths:
         if is_preprocessed_sft(path):
-            count += len(IndexedDataset(output_prefix_for(path, TOKENS_KEY)).sequence_lengths)
+            count += len(read_preprocessed(path)[0])
         else:
             count += len(read_conversations(path, record_format))
     return count
@@ -169,8 +170,9 @@ def is_preprocessed_sft(path: str) -> bool:
 def _read_source(path: str, tokenizer, prompt_format: str, record_format: RecordFormat) -> tuple[tuple, str]:
     """(ids, masks, lengths) of one source, and what it was read as ("a.json: JSON array of alpaca records")."""
     if is_preprocessed_sft(path):
-        _check_prompt_format(path, prompt_format)
-        return _read_preprocessed(path), f"{path}: preprocessed"
+        check_prompt_format(path, prompt_format)
+        tokens, masks = read_preprocessed(path)
+        return (tokens, masks, tokens.sequence_lengths), f"{path}: preprocessed"
     ids, masks, problems, formats = [], [], [], {}
     for _, number, line in records_of(path):
         try:
@@ -198,7 +200,7 @@ def write_prompt_format(prefix: str, prompt_format: str) -> None:
         json.dump({"sft_tokenizer_prompt_format": prompt_format}, f)
 
 
-def _check_prompt_format(prefix: str, prompt_format: str) -> None:
+def check_prompt_format(prefix: str, prompt_format: str) -> None:
     """The template baked into preprocessed ids must be the run's: the run saves it in its checkpoints, and
     generation renders prompts with it. Data preprocessed before the record existed is not checked."""
     path = prompt_format_file(prefix)
@@ -212,11 +214,24 @@ def _check_prompt_format(prefix: str, prompt_format: str) -> None:
                           f"data again with {prompt_format}).")
 
 
-def _read_preprocessed(prefix: str) -> tuple:
+# What a preprocessed prefix holds, by its sequences per document (``read_preprocessed``).
+PREPROCESSED_KINDS = {1: ("fine-tuning examples", "--sft"), 2: ("preference pairs", "--dpo")}
+
+
+def read_preprocessed(prefix: str, sequences_per_document: int = 1) -> tuple[IndexedDataset, IndexedDataset]:
+    """(ids, loss masks) of a preprocessed prefix, checked to be written together and to hold
+    ``sequences_per_document`` sequences in each document: 1, fine-tuning examples; 2, preference pairs."""
     tokens = IndexedDataset(output_prefix_for(prefix, TOKENS_KEY))
     masks = IndexedDataset(output_prefix_for(prefix, LOSS_MASK_KEY))
     if not np.array_equal(tokens.sequence_lengths, masks.sequence_lengths):
         raise SFTDataError(f"{output_prefix_for(prefix, TOKENS_KEY)} and {output_prefix_for(prefix, LOSS_MASK_KEY)} "
                            "differ in their examples' lengths: they were not written together. Rerun "
                            "tools/preprocess_data.py --sft.")
-    return tokens, masks, tokens.sequence_lengths
+    per_document = np.unique(np.diff(tokens.document_indices))
+    if not np.array_equal(per_document, [sequences_per_document]):
+        wanted, flag = PREPROCESSED_KINDS[sequences_per_document]
+        found = PREPROCESSED_KINDS.get(int(per_document[0]), ("other documents",))[0] if len(per_document) == 1 \
+            else "documents of different numbers of sequences"
+        raise SFTDataError(f"{prefix} holds {found}, but this run reads {wanted}: preprocess its records with "
+                           f"tools/preprocess_data.py {flag}, or give data of the run's kind.")
+    return tokens, masks

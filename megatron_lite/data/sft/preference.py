@@ -9,6 +9,9 @@ Each side is the conversation prompt + answer, rendered with the chat template a
 fine-tuning example (``prompt_format``); its loss mask covers the answer's tokens and the closing EOD only,
 not earlier assistant turns of the prompt.
 
+Preprocessed (``tools/preprocess_data.py --dpo``): the ids and loss masks of ``examples``' fine-tuning prefix, each
+pair one document of two sequences (chosen, rejected), read as the records would be.
+
 A pair is two sequences, chosen then rejected, and a sample is one sequence: sample 2k holds the chosen
 side of pair-sample k and sample 2k + 1 its rejected side, so a micro-batch of an even size holds whole
 pairs. Padded (the default), a pair-sample is one pair; packed (``--sft-pack-sequences``), pairs in order
@@ -20,11 +23,13 @@ pair that keeps no answer token on one side is dropped, and counted.
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 
 from megatron_lite.config import ConfigError
-from megatron_lite.data.sft.examples import read_records
+from megatron_lite.data.sft.examples import (LOSS_MASK_KEY, TOKENS_KEY, check_prompt_format, is_preprocessed_sft,
+                                             read_preprocessed, read_records)
 from megatron_lite.data.sft.formats import SFTDataError, checked_messages
 from megatron_lite.data.sft.prompt_format import format_prompt, tokenize_conversation
 from megatron_lite.data.sft.sft_dataset import EpochLayout, build_sample, example_positions
@@ -79,37 +84,77 @@ def tokenize_side(prompt: list[dict], answer: list[dict], tokenizer, prompt_form
     return ids, mask
 
 
-class PreferencePairs:
-    """Tokenized pairs: ``get(i) -> ((chosen ids, mask), (rejected ids, mask))`` and each side's ``lengths``."""
+def encode_preference_line(line: str, tokenizer, prompt_format: str):
+    """One record's JSON text -> ({TOKENS_KEY: [chosen ids, rejected ids], LOSS_MASK_KEY: [their masks]}, None), or
+    (None, problem) for a bad one: what tools/preprocess_data.py --dpo writes, a pair per document."""
+    try:
+        sides = [tokenize_side(*side, tokenizer, prompt_format)
+                 for side in _side_messages(parse_preference_record(json.loads(line)))]
+    except json.JSONDecodeError as error:
+        return None, f"malformed JSON ({error.msg} at column {error.colno})"
+    except ConfigError:
+        raise  # the template or tokenizer is wrong for every record, not this one
+    except ValueError as error:  # SFTDataError, or text the tokenizer rejects
+        return None, str(error)
+    return {TOKENS_KEY: [ids for ids, _ in sides], LOSS_MASK_KEY: [mask for _, mask in sides]}, None
 
-    def __init__(self, pairs: list, descriptions: tuple[str, ...] = ()):
-        self.pairs = pairs
+
+def _side_messages(record: tuple) -> tuple:
+    """((prompt, chosen answer), (prompt, rejected answer)) of ``parse_preference_record``'s triple."""
+    prompt, chosen, rejected = record
+    return (prompt, chosen), (prompt, rejected)
+
+
+class PreferencePairs:
+    """Tokenized pairs: ``get(i) -> ((chosen ids, mask), (rejected ids, mask))`` and each side's ``lengths`` [n, 2],
+    from sources in order: lists of tokenized pairs, or preprocessed (ids, masks) with sequences 2i, 2i + 1 pair i."""
+
+    def __init__(self, sources: list, descriptions: tuple[str, ...] = ()):
+        self.sources = sources
         self.descriptions = descriptions
-        self.lengths = np.asarray([[len(c[0]), len(r[0])] for c, r in pairs], dtype=np.int64).reshape(-1, 2)
+        self.lengths = np.concatenate([_side_lengths(source) for source in sources]).astype(np.int64)
+        self._starts = np.cumsum([0] + [len(_side_lengths(source)) for source in sources])
 
     def __len__(self) -> int:
-        return len(self.pairs)
+        return len(self.lengths)
 
     def get(self, index: int):
-        return self.pairs[index]
+        number = int(np.searchsorted(self._starts, index, side="right")) - 1
+        source, local = self.sources[number], index - int(self._starts[number])
+        if isinstance(source, list):
+            return source[local]
+        ids, masks = source
+        return tuple((np.asarray(ids[2 * local + side], dtype=np.int64),
+                      np.asarray(masks[2 * local + side], dtype=np.uint8)) for side in (0, 1))
+
+
+def _side_lengths(source) -> np.ndarray:
+    if isinstance(source, list):
+        return np.asarray([[len(c[0]), len(r[0])] for c, r in source], dtype=np.int64).reshape(-1, 2)
+    return np.asarray(source[0].sequence_lengths).reshape(-1, 2)
 
 
 def load_preference_pairs(paths: list[str], tokenizer, prompt_format: str) -> PreferencePairs:
-    """Pairs from data files, in order; every bad record is named ``file:line`` (``file:row`` in a table)."""
-    pairs, descriptions = [], []
+    """Pairs from data files (tokenized now) and preprocessed prefixes, in order; every bad record is named
+    ``file:line`` (``file:row`` in a table)."""
+    sources, descriptions = [], []
     for path in paths:
-        sides = _read_pairs(path, tokenize=lambda prompt, chosen, rejected: (
-            tokenize_side(prompt, chosen, tokenizer, prompt_format),
-            tokenize_side(prompt, rejected, tokenizer, prompt_format)))
-        pairs += sides
-        descriptions.append(f"{path}: {len(sides)} preference pairs")
-    return PreferencePairs(pairs, tuple(descriptions))
+        if is_preprocessed_sft(path):
+            check_prompt_format(path, prompt_format)
+            sources.append(read_preprocessed(path, sequences_per_document=2))
+            descriptions.append(f"{path}: {len(sources[-1][0]) // 2} preprocessed preference pairs")
+            continue
+        sources.append(_read_pairs(path, tokenize=lambda *record: tuple(
+            tokenize_side(*side, tokenizer, prompt_format) for side in _side_messages(record))))
+        descriptions.append(f"{path}: {len(sources[-1])} preference pairs")
+    return PreferencePairs(sources, tuple(descriptions))
 
 
 def count_preference_pairs(paths: list[str]) -> int:
-    """The pairs of data files, each record checked as training reads it (everything but the tokenizing): a
-    misnamed field fails at start-up, before any model is built."""
-    return sum(len(_read_pairs(path)) for path in paths)
+    """The pairs of data files and preprocessed prefixes, each record checked as training reads it (everything but
+    the tokenizing): a misnamed field fails at start-up, before any model is built."""
+    return sum(len(read_preprocessed(path, sequences_per_document=2)[0]) // 2 if is_preprocessed_sft(path)
+               else len(_read_pairs(path)) for path in paths)
 
 
 def _read_pairs(path: str, tokenize=None) -> list:

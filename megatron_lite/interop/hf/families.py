@@ -84,6 +84,19 @@ never dropped: an unread field is a silently different model. A null field sets 
              1, --activation-func-clamp-value
              swiglu_limit)
 
+    llama4_text  llama + NoPE layers (smollm3's fields),  attention_bias, hidden_act other than silu,
+             chunked attention on the others             num_experts_per_tok other than 1, layer_types
+             (attention_chunk_size: --attention-chunk-   other than chunked on exactly the RoPE layers,
+             size), q/k L2 norms there (use_qk_norm:      rope_type yarn, no MoE layer, for_llm_compressor
+             --qk-l2-norm), the NoPE layers' temperature
+             (attn_temperature_tuning, floor_scale,
+             attn_scale), interleaved rotary rows, llama3
+             RoPE with its own frequency factors; experts
+             where moe_layers says (dense MLPs
+             intermediate_size_mlp wide elsewhere): the
+             top-1 logit's sigmoid on the expert's input
+             (--moe-apply-probs-on-input), a shared expert
+
     qwen3_next, qwen3_5_text (qwen3_next.py):
              hybrid layers: gated DeltaNet (layer_types    layer_types other than linear_attention and
              linear_attention: --experimental-attention-   full_attention, attention_bias, mlp_bias, other
@@ -113,8 +126,8 @@ from __future__ import annotations
 
 from megatron_lite.checkpointing.architecture import defines_function
 from megatron_lite.config import ConfigError, ModelConfig
-from megatron_lite.interop.hf import (deepseek, gemma, glm4_moe, gpt2, gpt_neox, gpt_oss, llama, mistral, mixtral,
-                                      olmo, olmoe, phi3, qwen, qwen3_next, smollm3)
+from megatron_lite.interop.hf import (deepseek, gemma, glm4_moe, gpt2, gpt_neox, gpt_oss, llama, llama4, mistral,
+                                      mixtral, olmo, olmoe, phi3, qwen, qwen3_next, smollm3)
 from megatron_lite.interop.hf.family import GENERIC_FIELDS, Family, refuse
 from megatron_lite.interop.hf.pad_token import pad_token_id_from_hf
 
@@ -139,6 +152,7 @@ FAMILIES = {family.model_type: family for family in (
     deepseek.DEEPSEEK_V3,
     deepseek.DEEPSEEK_V2,
     gpt_oss.GPT_OSS,
+    llama4.LLAMA4_TEXT,
     qwen3_next.QWEN3_NEXT,
     qwen3_next.QWEN3_5,
 )}
@@ -149,9 +163,10 @@ _OPTIONAL_FEATURES = {"add_qkv_bias": False, "qk_layernorm": False, "window_size
                       "parallel_attention_mlp": False, "no_rope_freq": None, "mtp_num_layers": None,
                       "softmax_type": "vanilla", "quick_geglu": False, "glu_linear_offset": 0.0,
                       "activation_func_clamp_value": None, "experimental_attention_variant": None,
-                      "attention_output_gate": False, "no_pre_sublayer_norm": False}
+                      "attention_output_gate": False, "no_pre_sublayer_norm": False, "attention_chunk_size": None,
+                      "qk_l2_norm": False, "attn_temperature_tuning": False, "moe_apply_probs_on_input": False}
 # Namings that are Llama's but for their experts' (weights._EXPERT_NAMES): a Llama-like model with experts.
-EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe", "glm4_moe"})
+EXPERT_NAMINGS = frozenset({"mixtral", "qwen_moe", "glm4_moe", "llama4"})
 
 
 # Gemma's features (its own weight naming tells it apart on export): no other family describes them.
@@ -162,6 +177,10 @@ GEMMA_FEATURES = {"post_sublayer_norm": False, "scale_embeddings": False, "geglu
 def model_config_fields_from_hf(hf: dict) -> dict:
     """ModelConfig fields of a ``config.json``; an unknown family, field or variant is refused by name."""
     model_type = hf.get("model_type")
+    refuse(model_type == "llama4", "a vision tower: config.json has model_type 'llama4' "
+           "(Llama4ForConditionalGeneration). Import its language model alone, model_type llama4_text "
+           "(Llama4ForCausalLM): the directory of that model, whose config.json is this one's text_config "
+           "(docs/model_families.md saves it with transformers)")
     refuse(model_type == "gemma3", "a vision tower: config.json has model_type 'gemma3' "
            "(Gemma3ForConditionalGeneration). Import its language model alone, model_type gemma3_text "
            "(Gemma3ForCausalLM): the directory of that model, whose config.json is this one's text_config "
@@ -223,5 +242,7 @@ def family_of(config: ModelConfig, naming: str) -> Family:
                       f"(--post-sublayer-norm --no-pre-sublayer-norm) with those q/k norms and maybe --window-size, or "
                       f"--multi-latent-attention with --qk-layernorm (DeepSeek), or --softmax-type learnable with "
                       f"--num-experts, --quick-geglu, --glu-linear-offset 1 and --activation-func-clamp-value "
-                      f"(gpt-oss); --parallel-attention-mlp only with GPT-NeoX's LayerNorm, biases, GELU and rotary "
+                      f"(gpt-oss), or --num-experts with --moe-apply-probs-on-input and maybe --no-rope-freq, "
+                          f"--attention-chunk-size, --qk-l2-norm and --attn-temperature-tuning (Llama 4); "
+                          f"--parallel-attention-mlp only with GPT-NeoX's LayerNorm, biases, GELU and rotary "
                       f"embeddings.")

@@ -21,32 +21,21 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.interop.hf.rope import rotary_rows_reordered
 
 _NORMS = (("kv_a_layernorm.weight", "kv_layernorm.weight"), ("kv_b_proj.weight", "linear_kv_up_proj.weight"))
 _QUERY_LATENT = (("q_a_proj.weight", "linear_q_down_proj.weight"), ("q_a_layernorm.weight", "q_layernorm.weight"))
 
 
-def _rotary_rows_reordered(weight: torch.Tensor, block: int, rotary: int, *, to_interleaved: bool) -> torch.Tensor:
-    """``weight``'s rows are blocks of ``block`` rows whose last ``rotary`` rows are rotated channels: those
-    reordered from interleaved pairs to [even; odd] (or back, ``to_interleaved``). Any trailing dims (LoRA's
-    B is [rows, r]) come along."""
-    order = torch.cat([torch.arange(0, rotary, 2), torch.arange(1, rotary, 2)])
-    if to_interleaved:
-        order = torch.argsort(order)
-    blocks = weight.reshape(-1, block, *weight.shape[1:])
-    rotated = blocks[:, block - rotary:][:, order]
-    return torch.cat([blocks[:, :block - rotary], rotated], dim=1).reshape(weight.shape)
-
-
 def query_rotary_rows(weight: torch.Tensor, config: ModelConfig, *, to_interleaved: bool) -> torch.Tensor:
     """q_proj's or q_b_proj's rows (every head's) with the rotary rows reordered."""
-    return _rotary_rows_reordered(weight, config.qk_head_dim + config.qk_pos_emb_head_dim, config.qk_pos_emb_head_dim,
+    return rotary_rows_reordered(weight, config.qk_head_dim + config.qk_pos_emb_head_dim, config.qk_pos_emb_head_dim,
                                   to_interleaved=to_interleaved)
 
 
 def latent_rotary_rows(weight: torch.Tensor, config: ModelConfig, *, to_interleaved: bool) -> torch.Tensor:
     """kv_a_proj_with_mqa's rows with the rotary key's rows reordered."""
-    return _rotary_rows_reordered(weight, config.kv_lora_rank + config.qk_pos_emb_head_dim,
+    return rotary_rows_reordered(weight, config.kv_lora_rank + config.qk_pos_emb_head_dim,
                                   config.qk_pos_emb_head_dim, to_interleaved=to_interleaved)
 
 

@@ -24,7 +24,9 @@ come back unchanged.
 DeepSeek's multi-latent attention projections are one Hugging Face module each (q_a_proj,
 q_b_proj, kv_a_proj_with_mqa, ...; ``latent_attention``); B's rows of the projections that
 produce rotated channels are reordered as the weights' are (files interleave the rotary rows, on
-import taken to be as DeepSeek's released weights have them).
+import taken to be as DeepSeek's released weights have them). So are Llama 4's q_proj and k_proj rows
+(``llama4_weights``), whose MLPs are feed_forward, the shared expert's (feed_forward.shared_expert) exported beside
+the experts'.
 """
 from __future__ import annotations
 
@@ -38,8 +40,9 @@ import torch
 
 from megatron_lite.interop.hf.checkpoint import imported_from
 from megatron_lite.interop.hf.gpt_oss_weights import interleaved_rows
-from megatron_lite.interop.hf.weights import hf_architecture, hf_family, pack_qkv, unpack_qkv
+from megatron_lite.interop.hf.weights import hf_family, pack_qkv, unpack_qkv
 from megatron_lite.interop.hf.latent_attention import latent_rotary_rows, query_rotary_rows
+from megatron_lite.interop.hf.llama4_weights import llama4_rotary_rows
 from megatron_lite.interop.hf.tokenizer import write_json
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.peft_base import adapter_reader, pointer_to
@@ -67,6 +70,13 @@ _MODULES["gpt_neox"] = {"linear_qkv": [("attention.query_key_value", None)], "li
                         "linear_fc1": [("mlp.dense_h_to_4h", None)], "linear_fc2": [("mlp.dense_4h_to_h", None)]}
 for _naming in ("gemma", "olmo2", "mixtral", "qwen_moe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5"):
     _MODULES[_naming] = _MODULES["llama"]
+# Llama 4's MLPs are feed_forward; its shared expert (our mlp.shared_experts) feed_forward.shared_expert.
+_MODULES["llama4"] = {**_MODULES["llama"], "linear_fc1": [("feed_forward.gate_proj", ("gate",)),
+                                                          ("feed_forward.up_proj", ("up",))],
+                      "linear_fc2": [("feed_forward.down_proj", None)]}
+_SHARED_EXPERT_MODULES = {"llama4": {"linear_fc1": [("feed_forward.shared_expert.gate_proj", ("gate",)),
+                                                    ("feed_forward.shared_expert.up_proj", ("up",))],
+                                     "linear_fc2": [("feed_forward.shared_expert.down_proj", None)]}}
 _MODULES["deepseek"] = {"linear_q_proj": [("self_attn.q_proj", None)],
                         "linear_q_down_proj": [("self_attn.q_a_proj", None)],
                         "linear_q_up_proj": [("self_attn.q_b_proj", None)],
@@ -85,14 +95,17 @@ _LAYERS = {"gpt2": "base_model.model.transformer.h.", "gpt_neox": "base_model.mo
            "mixtral": "base_model.model.model.layers.", "qwen_moe": "base_model.model.model.layers.",
            "deepseek": "base_model.model.model.layers.", "glm4_moe": "base_model.model.model.layers.",
            "gpt_oss": "base_model.model.model.layers.", "qwen3_next": "base_model.model.model.layers.",
-           "qwen3_5": "base_model.model.model.layers."}
+           "qwen3_5": "base_model.model.model.layers.", "llama4": "base_model.model.model.layers."}
 # A mixture-of-experts layer's experts in transformers 5 (Mixtral, Qwen3-MoE, OLMoE): one 3-D parameter per
 # projection, [experts, out, in], which PEFT adapts as ``target_parameters`` (its ParamWrapper), every expert
 # with its own rank-r factors: A [E r, in] (expert e's rows e r .. e r + r - 1) and B [out, r E] (expert e's
 # columns e, E + e, ...). Both targeted, PEFT wraps gate_up_proj first, so its factors sit under base_layer.
 # gpt-oss's are [experts, in, out] (transformers marks them transposed, which PEFT reads), gate_up_proj's outputs
-# gate and up in turn: B's rows are interleaved so (``interleaved_rows``).
-_EXPERT_PARAMETERS = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
+# gate and up in turn: B's rows are interleaved so (``interleaved_rows``). Llama 4's (feed_forward.experts) are
+# [experts, in, out] too, unmarked: PEFT takes their inputs for outputs, and factors the transposed update, B^T A^T,
+# so our B^T is its A and our A^T its B.
+_EXPERT_PARAMETERS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
+_EXPERTS_MODULE = {"llama4": "feed_forward.experts"}  # default: mlp.experts
 # DeepSeek's rotary rows are interleaved in its files, rotate-half in ours (latent_attention): B's rows follow.
 _ROTARY_ROWS = {"linear_q_proj": query_rotary_rows, "linear_q_up_proj": query_rotary_rows,
                 "linear_kv_down_proj": latent_rotary_rows}
@@ -102,6 +115,14 @@ def _hf_rows(target: str, lora_b: torch.Tensor, config: ModelConfig, *, to_hf: b
     """B's rows in the other naming's order (only DeepSeek's rotary rows move)."""
     reorder = _ROTARY_ROWS.get(target)
     return lora_b if reorder is None else reorder(lora_b, config, to_interleaved=to_hf)
+
+
+def _hf_block(naming: str, block: str, rows: torch.Tensor, config: ModelConfig, *, to_hf: bool) -> torch.Tensor:
+    """The rows of one block of B (q, k, v, gate, up) in the other naming's order: Llama 4's q and k rotate
+    interleaved pairs."""
+    if naming == "llama4" and block in ("q", "k"):
+        return llama4_rotary_rows(rows, config, to_interleaved=to_hf)
+    return rows
 
 
 def _row_blocks(target: str, rows: torch.Tensor, config: ModelConfig) -> dict:
@@ -166,16 +187,22 @@ def export_peft_adapters(load_dir: str, save_dir: str, *, base_model_name_or_pat
     architecture = family.naming
     _check_peft_loads(model, peft.lora_target_modules, family)
     tensors, targets, expert_targets = {}, set(), set()
+    experts_module = _EXPERTS_MODULE.get(architecture, "mlp.experts")
     for layer in range(model.num_layers):
         experts = [t for t in peft.lora_target_modules if t in _EXPERT_PARAMETERS and model.is_moe_layer(layer)]
         if experts:
             tensors.update(_expert_adapters(reader, model, layer, experts, architecture, peft))
-            expert_targets.update(_EXPERT_PARAMETERS[t] for t in experts)
-        for target in (t for t in peft.lora_target_modules if t not in experts and _has_target(model, layer, t)):
-            lora_a, lora_b = (reader.read(n) for n in factor_names(f"decoder.layers.{layer}.{_OUR_MODULE[target]}"))
+            expert_targets.update(f"{experts_module}.{_EXPERT_PARAMETERS[t]}" for t in experts)
+        modules = [(t, _OUR_MODULE[t], _MODULES[architecture][t]) for t in peft.lora_target_modules
+                   if t not in experts and _has_target(model, layer, t)]
+        if model.moe_shared_expert_intermediate_size is not None and architecture in _SHARED_EXPERT_MODULES:
+            modules += [(t, f"mlp.shared_experts.{t}", _SHARED_EXPERT_MODULES[architecture][t]) for t in experts]
+        for target, ours, hf_modules in modules:
+            lora_a, lora_b = (reader.read(n) for n in factor_names(f"decoder.layers.{layer}.{ours}"))
             lora_b = _hf_rows(target, lora_b, model, to_hf=True)
-            blocks = _row_blocks(target, lora_b, model)
-            for hf_module, covered in _MODULES[architecture][target]:
+            blocks = {name: _hf_block(architecture, name, rows, model, to_hf=True)
+                      for name, rows in _row_blocks(target, lora_b, model).items()}
+            for hf_module, covered in hf_modules:
                 prefix = f"{_LAYERS[architecture]}{layer}.{hf_module}"
                 tensors[f"{prefix}.lora_A.weight"] = lora_a.clone()  # one file entry per module
                 tensors[f"{prefix}.lora_B.weight"] = lora_b if covered is None else torch.cat(
@@ -235,9 +262,12 @@ def _expert_adapters(reader, model: ModelConfig, layer: int, targets: list, arch
         factors = [[reader.read(n) for n in factor_names(
             f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{target}")] for e in range(model.num_experts)]
         inner = len(targets) > 1 and target == "linear_fc1"
-        prefix = f"{_LAYERS[architecture]}{layer}.mlp.experts.{'base_layer.' if inner else ''}"
+        module = _EXPERTS_MODULE.get(architecture, "mlp.experts")
+        prefix = f"{_LAYERS[architecture]}{layer}.{module}.{'base_layer.' if inner else ''}"
         if architecture == "gpt_oss" and target == "linear_fc1":
             factors = [(a, interleaved_rows(b)) for a, b in factors]
+        if architecture == "llama4":
+            factors = [(b.t(), a.t()) for a, b in factors]
         tensors[prefix + "lora_A.weight"] = torch.cat([a for a, _ in factors])
         tensors[prefix + "lora_B.weight"] = torch.stack([b for _, b in factors], dim=-1).flatten(1)
     return tensors
@@ -275,7 +305,7 @@ def import_peft_adapters(load_dir: str, save_dir: str, *, base_checkpoint: str, 
         raise ConfigError(f"--base-checkpoint {base_checkpoint} is itself an adapter checkpoint; give the full "
                           f"checkpoint of the base model.")
     model = config.model
-    architecture = hf_architecture(model)
+    architecture = hf_family(model).naming
     updates = _updates_by_target(peft_config, tensors, architecture, model)
     shared = _shared_factors(updates, peft_config, architecture)
     rank = (peft_config["r"] if shared else
@@ -341,6 +371,10 @@ def _updates_by_target(peft_config: dict, tensors: dict, architecture: str, mode
                 if names[0] not in tensors:
                     continue
                 lora_a, lora_b = tensors[names[0]], _hf_rows(target, tensors[names[1]], model, to_hf=False)
+                if covered is not None:
+                    sizes = _block_rows(target, model)
+                    lora_b = torch.cat([_hf_block(architecture, block, rows, model, to_hf=False) for block, rows in
+                                        zip(covered, lora_b.split([sizes[block] for block in covered]))])
                 updates.setdefault((layer, target), {})[covered] = (
                     lora_a, lora_b, _scale(peft_config, key.removeprefix("base_model.model."), lora_a.shape[0]))
                 used.update(names)

@@ -1,6 +1,9 @@
 """RoPE and its scalings (linear, Llama 3, YaRN) in ``config.json`` (``rope_parameters`` in transformers >= 5,
-``rope_scaling`` and ``rope_theta`` before) <-> our rotary fields."""
+``rope_scaling`` and ``rope_theta`` before) <-> our rotary fields; and the rows of weights whose outputs a family
+rotates as interleaved channel pairs (``rotary_rows_reordered``)."""
 from __future__ import annotations
+
+import torch
 
 from megatron_lite.config import YARN_DEFAULTS, ConfigError, ModelConfig
 from megatron_lite.interop.hf.family import refuse
@@ -9,8 +12,10 @@ from megatron_lite.interop.hf.family import refuse
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-# Megatron-LM's --use-rope-scaling fixes these (see model/rope_scaling.py).
-LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# Megatron-LM's --use-rope-scaling fixes the original context (model/rope_scaling.py); the frequency factors are ours
+# to set, these by default.
+LLAMA3_CONTEXT = 8192
+LLAMA3_FACTORS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
 
 YARN_FIELDS = ("rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_original_max_position_embeddings",
@@ -33,9 +38,13 @@ def rope_to_ours(hf: dict, *, partial_rotary: bool = False, latent: bool = False
     if rope_type == "linear":
         fields["rotary_seq_len_interpolation_factor"] = float(rope.pop("factor"))
     elif rope_type == "llama3":
-        fields.update(use_rope_scaling=True, rope_scaling_factor=float(rope.pop("factor")))
-        for name, value in LLAMA3_ROPE.items():
-            refuse(rope.pop(name, value) != value, f"rope_parameters.{name} other than {value} with rope_type llama3")
+        fields.update(use_rope_scaling=True, rope_scaling_factor=float(rope.pop("factor")),
+                      **{f"rope_scaling_{name}": float(rope.pop(name, value))
+                         for name, value in LLAMA3_FACTORS.items()})
+        context = rope.pop("original_max_position_embeddings", LLAMA3_CONTEXT)
+        refuse(context != LLAMA3_CONTEXT,
+               f"rope_parameters.original_max_position_embeddings {context} other than {LLAMA3_CONTEXT} with rope_type "
+               f"llama3 (Megatron-LM's --use-rope-scaling fixes it)")
     elif rope_type == "yarn":
         fields.update(_yarn_to_ours(rope, hf), **({"rope_type": "yarn"} if latent else
                                                   {"position_embedding_type": "yarn"}))
@@ -66,12 +75,29 @@ def _yarn_to_ours(rope: dict, hf: dict) -> dict:
                 yarn_correction_range_round_to_int=bool(rope.pop("truncate", True)))
 
 
+def rotary_rows_reordered(weight: torch.Tensor, block: int, rotary: int, *, to_interleaved: bool) -> torch.Tensor:
+    """``weight``'s rows are blocks of ``block`` rows whose last ``rotary`` rows are rotated channels: those
+    reordered from interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's, Llama 4's complex-number RoPE) to
+    [even; odd], the halves ours rotate, pairing channel i with i + rotary/2 (or back, ``to_interleaved``): our
+    rotation of the reordered channels computes theirs (docs/reference.md section 12). Any trailing dims (LoRA's
+    B is [rows, r]) come along."""
+    order = torch.cat([torch.arange(0, rotary, 2), torch.arange(1, rotary, 2)])
+    if to_interleaved:
+        order = torch.argsort(order)
+    blocks = weight.reshape(-1, block, *weight.shape[1:])
+    rotated = blocks[:, block - rotary:][:, order]
+    return torch.cat([blocks[:, :block - rotary], rotated], dim=1).reshape(weight.shape)
+
+
 def rope_to_hf(config: ModelConfig) -> dict:
     rope = {"rope_type": "default", "rope_theta": config.rotary_base}
     if config.rotary_seq_len_interpolation_factor is not None:
         rope.update(rope_type="linear", factor=config.rotary_seq_len_interpolation_factor)
     elif config.use_rope_scaling:
-        rope.update(rope_type="llama3", factor=config.rope_scaling_factor, **LLAMA3_ROPE)
+        rope.update(rope_type="llama3", factor=config.rope_scaling_factor,
+                    low_freq_factor=config.rope_scaling_low_freq_factor,
+                    high_freq_factor=config.rope_scaling_high_freq_factor,
+                    original_max_position_embeddings=LLAMA3_CONTEXT)
     elif config.yarn:
         rope.update(_yarn_to_hf(config))
     # transformers < 5 reads rope_theta (and rope_scaling), 5 reads rope_parameters

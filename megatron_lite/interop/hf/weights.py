@@ -1,6 +1,6 @@
 """Hugging Face weights and config.json (GPT-2, GPT-NeoX, Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Qwen3-MoE,
-OLMoE, OLMo 2 and 3, Phi-3, Gemma 2 and 3, DeepSeek-V2/V3, SmolLM3, GLM-4.5, gpt-oss) <-> our ModelConfig and
-global tensors.
+OLMoE, OLMo 2 and 3, Phi-3, Gemma 2 and 3, DeepSeek-V2/V3, SmolLM3, GLM-4.5, gpt-oss, Llama 4) <-> our ModelConfig
+and global tensors.
 
 The directories and whole checkpoints are ``interop.hf.checkpoint``'s; this module maps one family's
 ``config.json`` to our ModelConfig and its tensors to our global tensors, and back.
@@ -34,6 +34,8 @@ What differs between the two naming schemes:
   shared_experts' fc1 and fc2), and V3's mlp.gate.e_score_correction_bias is our router's expert_bias.
 - GLM-4.5 (naming glm4_moe): Llama's names (q/k/v biases as Qwen2's, q_norm/k_norm as Qwen3's), DeepSeek's experts.
 - gpt-oss: Llama's names, q/k/v/o biases, and its sinks, router and fused experts (``gpt_oss_weights``).
+- Llama 4: Llama's names for attention and norms, with q/k rows reordered from its interleaved rotary pairs, and
+  its MLPs as feed_forward, experts stacked (``llama4_weights``).
 - Qwen3-Next and Qwen3.5: their gated DeltaNet layers' linear_attn tensors are ``qwen3_next``'s to convert; a
   gated attention's q_proj rows are [q; gate] per head, ours [q heads; their gates] per query group
   (``pack_qkv``); the shared expert is mlp.shared_expert (our shared_experts) with mlp.shared_expert_gate (our
@@ -53,6 +55,7 @@ from megatron_lite.interop.hf.families import (GEMMA_FEATURES, Family, config_js
                                                model_config_fields_from_hf, named_family)
 from megatron_lite.interop.hf.gpt_oss_weights import gpt_oss_layer_from_hf, gpt_oss_layer_to_hf
 from megatron_lite.interop.hf.latent_attention import latent_attention_from_hf, latent_attention_to_hf
+from megatron_lite.interop.hf.llama4_weights import llama4_mlp_from_hf, llama4_mlp_to_hf, llama4_rotary_rows
 from megatron_lite.interop.hf.multi_token_prediction import mtp_from_hf, mtp_to_hf
 from megatron_lite.interop.hf.qwen3_next import gated_delta_net_from_hf, gated_delta_net_to_hf
 
@@ -355,11 +358,15 @@ def _llama_layer_from_hf(take, theirs: str, layer: str, config: ModelConfig, nam
         elif config.is_linear_attention_layer(number):
             ours.update(gated_delta_net_from_hf(take, theirs, layer, config, naming))
         else:
+            query, key = take(theirs + "self_attn.q_proj.weight"), take(theirs + "self_attn.k_proj.weight")
+            if naming == "llama4":
+                query, key = (llama4_rotary_rows(rows, config, to_interleaved=False) for rows in (query, key))
             ours[layer + "self_attention.linear_qkv.weight"] = pack_qkv(
-                take(theirs + "self_attn.q_proj.weight"), take(theirs + "self_attn.k_proj.weight"),
-                take(theirs + "self_attn.v_proj.weight"), config)
+                query, key, take(theirs + "self_attn.v_proj.weight"), config)
         if naming == "gpt_oss":
             ours.update(gpt_oss_layer_from_hf(take, theirs, layer, config))
+        elif naming == "llama4":
+            ours.update(llama4_mlp_from_hf(take, theirs, layer, config, number))
         else:
             ours.update(_mlp_from_hf(take, theirs, layer, config, naming, number))
     if config.add_qkv_bias or config.add_bias_linear:  # Qwen2's q/k/v biases, gpt-oss's
@@ -385,10 +392,14 @@ def _llama_layer_to_hf(read, theirs: str, layer: str, config: ModelConfig, namin
             hf.update(gated_delta_net_to_hf(read, theirs, layer, config, naming))
         else:
             query, key, value = unpack_qkv(read(layer + "self_attention.linear_qkv.weight"), config)
+            if naming == "llama4":
+                query, key = (llama4_rotary_rows(rows, config, to_interleaved=True) for rows in (query, key))
             hf.update({theirs + f"self_attn.{name}_proj.weight": weight
                        for name, weight in zip("qkv", (query, key, value))})
         if naming == "gpt_oss":
             hf.update(gpt_oss_layer_to_hf(read, theirs, layer, config))
+        elif naming == "llama4":
+            hf.update(llama4_mlp_to_hf(read, theirs, layer, config, number))
         else:
             hf.update(_mlp_to_hf(read, theirs, layer, config, naming, number))
     if config.add_qkv_bias or config.add_bias_linear:

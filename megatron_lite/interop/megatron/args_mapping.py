@@ -23,7 +23,6 @@ from megatron_lite.config.moe import parse_moe_layer_freq
 # args that change what the model computes and that megatron_lite does not implement or map: (name, what it is).
 _UNSUPPORTED = (("moe_latent_size", "latent experts"),
                 ("moe_input_jitter_eps", "router input jitter"),
-                ("moe_apply_probs_on_input", "router probabilities applied to the expert input"),
                 ("multi_latent_attention", "multi-latent attention"),
                 ("squared_relu", "squared ReLU"), ("openai_gelu", "OpenAI's GeLU"),
                 ("mtp_use_repeated_layer", "one multi-token prediction layer repeated at every depth"),
@@ -37,7 +36,10 @@ _UNSUPPORTED = (("moe_latent_size", "latent experts"),
                 # Engine's fused norm-linear and the fla kernels only, so no checkpoint of it has been read here
                 # (Qwen3-Next and Qwen3.5 import from Hugging Face).
                 ("experimental_attention_variant", "an experimental attention variant"),
-                ("qk_l2_norm", "query/key L2 norms"))
+                # Llama 4's, which megatron_lite computes but this conversion does not map (Megatron-LM's --qk-l2-norm
+                # also normalises the NoPE layers, ours not)
+                ("qk_l2_norm", "query/key L2 norms"),
+                ("moe_apply_probs_on_input", "router probabilities applied to the expert input"))
 
 
 def _arg(args, name: str, default=None):

@@ -4,7 +4,8 @@ Behind the MLP's interface (``forward(hidden_states) -> (output, bias)``, input 
 [s, b, h], or [s/tp, b, h] under sequence parallelism), one forward is:
 
     route      TopKRouter: each token's experts and weights (fp32)
-    dispatch   AllToAllTokenDispatcher: each token's row to the rank of each of its experts
+    dispatch   AllToAllTokenDispatcher: each token's row to the rank of each of its experts (weighted here
+               with --moe-apply-probs-on-input, Llama 4's: the expert computes f(p x) rather than p f(x))
     compute    the local experts, each on its block of rows (a loop, or one grouped GEMM)
     combine    the rows back, each token the weighted sum of its experts' outputs
     shared     + the shared expert (a dense MLP on every token), optionally gated by sigmoid(x w)
@@ -59,7 +60,8 @@ class MoELayer(nn.Module):
         self.cp_size = 1 if self.cp_group is None else context_parallel.size
         self.router = TopKRouter(config, tensor_parallel_size=self.tp_size, params_dtype=tp_config.params_dtype)
         self.token_dispatcher = AllToAllTokenDispatcher(config.num_experts, ep_group=ep_config.ep_group,
-                                                        etp_group=ep_config.etp_group)
+                                                        etp_group=ep_config.etp_group,
+                                                        probs_on_input=config.moe_apply_probs_on_input)
         num_local = self.token_dispatcher.num_local_experts
         experts = GroupedExperts if config.moe_grouped_gemm else SequentialExperts
         self.experts = experts(config, first_expert=collectives.rank(ep_config.ep_group) * num_local,
