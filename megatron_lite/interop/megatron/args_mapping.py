@@ -35,7 +35,8 @@ _UNSUPPORTED = (("moe_latent_size", "latent experts"),
                 # The gated DeltaNet (gdn) megatron_lite computes, but Megatron-LM builds it with Transformer
                 # Engine's fused norm-linear and the fla kernels only, so no checkpoint of it has been read here
                 # (Qwen3-Next and Qwen3.5 import from Hugging Face).
-                ("experimental_attention_variant", "an experimental attention variant"),
+                ("experimental_attention_variant", "an experimental attention variant, whose Megatron-LM layout "
+                                                   "is not mapped"),
                 # Llama 4's, which megatron_lite computes but this conversion does not map (Megatron-LM's --qk-l2-norm
                 # also normalises the NoPE layers, ours not)
                 ("qk_l2_norm", "query/key L2 norms"),
