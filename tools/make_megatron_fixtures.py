@@ -76,6 +76,20 @@ MOE = (*LLAMA, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden
        "--moe-token-dispatcher-type", "allgather")
 LLAMA_VARIANTS = (*LLAMA, "--qk-layernorm", "--add-qkv-bias", "--window-size", "3,0", "--window-attn-skip-freq", "2",
                   "--use-rope-scaling", "--rotary-base", "1000000")
+TIED_LLAMA = tuple(flag for flag in LLAMA if flag != "--untie-embeddings-and-output-weights")
+# Weights of std 0.2 make the logits, and so the losses, far from uniform.
+MTP = ("--mtp-loss-scaling-factor", "0.3", "--init-method-std", "0.2")
+# The clamp small enough to bite at these activations; the window shorter than the sequence; YaRN's defaults
+# (original context 4096, beta 32 and 1) interpolate some of the 4 rotary frequencies of an 8-channel head.
+GPT_OSS = ("--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4", "--group-query-attention",
+           "--num-query-groups", "2", "--kv-channels", "8", "--ffn-hidden-size", "24", "--quick-geglu",
+           "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "0.3", "--no-bias-gelu-fusion",
+           "--normalization", "RMSNorm", "--softmax-type", "learnable", "--window-size", "3,0",
+           "--window-attn-skip-freq", "2", "--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+           "--untie-embeddings-and-output-weights", "--max-position-embeddings", "8", "--num-experts", "4",
+           "--moe-layer-freq", "[0,1]", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "12",
+           "--moe-token-dispatcher-type", "allgather", "--init-method-std", "0.2")
+QWEN_ATTENTION = (*LLAMA, "--qk-layernorm", "--attention-output-gate", "--add-qkv-bias", "--init-method-std", "0.2")
 TORCH, TORCH_DIST = ("--ckpt-format", "torch"), ("--ckpt-format", "torch_dist")
 LEGACY_MODEL = ("--use-legacy-models",)  # the nested language_model.encoder... layout
 # Every layout the tests need once: tp1pp1 and tp2pp2 of both model implementations (the tp2pp2 GPT-2 one has
@@ -115,6 +129,22 @@ FIXTURES = {
          "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5",
          "--moe-shared-expert-intermediate-size", "8", "--moe-shared-expert-gate", "--qk-layernorm", "--add-qkv-bias",
          "--rotary-percent", "0.5"), 2, 1, TORCH_DIST, ep=2),
+    # Multi-token prediction (rope only, in Megatron-LM): two depths after a Llama style decoder with tied
+    # embeddings (the last stage holds a copy of the embedding for the MTP layers and the output layer), and one
+    # depth with experts (DeepSeek-V3's: the MTP layer is of the decoder's last layer's kind) in torch_dist.
+    "mtp_tp2pp2_torch": Fixture((*TIED_LLAMA, *MTP, "--mtp-num-layers", "2"), 2, 2, TORCH),
+    # (Megatron's training forward, which records the MTP losses, refuses experts under tensor parallelism
+    # without sequence parallelism: tensor size 1.)
+    "mtp_moe_tp1pp1ep2_torch_dist": Fixture((*MOE, *MTP, "--mtp-num-layers", "1"), 1, 1, TORCH_DIST, ep=2),
+    # gpt-oss's features, in main (the first with YaRN for attention other than multi-latent): learnable sinks,
+    # quick GeGLU with its linear offset and clamp, biases everywhere (experts' and router's too), a sliding
+    # window on every other layer, YaRN; a dense first layer beside the mixture of experts, whose biases
+    # Megatron-LM takes at expert-tensor size 1 only.
+    "gpt_oss_tp2pp1etp1ep2_torch_dist_core020": Fixture(GPT_OSS, 2, 1, (*TORCH_DIST, "--expert-tensor-parallel-size",
+                                                                       "1"), ref=CORE_020, ep=2),
+    # Qwen's attention: query/key layer norms, gated attention (--attention-output-gate), biases on the QKV
+    # projection alone.
+    "qwen_attention_tp2pp1_torch": Fixture(QWEN_ATTENTION, 2, 1, TORCH),
 }
 # NullTokenizer's vocabulary is --vocab-size + 1 (EOD): 28 tokens, padded to 32 at tensor sizes 1, 2 and 4 alike,
 # so an export at another tensor size pads as Megatron-LM does, and 4 padding rows are still there to get right.
@@ -155,10 +185,25 @@ EXPORT_CHECKS = (
     ExportCheck("llama_variants_tp2pp1_torch", "torch", 1, 1),
     ExportCheck("llama_variants_tp2pp1_torch_dist", "torch_dist", 1, 1),
     ExportCheck("moe_glm_tp2pp1ep2_torch_dist", "torch", 1, 1, ep=2),
+    # The last stage's copy of the embedding and its output layer weight that Megatron never reads (legacy:
+    # Megatron-Core has no torch_dist layout for tied embeddings with MTP over pipeline stages).
+    ExportCheck("mtp_tp2pp2_torch", "torch", 1, 2), ExportCheck("mtp_tp2pp2_torch", "torch_dist", 2, 1),
+    ExportCheck("mtp_tp2pp2_torch", "torch_dist", 1, 1, ref=CORE_020, extra=("--megatron-common-state", "distcp")),
+    ExportCheck("mtp_moe_tp1pp1ep2_torch_dist", "torch", 1, 1, ep=2),
+    ExportCheck("mtp_moe_tp1pp1ep2_torch_dist", "torch_dist", 1, 1),
+    ExportCheck("mtp_moe_tp1pp1ep2_torch_dist", "torch_dist", 1, 2),  # untied: the embedding's copy over stages
+    # Biased experts whole on each rank under tp2 (torch_dist only), or in the legacy format at tp1.
+    ExportCheck("gpt_oss_tp2pp1etp1ep2_torch_dist_core020", "torch_dist", 2, 1, ref=CORE_020, ep=2,
+                extra=("--megatron-common-state", "distcp")),
+    ExportCheck("gpt_oss_tp2pp1etp1ep2_torch_dist_core020", "torch", 1, 2, ref=CORE_020),
+    ExportCheck("qwen_attention_tp2pp1_torch", "torch", 1, 2),
+    ExportCheck("qwen_attention_tp2pp1_torch", "torch_dist", 2, 1),
 )
 EXPORT_ATOL = {"fp32": 1e-5, "bf16": 2e-2}  # bf16: Megatron's forward in bf16 at another layout
 # The fixed batch whose logits are saved: [batch, sequence], tokens below the 28 of the vocabulary.
 TOKENS = [[3, 17, 22, 8, 0, 25, 11, 27], [5, 5, 20, 1, 14, 19, 2, 7]]
+# Their labels, for the losses of multi-token prediction fixtures: the next tokens, then one more.
+LABELS = [[17, 22, 8, 0, 25, 11, 27, 4], [5, 20, 1, 14, 19, 2, 7, 9]]
 ITERATION = 10
 # What Megatron-LM imports on this path beyond torch, numpy and safetensors (CPU-only packages).
 MEGATRON_DEPS = ("einops", "pyyaml", "psutil")
@@ -260,7 +305,8 @@ def check_exports(snapshots: Snapshots, workdir: str, fixtures_dir: str, only=No
         precision = "bf16" if "--bf16" in FIXTURES[check.fixture].extra else "fp32"
         print(f"{check.fixture} exported as {' '.join((check.ckpt_format, *check.extra))} at tp{check.tp}pp{check.pp}"
               f"{f'ep{check.ep}' if check.ep > 1 else ''}, "
-              f"loaded by Megatron-LM {check.ref[:12]}: max |logits - fixture's| = {r['max_abs_diff']:.3g} "
+              f"loaded by Megatron-LM {check.ref[:12]}: max |logits (MTP: and losses) - fixture's| = "
+              f"{r['max_abs_diff']:.3g} "
               f"({precision})")
         if not r["max_abs_diff"] <= EXPORT_ATOL[precision]:
             bad.append(check.fixture)
@@ -387,7 +433,7 @@ def megatron_args(job: dict, world_size: int):
     flags, tp, pp, ep, extra = fixture.model, fixture.tp, fixture.pp, fixture.ep, fixture.extra
     if "load" in job:  # the architecture is the args our export wrote, but for what Megatron does not restore;
         # our exports are Megatron-Core models in the format asked for, in the fixture's precision
-        flags, tp, pp, ep = not_restored_by_checkpoint_args(flags), job["tp"], job["pp"], job["ep"]
+        flags, tp, pp, ep = not_restored_by_checkpoint_args((*flags, *extra)), job["tp"], job["pp"], job["ep"]
         extra = ["--ckpt-format", job["ckpt_format"], *(["--bf16"] if "--bf16" in extra else []), "--load",
                  job["load"], "--use-checkpoint-args", "--no-load-optim", "--no-load-rng"]
     else:
@@ -407,19 +453,20 @@ def megatron_args(job: dict, world_size: int):
     return args
 
 
-# The model flags Megatron-LM's ``--use-checkpoint-args`` does not take from the saved args (its
-# load_args_from_checkpoint restores a fixed list, and leaves these at their defaults): (flag, takes a value).
-NOT_RESTORED = (("--norm-epsilon", True), ("--qk-layernorm", False), ("--window-size", True),
-                ("--window-attn-skip-freq", True), ("--use-rope-scaling", False), ("--rope-scaling-factor", True),
-                ("--moe-router-num-groups", True), ("--moe-router-group-topk", True),
-                ("--moe-shared-expert-gate", False))
+# The model flags Megatron-LM's --use-checkpoint-args does not take from the saved args (its
+# load_args_from_checkpoint restores a fixed list), with the number of values each takes.
+NOT_RESTORED = {"--norm-epsilon": 1, "--mtp-loss-scaling-factor": 1, "--softmax-type": 1, "--quick-geglu": 0,
+                "--glu-linear-offset": 1, "--activation-func-clamp-value": 1, "--no-bias-gelu-fusion": 0,
+                "--window-size": 1, "--window-attn-skip-freq": 1, "--rotary-scaling-factor": 1, "--qk-layernorm": 0,
+                "--attention-output-gate": 0, "--expert-tensor-parallel-size": 1, "--use-rope-scaling": 0,
+                "--rope-scaling-factor": 1, "--moe-router-num-groups": 1, "--moe-router-group-topk": 1,
+                "--moe-shared-expert-gate": 0}
 
 
 def not_restored_by_checkpoint_args(flags: tuple) -> list:
-    """The fixture's model flags that Megatron-LM's ``--use-checkpoint-args`` does not restore (``NOT_RESTORED``),
-    given on the command line as a Megatron-LM user loading such a checkpoint gives them."""
-    taking = dict(NOT_RESTORED)
-    return [item for i, flag in enumerate(flags) if flag in taking for item in flags[i:i + 1 + taking[flag]]]
+    """The fixture's model flags that loading our export must give on the command line (NOT_RESTORED)."""
+    return [item for i, flag in enumerate(flags) if flag in NOT_RESTORED
+            for item in flags[i:i + 1 + NOT_RESTORED[flag]]]
 
 
 def rank_main(rank: int, world_size: int, init_file: str, job: dict) -> None:
@@ -438,6 +485,10 @@ def rank_main(rank: int, world_size: int, init_file: str, job: dict) -> None:
     if job["ref"] == CORE_016:  # its router's linear asks for te_general_gemm, defined only when TE imports
         from megatron.core.transformer.moe import moe_utils
         moe_utils.te_general_gemm = None
+    if job["ref"] == CORE_020:  # its MTP layer asks whether eh_proj is an inference-optimised Transformer Engine
+        # linear, with an isinstance of classes that are not types without Transformer Engine: none is
+        from megatron.core.transformer import multi_token_prediction
+        multi_token_prediction.is_inference_column_parallel_linear = lambda module: False
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     mpu.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -457,12 +508,12 @@ def rank_main(rank: int, world_size: int, init_file: str, job: dict) -> None:
         move_off_initial_values(model, args)
         from megatron.training.checkpointing import save_checkpoint
         save_checkpoint(ITERATION, [model], None, None, 0)
-    logits = forward(model, args)
-    if logits is not None and mpu.get_tensor_model_parallel_rank() == 0:
+    outputs = megatron_outputs(model, args)
+    if outputs is not None and mpu.get_tensor_model_parallel_rank() == 0:
         if "load" in job:
-            write_comparison(job, logits)
+            write_comparison(job, outputs)
         else:
-            write_logits(os.path.join(job["save"], "logits.safetensors"), logits, job)
+            write_outputs(os.path.join(job["save"], "logits.safetensors"), outputs, job)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -494,13 +545,36 @@ def move_off_initial_values(model, args) -> None:
                 buffer.add_(0.5 * torch.randn(buffer.shape, generator=generator))
 
 
-def forward(model, args):
-    """Megatron's logits [batch, sequence, padded vocab] on the last stage (None elsewhere); the stages
-    pass activations [sequence, batch, hidden] with send/recv."""
+def megatron_outputs(model, args):
+    """On the last stage, {"logits": Megatron's logits [batch, sequence, padded vocab]} and with multi-token
+    prediction its losses for LABELS: "lm_loss" per token [batch, sequence] and "mtp_losses", L_k of each depth
+    [depths], which its training forward records in MTPLossLoggingHelper's tracker (dropout is 0, so training
+    and evaluation compute alike); None on the other stages."""
+    import torch
+    from megatron.core import tensor_parallel
+    output = forward(model, args)
+    outputs = None if output is None else {
+        "logits": tensor_parallel.gather_from_tensor_model_parallel_region(output).float()}  # vocab-parallel
+    if args.mtp_num_layers:
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+        labels = torch.tensor(LABELS)
+        model.train()
+        lm_loss = forward(model, args, labels=labels, loss_mask=torch.ones(labels.shape))
+        model.eval()
+        if outputs is not None:
+            tracker = MTPLossLoggingHelper.tracker  # "values" up to core 0.19, "loss_values" in main
+            outputs.update(labels=labels, lm_loss=lm_loss.float(),
+                           mtp_losses=tracker.get("loss_values", tracker.get("values")).float().clone())
+    return outputs
+
+
+def forward(model, args, **kwargs):
+    """Megatron's output on the last stage (None elsewhere): vocabulary-parallel logits [batch, sequence,
+    vocab / tp], or given labels the loss per token; the stages pass activations [sequence, batch, hidden]
+    with send/recv."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
-    from megatron.core import tensor_parallel
     tokens = torch.tensor(TOKENS)
     position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
     mask = torch.triu(torch.ones(1, 1, tokens.shape[1], tokens.shape[1], dtype=torch.bool), diagonal=1)
@@ -510,32 +584,36 @@ def forward(model, args):
         dist.recv(received, src=mpu.get_pipeline_model_parallel_prev_rank())
         model.set_input_tensor(received)
     with torch.no_grad():
-        output = model(tokens, position_ids, mask)
+        output = model(tokens, position_ids, mask, **kwargs)
     if not mpu.is_pipeline_last_stage():
         dist.send(output.contiguous(), dst=mpu.get_pipeline_model_parallel_next_rank())
         return None
-    # GPTModel returns vocabulary-parallel logits [batch, sequence, vocab / tp].
-    return tensor_parallel.gather_from_tensor_model_parallel_region(output).float()
+    return output
 
 
-def write_logits(path: str, logits, job: dict) -> None:
+def write_outputs(path: str, outputs: dict, job: dict) -> None:
     import safetensors.torch
     import torch
-    safetensors.torch.save_file({"tokens": torch.tensor(TOKENS), "logits": logits.contiguous()}, path,
-                                metadata={"megatron_ref": job["ref"], "fixture": job["name"]})
+    safetensors.torch.save_file({"tokens": torch.tensor(TOKENS), **{k: v.contiguous() for k, v in outputs.items()}},
+                                path, metadata={"megatron_ref": job["ref"], "fixture": job["name"]})
 
 
-def write_comparison(job: dict, logits) -> None:
-    """Megatron's logits of our export against the fixture's, as JSON. An export at a larger tensor size
-    pads the vocabulary further with zero rows: their logits are the extra columns, compared to 0."""
+def write_comparison(job: dict, outputs: dict) -> None:
+    """Megatron's logits (and multi-token prediction's losses) of our export against the fixture's, as JSON. An
+    export at a larger tensor size pads the vocabulary further with zero rows: their logits are the extra
+    columns, compared to 0 (the fixtures' vocabulary pads alike at tensor sizes 1 to 4, so the losses, whose
+    softmax takes every column, compare too)."""
     import safetensors.torch
-    reference = safetensors.torch.load_file(job["reference"])["logits"]
-    width = reference.shape[-1]
-    difference = max((logits[..., :width] - reference).abs().max().item(), logits[..., width:].abs().max().item()
-                     if logits.shape[-1] > width else 0.0)
+    reference = safetensors.torch.load_file(job["reference"])
+    logits, width = outputs["logits"], reference["logits"].shape[-1]
+    difference = max((logits[..., :width] - reference["logits"]).abs().max().item(),
+                     logits[..., width:].abs().max().item() if logits.shape[-1] > width else 0.0)
+    for name in ("lm_loss", "mtp_losses"):
+        if name in reference:
+            difference = max(difference, (outputs[name] - reference[name]).abs().max().item())
     with open(job["result"], "w") as f:
         json.dump({"fixture": job["name"], "tp": job["tp"], "pp": job["pp"], "max_abs_diff": difference,
-                   "shape": list(logits.shape), "reference_shape": list(reference.shape)}, f)
+                   "shape": list(logits.shape), "reference_shape": list(reference["logits"].shape)}, f)
 
 
 if __name__ == "__main__":

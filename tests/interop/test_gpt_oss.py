@@ -3,7 +3,6 @@ config.json read as Megatron-LM's flags, logits and greedy generation at tp2 x p
 harness's tiny model (the sinks, the clamp), the stacked experts counted, the variants refused by name, the
 sinks' softmax against vanilla attention over one more key, and the flags' own checks.
 """
-import argparse
 import math
 
 import pytest
@@ -15,7 +14,8 @@ from megatron_lite.checkpointing import read_config  # noqa: E402
 from megatron_lite.cli.arguments import parse_args  # noqa: E402
 from megatron_lite.config import ConfigError, ModelConfig  # noqa: E402
 from megatron_lite.interop.hf import checkpoint as hf_checkpoint, weights as hf_weights  # noqa: E402
-from megatron_lite.interop.megatron.args_mapping import refuse_unsupported  # noqa: E402
+from megatron_lite.interop.megatron.args_mapping import (megatron_args_from_config,  # noqa: E402
+                                                          model_config_from_megatron_args)
 from megatron_lite.model.dot_product_attention import DotProductAttention  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.inference.test_generation_vs_transformers import EOS, MAX_NEW_TOKENS, PROMPTS  # noqa: E402
@@ -148,8 +148,13 @@ def test_megatron_flags_build_gpt_oss_and_their_checks_name_the_flag():
             parse_args([f for f in GPT_OSS_FLAGS if f != drop] + extra)
 
 
-def test_megatron_checkpoints_with_sinks_or_biased_experts_are_refused_by_name():
-    args = argparse.Namespace(softmax_type="learnable", num_experts=4, add_bias_linear=True, quick_geglu=True)
-    with pytest.raises(ConfigError, match=r"--quick-geglu \(quick GeGLU\), --softmax-type learnable \(attention "
-                                          r"sinks\), --num-experts with --add-bias-linear"):
-        refuse_unsupported(args, "ckpt")
+def test_megatron_lms_args_for_gpt_oss_map_both_ways():
+    """Megatron-LM's args for gpt-oss's model (its --quick-geglu a gated unit without --swiglu, the SwiGLU fusion
+    off for the clamp and offset, biased experts whole on each rank) and back to ours; its checkpoints' weights
+    and logits: tests/interop/test_megatron_import.py's gpt-oss fixture, written by Megatron-LM itself."""
+    config = parse_args(GPT_OSS_FLAGS)
+    args = megatron_args_from_config(config, tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                                     iteration=1, source="ckpt")
+    assert (args.swiglu, args.quick_geglu, args.bias_swiglu_fusion, args.softmax_type, args.window_size,
+            args.expert_tensor_parallel_size) == (False, True, False, "learnable", (127, 0), 1)
+    assert model_config_from_megatron_args(args, "ckpt") == config.model

@@ -12,6 +12,7 @@ from megatron_lite.checkpointing import load_checkpoint, read_config
 from megatron_lite.interop.megatron.importer import read_megatron_checkpoint
 from megatron_lite.config import CheckpointConfig, ConfigError
 from megatron_lite.model.builder import build_model
+from megatron_lite.model.multi_token_prediction import logged_losses as mtp_logged_losses
 from megatron_lite.pipeline_parallel import p2p
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from tests.distributed import run_distributed
@@ -28,13 +29,28 @@ def fixture(name: str) -> str:
     return path
 
 
+def megatron_outputs(name: str) -> dict:
+    """What tools/make_megatron_fixtures.py saved of Megatron's forward: "tokens" and "logits"; for a
+    multi-token prediction fixture also "labels", the training forward's "lm_loss" per token and "mtp_losses"
+    (L_k of each depth)."""
+    return safetensors.torch.load_file(os.path.join(fixture(name), "logits.safetensors"))
+
+
 def megatron_logits(name: str) -> tuple:
-    saved = safetensors.torch.load_file(os.path.join(fixture(name), "logits.safetensors"))
+    saved = megatron_outputs(name)
     return saved["tokens"], saved["logits"]
 
 
 def our_logits(root: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1):
     """Our model loaded from ``root`` at (tp, pp) in this process's world: the logits on the last stage."""
+    outputs = our_outputs(root, {"tokens": tokens}, tp, pp)
+    return None if outputs is None else outputs["logits"]
+
+
+def our_outputs(root: str, saved: dict, tp: int = 1, pp: int = 1):
+    """``megatron_outputs``' entries for ``saved``'s tokens (and labels) from our model loaded from ``root`` at
+    (tp, pp) in this process's world, on the last stage (None elsewhere): the losses from the training forward
+    (dropout is 0) and multi-token prediction's L_k as the trainer logs them."""
     config = read_config(root)
     config = dataclasses.replace(config, checkpoint=CheckpointConfig(load=root), parallel=dataclasses.replace(
         config.parallel, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
@@ -44,19 +60,31 @@ def our_logits(root: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1):
         load_checkpoint(config, parallel_state, [model], None, None)
         model.eval()
         with torch.no_grad():
-            return _stage_forward(model, tokens, parallel_state, config.model.hidden_size)
+            logits = _stage_forward(model, saved["tokens"], parallel_state, config.model.hidden_size)
+            if "labels" not in saved:
+                return None if logits is None else {"logits": logits}
+            model.train()
+            labels = saved["labels"]
+            lm_loss = _stage_forward(model, saved["tokens"], parallel_state, config.model.hidden_size,
+                                     labels=labels, loss_mask=torch.ones(labels.shape))
+        if logits is None:
+            return None
+        depths = mtp_logged_losses(model)
+        return {"logits": logits, "lm_loss": lm_loss,
+                "mtp_losses": torch.stack([depths[f"mtp_{k} loss"][0] for k in range(1, len(depths) + 1)])}
     finally:
         destroy_model_parallel(parallel_state)
 
 
-def _stage_forward(model, tokens, parallel_state, hidden_size):
-    """This stage's forward; the stages hand activations [s, b, h] on. The last stage's logits, else None."""
+def _stage_forward(model, tokens, parallel_state, hidden_size, **kwargs):
+    """This stage's forward; the stages hand activations [s, b, h] on. The last stage's logits (given labels,
+    its loss), else None."""
     exchange = dict(shape=(tokens.shape[1], tokens.shape[0], hidden_size), dtype=torch.float32,
                     device=torch.device("cpu"), group=parallel_state.pipeline_model_parallel_group)
     if not parallel_state.is_pipeline_first_stage():
         (received,) = p2p.exchange(sends=[], receives=[parallel_state.pipeline_prev_rank], **exchange)
         model.set_input_tensor(received)
-    output = model(tokens)
+    output = model(tokens, **kwargs)
     if not parallel_state.is_pipeline_last_stage():
         p2p.exchange(sends=[(output, parallel_state.pipeline_next_rank)], receives=[], **exchange)
         return None
@@ -76,34 +104,47 @@ ALL = ["gpt2_tp2pp2_torch", "llama_tp1pp1_torch_bf16", "gpt2_tp1pp1_legacy_model
        # query/key norms, the QKV projection's biases alone, a sliding window on every other layer, Llama 3's
        # RoPE scaling; the same norms and biases with linear RoPE scaling in torch_dist
        "llama_variants_tp2pp1_torch", "llama_variants_tp2pp1_torch_dist",
-       "moe_glm_tp2pp1ep2_torch_dist"]  # GLM-4.5's: grouped sigmoid routing, expert bias, gated shared expert
+       "moe_glm_tp2pp1ep2_torch_dist",  # GLM-4.5's: grouped sigmoid routing, expert bias, gated shared expert
+       # multi-token prediction (its losses too): 2 depths, tied embeddings over 2 stages; 1 depth with experts
+       "mtp_tp2pp2_torch", "mtp_moe_tp1pp1ep2_torch_dist",
+       # gpt-oss's sinks, clamped quick GeGLU, biases (experts' too), windows and YaRN, in main's torch_dist, its
+       # layers keyed one by one (a dense layer, then experts); Qwen's QK norms, gated attention and QKV bias
+       "gpt_oss_tp2pp1etp1ep2_torch_dist_core020", "qwen_attention_tp2pp1_torch"]
+
+
+def assert_megatrons_outputs(ours: dict, saved: dict, atol: float = ATOL) -> None:
+    """Our logits (and multi-token prediction fixtures' losses: the language model's per token, each depth's L_k)
+    are those Megatron-LM saved."""
+    assert sorted(ours) == sorted(set(saved) - {"tokens", "labels"})
+    for key, value in ours.items():
+        torch.testing.assert_close(value.float(), saved[key], atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_import_gives_megatrons_logits(name, tmp_path):
-    tokens, reference = megatron_logits(name)
+    saved = megatron_outputs(name)
     root = str(tmp_path / "ours")
     assert convert(["--source-format", "megatron", "--load-dir", fixture(name), "--save-dir", root]) == 0
-    logits = our_logits(root, tokens)
     atol = 2e-2 if "bf16" in name else ATOL  # both forwards in bf16, each with its own rounding
-    torch.testing.assert_close(logits.float(), reference, atol=atol, rtol=0)
+    assert_megatrons_outputs(our_outputs(root, saved), saved, atol)
 
 
-def _pipeline_logits(rank, world_size, root, tokens):
-    return our_logits(root, tokens, tp=2, pp=2)
+def _pipeline_outputs(rank, world_size, root, saved):
+    return our_outputs(root, saved, tp=2, pp=2)
 
 
-@pytest.mark.parametrize("name", ["gpt2_tp2pp2_torch", "llama_tp2pp2_legacy_model", "moe_tp2pp1ep2_torch"])
+@pytest.mark.parametrize("name", ["gpt2_tp2pp2_torch", "llama_tp2pp2_legacy_model", "moe_tp2pp1ep2_torch",
+                                  "mtp_tp2pp2_torch", "gpt_oss_tp2pp1etp1ep2_torch_dist_core020"])
 def test_import_at_tp2_pp2_gives_megatrons_logits(name, tmp_path):
-    tokens, reference = megatron_logits(name)
+    saved = megatron_outputs(name)
     root = str(tmp_path / "ours")
     assert convert(["--source-format", "megatron", "--load-dir", fixture(name), "--save-dir", root,
                     "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]) == 0
-    results = run_distributed(_pipeline_logits, 4, args=(root, tokens))
+    results = run_distributed(_pipeline_outputs, 4, args=(root, saved))
     last_stage = [r for r in results if r is not None]
     assert len(last_stage) == 2
-    for logits in last_stage:
-        torch.testing.assert_close(logits, reference, atol=ATOL, rtol=0)
+    for outputs in last_stage:
+        assert_megatrons_outputs(outputs, saved)
 
 
 def test_the_saved_args_map_to_our_config():
@@ -122,10 +163,14 @@ def test_the_saved_args_map_to_our_config():
 def test_unsupported_megatron_args_are_refused_by_name():
     import argparse
     from megatron_lite.interop.megatron.args_mapping import model_config_from_megatron_args
-    args = argparse.Namespace(moe_latent_size=8, rotary_interleaved=True, window_attn_skip_freq=[1, 0],
-                              swiglu=False, bias_gelu_fusion=False)
-    with pytest.raises(ConfigError, match=r"--moe-latent-size \(latent experts\).*--rotary-interleaved.*"
-                                          r"--window-attn-skip-freq as a list"):
+    args = argparse.Namespace(moe_latent_size=8, rotary_interleaved=True, experimental_attention_variant="gdn",
+                              swiglu=True, glu_linear_offset=1.0, mtp_num_layers=1, mtp_use_repeated_layer=True,
+                              window_size=(4, 0), window_attn_skip_freq=[1, 0])
+    with pytest.raises(ConfigError, match=r"--moe-latent-size \(latent experts\).*--mtp-use-repeated-layer.*"
+                                          r"--rotary-interleaved.*"
+                                          r"--experimental-attention-variant.*--window-attn-skip-freq as a list.*"
+                                          r"--glu-linear-offset .* with --swiglu and its fusion.*"
+                                          r"--mtp-num-layers with --window-attn-skip-freq"):
         model_config_from_megatron_args(args, "ckpt")
 
 
@@ -160,26 +205,35 @@ def _te_grouped_linear_names(key: str) -> str:
                   lambda m: f".{m[2]}.{m[3]}{m[1] if m[3] == 'weight' else ''}", key)
 
 
+def _core016_mtp_names(key: str) -> str:
+    """Megatron-Core 0.16's legacy files name a multi-token prediction layer's transformer layer
+    ``transformer_layer``."""
+    return key.replace(".mtp_model_layer.", ".transformer_layer.")
+
+
 @pytest.mark.parametrize("name,rename,renamed", [
     ("gpt2_tp2pp2_torch", _te_norm_names, "decoder.layers.0.mlp.linear_fc1.layer_norm_bias"),
-    ("moe_tp2pp1ep2_torch", _te_grouped_linear_names, "decoder.layers.1.mlp.experts.linear_fc2.weight1")])
+    ("moe_tp2pp1ep2_torch", _te_grouped_linear_names, "decoder.layers.1.mlp.experts.linear_fc2.weight1"),
+    ("mtp_tp2pp2_torch", _core016_mtp_names, "mtp.layers.1.transformer_layer.mlp.linear_fc2.weight")])
 def test_transformer_engine_layer_names_load_too(name, rename, renamed, tmp_path):
     """Legacy files whose layers carry Transformer Engine's names (the norm inside the next linear; grouped
-    experts' linears), made from a Megatron fixture by renaming its tensors (Transformer Engine does not run on
-    a CPU): the same logits."""
+    experts' linears) or core 0.16's (multi-token prediction's ``transformer_layer``), made from a Megatron
+    fixture by renaming its tensors (Transformer Engine does not run on a CPU): the same logits."""
     from megatron_lite.interop.megatron.legacy import rank_files
     from megatron_lite.interop.megatron.safe_unpickle import StandIn, load_torch_file
     tokens, reference = megatron_logits(name)
+    names = set()
     for source in rank_files(os.path.join(fixture(name), "iter_0000010")).values():
         state = load_torch_file(source)
         for key, value in vars(state["args"]).items():  # stand-ins name no importable class: save them as None
             if isinstance(value, StandIn):
                 setattr(state["args"], key, None)
         state["model"] = {rename(k): v for k, v in state["model"].items()}
-        assert renamed in state["model"]
+        names |= set(state["model"])
         te_dir = tmp_path / "te" / "iter_0000010" / os.path.basename(os.path.dirname(source))
         te_dir.mkdir(parents=True)
         torch.save(state, te_dir / "model_optim_rng.pt")
+    assert renamed in names
     (tmp_path / "te" / "latest_checkpointed_iteration.txt").write_text("10")
     root = str(tmp_path / "ours")
     assert convert(["--source-format", "megatron", "--load-dir", str(tmp_path / "te"), "--save-dir", root]) == 0

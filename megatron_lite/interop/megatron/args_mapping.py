@@ -21,21 +21,23 @@ from megatron_lite.checkpointing.architecture import defines_function
 from megatron_lite.config import Config, ConfigError, ModelConfig, TrainingConfig
 from megatron_lite.config.moe import parse_moe_layer_freq
 
-# args that change what the model computes and that megatron_lite does not implement: (name, what it is).
+# args that change what the model computes and that megatron_lite does not implement or map: (name, what it is).
 _UNSUPPORTED = (("moe_latent_size", "latent experts"),
                 ("moe_input_jitter_eps", "router input jitter"),
                 ("multi_latent_attention", "multi-latent attention"),
-                ("squared_relu", "squared ReLU"),
-                ("openai_gelu", "OpenAI's GeLU"), ("mtp_num_layers", "multi-token prediction layers"),
+                ("squared_relu", "squared ReLU"), ("openai_gelu", "OpenAI's GeLU"),
+                ("mtp_use_repeated_layer", "one multi-token prediction layer repeated at every depth"),
+                ("mtp_detach_heads", "multi-token prediction layers detached from the decoder's gradient"),
+                ("mtp_hsm", "multi-token prediction's hidden state mixing"),
+                ("mtp_hybrid_override_pattern", "hybrid (Mamba) multi-token prediction layers"),
                 ("apply_residual_connection_post_layernorm", "residuals after the norm"),
                 ("rotary_interleaved", "interleaved rotary embeddings"),
                 ("heterogeneous_layers_config_path", "heterogeneous layers"),
-                # Its gates' rows in Megatron-LM's linear_qkv are not mapped (Qwen3-Next imports from Hugging Face).
-                ("attention_output_gate", "gated attention"),
-                ("experimental_attention_variant", "an experimental attention variant"),
-                # gpt-oss's, which megatron_lite computes but whose weights this conversion does not map
-                ("quick_geglu", "quick GeGLU"), ("glu_linear_offset", "the gated MLP's linear offset"),
-                ("activation_func_clamp_value", "the gated MLP's clamp"),
+                # The gated DeltaNet (gdn) megatron_lite computes, but Megatron-LM builds it with Transformer
+                # Engine's fused norm-linear and the fla kernels only, so no checkpoint of it has been read here
+                # (Qwen3-Next and Qwen3.5 import from Hugging Face).
+                ("experimental_attention_variant", "an experimental attention variant, whose Megatron-LM layout "
+                                                   "is not mapped"),
                 # Llama 4's, which megatron_lite computes but this conversion does not map (Megatron-LM's --qk-l2-norm
                 # also normalises the NoPE layers, ours not)
                 ("qk_l2_norm", "query/key L2 norms"),
@@ -51,23 +53,31 @@ def refuse_unsupported(args, source: str) -> None:
     found = unsupported_settings(args)
     if found:
         raise ConfigError(f"the Megatron-LM checkpoint {source} was trained with settings megatron_lite does not "
-                          f"implement: {', '.join(found)}.")
+                          f"implement or map: {', '.join(found)}.")
 
 
 def unsupported_settings(args) -> list[str]:
     """The model-changing args of ``args`` that megatron_lite does not implement (or does not map), as flags."""
     found = [f"--{name.replace('_', '-')} ({what})" for name, what in _UNSUPPORTED
              if what is not None and _arg(args, name) not in (None, False, 0)]
-    if isinstance(_arg(args, "window_attn_skip_freq"), list):
-        found.append("--window-attn-skip-freq as a list of layers (megatron_lite takes N: every Nth layer global)")
-    if _arg(args, "softmax_type", "vanilla") != "vanilla":
-        found.append(f"--softmax-type {args.softmax_type} (attention sinks)")
-    if _arg(args, "num_experts") and _arg(args, "add_bias_linear", True):
-        found.append("--num-experts with --add-bias-linear (the experts' and router's biases)")
     if _arg(args, "normalization", "LayerNorm") not in ("LayerNorm", "RMSNorm"):
         found.append(f"--normalization {args.normalization}")
-    if _position_embedding_type(args) not in ("learned_absolute", "rope"):
+    if _position_embedding_type(args) not in ("learned_absolute", "rope", "yarn"):
         found.append(f"--position-embedding-type {args.position_embedding_type}")
+    if isinstance(_arg(args, "window_attn_skip_freq"), list):
+        found.append("--window-attn-skip-freq as a list (a pattern of windowed layers; megatron_lite takes every "
+                     "Nth layer global)")
+    if _arg(args, "swiglu") and _arg(args, "bias_swiglu_fusion", True) and (
+            _arg(args, "glu_linear_offset") or _arg(args, "activation_func_clamp_value") is not None):
+        found.append("--glu-linear-offset or --activation-func-clamp-value with --swiglu and its fusion (Megatron-LM's "
+                     "fused SwiGLU leaves them out; its unfused one, --no-bias-swiglu-fusion, applies them)")
+    if _arg(args, "mtp_num_layers"):
+        # Megatron-LM numbers a multi-token prediction layer by its depth (1, 2, ...) where it picks a layer's
+        # window or rotary embedding; ours take the decoder's last layer's kind.
+        found += [f"--mtp-num-layers with --{name.replace('_', '-')} (multi-token prediction layers whose {what} "
+                  f"Megatron-LM picks by their depth)" for name, what in (("window_attn_skip_freq", "window"),
+                                                                         ("no_rope_freq", "rotary embedding"))
+                  if _arg(args, name) is not None]
     return found
 
 
@@ -111,22 +121,58 @@ def model_config_from_megatron_args(args, source: str) -> ModelConfig:
         normalization=_arg(args, "normalization", "LayerNorm"), norm_epsilon=epsilon,
         apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False)),
         position_embedding_type=_position_embedding_type(args), rotary_base=float(_arg(args, "rotary_base", 10000)),
-        rotary_percent=float(_arg(args, "rotary_percent", 1.0)), swiglu=bool(_arg(args, "swiglu", False)),
+        rotary_percent=float(_arg(args, "rotary_percent", 1.0)),
         no_rope_freq=None if _arg(args, "no_rope_freq") is None else str(args.no_rope_freq),  # N or its list
         add_bias_linear=bool(_arg(args, "add_bias_linear", True)),
-        # Megatron-LM sets add_qkv_bias whenever add_bias_linear is: ours is the QKV projection's bias alone.
-        add_qkv_bias=bool(_arg(args, "add_qkv_bias", False)) and not _arg(args, "add_bias_linear", True),
-        qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
-        window_size=None if _arg(args, "window_size") is None else list(args.window_size),
-        window_attn_skip_freq=_arg(args, "window_attn_skip_freq"),
-        use_rope_scaling=bool(_arg(args, "use_rope_scaling", False)),
-        rope_scaling_factor=float(_arg(args, "rope_scaling_factor", 8.0)),
-        gelu_exact=not _arg(args, "swiglu", False) and not _arg(args, "bias_gelu_fusion", True),
+        # Megatron-LM's validation sets add_qkv_bias with add_bias_linear; ours is the QKV's bias alone (Qwen2).
+        add_qkv_bias=bool(_arg(args, "add_qkv_bias")) and not _arg(args, "add_bias_linear", True),
         untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
         hidden_dropout=_arg(args, "hidden_dropout", 0.1), attention_dropout=_arg(args, "attention_dropout", 0.1),
         init_method_std=_arg(args, "init_method_std", 0.02),
+        use_rope_scaling=bool(_arg(args, "use_rope_scaling", False)),
+        rope_scaling_factor=float(_arg(args, "rope_scaling_factor", 8.0)),
         make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128),
-        hf_model_type=_arg(args, HF_MODEL_TYPE_ARG), **_moe_fields(args))
+        hf_model_type=_arg(args, HF_MODEL_TYPE_ARG), **_attention_fields(args), **_mlp_fields(args),
+        **_yarn_fields(args), **_moe_fields(args), **_mtp_fields(args))
+
+
+def _attention_fields(args) -> dict:
+    """Our attention fields of ``args``: QK layer norms, gated attention, sinks, the sliding window."""
+    window = _arg(args, "window_size")
+    return dict(qk_layernorm=bool(_arg(args, "qk_layernorm")),
+                attention_output_gate=bool(_arg(args, "attention_output_gate")),
+                softmax_type=_arg(args, "softmax_type") or "vanilla",
+                window_size=None if window is None else list(window),
+                window_attn_skip_freq=_arg(args, "window_attn_skip_freq"))
+
+
+def _mlp_fields(args) -> dict:
+    """Our MLP fields of ``args``. Megatron-LM's --quick-geglu is a gated unit without --swiglu (which picks
+    SiLU); ours is --swiglu's gate changed. Its GeLU is the erf one without ``bias_gelu_fusion``."""
+    quick_geglu = bool(_arg(args, "quick_geglu"))
+    gated = bool(_arg(args, "swiglu")) or quick_geglu
+    return dict(swiglu=gated, quick_geglu=quick_geglu, glu_linear_offset=float(_arg(args, "glu_linear_offset") or 0.0),
+                activation_func_clamp_value=_arg(args, "activation_func_clamp_value"),
+                gelu_exact=not gated and not _arg(args, "bias_gelu_fusion", True))
+
+
+# YaRN's args (--position-embedding-type yarn, Megatron-LM's names are ours), None where a flag was not given.
+_YARN_ARGS = ("rotary_scaling_factor", "mscale", "mscale_all_dim", "yarn_original_max_position_embeddings",
+              "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int")
+
+
+def _yarn_fields(args) -> dict:
+    if _position_embedding_type(args) != "yarn":
+        return {}
+    return {name: _arg(args, name) for name in _YARN_ARGS if _arg(args, name) is not None}
+
+
+def _mtp_fields(args) -> dict:
+    """Our multi-token prediction fields of ``args`` ({} without its layers)."""
+    if not _arg(args, "mtp_num_layers"):
+        return {}
+    scaling = _arg(args, "mtp_loss_scaling_factor")
+    return dict(mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=0.1 if scaling is None else scaling)
 
 
 def config_from_megatron_args(args, source: str) -> Config:
@@ -149,7 +195,9 @@ def _moe_args(model: ModelConfig, expert_model_parallel_size: int) -> dict:
     freq = parse_moe_layer_freq(model.moe_layer_freq)
     return dict({name: getattr(model, name) for name in _MOE_ARGS}, num_experts=model.num_experts,
                 moe_layer_freq=freq, expert_model_parallel_size=expert_model_parallel_size,
-                expert_tensor_parallel_size=None, moe_grouped_gemm=False,
+                # Megatron-Core splits experts with biases over no tensor ranks (it asserts so); others like the
+                # dense layers (None: the tensor size).
+                expert_tensor_parallel_size=1 if model.add_bias_linear else None, moe_grouped_gemm=False,
                 # The dispatcher changes no result; allgather needs no CUDA stream, so Megatron runs it on a CPU too.
                 moe_token_dispatcher_type="allgather")
 
@@ -173,17 +221,18 @@ def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int
         kv_channels=model.kv_channels or model.hidden_size // model.num_attention_heads,
         seq_length=model.seq_length, encoder_seq_length=model.seq_length,
         max_position_embeddings=model.max_position_embeddings, position_embedding_type=model.position_embedding_type,
-        add_position_embedding=model.position_embedding_type == "learned_absolute",
+        add_position_embedding=True,  # as Megatron-LM's parser leaves it: the deprecated flag's, which --position-
+        # embedding-type replaced (its validation refuses it off with a type other than rope)
         use_rotary_position_embeddings=False, rotary_base=int(model.rotary_base), rotary_percent=model.rotary_percent,
         rotary_interleaved=False, no_rope_freq=None if model.no_rope_freq is None else parse_moe_layer_freq(
             model.no_rope_freq, "--no-rope-freq", "layers without rotary embeddings"),
         rotary_seq_len_interpolation_factor=model.rotary_seq_len_interpolation_factor,
         use_rope_scaling=model.use_rope_scaling, rope_scaling_factor=model.rope_scaling_factor,
-        normalization=model.normalization, norm_epsilon=model.norm_epsilon, layernorm_epsilon=model.norm_epsilon,
-        apply_layernorm_1p=model.apply_layernorm_1p, swiglu=model.swiglu, squared_relu=False, openai_gelu=False,
-        bias_gelu_fusion=not model.swiglu and not model.gelu_exact, add_bias_linear=model.add_bias_linear,
-        add_qkv_bias=model.add_qkv_bias or model.add_bias_linear, qk_layernorm=model.qk_layernorm,
-        window_size=None if model.window_size is None else tuple(model.window_size),  # Megatron's tuple_type
+        **_yarn_args(model), normalization=model.normalization, norm_epsilon=model.norm_epsilon,
+        layernorm_epsilon=model.norm_epsilon, apply_layernorm_1p=model.apply_layernorm_1p, **_mlp_args(model),
+        add_bias_linear=model.add_bias_linear, add_qkv_bias=model.add_qkv_bias or model.add_bias_linear,
+        qk_layernorm=model.qk_layernorm, attention_output_gate=model.attention_output_gate,
+        softmax_type=model.softmax_type, window_size=None if model.window_size is None else tuple(model.window_size),
         window_attn_skip_freq=model.window_attn_skip_freq,
         untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
         apply_query_key_layer_scaling=False, apply_residual_connection_post_layernorm=False,
@@ -195,12 +244,27 @@ def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int
         transformer_pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         bf16=config.training.bf16, fp16=config.training.fp16, params_dtype=config.params_dtype,
-        **_moe_args(model, expert_model_parallel_size), mtp_num_layers=None, use_legacy_models=False,
+        **_moe_args(model, expert_model_parallel_size), mtp_num_layers=model.mtp_num_layers,
+        mtp_loss_scaling_factor=model.mtp_loss_scaling_factor, use_legacy_models=False,
         transformer_impl="local",
         ckpt_format=ckpt_format, iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
         **({HF_MODEL_TYPE_ARG: model.hf_model_type} if model.hf_model_type else {}))
     _check_round_trip(args, model, source)
     return args
+
+
+def _mlp_args(model: ModelConfig) -> dict:
+    """Megatron-LM's MLP args for ``model``: --quick-geglu without --swiglu; the tanh GeLU's fusion flag; the
+    SwiGLU's fusion off where the offset or clamp must apply (its fused kernel leaves them out)."""
+    glu_extras = model.glu_linear_offset != 0.0 or model.activation_func_clamp_value is not None
+    return dict(swiglu=model.swiglu and not model.quick_geglu, quick_geglu=model.quick_geglu, squared_relu=False,
+                openai_gelu=False, bias_gelu_fusion=not model.swiglu and not model.gelu_exact,
+                bias_swiglu_fusion=not glu_extras, glu_linear_offset=model.glu_linear_offset,
+                activation_func_clamp_value=model.activation_func_clamp_value)
+
+
+def _yarn_args(model: ModelConfig) -> dict:
+    return {name: getattr(model, name) for name in _YARN_ARGS} if model.position_embedding_type == "yarn" else {}
 
 
 def _check_round_trip(args, model: ModelConfig, source: str) -> None:

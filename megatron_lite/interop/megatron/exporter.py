@@ -28,7 +28,7 @@ from megatron_lite.interop.megatron import layout, legacy, torch_dist_writer
 from megatron_lite.interop.megatron.args_mapping import megatron_args_from_config
 from megatron_lite.checkpointing.offline import stage_model
 from megatron_lite.checkpointing.resharding import CheckpointReader, has_vocab_rows, resize_vocab
-from megatron_lite.checkpointing.save_load import checkpoint_name, checkpointed_tensors
+from megatron_lite.checkpointing.save_load import checkpoint_name, checkpointed_tensors, is_stage_copy
 from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ParallelConfig
 from megatron_lite.expert_parallel.layers import ExpertLinear
@@ -71,7 +71,8 @@ def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
                           f"checkpoint: generate, evaluate or fine-tune on with it as --load; export its base on its "
                           f"own.")
     tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
-    _check_experts(config, ckpt_format, ep, load_dir)
+    _check_experts(config, ckpt_format, tp, ep, load_dir)
+    _check_multi_token_prediction(config, ckpt_format, pp, load_dir)
     # Re-validates heads, groups, ffn and layers against the target sizes before anything is written.
     config = dataclasses.replace(config, parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                                                  pipeline_model_parallel_size=pp))
@@ -92,8 +93,10 @@ def export_megatron_checkpoint(load_dir: str, save_dir: str, *, tensor_model_par
     return save_dir
 
 
-def _check_experts(config: Config, ckpt_format: str, ep: int, load_dir: str) -> None:
-    """A mixture of experts is written as Megatron-Core's SequentialMLP writes it, split over ``ep`` ranks."""
+def _check_experts(config: Config, ckpt_format: str, tp: int, ep: int, load_dir: str) -> None:
+    """A mixture of experts is written as Megatron-Core's SequentialMLP writes it, split over ``ep`` ranks, each
+    expert split over the tensor ranks, or whole when it has biases (Megatron-Core asks for expert-tensor size 1
+    then, which a legacy file cannot hold beside tensor-parallel dense layers: ``importer._read_legacy``)."""
     experts = config.model.num_experts
     if experts is None:
         if ep != 1:
@@ -101,6 +104,23 @@ def _check_experts(config: Config, ckpt_format: str, ep: int, load_dir: str) -> 
         return
     if experts % ep:
         raise ConfigError(f"--target-expert-parallel-size {ep} does not divide the {experts} experts of {load_dir}.")
+    if config.model.add_bias_linear and ckpt_format == "torch" and tp > 1:
+        raise ConfigError(f"{load_dir} has experts with biases, which Megatron-LM keeps whole on each rank "
+                          f"(--expert-tensor-parallel-size 1) and its legacy format cannot hold beside "
+                          f"--target-tensor-parallel-size {tp}: export with --megatron-ckpt-format torch_dist, or at "
+                          f"--target-tensor-parallel-size 1.")
+
+
+def _check_multi_token_prediction(config: Config, ckpt_format: str, pp: int, load_dir: str) -> None:
+    """Megatron-Core (0.17 to 0.20) has no torch_dist layout for tied embeddings with multi-token prediction
+    over pipeline stages: its last stage's sharded state dict asserts that the output layer it holds has no
+    weight. It saves and loads them in the legacy format only."""
+    model = config.model
+    if (ckpt_format == "torch_dist" and pp > 1 and model.mtp_num_layers is not None
+            and not model.untie_embeddings_and_output_weights):
+        raise ConfigError(f"{load_dir} has tied embeddings and --mtp-num-layers: Megatron-LM cannot save or load "
+                          f"them as torch_dist over pipeline stages; export with --megatron-ckpt-format torch, or "
+                          f"--target-pipeline-parallel-size 1.")
 
 
 def _stage(config: Config, reader: CheckpointReader, pipeline_rank: int) -> Stage:
@@ -157,7 +177,16 @@ def _legacy_rank_state(stage: Stage, *, tp_rank: int, tp: int, experts: range) -
         if expert is None or expert in experts:
             name = name if expert is None else layout.renumbered_expert(name, -experts.start)
             state[layout.megatron_from_ours(f"{name}._extra_state", stage.layer_offset)] = None
+    if _holds_unread_output_weight(stage.model):
+        state["output_layer.weight"] = state["embedding.word_embeddings.weight"].clone()
     return state
+
+
+def _holds_unread_output_weight(model: GPTModel) -> bool:
+    """Whether Megatron-Core's model of this stage has an output layer weight that it never reads: a last stage
+    with tied embeddings and multi-token prediction holds the embedding (which is then the output weight) and
+    an output layer of its own too. Its strict load wants it: written as the embedding."""
+    return model.share_embeddings_and_output_weights and model.mtp is not None and not model.pre_process
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -171,53 +200,76 @@ def _write_torch_dist(save_dir: str, stages, config: Config, args, iteration: in
     # ranks, one data-parallel rank each), then pipeline.
     ranks = [[] for _ in range(tp * ep * pp)]
     per_rank = (config.model.num_experts or 0) // ep
+    keys = TorchDistKeys.of(config, args)
     for stage in stages:
         for expert_rank in range(ep):
             experts = range(expert_rank * per_rank, (expert_rank + 1) * per_rank)
             for tp_rank in range(tp):
                 ranks[(stage.pipeline_rank * ep + expert_rank) * tp + tp_rank] = _torch_dist_items(
-                    stage, config, tp_rank=tp_rank, tp=tp, experts=experts, dense=expert_rank == 0)
+                    stage, keys, tp_rank=tp_rank, tp=tp, experts=experts, dense=expert_rank == 0)
     common = {"args": args, "checkpoint_version": legacy.CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0, "content_metadata": dict(CONTENT_METADATA)}
     torch_dist_writer.write(legacy.iteration_path(save_dir, iteration), ranks, common, common_state=common_state)
 
 
-def _torch_dist_items(stage: Stage, config: Config, *, tp_rank: int, tp: int, experts: range, dense: bool) -> list:
+@dataclasses.dataclass(frozen=True)
+class TorchDistKeys:
+    """How Megatron-Core keys the model's tensors in torch_dist: the decoder's layers stacked under one key per
+    name, unless they differ (--moe-layer-freq other than 1: a key per layer, as Megatron-Core's
+    ``non_homogeneous_layers``); the experts stacked, each expert split over the expert-tensor ranks (the tensor
+    ranks, or none: biased experts, which Megatron-Core keeps whole)."""
+
+    sizes: dict  # stacked dimension -> its size
+    layers_stacked: bool
+    expert_tensor_parallel_size: int
+
+    @classmethod
+    def of(cls, config: Config, args) -> "TorchDistKeys":
+        """The keys of ``config``'s model as Megatron-Core builds it from the export's ``args``."""
+        freq = args.moe_layer_freq if config.model.num_experts is not None else 1
+        return cls(sizes={"layers": config.model.num_layers, "experts": config.model.num_experts},
+                   layers_stacked=not isinstance(freq, list) and freq == 1,
+                   expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None)
+                   or config.parallel.tensor_model_parallel_size)
+
+    def key(self, name: str) -> tuple[str, tuple, tuple]:
+        """(key, the tensor's offsets along the key's stacked dimensions, their sizes) of our ``name``."""
+        key, where = layout.torch_dist_key(name, layers_stacked=self.layers_stacked)
+        return key, tuple(position for _, position in where), tuple(self.sizes[axis] for axis, _ in where)
+
+
+def _torch_dist_items(stage: Stage, keys: TorchDistKeys, *, tp_rank: int, tp: int, experts: range,
+                      dense: bool) -> list:
     """What one rank of a stage writes: its chunks of the tensor-parallel tensors of the dense layers (if
     ``dense``: expert-parallel rank 0 writes them) and of ``experts``, and on tensor-parallel rank 0 their
     replicated tensors and linears' ``_extra_state`` objects."""
     items = []
     for name, param in checkpointed_tensors(stage.model):
-        if checkpoint_name(stage.model, name) != name or not _written_here(name, experts, dense):
-            continue  # the last stage's copy of tied embeddings (the first stage writes them), or another rank's
-        key, index = layout.torch_dist_key(name)
+        if is_stage_copy(stage.model, name, param) or not _written_here(name, experts, dense):
+            continue  # the last stage's copy of the embedding (the first stage writes it), or another rank's
+        key, index, stacked = keys.key(name)
         full = stage.full[name]
         if getattr(param, "tensor_model_parallel", False):
-            pieces = _tensor_parallel_chunks(full, param, tp_rank=tp_rank, tp=tp)
+            split = tp if layout.expert_number(name) is None else keys.expert_tensor_parallel_size
+            pieces = _tensor_parallel_chunks(full, param, tp_rank=tp_rank, tp=split) if tp_rank < split else []
         else:
             pieces = [((0,) * full.dim(), full)] if tp_rank == 0 else []
         # A layer's (an expert's) piece is a [1, ...] ([1, 1, ...]) slice of the stacked tensor.
-        stacked = _stacked_shape(config, index)
         items += [torch_dist_writer.Chunk(key, (*stacked, *full.shape), (*index, *offsets),
                                           piece.reshape((1,) * len(index) + piece.shape)) for offsets, piece in pieces]
     if tp_rank == 0:
         for name in _linear_layers(stage.model):
-            key, index = layout.torch_dist_key(f"{name}._extra_state")
-            # Megatron-Core saves the layers' linears' extra state, not the output layer's.
-            if index and _written_here(name, experts, dense):
-                items.append(torch_dist_writer.ShardedObject(key, offset=index, shape=_stacked_shape(config, index)))
+            key, index, stacked = keys.key(f"{name}._extra_state")
+            # Megatron-Core saves the layers' linears' extra state, not the output layer's; an object outside the
+            # stacked keys at offset (0,) of shape (1,).
+            if name != "output_layer" and _written_here(name, experts, dense):
+                items.append(torch_dist_writer.ShardedObject(key, offset=index or (0,), shape=stacked or (1,)))
     return items
 
 
 def _written_here(name: str, experts: range, dense: bool) -> bool:
     expert = layout.expert_number(name)
     return dense if expert is None else expert in experts
-
-
-def _stacked_shape(config: Config, index: tuple) -> tuple:
-    """The leading dimensions of a torch_dist key that stacks tensors ``index`` says: (layers,), (layers,
-    experts), or () for one outside the layers."""
-    return (config.model.num_layers, config.model.num_experts)[:len(index)]
 
 
 def _tensor_parallel_chunks(full: torch.Tensor, param, *, tp_rank: int, tp: int) -> list:

@@ -9,6 +9,11 @@ model of ``--use-legacy-models``, whose state dict nests
 paper (``query_key_value``, ``dense_h_to_4h``...). Files of one pipeline stage number
 their layers from 0.
 
+Multi-token prediction's depths (``--mtp-num-layers``, on the last stage) are ``mtp.layers.D.``: ``enorm``,
+``hnorm``, ``eh_proj`` and ``final_layernorm`` as ours, and a transformer layer, ``mtp_model_layer.`` in the
+legacy files of core 0.17 and later (ours), ``transformer_layer.`` in core 0.16's and in every torch_dist (where
+Megatron-Core keeps the older name), named inside as a decoder layer is.
+
 The splits are ours too (Megatron's column-parallel layers split dim 0 and row-parallel
 layers dim 1; the fused QKV holds whole query groups ``[q heads of the group; k; v]``
 per rank, SwiGLU's fc1 ``[gate_r; up_r]`` per rank), so one tensor-parallel rank's
@@ -27,8 +32,12 @@ TE_NORM_RENAMES = (
     ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
     ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"),
 )
+# Megatron-Core's names inside a layer that are not ours: the sinks (--softmax-type learnable) are its core
+# attention's.
+MCORE_LAYER_RENAMES = (("self_attention.core_attention.softmax_offset", "self_attention.softmax_offset"),)
 LAYER_RENAMES = (
     *TE_NORM_RENAMES,
+    *MCORE_LAYER_RENAMES,
     ("input_norm.", "input_layernorm."),
     ("post_attention_norm.", "pre_mlp_layernorm."),
     ("post_attention_layernorm.", "pre_mlp_layernorm."),
@@ -54,6 +63,7 @@ TOP_RENAMES = {
 }
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _LAYER = re.compile(r"^(?:decoder|language_model\.encoder|language_model\.transformer)\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(?:mtp_model_layer|transformer_layer)\.(.+)$")
 TIED_OUTPUT_COPIES = ("output_layer.weight", "word_embeddings_for_head.weight")
 
 
@@ -73,12 +83,14 @@ def local_layer(name: str) -> Optional[tuple[int, str]]:
     match = _LAYER.match(name)
     if match is None:
         return None
-    inner = match.group(2)
+    return int(match.group(1)), _ours_inside_layer(match.group(2))
+
+
+def _ours_inside_layer(inner: str) -> str:
     for theirs, ours in LAYER_RENAMES:
-        if inner.startswith(theirs) or inner == theirs:
-            inner = ours + inner[len(theirs):]
-            break
-    return int(match.group(1)), inner
+        if inner.startswith(theirs):
+            return ours + inner[len(theirs):]
+    return inner
 
 
 def is_ignored(name: str, *, tied: bool) -> bool:
@@ -92,6 +104,9 @@ def ours_from_megatron(name: str, layer_offset: int) -> str:
     layer = local_layer(name)
     if layer is not None:
         return f"decoder.layers.{layer[0] + layer_offset}.{layer[1]}"
+    mtp = _MTP_LAYER.match(name)
+    if mtp is not None:
+        return f"mtp.layers.{mtp.group(1)}.mtp_model_layer.{_ours_inside_layer(mtp.group(2))}"
     return TOP_RENAMES.get(name, name)
 
 
@@ -101,27 +116,45 @@ _MCORE_FROM_OURS = {ours: theirs for theirs, ours in MCORE_TOP_RENAMES.items()}
 def megatron_from_ours(name: str, layer_offset: int) -> str:
     """Megatron-Core's local-layer name for our global ``name`` in the file of the pipeline stage whose
     first layer is global layer ``layer_offset`` (the inverse of ``ours_from_megatron`` for that model)."""
-    layer = local_layer(name)
+    layer, mtp = local_layer(name), _MTP_LAYER.match(name)
     if layer is not None:
-        return f"decoder.layers.{layer[0] - layer_offset}.{layer[1]}"
+        return f"decoder.layers.{layer[0] - layer_offset}.{_mcore_inside_layer(layer[1])}"
+    if mtp is not None:
+        return f"mtp.layers.{mtp.group(1)}.mtp_model_layer.{_mcore_inside_layer(mtp.group(2))}"
     return _MCORE_FROM_OURS.get(name, name)
 
 
-_TE_NORM_FROM_OURS = {ours: theirs for theirs, ours in TE_NORM_RENAMES}
+def _mcore_inside_layer(inner: str) -> str:
+    return next((theirs for theirs, ours in MCORE_LAYER_RENAMES if inner == ours), inner)
 
 
-def torch_dist_key(name: str) -> tuple[str, tuple]:
+# Inside a layer, in torch_dist: Transformer Engine's norm names, and Megatron-Core's where they differ from ours.
+_MCORE_INSIDE_LAYER = {ours: theirs for theirs, ours in (*TE_NORM_RENAMES, *MCORE_LAYER_RENAMES)}
+
+
+def torch_dist_key(name: str, *, layers_stacked: bool = True) -> tuple[str, tuple]:
     """Megatron-Core's torch_dist key for our global ``name`` and where the tensor sits along the key's leading
-    stacked dimensions: () outside the layers, (layer,) for a layer tensor (torch_dist stacks the layers under
-    one key), (layer, expert) for an expert's (``mlp.experts.experts.<name>``, [layers, experts, ...])."""
-    layer = local_layer(name)
-    if layer is None:
+    stacked dimensions, as (dimension, position) pairs: () outside the layers; (("layers", layer),) for a decoder
+    layer's tensor when its layers are ``layers_stacked`` under one key; (..., ("experts", expert)) for an
+    expert's (``mlp.experts.experts.<name>``, [(layers,) experts, ...]).
+
+    A model whose layers differ (--moe-layer-freq other than 1) has a key per decoder layer instead
+    (``decoder.layers.<layer>.<name>``), as a multi-token prediction layer's tensors always have
+    (``mtp.layers.D.transformer_layer.<name>``)."""
+    layer, mtp = local_layer(name), _MTP_LAYER.match(name)
+    if layer is None and mtp is None:
         return _MCORE_FROM_OURS.get(name, name), ()
+    if mtp is not None:
+        prefix, inner, where = f"mtp.layers.{mtp.group(1)}.transformer_layer.", mtp.group(2), ()
+    elif layers_stacked:
+        prefix, inner, where = "decoder.layers.", layer[1], (("layers", layer[0]),)
+    else:
+        prefix, inner, where = f"decoder.layers.{layer[0]}.", layer[1], ()
     expert = expert_number(name)
     if expert is not None:
-        inner = _LOCAL_EXPERT.sub(".mlp.experts.experts.", f".{layer[1]}", count=1).removeprefix(".")
-        return f"decoder.layers.{inner}", (layer[0], expert)
-    return f"decoder.layers.{_TE_NORM_FROM_OURS.get(layer[1], layer[1])}", (layer[0],)
+        inner = _LOCAL_EXPERT.sub(".mlp.experts.experts.", f".{inner}", count=1).removeprefix(".")
+        return prefix + inner, (*where, ("experts", expert))
+    return prefix + _MCORE_INSIDE_LAYER.get(inner, inner), where
 
 
 def expert_number(name: str) -> Optional[int]:

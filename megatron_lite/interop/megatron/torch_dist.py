@@ -10,7 +10,8 @@ Keys are global and unsharded (each ``.distcp`` holds chunks of them): the layer
 stacked into one tensor per name with a leading layer dimension
 (``decoder.layers.mlp.linear_fc1.weight`` of shape [layers, ...]), a mixture of experts' expert
 tensors with an expert dimension after it (``decoder.layers.mlp.experts.experts.linear_fc1.weight``
-of shape [layers, experts, ...]), and the norms carry
+of shape [layers, experts, ...]); a model whose layers differ (--moe-layer-freq other than 1) and the
+multi-token prediction layers have a key per layer instead, and the norms carry
 Transformer Engine's names (``linear_qkv.layer_norm_weight``) even with local layers. The
 ``.metadata`` pickle is read with the restricted unpickler, allowing only the
 metadata classes of ``torch.distributed.checkpoint``, and each chunk with
@@ -43,6 +44,10 @@ _STACKED = re.compile(r"^decoder\.layers\.(?!\d)(.+)$")
 # The experts' tensors in torch_dist, [layers, experts, ...] under one key per name, whichever module wrote them
 # (SequentialMLP, GroupedMLP and TEGroupedMLP write the same keys).
 EXPERTS_KEY = "mlp.experts.experts."
+# The experts of a layer keyed on its own, [experts, ...]: a decoder layer of a model whose layers differ
+# (--moe-layer-freq other than 1: Megatron-Core's non-homogeneous layers), a multi-token prediction layer.
+_LAYER_EXPERTS = re.compile(r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.)"
+                            r"experts\.(.+)$")
 
 
 def _metadata_classes() -> dict:
@@ -132,13 +137,18 @@ def read(directory: str) -> tuple:
 
 
 def _unstacked(name: str, tensor: torch.Tensor, layers_held: set) -> dict:
-    """A stacked ``decoder.layers.<name>`` [layers, ...] as one tensor per global layer that has chunks (with
-    --moe-layer-freq the dense and the expert layers each fill some layers of their keys), and the experts'
+    """A stacked ``decoder.layers.<name>`` [layers, ...] as one tensor per global layer that has chunks (where
+    Megatron-Core before 0.10 stacked layers that differ, the dense and the expert layers each fill
+    some layers of their keys), and the experts'
     ``mlp.experts.experts.<name>`` [layers, experts, ...] as one tensor per layer and expert, named as the
-    legacy format names them (``mlp.experts.local_experts.<expert>.<name>``, the experts numbered globally)."""
+    legacy format names them (``mlp.experts.local_experts.<expert>.<name>``, the experts numbered globally);
+    the experts [experts, ...] of a layer keyed on its own likewise."""
     match = _STACKED.match(name)
     if match is None:
-        return {name: tensor}
+        own = _LAYER_EXPERTS.match(name)
+        if own is None:
+            return {name: tensor}
+        return {f"{own.group(1)}local_experts.{e}.{own.group(2)}": expert for e, expert in enumerate(tensor.unbind(0))}
     inner = match.group(1)
     layers = {i: t for i, t in enumerate(tensor.unbind(0)) if i in layers_held}
     if not inner.startswith(EXPERTS_KEY):
