@@ -38,7 +38,7 @@ def test_config_maps_every_feature(llama4):
     assert (config.rope_scaling_factor, config.rope_scaling_low_freq_factor, config.rope_scaling_high_freq_factor) == (
         16.0, 1.0, 1.0)
     assert (config.num_experts, config.moe_router_topk, config.moe_router_score_function) == (EXPERTS, 1, "sigmoid")
-    assert config.moe_apply_probs_on_input and config.moe_layer_freq == "[0,1]" and config.moe_aux_loss_coeff == 0
+    assert config.moe_apply_probs_on_input and config.moe_layer_freq == "[0, 1]" and config.moe_aux_loss_coeff == 0
     assert (config.ffn_hidden_size, config.moe_ffn_hidden_size, config.moe_shared_expert_intermediate_size) == (
         48, 16, 16)
 

@@ -70,7 +70,7 @@ def _experts(hf: dict) -> dict:
     width = hf["intermediate_size"]
     return dict(num_experts=hf["num_local_experts"], moe_router_topk=1, moe_router_score_function="sigmoid",
                 moe_apply_probs_on_input=True, moe_ffn_hidden_size=width, moe_shared_expert_intermediate_size=width,
-                moe_layer_freq="1" if all(pattern) else "[" + ",".join(str(int(moe)) for moe in pattern) + "]",
+                moe_layer_freq="1" if all(pattern) else str([int(moe) for moe in pattern]),  # ModelConfig's spelling
                 moe_aux_loss_coeff=0.0)
 
 
