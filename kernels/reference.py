@@ -8,6 +8,12 @@ import torch
 import torch.nn.functional as F
 
 
+def _as(t, dtype):
+    """``t`` in ``dtype``; one already in it (None too) is returned as it is, without the call ``.to`` costs
+    even when it copies nothing: a decoding step makes thousands of them."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
 def layer_norm(x, weight, bias, eps):
     """LayerNorm over the last dimension, computed in float32.
 
@@ -20,9 +26,9 @@ def layer_norm(x, weight, bias, eps):
     Returns:
         Tensor shaped and typed like ``x``.
     """
-    bias = None if bias is None else bias.float()
-    y = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias, eps)
-    return y.to(x.dtype)
+    y = F.layer_norm(_as(x, torch.float32), (x.shape[-1],), _as(weight, torch.float32), _as(bias, torch.float32),
+                     eps)
+    return _as(y, x.dtype)
 
 
 def rms_norm(x, weight, eps):
@@ -31,9 +37,9 @@ def rms_norm(x, weight, eps):
     The weight multiply also happens in float32 (HF Llama rounds to the input dtype
     first); that matches the fused kernel and is the more accurate of the two.
     """
-    xf = x.float()
+    xf = _as(x, torch.float32)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    return _as(y * _as(weight, torch.float32), x.dtype)
 
 
 def bias_gelu(x, bias):
@@ -42,7 +48,7 @@ def bias_gelu(x, bias):
     The bias is added in x's dtype, so the result keeps x's dtype.
     """
     if bias is not None:
-        x = x + bias.to(x.dtype)
+        x = x + _as(bias, x.dtype)
     return F.gelu(x, approximate="tanh")
 
 
@@ -55,8 +61,10 @@ def swiglu(x):
 def bias_dropout_add(x, bias, residual, prob, training):
     """``residual + dropout(x + bias)``; ``bias`` (may be None) is added in x's dtype."""
     if bias is not None:
-        x = x + bias.to(x.dtype)
-    return residual + F.dropout(x, p=prob, training=training)
+        x = x + _as(bias, x.dtype)
+    if training or not 0.0 <= prob <= 1.0:  # else F.dropout is the identity (it checks the probability)
+        x = F.dropout(x, p=prob, training=training)
+    return residual + x
 
 
 def rotate_half(t):
@@ -83,9 +91,9 @@ def apply_rotary_pos_emb(t, freqs):
             f"rotary dim {rot_dim} must be even and at most head_dim {t.shape[-1]}; the model builds it as "
             "--hidden-size / --num-attention-heads"
         )
-    freqs = freqs.float()
-    t_rot, t_pass = t[..., :rot_dim].float(), t[..., rot_dim:]
-    out = (t_rot * torch.cos(freqs) + rotate_half(t_rot) * torch.sin(freqs)).to(t.dtype)
+    freqs = _as(freqs, torch.float32)
+    t_rot, t_pass = _as(t[..., :rot_dim], torch.float32), t[..., rot_dim:]
+    out = _as(t_rot * torch.cos(freqs) + rotate_half(t_rot) * torch.sin(freqs), t.dtype)
     if rot_dim == t.shape[-1]:  # every channel rotates: nothing to join back (a cat would copy it all)
         return out
     return torch.cat((out, t_pass), dim=-1)

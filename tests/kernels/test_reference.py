@@ -100,6 +100,18 @@ def test_bias_dropout_add_without_dropping(dtype, prob, training, with_bias):
     compare(ref, math_fn, [randn(*shape), bias, randn(*shape)], dtype)
 
 
+@pytest.mark.parametrize("prob", [1.5, -0.1])
+@pytest.mark.parametrize("training", [True, False])
+def test_bias_dropout_add_refuses_a_probability_outside_zero_one_as_F_dropout(prob, training):
+    # Outside training the dropout is skipped, but not its check of the probability.
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError) as expected:
+        torch.nn.functional.dropout(x, p=prob, training=training)
+    with pytest.raises(ValueError) as raised:
+        reference.bias_dropout_add(x, None, x, prob, training)
+    assert str(raised.value) == str(expected.value)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bias_dropout_add_drops_and_rescales(dtype):
     prob, shape = 0.3, (40, 3, 257)
