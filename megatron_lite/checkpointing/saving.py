@@ -144,7 +144,8 @@ def _rank_contents(config: Config, parallel_state, model_chunks: list, optimizer
     # saves it (data-parallel rank 0; expert-data-parallel rank 0 for experts).
     writes_optimizer = (config.parallel.use_distributed_optimizer or parallel_state.data_parallel_rank == 0
                         or parallel_state.expert_data_parallel_rank == 0)
-    optimizer_state = optimizer.state_dict() if optimizer is not None and writes_optimizer else None
+    # The live state: the copy to host memory below is the snapshot's only one.
+    optimizer_state = optimizer.state_dict(copy=False) if optimizer is not None and writes_optimizer else None
     if optimizer_state is not None:
         pieces += _optimizer_pieces(config, parallel_state, models, optimizer_state)
     rng_tensors, rng_scalars = rng.get_rng_state()
