@@ -207,8 +207,9 @@ def test_expert_parallel_logits_and_generation_equal_transformers(imports):
                for name in names}
     runs = [(imports[name].root, imports[name].input_ids, batches[name]) for name in names]
     per_rank = run_distributed(layouts_rank, 4, args=(runs, layouts, generation))
+    expected = {name: [hf_generate(imports[name].hf_model, prompts) for prompts in batches[name]] for name in names}
     for index, (name, layout) in enumerate((name, layout) for name in names for layout in layouts):
-        expected_tokens = [hf_generate(imports[name].hf_model, prompts) for prompts in batches[name]]
+        expected_tokens = expected[name]
         results = [rank_results[index] for rank_results in per_rank]
         assert sum(logits is not None for logits, _ in results) == (2 if layout[1] > 1 else 4), (name, layout)
         for logits, tokens in results:
