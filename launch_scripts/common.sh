@@ -122,6 +122,7 @@ ml_training_args() {
         [[ -z "${TOKENIZER_MODEL:-}" ]] || TRAINING_ARGS+=(--tokenizer-model "$TOKENIZER_MODEL")
     else
         ml_warn "DATA_PATH is unset: training on --mock-data (random tokens, the loss stays flat). Set DATA_PATH to a prefix from tools/preprocess_data.py"
+        # shellcheck disable=SC2153  # VOCAB_SIZE is the config's (launch_scripts/configs/*.sh), not VOCAB_FILE
         TRAINING_ARGS+=(--mock-data --vocab-size "$VOCAB_SIZE")
     fi
 

@@ -115,7 +115,7 @@ fi
 # process of the job's steps instead, torchrun's workers included, and leaves this
 # shell out.
 STOP_REQUESTED=0
-# shellcheck disable=SC2317  # called by the trap
+# shellcheck disable=SC2317,SC2329  # called by the trap
 on_sigterm() {
     STOP_REQUESTED=1
     ml_log "SIGTERM: asking every rank to checkpoint and exit"

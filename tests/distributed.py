@@ -35,7 +35,10 @@ GRACE_S = 1.0  # after one rank fails, how long the others get to report before 
 _context = mp.get_context("forkserver")
 # torch.optim's first step imports torch._dynamo (seconds per rank): preload it once.
 # pytest too: every test module imports it, and each rank imports the test module to find fn.
-_context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pytest", "megatron_lite"])
+# The trainer (megatron_lite.training.loop and what it imports: the model, the parallel layers, checkpointing)
+# is what most rank bodies run: a quarter of a second of CPU per rank otherwise.
+_context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pytest", "megatron_lite",
+                                 "megatron_lite.training.loop"])
 
 
 class DistributedTestError(AssertionError):

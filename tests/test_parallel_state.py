@@ -154,7 +154,6 @@ def _expected_context_and_expert_groups(world, tp, cp, pp, ep, etp, rank):
         "data_context": sorted(dense(k, e) for k in range(cp) for e in range(dp)),
         "expert_tensor": [expert(k, em, ed) for k in range(etp)],
         "expert_model": [expert(et, k, ed) for k in range(ep)],
-        "expert_tensor_and_model": sorted(expert(k, m, ed) for k in range(etp) for m in range(ep)),
         "expert_data": [expert(et, em, k) for k in range(stage // (etp * ep))],
     }
 
@@ -172,7 +171,7 @@ def test_context_and_expert_groups_follow_megatrons_order(world, tp, cp, pp, ep,
     assert layout.data_parallel_size * tp * cp * pp == world
     assert layout.expert_data_parallel_size * etp * ep * pp == world
     for name in ("tensor", "data", "pipeline", "model", "context", "data_context", "expert_tensor", "expert_model",
-                 "expert_tensor_and_model", "expert_data"):
+                 "expert_data"):
         assert sorted(r for g in groups[name] for r in g) == list(range(world)), name
     rank_to_group = {name: {r: g for g in family for r in g} for name, family in groups.items()}
     for rank in range(0, world, max(1, world // 64)):
@@ -213,7 +212,7 @@ def _real_context_and_expert_groups(rank, world_size):
     state = initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2,
                                       expert_model_parallel_size=2, expert_tensor_parallel_size=1)
     sums = {}
-    for name in ("context", "data_context", "expert_model", "expert_tensor_and_model", "expert_data"):
+    for name in ("context", "data_context", "expert_model", "expert_data"):
         value = torch.tensor([float(rank)])
         collectives.all_reduce(value, state.groups[name])
         sums[name] = value.item()

@@ -7,7 +7,7 @@ the real build, for a fresh start and for a resume.
 import collections
 import sys
 
-from megatron_lite.checkpointing import save_load
+from megatron_lite.checkpointing import loading
 from megatron_lite.model.gpt_model import GPTModel
 from megatron_lite.pretrain_gpt import main
 from megatron_lite.training.num_microbatches_calculator import NumMicroBatchesCalculator
@@ -26,7 +26,7 @@ def _count_start_up_facts(monkeypatch) -> collections.Counter:
         calculator_init(self, *args, **kwargs)
 
     monkeypatch.setattr(NumMicroBatchesCalculator, "__init__", counted_calculator)
-    lookup = save_load.checkpoint_to_load
+    lookup = loading.checkpoint_to_load
 
     def counted_lookup(checkpoint):
         counts["checkpoint lookup"] += 1

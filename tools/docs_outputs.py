@@ -16,6 +16,8 @@ deterministic commands belong here; measured numbers (benchmarks) say which comm
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import os
 import re
 import shlex
 import subprocess
@@ -49,13 +51,20 @@ def render(command: str) -> str:
     return f"{shown_command(command)}\n{run(command).rstrip()}\n"
 
 
-def update(page: Path, check: bool) -> list[str]:
-    """Rewrites page's generated blocks (or, with check, lists the stale ones)."""
+def render_all(commands: list[str]) -> dict[str, str]:
+    """Each command's block, the commands run side by side: each is its own process, and the planner's
+    searches are seconds of CPU each (tests/test_docs.py waits for all of them)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(zip(commands, pool.map(render, commands)))
+
+
+def update(page: Path, check: bool, rendered: dict[str, str]) -> list[str]:
+    """Rewrites page's generated blocks (or, with check, lists the stale ones) with ``rendered``'s output."""
     text = page.read_text()
     stale = []
 
     def replace(match: re.Match) -> str:
-        fresh = render(match["command"])
+        fresh = rendered[match["command"]]
         if fresh != match["block"]:
             stale.append(f"{page.relative_to(ROOT)}: `{match['command']}`")
         return f"<!-- output of: {match['command']} -->\n```\n{fresh}```"
@@ -72,7 +81,8 @@ def main(argv=None) -> int:
     parser.add_argument("pages", nargs="*", type=Path, help="docs pages (default: every docs/*.md)")
     args = parser.parse_args(argv)
     pages = [p.resolve() for p in args.pages] or sorted((ROOT / "docs").glob("*.md"))
-    stale = [entry for page in pages for entry in update(page, args.check)]
+    rendered = render_all(sorted({match["command"] for page in pages for match in MARKER.finditer(page.read_text())}))
+    stale = [entry for page in pages for entry in update(page, args.check, rendered)]
     for entry in stale:
         print(("stale: " if args.check else "updated: ") + entry)
     return 1 if args.check and stale else 0

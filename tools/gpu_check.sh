@@ -14,8 +14,9 @@
 # default 480 s); each gets a timeout, and stages that no longer fit are reported as
 # skipped. Exits non-zero if any stage failed or timed out. PYTHON picks the
 # interpreter (default python3); nothing is downloaded.
-# The functions below run through run_stage, which shellcheck cannot follow.
-# shellcheck disable=SC2317
+# The functions below run through run_stage, which shellcheck cannot follow (SC2317 before shellcheck 0.10,
+# SC2329 since).
+# shellcheck disable=SC2317,SC2329
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 

@@ -5,7 +5,7 @@
     saver.maybe_finalize()                                  # every iteration: commit once every rank is done
     saver.finalize()                                        # the next save and the end of training wait here
 
-A save has three parts. The copy (``save_load.take_snapshot``) reads the live tensors, so it stays in the
+A save has three parts. The copy (``saving.take_snapshot``) reads the live tensors, so it stays in the
 training step; writing the copy (serialising, fsyncing, reading it back against its checksum) is most of
 a save's time, and goes to a background thread; the commit (rank 0 renames the staging directory and moves
 ``latest_checkpointed_iteration.txt``) needs every rank's files complete and verified, which the ranks
@@ -19,7 +19,7 @@ writes and SHA-256, which release the GIL. A kill -9 ends the thread with the pr
 child process (whose parent dies with the job): either way the staging directory is left behind, hidden,
 the tracker still names the previous checkpoint, and the next save of that iteration replaces the debris.
 
-Without --async-save, ``save`` writes and commits at once (``save_load.save_checkpoint``'s order).
+Without --async-save, ``save`` writes and commits at once (``saving.save_checkpoint``'s order).
 """
 from __future__ import annotations
 
@@ -28,21 +28,21 @@ import threading
 import torch
 import torch.distributed as dist
 
-from megatron_lite.checkpointing import save_load
+from megatron_lite.checkpointing import saving
 from megatron_lite.process_groups import collectives
 
 
 class _Writer(threading.Thread):
     """Writes one snapshot; keeps the error it met for the ranks to agree on."""
 
-    def __init__(self, snapshot: save_load.Snapshot):
+    def __init__(self, snapshot: saving.Snapshot):
         super().__init__(name=f"checkpoint-writer-{snapshot.iteration}", daemon=True)  # a crash must not wait
         self.snapshot = snapshot
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            save_load.write_snapshot(self.snapshot)
+            saving.write_snapshot(self.snapshot)
         except BaseException as error:  # noqa: BLE001 - raised on the training thread, after the ranks agree
             self.error = error
 
@@ -63,11 +63,11 @@ class CheckpointSaver:
     def save(self, model_chunks, optimizer, scheduler, state) -> None:
         """Save ``state.iteration`` (every rank); a save still in flight is committed first."""
         self.finalize()
-        snapshot = save_load.take_snapshot(self.config, self.parallel_state, model_chunks, optimizer, scheduler,
+        snapshot = saving.take_snapshot(self.config, self.parallel_state, model_chunks, optimizer, scheduler,
                                            state)
         if not self.asynchronous:
-            save_load.agree_on_writing(snapshot, lambda: save_load.write_snapshot(snapshot))
-            save_load.commit_snapshot(snapshot)
+            saving.agree_on_writing(snapshot, lambda: saving.write_snapshot(snapshot))
+            saving.commit_snapshot(snapshot)
             return
         self._pending = _Writer(snapshot)
         self._pending.start()
@@ -84,8 +84,8 @@ class CheckpointSaver:
         if writer is None:
             return
         writer.join()
-        save_load.agree_on_writing(writer.snapshot, writer.result)
-        save_load.commit_snapshot(writer.snapshot)
+        saving.agree_on_writing(writer.snapshot, writer.result)
+        saving.commit_snapshot(writer.snapshot)
 
     def _all_ranks_done(self) -> bool:
         done = not self._pending.is_alive()

@@ -17,8 +17,8 @@ import torch
 from megatron_lite.checkpointing import storage
 from megatron_lite.checkpointing.resharding import (CheckpointReader, ShardedTensor, has_vocab_rows, index_of,
                                                     merge_index, resize_vocab)
-from megatron_lite.checkpointing.save_load import (OPTIMIZER_PREFIX, checkpointed_tensors, is_stage_copy, is_trained,
-                                                   new_metadata)
+from megatron_lite.checkpointing.contents import (OPTIMIZER_PREFIX, checkpointed_tensors, is_stage_copy, is_trained,
+                                                  new_metadata)
 from megatron_lite.config import Config
 from megatron_lite.model import GPTModel
 from megatron_lite.model.builder import build_model_chunk

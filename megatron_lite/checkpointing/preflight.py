@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 
-from megatron_lite.checkpointing.save_load import checkpoint_to_load
+from megatron_lite.checkpointing.loading import checkpoint_to_load
 from megatron_lite.checkpointing.storage import CheckpointError
 from megatron_lite.config import Config, ConfigError
 

@@ -10,7 +10,7 @@ while --load is empty) that names a format chooses it.
 """
 from __future__ import annotations
 
-from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
+from megatron_lite.checkpointing.loading import checkpoint_to_load, read_config
 from megatron_lite.checkpointing.storage import CheckpointError
 from megatron_lite.config import CheckpointConfig, ConfigError
 

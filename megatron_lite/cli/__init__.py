@@ -13,11 +13,11 @@ one built from flags.
 
 Adding a flag is one field and its help, nothing in this package:
 
-1. a field in the section dataclass (``megatron_lite/config/``: ``model.py``, ``parallel.py``, the others in
-   ``__init__.py``; ``micro_batch_size`` becomes ``--micro-batch-size``; its default is the flag's). A bool
-   that defaults to True is switched off by Megatron's negative spelling: add it to ``NEGATIVE_FLAGS``
-   (``fields.py``). A field that takes one of a few names
-   says so once, ``field(default=..., metadata={"choices": (...)})``: the parser offers them and the
+1. a field in the section dataclass (``megatron_lite/config/``: one module per section, ``model.py``,
+   ``parallel.py``, ``training.py`` ...; ``micro_batch_size`` becomes ``--micro-batch-size``; its default is
+   the flag's). A bool that defaults to True is switched off by Megatron's negative spelling: add it to
+   ``NEGATIVE_FLAGS`` (``fields.py``). A field that takes one of a few names says so once,
+   ``field(default=..., metadata={"choices": (...)})``: the parser offers them and the
    section refuses any other value, from flags or from code. A list field's ``nargs``/``metavar`` go in
    the metadata too;
 2. its line of ``--help`` in ``megatron_lite/config/help_text.py`` (a test fails without one);

@@ -9,7 +9,7 @@ from __future__ import annotations
 from megatron_lite.checkpointing.architecture import model_args_from_checkpoint, worth_showing
 from megatron_lite.interop.megatron.importer import as_megatron_lite_checkpoint
 from megatron_lite.checkpointing.peft_base import peft_fields_from_checkpoint
-from megatron_lite.checkpointing.save_load import checkpoint_to_load, read_config
+from megatron_lite.checkpointing.loading import checkpoint_to_load, read_config
 from megatron_lite.checkpointing.storage import CheckpointError, read_latest_iteration
 from megatron_lite.config import (CheckpointConfig, ConfigError, DataConfig, as_flags, missing_model_flags,
                                   section_values)

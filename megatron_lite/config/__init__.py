@@ -10,365 +10,41 @@ exactly as one parsed from flags. This package imports nothing of megatron_lite 
     fields.py      a field as its flag; the choices check and ``require`` every section uses
     model.py       ModelConfig (moe.py: its mixture-of-experts fields)
     parallel.py    ParallelConfig
+    training.py    TrainingConfig (batch_size_schedule.py: --step-batch-size-schedule)
     optimizer.py   OptimizerConfig
-    __init__.py    the other sections, and Config, which checks the sections against each other
+    data.py        DataConfig
+    checkpoint.py  CheckpointConfig
+    logging.py     LoggingConfig
+    peft.py        PeftConfig
+    grpo.py        GRPOConfig
+    __init__.py    Config, which checks the sections against each other
+
+Every name of these modules that code imports is importable from ``megatron_lite.config`` too.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
-from typing import Optional
 
-from megatron_lite.config.batch_size_schedule import parse_step_batch_size_schedule, schedule_in_samples
+from megatron_lite.config.checkpoint import CheckpointConfig
+from megatron_lite.config.data import (SFT_DATA_KEY_NAMES, SFT_FORMATS, SFT_PROMPT_FORMATS,  # noqa: F401
+                                       TOKENIZER_TYPES, DataConfig, check_sft_data_keys)
 from megatron_lite.config.errors import ConfigError, UserError  # noqa: F401 (imported from here everywhere)
 from megatron_lite.config.fields import (NEGATIVE_FLAGS, as_flags, check_choices, flag_is_on,  # noqa: F401
                                          flag_name, require)
+from megatron_lite.config.grpo import GRPO_LOSS_TYPES, GRPO_SCALE_REWARDS, GRPOConfig  # noqa: F401
+from megatron_lite.config.logging import LoggingConfig
 from megatron_lite.config.model import (ATTENTION_BACKENDS, NORMALIZATIONS, POSITION_EMBEDDING_TYPES,  # noqa: F401
                                         ROPE_TYPES, YARN_DEFAULTS, ModelConfig, default_ffn_hidden_size)
 from megatron_lite.config.optimizer import (LR_DECAY_STYLES, LR_WARMUP_STYLES, MUON_COEFFICIENT_TYPES,  # noqa: F401
                                             MUON_SCALE_MODES, WEIGHT_DECAY_INCR_STYLES, WSD_DECAY_STYLES,
                                             OptimizerConfig)
 from megatron_lite.config.parallel import CP_COMM_TYPES, SHARDING_STRATEGIES, ParallelConfig  # noqa: F401
-from megatron_lite.config.grpo import GRPO_LOSS_TYPES, GRPO_SCALE_REWARDS, GRPOConfig  # noqa: F401
-
-
-# --rerun-mode and --error-injection-type (Megatron-LM's re-run state machine, training/rerun_state_machine.py).
-RERUN_MODES = ("validate_results", "report_stats", "disabled")
-ERROR_INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
-
-# --dpo-loss-type: the preference losses of training/dpo.py; the last two need no reference model.
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
-REFERENCE_FREE_DPO_LOSS_TYPES = ("simpo", "orpo")
-
-# The flags that give a run's length (one at most), and the length without any (Megatron-LM requires one).
-RUN_LENGTH_FIELDS = ("train_iters", "train_samples", "train_epochs")
-DEFAULT_TRAIN_ITERS = 100
-
-
-@dataclass(kw_only=True)
-class TrainingConfig:
-    micro_batch_size: int = 1
-    global_batch_size: Optional[int] = None  # default micro batch x data-parallel size
-    # The run's length: iterations, or samples (Megatron's two ways), or passes over the training data (HF
-    # Trainer's num_train_epochs, our own flag: Megatron has none), counted into iterations at start-up
-    # (training/run_plan.py). None of them means DEFAULT_TRAIN_ITERS iterations.
-    train_iters: Optional[int] = None
-    train_samples: Optional[int] = None
-    train_epochs: Optional[float] = None
-    # START INCREMENT SAMPLES: the global batch grows from START by INCREMENT, reaching
-    # --global-batch-size after SAMPLES samples (Megatron's batch-size ramp-up).
-    rampup_batch_size: Optional[list[int]] = field(
-        default=None, metadata={"nargs": 3, "metavar": ("START", "INCREMENT", "SAMPLES")})
-    # "THRESHOLD:BATCH ...": the global batch from THRESHOLD tokens consumed on (Megatron-Core 0.20's
-    # replacement of the ramp-up; format in batch_size_schedule.py). Its last batch is the global batch.
-    step_batch_size_schedule: Optional[str] = None
-    calculate_per_token_loss: bool = False  # loss = sum over the global batch's tokens / their count
-    seed: int = 1234
-    bf16: bool = False
-    fp16: bool = False
-    recompute_granularity: Optional[str] = field(default=None, metadata={"choices": ("full", "selective")})
-    recompute_method: Optional[str] = field(default=None, metadata={"choices": ("uniform", "block")})
-    recompute_num_layers: Optional[int] = None
-    eval_interval: int = 1000
-    eval_iters: int = 100
-    exit_signal_handler: bool = False
-    exit_interval: Optional[int] = None
-    exit_duration_in_mins: Optional[float] = None
-    check_weight_hash_across_dp_replicas_interval: Optional[int] = None
-    manual_gc: bool = False  # no automatic garbage collection: collect at the same iterations on every rank
-    manual_gc_interval: int = 0  # with --manual-gc: collect every N iterations (0: only around evaluation)
-    manual_gc_eval: bool = True
-    # torch.cuda.empty_cache(): 1 after forward-backward, 2 also after the step.
-    empty_unused_memory_level: int = field(default=0, metadata={"choices": (0, 1, 2)})
-    check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or grad norm stops the run (training/nan_check.py)
-    # A suspicious result (NaN, a spike) re-runs its iteration to tell a transient fault from a reproducible one.
-    rerun_mode: str = field(default="validate_results", metadata={"choices": RERUN_MODES})
-    check_for_spiky_loss: bool = False  # a loss 10x the largest of the first 100 is suspicious
-    check_for_large_grads: bool = False  # the same for the grad norm
-    error_injection_rate: int = 0  # inject a rejected result once every N validations (0: never)
-    error_injection_type: str = field(default="transient_error", metadata={"choices": ERROR_INJECTION_TYPES})
-    # Direct preference optimisation (--dpo, training/dpo.py): the loss of each (chosen, rejected) pair.
-    dpo_loss_type: str = field(default="sigmoid", metadata={"choices": DPO_LOSS_TYPES})
-    dpo_beta: float = 0.1
-    dpo_label_smoothing: float = 0.0
-    dpo_simpo_gamma: float = 0.5  # SimPO's target reward margin (TRL's CPOConfig.simpo_gamma)
-    dpo_cpo_alpha: float = 0.0  # SimPO: the weight of the chosen answers' NLL (TRL's cpo_alpha; CPO-SimPO)
-    # One forward-only pass of the reference before training scores every pair the run reads; its copy is freed.
-    dpo_precompute_ref_log_probs: bool = False
-
-    def __post_init__(self) -> None:
-        check_choices(self)
-        lengths = [flag_name(name) for name in RUN_LENGTH_FIELDS if getattr(self, name) is not None]
-        require(len(lengths) <= 1, f"{' and '.join(lengths)} are mutually exclusive: give the run's length once, "
-                                    f"in iterations, samples or epochs.")
-        if not lengths:
-            self.train_iters = DEFAULT_TRAIN_ITERS
-        require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}.")
-        require(self.dpo_beta > 0, f"--dpo-beta must be positive, got {self.dpo_beta}.")
-        require(0.0 <= self.dpo_label_smoothing < 0.5,
-                 f"--dpo-label-smoothing must be in [0, 0.5), got {self.dpo_label_smoothing}.")
-        require(self.dpo_cpo_alpha >= 0, f"--dpo-cpo-alpha must be >= 0, got {self.dpo_cpo_alpha}.")
-        require(self.global_batch_size is None or self.global_batch_size >= 1,
-                 f"--global-batch-size must be >= 1, got {self.global_batch_size}.")
-        require(self.train_iters is None or self.train_iters >= 0,
-                 f"--train-iters must be >= 0, got {self.train_iters}.")
-        require(self.train_samples is None or self.train_samples > 0,
-                 f"--train-samples must be positive, got {self.train_samples}.")
-        require(self.train_epochs is None or self.train_epochs > 0,
-                 f"--train-epochs must be positive, got {self.train_epochs}.")
-        require(self.rampup_batch_size is None or len(self.rampup_batch_size) == 3,
-                 f"--rampup-batch-size takes three numbers (START INCREMENT SAMPLES), got {self.rampup_batch_size}.")
-        self._check_step_batch_size_schedule()
-        require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive; pick one.")
-        require(self.recompute_granularity == "full" or self.recompute_method is None,
-                 "--recompute-method only applies with --recompute-granularity full.")
-        require(self.eval_interval >= 1, f"--eval-interval must be >= 1, got {self.eval_interval}.")
-        interval = self.check_weight_hash_across_dp_replicas_interval
-        require(interval is None or interval >= 1,
-                 f"--check-weight-hash-across-dp-replicas-interval must be >= 1, got {interval}.")
-        require(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
-                 f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}.")
-        require(self.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}.")
-        require(self.error_injection_rate >= 0,
-                 f"--error-injection-rate must be >= 0 (0: no injection), got {self.error_injection_rate}.")
-        require(self.error_injection_rate == 0 or self.rerun_mode == "validate_results",
-                 f"--error-injection-rate tests the re-run of a rejected result, which only --rerun-mode "
-                 f"validate_results does (got {self.rerun_mode}): drop one of them.")
-
-    def _check_step_batch_size_schedule(self) -> None:
-        """The schedule's last batch is the global batch: --global-batch-size may repeat it (Megatron-LM's
-        own 175B script does, which Megatron-LM itself rejects), never contradict it."""
-        if self.step_batch_size_schedule is None:
-            return
-        require(self.rampup_batch_size is None,
-                 "--step-batch-size-schedule and --rampup-batch-size both set the batch as the run goes; give "
-                 "only one (Megatron-Core 0.20 replaced the ramp-up by the schedule).")
-        last_batch = parse_step_batch_size_schedule(self.step_batch_size_schedule)[-1][1]
-        require(self.global_batch_size in (None, last_batch),
-                 f"--global-batch-size {self.global_batch_size} contradicts --step-batch-size-schedule, whose "
-                 f"last batch ({last_batch}) is the global batch; drop --global-batch-size or make it {last_batch}.")
-        self.global_batch_size = last_batch
-
-    def step_schedule_in_samples(self, seq_length: int) -> list[tuple[int, int]] | None:
-        """--step-batch-size-schedule as (threshold in samples, global batch) pairs; None without one."""
-        if self.step_batch_size_schedule is None:
-            return None
-        return schedule_in_samples(parse_step_batch_size_schedule(self.step_batch_size_schedule), seq_length)
-
-    @property
-    def dpo_uses_reference(self) -> bool:
-        """Whether --dpo's loss compares the policy with a reference model (simpo and orpo do not)."""
-        return self.dpo_loss_type not in REFERENCE_FREE_DPO_LOSS_TYPES
-
-    def global_batch(self, data_parallel_size: int) -> int:
-        """Sequences per iteration (after any ramp-up); without --global-batch-size, one micro-batch per replica."""
-        return self.global_batch_size or self.micro_batch_size * data_parallel_size
-
-    def num_microbatches(self, data_parallel_size: int) -> int:
-        """Gradient-accumulation steps: global batch = micro batch x steps x data-parallel size."""
-        global_batch = self.global_batch(data_parallel_size)
-        per_step = self.micro_batch_size * data_parallel_size
-        source = ("the last batch of --step-batch-size-schedule" if self.step_batch_size_schedule
-                  else "--global-batch-size")
-        require(global_batch % per_step == 0,
-                 f"{source} ({global_batch}) must be divisible by --micro-batch-size "
-                 f"({self.micro_batch_size}) x data-parallel size ({data_parallel_size}) = {per_step}.")
-        return global_batch // per_step
-
-
-# --sft-tokenizer-prompt-format: how a conversation becomes text (megatron_lite/data/sft/prompt_format.py).
-SFT_PROMPT_FORMATS = ("plain", "chatml", "default")
-# --sft-format: the records' shape, and the names --sft-data-keys NAME=COLUMN may read a column under
-# (megatron_lite/data/sft/formats.py).
-SFT_FORMATS = ("auto", "prompt_response", "messages", "alpaca", "sharegpt")
-SFT_DATA_KEY_NAMES = ("prompt", "response", "messages", "instruction", "input", "output", "system", "history",
-                      "conversations")
-# --tokenizer-type values (megatron_lite/tokenizer/ builds each).
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer",
-                   "NullTokenizer")
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    data_path: list = field(default_factory=list)  # [path] or [w1, path1, w2, path2, ...]
-    split: str = "969,30,1"
-    mock_data: bool = False
-    tokenizer_type: Optional[str] = field(default=None, metadata={"choices": TOKENIZER_TYPES})
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    # v1 or v2 pre-tokenisation; only TikTokenizer reads it.
-    tiktoken_pattern: Optional[str] = field(default=None, metadata={"choices": ("v1", "v2")})
-    tiktoken_num_special_tokens: int = 1000
-    data_cache_path: Optional[str] = None
-    mmap_bin_files: bool = True  # --no-mmap-bin-files reads .bin with file reads (for filesystems mmap is slow on)
-    eod_mask_loss: bool = False
-    num_workers: int = 0  # data-loader worker processes per rank (Megatron's default is 2)
-    # Supervised fine-tuning: prompt/response or chat JSONL files (or preprocessed prefixes), one list per split.
-    sft: bool = False
-    train_data_path: list = field(default_factory=list)
-    valid_data_path: list = field(default_factory=list)
-    test_data_path: list = field(default_factory=list)
-    sft_tokenizer_prompt_format: str = field(default="plain", metadata={"choices": SFT_PROMPT_FORMATS})
-    sft_pack_sequences: bool = False
-    sft_format: str = field(default="auto", metadata={"choices": SFT_FORMATS})  # per record, from its keys
-    sft_data_keys: list = field(default_factory=list)  # NAME=COLUMN: read COLUMN as NAME (see SFT_DATA_KEY_NAMES)
-    # Preference pairs {"prompt", "chosen", "rejected"} in the fine-tuning files: fine-tuning data, so --sft too.
-    dpo: bool = False
-    # Prompts {"prompt"} or {"messages"} to sample completions of and reward (GRPOConfig): fine-tuning data too.
-    grpo: bool = False
-
-    def __post_init__(self) -> None:
-        check_choices(self)
-        require(not (self.dpo and self.grpo), "--dpo and --grpo are two ways to train: give one.")
-        self.sft = self.sft or self.dpo or self.grpo
-        # Megatron reads only the numbers in --split, so a launcher's literal quotes ('99,1,0', as
-        # Megatron-LM's Llama 3 example passes them) are harmless there; strip them here too.
-        self.split = self.split.strip("'\"")
-        if self.sft:
-            self._check_sft()
-        else:
-            require(not (self.train_data_path or self.valid_data_path or self.test_data_path),
-                     "--train-data-path/--valid-data-path/--test-data-path name fine-tuning data: add --sft "
-                     "(pretraining reads --data-path with --split).")
-            require(not self.sft_pack_sequences, "--sft-pack-sequences needs --sft.")
-            require(self.sft_format == "auto" and not self.sft_data_keys,
-                     "--sft-format and --sft-data-keys say how to read fine-tuning data: add --sft.")
-            require(self.mock_data or bool(self.data_path),
-                     "no training data: give --data-path PREFIX (from tools/preprocess_data.py) or --mock-data.")
-        require(not (self.mock_data and self.data_path),
-                 "--mock-data and --data-path both given: drop --mock-data to train on the data, or --data-path.")
-        require(self.tokenizer_type is not None or not (self.vocab_file or self.merge_file or self.tokenizer_model),
-                 "--vocab-file/--merge-file/--tokenizer-model need --tokenizer-type to say how to read them "
-                 "(GPT2BPETokenizer for GPT-2's vocab.json and merges.txt).")
-        require(not self.eod_mask_loss or self.tokenizer_type is not None,
-                 "--eod-mask-loss needs --tokenizer-type (and its files) to know the end-of-document token.")
-        require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}.")
-        parts = self.split.replace("/", ",").split(",")
-        require(all(p.strip().replace(".", "", 1).isdigit() for p in parts) and len(parts) <= 3,
-                 f"--split must be up to three comma-separated weights like 969,30,1, got {self.split!r}.")
-
-    def _check_sft(self) -> None:
-        require(bool(self.train_data_path),
-                 "--sft needs --train-data-path: JSONL of {\"prompt\", \"response\"} or {\"messages\"} lines, or a "
-                 "prefix written by tools/preprocess_data.py --sft.")
-        require(not (self.data_path or self.mock_data),
-                 "--sft reads --train-data-path (and --valid-data-path, --test-data-path); "
-                 "drop --data-path/--mock-data.")
-        require(self.tokenizer_type is not None, "--sft needs --tokenizer-type (and its files): the data is text.")
-        check_sft_data_keys(self.sft_data_keys)
-
-
-def check_sft_data_keys(entries: list[str]) -> None:
-    """--sft-data-keys NAME=COLUMN ...: each NAME one the record formats read; the tools with their own parser
-    (evaluate, preprocess_data) check theirs here too."""
-    for entry in entries:
-        name, _, column = entry.partition("=")
-        require(name in SFT_DATA_KEY_NAMES and bool(column),
-                 f"--sft-data-keys takes NAME=COLUMN with NAME among {', '.join(SFT_DATA_KEY_NAMES)} "
-                 f"(e.g. prompt=question), got {entry!r}.")
-
-
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
-    pretrained_checkpoint: Optional[str] = None
-    use_checkpoint_args: bool = False
-    # Write checkpoints in a background thread while training goes on (checkpointing/async_save.py).
-    async_save: bool = False
-
-    def __post_init__(self) -> None:
-        check_choices(self)
-        require(not self.async_save or self.save is not None, "--async-save needs --save DIR to write to.")
-        require(self.save_interval is None or self.save_interval >= 1,
-                 f"--save-interval must be >= 1, got {self.save_interval}.")
-        require(self.save_interval is None or self.save is not None,
-                 "--save-interval needs --save DIR to know where to write checkpoints.")
-        require(not self.use_checkpoint_args or bool(self.load or self.pretrained_checkpoint),
-                 "--use-checkpoint-args needs --load or --pretrained-checkpoint: the checkpoint whose model to use.")
-        # Saving into the base would point its latest at the fine-tune's checkpoints (a PEFT run's: adapters
-        # only), so a later run from that base silently starts from them.
-        require(not (self.save and self.pretrained_checkpoint
-                      and os.path.realpath(self.save) == os.path.realpath(self.pretrained_checkpoint)),
-                 f"--save {self.save} is the --pretrained-checkpoint directory: the fine-tune's checkpoints would "
-                 f"replace the base as its latest. Give --save (and --load, to resume) a directory of their own.")
-
-
-# --peft methods, and the linear layers --lora-target-modules may name (Megatron-Core's module names; the
-# multi-latent attention ones after them).
-PEFT_METHODS = ("lora", "adapter", "prefix")
-LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj",
-                       "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
-
-
-@dataclass(kw_only=True)
-class PeftConfig:
-    """Parameter-efficient fine-tuning: train small added weights, keep the base model frozen."""
-
-    peft: Optional[str] = field(default=None, metadata={"choices": PEFT_METHODS})  # None: train every weight
-    lora_rank: int = 8
-    lora_alpha: float = 8.0  # the update is scaled by alpha / rank
-    lora_dropout: float = 0.0
-    # linear_qkv names multi-latent attention's query and key/value projections too (Config resolves it).
-    lora_target_modules: list = field(default_factory=lambda: list(LORA_TARGET_MODULES[:4]),
-                                      metadata={"choices": LORA_TARGET_MODULES})
-    adapter_dim: int = 32
-    prefix_length: int = 16
-    prefix_projection_hidden_size: Optional[int] = None  # None: learn the prefixes directly
-    # The command line refuses --peft with no checkpoint to start from (adapters on random frozen weights
-    # learn nothing useful) unless this says it is meant (checkpointing/preflight.py).
-    peft_without_base_checkpoint: bool = False
-
-    def __post_init__(self) -> None:
-        check_choices(self)
-        require(self.lora_rank >= 1, f"--lora-rank must be >= 1, got {self.lora_rank}.")
-        require(self.lora_alpha > 0, f"--lora-alpha must be positive, got {self.lora_alpha}.")
-        require(0.0 <= self.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}.")
-        require(len(self.lora_target_modules) == len(set(self.lora_target_modules)) > 0,
-                 f"--lora-target-modules must name each module once, got {self.lora_target_modules}.")
-        self.lora_target_modules = [m for m in LORA_TARGET_MODULES if m in self.lora_target_modules]  # one order
-        require(self.adapter_dim >= 1, f"--adapter-dim must be >= 1, got {self.adapter_dim}.")
-        require(self.prefix_length >= 1, f"--prefix-length must be >= 1, got {self.prefix_length}.")
-        hidden = self.prefix_projection_hidden_size
-        require(hidden is None or hidden >= 1, f"--prefix-projection-hidden-size must be >= 1, got {hidden}.")
-
-
-@dataclass(kw_only=True)
-class LoggingConfig:
-    log_interval: int = 100
-    tensorboard_dir: Optional[str] = None
-    # Weights & Biases, as Megatron-LM: a run is logged when --wandb-project is given (save dir default: --save/wandb).
-    wandb_project: str = ""
-    wandb_exp_name: str = ""
-    wandb_save_dir: str = ""
-    wandb_entity: str = ""
-    peak_tflops: Optional[float] = None  # per device; None = look up the device table
-    log_memory: bool = True
-    log_throughput: bool = False  # TFLOP/s per GPU in the iteration line, as Megatron
-    log_straggler: bool = False  # each --log-interval: the ranks' step times, slowest and fastest named
-    # A torch.profiler trace of iterations [start, end) into --tensorboard-dir, on --profile-ranks (all if none).
-    profile: bool = False
-    profile_step_start: int = 10
-    profile_step_end: int = 12
-    profile_ranks: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        check_choices(self)
-        require(self.log_interval >= 1, f"--log-interval must be >= 1, got {self.log_interval}.")
-        require(bool(self.wandb_project) or not (self.wandb_exp_name or self.wandb_save_dir or self.wandb_entity),
-                 "--wandb-exp-name/--wandb-save-dir/--wandb-entity configure a W&B run, which --wandb-project "
-                 "starts: add --wandb-project NAME.")
-        require(not self.profile or self.tensorboard_dir is not None,
-                 "--profile writes its trace into --tensorboard-dir: give --tensorboard-dir DIR.")
-        require(not self.profile or 0 <= self.profile_step_start < self.profile_step_end,
-                 f"--profile-step-start ({self.profile_step_start}) must be >= 0 and below --profile-step-end "
-                 f"({self.profile_step_end}).")
+from megatron_lite.config.peft import (LORA_TARGET_MODULES, PEFT_METHODS, PeftConfig,  # noqa: F401
+                                       latent_projections, lora_targets_of)
+from megatron_lite.config.training import (DEFAULT_TRAIN_ITERS, DPO_LOSS_TYPES, ERROR_INJECTION_TYPES,  # noqa: F401
+                                           REFERENCE_FREE_DPO_LOSS_TYPES, RERUN_MODES, RUN_LENGTH_FIELDS,
+                                           TrainingConfig)
 
 
 @dataclass(kw_only=True)
@@ -433,7 +109,7 @@ class Config:
             self.optimizer.lr_decay_iters = self.training.train_iters
         if self.training.train_samples is not None and self.optimizer.lr_decay_samples is None:
             self.optimizer.lr_decay_samples = self.training.train_samples
-        _check_warmup_before_decay(self.optimizer)
+        self.optimizer.check_warmup_before_decay()
 
     def set_train_iters_from_epochs(self, train_iters: int) -> None:
         """--train-epochs, once counted into iterations at start-up, becomes --train-iters: the LR schedule's
@@ -441,7 +117,7 @@ class Config:
         self.training.train_epochs, self.training.train_iters = None, train_iters
         if self.optimizer.lr_decay_iters is None:
             self.optimizer.lr_decay_iters = train_iters
-        _check_warmup_before_decay(self.optimizer)
+        self.optimizer.check_warmup_before_decay()
 
     @property
     def params_dtype(self):
@@ -535,19 +211,6 @@ def _check_grpo(config: "Config") -> None:
                              f"with whole parameters and sequences per rank: drop {', '.join(unsupported)}.")
 
 
-def lora_targets_of(model: ModelConfig) -> tuple[str, ...]:
-    """The linear layers of ``model`` that --lora-target-modules may name."""
-    if not model.multi_latent_attention:
-        return LORA_TARGET_MODULES[:4]
-    return (*_latent_projections(model), "linear_proj", "linear_fc1", "linear_fc2")
-
-
-def _latent_projections(model: ModelConfig) -> tuple[str, ...]:
-    """Multi-latent attention's query and key/value projections: what ``linear_qkv`` means there."""
-    query = ("linear_q_down_proj", "linear_q_up_proj") if model.q_lora_rank is not None else ("linear_q_proj",)
-    return (*query, "linear_kv_down_proj", "linear_kv_up_proj")
-
-
 def _check_peft_on_model(peft: PeftConfig, model: ModelConfig) -> None:
     """Multi-latent attention has no prefix slot, and ``linear_qkv`` there means its query and key/value
     projections; a target the model lacks is an error naming those it has."""
@@ -561,7 +224,7 @@ def _check_peft_on_model(peft: PeftConfig, model: ModelConfig) -> None:
         return
     targets = set(peft.lora_target_modules)
     if model.multi_latent_attention and "linear_qkv" in targets:
-        targets = (targets - {"linear_qkv"}) | set(_latent_projections(model))
+        targets = (targets - {"linear_qkv"}) | set(latent_projections(model))
     missing = sorted(targets - set(lora_targets_of(model)))
     require(not missing, f"--lora-target-modules {' '.join(missing)}: this model's linear layers are "
                           f"{' '.join(lora_targets_of(model))}.")
@@ -670,18 +333,6 @@ def _check_schedule_units(training: TrainingConfig, optimizer: OptimizerConfig) 
              f"--lr-wsd-decay-{unit}.")
 
 
-def _check_warmup_before_decay(optimizer: OptimizerConfig) -> None:
-    in_samples = optimizer.lr_decay_samples is not None
-    decay = optimizer.lr_decay_samples if in_samples else optimizer.lr_decay_iters
-    if decay is None:  # --train-epochs without --lr-decay-iters: checked once the epochs are counted
-        return
-    warmup = optimizer.lr_warmup_samples if in_samples else optimizer.lr_warmup_iters
-    unit = "samples" if in_samples else "iters"
-    require(warmup < decay or (warmup == 0 and decay == 0),
-             f"--lr-warmup-{unit} ({warmup}) must be smaller than --lr-decay-{unit} ({decay}, default "
-             f"--train-{unit}): lower the warmup or lengthen the decay.")
-
-
 # Config's sections by field name (``cli/arguments.py`` makes one flag group of each).
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
             "optimizer": OptimizerConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
@@ -698,4 +349,3 @@ def missing_model_flags(values: dict) -> list[str]:
     """The flags of the ModelConfig fields without a default that ``values`` (by field name) lacks."""
     return [flag_name(f.name) for f in dataclasses.fields(ModelConfig)
             if f.default is dataclasses.MISSING and f.name not in values]
-

@@ -8,6 +8,7 @@ with ``eval``; here it is parsed, and only lists, integers, ``+`` and ``*`` are 
 from __future__ import annotations
 
 import ast
+import functools
 
 from megatron_lite.config.errors import ConfigError
 from megatron_lite.config.fields import require
@@ -51,14 +52,16 @@ def _evaluate(node):
     raise ValueError("not a list expression")
 
 
-def moe_layer_pattern(num_experts: int | None, moe_layer_freq: str, num_layers: int) -> list[bool]:
-    """For each layer (0-based), whether its MLP is a mixture of experts."""
+@functools.lru_cache(maxsize=64)
+def moe_layer_pattern(num_experts: int | None, moe_layer_freq: str, num_layers: int) -> tuple[bool, ...]:
+    """For each layer (0-based), whether its MLP is a mixture of experts. Cached: the planner asks it of every
+    layer of every layout it weighs (millions of calls for a 1,024-GPU search)."""
     if num_experts is None:
-        return [False] * num_layers
+        return (False,) * num_layers
     freq = parse_moe_layer_freq(moe_layer_freq)
     if isinstance(freq, int):
-        return [layer % freq == 0 for layer in range(num_layers)]
-    return [bool(v) for v in freq]
+        return tuple(layer % freq == 0 for layer in range(num_layers))
+    return tuple(bool(v) for v in freq)
 
 
 def check_moe_fields(model) -> None:

@@ -100,3 +100,17 @@ class OptimizerConfig:
         require(self.loss_scale is None or self.loss_scale > 0,
                  f"--loss-scale must be positive, got {self.loss_scale}.")
         require(self.hysteresis >= 1, f"--hysteresis must be >= 1, got {self.hysteresis}.")
+
+    def check_warmup_before_decay(self) -> None:
+        """The warmup ends before the decay does. Checked by Config, not here: the decay's default length is
+        the run's (--train-iters or --train-samples, another section), or is known only once --train-epochs are
+        counted into iterations."""
+        in_samples = self.lr_decay_samples is not None
+        decay = self.lr_decay_samples if in_samples else self.lr_decay_iters
+        if decay is None:  # --train-epochs without --lr-decay-iters: checked once the epochs are counted
+            return
+        warmup = self.lr_warmup_samples if in_samples else self.lr_warmup_iters
+        unit = "samples" if in_samples else "iters"
+        require(warmup < decay or (warmup == 0 and decay == 0),
+                f"--lr-warmup-{unit} ({warmup}) must be smaller than --lr-decay-{unit} ({decay}, default "
+                f"--train-{unit}): lower the warmup or lengthen the decay.")

@@ -284,15 +284,19 @@ class MegatronOptimizer:
             report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         return report
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, copy: bool = True) -> dict:
         """This rank's optimizer state, keyed by parameter name (the format is documented in
-        ``megatron_lite/optimizer/__init__.py``)."""
+        ``megatron_lite/optimizer/__init__.py``).
+
+        ``copy=False`` hands out the live tensors (detached), which the next step changes: for a caller that
+        copies what it keeps at once (a checkpoint's snapshot copies to host memory; cloning here first would
+        hold a second copy of the whole state on the device)."""
+        own = (lambda t: t.detach().clone()) if copy else torch.Tensor.detach
         params = {}
         for r, main in zip(self.param_ranges, self.main_params):
             state = self.optimizer.state.get(main, {})
-            params[r.name] = {"shape": tuple(r.shape), "range": (r.start, r.end),
-                              "main_param": main.detach().clone(),
-                              "state": {k: v.detach().clone() for k, v in state.items()}}
+            params[r.name] = {"shape": tuple(r.shape), "range": (r.start, r.end), "main_param": own(main),
+                              "state": {k: own(v) for k, v in state.items()}}
         dp = self._data_parallel_group_for_grads()
         return {"params": params,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],

@@ -160,8 +160,6 @@ class RankLayout:
         if self.expert_model_parallel_size > 1 or self.etp != self.tensor_model_parallel_size:
             groups["expert_tensor"] = self.groups_along("expert_tensor")
             groups["expert_model"] = self.groups_along("expert_model")
-            # Tokens are dispatched over every rank that holds a different slice of the experts.
-            groups["expert_tensor_and_model"] = self.groups_along("expert_tensor", "expert_model")
             groups["expert_data"] = self.groups_along("expert_data")
             # The ranks of one expert replica: their gradients are distinct pieces of the experts (the norm).
             groups["expert_tensor_model_pipeline"] = self.groups_along("expert_tensor", "expert_model", "pipeline")
@@ -215,10 +213,6 @@ class ParallelState:
     @property
     def expert_tensor_parallel_world_size(self) -> int:
         return self.layout.etp
-
-    @property
-    def expert_data_parallel_world_size(self) -> int:
-        return self.layout.expert_data_parallel_size
 
     @property
     def tensor_model_parallel_rank(self) -> int:
@@ -287,10 +281,6 @@ class ParallelState:
     @property
     def expert_tensor_parallel_group(self):
         return self.groups.get("expert_tensor", self.groups["tensor"])
-
-    @property
-    def expert_tensor_and_model_parallel_group(self):
-        return self.groups.get("expert_tensor_and_model", self.groups["tensor"])
 
     @property
     def expert_data_parallel_group(self):

@@ -10,7 +10,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from megatron_lite.interop.hf import checkpoint as hf_checkpoint  # noqa: E402
-from megatron_lite.checkpointing.save_load import checkpoint_to_load  # noqa: E402
+from megatron_lite.checkpointing.loading import checkpoint_to_load  # noqa: E402
 from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir  # noqa: E402
 from megatron_lite.config import CheckpointConfig, ConfigError  # noqa: E402
 from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe  # noqa: E402

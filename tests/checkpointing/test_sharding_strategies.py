@@ -55,12 +55,12 @@ def _train_measured(rank, world_size, kwargs):
     """Rank body: train as configured; returns the losses (last stage) and, for each save and load,
     the peak whole-parameter bytes, the ZeRO-3 units' bytes and (saved iteration, after a load) a snapshot."""
     from megatron_lite import checkpointing
-    from megatron_lite.checkpointing import save_load
+    from megatron_lite.checkpointing import saving
     from megatron_lite.training.loop import pretrain
 
     records = {"save": [], "load": []}
     # A save gathers what it writes when it copies the state off the live tensors (take_snapshot).
-    save, load = save_load.take_snapshot, checkpointing.load_checkpoint_from
+    save, load = saving.take_snapshot, checkpointing.load_checkpoint_from
 
     def measured(what, fn):
         def call(config, parallel_state, model_chunks, optimizer, scheduler, *state):
@@ -75,7 +75,7 @@ def _train_measured(rank, world_size, kwargs):
             return result
         return call
 
-    with mock.patch.object(save_load, "take_snapshot", measured("save", save)), \
+    with mock.patch.object(saving, "take_snapshot", measured("save", save)), \
             mock.patch.object(checkpointing, "load_checkpoint_from",  # the trainer loads what its RunPlan found
                               lambda source, *args: measured("load", functools.partial(load, source))(*args)):
         state, _, _ = pretrain(tiny_config(arch=GPT2, **kwargs))

@@ -17,7 +17,7 @@ import contextlib
 import io
 
 from megatron_lite.checkpointing.resharding import CheckpointReader
-from megatron_lite.checkpointing.save_load import OPTIMIZER_PREFIX
+from megatron_lite.checkpointing.contents import OPTIMIZER_PREFIX
 from megatron_lite.checkpointing.storage import resolve_checkpoint_dir
 from megatron_lite.config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
                                   ParallelConfig, TrainingConfig)

@@ -18,7 +18,7 @@ from megatron_lite.pipeline_parallel import p2p
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.training.loop import pretrain, setup_model_and_optimizer, train_step
 
-STEPS = 5
+STEPS = 3
 
 
 def load(root: str, tp: int = 1, pp: int = 1, ep: int = 1):

@@ -16,6 +16,13 @@ from tests.interop.hf_family_ranks import FAIR_BATCH, FAIR_OPTIMIZER, FAIR_STEPS
 from tests.distributed import run_distributed
 
 WEIGHT_RTOL = 1e-4  # of the distance the reference moved the weights
+# The logged grad norm against transformers': the log's rounding (3 decimals) plus NORM_RTOL of the norm. Measured
+# with the log printing 9 decimals, every family, step and layout of the four fair fights (float32): within 2.5e-7
+# of transformers' for most, 7.9e-7 for Gemma 3, 1.7e-6 for Qwen3.5 and 2.2e-5 for Qwen3-Next (their DeltaNet; its
+# own tolerance, test_hf_families.HYBRID_TOLERANCES). Comparing the rounded strings instead failed whenever the two
+# norms straddled a rounding boundary, however close, and at a norm of 80 asked for 1e-5, more than float32 holds.
+LOGGED_NORM_ATOL = 5e-4
+NORM_RTOL = 1e-5
 # bf16 weights against the fp32 reference: the rounding of 3 steps.
 BF16_TOLERANCES = dict(loss_rtol=2e-2, norm_rtol=2e-2, weight_rtol=0.5)
 
@@ -65,10 +72,10 @@ def transformers_training(hf_model, vocab: int, *, padding_idx: int | None):
 
 def assert_trains_as_transformers(name: str, logged: list, reference: tuple, initial: dict, exported_dir: str, *,
                                   loss_rtol: float = 1e-6, weight_rtol: float = WEIGHT_RTOL,
-                                  norm_rtol: float = 0.0) -> None:
+                                  norm_rtol: float = NORM_RTOL) -> None:
     """Our (lm loss, grad norm) log of each iteration and the weights exported from our last checkpoint
-    against ``transformers_training``'s: the losses to ``loss_rtol`` (the log's 7 digits), the grad norm as the
-    log prints it (3 decimals; else to ``norm_rtol``, for bf16) and above the clip (or the comparison is not the
+    against ``transformers_training``'s: the losses to ``loss_rtol`` (the log's 7 digits), the grad norm to
+    ``norm_rtol`` beyond the log's rounding and above the clip (or the comparison is not the
     fair fight it claims), and the weights' difference from the reference's at most ``weight_rtol`` of the
     distance the reference moved them
     (all tensors together: a tensor whose exact gradient is zero moves by Adam's rounding noise alone)."""
@@ -76,7 +83,7 @@ def assert_trains_as_transformers(name: str, logged: list, reference: tuple, ini
     assert len(logged) == len(expected) == FAIR_STEPS, (name, logged)
     for step, ((loss, norm), (their_loss, their_norm)) in enumerate(zip(logged, expected)):
         assert abs(loss - their_loss) <= loss_rtol * their_loss, (name, step, loss, their_loss)
-        same = abs(norm - their_norm) <= norm_rtol * their_norm if norm_rtol else f"{norm:.3f}" == f"{their_norm:.3f}"
+        same = abs(norm - their_norm) <= LOGGED_NORM_ATOL + norm_rtol * their_norm
         assert same and their_norm > FAIR_OPTIMIZER.clip_grad, (name, step, norm, their_norm)
     import transformers
 

@@ -2,7 +2,7 @@
 
 For LoRA, bottleneck adapters and prefix tuning (with its reparametrising MLP), a
 4-layer Llama-style GPT (RMSNorm, rotary, SwiGLU's stride-2 fc1, grouped-query
-attention) trains 5 steps on mock data at tp2, pp2 with interleaving (vpp2), and
+attention) trains 3 steps on mock data at tp2, pp2 with interleaving (vpp2), and
 tp2 x pp2 x dp2 with the distributed optimizer, sequence parallelism and overlapped
 gradient reduction and parameter gathering, and dp2 under ZeRO-2 and ZeRO-3 (only the added
 weights are sharded: the frozen base has no buckets). Every step's loss and every adapter gradient (reassembled from
@@ -19,7 +19,7 @@ from megatron_lite.tensor_parallel import gather_shards
 from tests.distributed import run_distributed
 from tests.parity import assert_relative_close, tensor_parallel_split
 
-STEPS = 5
+STEPS = 3
 METHODS = {"lora": dict(peft="lora", lora_rank=4, lora_alpha=8.0),
            "adapter": dict(peft="adapter", adapter_dim=8),
            "prefix": dict(peft="prefix", prefix_length=3, prefix_projection_hidden_size=16)}

@@ -17,7 +17,7 @@ import safetensors.torch
 
 from megatron_lite.checkpointing.offline import write_checkpoint
 from megatron_lite.checkpointing.resharding import CheckpointReader
-from megatron_lite.checkpointing.save_load import OPTIMIZER_PREFIX
+from megatron_lite.checkpointing.contents import OPTIMIZER_PREFIX
 from megatron_lite.checkpointing.storage import check_is_directory, resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ParallelConfig
 from megatron_lite.interop.hf.families import FAMILIES, config_json

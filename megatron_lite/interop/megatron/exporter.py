@@ -28,7 +28,7 @@ from megatron_lite.interop.megatron import layout, legacy, torch_dist_writer
 from megatron_lite.interop.megatron.args_mapping import megatron_args_from_config
 from megatron_lite.checkpointing.offline import stage_model
 from megatron_lite.checkpointing.resharding import CheckpointReader, has_vocab_rows, resize_vocab
-from megatron_lite.checkpointing.save_load import checkpoint_name, checkpointed_tensors, is_stage_copy
+from megatron_lite.checkpointing.contents import checkpoint_name, checkpointed_tensors, is_stage_copy
 from megatron_lite.checkpointing.storage import CheckpointError, resolve_checkpoint_dir
 from megatron_lite.config import Config, ConfigError, ParallelConfig
 from megatron_lite.expert_parallel.layers import ExpertLinear

@@ -13,7 +13,7 @@ import torch
 from megatron_lite.interop.megatron import layout, legacy, torch_dist
 from megatron_lite.interop.megatron.args_mapping import config_from_megatron_args, model_config_from_megatron_args
 from megatron_lite.checkpointing.offline import stage_model, write_checkpoint
-from megatron_lite.checkpointing.save_load import checkpointed_tensors
+from megatron_lite.checkpointing.contents import checkpointed_tensors
 from megatron_lite.checkpointing.storage import CheckpointError, read_latest_iteration
 from megatron_lite.config import Config, ParallelConfig
 from megatron_lite.tensor_parallel import gather_shards
