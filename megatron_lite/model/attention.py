@@ -107,12 +107,12 @@ class SelfAttention(nn.Module):
             key, value = inference_context.append_key_value(self.layer_number, key, value, window=window)
             if attention_mask is not None:  # a windowed cache returns the most recent keys only
                 attention_mask = attention_mask[..., -key.shape[0]:]
-        if self.chunks is not None:
-            attention_mask = self.chunks.mask(attention_mask, position_ids, key.shape[0])
         # The prefix joins after the cache, which holds the sequence's own keys only.
         core_attention = functools.partial(self.core_attention, prefix=self.prefix)
         if self.softmax_offset is not None:
             core_attention = functools.partial(core_attention, softmax_offset=self.softmax_offset)
+        if self.chunks is not None:  # around the core, chunk by chunk (refused with context parallelism, below)
+            core_attention = functools.partial(self.chunks, core_attention, position_ids=position_ids)
         if inference_context is not None and inference_context.splits_sequence:
             context = attend_own_chunks(self.core_attention, query, key, value, attention_mask,
                                         inference_context.context_parallel, prefix=self.prefix,

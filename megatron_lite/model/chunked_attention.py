@@ -9,9 +9,26 @@ generation's padding), and counted in distances along the key sequence, as the g
 keys (the chunked layers cache them all). transformers' Llama 4 counts its chunks the same way.
 
 A position is never past its key column (positions restart at packed examples and after left padding, never
-skip ahead), so keys no longer than a chunk are all in their sequence's first: the mask would add nothing to
-what attention already masks, and is left out, which keeps a sequence of at most one chunk (a fine-tune of the
-released models, chunks of 8192) on the causal fast path.
+skip ahead), so keys no longer than a chunk are all in their sequence's first: the chunks would add nothing to
+what attention already masks, and a sequence of at most one chunk (a fine-tune of the released models, chunks
+of 8192) takes the core attention as it is, on the causal fast path.
+
+Longer sequences never build a mask over the whole sequence ([b, 1, s, s]: O(s^2) memory, and no flash kernel
+on CUDA). Attention runs chunk by chunk, one of two ways:
+
+- folded: without a mask (no packing, no padding) and with every row's positions counting from its first
+  column (``0, 1, 2, ...`` up to multiples of C), the chunks are the column blocks [0, C), [C, 2C), ...: the
+  whole ones become a batch of their own, [C, n b, heads, d], attended causally in one call, and a shorter
+  last one in another. Memory O(s C), and the core's causal (flash) kernel. Deciding it reads one bool back
+  from the device, once per chunked layer and forward, and only past one chunk, where the layer's attention
+  is the large cost.
+- blocked: otherwise (packed examples, padding, new tokens after cached keys), C queries at a time against the
+  keys their chunks can reach, C - 1 before the block's first query up to its last, under the given mask's
+  rows and columns of them and the chunks' mask: [b, 1, C, 2C - 1] masks, O(s C) memory, exact for any mask
+  and positions, on the core's masked kernel. One new token after a long cache attends to C keys.
+
+Both compute the same softmax as the whole-sequence mask, over the same visible keys (within rounding: the
+sums run over fewer keys).
 """
 import torch
 
@@ -22,11 +39,22 @@ class ChunkedAttention:
     def __init__(self, chunk_size: int):
         self.chunk_size = chunk_size
 
+    def __call__(self, core_attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
+        """``core_attention(query, key, value, attention_mask)`` (``DotProductAttention``'s interface: [s, b,
+        heads, d] queries, [sk, b, groups, d] keys and values, the queries the last s of the keys; a bool mask
+        [b or 1, 1, s, sk], True = may not attend, None = causal) with each query seeing the keys of its own
+        chunk only. ``position_ids`` [b, s]: the queries'."""
+        key_length = key.shape[0]
+        if key_length <= self.chunk_size:
+            return core_attention(query, key, value, attention_mask)
+        if attention_mask is None and query.shape[0] == key_length and self._chunks_are_column_blocks(position_ids):
+            return self._folded(core_attention, query, key, value)
+        return self._blocked(core_attention, query, key, value, attention_mask, position_ids)
+
     def mask(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, key_length: int) -> torch.Tensor:
         """``attention_mask`` (bool [b or 1, 1, s, key_length], True = may not attend; None = causal) with the keys
         outside each query's chunk added. ``position_ids`` [b, s]: the queries', the last s of the keys."""
-        if key_length <= self.chunk_size:
-            return attention_mask
         query_length = position_ids.shape[1]
         columns = torch.arange(key_length, device=position_ids.device)
         rows = torch.arange(key_length - query_length, key_length, device=position_ids.device)
@@ -34,6 +62,40 @@ class ChunkedAttention:
         seen = (position_ids % self.chunk_size)[:, None, :, None]  # [b, 1, s, 1]: back to its chunk's first key
         outside = (distance < 0) | (distance > seen)
         return outside if attention_mask is None else attention_mask | outside
+
+    def _chunks_are_column_blocks(self, position_ids: torch.Tensor) -> bool:
+        """Whether every row's chunks start at its columns 0, C, 2C, ...: its position mod C is its column's."""
+        columns = torch.arange(position_ids.shape[1], device=position_ids.device)
+        return bool(((position_ids - columns) % self.chunk_size == 0).all())
+
+    def _folded(self, core_attention, query, key, value) -> torch.Tensor:
+        """Causal attention within each column block of C: the whole blocks folded into the batch, [n C, b, ...]
+        -> [C, n b, ...] and back, the shorter last block (if any) on its own."""
+        chunk, seq, batch = self.chunk_size, query.shape[0], query.shape[1]
+        whole = seq - seq % chunk
+
+        def fold(tensor):
+            return tensor[:whole].unflatten(0, (-1, chunk)).transpose(0, 1).flatten(1, 2)
+
+        context = core_attention(fold(query), fold(key), fold(value), None)  # [C, n b, heads x dv]
+        context = context.unflatten(1, (-1, batch)).transpose(0, 1).flatten(0, 1)
+        if whole == seq:
+            return context
+        return torch.cat([context, core_attention(query[whole:], key[whole:], value[whole:], None)])
+
+    def _blocked(self, core_attention, query, key, value, attention_mask, position_ids) -> torch.Tensor:
+        """C queries at a time, each block against the keys from C - 1 before its first query to its last (a
+        query sees back at most C - 1 keys), with the mask of those rows and columns."""
+        chunk, seq = self.chunk_size, query.shape[0]
+        offset = key.shape[0] - seq  # query i is key i + offset (after cached keys)
+        blocks = []
+        for start in range(0, seq, chunk):
+            end = min(start + chunk, seq)
+            first, last = max(start + offset - chunk + 1, 0), end + offset
+            given = None if attention_mask is None else attention_mask[..., start:end, first:last]
+            mask = self.mask(given, position_ids[:, start:end], last - first)
+            blocks.append(core_attention(query[start:end], key[first:last], value[first:last], mask))
+        return torch.cat(blocks)
 
 
 def layer_chunks(config: ModelConfig, layer_number: int) -> ChunkedAttention | None:

@@ -47,8 +47,63 @@ def test_chunks_count_from_each_sequences_first_position():
     assert _visible(mask) == [[0], [0, 1], [0, 1, 2], [3], [4], [4, 5], [4, 5, 6]]
     padding = torch.tensor([True, True, False, False, False, False, False])[None, None, None, :]
     assert _visible(ChunkedAttention(3).mask(padding, torch.tensor([[4]]), 7)) == [[5, 6]]
-    # Keys within one chunk: nothing to add to the mask (None: causal).
-    assert ChunkedAttention(8).mask(None, positions, 7) is None
+
+
+def _packed_mask(lengths: list[list[int]]) -> torch.Tensor:
+    """[b, 1, s, s], True = may not attend: each row's examples of these lengths, causal within each."""
+    examples = torch.tensor([[k for k, n in enumerate(row) for _ in range(n)] for row in lengths])
+    seq = examples.shape[1]
+    return ((examples[:, :, None] != examples[:, None, :]) | torch.ones(seq, seq, dtype=torch.bool).triu(1))[:, None]
+
+
+def _restarting(lengths: list[list[int]]) -> torch.Tensor:
+    return torch.tensor([[p for n in row for p in range(n)] for row in lengths])
+
+
+_LEFT_PADDED = torch.tensor([[True, True, True] + [False] * 8, [False] * 11])  # two prompts of 8 and 11
+# (positions [b, s], mask or None, cached keys before the queries, whether the chunks fold into the batch)
+_CHUNKED_INPUTS = {
+    "rows": (torch.arange(11).expand(2, 11), None, 0, True),  # 2 whole chunks of 4 and one of 3
+    "whole-chunks": (torch.arange(8).expand(2, 8), None, 0, True),
+    "packed": (_restarting([[5, 6], [3, 8]]), _packed_mask([[5, 6], [3, 8]]), 0, False),
+    "padding-restarts": (_restarting([[7, 4], [11]]), None, 0, False),  # unpacked --sft: padding counts from 0
+    "left-padded": (((~_LEFT_PADDED).cumsum(1) - 1).clamp(min=0),
+                    (torch.ones(11, 11, dtype=torch.bool).triu(1) | _LEFT_PADDED[:, None, None, :])
+                    & ~torch.eye(11, dtype=torch.bool), 0, False),  # text_generation's prompt mask
+    "after-cache": (torch.tensor([[9, 10], [6, 7]]), _LEFT_PADDED[:, None, None, :].expand(2, 1, 2, 11)
+                    & ~torch.ones(2, 11, dtype=torch.bool).triu(10), 9, False),
+    "one-new-token": (torch.tensor([[10], [10]]), None, 10, False),
+}
+
+
+@pytest.mark.parametrize("backend", ["auto", "unfused"])
+@pytest.mark.parametrize("case", list(_CHUNKED_INPUTS))
+def test_chunk_by_chunk_equals_the_whole_sequence_mask(case, backend):
+    """Chunks of 4 over 11 keys, grouped queries (4 heads, 2 groups): the folded and blocked forms against the
+    core attention under one mask over the whole sequence, values and gradients; the core is never handed more
+    than one block's mask (C x 2C - 1), and none where the chunks fold."""
+    positions, mask, cached, folds = _CHUNKED_INPUTS[case]
+    config = ModelConfig(**BASE, num_query_groups=2, attention_backend=backend, attention_dropout=0.0)
+    core = attention.DotProductAttention(config, layer_number=0, softmax_scale=0.5, heads_per_group=2)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(positions.shape[1], 2, 4, 8, generator=generator, requires_grad=True)
+    key, value = (torch.randn(cached + positions.shape[1], 2, 2, 8, generator=generator, requires_grad=True)
+                  for _ in range(2))
+    chunks, masks = ChunkedAttention(4), []
+
+    def recorded(*args):
+        masks.append(args[3])
+        return core(*args)
+
+    blocked = chunks(recorded, query, key, value, mask, positions)
+    whole = core(query, key, value, chunks.mask(mask, positions, key.shape[0]))
+    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)
+    weights = torch.randn(whole.shape, generator=generator)
+    gradients = [torch.autograd.grad((out * weights).sum(), (query, key, value)) for out in (blocked, whole)]
+    for name, ours, reference in zip("qkv", *gradients):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6, msg=name)
+    assert all(m is None for m in masks) == folds
+    assert all(m is None or (m.shape[-2] <= 4 and m.shape[-1] <= 7) for m in masks)
 
 
 def test_temperature_grows_each_floor_scale_positions():
