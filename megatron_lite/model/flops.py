@@ -19,12 +19,13 @@ def attention_core_flops_per_token(config: ModelConfig, layer_number: int = 0) -
         key_width, value_width = config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
     else:
         key_width = value_width = config.head_dim
-    return 2 * _keys_per_query(config, layer_number) * config.num_attention_heads * (key_width + value_width)
+    return 2 * keys_per_query(config, layer_number) * config.num_attention_heads * (key_width + value_width)
 
 
-def _keys_per_query(config: ModelConfig, layer_number: int) -> float:
+def keys_per_query(config: ModelConfig, layer_number: int) -> float:
     """The sequence, or on a chunked layer the sum of its chunks' squares over the sequence (a query sees its
-    own chunk's keys: the last chunk may be shorter)."""
+    own chunk's keys: the last chunk may be shorter). Also the scores per query that an attention which
+    materialises them keeps (the planner's math path): chunk by chunk, each chunk's square."""
     seq, chunks = config.seq_length, layer_chunks(config, layer_number)
     if chunks is None:
         return seq

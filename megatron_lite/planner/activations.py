@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model.flops import keys_per_query
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def layer_terms(model: ModelConfig, setting: ActivationSetting, layer_number: in
     terms = {"norm inputs": 2 * _norm_bytes(model, setting) * h / setting.split,
              "attention and MLP inputs": 2 * e * h / setting.linear_input_split}
     terms.update(_latent_attention_terms(model, setting) if model.multi_latent_attention
-                 else _attention_terms(model, setting))
+                 else _attention_terms(model, setting, layer_number))
     if model.hidden_dropout > 0:
         terms["residual dropout masks"] = 2 * setting._bytes(traits.hidden_dropout_mask_bytes) * h / setting.split
     if model.is_moe_layer(layer_number):
@@ -170,14 +171,15 @@ def _context_parallel(setting: ActivationSetting) -> bool:
     return setting.context_parallel_size > 1 and not setting.selective_recompute
 
 
-def _attention_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
-    """``model/attention.py``'s: its queries, keys and values, output and the core's scores (or statistics)."""
+def _attention_terms(model: ModelConfig, setting: ActivationSetting, layer_number: int) -> dict[str, float]:
+    """``model/attention.py``'s: its queries, keys and values, output and the core's scores (or statistics) over
+    the keys of layer ``layer_number``'s queries (a chunked layer's, ``model/chunked_attention.py``)."""
     a, d, t, e = model.num_attention_heads, model.head_dim, setting.tensor_model_parallel_size, setting.dtype_bytes
     terms = {"query, key, value": e * _query_key_value(model, setting), "attention output": e * a * d / t}
     if _context_parallel(setting):
         terms.update(_context_parallel_core(model, setting))
         return terms
-    terms.update(_core_terms(model, setting))
+    terms.update(_core_terms(model, setting, keys_per_query(model, layer_number)))
     if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
         terms["query, key, value"] = setting._bytes(setting.traits.attention_math_bytes) * (3 * a * d) / t
     return terms
@@ -200,21 +202,22 @@ def _latent_attention_terms(model: ModelConfig, setting: ActivationSetting) -> d
     if _context_parallel(setting):
         terms.update(_latent_context_parallel_core(model, setting))
         return terms
-    terms.update(_core_terms(model, setting))
+    terms.update(_core_terms(model, setting, model.seq_length))
     if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
         terms["queries and keys"] = setting._bytes(setting.traits.attention_math_bytes) * 2 * a * key_width / t
     return terms
 
 
-def _core_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
-    """What the core attention keeps beyond its inputs and output: the s^2 scores (with dropout, its mask and the
-    dropped probabilities) on the math path, the softmax statistics with flash, nothing recomputed."""
-    a, s, t = model.num_attention_heads, model.seq_length, setting.tensor_model_parallel_size
+def _core_terms(model: ModelConfig, setting: ActivationSetting, keys: float) -> dict[str, float]:
+    """What the core attention keeps beyond its inputs and output: the scores of each query's ``keys`` (with
+    dropout, its mask and the dropped probabilities) on the math path, the softmax statistics with flash, nothing
+    recomputed."""
+    a, t = model.num_attention_heads, setting.tensor_model_parallel_size
     if setting.selective_recompute:
         return {}  # the core's s^2 tensors (or flash statistics) are recomputed
     if _uses_flash(model, setting):
         return {"softmax statistics": 4 * a / t}
-    return {"attention scores": _score_bytes(model, setting) * a * s / t}
+    return {"attention scores": _score_bytes(model, setting) * a * keys / t}
 
 
 def _score_bytes(model: ModelConfig, setting: ActivationSetting) -> int:
