@@ -74,6 +74,12 @@ def test_one_process_mixture_of_experts_activation_peak(bf16):
     test_one_process_activation_peak(arch, bf16, (0.0, 0.0), "none")
 
 
+def test_chunked_attention_activation_peak():
+    """Llama 4's chunked layers (chunks of 32 of 128 positions) on the CPU's math path (attention dropout): the
+    scores of each chunk only, as the layer attends chunk by chunk."""
+    test_one_process_activation_peak(dict(LLAMA, attention_chunk_size=32), False, (0.0, 0.1), "none")
+
+
 # Multi-latent attention: its latents are replicated over tensor-parallel ranks, its values narrower than keys.
 MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=96, kv_lora_rank=64, qk_head_dim=32,
            qk_pos_emb_head_dim=16, v_head_dim=32, qk_layernorm=True)
