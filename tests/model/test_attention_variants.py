@@ -1,6 +1,7 @@
 """The sliding window's and the chunks' masks, the NoPE layers' temperature, and the flags of the attention and RoPE
 variants (their numerics are checked against transformers in tests/interop/test_hf_families.py and
 test_hf_moe_families.py)."""
+import functools
 import math
 
 import pytest
@@ -76,15 +77,25 @@ _CHUNKED_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["auto", "unfused"])
+def _two_key_prefix(key, value, attention_mask):
+    """Prefix tuning's interface (``peft/prefix_tuning.py``): 2 keys and values before the sequence's, seen by every
+    query."""
+    prefix = torch.linspace(-1, 1, 2 * 2 * 8).view(2, 1, 2, 8).expand(-1, key.shape[1], -1, -1)
+    mask = None if attention_mask is None else torch.nn.functional.pad(attention_mask, (2, 0), value=False)
+    return torch.cat([prefix, key]), torch.cat([prefix.flip(0), value]), mask
+
+
+@pytest.mark.parametrize("backend, prefix", [("auto", None), ("unfused", None), ("auto", _two_key_prefix)],
+                         ids=["sdpa", "unfused", "sdpa-prefix"])
 @pytest.mark.parametrize("case", list(_CHUNKED_INPUTS))
-def test_chunk_by_chunk_equals_the_whole_sequence_mask(case, backend):
+def test_chunk_by_chunk_equals_the_whole_sequence_mask(case, backend, prefix):
     """Chunks of 4 over 11 keys, grouped queries (4 heads, 2 groups): the folded and blocked forms against the
     core attention under one mask over the whole sequence, values and gradients; the core is never handed more
     than one block's mask (C x 2C - 1), and none where the chunks fold."""
     positions, mask, cached, folds = _CHUNKED_INPUTS[case]
     config = ModelConfig(**BASE, num_query_groups=2, attention_backend=backend, attention_dropout=0.0)
-    core = attention.DotProductAttention(config, layer_number=0, softmax_scale=0.5, heads_per_group=2)
+    core = functools.partial(attention.DotProductAttention(config, layer_number=0, softmax_scale=0.5,
+                                                           heads_per_group=2), prefix=prefix)
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(positions.shape[1], 2, 4, 8, generator=generator, requires_grad=True)
     key, value = (torch.randn(cached + positions.shape[1], 2, 2, 8, generator=generator, requires_grad=True)
