@@ -16,8 +16,8 @@ of 8192) takes the core attention as it is, on the causal fast path.
 Longer sequences never build a mask over the whole sequence ([b, 1, s, s]: O(s^2) memory, and no flash kernel
 on CUDA). Attention runs chunk by chunk, one of two ways:
 
-- folded: without a mask (no packing, no padding) and with every row's positions counting from its first
-  column (``0, 1, 2, ...`` up to multiples of C), the chunks are the column blocks [0, C), [C, 2C), ...: the
+- folded: without a mask (no packing, no padding) and with every row's positions equal to its columns modulo C
+  (0, 1, 2, ... from the row's first column), the chunks are the column blocks [0, C), [C, 2C), ...: the
   whole ones become a batch of their own, [C, n b, heads, d], attended causally in one call, and a shorter
   last one in another. Memory O(s C), and the core's causal (flash) kernel. Deciding it reads one bool back
   from the device, once per chunked layer and forward, and only past one chunk, where the layer's attention
