@@ -260,13 +260,7 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
         print_rank_last(restart)
     model_chunks, optimizer, scheduler = setup_model_and_optimizer(config, parallel_state)
     if config.logging.log_memory:
-        report = optimizer.memory_report()
-        print_rank_last(metrics.format_memory_report(report))
-        # The planner's estimate for this rank, beside what it measured (it models full training, not --peft).
-        if is_last_rank() and config.peft.peft is None:
-            last = parallel_state.world_size - 1
-            print(format_memory_estimate(estimate_for_config(config, parallel_state.world_size, rank=last), report),
-                  flush=True)
+        _print_memory(config, parallel_state, optimizer)
     state = TrainingState()
     if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
         state = checkpointing.load_checkpoint_from(plan.checkpoint, config, parallel_state, model_chunks, optimizer,
@@ -277,32 +271,58 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                         f"further.")
     # Every rank holds the same consumed samples, so all raise together, before any collective of training.
     check_batches_ahead(config, plan.calculator, state.consumed_train_samples)
-    forward_backward_func = None
+    inputs = _loop_inputs(config, parallel_state, model_chunks, plan, state, grpo_inputs)
+    train(config, parallel_state, model_chunks, optimizer, scheduler, inputs.train_iterator, inputs.valid_iterator,
+          state, inputs.test_iterator, plan=plan, start_time=start_time,
+          forward_backward_func=inputs.forward_backward_func, tokens_in=inputs.tokens_in)
+    if not keep_process_group:
+        destroy_model_parallel(parallel_state)
+    return state, model_chunks, parallel_state
+
+
+def _print_memory(config: Config, parallel_state: ParallelState, optimizer) -> None:
+    """The memory the optimizer holds, and the planner's estimate for this rank beside it (the planner models
+    full training, not --peft)."""
+    report = optimizer.memory_report()
+    print_rank_last(metrics.format_memory_report(report))
+    if is_last_rank() and config.peft.peft is None:
+        last = parallel_state.world_size - 1
+        print(format_memory_estimate(estimate_for_config(config, parallel_state.world_size, rank=last), report),
+              flush=True)
+
+
+@dataclasses.dataclass
+class _LoopInputs:
+    """What feeds the loop: the data iterators (None under --grpo, which samples its own batches), the token
+    counter of the training samples, and the forward-backward function (None: the language-model loss's)."""
+    train_iterator: object = None
+    valid_iterator: object = None
+    test_iterator: object = None
+    tokens_in: object = None
+    forward_backward_func: object = None
+
+
+def _loop_inputs(config: Config, parallel_state: ParallelState, model_chunks, plan: RunPlan, state: TrainingState,
+                 grpo_inputs) -> _LoopInputs:
+    """The batches from the position ``state`` has reached, and --grpo's or --dpo's forward-backward."""
     if config.data.grpo:  # it samples its own batches of completions from the prompts
-        train_iterator = valid_iterator = test_iterator = tokens_in = None
-        forward_backward_func = grpo.GroupRelativePolicyOptimization(
+        return _LoopInputs(forward_backward_func=grpo.GroupRelativePolicyOptimization(
             config, parallel_state, model_chunks, grpo_inputs, run_schedule=_forward_backward,
-            start_iteration=state.iteration).forward_backward
-    else:
-        datasets = build_datasets(config, plan)
-        train_iterator, valid_iterator, test_iterator = positioned_iterators(
-            config, parallel_state, datasets, state.consumed_train_samples, state.iteration)
-        tokens_in = tokens_counter(config, datasets[0])
+            start_iteration=state.iteration).forward_backward)
+    datasets = build_datasets(config, plan)
+    inputs = _LoopInputs(*positioned_iterators(config, parallel_state, datasets, state.consumed_train_samples,
+                                               state.iteration),
+                         tokens_in=tokens_counter(config, datasets[0]))
     if config.data.dpo:  # the frozen reference's pass before the policy's (built after the policy is loaded)
         preference = dpo.DirectPreferenceOptimization(config, parallel_state, model_chunks,
                                                       run_schedule=_forward_backward)
         if config.training.dpo_precompute_ref_log_probs:  # one pass ahead over the same micro-batches, then freed
-            train_iterator, valid_iterator, test_iterator = preference.precompute_reference(
-                config, parallel_state, (train_iterator, valid_iterator, test_iterator),
+            inputs.train_iterator, inputs.valid_iterator, inputs.test_iterator = preference.precompute_reference(
+                config, parallel_state, (inputs.train_iterator, inputs.valid_iterator, inputs.test_iterator),
                 positioned_iterators(config, parallel_state, datasets, state.consumed_train_samples, state.iteration),
                 micro_batches_ahead(config, parallel_state, plan.train_iters, state.iteration))
-        forward_backward_func = preference.forward_backward
-    train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
-          test_iterator, plan=plan, start_time=start_time, forward_backward_func=forward_backward_func,
-          tokens_in=tokens_in)
-    if not keep_process_group:
-        destroy_model_parallel(parallel_state)
-    return state, model_chunks, parallel_state
+        inputs.forward_backward_func = preference.forward_backward
+    return inputs
 
 
 def micro_batches_ahead(config: Config, parallel_state: ParallelState, train_iters: int,
