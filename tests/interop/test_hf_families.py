@@ -361,6 +361,29 @@ def test_lora_export_loads_in_peft(family, tmp_path):
                                    rtol=RTOL)
 
 
+def test_phi3_adapters_trained_by_peft_import_exactly(imports, tmp_path):
+    """PEFT's own LoRA on Phi-3's fused qkv_proj and gate_up_proj (one A for q, k and v; one for gate and up), with
+    another rank on gate_up_proj and rsLoRA, imported by its own naming: our model gives peft's logits."""
+    family = imports["phi3"]
+    torch.manual_seed(1)
+    model = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(family.hf_dir),
+        peft.LoraConfig(r=2, lora_alpha=6, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                        rank_pattern={"gate_up_proj": 3}, use_rslora=True, init_lora_weights=False)).eval()
+    peft_dir, imported = str(tmp_path / "peft"), str(tmp_path / "imported")
+    model.save_pretrained(peft_dir)
+    assert convert(["--source-format", "peft", "--load-dir", peft_dir, "--save-dir", imported,
+                    "--base-checkpoint", family.root]) == 0
+    ours, parallel_state = load(imported)
+    try:
+        with torch.no_grad():
+            logits, expected = ours(family.input_ids), model(family.input_ids).logits
+    finally:
+        destroy_model_parallel(parallel_state)
+    assert (expected - family.logits).abs().max() > 1e-2  # the adapters move the model
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=RTOL)
+
+
 # (prompt, response) longer than the windows of 5, so the window acts inside each example; 37 tokens with
 # their EODs, one packed sequence.
 SFT_PAIRS = [([5, 6, 7, 8, 9, 10], [11, 12]), ([13, 14, 15], [16, 17, 18, 19, 20]),
