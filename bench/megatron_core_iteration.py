@@ -12,7 +12,7 @@ export of our initial weights, ``bench_vs_megatron.py``), whose ``args`` give th
 This module imports Megatron from the directory it is handed (a snapshot outside this
 repository) and only inside the benchmark's worker processes. On a CPU:
 
-- ``tools/make_megatron_fixtures.py``'s ``cpu_stand_ins`` answer what Megatron asks of CUDA
+- ``tools/megatron_cpu_stand_ins.py``'s ``cpu_stand_ins`` answer what Megatron asks of CUDA
   (RNG states, synchronisation, the current device, tensors created on ``"cuda"``), and
   ``training_stand_ins`` what its training path asks beyond the fixtures' forward;
 - Megatron's ``jit_fuser`` (``torch.compile``) runs eagerly, as in the fixtures: inductor's CPU
@@ -45,7 +45,7 @@ def import_megatron(megatron_lm: str) -> None:
     warnings.filterwarnings("ignore", module=r"megatron\.")  # its notes on the CPU fallbacks, every process
 
     torch._dynamo.config.disable = True  # Megatron's jit_fuser is torch.compile
-    from tools.make_megatron_fixtures import cpu_stand_ins
+    from tools.megatron_cpu_stand_ins import cpu_stand_ins
 
     cpu_stand_ins()
     training_stand_ins()

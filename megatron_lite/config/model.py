@@ -188,7 +188,28 @@ class ModelConfig:
     linear_num_value_heads: int = 32
 
     def __post_init__(self) -> None:
+        """Megatron-LM's defaults filled in, then every field checked, one concern at a time."""
         check_choices(self)
+        self._fill_size_defaults()
+        self._check_sizes()
+        self._check_attention_heads()
+        self._check_positions()
+        self._check_dropout_and_init()
+        self._check_padding_embedding()
+        self._check_sliding_window()
+        self._check_sublayer_norms()
+        self._check_mlp_activation()
+        self._check_positive_scales()
+        self._check_rope_scaling()
+        self._check_no_rope_freq()
+        self._check_llama4_attention()
+        self._check_linear_attention()
+        self._fill_moe_defaults()
+        check_moe_fields(self)
+        self._check_multi_token_prediction()
+
+    def _fill_size_defaults(self) -> None:
+        """Sizes left out take Megatron-LM's defaults."""
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
             require(self.ffn_hidden_size > 0,
@@ -198,12 +219,17 @@ class ModelConfig:
             self.num_query_groups = self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+
+    def _check_sizes(self) -> None:
         for flag, value in [("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
                             ("--num-attention-heads", self.num_attention_heads),
                             ("--seq-length", self.seq_length), ("--vocab-size", self.vocab_size),
                             ("--ffn-hidden-size", self.ffn_hidden_size),
                             ("--num-query-groups", self.num_query_groups)]:
             require(value > 0, f"{flag} must be positive, got {value}.")
+
+    def _check_attention_heads(self) -> None:
+        """The head width (--kv-channels, by default --hidden-size over the heads) and the query groups."""
         if self.kv_channels is None:
             require(self.hidden_size % self.num_attention_heads == 0,
                      f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
@@ -214,6 +240,9 @@ class ModelConfig:
         require(self.num_attention_heads % self.num_query_groups == 0,
                  f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                  f"--num-query-groups ({self.num_query_groups}): each query group shares one key/value head.")
+
+    def _check_positions(self) -> None:
+        """The rotary channels (pairs) and the sequence against --max-position-embeddings."""
         require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}.")
         self._check_multi_latent_attention()
         rotated = (f"--qk-pos-emb-head-dim {self.rotary_dim}" if self.multi_latent_attention else
@@ -223,10 +252,13 @@ class ModelConfig:
         require(self.seq_length <= self.max_position_embeddings,
                  f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                  f"({self.max_position_embeddings}); raise --max-position-embeddings.")
+
+    def _check_dropout_and_init(self) -> None:
         for flag, p in [("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)]:
             require(0.0 <= p < 1.0, f"{flag} must be in [0, 1), got {p}.")
         require(self.init_method_std > 0, f"--init-method-std must be positive, got {self.init_method_std}.")
-        self._check_padding_embedding()
+
+    def _check_sliding_window(self) -> None:
         require(self.window_size is None or (len(self.window_size) == 2 and self.window_size[0] >= 0
                                               and self.window_size[1] == 0),
                  f"--window-size takes LEFT 0 (a causal model sees no keys to its right), got {self.window_size}.")
@@ -237,6 +269,8 @@ class ModelConfig:
         require(skip_freq is None or (self.window_size is not None and skip_freq > 0),
                  f"--window-attn-skip-freq ({self.window_attn_skip_freq}) makes every Nth layer global among "
                  f"sliding-window ones: it needs --window-size and a positive N.")
+
+    def _check_sublayer_norms(self) -> None:
         require(not self.qk_layernorm_whole_projection or (
             self.qk_layernorm and self.normalization == "RMSNorm" and not self.apply_layernorm_1p),
                  "--qk-layernorm-whole-projection widens --qk-layernorm's RMSNorm to all heads at once (OLMoE): it "
@@ -244,23 +278,18 @@ class ModelConfig:
         require(not self.no_pre_sublayer_norm or self.post_sublayer_norm,
                 "--no-pre-sublayer-norm leaves the post-sublayer norms alone to normalise (OLMo 2): add "
                 "--post-sublayer-norm.")
-        require(not self.geglu or self.swiglu, "--geglu changes the gate of --swiglu's gated MLP: add --swiglu.")
-        self._check_gated_linear_unit()
-        require(not self.gelu_exact or not self.swiglu or self.geglu,
-                "--gelu-exact changes the GELU, and --swiglu's gate is SiLU: drop one (or add --geglu).")
+
+    def _check_positive_scales(self) -> None:
         for flag, value in [("--attn-logit-softcapping", self.attn_logit_softcapping),
                             ("--final-logit-softcapping", self.final_logit_softcapping),
                             ("--softmax-scale", self.softmax_scale), ("--rotary-base-local", self.rotary_base_local)]:
             require(value is None or value > 0, f"{flag} must be positive, got {value}.")
-        self._check_rope_scaling()
-        self._check_no_rope_freq()
-        self._check_llama4_attention()
-        self._check_linear_attention()
+
+    def _fill_moe_defaults(self) -> None:
+        """One spelling of --moe-layer-freq, and the experts' width that of the dense MLP unless given."""
         self.moe_layer_freq = str(self.moe_layer_freq)  # Megatron-LM's int or list, given in code
         if self.num_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size  # as Megatron-LM
-        check_moe_fields(self)
-        self._check_multi_token_prediction()
 
     def _check_multi_token_prediction(self) -> None:
         if self.mtp_num_layers is None:
@@ -275,7 +304,9 @@ class ModelConfig:
                 "(transformers' loss, which has no multi-token prediction layers): drop --mtp-num-layers, or "
                 "balance with aux_loss or seq_aux_loss.")
 
-    def _check_gated_linear_unit(self) -> None:
+    def _check_mlp_activation(self) -> None:
+        """The gated MLP's variants (GeGLU, its quick form, offset, clamp) need --swiglu; exact GELU is no SiLU gate."""
+        require(not self.geglu or self.swiglu, "--geglu changes the gate of --swiglu's gated MLP: add --swiglu.")
         require(not (self.geglu and self.quick_geglu), "--geglu and --quick-geglu each pick the gate: give one.")
         given = [flag for flag, on in [("--quick-geglu", self.quick_geglu),
                                        ("--glu-linear-offset", self.glu_linear_offset != 0.0),
@@ -285,6 +316,8 @@ class ModelConfig:
         clamp = self.activation_func_clamp_value
         require(clamp is None or (math.isfinite(clamp) and clamp > 0),
                 f"--activation-func-clamp-value must be finite and positive, got {clamp}.")
+        require(not self.gelu_exact or not self.swiglu or self.geglu,
+                "--gelu-exact changes the GELU, and --swiglu's gate is SiLU: drop one (or add --geglu).")
 
     def _check_no_rope_freq(self) -> None:
         if self.no_rope_freq is None:

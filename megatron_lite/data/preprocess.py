@@ -119,13 +119,8 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
                                   + (" (--sft: or a JSON, Parquet or Arrow file, or a datasets.save_to_disk "
                                      "directory)." if sft_prompt_format is not None else "."))
     tokenizer = build_tokenizer(**tokenizer_kwargs)  # fails here, clearly, before any worker starts
-    dtypes = {key: best_fitting_dtype(tokenizer.vocab_size) for key in json_keys}
-    encode = functools.partial(encode_line, json_keys=tuple(json_keys), append_eod=append_eod)
-    if sft_prompt_format is not None:
-        dtypes = {TOKENS_KEY: best_fitting_dtype(tokenizer.vocab_size), LOSS_MASK_KEY: np.uint8}
-        encode = functools.partial(encode_sft_line, prompt_format=sft_prompt_format, record_format=sft_record_format)
-        if preference:
-            encode = functools.partial(encode_preference_line, prompt_format=sft_prompt_format)
+    dtypes, encode = _outputs_and_encoder(tokenizer.vocab_size, json_keys, append_eod, sft_prompt_format,
+                                          sft_record_format, preference)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     builders = {}
     stats = PreprocessStats()
@@ -151,13 +146,30 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
             builder.abort()
         raise
     stats.seconds = time.monotonic() - start
+    print(_summary(stats), file=log)
+    return stats
+
+
+def _outputs_and_encoder(vocab_size: int, json_keys, append_eod: bool, sft_prompt_format: Optional[str],
+                         sft_record_format: RecordFormat, preference: bool):
+    """The dataset each output key gets, with its token dtype, and the function that encodes one input line."""
+    if sft_prompt_format is None:
+        dtypes = {key: best_fitting_dtype(vocab_size) for key in json_keys}
+        return dtypes, functools.partial(encode_line, json_keys=tuple(json_keys), append_eod=append_eod)
+    dtypes = {TOKENS_KEY: best_fitting_dtype(vocab_size), LOSS_MASK_KEY: np.uint8}
+    if preference:
+        return dtypes, functools.partial(encode_preference_line, prompt_format=sft_prompt_format)
+    return dtypes, functools.partial(encode_sft_line, prompt_format=sft_prompt_format,
+                                     record_format=sft_record_format)
+
+
+def _summary(stats: PreprocessStats) -> str:
     summary = f"done: {stats.documents} documents, {stats.tokens} tokens in {stats.seconds:.1f} s"
     if stats.bad_lines:
         summary += f"; skipped {stats.bad_lines} bad lines (listed above)"
     if stats.empty_documents:
         summary += f"; {stats.empty_documents} empty documents kept without tokens"
-    print(summary, file=log)
-    return stats
+    return summary
 
 
 # Bad lines before any good one after which the input is taken as misread (a wrong --json-keys): a run

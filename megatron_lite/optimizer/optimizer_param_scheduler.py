@@ -96,45 +96,6 @@ class OptimizerParamScheduler:
                  wsd_decay_steps: Optional[int] = None, lr_wsd_decay_style: Optional[str] = None,
                  lr_warmup_style: str = "linear", samples_per_iteration: Optional[int] = None):
         wsd, log_warmup = lr_decay_style == "WSD", lr_warmup_style == "log" and lr_warmup_steps > 0
-        checks = [
-            (lr_decay_style in LR_DECAY_STYLES,
-             f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {lr_decay_style!r}."),
-            (0.0 <= min_lr <= max_lr, f"--min-lr ({min_lr}) must be between 0 and --lr ({max_lr})."),
-            (0.0 <= init_lr <= max_lr, f"--lr-warmup-init ({init_lr}) must be between 0 and --lr ({max_lr})."),
-            (not wsd or (wsd_decay_steps is not None and wsd_decay_steps > 0),
-             f"--lr-decay-style WSD anneals over --lr-wsd-decay-iters (or -samples): give a positive one, got "
-             f"{wsd_decay_steps}."),
-            (not wsd or lr_wsd_decay_style in WSD_DECAY_COEFFICIENTS,
-             f"--lr-wsd-decay-style must be one of {', '.join(WSD_DECAY_COEFFICIENTS)}, got {lr_wsd_decay_style!r}."),
-            (lr_warmup_style in LR_WARMUP_STYLES,
-             f"--lr-warmup-style must be one of {', '.join(LR_WARMUP_STYLES)}, got {lr_warmup_style!r}."),
-            (not log_warmup or (samples_per_iteration or 0) > 0, "a log warmup counts iterations: give the scheduler "
-                                                                 "samples_per_iteration (the global batch size)."),
-            (not log_warmup or lr_warmup_steps >= 2 * (samples_per_iteration or 1),
-             f"--lr-warmup-style log needs a warmup of at least 2 iterations (ln 1 = 0), got {lr_warmup_steps} steps "
-             f"of {samples_per_iteration} samples: raise --lr-warmup-iters to 2 (DeepSpeed raises it itself)."),
-            (0 <= lr_warmup_steps < lr_decay_steps,
-             f"the warmup ({_WARMUP_FLAGS}: {lr_warmup_steps} steps) must be >= 0 and shorter than the decay "
-             f"({_DECAY_FLAGS}: {lr_decay_steps} steps): lower the warmup or lengthen the decay."),
-            (wd_incr_style in WEIGHT_DECAY_INCR_STYLES,
-             f"--weight-decay-incr-style must be one of {', '.join(WEIGHT_DECAY_INCR_STYLES)}, got {wd_incr_style!r}."),
-            ((start_wd is None) == (end_wd is None),
-             "give both --start-weight-decay and --end-weight-decay, or neither."),
-        ]
-        if start_wd is not None and end_wd is not None:
-            checks.append((0.0 <= start_wd <= end_wd, f"--start-weight-decay ({start_wd}) must be between 0 "
-                                                      f"and --end-weight-decay ({end_wd})."))
-            if wd_incr_style == "constant":
-                checks.append((start_wd == end_wd, f"--weight-decay-incr-style constant needs "
-                                                   f"--start-weight-decay ({start_wd}) equal to "
-                                                   f"--end-weight-decay ({end_wd})."))
-            else:
-                checks.append((wd_incr_steps is not None and wd_incr_steps > 0,
-                               f"--weight-decay-incr-style {wd_incr_style} needs a positive wd_incr_steps "
-                               f"(--train-iters), got {wd_incr_steps}."))
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
         self.optimizer = optimizer
         self.max_lr = float(max_lr)
         self.min_lr = float(min_lr)
@@ -151,8 +112,61 @@ class OptimizerParamScheduler:
         self.lr_wsd_decay_style = lr_wsd_decay_style if wsd else None
         self.lr_warmup_style = lr_warmup_style
         self.samples_per_iteration = samples_per_iteration if log_warmup else None  # as above: only log reads it
+        self._check_schedule(wsd=wsd, log_warmup=log_warmup)
         self.num_steps = 0
         self.step(increment=0)
+
+    def _check_schedule(self, *, wsd: bool, log_warmup: bool) -> None:
+        """Each argument in its range, and the warmup, WSD and weight-decay arguments consistent."""
+        checks = [
+            (self.lr_decay_style in LR_DECAY_STYLES,
+             f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, got {self.lr_decay_style!r}."),
+            (0.0 <= self.min_lr <= self.max_lr,
+             f"--min-lr ({self.min_lr}) must be between 0 and --lr ({self.max_lr})."),
+            (0.0 <= self.init_lr <= self.max_lr,
+             f"--lr-warmup-init ({self.init_lr}) must be between 0 and --lr ({self.max_lr})."),
+            (not wsd or (self.wsd_decay_steps is not None and self.wsd_decay_steps > 0),
+             f"--lr-decay-style WSD anneals over --lr-wsd-decay-iters (or -samples): give a positive one, got "
+             f"{self.wsd_decay_steps}."),
+            (not wsd or self.lr_wsd_decay_style in WSD_DECAY_COEFFICIENTS,
+             f"--lr-wsd-decay-style must be one of {', '.join(WSD_DECAY_COEFFICIENTS)}, got "
+             f"{self.lr_wsd_decay_style!r}."),
+            (self.lr_warmup_style in LR_WARMUP_STYLES,
+             f"--lr-warmup-style must be one of {', '.join(LR_WARMUP_STYLES)}, got {self.lr_warmup_style!r}."),
+            (not log_warmup or (self.samples_per_iteration or 0) > 0,
+             "a log warmup counts iterations: give the scheduler samples_per_iteration (the global batch size)."),
+            (not log_warmup or self.lr_warmup_steps >= 2 * (self.samples_per_iteration or 1),
+             f"--lr-warmup-style log needs a warmup of at least 2 iterations (ln 1 = 0), got {self.lr_warmup_steps} "
+             f"steps of {self.samples_per_iteration} samples: raise --lr-warmup-iters to 2 (DeepSpeed raises it "
+             f"itself)."),
+            (0 <= self.lr_warmup_steps < self.lr_decay_steps,
+             f"the warmup ({_WARMUP_FLAGS}: {self.lr_warmup_steps} steps) must be >= 0 and shorter than the decay "
+             f"({_DECAY_FLAGS}: {self.lr_decay_steps} steps): lower the warmup or lengthen the decay."),
+        ] + self._weight_decay_checks()
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    def _weight_decay_checks(self) -> list[tuple[bool, str]]:
+        start_wd, end_wd, style = self.start_wd, self.end_wd, self.wd_incr_style
+        checks = [
+            (style in WEIGHT_DECAY_INCR_STYLES,
+             f"--weight-decay-incr-style must be one of {', '.join(WEIGHT_DECAY_INCR_STYLES)}, got {style!r}."),
+            ((start_wd is None) == (end_wd is None),
+             "give both --start-weight-decay and --end-weight-decay, or neither."),
+        ]
+        if start_wd is not None and end_wd is not None:
+            checks.append((0.0 <= start_wd <= end_wd, f"--start-weight-decay ({start_wd}) must be between 0 "
+                                                      f"and --end-weight-decay ({end_wd})."))
+            if style == "constant":
+                checks.append((start_wd == end_wd, f"--weight-decay-incr-style constant needs "
+                                                   f"--start-weight-decay ({start_wd}) equal to "
+                                                   f"--end-weight-decay ({end_wd})."))
+            else:
+                checks.append((self.wd_incr_steps is not None and self.wd_incr_steps > 0,
+                               f"--weight-decay-incr-style {style} needs a positive wd_incr_steps "
+                               f"(--train-iters), got {self.wd_incr_steps}."))
+        return checks
 
     def get_lr(self, param_group: Optional[dict] = None) -> float:
         """The learning rate at the current step for ``param_group``'s end points (default: the

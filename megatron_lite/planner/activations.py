@@ -330,6 +330,13 @@ def loss_transient_bytes_per_token(setting: ActivationSetting, padded_vocab_size
     return 2 * 4 * padded_vocab_size / setting.tensor_model_parallel_size
 
 
+def entropy_transient_bytes_per_token(setting: ActivationSetting, padded_vocab_size: int) -> float:
+    """--grpo's logged entropy (``vocab_parallel_entropy``), computed after the loss from the same fp32 logits: two
+    fp32 copies of this rank's logits (shifted and exponentiated) while it runs, on top of what the loss holds
+    then."""
+    return 2 * 4 * padded_vocab_size / setting.tensor_model_parallel_size
+
+
 def recomputed_input_bytes_per_token(model: ModelConfig, setting: ActivationSetting) -> float:
     """Full recomputation keeps a recomputed group's input only: [s, b, h] (over t with sequence parallelism)."""
     return setting.dtype_bytes * model.hidden_size / setting.split

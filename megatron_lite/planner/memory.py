@@ -5,7 +5,7 @@ forwarded and not yet backwarded (``pipeline.peak_activation_bytes``), each wort
 chunk's layers plus the embedding on the first stage and the output layer's inputs and
 the loss's fp32 softmax on the last; plus, under full recomputation, what a chunk's
 backward rebuilds while it runs. On top: the cross entropy's
-working copies of the logits on the last stage, and the cluster's allowance for the
+working copies of the logits on the last stage (with --grpo's entropy's), and the cluster's allowance for the
 CUDA context, communication buffers and fragmentation. The optimizer step runs once the activations
 are freed: what it holds besides its state (Muon's whole matrices, ``muon_step``) counts where it
 outgrows them. So does --dpo-precompute-ref-log-probs's reference, held (with a forward's working memory) only
@@ -112,19 +112,27 @@ def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: Ch
     return (kept + ends + output) * tokens, max(0.0, rebuilt - freed) * tokens
 
 
+def loss_transient_bytes_per_token(layout: Layout, setting: ActivationSetting) -> float:
+    """The last stage's working memory for the loss, per token: the cross entropy's, and under --grpo the entropy's
+    two fp32 copies of the logits on top (measured on one CPU process: a forward with the entropy peaks 2 to 3
+    fp32 copies of the logits above one without)."""
+    vocab = layout.config.model.padded_vocab_size(layout.tensor_model_parallel_size)
+    loss = activations.loss_transient_bytes_per_token(setting, vocab)
+    return loss + activations.entropy_transient_bytes_per_token(setting, vocab) if layout.config.data.grpo else loss
+
+
 def rank_memory(layout: Layout, *, device: str, pipeline_rank: int, data_parallel_rank: int = 0,
                 expert_data_parallel_rank: int = 0, allowance_gb: float = 0.0) -> MemoryEstimate:
     """Memory of rank (pipeline_rank, data_parallel_rank) of ``layout``, its experts replica
     ``expert_data_parallel_rank``; ``device`` picks the kernels' accounting. ``data_parallel_rank`` counts in
     the data x context group, which shards the optimizer state."""
-    config, model = layout.config, layout.config.model
+    config = layout.config
     setting = activation_setting(layout, device)
     chunks = [chunk_activation_bytes(layout, setting, shape) for shape in rank_chunk_shapes(config, pipeline_rank)]
     peak = peak_activation_bytes(layout.pipeline_model_parallel_size, pipeline_rank, layout.num_microbatches,
                                  tuple(kept for kept, _ in chunks), tuple(extra for _, extra in chunks))
     last = pipeline_rank == layout.pipeline_model_parallel_size - 1
-    transient = tokens_per_rank(layout) * activations.loss_transient_bytes_per_token(
-        setting, model.padded_vocab_size(layout.tensor_model_parallel_size)) if last else 0.0
+    transient = tokens_per_rank(layout) * loss_transient_bytes_per_token(layout, setting) if last else 0.0
     static = static_memory(config, pipeline_rank=pipeline_rank,
                            data_parallel_size=layout.data_parallel_size_with_context,
                            data_parallel_rank=data_parallel_rank, expert_data_parallel_rank=expert_data_parallel_rank)

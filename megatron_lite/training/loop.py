@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite import checkpointing, kernels
-from megatron_lite.config import Config
+from megatron_lite.config import Config, TrainingConfig
 from megatron_lite.data.preflight import check_data_paths
 from megatron_lite.distributed import DistributedDataParallel, finalize_model_grads
 from megatron_lite.distributed.replica_check import check_weight_hash_across_dp_replicas
@@ -260,13 +260,7 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
         print_rank_last(restart)
     model_chunks, optimizer, scheduler = setup_model_and_optimizer(config, parallel_state)
     if config.logging.log_memory:
-        report = optimizer.memory_report()
-        print_rank_last(metrics.format_memory_report(report))
-        # The planner's estimate for this rank, beside what it measured (it models full training, not --peft).
-        if is_last_rank() and config.peft.peft is None:
-            last = parallel_state.world_size - 1
-            print(format_memory_estimate(estimate_for_config(config, parallel_state.world_size, rank=last), report),
-                  flush=True)
+        _print_memory(config, parallel_state, optimizer)
     state = TrainingState()
     if config.checkpoint.load or config.checkpoint.pretrained_checkpoint:
         state = checkpointing.load_checkpoint_from(plan.checkpoint, config, parallel_state, model_chunks, optimizer,
@@ -277,32 +271,58 @@ def pretrain(config: Config, *, keep_process_group: bool = False):
                         f"further.")
     # Every rank holds the same consumed samples, so all raise together, before any collective of training.
     check_batches_ahead(config, plan.calculator, state.consumed_train_samples)
-    forward_backward_func = None
+    inputs = _loop_inputs(config, parallel_state, model_chunks, plan, state, grpo_inputs)
+    train(config, parallel_state, model_chunks, optimizer, scheduler, inputs.train_iterator, inputs.valid_iterator,
+          state, inputs.test_iterator, plan=plan, start_time=start_time,
+          forward_backward_func=inputs.forward_backward_func, tokens_in=inputs.tokens_in)
+    if not keep_process_group:
+        destroy_model_parallel(parallel_state)
+    return state, model_chunks, parallel_state
+
+
+def _print_memory(config: Config, parallel_state: ParallelState, optimizer) -> None:
+    """The memory the optimizer holds, and the planner's estimate for this rank beside it (the planner models
+    full training, not --peft)."""
+    report = optimizer.memory_report()
+    print_rank_last(metrics.format_memory_report(report))
+    if is_last_rank() and config.peft.peft is None:
+        last = parallel_state.world_size - 1
+        print(format_memory_estimate(estimate_for_config(config, parallel_state.world_size, rank=last), report),
+              flush=True)
+
+
+@dataclasses.dataclass
+class _LoopInputs:
+    """What feeds the loop: the data iterators (None under --grpo, which samples its own batches), the token
+    counter of the training samples, and the forward-backward function (None: the language-model loss's)."""
+    train_iterator: object = None
+    valid_iterator: object = None
+    test_iterator: object = None
+    tokens_in: object = None
+    forward_backward_func: object = None
+
+
+def _loop_inputs(config: Config, parallel_state: ParallelState, model_chunks, plan: RunPlan, state: TrainingState,
+                 grpo_inputs) -> _LoopInputs:
+    """The batches from the position ``state`` has reached, and --grpo's or --dpo's forward-backward."""
     if config.data.grpo:  # it samples its own batches of completions from the prompts
-        train_iterator = valid_iterator = test_iterator = tokens_in = None
-        forward_backward_func = grpo.GroupRelativePolicyOptimization(
+        return _LoopInputs(forward_backward_func=grpo.GroupRelativePolicyOptimization(
             config, parallel_state, model_chunks, grpo_inputs, run_schedule=_forward_backward,
-            start_iteration=state.iteration).forward_backward
-    else:
-        datasets = build_datasets(config, plan)
-        train_iterator, valid_iterator, test_iterator = positioned_iterators(
-            config, parallel_state, datasets, state.consumed_train_samples, state.iteration)
-        tokens_in = tokens_counter(config, datasets[0])
+            start_iteration=state.iteration).forward_backward)
+    datasets = build_datasets(config, plan)
+    inputs = _LoopInputs(*positioned_iterators(config, parallel_state, datasets, state.consumed_train_samples,
+                                               state.iteration),
+                         tokens_in=tokens_counter(config, datasets[0]))
     if config.data.dpo:  # the frozen reference's pass before the policy's (built after the policy is loaded)
         preference = dpo.DirectPreferenceOptimization(config, parallel_state, model_chunks,
                                                       run_schedule=_forward_backward)
         if config.training.dpo_precompute_ref_log_probs:  # one pass ahead over the same micro-batches, then freed
-            train_iterator, valid_iterator, test_iterator = preference.precompute_reference(
-                config, parallel_state, (train_iterator, valid_iterator, test_iterator),
+            inputs.train_iterator, inputs.valid_iterator, inputs.test_iterator = preference.precompute_reference(
+                config, parallel_state, (inputs.train_iterator, inputs.valid_iterator, inputs.test_iterator),
                 positioned_iterators(config, parallel_state, datasets, state.consumed_train_samples, state.iteration),
                 micro_batches_ahead(config, parallel_state, plan.train_iters, state.iteration))
-        forward_backward_func = preference.forward_backward
-    train(config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, valid_iterator, state,
-          test_iterator, plan=plan, start_time=start_time, forward_backward_func=forward_backward_func,
-          tokens_in=tokens_in)
-    if not keep_process_group:
-        destroy_model_parallel(parallel_state)
-    return state, model_chunks, parallel_state
+        inputs.forward_backward_func = preference.forward_backward
+    return inputs
 
 
 def micro_batches_ahead(config: Config, parallel_state: ParallelState, train_iters: int,
@@ -360,20 +380,16 @@ def print_training_summary(config: Config, start: TrainingState, end: TrainingSt
 def _train(config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler, train_iterator,
            valid_iterator, state: TrainingState, test_iterator, *, calculator: NumMicroBatchesCalculator,
            train_iters: int, start_time: float, logger: TrainingLogger, forward_backward_func=None) -> None:
+    """Megatron-LM's ``train()``: each iteration a training step, its log, the weight check, an evaluation and a
+    save when due, and the exit checks; the test data once at the end."""
     training = config.training
-    for chunk in model_chunks:
-        chunk.train()
-        chunk.reset_peak_memory()  # the first iteration's peak is reported
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
-    first_iteration = state.iteration + 1
-    saved_iteration = state.iteration  # the newest checkpoint of this run's state (the one it started from)
+    _enter_training(model_chunks)
     signal_handler = DistributedSignalHandler() if training.exit_signal_handler else contextlib.nullcontext()
-    saver = CheckpointSaver(config, parallel_state)
-    rerun = RerunStateMachine(training, parallel_state, has_loss_scaler=optimizer.grad_scaler is not None)
-    if rerun.replays_data:
+    loop = _TrainingLoop(config, parallel_state, model_chunks, optimizer, scheduler, logger, forward_backward_func,
+                         saved_iteration=state.iteration)
+    if loop.rerun.replays_data:
         train_iterator = wrap_data_iterator(train_iterator)
-    straggler = StragglerDetector() if config.logging.log_straggler else None
+    first_iteration = state.iteration + 1
     # The save lock covers every save of the run: a second run on the same --save stops before its first step.
     with holding_save_lock(config.checkpoint.save, is_holder=parallel_state.rank == 0), signal_handler, \
             hang_report.reporting_hangs(config.parallel.distributed_timeout_minutes,
@@ -383,76 +399,142 @@ def _train(config: Config, parallel_state: ParallelState, model_chunks, optimize
         while state.iteration < train_iters:
             profiler.step()
             num_microbatches = calculator.get_num_microbatches(state.consumed_train_samples)
-            global_batch = calculator.get_current_global_batch_size(state.consumed_train_samples)
-            step_start = time.perf_counter()
-            collectives.tracker.iteration = state.iteration + 1
-            rerun.begin_iteration(IterationBatch(state.iteration + 1, state.consumed_train_samples, global_batch,
-                                                 num_microbatches))
-            try:
-                losses, update_successful, grad_norm = train_step_with_losses(
-                    config, parallel_state, model_chunks, optimizer, scheduler, train_iterator, num_microbatches,
-                    forward_backward_func=forward_backward_func, rerun_state_machine=rerun)
-            except ResultRejected as rejected:
-                _save_before_stopping(config, saver, model_chunks, optimizer, scheduler, state, saved_iteration)
-                rejected.raise_on_every_rank()
-            loss = _main_loss(losses)
-            state.iteration += 1
+            step = loop.train_iteration(state, train_iterator, num_microbatches,
+                                        calculator.get_current_global_batch_size(state.consumed_train_samples))
             if config.logging.log_memory and state.iteration == first_iteration:
                 print_rank_last(metrics.format_memory_report(optimizer.memory_report(), state.iteration))
-            state.consumed_train_samples += global_batch
-            state.skipped_iterations += 0 if update_successful else 1
-            if loss is not None:
-                state.nan_iterations += 0 if math.isfinite(loss) else 1
-                state.losses.append(loss)
-            step_seconds = time.perf_counter() - step_start
-            if straggler is not None:
-                straggler.record(step_seconds)
-            logger.record(loss, step_seconds, skipped=not update_successful,
-                          global_batch=global_batch, statistics=losses, consumed_samples=state.consumed_train_samples,
-                          routing=routing_statistics.routing_summary(model_chunks, parallel_state, config.model))
+            loop.record(state, step)
             if _every(state.iteration, training.check_weight_hash_across_dp_replicas_interval):
                 check_weight_hash_across_dp_replicas(model_chunks, parallel_state, state.iteration)
             if _every(state.iteration, config.logging.log_interval):
-                logger.log_interval(state, optimizer, grad_norm)
-                rerun.log_statistics(state.iteration)
-                if straggler is not None:
-                    straggler.report(state.iteration)
+                loop.training_log(state, step.grad_norm)
             if valid_iterator is not None and _every(state.iteration, training.eval_interval):
-                with operations.garbage_collection_around_evaluation(training):
-                    valid_loss = evaluate(config, parallel_state, model_chunks, valid_iterator,
-                                          forward_backward_func=forward_backward_func)
-                logger.log_validation(state.iteration, valid_loss)
+                loop.validate(state.iteration, valid_iterator)
             operations.collect_garbage_after_iteration(training, state.iteration)
-            exit_now = ((training.exit_signal_handler and signal_handler.signals_received(parallel_state))
-                        or _every(state.iteration, training.exit_interval)
-                        or operations.exit_duration_reached(training, start_time, parallel_state))
+            exit_now = _exit_requested(training, signal_handler, parallel_state, state.iteration, start_time)
             # As Megatron: save at the end, and when the batch schedule changes the micro-batch count (a resume
             # may then change the data-parallel size to suit the larger batch).
             batch_grows = calculator.get_num_microbatches(state.consumed_train_samples) != num_microbatches
-            save_now = (exit_now or state.iteration == train_iters or batch_grows
-                        or _every(state.iteration, config.checkpoint.save_interval))
-            if config.checkpoint.save and save_now:
-                saver.save(model_chunks, optimizer, scheduler, state)
-                saved_iteration = state.iteration
-            saver.maybe_finalize()
+            loop.save_if_due(state, exit_now or state.iteration == train_iters or batch_grows)
             if exit_now:
-                saver.finalize()
+                loop.saver.finalize()
                 print_rank_last(f" exiting at iteration {state.iteration} (signal, --exit-interval or "
                                 f"--exit-duration-in-mins)")
                 return
-        saver.finalize()  # inside the save lock: the run's last checkpoint is committed before it is released
+        loop.saver.finalize()  # inside the save lock: the run's last checkpoint is committed before it is released
     if test_iterator is not None:  # as Megatron, the test data is evaluated once, after training
-        logger.log_validation(state.iteration, evaluate(config, parallel_state, model_chunks, test_iterator,
-                                                        forward_backward_func=forward_backward_func), on="test set")
+        logger.log_validation(state.iteration, loop.evaluate(test_iterator), on="test set")
 
 
-def _save_before_stopping(config: Config, saver: CheckpointSaver, model_chunks, optimizer, scheduler,
-                          state: TrainingState, saved_iteration: int) -> None:
-    """A rejected result reproduced: the state before its iteration (the weights, the random states and the
-    data position it started from) is saved unless it already is, so the iteration can be re-run elsewhere."""
-    if config.checkpoint.save and state.iteration > saved_iteration:
-        saver.save(model_chunks, optimizer, scheduler, state)
-    saver.finalize()
+def _enter_training(model_chunks) -> None:
+    """Training mode, and the peak-memory counters reset so that the first iteration's peak is reported."""
+    for chunk in model_chunks:
+        chunk.train()
+        chunk.reset_peak_memory()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+@dataclasses.dataclass
+class _Step:
+    """What one training iteration gave: its losses and main loss (None off the last pipeline stage), whether the
+    optimizer stepped, the gradient norm, the global batch it took and its time."""
+    losses: dict | None
+    loss: float | None
+    update_successful: bool
+    grad_norm: float | None
+    global_batch: int
+    seconds: float
+
+
+class _TrainingLoop:
+    """The parts every iteration of ``_train`` uses, built once for the run: the model, optimizer and schedule,
+    the logger, the checkpoint saver, the rerun state machine, the straggler detector; and the iteration of the
+    newest checkpoint of this run's state (at first the one it started from)."""
+
+    def __init__(self, config: Config, parallel_state: ParallelState, model_chunks, optimizer, scheduler,
+                 logger: TrainingLogger, forward_backward_func, *, saved_iteration: int):
+        self.config, self.parallel_state = config, parallel_state
+        self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
+        self.logger, self.forward_backward_func = logger, forward_backward_func
+        self.saved_iteration = saved_iteration
+        self.saver = CheckpointSaver(config, parallel_state)
+        self.rerun = RerunStateMachine(config.training, parallel_state,
+                                       has_loss_scaler=optimizer.grad_scaler is not None)
+        self.straggler = StragglerDetector() if config.logging.log_straggler else None
+
+    def train_iteration(self, state: TrainingState, train_iterator, num_microbatches: int,
+                        global_batch: int) -> _Step:
+        """One ``train_step`` and the state's counts after it. A result the rerun state machine rejects saves
+        the state from before the iteration and stops every rank."""
+        step_start = time.perf_counter()
+        collectives.tracker.iteration = state.iteration + 1
+        self.rerun.begin_iteration(IterationBatch(state.iteration + 1, state.consumed_train_samples, global_batch,
+                                                  num_microbatches))
+        try:
+            losses, update_successful, grad_norm = train_step_with_losses(
+                self.config, self.parallel_state, self.model_chunks, self.optimizer, self.scheduler, train_iterator,
+                num_microbatches, forward_backward_func=self.forward_backward_func, rerun_state_machine=self.rerun)
+        except ResultRejected as rejected:
+            self._save_before_stopping(state)
+            rejected.raise_on_every_rank()
+        loss = _main_loss(losses)
+        state.iteration += 1
+        state.consumed_train_samples += global_batch
+        state.skipped_iterations += 0 if update_successful else 1
+        if loss is not None:
+            state.nan_iterations += 0 if math.isfinite(loss) else 1
+            state.losses.append(loss)
+        return _Step(losses, loss, update_successful, grad_norm, global_batch, time.perf_counter() - step_start)
+
+    def record(self, state: TrainingState, step: _Step) -> None:
+        """The iteration's numbers into the logger's interval (and its time into the straggler detector)."""
+        if self.straggler is not None:
+            self.straggler.record(step.seconds)
+        self.logger.record(step.loss, step.seconds, skipped=not step.update_successful,
+                           global_batch=step.global_batch, statistics=step.losses,
+                           consumed_samples=state.consumed_train_samples,
+                           routing=routing_statistics.routing_summary(self.model_chunks, self.parallel_state,
+                                                                      self.config.model))
+
+    def training_log(self, state: TrainingState, grad_norm: float | None) -> None:
+        """The --log-interval line, with the rerun machine's and the straggler detector's reports."""
+        self.logger.log_interval(state, self.optimizer, grad_norm)
+        self.rerun.log_statistics(state.iteration)
+        if self.straggler is not None:
+            self.straggler.report(state.iteration)
+
+    def evaluate(self, data_iterator) -> dict | None:
+        return evaluate(self.config, self.parallel_state, self.model_chunks, data_iterator,
+                        forward_backward_func=self.forward_backward_func)
+
+    def validate(self, iteration: int, valid_iterator) -> None:
+        with operations.garbage_collection_around_evaluation(self.config.training):
+            valid_loss = self.evaluate(valid_iterator)
+        self.logger.log_validation(iteration, valid_loss)
+
+    def save_if_due(self, state: TrainingState, due: bool) -> None:
+        """A checkpoint when ``due`` or at --save-interval; then any asynchronous save that has finished is
+        committed."""
+        if self.config.checkpoint.save and (due or _every(state.iteration, self.config.checkpoint.save_interval)):
+            self.saver.save(self.model_chunks, self.optimizer, self.scheduler, state)
+            self.saved_iteration = state.iteration
+        self.saver.maybe_finalize()
+
+    def _save_before_stopping(self, state: TrainingState) -> None:
+        """A rejected result reproduced: the state before its iteration (the weights, the random states and the
+        data position it started from) is saved unless it already is, so the iteration can be re-run elsewhere."""
+        if self.config.checkpoint.save and state.iteration > self.saved_iteration:
+            self.saver.save(self.model_chunks, self.optimizer, self.scheduler, state)
+        self.saver.finalize()
+
+
+def _exit_requested(training: TrainingConfig, signal_handler, parallel_state: ParallelState, iteration: int,
+                    start_time: float) -> bool:
+    """A signal on any rank, --exit-interval or --exit-duration-in-mins; collectives, so every rank asks."""
+    return ((training.exit_signal_handler and signal_handler.signals_received(parallel_state))
+            or _every(iteration, training.exit_interval)
+            or operations.exit_duration_reached(training, start_time, parallel_state))
 
 
 def _every(iteration: int, interval: int | None) -> bool:

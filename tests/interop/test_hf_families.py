@@ -274,17 +274,22 @@ def test_a_megatron_lm_hop_keeps_the_weights_and_the_family(imports, name, tmp_p
     """Hugging Face -> Megatron-LM (one command) -> Hugging Face (another): the very files, and the family, which
     the features alone do not tell (a Phi-3 computes what a Mistral does). Phi-3's and Mistral's sliding windows
     and Llama 3 RoPE scaling go through Megatron-LM's args; their pad token (no Megatron-LM arg) does not stop
-    the export. Megatron-LM keeps the padded vocabulary only: the rows past the model's come back as padding."""
+    the export. Megatron-LM pads the vocabulary (to a multiple of 128 x 2 here); the model's own size rides along
+    in the args, so the padding rows are cut on the way back and the files are equal in every bit."""
     family, megatron_dir, exported = imports[name], str(tmp_path / "megatron"), str(tmp_path / "hf")
     assert convert(["--source-format", "hf", "--target-format", "megatron", "--load-dir", family.hf_dir,
                     "--save-dir", megatron_dir, "--target-tensor-parallel-size", "2"]) == 0
     assert convert(["--source-format", "megatron", "--target-format", "hf", "--load-dir", megatron_dir,
                     "--save-dir", exported]) == 0
-    (_, original), (exported_config, round_trip) = (hf_checkpoint.read_hf_directory(d)
-                                                    for d in (family.hf_dir, exported))
+    (original_config, original), (exported_config, round_trip) = (hf_checkpoint.read_hf_directory(d)
+                                                                  for d in (family.hf_dir, exported))
     assert exported_config["model_type"] == name and original.keys() == round_trip.keys()
+    assert exported_config["vocab_size"] == original_config["vocab_size"]
+    # All but the pad token, which no Megatron-LM arg carries (a setting of training, not of the function)
+    assert hf_weights.model_config_from_hf(exported_config) == dataclasses.replace(
+        hf_weights.model_config_from_hf(original_config), pad_token_id=None)
     for key in original:
-        assert torch.equal(original[key], round_trip[key][:len(original[key])]), key
+        assert torch.equal(original[key], round_trip[key]), key
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,6 +359,29 @@ def test_lora_export_loads_in_peft(family, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(adapted(family.input_ids).logits, ours, atol=HYBRID_ATOL.get(family.name, ATOL),
                                    rtol=RTOL)
+
+
+def test_phi3_adapters_trained_by_peft_import_exactly(imports, tmp_path):
+    """PEFT's own LoRA on Phi-3's fused qkv_proj and gate_up_proj (one A for q, k and v; one for gate and up), with
+    another rank on gate_up_proj and rsLoRA, imported by its own naming: our model gives peft's logits."""
+    family = imports["phi3"]
+    torch.manual_seed(1)
+    model = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(family.hf_dir),
+        peft.LoraConfig(r=2, lora_alpha=6, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                        rank_pattern={"gate_up_proj": 3}, use_rslora=True, init_lora_weights=False)).eval()
+    peft_dir, imported = str(tmp_path / "peft"), str(tmp_path / "imported")
+    model.save_pretrained(peft_dir)
+    assert convert(["--source-format", "peft", "--load-dir", peft_dir, "--save-dir", imported,
+                    "--base-checkpoint", family.root]) == 0
+    ours, parallel_state = load(imported)
+    try:
+        with torch.no_grad():
+            logits, expected = ours(family.input_ids), model(family.input_ids).logits
+    finally:
+        destroy_model_parallel(parallel_state)
+    assert (expected - family.logits).abs().max() > 1e-2  # the adapters move the model
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=RTOL)
 
 
 # (prompt, response) longer than the windows of 5, so the window acts inside each example; 37 tokens with

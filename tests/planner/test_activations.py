@@ -7,7 +7,8 @@ during a training step, on every rank of small layouts.
 import pytest
 import torch
 
-from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainingConfig
+from megatron_lite.config import (Config, DataConfig, GRPOConfig, LoggingConfig, ModelConfig, ParallelConfig,
+                                  TrainingConfig)
 from megatron_lite.model.builder import build_model
 from megatron_lite.planner.activations import KORTHIKANTI, ActivationSetting, layer_bytes_per_token
 from megatron_lite.planner.layouts import Layout
@@ -151,3 +152,24 @@ def test_the_fullest_rank_is_the_earliest_of_its_kind(tp, pp, vpp):
     layout = Layout(config, tp * pp * 2)
     every = [rank_memory(layout, device="cuda", pipeline_rank=r) for r in range(pp)]
     assert peak_memory(layout, device="cuda").total_bytes == max(e.total_bytes for e in every)
+
+
+@pytest.mark.parametrize("tp,bf16", [(1, False), (1, True), (2, True)])
+def test_grpo_plans_the_entropys_two_fp32_copies_of_the_logits_on_the_last_stage(tp, bf16):
+    """--grpo logs the entropy of each micro-batch's distribution after its loss: two fp32 copies of the last
+    stage's logits [tokens, padded vocabulary / t] on top of the loss's working memory, in the planned peak; the
+    first stage holds no logits."""
+    def layout(**data):
+        config = _config(tp=tp, pp=2, bf16=bf16)
+        grpo = GRPOConfig(reward_function=["rewards.py:length"]) if data.get("grpo") else GRPOConfig()
+        return Layout(Config(model=config.model, parallel=config.parallel, training=config.training, grpo=grpo,
+                             data=DataConfig(train_data_path=["prompts.jsonl"], tokenizer_type="NullTokenizer",
+                                             **data)), 2 * tp)
+
+    sft, grpo = layout(sft=True), layout(grpo=True)
+    tokens = 64 * 2  # --seq-length x --micro-batch-size
+    entropy = tokens * 2 * 4 * sft.config.model.padded_vocab_size(tp) / tp
+    first, last = ([rank_memory(lay, device="cuda", pipeline_rank=rank) for lay in (sft, grpo)] for rank in (0, 1))
+    assert first[1] == first[0]
+    assert last[1].loss_transient_bytes == last[0].loss_transient_bytes + entropy
+    assert last[1].total_bytes == last[0].total_bytes + entropy

@@ -10,7 +10,9 @@ The gotchas (docs/reference.md, section 13 "Megatron-LM checkpoints"):
   ``F.gelu``): our --gelu-exact, read from and written back to ``bias_gelu_fusion``.
 - The vocabulary: ``args`` hold ``padded_vocab_size`` (every embedding row, the padding
   rows included, is a trained parameter); the tokenizer's own size is not always saved.
-  Our vocabulary is the padded one, so the logits keep Megatron's width.
+  Our vocabulary is the padded one, so the logits keep Megatron's width; but for a model we
+  exported, whose padding rows are ours (zeros), the model's own size rides along in
+  ``unpadded_vocab_size`` and the padding rows are cut on the way back.
 """
 from __future__ import annotations
 
@@ -116,7 +118,8 @@ def model_config_from_megatron_args(args, source: str) -> ModelConfig:
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
         num_query_groups=args.num_query_groups if _arg(args, "group_query_attention") else heads,
         kv_channels=_arg(args, "kv_channels") or args.hidden_size // heads,
-        ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.padded_vocab_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=_arg(args, UNPADDED_VOCAB_SIZE_ARG) or args.padded_vocab_size,
         seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
         normalization=_arg(args, "normalization", "LayerNorm"), norm_epsilon=epsilon,
         apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p", False)),
@@ -186,6 +189,10 @@ def config_from_megatron_args(args, source: str) -> Config:
 # exported to Megatron-LM and imported back exports to Hugging Face as that family again (Megatron-LM keeps
 # args it does not know and reads none of them).
 HF_MODEL_TYPE_ARG = "hf_model_type"
+# Not Megatron-LM's either: the vocabulary of a model we exported before Megatron-LM's padding (its
+# ``orig_vocab_size``), so that its import cuts the padding rows we added, and a Hugging Face model taken to
+# Megatron-LM and back has its own vocabulary again.
+UNPADDED_VOCAB_SIZE_ARG = "unpadded_vocab_size"
 
 
 def _moe_args(model: ModelConfig, expert_model_parallel_size: int) -> dict:
@@ -248,6 +255,7 @@ def megatron_args_from_config(config: Config, *, tensor_model_parallel_size: int
         mtp_loss_scaling_factor=model.mtp_loss_scaling_factor, use_legacy_models=False,
         transformer_impl="local",
         ckpt_format=ckpt_format, iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
+        **{UNPADDED_VOCAB_SIZE_ARG: model.vocab_size},
         **({HF_MODEL_TYPE_ARG: model.hf_model_type} if model.hf_model_type else {}))
     _check_round_trip(args, model, source)
     return args
@@ -268,15 +276,15 @@ def _yarn_args(model: ModelConfig) -> dict:
 
 
 def _check_round_trip(args, model: ModelConfig, source: str) -> None:
-    """Every setting that changes what the weights compute comes back from ``args`` (the vocabulary as the padded
-    one); the others (how a run trains: an imported model's pad token) need not."""
+    """Every setting that changes what the weights compute comes back from ``args``; the others (how a run trains:
+    an imported model's pad token) need not."""
     unmapped = unsupported_settings(args)
     if unmapped:
         raise ConfigError(f"{source} cannot be written as a Megatron-LM checkpoint: megatron_lite maps no Megatron-LM "
                           f"checkpoint with {', '.join(unmapped)}.")
     back = model_config_from_megatron_args(args, source)
-    differ = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"
-              and defines_function(f.name, model) and getattr(back, f.name) != getattr(model, f.name)]
+    differ = [f.name for f in dataclasses.fields(ModelConfig)
+              if defines_function(f.name, model) and getattr(back, f.name) != getattr(model, f.name)]
     if differ:
         raise ConfigError(f"{source} cannot be written as a Megatron-LM checkpoint: its model settings "
                           f"{', '.join('--' + name.replace('_', '-') for name in differ)} have no Megatron-LM args "

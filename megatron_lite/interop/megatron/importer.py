@@ -14,6 +14,7 @@ from megatron_lite.interop.megatron import layout, legacy, torch_dist
 from megatron_lite.interop.megatron.args_mapping import config_from_megatron_args, model_config_from_megatron_args
 from megatron_lite.checkpointing.offline import stage_model, write_checkpoint
 from megatron_lite.checkpointing.contents import checkpointed_tensors
+from megatron_lite.checkpointing.resharding import has_vocab_rows, resize_vocab
 from megatron_lite.checkpointing.storage import CheckpointError, read_latest_iteration
 from megatron_lite.config import Config, ParallelConfig
 from megatron_lite.tensor_parallel import gather_shards
@@ -36,7 +37,7 @@ class MegatronCheckpoint:
 
     config: Config  # model and precision from the saved args; parallel sizes 1 (any layout loads it)
     iteration: int
-    tensors: dict  # our global name -> tensor in the checkpoint's precision (the vocabulary at Megatron's padded size)
+    tensors: dict  # our global name -> tensor in the checkpoint's precision, the vocabulary at config's size
     ckpt_format: str
     args: object  # Megatron's saved args (argparse.Namespace with stand-ins)
 
@@ -53,6 +54,9 @@ def read_megatron_checkpoint(path: str) -> MegatronCheckpoint:
         tensors = {layout.ours_from_megatron(name, 0): t for name, t in tensors.items()
                    if not layout.is_ignored(name, tied=tied)}
     config = config_from_megatron_args(args, path)
+    # Megatron's padded rows, or for a model we exported (its unpadded size in the args) the rows of its vocabulary.
+    tensors = {name: resize_vocab(t, config.model.vocab_size) if has_vocab_rows(name) else t
+               for name, t in tensors.items()}
     tensors = _checked(tensors, config, path)
     return MegatronCheckpoint(config, iteration, tensors, ckpt_format, args)
 
