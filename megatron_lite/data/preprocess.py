@@ -20,7 +20,9 @@ Progress lines show the share of the input read and an ETA when its size is know
 """
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import json
 import multiprocessing
 import os
@@ -80,6 +82,12 @@ def encode_line(line: str, tokenizer, json_keys: tuple[str, ...], append_eod: bo
     return encoded, None
 
 
+# Lines per task a worker receives: enough that the pool's cost per task (pickling, two pipes, a result thread) is
+# small against tokenizing them, few enough that the main process can encode a share in the gaps.
+LINES_PER_TASK = 64
+# Tasks queued per worker, so that a worker never waits for the main process between two of them.
+TASKS_PER_WORKER = 2
+
 _worker = {}  # each worker process's tokenizer and options, set once by _init_worker
 
 
@@ -87,10 +95,54 @@ def _init_worker(tokenizer_kwargs: dict, encode) -> None:
     _worker.update(tokenizer=build_tokenizer(**tokenizer_kwargs), encode=encode)
 
 
-def _encode_item(item: tuple[int, int, str]):
-    file_index, line_number, line = item
-    encoded, problem = _worker["encode"](line, _worker["tokenizer"])
-    return file_index, line_number, len(line.encode("utf-8")), encoded, problem
+def _encode_records(records: list, encode, tokenizer) -> list:
+    """(file index, line number, bytes, encoded, problem) of each (file index, line number, line)."""
+    results = []
+    for file_index, line_number, line in records:
+        encoded, problem = encode(line, tokenizer)
+        results.append((file_index, line_number, len(line.encode("utf-8")), encoded, problem))
+    return results
+
+
+def _encode_in_worker(records: list) -> list:
+    return _encode_records(records, _worker["encode"], _worker["tokenizer"])
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _encoded_in_order(records, pool, workers: int, encode_here=None):
+    """_encode_records's results of ``records`` in input order.
+
+    Tasks of LINES_PER_TASK records go to the pool. With ``encode_here`` (a core is left over beside the
+    workers), the main process encodes the next task itself whenever the oldest one is not back yet, instead
+    of waiting for it: with one worker on two cores both then tokenize."""
+    records = iter(records)
+    tasks = iter(lambda: list(itertools.islice(records, LINES_PER_TASK)), [])
+    pending = collections.deque()  # in input order: (AsyncResult, None) of a worker's task, (None, results) of ours
+    queued, more = 0, True
+    while True:
+        while more and queued < TASKS_PER_WORKER * workers:
+            task = next(tasks, None)
+            more = task is not None
+            if more:
+                pending.append((pool.apply_async(_encode_in_worker, (task,)), None))
+                queued += 1
+        if not pending:
+            return
+        in_worker, results = pending[0]
+        if encode_here is not None and more and in_worker is not None and not in_worker.ready():
+            task = next(tasks, None)
+            more = task is not None
+            if more:
+                pending.append((None, encode_here(task)))
+            continue
+        pending.popleft()
+        if in_worker is not None:
+            queued -= 1
+            results = in_worker.get()
+        yield from results
 
 
 def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kwargs: dict,
@@ -102,7 +154,8 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
 
     Args:
         tokenizer_kwargs: arguments of ``build_tokenizer`` (tokenizer_type, vocab_file, ...).
-        workers: tokenizer processes; the main process only reads and writes.
+        workers: tokenizer processes; the main process reads and writes, and tokenizes too where fewer workers
+            than usable cores leave one free.
         sft_prompt_format: fine-tuning records instead of ``json_keys``: writes the pairs
             ``{output_prefix}_text_document`` (ids, EOD included) and ``{output_prefix}_loss_mask_document``,
             and records the format in ``{output_prefix}_prompt_format.json``.
@@ -132,7 +185,9 @@ def preprocess_jsonl(input_paths: list[str], *, output_prefix: str, tokenizer_kw
             builders[key] = IndexedDatasetBuilder(data_file_path(output_prefix_for(output_prefix, key)), dtype)
         with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_kwargs, encode)) as pool:
             records = read_jsonl_lines(input_paths) if sft_prompt_format is None else read_sft_records(input_paths)
-            results = pool.imap(_encode_item, records, chunksize=64)
+            encode_here = (functools.partial(_encode_records, encode=encode, tokenizer=tokenizer)
+                           if workers < _usable_cores() else None)
+            results = _encoded_in_order(records, pool, workers, encode_here)
             _write_documents(results, builders, stats, input_paths=input_paths, strict=strict, log=log,
                              log_interval=log_interval, start=start, total_bytes=_text_bytes(input_paths))
         if stats.documents == 0:  # an empty dataset would only fail later, inside training

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 
 from megatron_lite.config import ConfigError
 
@@ -24,11 +26,32 @@ import regex
 
 EOD_TOKEN = "<|endoftext|>"
 
-# Contractions, letters, digits, other symbols (each with an optional leading space),
-# then whitespace. `\s+(?!\S)` leaves the last space of a run to start the next word.
-PRETOKENIZE_PATTERN = regex.compile(
-    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 
+def _pretokenize_pattern(letters: str, digits: str, spaces: str) -> str:
+    r"""GPT-2's pattern over the given character classes: contractions, letters, digits, other symbols (each
+    with an optional leading space), then whitespace; ``\s+(?!\S)`` leaves the last space of a run to start
+    the next word."""
+    return (rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{letters}]+| ?[{digits}]+| ?[^{spaces}{letters}{digits}]+"
+            rf"|[{spaces}]+(?![^{spaces}])|[{spaces}]+")
+
+
+def _ascii_members(character_class: str) -> str:
+    """The ASCII characters that ``regex`` puts in ``character_class``, escaped for a class of ``re``."""
+    return "".join(re.escape(chr(c)) for c in range(128) if regex.fullmatch(character_class, chr(c)))
+
+
+PRETOKENIZE_PATTERN = regex.compile(_pretokenize_pattern(r"\p{L}", r"\p{N}", r"\s"))
+# The same pattern for text that is all ASCII, in the standard library's `re`, which finds the chunks in half
+# the time: its classes are the ASCII members of the Unicode ones, read from `regex` itself.
+ASCII_PRETOKENIZE_PATTERN = re.compile(_pretokenize_pattern(*map(_ascii_members, (r"\p{L}", r"\p{N}", r"\s"))))
+
+
+def pretokenize(text: str) -> list[str]:
+    """The chunks of ``text`` that BPE merges within: PRETOKENIZE_PATTERN's matches."""
+    return (ASCII_PRETOKENIZE_PATTERN if text.isascii() else PRETOKENIZE_PATTERN).findall(text)
+
+
+_UNRANKED = sys.maxsize  # the rank of a pair that merges.txt does not list
 _CACHE_LIMIT = 200_000  # chunks; natural text repeats words, so a cache saves most merging
 
 
@@ -74,13 +97,42 @@ def merge_pair(symbols: list[str], first: str, second: str) -> list[str]:
 
 
 def bpe_merge(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
-    """Repeatedly merges every occurrence of the lowest-ranked adjacent pair."""
-    while len(symbols) > 1:
-        best = min(zip(symbols, symbols[1:]), key=lambda pair: ranks.get(pair, float("inf")))
-        if best not in ranks:
+    """Repeatedly merges every occurrence (left to right, without overlap) of the lowest-ranked adjacent pair.
+
+    The ranks of the adjacent pairs are kept in a list beside the symbols: a merge changes only the ranks of
+    its two neighbours, so a step is one ``min`` over that list rather than a dict lookup for every pair."""
+    symbols = list(symbols)
+    rank_of = ranks.get
+    pair_ranks = [rank_of(pair, _UNRANKED) for pair in zip(symbols, symbols[1:])]
+    while pair_ranks:
+        best = min(pair_ranks)
+        if best == _UNRANKED:
             break
-        symbols = merge_pair(symbols, *best)
+        i = pair_ranks.index(best)
+        first, second = symbols[i], symbols[i + 1]
+        while True:
+            symbols[i:i + 2] = [first + second]
+            del pair_ranks[i]
+            if i > 0:
+                pair_ranks[i - 1] = rank_of((symbols[i - 1], symbols[i]), _UNRANKED)
+            if i < len(pair_ranks):
+                pair_ranks[i] = rank_of((symbols[i], symbols[i + 1]), _UNRANKED)
+            i = _next_occurrence(symbols, pair_ranks, best, first, second, i + 1)
+            if i < 0:
+                break
     return symbols
+
+
+def _next_occurrence(symbols: list[str], pair_ranks: list[int], rank: int, first: str, second: str,
+                     start: int) -> int:
+    """The position of the next pair (first, second) from ``start`` on, or -1 (ranks given as a plain dict
+    may repeat, so a pair of the same rank is the same pair only where its symbols say so)."""
+    while rank in pair_ranks[start:]:
+        i = pair_ranks.index(rank, start)
+        if symbols[i] == first and symbols[i + 1] == second:
+            return i
+        start = i + 1
+    return -1
 
 
 def to_byte_symbols(text: str, byte_encoder: dict[int, str]) -> list[str]:
@@ -131,7 +183,7 @@ class GPT2BPETokenizer:
     def tokenize(self, text: str) -> list[int]:
         ids: list[int] = []
         cache = self._cache
-        for chunk in PRETOKENIZE_PATTERN.findall(text):
+        for chunk in pretokenize(text):
             chunk_ids = cache.get(chunk)
             if chunk_ids is None:
                 chunk_ids = self._encode_chunk(chunk)

@@ -5,6 +5,7 @@ import struct
 import numpy as np
 import pytest
 
+from megatron_lite.data import preprocess
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.preprocess import preprocess_jsonl
 from megatron_lite.tokenizer import build_tokenizer
@@ -69,19 +70,28 @@ def test_strict_aborts_without_touching_existing_output(tmp_path, bpe_files, loa
     assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 100
 
 
-def test_worker_count_does_not_change_the_output(tmp_path, demo_texts, sentencepiece_model):
+def test_worker_count_does_not_change_the_output(tmp_path, demo_texts, sentencepiece_model, monkeypatch):
+    """Nor does the main process tokenizing a share of the tasks, as it does where a core is left over."""
     path = write_jsonl(tmp_path / "in.jsonl", [json.dumps({"text": t, "title": t[:20]}) for t in demo_texts[:150]])
     kwargs = dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sentencepiece_model)
-    outputs = []
-    for workers in (1, 2):
-        prefix = str(tmp_path / f"w{workers}")
+    monkeypatch.setattr(preprocess, "LINES_PER_TASK", 8)  # 19 tasks, for the main process to take some of
+    encode_records, encoded_here = preprocess._encode_records, []
+    monkeypatch.setattr(preprocess, "_encode_records",  # counts the main process's tasks (a worker counts its own)
+                        lambda *args, **kw: encoded_here.append(1) or encode_records(*args, **kw))
+    outputs, tasks_here = [], []
+    for workers, cores in [(1, 1), (1, 2), (2, 4)]:
+        monkeypatch.setattr(preprocess, "_usable_cores", lambda: cores)
+        prefix = str(tmp_path / f"w{workers}c{cores}")
         preprocess_jsonl([path], output_prefix=prefix, tokenizer_kwargs=kwargs, json_keys=("text", "title"),
                          workers=workers, log_interval=50)
         outputs.append([open(f"{prefix}_{key}_document.{ext}", "rb").read()
                         for key in ("text", "title") for ext in ("bin", "idx")])
-    assert outputs[0] == outputs[1]
+        tasks_here.append(len(encoded_here))
+        encoded_here.clear()
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert tasks_here[0] == 0 and tasks_here[1] > 0 and tasks_here[2] > 0
     tokenizer = build_tokenizer(**kwargs)
-    titles = IndexedDataset(str(tmp_path / "w1_title_document"))
+    titles = IndexedDataset(str(tmp_path / "w1c1_title_document"))
     assert len(titles) == 150 and tokenizer.detokenize(titles[5]) == demo_texts[5][:20]
 
 

@@ -1,5 +1,6 @@
 import base64
 import json
+import random
 
 import numpy as np
 import pytest
@@ -8,7 +9,8 @@ import regex
 from megatron_lite.config import ConfigError
 from megatron_lite.tokenizer import build_tokenizer
 from megatron_lite.tokenizer.bpe_trainer import save_gpt2_bpe_files, train_byte_level_bpe
-from megatron_lite.tokenizer.gpt2_bpe import EOD_TOKEN, PRETOKENIZE_PATTERN, bpe_merge, bytes_to_unicode
+from megatron_lite.tokenizer.gpt2_bpe import (EOD_TOKEN, PRETOKENIZE_PATTERN, bpe_merge, bytes_to_unicode,
+                                             merge_pair, pretokenize)
 from tests.data.conftest import TRICKY_TEXT
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -40,12 +42,44 @@ def test_pretokenization_pattern():
     assert PRETOKENIZE_PATTERN.findall("héllo wörld's") == ["héllo", " wörld", "'s"]
 
 
+def test_ascii_text_is_split_as_the_unicode_pattern_splits_it():
+    """pretokenize's `re` pattern for ASCII text against `regex`'s, on every ASCII character: runs of each
+    class, contractions, whitespace runs before words and at the end."""
+    rng = random.Random(0)
+    pieces = [chr(c) for c in range(128)] + ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "  ", " \t\n", "\r\n",
+                                             "42", "word", " x", "!?"]
+    texts = ["".join(rng.choices(pieces, k=rng.randint(0, 40))) for _ in range(3000)]
+    for text in texts + ["I'm 12 dogs!!  so\n\n x", "tail  ", "\x1c\x1f\x7f"]:
+        assert pretokenize(text) == PRETOKENIZE_PATTERN.findall(text), repr(text)
+    assert pretokenize("héllo wörld's") == ["héllo", " wörld", "'s"]
+
+
+def reference_bpe_merge(symbols, ranks):
+    """BPE by its definition: merge all occurrences of the lowest-ranked adjacent pair (the leftmost of equal
+    ranks) until no pair is ranked."""
+    while len(symbols) > 1:
+        best = min(zip(symbols, symbols[1:]), key=lambda pair: ranks.get(pair, float("inf")))
+        if best not in ranks:
+            return symbols
+        symbols = merge_pair(symbols, *best)
+    return symbols
+
+
 def test_bpe_merge_applies_lowest_rank_first_and_all_occurrences():
     ranks = {("b", "c"): 0, ("a", "bc"): 1, ("a", "b"): 2}
     assert bpe_merge(list("abc"), ranks) == ["abc"]  # (b, c) outranks (a, b)
     assert bpe_merge(list("aaaa"), {("a", "a"): 0}) == ["aa", "aa"]
     assert bpe_merge(list("aaa"), {("a", "a"): 0}) == ["aa", "a"]  # left to right, no overlap
     assert bpe_merge(list("xyz"), ranks) == ["x", "y", "z"]
+    # bpe_merge keeps the ranks of the pairs beside the symbols; the definition looks them all up at every step.
+    rng = random.Random(0)
+    for _ in range(300):
+        alphabet = "abc"[:rng.randint(1, 3)]
+        pairs = {(a, b) for a in alphabet for b in alphabet}
+        pairs |= {(a + b, c) for a, b in pairs for c in alphabet} | {(c, a + b) for a, b in pairs for c in alphabet}
+        ranks = {pair: rng.randrange(len(pairs)) for pair in rng.sample(sorted(pairs), rng.randint(1, len(pairs)))}
+        symbols = rng.choices(alphabet, k=rng.randint(0, 12))
+        assert bpe_merge(symbols, ranks) == reference_bpe_merge(symbols, ranks), (symbols, ranks)
 
 
 def test_trainer_merges_the_most_frequent_pair_first_and_lays_out_the_vocab():
