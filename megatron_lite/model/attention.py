@@ -68,6 +68,7 @@ class SelfAttention(nn.Module):
         self.q_layernorm = qk_layernorm(config, config.num_attention_heads, tp_config, layer_number)
         self.k_layernorm = qk_layernorm(config, config.num_query_groups, tp_config, layer_number)
         self.chunks = layer_chunks(config, layer_number)
+        self.splits_sequence = context_parallel is not None  # the core then attends to the other ranks' keys too
         self.temperature = layer_temperature(config, layer_number)
         # Here rather than in the core, which context parallelism wraps: one name for the sinks at every layout.
         register_softmax_offset(self, config, self.local_query_groups * self.heads_per_group, tp_config.params_dtype)
@@ -111,12 +112,15 @@ class SelfAttention(nn.Module):
         core_attention = functools.partial(self.core_attention, prefix=self.prefix)
         if self.softmax_offset is not None:
             core_attention = functools.partial(core_attention, softmax_offset=self.softmax_offset)
-        if self.chunks is not None:  # around the core, chunk by chunk (refused with context parallelism, below)
+        if self.chunks is not None and self.splits_sequence:  # the context-parallel core chunks its blocks itself
+            core_attention = functools.partial(core_attention, chunks=self.chunks, position_ids=position_ids)
+        elif self.chunks is not None:  # around the core, chunk by chunk
             core_attention = functools.partial(self.chunks, core_attention, position_ids=position_ids)
         if inference_context is not None and inference_context.splits_sequence:
             context = attend_own_chunks(self.core_attention, query, key, value, attention_mask,
                                         inference_context.context_parallel, prefix=self.prefix,
-                                        softmax_offset=self.softmax_offset)
+                                        softmax_offset=self.softmax_offset, chunks=self.chunks,
+                                        position_ids=position_ids)
         elif self.checkpoint_core_attention and self.training:
             context = checkpoint(core_attention, query, key, value, attention_mask)
         else:

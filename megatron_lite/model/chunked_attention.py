@@ -16,16 +16,18 @@ of 8192) takes the core attention as it is, on the causal fast path.
 Longer sequences never build a mask over the whole sequence ([b, 1, s, s]: O(s^2) memory, and no flash kernel
 on CUDA). Attention runs chunk by chunk, one of two ways:
 
-- folded: without a mask (no packing, no padding) and with every row's positions equal to its columns modulo C
-  (0, 1, 2, ... from the row's first column), the chunks are the column blocks [0, C), [C, 2C), ...: the
-  whole ones become a batch of their own, [C, n b, heads, d], attended causally in one call, and a shorter
-  last one in another. Memory O(s C), and the core's causal (flash) kernel. Deciding it reads one bool back
-  from the device, once per chunked layer and forward, and only past one chunk, where the layer's attention
-  is the large cost.
-- blocked: otherwise (packed examples, padding, new tokens after cached keys), C queries at a time against the
+- folded: without a mask (no packing, no padding) and with every query's position equal to its key column
+  modulo C (0, 1, 2, ... from the row's first column), the chunks are the column blocks [0, C), [C, 2C), ...:
+  the whole ones become a batch of their own, [C, n b, heads, d], attended causally in one call, and a shorter
+  last one in another; queries that start inside a block (a context-parallel rank's second chunk of the
+  sequence, a new token after cached keys) first finish that block against its earlier keys. Memory O(s C),
+  and the core's causal (flash) kernel. Deciding it reads one bool back from the device, once per chunked
+  layer and forward (per query chunk under context parallelism), and only past one chunk, where the layer's
+  attention is the large cost.
+- blocked: otherwise (packed examples, padding, positions that restart), C queries at a time against the
   keys their chunks can reach, C - 1 before the block's first query up to its last, under the given mask's
   rows and columns of them and the chunks' mask: [b, 1, C, 2C - 1] masks, O(s C) memory, exact for any mask
-  and positions, on the core's masked kernel. One new token after a long cache attends to C keys.
+  and positions, on the core's masked kernel. One new token after a long cache attends to C keys at most.
 
 Both compute the same softmax as the whole-sequence mask, over the same visible keys (within rounding: the
 sums run over fewer keys).
@@ -44,44 +46,65 @@ class ChunkedAttention:
         """``core_attention(query, key, value, attention_mask)`` (``DotProductAttention``'s interface: [s, b,
         heads, d] queries, [sk, b, groups, d] keys and values, the queries the last s of the keys; a bool mask
         [b or 1, 1, s, sk], True = may not attend, None = causal) with each query seeing the keys of its own
-        chunk only. ``position_ids`` [b, s]: the queries'."""
+        chunk only. ``position_ids`` [b, s]: the queries'. The keys before the queries may be a generation's
+        cache or, under context parallelism, the sequence's earlier positions: the queries are then a rank's
+        chunk of the sequence at its global columns."""
         key_length = key.shape[0]
         if key_length <= self.chunk_size:
             return core_attention(query, key, value, attention_mask)
-        if attention_mask is None and query.shape[0] == key_length and self._chunks_are_column_blocks(position_ids):
+        if attention_mask is None and self._chunks_are_column_blocks(position_ids, key_length - query.shape[0]):
             return self._folded(core_attention, query, key, value)
         return self._blocked(core_attention, query, key, value, attention_mask, position_ids)
 
-    def mask(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, key_length: int) -> torch.Tensor:
+    def mask(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, key_length: int,
+             first_row: int | None = None) -> torch.Tensor:
         """``attention_mask`` (bool [b or 1, 1, s, key_length], True = may not attend; None = causal) with the keys
-        outside each query's chunk added. ``position_ids`` [b, s]: the queries', the last s of the keys."""
+        outside each query's chunk added. ``position_ids`` [b, s]: the queries'; query i sits at key column
+        ``first_row`` + i (by default the queries are the last s of the keys; a context-parallel ring's block of
+        queries may lie after its block of keys)."""
         query_length = position_ids.shape[1]
+        first_row = key_length - query_length if first_row is None else first_row
         columns = torch.arange(key_length, device=position_ids.device)
-        rows = torch.arange(key_length - query_length, key_length, device=position_ids.device)
+        rows = torch.arange(first_row, first_row + query_length, device=position_ids.device)
         distance = rows[:, None] - columns  # [s, key_length]: how far back each key is from each query
         seen = (position_ids % self.chunk_size)[:, None, :, None]  # [b, 1, s, 1]: back to its chunk's first key
         outside = (distance < 0) | (distance > seen)
         return outside if attention_mask is None else attention_mask | outside
 
-    def _chunks_are_column_blocks(self, position_ids: torch.Tensor) -> bool:
-        """Whether every row's chunks start at its columns 0, C, 2C, ...: its position mod C is its column's."""
-        columns = torch.arange(position_ids.shape[1], device=position_ids.device)
+    def out_of_reach(self, first_query: int, last_key: int) -> bool:
+        """Whether no query at or after key column ``first_query`` sees a key at or before ``last_key``: a query
+        sees back at most C - 1 keys, whatever its position (the blocks a context-parallel ring skips)."""
+        return first_query - last_key >= self.chunk_size
+
+    def _chunks_are_column_blocks(self, position_ids: torch.Tensor, first_column: int) -> bool:
+        """Whether every row's chunks start at the key columns 0, C, 2C, ...: the position of query i (at column
+        ``first_column`` + i) is its column's mod C."""
+        columns = torch.arange(first_column, first_column + position_ids.shape[1], device=position_ids.device)
         return bool(((position_ids - columns) % self.chunk_size == 0).all())
 
     def _folded(self, core_attention, query, key, value) -> torch.Tensor:
-        """Causal attention within each column block of C: the whole blocks folded into the batch, [n C, b, ...]
-        -> [C, n b, ...] and back, the shorter last block (if any) on its own."""
+        """Causal attention within each column block of C, for queries that are the last s of the keys: the
+        queries before the first block boundary (if the queries start inside a block) against their block's
+        earlier keys, the whole blocks folded into the batch, [n C, b, ...] -> [C, n b, ...] and back, and the
+        shorter last block (if any) on its own."""
         chunk, seq, batch = self.chunk_size, query.shape[0], query.shape[1]
-        whole = seq - seq % chunk
+        offset = key.shape[0] - seq  # query i is key i + offset
+        head = min(-offset % chunk, seq)  # the queries before the first block boundary
+        whole = head + (seq - head) // chunk * chunk
 
-        def fold(tensor):
-            return tensor[:whole].unflatten(0, (-1, chunk)).transpose(0, 1).flatten(1, 2)
+        def fold(tensor, start):
+            return tensor[start:start + whole - head].unflatten(0, (-1, chunk)).transpose(0, 1).flatten(1, 2)
 
-        context = core_attention(fold(query), fold(key), fold(value), None)  # [C, n b, heads x dv]
-        context = context.unflatten(1, (-1, batch)).transpose(0, 1).flatten(0, 1)
-        if whole == seq:
-            return context
-        return torch.cat([context, core_attention(query[whole:], key[whole:], value[whole:], None)])
+        parts = []
+        if head:
+            first = offset - offset % chunk
+            parts.append(core_attention(query[:head], key[first:offset + head], value[first:offset + head], None))
+        if whole > head:
+            context = core_attention(fold(query, head), fold(key, offset + head), fold(value, offset + head), None)
+            parts.append(context.unflatten(1, (-1, batch)).transpose(0, 1).flatten(0, 1))  # [C, n b, ...] back
+        if whole < seq:
+            parts.append(core_attention(query[whole:], key[offset + whole:], value[offset + whole:], None))
+        return torch.cat(parts)
 
     def _blocked(self, core_attention, query, key, value, attention_mask, position_ids) -> torch.Tensor:
         """C queries at a time, each block against the keys from C - 1 before its first query to its last (a
