@@ -41,7 +41,13 @@ MOE_POOLED = dict(MOE, moe_router_load_balancing_type="pooled_aux_loss")
 MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,
            qk_pos_emb_head_dim=4, v_head_dim=4, qk_layernorm=True, rotary_scaling_factor=4.0,
            yarn_original_max_position_embeddings=8)
-MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, "moe_seq": MOE_SEQ, "moe_pooled": MOE_POOLED, "mla": MLA}
+# Llama 4: sequences of 32 in chunks of 8 or 12 on the layers with rotary embeddings (L2-normed queries and keys),
+# the last layer NoPE with temperature tuning that bites every 4 positions. Chunks of 12 end inside a rank's
+# chunk of the sequence (8 at cp2, 4 at cp4), so a rank's queries start within an attention chunk.
+LLAMA4 = dict(LLAMA, seq_length=32, no_rope_freq="4", attention_chunk_size=8, qk_l2_norm=True,
+              attn_temperature_tuning=True, attn_temperature_floor_scale=4)
+MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, "moe_seq": MOE_SEQ, "moe_pooled": MOE_POOLED, "mla": MLA,
+          "llama4_c8": LLAMA4, "llama4_c12": dict(LLAMA4, attention_chunk_size=12)}
 
 
 def _config(model: str, *, cp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, vpp: bool = False, comm=("p2p",),
@@ -155,7 +161,7 @@ def sft_data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(sft_data):
     """The single-process runs: pretraining and packed fine-tuning of each model, prefix tuning of one."""
-    runs = [{"model": m} for m in MODELS] + [{"model": m, "sft": sft_data} for m in ("gpt", "llama")]
+    runs = [{"model": m} for m in MODELS] + [{"model": m, "sft": sft_data} for m in ("gpt", "llama", "llama4_c8")]
     runs += [{"model": "llama", "prefix": True}]
     (results,) = run_distributed(_train, 1, args=(runs,))
     return {_reference(run): result for run, result in zip(runs, results)}
@@ -216,6 +222,9 @@ def test_cp2_matches_one_process(references, sft_data, tmp_path):
              {"model": "llama", "cp": 2, "sft": sft_data}, {"model": "llama", "cp": 2, "prefix": True},
              {"model": "moe", "cp": 2, "comm": MIXED}, {"model": "moe_pooled", "cp": 2, "comm": MIXED},
              {"model": "mla", "cp": 2, "comm": MIXED}]
+    runs += [{"model": "llama4_c12", "cp": 2, "comm": (comm,)} for comm in ("all_gather", "p2p")]
+    runs += [{"model": "llama4_c12", "cp": 2, "comm": MIXED}, {"model": "llama4_c8", "cp": 2, "comm": MIXED,
+                                                             "sft": sft_data}]
     _check(references, 2, runs)
 
 
@@ -229,6 +238,7 @@ def test_cp4_and_cp2_tp2_match_one_process(references):
              {"model": "llama", "cp": 2, "tp": 2, "comm": MIXED[::-1], "recompute": "selective"},
              {"model": "mla", "cp": 2, "tp": 2, "comm": MIXED}, {"model": "moe_seq", "cp": 2, "tp": 2, "comm": MIXED}]
     runs += [{"model": model, "cp": 2, "ep": 2, "comm": MIXED} for model in ("moe", "moe_pooled")]
+    runs += [{"model": "llama4_c12", "cp": 4, "comm": MIXED}]
     _check(references, 4, runs)
 
 

@@ -73,7 +73,11 @@ _CHUNKED_INPUTS = {
                     & ~torch.eye(11, dtype=torch.bool), 0, False),  # text_generation's prompt mask
     "after-cache": (torch.tensor([[9, 10], [6, 7]]), _LEFT_PADDED[:, None, None, :].expand(2, 1, 2, 11)
                     & ~torch.ones(2, 11, dtype=torch.bool).triu(10), 9, False),
-    "one-new-token": (torch.tensor([[10], [10]]), None, 10, False),
+    "one-new-token": (torch.tensor([[10], [10]]), None, 10, True),  # the last of its chunk's 3 keys
+    # A context-parallel rank's chunk of the sequence at its global columns 5-10: it starts inside a chunk.
+    "after-earlier-keys": (torch.arange(5, 11).expand(2, 6), None, 5, True),
+    "after-earlier-keys-packed": (_restarting([[5, 6], [3, 8]])[:, 4:], _packed_mask([[5, 6], [3, 8]])[:, :, 4:],
+                                  4, False),
 }
 
 
