@@ -76,34 +76,51 @@ class ChunkedAttention:
         sees back at most C - 1 keys, whatever its position (the blocks a context-parallel ring skips)."""
         return first_query - last_key >= self.chunk_size
 
+    def reaches(self, queries: range, keys: range) -> bool:
+        """Whether any query at key columns ``queries`` sees any key at columns ``keys`` when positions are the
+        columns: the first query at or after the first key sees back to its chunk's first column."""
+        first = max(queries.start, keys.start)
+        return first < queries.stop and first - first % self.chunk_size < keys.stop
+
     def _chunks_are_column_blocks(self, position_ids: torch.Tensor, first_column: int) -> bool:
         """Whether every row's chunks start at the key columns 0, C, 2C, ...: the position of query i (at column
         ``first_column`` + i) is its column's mod C."""
         columns = torch.arange(first_column, first_column + position_ids.shape[1], device=position_ids.device)
         return bool(((position_ids - columns) % self.chunk_size == 0).all())
 
-    def _folded(self, core_attention, query, key, value) -> torch.Tensor:
-        """Causal attention within each column block of C, for queries that are the last s of the keys: the
-        queries before the first block boundary (if the queries start inside a block) against their block's
-        earlier keys, the whole blocks folded into the batch, [n C, b, ...] -> [C, n b, ...] and back, and the
-        shorter last block (if any) on its own."""
-        chunk, seq, batch = self.chunk_size, query.shape[0], query.shape[1]
-        offset = key.shape[0] - seq  # query i is key i + offset
-        head = min(-offset % chunk, seq)  # the queries before the first block boundary
-        whole = head + (seq - head) // chunk * chunk
+    def folded_calls(self, query_length: int, key_length: int) -> list[tuple[slice, slice, int]]:
+        """(queries, keys, blocks) of each core call the folded form makes for queries that are the last
+        ``query_length`` of ``key_length`` keys at their columns: the queries before the first block boundary
+        (if they start inside a block) against their block's earlier keys, the whole blocks (``blocks`` of
+        them, folded into the batch when more than one), the shorter last block. The planner counts these."""
+        chunk = self.chunk_size
+        offset = key_length - query_length  # query i is key i + offset
+        head = min(-offset % chunk, query_length)  # the queries before the first block boundary
+        whole = head + (query_length - head) // chunk * chunk
+        calls = []
+        if head:
+            calls.append((slice(0, head), slice(offset - offset % chunk, offset + head), 1))
+        if whole > head:
+            calls.append((slice(head, whole), slice(offset + head, offset + whole), (whole - head) // chunk))
+        if whole < query_length:
+            calls.append((slice(whole, query_length), slice(offset + whole, key_length), 1))
+        return calls
 
-        def fold(tensor, start):
-            return tensor[start:start + whole - head].unflatten(0, (-1, chunk)).transpose(0, 1).flatten(1, 2)
+    def _folded(self, core_attention, query, key, value) -> torch.Tensor:
+        """Causal attention within each column block of C (``folded_calls``): whole blocks folded into the batch,
+        [n C, b, ...] -> [C, n b, ...] and back."""
+        chunk, batch = self.chunk_size, query.shape[1]
+
+        def fold(tensor):
+            return tensor.unflatten(0, (-1, chunk)).transpose(0, 1).flatten(1, 2)
 
         parts = []
-        if head:
-            first = offset - offset % chunk
-            parts.append(core_attention(query[:head], key[first:offset + head], value[first:offset + head], None))
-        if whole > head:
-            context = core_attention(fold(query, head), fold(key, offset + head), fold(value, offset + head), None)
-            parts.append(context.unflatten(1, (-1, batch)).transpose(0, 1).flatten(0, 1))  # [C, n b, ...] back
-        if whole < seq:
-            parts.append(core_attention(query[whole:], key[offset + whole:], value[offset + whole:], None))
+        for queries, keys, blocks in self.folded_calls(query.shape[0], key.shape[0]):
+            if blocks == 1:
+                parts.append(core_attention(query[queries], key[keys], value[keys], None))
+            else:
+                context = core_attention(fold(query[queries]), fold(key[keys]), fold(value[keys]), None)
+                parts.append(context.unflatten(1, (-1, batch)).transpose(0, 1).flatten(0, 1))
         return torch.cat(parts)
 
     def _blocked(self, core_attention, query, key, value, attention_mask, position_ids) -> torch.Tensor:

@@ -8,8 +8,9 @@ path, grouped-query heads, a packed block-diagonal mask, a sliding window, a pre
 the sum over the ranks), attention soft-capping, attention sinks (--softmax-type learnable: joined once to the
 ring's log-sum-exp merge, their gradient the sum over the ranks), bf16, and values narrower than keys with a
 softmax scale of their own (multi-latent attention's), Llama 4's attention chunks (against the core under
-the chunks' mask over the whole sequence: folded, packed, with a prefix and sinks); and a whole GPT given this
-rank's tokens gives the whole sequence's logits at them.
+the chunks' mask over the whole sequence: folded, packed, with a prefix and sinks; the ring's block pairs at each
+step are those the planner counts); and a whole GPT given this rank's tokens gives the whole sequence's logits
+at them.
 """
 import dataclasses
 import functools
@@ -25,6 +26,7 @@ from megatron_lite.model.chunked_attention import ChunkedAttention
 from megatron_lite.model.dot_product_attention import DotProductAttention
 from megatron_lite.model.gpt_model import GPTModel
 from megatron_lite.model.weight_init import initialize_weights
+from megatron_lite.planner.step_time import ring_step_pairs
 from megatron_lite.process_groups.parallel_state import mock_parallel_state
 from megatron_lite.tensor_parallel import TensorParallelConfig
 from megatron_lite.peft.prefix_tuning import KeyValuePrefix
@@ -160,7 +162,13 @@ def _compare(rank, world_size):
         for comm_type in ("all_gather", "p2p"):
             cp_attention = context_parallel_attention(_core(config),
                                                       ContextParallelConfig(group, cp.global_ranks, (comm_type,)), 0)
+            attended = _count_ring_pairs(cp_attention) if comm_type == "p2p" else None
             got = _attend(_chunked(cp_attention, case, positions), inputs, prefix, positions)
+            if attended is not None and "chunk" in case and not case.get("packed"):  # as the planner counts them
+                model = ModelConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+                                    seq_length=SEQ, vocab_size=64, position_embedding_type="rope",
+                                    attention_chunk_size=case["chunk"])
+                assert attended[:world_size] == ring_step_pairs(model, world_size, 0)[rank], (name, attended)
             what, rel = f"cp{world_size} {comm_type} {name}", 3e-2 if case.get("bf16") else 1e-5
             for key, value in got.items():
                 assert value.dtype == expected[key].dtype, what
@@ -173,6 +181,18 @@ def _compare(rank, world_size):
             checked.append(what)
     checked.append(_compare_model_logits(cp, positions))
     return checked
+
+
+def _count_ring_pairs(ring) -> list[int]:
+    """The number of block pairs ``ring`` attends to at each step, forward then backward, as it runs."""
+    counts, block_pairs = [], ring.block_pairs
+
+    def counted(*args, **kwargs):
+        pairs = list(block_pairs(*args, **kwargs))
+        counts.append(len(pairs))
+        return iter(pairs)
+    ring.block_pairs = counted
+    return counts
 
 
 def _compare_model_logits(cp: ContextParallelConfig, positions: torch.Tensor) -> str:
