@@ -46,10 +46,11 @@ SKIP = "skip"  # a block pair in which no query sees any key
 class _Masking:
     """What hides keys from this rank's queries besides causality and a sliding window: the given mask
     [b, 1, s/cp, s] (None: none), and Llama 4's attention chunks (a ChunkedAttention, or None) at the queries'
-    ``position_ids`` [b, s/cp]."""
+    ``position_ids`` [b, s/cp], which may be known to be their columns."""
     attention_mask: torch.Tensor | None
     chunks: object = None
     position_ids: torch.Tensor | None = None
+    positions_are_columns: bool = False
 
 
 def context_parallel_attention(local_attention: nn.Module, cp: ContextParallelConfig, layer_number: int) -> nn.Module:
@@ -73,12 +74,13 @@ class AllGatherAttention(nn.Module):
         self.cp = cp
 
     def forward(self, query, key, value, attention_mask=None, prefix=None, softmax_offset=None, chunks=None,
-                position_ids=None):
+                position_ids=None, positions_are_columns=False):
         _check_mask(attention_mask, query.shape[0], self.cp.size)
         key_value = gather_sequence(_join(key, value), self.cp)
         key, value = _split(key_value, key.shape[-1])
         return attend_own_chunks(self.local_attention, query, key, value, attention_mask, self.cp, prefix=prefix,
-                                 softmax_offset=softmax_offset, chunks=chunks, position_ids=position_ids)
+                                 softmax_offset=softmax_offset, chunks=chunks, position_ids=position_ids,
+                                 positions_are_columns=positions_are_columns)
 
 
 def gather_sequence(tensor: torch.Tensor, cp: ContextParallelConfig) -> torch.Tensor:
@@ -89,7 +91,8 @@ def gather_sequence(tensor: torch.Tensor, cp: ContextParallelConfig) -> torch.Te
 
 
 def attend_own_chunks(local_attention: nn.Module, query, key, value, attention_mask, cp: ContextParallelConfig,
-                      prefix=None, softmax_offset=None, chunks=None, position_ids=None) -> torch.Tensor:
+                      prefix=None, softmax_offset=None, chunks=None, position_ids=None,
+                      positions_are_columns=False) -> torch.Tensor:
     """This rank's queries [s/cp, b, heads, d] (its two chunks) against the whole sequence's keys and values
     [s, b, groups, d], each chunk seeing the keys up to its own end, with the layer's own core attention; a
     ``prefix`` goes before the keys, ``softmax_offset`` (attention sinks) joins each query's one softmax. The mask
@@ -97,7 +100,8 @@ def attend_own_chunks(local_attention: nn.Module, query, key, value, attention_m
 
     ``chunks`` (a ``model/chunked_attention.py`` ChunkedAttention, Llama 4's chunked layers) with the queries'
     ``position_ids`` [b, s/cp]: each of the rank's chunks attends chunk by chunk (of the attention's chunks) at
-    its global columns, as one process attends, never under a mask over the whole sequence."""
+    its global columns, as one process attends, never under a mask over the whole sequence (folded where
+    ``positions_are_columns``)."""
     core = functools.partial(local_attention, prefix=prefix)
     if softmax_offset is not None:
         core = functools.partial(core, softmax_offset=softmax_offset)
@@ -108,7 +112,8 @@ def attend_own_chunks(local_attention: nn.Module, query, key, value, attention_m
         # The chunk's queries are the last ``chunk`` of the ``end`` keys it may see: the core's causal
         # mask (and any sliding window) lines them up from the end, after the prefix it puts first.
         mask = None if attention_mask is None else attention_mask[:, :, rows, :end]
-        attend = core if chunks is None else functools.partial(chunks, core, position_ids=position_ids[:, rows])
+        attend = core if chunks is None else functools.partial(chunks, core, position_ids=position_ids[:, rows],
+                                                               positions_are_columns=positions_are_columns)
         outputs.append(attend(query[rows], key[:end], value[:end], mask))
     return torch.cat(outputs)
 
@@ -152,16 +157,18 @@ class RingAttention(nn.Module):
         self.window_left = None if window is None else window.left
 
     def forward(self, query, key, value, attention_mask=None, prefix=None, softmax_offset=None, chunks=None,
-                position_ids=None):
+                position_ids=None, positions_are_columns=False):
         """``chunks`` (a ``model/chunked_attention.py`` ChunkedAttention) with the queries' ``position_ids``
         [b, s/cp]: each query sees the keys of its own attention chunk only; blocks of keys out of every query's
-        reach are skipped as later ones are, the others take the chunks' mask."""
+        reach are skipped as later ones are, the others take the chunks' mask. Where ``positions_are_columns``
+        (known on the host), which blocks some query reaches is decided from the columns, with no mask read
+        back from the device."""
         local_length, batch = query.shape[:2]
         _check_mask(attention_mask, local_length, self.cp.size)
         prefix_key = prefix_value = None
         if prefix is not None:
             prefix_key, prefix_value = prefix.keys_and_values(batch, key.dtype)
-        masking = _Masking(attention_mask, chunks, position_ids)
+        masking = _Masking(attention_mask, chunks, position_ids, positions_are_columns)
         return _RingAttentionFunction.apply(query, key, value, prefix_key, prefix_value, softmax_offset, masking,
                                             self)
 
@@ -200,6 +207,14 @@ class RingAttention(nn.Module):
         chunks = None if key_chunk is None else masking.chunks
         if chunks is not None and chunks.out_of_reach(query_chunk * chunk, (key_chunk + 1) * chunk - 1):
             return SKIP  # every key further back than any of the block's queries sees
+        # Positions that are the columns: whether some query sees a key of the block is known here.
+        columns_decide = chunks is not None and masking.positions_are_columns and masking.attention_mask is None
+        if columns_decide:
+            queries, keys = (range(c * chunk, (c + 1) * chunk) for c in (query_chunk, key_chunk))
+            if not chunks.reaches(queries, keys):
+                return SKIP
+            if keys[0] // chunks.chunk_size == queries[-1] // chunks.chunk_size:  # one attention chunk holds both
+                chunks = None
         diagonal = key_chunk == query_chunk
         key_start = 0 if key_chunk is None else prefix_length + key_chunk * chunk
         key_length = prefix_length if key_chunk is None else chunk
@@ -223,7 +238,7 @@ class RingAttention(nn.Module):
         mask = masks[0]
         for other in masks[1:]:
             mask = mask | other
-        return SKIP if bool(mask.all()) else mask
+        return mask if columns_decide else SKIP if bool(mask.all()) else mask
 
 
 def _halves(tensor: torch.Tensor, chunk: int):

@@ -16,14 +16,13 @@ of 8192) takes the core attention as it is, on the causal fast path.
 Longer sequences never build a mask over the whole sequence ([b, 1, s, s]: O(s^2) memory, and no flash kernel
 on CUDA). Attention runs chunk by chunk, one of two ways:
 
-- folded: without a mask (no packing, no padding) and with every query's position equal to its key column
-  modulo C (0, 1, 2, ... from the row's first column), the chunks are the column blocks [0, C), [C, 2C), ...:
-  the whole ones become a batch of their own, [C, n b, heads, d], attended causally in one call, and a shorter
-  last one in another; queries that start inside a block (a context-parallel rank's second chunk of the
-  sequence, a new token after cached keys) first finish that block against its earlier keys. Memory O(s C),
-  and the core's causal (flash) kernel. Deciding it reads one bool back from the device, once per chunked
-  layer and forward (per query chunk under context parallelism), and only past one chunk, where the layer's
-  attention is the large cost.
+- folded: without a mask (no packing, no padding) and with every query's position its key column (0, 1, 2,
+  ... from the row's first column), the chunks are the column blocks [0, C), [C, 2C), ...: the whole ones
+  become a batch of their own, [C, n b, heads, d], attended causally in one call, and a shorter last one in
+  another; queries that start inside a block (a context-parallel rank's second chunk of the sequence, a new
+  token after cached keys) first finish that block against its earlier keys. Memory O(s C), and the core's
+  causal (flash) kernel. The model decides it once per forward, on the host, from the positions it makes or
+  is handed on the host (``GPTModel``'s ``positions_are_columns``): nothing is read back from the device.
 - blocked: otherwise (packed examples, padding, positions that restart), C queries at a time against the
   keys their chunks can reach, C - 1 before the block's first query up to its last, under the given mask's
   rows and columns of them and the chunks' mask: [b, 1, C, 2C - 1] masks, O(s C) memory, exact for any mask
@@ -31,6 +30,11 @@ on CUDA). Attention runs chunk by chunk, one of two ways:
 
 Both compute the same softmax as the whole-sequence mask, over the same visible keys (within rounding: the
 sums run over fewer keys).
+
+Under context parallelism (``context_parallel/attention.py``) a rank holds two chunks of the sequence. The
+all_gather core runs each of them as the queries after the earlier keys here, at its global columns; the ring
+(p2p) skips the blocks of keys no query of a block reaches (``out_of_reach``, and ``reaches`` where positions are
+the columns) and masks the others with ``mask``.
 """
 import torch
 
@@ -42,17 +46,20 @@ class ChunkedAttention:
         self.chunk_size = chunk_size
 
     def __call__(self, core_attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
+                 attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                 positions_are_columns: bool = False) -> torch.Tensor:
         """``core_attention(query, key, value, attention_mask)`` (``DotProductAttention``'s interface: [s, b,
         heads, d] queries, [sk, b, groups, d] keys and values, the queries the last s of the keys; a bool mask
         [b or 1, 1, s, sk], True = may not attend, None = causal) with each query seeing the keys of its own
         chunk only. ``position_ids`` [b, s]: the queries'. The keys before the queries may be a generation's
         cache or, under context parallelism, the sequence's earlier positions: the queries are then a rank's
-        chunk of the sequence at its global columns."""
+        chunk of the sequence at its global columns. ``positions_are_columns``: the caller knows, on the host,
+        that every query's position is its key column (the model's own positions: no packed examples, no
+        padding), which lets the chunks fold without a mask; False is exact whatever the positions."""
         key_length = key.shape[0]
         if key_length <= self.chunk_size:
             return core_attention(query, key, value, attention_mask)
-        if attention_mask is None and self._chunks_are_column_blocks(position_ids, key_length - query.shape[0]):
+        if attention_mask is None and positions_are_columns:
             return self._folded(core_attention, query, key, value)
         return self._blocked(core_attention, query, key, value, attention_mask, position_ids)
 
@@ -81,12 +88,6 @@ class ChunkedAttention:
         columns: the first query at or after the first key sees back to its chunk's first column."""
         first = max(queries.start, keys.start)
         return first < queries.stop and first - first % self.chunk_size < keys.stop
-
-    def _chunks_are_column_blocks(self, position_ids: torch.Tensor, first_column: int) -> bool:
-        """Whether every row's chunks start at the key columns 0, C, 2C, ...: the position of query i (at column
-        ``first_column`` + i) is its column's mod C."""
-        columns = torch.arange(first_column, first_column + position_ids.shape[1], device=position_ids.device)
-        return bool(((position_ids - columns) % self.chunk_size == 0).all())
 
     def folded_calls(self, query_length: int, key_length: int) -> list[tuple[slice, slice, int]]:
         """(queries, keys, blocks) of each core call the folded form makes for queries that are the last

@@ -57,9 +57,11 @@ CASES = {
     # softmax scale of its own.
     "narrow-values": dict(value_dim=HEAD_DIM // 2, softmax_scale=0.3),
     "narrow-values-packed-explicit": dict(value_dim=HEAD_DIM // 2, packed=True, attention_backend="unfused"),
-    # Llama 4's chunks of 3 and 6 (neither a multiple of a rank's chunk of 4 or 2): folded where positions are the
-    # columns, blocked where packed examples restart them; the ring skips blocks beyond a chunk's reach.
+    # Llama 4's chunks of 3 and 6 (neither a multiple of a rank's chunk of 4 or 2): folded where positions are
+    # known to be the columns, blocked where packed examples restart them (or nothing is known); the ring skips
+    # blocks beyond a chunk's reach, and those no query sees.
     "chunks": dict(chunk=3, num_query_groups=2),
+    "chunks-not-told": dict(chunk=6, told=False),
     "chunks-explicit-prefix": dict(chunk=6, attention_backend="unfused", prefix=2),
     "chunks-packed": dict(chunk=3, packed=True),
     "chunks-packed-sinks": dict(chunk=6, packed=True, softmax_type="learnable"),
@@ -67,7 +69,7 @@ CASES = {
 
 
 def _model_config(case: dict) -> ModelConfig:
-    fields = {k: v for k, v in case.items() if k not in ("packed", "prefix", "bf16", "value_dim", "chunk")}
+    fields = {k: v for k, v in case.items() if k not in ("packed", "prefix", "bf16", "value_dim", "chunk", "told")}
     return ModelConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, seq_length=SEQ,
                        vocab_size=64, attention_dropout=0.0, **fields)
 
@@ -91,7 +93,9 @@ def _chunked(attention, case: dict, rows: torch.Tensor | None = None):
     if case.get("packed"):
         positions = torch.tensor([[i - row.index(d) for i, d in enumerate(row)] for row in DOCUMENTS.tolist()])
     if rows is not None:
-        return functools.partial(attention, chunks=chunks, position_ids=positions[:, rows])
+        columns = not case.get("packed") and case.get("told", True)  # what the model tells: its own positions
+        return functools.partial(attention, chunks=chunks, position_ids=positions[:, rows],
+                                 positions_are_columns=columns)
     return lambda query, key, value, mask, **kwargs: attention(query, key, value,
                                                                chunks.mask(mask, positions, SEQ), **kwargs)
 
