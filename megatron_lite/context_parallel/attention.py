@@ -22,6 +22,11 @@ key/value blocks come around again, each with the gradient of its keys and value
 that have seen it so far, which ends back at its owner after the last step. Only the rank's own queries,
 keys, values, output and log-sum-exp are kept (the activations of one process's attention / cp). There
 is no attention dropout here (the configuration refuses it).
+
+Llama 4's chunked layers hand both their ``chunks`` (``model/chunked_attention.py``'s ChunkedAttention) and the
+queries' positions: all_gather runs each of the rank's chunks through it at its global columns (chunk by
+chunk, folded where the positions are the columns, as one process); the ring also skips the pairs of chunks
+whose keys no query reaches and masks the rest by the attention chunks.
 """
 from __future__ import annotations
 
