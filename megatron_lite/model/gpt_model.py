@@ -104,11 +104,13 @@ class GPTModel(nn.Module):
 
     def _position_ids(self, input_ids: torch.Tensor, inference_context, device=None) -> torch.Tensor:
         """[b, s] positions of the tokens given (on ``device``, by default theirs): each token's column, 0, 1, ...,
-        counting on after a generation's cached tokens; under context parallelism, this rank's positions of the
-        whole sequence."""
+        counting on after a generation's cached tokens; under context parallelism (training's, or a generation's
+        split prefill), this rank's positions of the whole sequence."""
         device = input_ids.device if device is None else device
-        if self.context_parallel is not None:
-            cp = self.context_parallel
+        cp = self.context_parallel
+        if cp is None and inference_context is not None and inference_context.splits_sequence:
+            cp = inference_context.context_parallel
+        if cp is not None:
             positions = local_positions(input_ids.shape[1] * cp.size, cp.rank, cp.size).to(device)
             return positions.expand(input_ids.shape)
         first = inference_context.sequence_len_offset if inference_context is not None else 0
