@@ -171,7 +171,7 @@ class GPTModel(nn.Module):
             position_ids, columns = self._position_ids(input_ids, inference_context), True
         else:
             columns = self._positions_are_columns(position_ids, input_ids, inference_context)
-            position_ids = position_ids.to(input_ids.device)
+            position_ids = position_ids.to(input_ids.device, non_blocking=True)
         if self.mtp is not None:
             self.mtp.logged_losses = []  # a forward that runs no multi-token prediction logs none
         if self.pre_process:
