@@ -244,9 +244,6 @@ def _check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> Non
              f"--context-parallel-size {cp} splits each sequence into 2 x {cp} = {2 * cp} equal chunks (rank i holds "
              f"chunks i and {2 * cp - 1} - i, which balances causal attention): --seq-length ({model.seq_length}) must "
              f"be divisible by {2 * cp}.")
-    require(model.attention_chunk_size is None,
-            f"--context-parallel-size {cp} with --attention-chunk-size: the context-parallel attention does not "
-            f"cut its blocks into chunks; use --context-parallel-size 1.")
     require(not parallel.sequence_parallel or (model.seq_length // cp) % tp == 0,
              f"--sequence-parallel splits each context-parallel rank's {model.seq_length // cp} positions over "
              f"--tensor-model-parallel-size ({tp}) ranks: make --seq-length divisible by {cp} x {tp}.")

@@ -22,8 +22,16 @@ key/value blocks come around again, each with the gradient of its keys and value
 that have seen it so far, which ends back at its owner after the last step. Only the rank's own queries,
 keys, values, output and log-sum-exp are kept (the activations of one process's attention / cp). There
 is no attention dropout here (the configuration refuses it).
+
+Llama 4's chunked layers hand both their ``chunks`` (``model/chunked_attention.py``'s ChunkedAttention) and the
+queries' positions: all_gather runs each of the rank's chunks through it at its global columns (chunk by
+chunk, folded where the positions are the columns, as one process); the ring also skips the pairs of chunks
+whose keys no query reaches and masks the rest by the attention chunks.
 """
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,6 +45,17 @@ from megatron_lite.process_groups import collectives
 from megatron_lite.tensor_parallel import gather_from_sequence_parallel_region
 
 SKIP = "skip"  # a block pair in which no query sees any key
+
+
+@dataclass(frozen=True)
+class _Masking:
+    """What hides keys from this rank's queries besides causality and a sliding window: the given mask
+    [b, 1, s/cp, s] (None: none), and Llama 4's attention chunks (a ChunkedAttention, or None) at the queries'
+    ``position_ids`` [b, s/cp], which may be known to be their columns."""
+    attention_mask: torch.Tensor | None
+    chunks: object = None
+    position_ids: torch.Tensor | None = None
+    positions_are_columns: bool = False
 
 
 def context_parallel_attention(local_attention: nn.Module, cp: ContextParallelConfig, layer_number: int) -> nn.Module:
@@ -59,12 +78,14 @@ class AllGatherAttention(nn.Module):
         self.local_attention = local_attention
         self.cp = cp
 
-    def forward(self, query, key, value, attention_mask=None, prefix=None, softmax_offset=None):
+    def forward(self, query, key, value, attention_mask=None, prefix=None, softmax_offset=None, chunks=None,
+                position_ids=None, positions_are_columns=False):
         _check_mask(attention_mask, query.shape[0], self.cp.size)
         key_value = gather_sequence(_join(key, value), self.cp)
         key, value = _split(key_value, key.shape[-1])
         return attend_own_chunks(self.local_attention, query, key, value, attention_mask, self.cp, prefix=prefix,
-                                 softmax_offset=softmax_offset)
+                                 softmax_offset=softmax_offset, chunks=chunks, position_ids=position_ids,
+                                 positions_are_columns=positions_are_columns)
 
 
 def gather_sequence(tensor: torch.Tensor, cp: ContextParallelConfig) -> torch.Tensor:
@@ -75,23 +96,30 @@ def gather_sequence(tensor: torch.Tensor, cp: ContextParallelConfig) -> torch.Te
 
 
 def attend_own_chunks(local_attention: nn.Module, query, key, value, attention_mask, cp: ContextParallelConfig,
-                      prefix=None, softmax_offset=None) -> torch.Tensor:
+                      prefix=None, softmax_offset=None, chunks=None, position_ids=None,
+                      positions_are_columns=False) -> torch.Tensor:
     """This rank's queries [s/cp, b, heads, d] (its two chunks) against the whole sequence's keys and values
     [s, b, groups, d], each chunk seeing the keys up to its own end, with the layer's own core attention; a
     ``prefix`` goes before the keys, ``softmax_offset`` (attention sinks) joins each query's one softmax. The mask
-    is [b, 1, s/cp, s] (None: causal)."""
-    sinks = {} if softmax_offset is None else {"softmax_offset": softmax_offset}
+    is [b, 1, s/cp, s] (None: causal).
+
+    ``chunks`` (a ``model/chunked_attention.py`` ChunkedAttention, Llama 4's chunked layers) with the queries'
+    ``position_ids`` [b, s/cp]: each of the rank's chunks attends chunk by chunk (of the attention's chunks) at
+    its global columns, as one process attends, never under a mask over the whole sequence (folded where
+    ``positions_are_columns``)."""
+    core = functools.partial(local_attention, prefix=prefix)
+    if softmax_offset is not None:
+        core = functools.partial(core, softmax_offset=softmax_offset)
     chunk = query.shape[0] // 2
-    if prefix is not None:
-        key, value, attention_mask = prefix(key, value, attention_mask)
-    prefix_length = key.shape[0] - query.shape[0] * cp.size
     outputs = []
     for half, chunk_id in enumerate(chunk_ids(cp.rank, cp.size)):
-        rows, end = slice(half * chunk, (half + 1) * chunk), prefix_length + (chunk_id + 1) * chunk
+        rows, end = slice(half * chunk, (half + 1) * chunk), (chunk_id + 1) * chunk
         # The chunk's queries are the last ``chunk`` of the ``end`` keys it may see: the core's causal
-        # mask (and any sliding window) lines them up from the end.
+        # mask (and any sliding window) lines them up from the end, after the prefix it puts first.
         mask = None if attention_mask is None else attention_mask[:, :, rows, :end]
-        outputs.append(local_attention(query[rows], key[:end], value[:end], mask, **sinks))
+        attend = core if chunks is None else functools.partial(chunks, core, position_ids=position_ids[:, rows],
+                                                               positions_are_columns=positions_are_columns)
+        outputs.append(attend(query[rows], key[:end], value[:end], mask))
     return torch.cat(outputs)
 
 
@@ -133,14 +161,21 @@ class RingAttention(nn.Module):
         window = local_attention.sliding_window
         self.window_left = None if window is None else window.left
 
-    def forward(self, query, key, value, attention_mask=None, prefix=None, softmax_offset=None):
+    def forward(self, query, key, value, attention_mask=None, prefix=None, softmax_offset=None, chunks=None,
+                position_ids=None, positions_are_columns=False):
+        """``chunks`` (a ``model/chunked_attention.py`` ChunkedAttention) with the queries' ``position_ids``
+        [b, s/cp]: each query sees the keys of its own attention chunk only; blocks of keys out of every query's
+        reach are skipped as later ones are, the others take the chunks' mask. Where ``positions_are_columns``
+        (known on the host), which blocks some query reaches is decided from the columns, with no mask read
+        back from the device."""
         local_length, batch = query.shape[:2]
         _check_mask(attention_mask, local_length, self.cp.size)
         prefix_key = prefix_value = None
         if prefix is not None:
             prefix_key, prefix_value = prefix.keys_and_values(batch, key.dtype)
-        return _RingAttentionFunction.apply(query, key, value, prefix_key, prefix_value, softmax_offset,
-                                            attention_mask, self)
+        masking = _Masking(attention_mask, chunks, position_ids, positions_are_columns)
+        return _RingAttentionFunction.apply(query, key, value, prefix_key, prefix_value, softmax_offset, masking,
+                                            self)
 
     def around_the_ring(self, key_value: torch.Tensor):
         """(owner's context-parallel rank, its keys and values) of every rank, this rank's first; the next
@@ -151,11 +186,11 @@ class RingAttention(nn.Module):
             if exchange is not None:
                 key_value = exchange.wait()
 
-    def block_pairs(self, owner: int, attention_mask, chunk: int, prefix_length: int, device):
+    def block_pairs(self, owner: int, masking: _Masking, chunk: int, prefix_length: int, device):
         """(query half, key half, mask) of every pair of this rank's chunks and ``owner``'s that attend."""
         for half, query_chunk in enumerate(chunk_ids(self.cp.rank, self.cp.size)):
             for key_half, key_chunk in enumerate(chunk_ids(owner, self.cp.size)):
-                mask = self._mask(attention_mask, half, query_chunk, key_chunk, chunk, prefix_length, device)
+                mask = self._mask(masking, half, query_chunk, key_chunk, chunk, prefix_length, device)
                 if mask is not SKIP:
                     yield half, key_half, mask
 
@@ -163,15 +198,28 @@ class RingAttention(nn.Module):
         """(query half, mask) of this rank's chunks against the prefix (every query sees all of it, windows
         allowing)."""
         for half, query_chunk in enumerate(chunk_ids(self.cp.rank, self.cp.size)):
-            mask = self._mask(None, half, query_chunk, None, chunk, prefix_length, device)
+            mask = self._mask(_Masking(None), half, query_chunk, None, chunk, prefix_length, device)
             if mask is not SKIP:
                 yield half, mask
 
-    def _mask(self, attention_mask, half: int, query_chunk: int, key_chunk, chunk: int, prefix_length: int, device):
+    def _mask(self, masking: _Masking, half: int, query_chunk: int, key_chunk, chunk: int, prefix_length: int,
+              device):
         """CAUSAL, None, a bool mask or SKIP for the queries of ``query_chunk`` against the keys of ``key_chunk``
-        (None: the prefix). Positions count as the one-process core counts them, the prefix first."""
+        (None: the prefix, which the attention's chunks leave visible as one process's do). Positions count as
+        the one-process core counts them, the prefix first."""
         if key_chunk is not None and key_chunk > query_chunk:
             return SKIP  # causal: a chunk never sees a later one
+        chunks = None if key_chunk is None else masking.chunks
+        if chunks is not None and chunks.out_of_reach(query_chunk * chunk, (key_chunk + 1) * chunk - 1):
+            return SKIP  # every key further back than any of the block's queries sees
+        # Positions that are the columns: whether some query sees a key of the block is known here.
+        columns_decide = chunks is not None and masking.positions_are_columns and masking.attention_mask is None
+        if columns_decide:
+            queries, keys = (range(c * chunk, (c + 1) * chunk) for c in (query_chunk, key_chunk))
+            if not chunks.reaches(queries, keys):
+                return SKIP
+            if keys[0] // chunks.chunk_size == queries[-1] // chunks.chunk_size:  # one attention chunk holds both
+                chunks = None
         diagonal = key_chunk == query_chunk
         key_start = 0 if key_chunk is None else prefix_length + key_chunk * chunk
         key_length = prefix_length if key_chunk is None else chunk
@@ -182,9 +230,12 @@ class RingAttention(nn.Module):
             offset = prefix_length + query_chunk * chunk - key_start
             masks.append(torch.ones(chunk, key_length, dtype=torch.bool, device=device)
                          .tril(offset - self.window_left - 1))
-        if attention_mask is not None and key_chunk is not None:
-            rows, columns = slice(half * chunk, (half + 1) * chunk), slice(key_chunk * chunk, (key_chunk + 1) * chunk)
-            masks.append(attention_mask[:, :, rows, columns])
+        rows = slice(half * chunk, (half + 1) * chunk)
+        if masking.attention_mask is not None and key_chunk is not None:
+            columns = slice(key_chunk * chunk, (key_chunk + 1) * chunk)
+            masks.append(masking.attention_mask[:, :, rows, columns])
+        if chunks is not None:  # query i of the block sits (query_chunk - key_chunk) chunk + i columns on
+            masks.append(chunks.mask(None, masking.position_ids[:, rows], chunk, (query_chunk - key_chunk) * chunk))
         if diagonal and len(masks) == 1:
             return CAUSAL
         if not masks:
@@ -192,7 +243,7 @@ class RingAttention(nn.Module):
         mask = masks[0]
         for other in masks[1:]:
             mask = mask | other
-        return SKIP if bool(mask.all()) else mask
+        return mask if columns_decide else SKIP if bool(mask.all()) else mask
 
 
 def _halves(tensor: torch.Tensor, chunk: int):
@@ -218,7 +269,7 @@ class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
         query, key, value, prefix_key, prefix_value = map(_blocks, inputs[:5])
-        softmax_offset, attention_mask, ring = inputs[5:]
+        softmax_offset, masking, ring = inputs[5:]
         chunk = query.shape[2] // 2
         prefix_length = 0 if prefix_key is None else prefix_key.shape[2]
         queries = _halves(query, chunk)
@@ -232,7 +283,7 @@ class _RingAttentionFunction(torch.autograd.Function):
         for half, mask in ring.prefix_masks(chunk, prefix_length, query.device) if prefix_key is not None else ():
             attend(half, prefix_key, prefix_value, mask)
         for owner, key_value in ring.around_the_ring(_join(key, value)):
-            for half, key_half, mask in ring.block_pairs(owner, attention_mask, chunk, prefix_length, query.device):
+            for half, key_half, mask in ring.block_pairs(owner, masking, chunk, prefix_length, query.device):
                 attend(half, *_split(_halves(key_value, chunk)[key_half], key.shape[-1]), mask)
         out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
         if softmax_offset is not None:
@@ -240,7 +291,7 @@ class _RingAttentionFunction(torch.autograd.Function):
         out = _sequence_first(out.to(query.dtype))
         out = out.reshape(out.shape[0], out.shape[1], -1)
         ctx.save_for_backward(*inputs[:6], out, lse)
-        ctx.attention_mask, ctx.ring = attention_mask, ring
+        ctx.masking, ctx.ring = masking, ring
         return out
 
     @staticmethod
@@ -251,7 +302,7 @@ class _RingAttentionFunction(torch.autograd.Function):
         out, grad_out = (_blocks(t.reshape(t.shape[0], t.shape[1], heads, -1)) for t in (out, grad_out))
         grad_offset = None if softmax_offset is None else sink_gradient(grad_out, out, lse, softmax_offset).to(
             softmax_offset.dtype)
-        ring, attention_mask = ctx.ring, ctx.attention_mask
+        ring, masking = ctx.ring, ctx.masking
         chunk = query.shape[2] // 2
         prefix_length = 0 if prefix_key is None else prefix_key.shape[2]
         queries, grad_outs, outs, lses = (_halves(t, chunk) for t in (query, grad_out, out, lse))
@@ -273,7 +324,7 @@ class _RingAttentionFunction(torch.autograd.Function):
         width = key.shape[-1]
         for owner, key_value in ring.around_the_ring(_join(key, value)):
             grad_key_value = torch.zeros(key_value.shape, dtype=torch.float32, device=key_value.device)
-            for half, key_half, mask in ring.block_pairs(owner, attention_mask, chunk, prefix_length, query.device):
+            for half, key_half, mask in ring.block_pairs(owner, masking, chunk, prefix_length, query.device):
                 grad_k, grad_v = backward_of(half, *_split(_halves(key_value, chunk)[key_half], width), mask)
                 grad_key_block, grad_value_block = _split(_halves(grad_key_value, chunk)[key_half], width)
                 grad_key_block.add_(grad_k)

@@ -68,13 +68,14 @@ class SelfAttention(nn.Module):
         self.q_layernorm = qk_layernorm(config, config.num_attention_heads, tp_config, layer_number)
         self.k_layernorm = qk_layernorm(config, config.num_query_groups, tp_config, layer_number)
         self.chunks = layer_chunks(config, layer_number)
+        self.splits_sequence = context_parallel is not None  # the core then attends to the other ranks' keys too
         self.temperature = layer_temperature(config, layer_number)
         # Here rather than in the core, which context parallelism wraps: one name for the sinks at every layout.
         register_softmax_offset(self, config, self.local_query_groups * self.heads_per_group, tp_config.params_dtype)
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inference_context=None):
+                inference_context=None, positions_are_columns: bool = False):
         """[s, b, h] (or [s/tp, b, h] under sequence parallelism) -> (output, bias) before the residual.
 
         ``attention_mask``: None for causal attention, else bool [b, 1, s, s], True where a query may not
@@ -82,7 +83,9 @@ class SelfAttention(nn.Module):
         context parallelism s is this rank's positions for the rows, the whole sequence for the columns).
         With an ``inference_context`` (generation) the new tokens attend to the cached earlier ones too:
         the mask is then [b, 1, s, cached + s] (a sliding-window layer, which caches only its window, takes
-        its last columns). ``position_ids`` [b, s]: the tokens' positions, read by Llama 4's layers only."""
+        its last columns). ``position_ids`` [b, s]: the tokens' positions, read by Llama 4's layers only;
+        ``positions_are_columns``: known on the host to be the tokens' key columns (``GPTModel.forward``), which
+        lets the chunked layers fold their chunks without a mask."""
         qkv, _ = self.linear_qkv(hidden_states)
         seq, batch = qkv.shape[:2]
         qkv = qkv.view(seq, batch, self.local_query_groups, -1)
@@ -111,12 +114,15 @@ class SelfAttention(nn.Module):
         core_attention = functools.partial(self.core_attention, prefix=self.prefix)
         if self.softmax_offset is not None:
             core_attention = functools.partial(core_attention, softmax_offset=self.softmax_offset)
-        if self.chunks is not None:  # around the core, chunk by chunk (refused with context parallelism, below)
-            core_attention = functools.partial(self.chunks, core_attention, position_ids=position_ids)
+        chunking = dict(position_ids=position_ids, positions_are_columns=positions_are_columns)
+        if self.chunks is not None and self.splits_sequence:  # the context-parallel core chunks its blocks itself
+            core_attention = functools.partial(core_attention, chunks=self.chunks, **chunking)
+        elif self.chunks is not None:  # around the core, chunk by chunk
+            core_attention = functools.partial(self.chunks, core_attention, **chunking)
         if inference_context is not None and inference_context.splits_sequence:
             context = attend_own_chunks(self.core_attention, query, key, value, attention_mask,
                                         inference_context.context_parallel, prefix=self.prefix,
-                                        softmax_offset=self.softmax_offset)
+                                        softmax_offset=self.softmax_offset, chunks=self.chunks, **chunking)
         elif self.checkpoint_core_attention and self.training:
             context = checkpoint(core_attention, query, key, value, attention_mask)
         else:

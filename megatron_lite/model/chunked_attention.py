@@ -16,19 +16,25 @@ of 8192) takes the core attention as it is, on the causal fast path.
 Longer sequences never build a mask over the whole sequence ([b, 1, s, s]: O(s^2) memory, and no flash kernel
 on CUDA). Attention runs chunk by chunk, one of two ways:
 
-- folded: without a mask (no packing, no padding) and with every row's positions equal to its columns modulo C
-  (0, 1, 2, ... from the row's first column), the chunks are the column blocks [0, C), [C, 2C), ...: the
-  whole ones become a batch of their own, [C, n b, heads, d], attended causally in one call, and a shorter
-  last one in another. Memory O(s C), and the core's causal (flash) kernel. Deciding it reads one bool back
-  from the device, once per chunked layer and forward, and only past one chunk, where the layer's attention
-  is the large cost.
-- blocked: otherwise (packed examples, padding, new tokens after cached keys), C queries at a time against the
+- folded: without a mask (no packing, no padding) and with every query's position its key column (0, 1, 2,
+  ... from the row's first column), the chunks are the column blocks [0, C), [C, 2C), ...: the whole ones
+  become a batch of their own, [C, n b, heads, d], attended causally in one call, and a shorter last one in
+  another; queries that start inside a block (a context-parallel rank's second chunk of the sequence, a new
+  token after cached keys) first finish that block against its earlier keys. Memory O(s C), and the core's
+  causal (flash) kernel. The model decides it once per forward, on the host, from the positions it makes or
+  is handed on the host (``GPTModel``'s ``positions_are_columns``): nothing is read back from the device.
+- blocked: otherwise (packed examples, padding, positions that restart), C queries at a time against the
   keys their chunks can reach, C - 1 before the block's first query up to its last, under the given mask's
   rows and columns of them and the chunks' mask: [b, 1, C, 2C - 1] masks, O(s C) memory, exact for any mask
-  and positions, on the core's masked kernel. One new token after a long cache attends to C keys.
+  and positions, on the core's masked kernel. One new token after a long cache attends to C keys at most.
 
 Both compute the same softmax as the whole-sequence mask, over the same visible keys (within rounding: the
 sums run over fewer keys).
+
+Under context parallelism (``context_parallel/attention.py``) a rank holds two chunks of the sequence. The
+all_gather core runs each of them as the queries after the earlier keys here, at its global columns; the ring
+(p2p) skips the blocks of keys no query of a block reaches (``out_of_reach``, and ``reaches`` where positions are
+the columns) and masks the others with ``mask``.
 """
 import torch
 
@@ -40,48 +46,83 @@ class ChunkedAttention:
         self.chunk_size = chunk_size
 
     def __call__(self, core_attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
+                 attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                 positions_are_columns: bool = False) -> torch.Tensor:
         """``core_attention(query, key, value, attention_mask)`` (``DotProductAttention``'s interface: [s, b,
         heads, d] queries, [sk, b, groups, d] keys and values, the queries the last s of the keys; a bool mask
         [b or 1, 1, s, sk], True = may not attend, None = causal) with each query seeing the keys of its own
-        chunk only. ``position_ids`` [b, s]: the queries'."""
+        chunk only. ``position_ids`` [b, s]: the queries'. The keys before the queries may be a generation's
+        cache or, under context parallelism, the sequence's earlier positions: the queries are then a rank's
+        chunk of the sequence at its global columns. ``positions_are_columns``: the caller knows, on the host,
+        that every query's position is its key column (the model's own positions: no packed examples, no
+        padding), which lets the chunks fold without a mask; False is exact whatever the positions."""
         key_length = key.shape[0]
         if key_length <= self.chunk_size:
             return core_attention(query, key, value, attention_mask)
-        if attention_mask is None and query.shape[0] == key_length and self._chunks_are_column_blocks(position_ids):
+        if attention_mask is None and positions_are_columns:
             return self._folded(core_attention, query, key, value)
         return self._blocked(core_attention, query, key, value, attention_mask, position_ids)
 
-    def mask(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, key_length: int) -> torch.Tensor:
+    def mask(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, key_length: int,
+             first_row: int | None = None) -> torch.Tensor:
         """``attention_mask`` (bool [b or 1, 1, s, key_length], True = may not attend; None = causal) with the keys
-        outside each query's chunk added. ``position_ids`` [b, s]: the queries', the last s of the keys."""
+        outside each query's chunk added. ``position_ids`` [b, s]: the queries'; query i sits at key column
+        ``first_row`` + i (by default the queries are the last s of the keys; a context-parallel ring's block of
+        queries may lie after its block of keys)."""
         query_length = position_ids.shape[1]
+        first_row = key_length - query_length if first_row is None else first_row
         columns = torch.arange(key_length, device=position_ids.device)
-        rows = torch.arange(key_length - query_length, key_length, device=position_ids.device)
+        rows = torch.arange(first_row, first_row + query_length, device=position_ids.device)
         distance = rows[:, None] - columns  # [s, key_length]: how far back each key is from each query
         seen = (position_ids % self.chunk_size)[:, None, :, None]  # [b, 1, s, 1]: back to its chunk's first key
         outside = (distance < 0) | (distance > seen)
         return outside if attention_mask is None else attention_mask | outside
 
-    def _chunks_are_column_blocks(self, position_ids: torch.Tensor) -> bool:
-        """Whether every row's chunks start at its columns 0, C, 2C, ...: its position mod C is its column's."""
-        columns = torch.arange(position_ids.shape[1], device=position_ids.device)
-        return bool(((position_ids - columns) % self.chunk_size == 0).all())
+    def out_of_reach(self, first_query: int, last_key: int) -> bool:
+        """Whether no query at or after key column ``first_query`` sees a key at or before ``last_key``: a query
+        sees back at most C - 1 keys, whatever its position (the blocks a context-parallel ring skips)."""
+        return first_query - last_key >= self.chunk_size
+
+    def reaches(self, queries: range, keys: range) -> bool:
+        """Whether any query at key columns ``queries`` sees any key at columns ``keys`` when positions are the
+        columns: the first query at or after the first key sees back to its chunk's first column."""
+        first = max(queries.start, keys.start)
+        return first < queries.stop and first - first % self.chunk_size < keys.stop
+
+    def folded_calls(self, query_length: int, key_length: int) -> list[tuple[slice, slice, int]]:
+        """(queries, keys, blocks) of each core call the folded form makes for queries that are the last
+        ``query_length`` of ``key_length`` keys at their columns: the queries before the first block boundary
+        (if they start inside a block) against their block's earlier keys, the whole blocks (``blocks`` of
+        them, folded into the batch when more than one), the shorter last block. The planner counts these."""
+        chunk = self.chunk_size
+        offset = key_length - query_length  # query i is key i + offset
+        head = min(-offset % chunk, query_length)  # the queries before the first block boundary
+        whole = head + (query_length - head) // chunk * chunk
+        calls = []
+        if head:
+            calls.append((slice(0, head), slice(offset - offset % chunk, offset + head), 1))
+        if whole > head:
+            calls.append((slice(head, whole), slice(offset + head, offset + whole), (whole - head) // chunk))
+        if whole < query_length:
+            calls.append((slice(whole, query_length), slice(offset + whole, key_length), 1))
+        return calls
 
     def _folded(self, core_attention, query, key, value) -> torch.Tensor:
-        """Causal attention within each column block of C: the whole blocks folded into the batch, [n C, b, ...]
-        -> [C, n b, ...] and back, the shorter last block (if any) on its own."""
-        chunk, seq, batch = self.chunk_size, query.shape[0], query.shape[1]
-        whole = seq - seq % chunk
+        """Causal attention within each column block of C (``folded_calls``): whole blocks folded into the batch,
+        [n C, b, ...] -> [C, n b, ...] and back."""
+        chunk, batch = self.chunk_size, query.shape[1]
 
         def fold(tensor):
-            return tensor[:whole].unflatten(0, (-1, chunk)).transpose(0, 1).flatten(1, 2)
+            return tensor.unflatten(0, (-1, chunk)).transpose(0, 1).flatten(1, 2)
 
-        context = core_attention(fold(query), fold(key), fold(value), None)  # [C, n b, heads x dv]
-        context = context.unflatten(1, (-1, batch)).transpose(0, 1).flatten(0, 1)
-        if whole == seq:
-            return context
-        return torch.cat([context, core_attention(query[whole:], key[whole:], value[whole:], None)])
+        parts = []
+        for queries, keys, blocks in self.folded_calls(query.shape[0], key.shape[0]):
+            if blocks == 1:
+                parts.append(core_attention(query[queries], key[keys], value[keys], None))
+            else:
+                context = core_attention(fold(query[queries]), fold(key[keys]), fold(value[keys]), None)
+                parts.append(context.unflatten(1, (-1, batch)).transpose(0, 1).flatten(0, 1))
+        return torch.cat(parts)
 
     def _blocked(self, core_attention, query, key, value, attention_mask, position_ids) -> torch.Tensor:
         """C queries at a time, each block against the keys from C - 1 before its first query to its last (a

@@ -81,7 +81,7 @@ class GatedDeltaNet(nn.Module):
                                           skip_bias_add=True)
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs=None, attention_mask: torch.Tensor | None = None,
-                position_ids=None, inference_context=None):
+                position_ids=None, inference_context=None, positions_are_columns: bool = False):
         """[s, b, h] (or [s/tp, b, h] under sequence parallelism) -> (output, bias); ``attention_mask`` as
         ``SelfAttention``'s, read only for where documents start."""
         projected, _ = self.in_proj(hidden_states)  # the whole sequence, this rank's heads

@@ -102,15 +102,28 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
-    def _position_ids(self, input_ids: torch.Tensor, inference_context) -> torch.Tensor:
-        """[b, s] positions of the tokens given: 0, 1, ..., counting on after a generation's cached tokens;
-        under context parallelism, this rank's positions of the whole sequence."""
-        if self.context_parallel is not None:
-            cp = self.context_parallel
-            positions = local_positions(input_ids.shape[1] * cp.size, cp.rank, cp.size).to(input_ids.device)
-            return positions.expand_as(input_ids)
+    def _position_ids(self, input_ids: torch.Tensor, inference_context, device=None) -> torch.Tensor:
+        """[b, s] positions of the tokens given (on ``device``, by default theirs): each token's column, 0, 1, ...,
+        counting on after a generation's cached tokens; under context parallelism (training's, or a generation's
+        split prefill), this rank's positions of the whole sequence."""
+        device = input_ids.device if device is None else device
+        cp = self.context_parallel
+        if cp is None and inference_context is not None and inference_context.splits_sequence:
+            cp = inference_context.context_parallel
+        if cp is not None:
+            positions = local_positions(input_ids.shape[1] * cp.size, cp.rank, cp.size).to(device)
+            return positions.expand(input_ids.shape)
         first = inference_context.sequence_len_offset if inference_context is not None else 0
-        return torch.arange(first, first + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return torch.arange(first, first + input_ids.shape[1], device=device).expand(input_ids.shape)
+
+    def _positions_are_columns(self, position_ids: torch.Tensor, input_ids: torch.Tensor, inference_context) -> bool:
+        """Whether the given positions are the ones the model makes (each token's column: no packed examples, no
+        padding), which lets Llama 4's chunked layers fold their chunks (``chunked_attention.py``). Only a model
+        with chunked layers asks; it reads them where they lie: on the host (the trainer's batch,
+        ``training.loop.forward_step``) without touching the device, else once per forward."""
+        if self.config.attention_chunk_size is None:
+            return False
+        return torch.equal(position_ids, self._position_ids(input_ids, inference_context, position_ids.device))
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """The pipeline schedule hands a non-first stage its input activations here."""
@@ -137,6 +150,9 @@ class GPTModel(nn.Module):
         """Returns per-token loss [b, s] given labels on the last stage, logits over the
         (unpadded) vocabulary [b, s, V] without them, and hidden states [s, b, h] on other stages.
 
+        ``position_ids`` [b, s] (None: each token's column) may lie on the host, where Llama 4's model reads
+        whether they are the columns without touching the device (``_positions_are_columns``).
+
         ``attention_mask`` (bool [b, 1, s, s], True = may not attend, Megatron's convention) replaces the
         causal mask; packed sequences pass a block-diagonal causal one so examples cannot see each other.
         Every pipeline stage is given it, with the position ids.
@@ -152,7 +168,10 @@ class GPTModel(nn.Module):
         were sampled from (logits / temperature), as TRL's GRPOTrainer does; with ``entropy`` the last stage returns
         (per-token loss, per-token entropy [b, s] of that distribution, without a gradient), which --grpo logs."""
         if position_ids is None:
-            position_ids = self._position_ids(input_ids, inference_context)
+            position_ids, columns = self._position_ids(input_ids, inference_context), True
+        else:
+            columns = self._positions_are_columns(position_ids, input_ids, inference_context)
+            position_ids = position_ids.to(input_ids.device, non_blocking=True)
         if self.mtp is not None:
             self.mtp.logged_losses = []  # a forward that runs no multi-token prediction logs none
         if self.pre_process:
@@ -169,7 +188,7 @@ class GPTModel(nn.Module):
             self.next_pool = None
         for router in self.routers:
             router.pool = pool
-        hidden_states = self.decoder(hidden_states, rotary, attention_mask, positions, inference_context)
+        hidden_states = self.decoder(hidden_states, rotary, attention_mask, positions, inference_context, columns)
         if whole_model:
             pool.complete()
         if not self.post_process:
@@ -186,7 +205,7 @@ class GPTModel(nn.Module):
             return self._loss_of(scaled, labels), vocab_parallel_entropy(scaled.detach(), self.tp_group).t()
         loss = self._cross_entropy(logits, labels, temperature)
         if self.mtp is not None and loss_mask is not None and self.training:
-            depths = self.mtp(hidden_states, input_ids, position_ids, self.embedding, rotary, attention_mask)
+            depths = self.mtp(hidden_states, input_ids, position_ids, self.embedding, rotary, attention_mask, columns)
             loss = self.mtp.attach_loss(loss, lambda k, k_labels: self._cross_entropy(self._logits(depths[k - 1]),
                                                                                       k_labels),
                                         labels, loss_mask, position_ids)

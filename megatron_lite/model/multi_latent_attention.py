@@ -87,7 +87,8 @@ class MultiLatentAttention(nn.Module):
                                              bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True)
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, position_ids=None, inference_context=None):
+                attention_mask: torch.Tensor | None = None, position_ids=None, inference_context=None,
+                positions_are_columns: bool = False):
         """[s, b, h] (or [s/tp, b, h] under sequence parallelism) -> (output, bias) before the residual; the
         mask and the cache as ``SelfAttention``'s, the cache holding the latent and the rotary key."""
         query = self._query(hidden_states, rotary_freqs)

@@ -72,17 +72,18 @@ class MultiTokenPredictionLayer(nn.Module):
         self.final_layernorm = Norm(config.hidden_size, **norm)
 
     def forward(self, hidden_states: torch.Tensor, embeddings: torch.Tensor, rotary: RotaryAngles | None,
-                attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                positions_are_columns: bool = False) -> torch.Tensor:
         """The previous depth's [s, b, h] (``hidden_states``) and the embeddings of the tokens one further on ->
-        this depth's [s, b, h] (each [s/tp, b, h] under sequence parallelism); ``rotary``, ``attention_mask`` and
-        ``position_ids`` the decoder's."""
+        this depth's [s, b, h] (each [s/tp, b, h] under sequence parallelism); ``rotary``, ``attention_mask``,
+        ``position_ids`` and ``positions_are_columns`` the decoder's."""
         combined = torch.cat([self.enorm(embeddings), self.hnorm(hidden_states)], dim=-1)
         projected, _ = self.eh_proj(combined)
         projected = gather_from_tensor_model_parallel_region(projected, self.tp_group)
         if self.sequence_parallel:
             projected = scatter_to_sequence_parallel_region(projected, self.tp_group)
         output = self.mtp_model_layer(projected, layer_angles(rotary, self.mtp_model_layer), attention_mask,
-                                      position_ids)
+                                      position_ids, None, positions_are_columns)
         return self.final_layernorm(output)
 
 
@@ -99,14 +100,15 @@ class MultiTokenPredictionBlock(nn.Module):
         self.logged_losses: list[torch.Tensor] = []  # the last micro-batch's L_k, detached
 
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                embedding, rotary: RotaryAngles | None, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+                embedding, rotary: RotaryAngles | None, attention_mask: torch.Tensor | None,
+                positions_are_columns: bool = False) -> list[torch.Tensor]:
         """Every depth's hidden states h^1 .. h^D from the decoder's normalised output h^0; ``embedding`` is
         the model's (``LanguageModelEmbedding``)."""
         outputs, positions = [], position_ids  # the decoder's, which its attention reads as the rotary angles
         for layer in self.layers:
             input_ids, position_ids = roll_left(input_ids), roll_left(position_ids)
             hidden_states = layer(hidden_states, embedding(input_ids, position_ids), rotary, attention_mask,
-                                  positions)
+                                  positions, positions_are_columns)
             outputs.append(hidden_states)
         return outputs
 

@@ -40,24 +40,26 @@ class TransformerBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, rotary: RotaryAngles | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inference_context=None) -> torch.Tensor:
-        layers = list(self.layers.values())
+                inference_context=None, positions_are_columns: bool = False) -> torch.Tensor:
+        layers, columns = list(self.layers.values()), positions_are_columns
         if not (self.recompute_full and self.training):
             for layer in layers:
                 hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask, position_ids,
-                                      inference_context)
+                                      inference_context, columns)
             return hidden_states
         if self.recompute_method == "uniform":
             for start in range(0, len(layers), self.recompute_num_layers):
                 group = layers[start:start + self.recompute_num_layers]
-                hidden_states = checkpoint(_run_layers(group), hidden_states, rotary, attention_mask, position_ids)
+                hidden_states = checkpoint(_run_layers(group, columns), hidden_states, rotary, attention_mask,
+                                           position_ids)
             return hidden_states
         for index, layer in enumerate(layers):  # "block"
             if index < self.recompute_num_layers:
                 hidden_states = checkpoint(layer, hidden_states, layer_angles(rotary, layer), attention_mask,
-                                           position_ids)
+                                           position_ids, None, columns)
             else:
-                hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask, position_ids)
+                hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask, position_ids,
+                                      None, columns)
         return hidden_states
 
 
@@ -66,9 +68,10 @@ def layer_angles(rotary: RotaryAngles | None, layer: TransformerLayer) -> torch.
     return None if rotary is None or layer.nope else rotary.of_layer(layer.local_attention)
 
 
-def _run_layers(layers):
+def _run_layers(layers, positions_are_columns: bool):
     def run(hidden_states, rotary, attention_mask, position_ids):
         for layer in layers:
-            hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask, position_ids)
+            hidden_states = layer(hidden_states, layer_angles(rotary, layer), attention_mask, position_ids, None,
+                                  positions_are_columns)
         return hidden_states
     return run

@@ -58,11 +58,13 @@ class TransformerLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, rotary_freqs: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inference_context=None) -> torch.Tensor:
-        """``position_ids`` [b, s]: the tokens' positions, which Llama 4's attention reads (``SelfAttention``)."""
+                inference_context=None, positions_are_columns: bool = False) -> torch.Tensor:
+        """``position_ids`` [b, s]: the tokens' positions, which Llama 4's attention reads (``SelfAttention``, with
+        ``positions_are_columns``)."""
         layer_input = hidden_states
         attention_output, attention_bias = self.self_attention(self.input_layernorm(hidden_states), rotary_freqs,
-                                                               attention_mask, position_ids, inference_context)
+                                                               attention_mask, position_ids, inference_context,
+                                                               positions_are_columns)
         attention_output, attention_bias = _post_norm(self.post_self_attn_layernorm, attention_output, attention_bias)
         hidden_states = self._bias_dropout_add(attention_output, attention_bias, hidden_states)
         mlp_input = layer_input if self.parallel_attention_mlp else hidden_states

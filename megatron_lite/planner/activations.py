@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel.sharding import chunk_ids
+from megatron_lite.model.chunked_attention import layer_chunks
 from megatron_lite.model.flops import keys_per_query
 
 
@@ -177,7 +179,7 @@ def _attention_terms(model: ModelConfig, setting: ActivationSetting, layer_numbe
     a, d, t, e = model.num_attention_heads, model.head_dim, setting.tensor_model_parallel_size, setting.dtype_bytes
     terms = {"query, key, value": e * _query_key_value(model, setting), "attention output": e * a * d / t}
     if _context_parallel(setting):
-        terms.update(_context_parallel_core(model, setting))
+        terms.update(_context_parallel_core(model, setting, layer_number))
         return terms
     terms.update(_core_terms(model, setting, keys_per_query(model, layer_number)))
     if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
@@ -230,37 +232,83 @@ def _score_bytes(model: ModelConfig, setting: ActivationSetting) -> int:
     return 2 * math_bytes + (math_bytes if mask is None else mask)
 
 
-def _keys_seen(setting: ActivationSetting) -> float:
-    """The share of the sequence's keys the all_gather core attends to per query of this rank, on average: each of
-    its two chunks (c and 2cp - 1 - c of 2cp) sees the keys up to its end, (2 cp + 1) / (4 cp) together."""
-    cp = setting.context_parallel_size
-    return (2 * cp + 1) / (4 * cp)
+@dataclass(frozen=True)
+class AllGatherCalls:
+    """What the all_gather core's calls on one rank's two chunks of the sequence add up to: each chunk against the
+    keys up to its end in one call, or on a chunked layer (``model/chunked_attention.py``) its attention chunks'
+    calls at its global columns (``ChunkedAttention.folded_calls``, the folded form of an unpacked sequence).
+
+    Per token of the rank: ``keys_seen``, the share of the sequence's keys each query attends to;
+    ``keys_handed``, the keys (and values) handed to the calls over 4 chunk lengths (cp x ``keys_seen``
+    without chunks); ``folded``, the share of queries in calls that fold whole attention chunks into the batch,
+    which copies their queries, keys and values. ``views``: whether some call takes slices of the queries and
+    of the gathered keys and values, which keeps those whole. Per micro-batch row: ``mask_entries``, the (query,
+    key) entries of the causal masks of calls whose queries are not all their keys (aligned to the last key)."""
+
+    keys_seen: float
+    keys_handed: float
+    folded: float
+    views: bool
+    mask_entries: float
+
+    @classmethod
+    def of_ranks(cls, model: ModelConfig, setting: ActivationSetting, layer_number: int) -> list["AllGatherCalls"]:
+        """Every context-parallel rank's, in rank order."""
+        cp, chunks = setting.context_parallel_size, layer_chunks(model, layer_number)
+        chunk = model.seq_length // (2 * cp)
+        ranks = []
+        for rank in range(cp):
+            calls = []
+            for chunk_id in chunk_ids(rank, cp):
+                end = (chunk_id + 1) * chunk
+                calls += ([(chunk, end, 1)] if chunks is None else
+                          [(q.stop - q.start, k.stop - k.start, n) for q, k, n in chunks.folded_calls(chunk, end)])
+            ranks.append(cls(keys_seen=sum(q * k / n for q, k, n in calls) / (2 * chunk * model.seq_length),
+                             keys_handed=sum(k for _, k, _ in calls) / (4 * chunk),
+                             folded=sum(q for q, _, n in calls if n > 1) / (2 * chunk),
+                             views=any(n == 1 for _, _, n in calls),
+                             mask_entries=sum(q * k for q, k, _ in calls if q != k)))
+        return ranks
 
 
-def _context_parallel_core(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+def _context_parallel_core(model: ModelConfig, setting: ActivationSetting, layer_number: int) -> dict[str, float]:
     """Bytes per token of this rank that the context-parallel core keeps (``context_parallel/attention.py``).
 
     p2p: its own query, key and value as given (views of the fused QKV, or RoPE's copies) and the fp32
-    log-sum-exp; the ring's blocks and their probabilities are not kept, whatever the kernel.
+    log-sum-exp; the ring's blocks and their probabilities are not kept, whatever the kernel (nor, on a chunked
+    layer, the chunks' masks).
     all_gather: the whole sequence's gathered keys and values (cp times this rank's), and the layer's own
-    core on each chunk against the keys up to its end (``_keys_seen``): grouped-query keys and values
-    repeated over that span, and the math path's s^2 tensors over it.
+    core on each chunk against the keys up to its end, or on a chunked layer against its attention chunks'
+    (``AllGatherCalls``): grouped-query keys and values repeated over that span, the math path's s^2 tensors
+    over it; a chunked layer's folded calls keep copies of their queries, keys and values, and where every call
+    folds, nothing keeps the gathered keys and values. The fullest rank's.
     """
+    if setting.cp_comm_type == "p2p":
+        a, g, d = model.num_attention_heads, model.num_query_groups, model.head_dim
+        t, fused_qkv = setting.tensor_model_parallel_size, (a + 2 * g) * d
+        kept = (a * d + g * d + fused_qkv) if model.position_embedding_type == "rope" else fused_qkv
+        return {"query, key, value": setting.dtype_bytes * kept / t, "softmax statistics": 4 * a / t}
+    return max((_all_gather_core(model, setting, calls) for calls in AllGatherCalls.of_ranks(
+        model, setting, layer_number)), key=lambda terms: sum(terms.values()))
+
+
+def _all_gather_core(model: ModelConfig, setting: ActivationSetting, calls: AllGatherCalls) -> dict[str, float]:
+    """``_context_parallel_core``'s all_gather terms of one rank's ``calls`` (the value is a view of the fused QKV
+    without RoPE, which copies the query and key)."""
     a, g, d = model.num_attention_heads, model.num_query_groups, model.head_dim
     t, e, cp = setting.tensor_model_parallel_size, setting.dtype_bytes, setting.context_parallel_size
     rope, fused_qkv = model.position_embedding_type == "rope", (a + 2 * g) * d
-    if setting.cp_comm_type == "p2p":
-        kept = (a * d + g * d + fused_qkv) if rope else fused_qkv  # the value is a view of the fused QKV
-        return {"query, key, value": e * kept / t, "softmax statistics": 4 * a / t}
-    keys_seen = _keys_seen(setting)
-    terms = {"query, key, value": e * (a * d if rope else fused_qkv) / t,  # RoPE's query; else the fused QKV
-             "gathered keys and values": e * 2 * g * d * cp / t}
+    terms = {"query, key, value": e * (a * d if rope else fused_qkv) * calls.views / t,
+             "gathered keys and values": e * 2 * g * d * cp * calls.views / t}
+    if calls.folded:
+        terms["folded query, key, value"] = e * fused_qkv * calls.folded / t
     if g != a:
-        terms["grouped keys and values"] = e * 2 * a * d * keys_seen * cp / t
-    terms.update(_all_gather_core_terms(model, setting))
+        terms["grouped keys and values"] = e * 2 * a * d * calls.keys_handed / t
+    terms.update(_all_gather_core_terms(model, setting, calls))
     if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
         math_bytes = setting._bytes(setting.traits.attention_math_bytes)
-        terms["query, key, value"] = math_bytes * (a * d + 2 * a * d * keys_seen * cp) / t
+        terms["query, key, value"] = math_bytes * (a * d + 2 * a * d * calls.keys_handed) / t
+        terms.pop("folded query, key, value", None)  # the math path keeps its own copies instead
     return terms
 
 
@@ -272,32 +320,36 @@ def _latent_context_parallel_core(model: ModelConfig, setting: ActivationSetting
     key_width, cp = model.qk_head_dim + model.qk_pos_emb_head_dim, setting.context_parallel_size
     if setting.cp_comm_type == "p2p":
         return {"softmax statistics": 4 * a / t}
+    (calls, *_) = AllGatherCalls.of_ranks(model, setting, 0)  # no chunks: latent attention has none, every rank alike
     terms = {"gathered keys and values": e * a * (key_width + model.v_head_dim) * cp / t}
-    terms.update(_all_gather_core_terms(model, setting))
+    terms.update(_all_gather_core_terms(model, setting, calls))
     if "attention scores" in terms and setting.traits.attention_math_copies_qkv:
         math_bytes = setting._bytes(setting.traits.attention_math_bytes)
-        terms["queries and keys"] = math_bytes * a * key_width * (1 + _keys_seen(setting) * cp) / t
+        terms["queries and keys"] = math_bytes * a * key_width * (1 + calls.keys_handed) / t
     return terms
 
 
-def _all_gather_core_terms(model: ModelConfig, setting: ActivationSetting) -> dict[str, float]:
+def _all_gather_core_terms(model: ModelConfig, setting: ActivationSetting, calls: AllGatherCalls
+                           ) -> dict[str, float]:
     """What the all_gather core keeps beyond its inputs: the flash statistics, or the math path's s^2 tensors over
     the keys each chunk sees."""
     a, s, t = model.num_attention_heads, model.seq_length, setting.tensor_model_parallel_size
     if _uses_flash(model, setting):
         return {"softmax statistics": 4 * a / t}
-    return {"attention scores": _score_bytes(model, setting) * a * s * _keys_seen(setting) / t}
+    return {"attention scores": _score_bytes(model, setting) * a * s * calls.keys_seen / t}
 
 
-def context_parallel_mask_bytes(model: ModelConfig, setting: ActivationSetting) -> float:
-    """Bytes per micro-batch (whatever its size) a layer keeps for the causal masks of its all_gather core: each
-    of a rank's two chunks (c = s / 2cp positions) against the keys up to its end, c^2 (2cp + 1) entries."""
+def context_parallel_mask_bytes(model: ModelConfig, setting: ActivationSetting, layer_number: int = 0) -> float:
+    """Bytes per micro-batch (whatever its size) layer ``layer_number`` keeps for the causal masks of its
+    all_gather core: each of a rank's two chunks (c = s / 2cp positions) against the keys up to its end, c^2
+    (2cp + 1) entries, or a chunked layer's calls whose queries start inside an attention chunk
+    (``AllGatherCalls``)."""
     cp = setting.context_parallel_size
     if cp == 1 or setting.cp_comm_type != "all_gather" or setting.selective_recompute \
             or not _uses_flash(model, setting):
         return 0.0
-    chunk = model.seq_length / (2 * cp)
-    return setting.traits.lower_right_causal_mask_bytes * chunk * chunk * (2 * cp + 1)
+    return setting.traits.lower_right_causal_mask_bytes * max(
+        calls.mask_entries for calls in AllGatherCalls.of_ranks(model, setting, layer_number))
 
 
 

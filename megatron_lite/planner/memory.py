@@ -89,7 +89,7 @@ def chunk_activation_bytes(layout: Layout, setting: ActivationSetting, chunk: Ch
     for n in chunk.layer_numbers:
         layer_setting = dataclasses.replace(setting, cp_comm_type=layout.cp_comm_types[n])
         per_layer.append(activations.layer_bytes_per_token(model, layer_setting, n, etp)
-                         + activations.context_parallel_mask_bytes(model, layer_setting) / tokens)
+                         + activations.context_parallel_mask_bytes(model, layer_setting, n) / tokens)
     layer = max(per_layer, default=0.0)  # what a recomputed layer rebuilds, at most
     ends = 0.0
     if chunk.pre_process:

@@ -15,7 +15,8 @@ Per pipeline stage and micro-batch, a model chunk's forward and backward take
   and values (``_context_parallel_s``): all_gather gathers every rank's forward and
   reduce-scatters their gradients backward, exposed; p2p passes one rank's block per step
   while the previous one is attended to (backward: the blocks again, with their fp32
-  gradients), exposed only where a step's message outlasts a block's attention.
+  gradients), exposed only where a step's message outlasts a block's attention (on a chunked layer,
+  the work of the steps whose blocks any query reaches, ``ring_step_pairs``).
 - expert parallelism: per mixture-of-experts layer, the rows of a rank's tokens (k per token, over
   the tensor ranks that split them) all-to-all over the expert-model-parallel group twice forward
   (dispatch, combine) and twice backward, each gathered and reduce-scattered over the expert-tensor
@@ -35,7 +36,9 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.context_parallel.sharding import chunk_ids
 from megatron_lite.model import flops
+from megatron_lite.model.chunked_attention import layer_chunks
 from megatron_lite.planner.cluster import Cluster, Link
 from megatron_lite.planner.layouts import Layout
 from megatron_lite.planner.memory import planned_muon_step, tokens_per_rank
@@ -152,12 +155,13 @@ def chunk_time(layout: Layout, cluster: Cluster, chunk: ChunkShape) -> ChunkTime
     if post_process:  # the output layer's input gradient, and the loss's three [s, b] all-reduces
         tp += one_all_reduce + 3 * all_reduce_s(tokens * 4, t, tp_link)
     time.tensor_parallel = tp
-    attention_forward = tokens * flops.attention_core_flops_per_token(model) / t / rate
     recomputed = set(chunk.layer_numbers[:recomputed_layers])
     if config.training.recompute_granularity == "selective":
         recomputed = set(chunk.layer_numbers)
-    time.context_parallel = sum(_context_parallel_s(layout, cluster, layout.cp_comm_types[n], attention_forward,
-                                                    recomputed=n in recomputed) for n in chunk.layer_numbers)
+    time.context_parallel = sum(_context_parallel_s(
+        layout, cluster, layout.cp_comm_types[n], tokens * flops.attention_core_flops_per_token(model, n) / t / rate,
+        recomputed=n in recomputed, step_shares=ring_step_shares(model, layout.context_parallel_size, n))
+        for n in chunk.layer_numbers)
     moe_layers = [model.is_moe_layer(n) for n in chunk.layer_numbers]
     if any(moe_layers):  # forward, backward, and the recomputed forward
         time.expert_parallel = (2 * sum(moe_layers) + sum(moe_layers[:recomputed_layers])) * expert_parallel_s(
@@ -169,24 +173,55 @@ def chunk_time(layout: Layout, cluster: Cluster, chunk: ChunkShape) -> ChunkTime
 
 
 def _context_parallel_s(layout: Layout, cluster: Cluster, comm_type: str, attention_forward: float, *,
-                        recomputed: bool) -> float:
+                        recomputed: bool, step_shares: list[float] | None = None) -> float:
     """Exposed key/value exchange of one layer for one micro-batch (forward, backward, and the forward again
-    when the layer is recomputed); ``attention_forward``: this rank's attention-core forward seconds."""
+    when the layer is recomputed); ``attention_forward``: this rank's attention-core forward seconds, of which
+    the ring's step k does ``step_shares[k]`` (None: 1/cp each)."""
     cp, t = layout.context_parallel_size, layout.tensor_model_parallel_size
     if cp == 1:
         return 0.0
     own = tokens_per_rank(layout) * _exchanged_key_value_width(layout.config.model) * dtype_bytes(layout.config) / t
     link = cluster.link(t, cp)
     if comm_type == "all_gather":
-        forward = backward = gather_or_scatter_s(own * cp, cp, link)
-    else:
-        block, send, send_gradient = attention_forward / cp, p2p_s(own, link), p2p_s(own * 4 / dtype_bytes(
-            layout.config), link)
-        forward = (cp - 1) * max(send - block, 0.0)
-        # Each backward step sends a block on and its gradient so far, next to a block's backward (2 forwards);
-        # the last gradient, on its way home, has nothing left to hide behind.
-        backward = (cp - 1) * max(send + send_gradient - 2 * block, 0.0) + send_gradient
+        return gather_or_scatter_s(own * cp, cp, link) * (3 if recomputed else 2)
+    send, send_gradient = p2p_s(own, link), p2p_s(own * 4 / dtype_bytes(layout.config), link)
+    # The block sent at step k travels while step k's blocks are attended to; the last step sends nothing.
+    blocks = [attention_forward * share for share in (step_shares or [1 / cp] * cp)[:-1]]
+    forward = sum(max(send - block, 0.0) for block in blocks)
+    # Each backward step sends a block on and its gradient so far, next to a block's backward (2 forwards);
+    # the last gradient, on its way home, has nothing left to hide behind.
+    backward = sum(max(send + send_gradient - 2 * block, 0.0) for block in blocks) + send_gradient
     return forward * (2 if recomputed else 1) + backward
+
+
+def ring_step_shares(model: ModelConfig, cp: int, layer_number: int) -> list[float] | None:
+    """The share of a p2p layer's attention work at each ring step, on the rank whose steps hide the least, for a
+    chunked layer (``model/chunked_attention.py``), whose far blocks are out of every query's reach: most steps
+    then carry no work to hide the next block's message behind. None (an even 1/cp a step) on other layers."""
+    pairs = ring_step_pairs(model, cp, layer_number)
+    if pairs is None or cp == 1:
+        return None
+    shares = [[count / sum(steps) for count in steps] for steps in pairs]
+    return min(shares, key=lambda steps: sum(steps[:-1]))
+
+
+def ring_step_pairs(model: ModelConfig, cp: int, layer_number: int) -> list[list[int]] | None:
+    """Per rank and ring step, the pairs of the rank's chunks and the step's owner's a chunked layer attends to
+    (``context_parallel/attention.py``'s RingAttention skips those no query sees, on an unpacked sequence:
+    every pair with a later key chunk or only keys of earlier attention chunks); None on other layers."""
+    chunks = layer_chunks(model, layer_number)
+    if chunks is None:
+        return None
+    chunk = model.seq_length // (2 * cp)
+
+    def span(chunk_id):
+        return range(chunk_id * chunk, (chunk_id + 1) * chunk)
+
+    def attended(rank, owner):
+        return sum(chunks.reaches(span(q), span(k))
+                   for q in chunk_ids(rank, cp) for k in chunk_ids(owner, cp) if k <= q)
+
+    return [[attended(rank, (rank - step) % cp) for step in range(cp)] for rank in range(cp)]
 
 
 def _exchanged_key_value_width(model: ModelConfig) -> int:

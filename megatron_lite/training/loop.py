@@ -82,8 +82,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, mtp_losses: 
 
 def forward_step(data_iterator, model):
     """One micro-batch through this rank's model chunk (Megatron's forward_step contract). Packed
-    fine-tuning batches carry a block-diagonal ``attention_mask``; without one, attention is causal."""
-    batch = {k: v.to(current_device(), non_blocking=True) for k, v in next(data_iterator).items()}
+    fine-tuning batches carry a block-diagonal ``attention_mask``; without one, attention is causal. The
+    position ids go to the model as they are, on the host: it reads there whether they are the tokens' columns
+    (Llama 4's chunked attention folds its chunks then) without reading anything back from the device."""
+    batch = {k: v if k == "position_ids" else v.to(current_device(), non_blocking=True)
+             for k, v in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
                    loss_mask=batch["loss_mask"])
     return output, functools.partial(loss_func, batch["loss_mask"],

@@ -7,10 +7,13 @@ must equal the same positions of the whole-sequence core attention (``DotProduct
 path, grouped-query heads, a packed block-diagonal mask, a sliding window, a prefix (whose gradient is
 the sum over the ranks), attention soft-capping, attention sinks (--softmax-type learnable: joined once to the
 ring's log-sum-exp merge, their gradient the sum over the ranks), bf16, and values narrower than keys with a
-softmax scale of their own (multi-latent attention's); and a whole GPT given this rank's tokens gives
-the whole sequence's logits at them.
+softmax scale of their own (multi-latent attention's), Llama 4's attention chunks (against the core under
+the chunks' mask over the whole sequence: folded, packed, with a prefix and sinks; the ring's block pairs at each
+step are those the planner counts); and a whole GPT given this rank's tokens gives the whole sequence's logits
+at them.
 """
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -19,9 +22,11 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, context_parallel_attention, local_positions
 from megatron_lite.context_parallel.sharding import chunk_ids, get_batch_on_this_cp_rank, global_order
+from megatron_lite.model.chunked_attention import ChunkedAttention
 from megatron_lite.model.dot_product_attention import DotProductAttention
 from megatron_lite.model.gpt_model import GPTModel
 from megatron_lite.model.weight_init import initialize_weights
+from megatron_lite.planner.step_time import ring_step_pairs
 from megatron_lite.process_groups.parallel_state import mock_parallel_state
 from megatron_lite.tensor_parallel import TensorParallelConfig
 from megatron_lite.peft.prefix_tuning import KeyValuePrefix
@@ -52,20 +57,47 @@ CASES = {
     # softmax scale of its own.
     "narrow-values": dict(value_dim=HEAD_DIM // 2, softmax_scale=0.3),
     "narrow-values-packed-explicit": dict(value_dim=HEAD_DIM // 2, packed=True, attention_backend="unfused"),
+    # Llama 4's chunks of 3 and 6 (neither a multiple of a rank's chunk of 4 or 2): folded where positions are
+    # known to be the columns, blocked where packed examples restart them (or nothing is known); the ring skips
+    # blocks beyond a chunk's reach, and those no query sees.
+    "chunks": dict(chunk=3, num_query_groups=2),
+    "chunks-not-told": dict(chunk=6, told=False),
+    "chunks-explicit-prefix": dict(chunk=6, attention_backend="unfused", prefix=2),
+    "chunks-packed": dict(chunk=3, packed=True),
+    "chunks-packed-sinks": dict(chunk=6, packed=True, softmax_type="learnable"),
 }
 
 
 def _model_config(case: dict) -> ModelConfig:
-    fields = {k: v for k, v in case.items() if k not in ("packed", "prefix", "bf16", "value_dim")}
+    fields = {k: v for k, v in case.items() if k not in ("packed", "prefix", "bf16", "value_dim", "chunk", "told")}
     return ModelConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, seq_length=SEQ,
                        vocab_size=64, attention_dropout=0.0, **fields)
 
 
+DOCUMENTS = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])  # of 5, 7 and 4 positions, then 9, 7
+
+
 def _packed_mask() -> torch.Tensor:
-    """Block-diagonal causal [b, 1, s, s] (True = may not attend): documents of 5, 7 and 4 positions, then 9, 7."""
-    documents = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
+    """Block-diagonal causal [b, 1, s, s] (True = may not attend) of the ``DOCUMENTS``."""
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
-    return ~(causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+    return ~(causal & (DOCUMENTS[:, :, None] == DOCUMENTS[:, None, :]))[:, None]
+
+
+def _chunked(attention, case: dict, rows: torch.Tensor | None = None):
+    """``attention`` with the case's chunks: the queries' positions (restarting at each packed document) at the
+    sequence's ``rows`` (all when None) go with it, or, for the whole sequence's reference, its chunks' mask."""
+    if "chunk" not in case:
+        return attention
+    chunks = ChunkedAttention(case["chunk"])
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    if case.get("packed"):
+        positions = torch.tensor([[i - row.index(d) for i, d in enumerate(row)] for row in DOCUMENTS.tolist()])
+    if rows is not None:
+        columns = not case.get("packed") and case.get("told", True)  # what the model tells: its own positions
+        return functools.partial(attention, chunks=chunks, position_ids=positions[:, rows],
+                                 positions_are_columns=columns)
+    return lambda query, key, value, mask, **kwargs: attention(query, key, value,
+                                                               chunks.mask(mask, positions, SEQ), **kwargs)
 
 
 def _inputs(config: ModelConfig, case: dict, seed: int) -> dict:
@@ -130,11 +162,17 @@ def _compare(rank, world_size):
     for index, (name, case) in enumerate(CASES.items()):
         config = _model_config(case)
         inputs, prefix = _inputs(config, case, seed=index), _prefix(config, case, seed=100 + index)
-        expected = _attend(_core(config), inputs, prefix)
+        expected = _attend(_chunked(_core(config), case), inputs, prefix)
         for comm_type in ("all_gather", "p2p"):
             cp_attention = context_parallel_attention(_core(config),
                                                       ContextParallelConfig(group, cp.global_ranks, (comm_type,)), 0)
-            got = _attend(cp_attention, inputs, prefix, positions)
+            attended = _count_ring_pairs(cp_attention) if comm_type == "p2p" else None
+            got = _attend(_chunked(cp_attention, case, positions), inputs, prefix, positions)
+            if attended is not None and "chunk" in case and not case.get("packed"):  # as the planner counts them
+                model = ModelConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+                                    seq_length=SEQ, vocab_size=64, position_embedding_type="rope",
+                                    attention_chunk_size=case["chunk"])
+                assert attended == 2 * ring_step_pairs(model, world_size, 0)[rank], (name, attended)  # both ways
             what, rel = f"cp{world_size} {comm_type} {name}", 3e-2 if case.get("bf16") else 1e-5
             for key, value in got.items():
                 assert value.dtype == expected[key].dtype, what
@@ -147,6 +185,18 @@ def _compare(rank, world_size):
             checked.append(what)
     checked.append(_compare_model_logits(cp, positions))
     return checked
+
+
+def _count_ring_pairs(ring) -> list[int]:
+    """The number of block pairs ``ring`` attends to at each step, forward then backward, as it runs."""
+    counts, block_pairs = [], ring.block_pairs
+
+    def counted(*args, **kwargs):
+        pairs = list(block_pairs(*args, **kwargs))
+        counts.append(len(pairs))
+        return iter(pairs)
+    ring.block_pairs = counted
+    return counts
 
 
 def _compare_model_logits(cp: ContextParallelConfig, positions: torch.Tensor) -> str:

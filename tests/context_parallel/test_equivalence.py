@@ -6,7 +6,9 @@ then ``evaluate``) at cp2 under each --cp-comm-type, cp2 under ZeRO-3, cp2 with 
 cp4, cp2 x tp2 with sequence parallelism, and cp2 x pp2 x dp2 with the 1F1B and the interleaved schedules;
 the combined layouts give their layers alternating comm types (``--cp-comm-type`` per layer), so each run
 exercises both, and two of them recompute (full, selective); prefix tuning, a mixture of experts (with
-its z-loss) and multi-latent attention (values narrower than keys) run at cp2, the last also at cp2 x tp2.
+its z-loss) and multi-latent attention (values narrower than keys) run at cp2, the last also at cp2 x tp2, and
+Llama 4's chunked attention (chunks of 6 that a rank's chunks of 8 start inside; a NoPE layer with temperature
+tuning) at cp2 under each comm type and on packed fine-tuning data.
 Everything must equal the single-process run within 1e-5 (float32), and the context-parallel replicas of
 every weight must agree exactly; two cp2 checkpoints are written once per piece and load into data-parallel replicas.
 
@@ -41,7 +43,14 @@ MOE_POOLED = dict(MOE, moe_router_load_balancing_type="pooled_aux_loss")
 MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,
            qk_pos_emb_head_dim=4, v_head_dim=4, qk_layernorm=True, rotary_scaling_factor=4.0,
            yarn_original_max_position_embeddings=8)
-MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, "moe_seq": MOE_SEQ, "moe_pooled": MOE_POOLED, "mla": MLA}
+# Llama 4: sequences of 32 in chunks of 6 on the layers with rotary embeddings (L2-normed queries and keys), the
+# last layer NoPE with temperature tuning that bites every 4 positions. At cp2 a rank's chunks of the sequence
+# (8 positions) start at 0, 8, 16 and 24: inside an attention chunk, or at its start; the fine-tuning examples
+# (up to 11 positions) span two.
+LLAMA4 = dict(LLAMA, seq_length=32, no_rope_freq="4", attention_chunk_size=6, qk_l2_norm=True,
+              attn_temperature_tuning=True, attn_temperature_floor_scale=4)
+MODELS = {"gpt": GPT, "llama": LLAMA, "moe": MOE, "moe_seq": MOE_SEQ, "moe_pooled": MOE_POOLED, "mla": MLA,
+          "llama4": LLAMA4}
 
 
 def _config(model: str, *, cp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, vpp: bool = False, comm=("p2p",),
@@ -155,7 +164,7 @@ def sft_data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(sft_data):
     """The single-process runs: pretraining and packed fine-tuning of each model, prefix tuning of one."""
-    runs = [{"model": m} for m in MODELS] + [{"model": m, "sft": sft_data} for m in ("gpt", "llama")]
+    runs = [{"model": m} for m in MODELS] + [{"model": m, "sft": sft_data} for m in ("gpt", "llama", "llama4")]
     runs += [{"model": "llama", "prefix": True}]
     (results,) = run_distributed(_train, 1, args=(runs,))
     return {_reference(run): result for run, result in zip(runs, results)}
@@ -216,6 +225,8 @@ def test_cp2_matches_one_process(references, sft_data, tmp_path):
              {"model": "llama", "cp": 2, "sft": sft_data}, {"model": "llama", "cp": 2, "prefix": True},
              {"model": "moe", "cp": 2, "comm": MIXED}, {"model": "moe_pooled", "cp": 2, "comm": MIXED},
              {"model": "mla", "cp": 2, "comm": MIXED}]
+    runs += [{"model": "llama4", "cp": 2, "comm": (comm,)} for comm in ("all_gather", "p2p")]
+    runs += [{"model": "llama4", "cp": 2, "comm": MIXED, "sft": sft_data}]
     _check(references, 2, runs)
 
 

@@ -75,6 +75,10 @@ def test_expert_parallel_ranks_with_batches_of_their_own_stop_together():
     assert run_distributed(_moe_rank, 2, args=(prompts_of_rank, eod), timeout=60) == expected
 
 
+# Llama 4's layers: chunks of 5 on three layers (a rank's prefill chunks of the 12-position prompts are 3 long), the
+# fourth NoPE with a temperature that grows every 4 positions.
+LLAMA4 = dict(attention_chunk_size=5, no_rope_freq="4", qk_l2_norm=True, attn_temperature_tuning=True,
+              attn_temperature_floor_scale=4)
 # Long enough that every context-parallel rank holds real tokens of each: the prefill is split into 2 x cp chunks.
 LONG_PROMPTS = [[5, 17, 3, 60, 22, 9, 41, 7, 30, 11, 2], [40, 2, 9, 71, 8], [31, 4, 18, 27, 50, 6, 13, 44]]
 
@@ -98,8 +102,10 @@ def _cp_rank(rank, world_size, arch, layout, model_fields):
         whole = StaticInferenceContext(12)
         positions = local_positions(8, parallel_state.context_parallel_rank, cp)[None]
         with torch.no_grad():
-            model(positions + 1, positions, inference_context=split)
-            model(torch.arange(8)[None] + 1, torch.arange(8)[None], inference_context=whole)
+            ours = model(positions + 1, positions, inference_context=split)
+            one_process = model(torch.arange(8)[None] + 1, torch.arange(8)[None], inference_context=whole)
+        if positions[0, -1] == 7:  # the rank holding the last token returns its logits, as one process does
+            torch.testing.assert_close(ours, one_process)
         assert split.splits_sequence and sorted(split.key_value_memory_dict) == sorted(whole.key_value_memory_dict)
         for layer, cached in whole.key_value_memory_dict.items():
             for ours, one_process in zip(split.key_value_memory_dict[layer], cached):
@@ -112,13 +118,15 @@ def _cp_rank(rank, world_size, arch, layout, model_fields):
 
 @pytest.mark.parametrize("arch,layout,model_fields", [
     ("rope_gqa", dict(cp=2), {}), ("rope_local_global", dict(cp=2), {}), ("mla", dict(cp=2), {}),
-    ("learned_mha", dict(tp=2, cp=2), {}), ("rope_gqa", dict(pp=2, cp=2), {}), ("rope_gqa", dict(cp=2, ep=2), MOE)],
-    ids=["cp2", "window_cp2", "mla_cp2", "tp2cp2", "pp2cp2", "moe_cp2ep2"])
+    ("learned_mha", dict(tp=2, cp=2), {}), ("rope_gqa", dict(pp=2, cp=2), {}), ("rope_gqa", dict(cp=2, ep=2), MOE),
+    ("rope_gqa", dict(cp=2), LLAMA4)],
+    ids=["cp2", "window_cp2", "mla_cp2", "tp2cp2", "pp2cp2", "moe_cp2ep2", "llama4_cp2"])
 def test_context_parallel_prefill_equals_one_process(arch, layout, model_fields):
     """The prompts' prefill split over the context-parallel ranks (each caching the whole prompts' keys and
     values), decoding then on every rank: every rank's tokens are one process's, greedy and sampled, with
     padding (prompts of three lengths, padded further to 2 x cp positions), sliding windows, latent attention's
-    cache, pipeline stages and experts split over the context-parallel ranks."""
+    cache, pipeline stages, experts split over the context-parallel ranks, and Llama 4's chunks (of 5, counted
+    from each prompt's first real token) and NoPE layer with temperature tuning."""
     model, _ = build(arch, **model_fields)
     expected = (generate(model, LONG_PROMPTS, max_new_tokens=8, greedy=True),
                 generate(model, LONG_PROMPTS[:1], max_new_tokens=8, generator=torch.Generator().manual_seed(5),

@@ -129,7 +129,6 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--attention-chunk-size", "4", "--context-parallel-size", "2"], "does not cut its blocks into chunks"),
     (["--attention-chunk-size", "4", "--window-size", "3", "0"], "neither --multi-latent-attention nor --window"),
     (["--qk-l2-norm", "--qk-layernorm"], "drop --qk-layernorm"),
     (["--attn-temperature-tuning"], "add --no-rope-freq"),
@@ -141,3 +140,13 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 def test_llama4_flags_are_checked(flags, message):
     with pytest.raises(ConfigError, match=message):
         parse_args([*BASE, *flags])
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+def test_chunked_attention_takes_context_parallelism(comm):
+    """Chunks under either --cp-comm-type (tests/context_parallel/test_equivalence.py trains them against one
+    process): the configuration keeps both."""
+    config = parse_args([*BASE, "--attention-chunk-size", "4", "--context-parallel-size", "2", "--cp-comm-type", comm,
+                         "--attention-dropout", "0"])
+    assert (config.model.attention_chunk_size, config.parallel.context_parallel_size) == (4, 2)
+    assert config.parallel.cp_comm_type == [comm]

@@ -62,7 +62,7 @@ def _restarting(lengths: list[list[int]]) -> torch.Tensor:
 
 
 _LEFT_PADDED = torch.tensor([[True, True, True] + [False] * 8, [False] * 11])  # two prompts of 8 and 11
-# (positions [b, s], mask or None, cached keys before the queries, whether the chunks fold into the batch)
+# (positions [b, s], mask or None, cached keys before the queries, whether the positions are the key columns)
 _CHUNKED_INPUTS = {
     "rows": (torch.arange(11).expand(2, 11), None, 0, True),  # 2 whole chunks of 4 and one of 3
     "whole-chunks": (torch.arange(8).expand(2, 8), None, 0, True),
@@ -73,7 +73,11 @@ _CHUNKED_INPUTS = {
                     & ~torch.eye(11, dtype=torch.bool), 0, False),  # text_generation's prompt mask
     "after-cache": (torch.tensor([[9, 10], [6, 7]]), _LEFT_PADDED[:, None, None, :].expand(2, 1, 2, 11)
                     & ~torch.ones(2, 11, dtype=torch.bool).triu(10), 9, False),
-    "one-new-token": (torch.tensor([[10], [10]]), None, 10, False),
+    "one-new-token": (torch.tensor([[10], [10]]), None, 10, True),  # the last of its chunk's 3 keys
+    # A context-parallel rank's chunk of the sequence at its global columns 5-10: it starts inside a chunk.
+    "after-earlier-keys": (torch.arange(5, 11).expand(2, 6), None, 5, True),
+    "after-earlier-keys-packed": (_restarting([[5, 6], [3, 8]])[:, 4:], _packed_mask([[5, 6], [3, 8]])[:, :, 4:],
+                                  4, False),
 }
 
 
@@ -87,12 +91,14 @@ def _two_key_prefix(key, value, attention_mask):
 
 @pytest.mark.parametrize("backend, prefix", [("auto", None), ("unfused", None), ("auto", _two_key_prefix)],
                          ids=["sdpa", "unfused", "sdpa-prefix"])
-@pytest.mark.parametrize("case", list(_CHUNKED_INPUTS))
-def test_chunk_by_chunk_equals_the_whole_sequence_mask(case, backend, prefix):
-    """Chunks of 4 over 11 keys, grouped queries (4 heads, 2 groups): the folded and blocked forms against the
-    core attention under one mask over the whole sequence, values and gradients; the core is never handed more
-    than one block's mask (C x 2C - 1), and none where the chunks fold."""
-    positions, mask, cached, folds = _CHUNKED_INPUTS[case]
+@pytest.mark.parametrize("case, told", [(case, told) for case, (*_, columns) in _CHUNKED_INPUTS.items()
+                                        for told in {False, columns}])
+def test_chunk_by_chunk_equals_the_whole_sequence_mask(case, told, backend, prefix):
+    """Chunks of 4 over 11 keys, grouped queries (4 heads, 2 groups): the folded form (where the caller tells
+    that the positions are the key columns) and the blocked one (always exact) against the core attention under
+    one mask over the whole sequence, values and gradients; the core is never handed more than one block's mask
+    (C x 2C - 1), and none where the chunks fold."""
+    positions, mask, cached, _ = _CHUNKED_INPUTS[case]
     config = ModelConfig(**BASE, num_query_groups=2, attention_backend=backend, attention_dropout=0.0)
     core = functools.partial(attention.DotProductAttention(config, layer_number=0, softmax_scale=0.5,
                                                            heads_per_group=2), prefix=prefix)
@@ -106,14 +112,14 @@ def test_chunk_by_chunk_equals_the_whole_sequence_mask(case, backend, prefix):
         masks.append(args[3])
         return core(*args)
 
-    blocked = chunks(recorded, query, key, value, mask, positions)
+    blocked = chunks(recorded, query, key, value, mask, positions, positions_are_columns=told)
     whole = core(query, key, value, chunks.mask(mask, positions, key.shape[0]))
     torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)
     weights = torch.randn(whole.shape, generator=generator)
     gradients = [torch.autograd.grad((out * weights).sum(), (query, key, value)) for out in (blocked, whole)]
     for name, ours, reference in zip("qkv", *gradients):
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6, msg=name)
-    assert all(m is None for m in masks) == folds
+    assert all(m is None for m in masks) == told
     assert all(m is None or (m.shape[-2] <= 4 and m.shape[-1] <= 7) for m in masks)
 
 
@@ -252,3 +258,24 @@ def test_lora_targets_of_latent_attention():
         Config(model=ModelConfig(**BASE), peft=PeftConfig(peft="lora", lora_target_modules=["linear_kv_up_proj"]))
     with pytest.raises(ConfigError, match="--peft prefix"):
         Config(model=ModelConfig(**MLA), peft=PeftConfig(peft="prefix"))
+
+
+def test_the_model_folds_its_chunks_where_its_positions_are_the_columns(monkeypatch):
+    """The model tells its chunked layers, from the host, whether the positions are the tokens' columns: its own
+    (None) and the trainer's arange fold; packed examples' restarting positions take the blocked form."""
+    model = build(dict(LLAMA, seq_length=12, attention_chunk_size=4, no_rope_freq="[0, 1]")).eval()
+    folded, fold = [], ChunkedAttention._folded
+
+    def recorded(self, *args):
+        folded.append(True)
+        return fold(self, *args)
+    monkeypatch.setattr(ChunkedAttention, "_folded", recorded)
+    tokens = torch.randint(0, LLAMA["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    restarting = torch.tensor([[p for n in (5, 7) for p in range(n)]] * 2)
+    logits = {}
+    for name, positions, folds in [("own", None, True), ("given", torch.arange(12).expand(2, 12), True),
+                                   ("restarting", restarting, False)]:
+        folded.clear()
+        logits[name] = model(tokens, positions)
+        assert bool(folded) == folds, name
+    assert torch.equal(logits["own"], logits["given"]) and not torch.allclose(logits["own"], logits["restarting"])

@@ -3,7 +3,8 @@
 Measured with the planner's own activation counter (``harness.SavedActivationPeak``) on 4 gloo ranks:
 p2p keeps 1/cp of one rank's activations (the ring's blocks are never kept), all_gather adds the
 whole sequence's keys and values; the estimate follows both within the bound the other layouts meet, for
-grouped-query and multi-latent attention, and static memory (ZeRO over the data x context ranks) exactly.
+grouped-query and multi-latent attention and Llama 4's chunked layers (whose all_gather core attends chunk by
+chunk, ``AllGatherCalls``), and static memory (ZeRO over the data x context ranks) exactly.
 """
 import dataclasses
 
@@ -14,6 +15,7 @@ from megatron_lite.planner.cluster import PRESETS, customise
 from megatron_lite.planner.estimate import estimate, estimate_for_config
 from megatron_lite.planner.layouts import Layout, enumerate_layouts
 from megatron_lite.planner.memory import rank_memory
+from megatron_lite.planner.step_time import ring_step_pairs
 from tests.distributed import run_distributed
 from bench.harness import run_layouts
 from tests.planner.test_activations import TOLERANCE
@@ -25,6 +27,8 @@ LLAMA = dict(GPT, normalization="RMSNorm", position_embedding_type="rope", swigl
 # Multi-latent attention: the ranks exchange its expanded keys (16 + 8 channels) and values (16) per head.
 MLA = dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=48, kv_lora_rank=32, qk_head_dim=16,
            qk_pos_emb_head_dim=8, v_head_dim=16, qk_layernorm=True)
+# Llama 4: a chunked layer (chunks of 12: a rank's chunk of 32 or 16 positions starts inside one) and a NoPE one.
+LLAMA4 = dict(LLAMA, attention_chunk_size=12, no_rope_freq="[0, 1]")
 
 
 def _config(model: dict, cp: int, comm: str = "p2p", sharded: bool = False) -> Config:
@@ -40,7 +44,9 @@ LAYOUTS = {("gpt", 1, "p2p"): _config(GPT, 1), ("gpt", 2, "p2p"): _config(GPT, 2
            ("llama", 1, "p2p"): _config(LLAMA, 1), ("llama", 2, "p2p"): _config(LLAMA, 2),
            ("llama", 4, "all_gather"): _config(LLAMA, 4, "all_gather"),
            ("mla", 1, "p2p"): _config(MLA, 1), ("mla", 2, "p2p"): _config(MLA, 2),
-           ("mla", 2, "all_gather"): _config(MLA, 2, "all_gather")}
+           ("mla", 2, "all_gather"): _config(MLA, 2, "all_gather"),
+           ("llama4", 1, "p2p"): _config(LLAMA4, 1), ("llama4", 2, "all_gather"): _config(LLAMA4, 2, "all_gather"),
+           ("llama4", 4, "all_gather"): _config(LLAMA4, 4, "all_gather"), ("llama4", 4, "p2p"): _config(LLAMA4, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +70,12 @@ def test_activations_per_rank_shrink_with_cp_and_match_the_estimate(measured):
         ratio = measured[(model, cp, comm)][0]["activation_peak"] / whole
         if comm == "p2p" and model == "mla" and cp > 1:  # measured 0.40 at cp2: in one process its core keeps
             assert ratio < 1 / cp, (model, cp, ratio)  # the s^2 scores (the CPU flash kernel takes no narrower values)
+        elif comm == "p2p" and model == "llama4" and cp > 1:  # measured 0.237 at cp4: in one process the chunked
+            assert 0.9 / cp < ratio < 1 / cp, (model, cp, ratio)  # layer's fold copies its queries, keys and values
         elif comm == "p2p":  # measured: exactly 1/cp
             assert ratio == pytest.approx(1 / cp, rel=0.05), (model, cp, ratio)
         else:  # the gathered keys and values come on top (measured 0.63 at cp2, 0.33 at cp4 with GQA, 0.53 at
-            # cp2 with multi-latent attention)
+            # cp2 with multi-latent attention, 0.54 and 0.28 with Llama 4's chunks)
             assert 1 / cp < ratio < 1.5 / cp, (model, cp, ratio)
 
 
@@ -97,6 +105,31 @@ def test_key_value_exchange_in_the_step_time():
     assert latent_gathered == pytest.approx(gathered)
     short = dataclasses.replace(base, model=dataclasses.replace(model, seq_length=2048))
     assert {layout.context_parallel_size for layout in enumerate_layouts(short, cluster)} == {1}
+
+
+def test_chunked_layers_ring_hides_its_messages_behind_less():
+    """Llama 4's chunks of 12288 over 32768 positions at cp4 (8 chunks of 4096 of the sequence): a rank attends to
+    3 to 6 pairs of its chunks and a step's owner's (9 without chunks), most steps to none, so the ring's messages
+    hide behind fewer blocks: more of the p2p exchange is exposed than without chunks, while all_gather's is the
+    same; the layer's FLOPs are its chunks'. (tests/context_parallel/test_attention.py checks ``ring_step_pairs``
+    against the pairs the ring attends to.)"""
+    model = ModelConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, num_query_groups=4,
+                        seq_length=32768, vocab_size=32000, attention_dropout=0.0, position_embedding_type="rope")
+    chunked = dataclasses.replace(model, attention_chunk_size=12288, no_rope_freq="4")
+    assert ring_step_pairs(chunked, 4, 0) == [[2, 0, 0, 1], [2, 1, 0, 0], [2, 1, 1, 2], [3, 0, 0, 0]]
+    assert ring_step_pairs(chunked, 4, 3) is None  # the NoPE layer attends to the whole sequence
+    cluster = customise(PRESETS["h100-80g"], num_gpus=8)
+
+    def exchange(model, comm):
+        config = Config(model=model, parallel=ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=4,
+                                                             cp_comm_type=[comm]),
+                        training=TrainingConfig(global_batch_size=8, bf16=True))
+        result = estimate(Layout(config, 8), cluster).time.breakdown
+        return result["context_parallel"], result["compute"]
+
+    (ring, compute), (chunked_ring, chunked_compute) = exchange(model, "p2p"), exchange(chunked, "p2p")
+    assert chunked_ring > ring and chunked_compute < compute
+    assert exchange(chunked, "all_gather")[0] == pytest.approx(exchange(model, "all_gather")[0])
 
 
 def test_estimate_for_a_run_counts_its_shard_in_the_data_context_group():
