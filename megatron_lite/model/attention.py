@@ -16,6 +16,7 @@ from megatron_lite.context_parallel import ContextParallelConfig, attend_own_chu
 from megatron_lite.model.attention_sinks import register_softmax_offset
 from megatron_lite.model.attention_temperature import layer_temperature
 from megatron_lite.model.chunked_attention import layer_chunks
+from megatron_lite.model.document_rows import PackedDocuments
 from megatron_lite.model.dot_product_attention import build_core_attention
 from megatron_lite.model.embedding import apply_rotary, layer_rotary_concentration
 from megatron_lite.model.norm import L2Norm, Norm, ProjectionRMSNorm
@@ -77,8 +78,8 @@ class SelfAttention(nn.Module):
                 inference_context=None):
         """[s, b, h] (or [s/tp, b, h] under sequence parallelism) -> (output, bias) before the residual.
 
-        ``attention_mask``: None for causal attention, else bool [b, 1, s, s], True where a query may not
-        attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split; under
+        ``attention_mask``: None for causal attention, PackedDocuments for packed examples (``document_rows.py``),
+        else bool [b, 1, s, s], True where a query may not attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split; under
         context parallelism s is this rank's positions for the rows, the whole sequence for the columns).
         With an ``inference_context`` (generation) the new tokens attend to the cached earlier ones too:
         the mask is then [b, 1, s, cached + s] (a sliding-window layer, which caches only its window, takes
@@ -112,6 +113,8 @@ class SelfAttention(nn.Module):
         if self.softmax_offset is not None:
             core_attention = functools.partial(core_attention, softmax_offset=self.softmax_offset)
         if self.chunks is not None:  # around the core, chunk by chunk (refused with context parallelism, below)
+            if isinstance(attention_mask, PackedDocuments):  # the chunks' blocks are cut out of a mask
+                attention_mask = attention_mask.mask()
             core_attention = functools.partial(self.chunks, core_attention, position_ids=position_ids)
         if inference_context is not None and inference_context.splits_sequence:
             context = attend_own_chunks(self.core_attention, query, key, value, attention_mask,

@@ -1,24 +1,68 @@
-"""The documents of a batch as rows of their own, for layers that carry a state along the sequence (the gated
-DeltaNet's convolution and scan), which must start afresh at each packed document.
+"""The documents of a batch as rows of their own: packed examples (--sft-pack-sequences) kept apart without an
+[s, s] mask, and a fresh start at each document for layers that carry a state along the sequence (the gated
+DeltaNet's convolution and scan).
 
-Attention keeps documents apart with its mask; a recurrence has no mask to read, so each document is moved
-to a row of its own ([documents, longest document, ...], zero after a short one's end), the layer runs on the
-rows as on a batch, and the outputs go back to their positions. Where a document starts is read off the
-attention mask the model is given (``document_starts``): a token that may not see the token before it starts
-one, which marks --sft-pack-sequences' examples and, in generation, the left padding (each padding token a
-one-token document, the prompt's first token the start of its own).
+A packed micro-batch carries each position's document (``document_ids`` [b, s]), which the model is handed as
+``PackedDocuments`` where an unpacked one has no mask (Megatron-LM's PackedSeqParams, with per-token ids rather
+than cu_seqlens: they collate and cut like the tokens). Each document is moved to a row of its own ([documents,
+longest document, ...], zero after a short one's end), the layer runs on the rows as on a batch (attention with
+its plain causal kernel, flash on CUDA), and the outputs go back to their positions: a query sees exactly its
+document's earlier keys, as under the block-diagonal mask, and a row's padding comes after every real token.
+
+Generation's left padding is still a mask; where a document starts is then read off it (``document_starts``):
+a token that may not see the token before it starts one (each padding token a one-token document, the prompt's
+first token the start of its own).
 """
 from __future__ import annotations
 
 import torch
 
+from megatron_lite.context_parallel import packed_attention_mask
 
-def document_starts(attention_mask: torch.Tensor | None, seq: int, batch: int, *, continues: bool,
+
+class PackedDocuments:
+    """What attention reads of a packed micro-batch in place of a mask: ``document_ids`` [b, s], each position's
+    document in its row (a document's positions contiguous; padding is a document of its own). The rows are
+    built once, at the first layer that asks, and shared by the others."""
+
+    def __init__(self, document_ids: torch.Tensor):
+        self.document_ids = document_ids
+        self._rows = None
+
+    def starts(self) -> torch.Tensor:
+        """bool [b, s]: True where a token starts a document."""
+        starts = torch.ones_like(self.document_ids, dtype=torch.bool)
+        starts[:, 1:] = self.document_ids[:, 1:] != self.document_ids[:, :-1]
+        return starts
+
+    def rows(self) -> DocumentRows:
+        if self._rows is None:
+            self._rows = DocumentRows(self.starts())
+        return self._rows
+
+    def mask(self) -> torch.Tensor:
+        """The block-diagonal causal mask, bool [b, 1, s, s] (True = may not attend), for a feature that needs one
+        (chunked attention's blocks): built where it is used, never in the data path."""
+        positions = torch.arange(self.document_ids.shape[1], device=self.document_ids.device)
+        return packed_attention_mask(self.document_ids, positions)
+
+
+def attention_input(batch: dict):
+    """What a micro-batch hands attention: its packed documents, else its mask (a context-parallel rank's rows of
+    the packed documents' mask, ``get_batch_on_this_cp_rank``), else None (causal)."""
+    if "document_ids" in batch:
+        return PackedDocuments(batch["document_ids"])
+    return batch.get("attention_mask")
+
+
+def document_starts(attention_mask: torch.Tensor | PackedDocuments | None, seq: int, batch: int, *, continues: bool,
                     device) -> torch.Tensor:
-    """bool [batch, seq]: True where a token starts a document. ``attention_mask``: bool [b or 1, 1, seq, keys],
-    True where a query may not attend (keys: the cached ones, then these ``seq``), or None (causal: one document
-    per row). ``continues``: the tokens follow cached ones (generation), which a first token sees unless the mask
-    says otherwise."""
+    """bool [batch, seq]: True where a token starts a document. ``attention_mask``: PackedDocuments, or bool
+    [b or 1, 1, seq, keys], True where a query may not attend (keys: the cached ones, then these ``seq``), or None
+    (causal: one document per row). ``continues``: the tokens follow cached ones (generation), which a first token
+    sees unless the mask says otherwise."""
+    if isinstance(attention_mask, PackedDocuments):
+        return attention_mask.starts()
     starts = torch.zeros(batch, seq, dtype=torch.bool, device=device)
     if attention_mask is None:
         starts[:, 0] = not continues

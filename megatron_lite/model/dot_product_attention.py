@@ -1,8 +1,8 @@
 """The core of attention, softmax(QK^T * scale) V over one rank's heads (Megatron-Core's DotProductAttention).
 
 Every attention variant (``attention.py``'s grouped-query attention, ``multi_latent_attention.py``) makes its
-queries, keys and values its own way and hands them here, so the masks (causal, packed examples, a
-generation's padding, the sliding window), a prefix's keys and values (prefix tuning), the soft-capping, the
+queries, keys and values its own way and hands them here, so the masks (causal, a generation's padding, the
+sliding window), packed examples (each document in a row of its own, ``document_rows.py``), a prefix's keys and values (prefix tuning), the soft-capping, the
 dropout and the backend choice live in one place. Keys and values may have different widths (multi-latent
 attention's values are narrower).
 
@@ -24,6 +24,7 @@ from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, context_parallel_attention
 from megatron_lite.model.attention_sinks import sink_softmax
+from megatron_lite.model.document_rows import DocumentRows, PackedDocuments
 from megatron_lite.model.sliding_window import layer_window
 from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.tensor_parallel.random import get_rng_tracker
@@ -63,11 +64,13 @@ class DotProductAttention(nn.Module):
     def forward(self, query, key, value, attention_mask=None, prefix=None, softmax_offset=None):
         """[s, b, heads, d] queries and [sk, b, groups, d or dv] keys and values -> [s, b, heads * dv].
 
-        ``attention_mask``: None for causal attention, else bool [b, 1, s, sk], True where a query may not attend.
-        ``prefix``: keys and values put before the sequence's own, which every query sees
+        ``attention_mask``: None for causal attention, PackedDocuments for packed examples (sk = s), else bool
+        [b, 1, s, sk], True where a query may not attend. ``prefix``: keys and values put before the sequence's own, which every query sees
         (``peft/prefix_tuning.py``'s ``KeyValuePrefix``). ``softmax_offset``: each head's sink logit [heads]
         (``attention_sinks.py``), or None.
         """
+        if isinstance(attention_mask, PackedDocuments):
+            return self._by_document(query, key, value, attention_mask.rows(), prefix, softmax_offset)
         if prefix is not None:
             key, value, attention_mask = prefix(key, value, attention_mask)
         seq, batch = query.shape[:2]
@@ -99,6 +102,15 @@ class DotProductAttention(nn.Module):
                 context = F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
                                                          dropout_p=dropout, scale=self.softmax_scale, **grouped)
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _by_document(self, query, key, value, documents: DocumentRows, prefix, softmax_offset):
+        """Causal attention within each document's row, then back to the positions: what the block-diagonal mask
+        computes, without an [s, s] tensor. Every feature acts as on one unpacked example: the window counts
+        positions within the document, and a prefix is seen by every document, before its first token."""
+        def to_rows(x):  # [s, b, ...] -> [longest, documents, ...]
+            return documents.to_rows(x.transpose(0, 1)).transpose(0, 1)
+        context = self.forward(to_rows(query), to_rows(key), to_rows(value), None, prefix, softmax_offset)
+        return documents.from_rows(context.transpose(0, 1)).transpose(0, 1)
 
 
 def _unfused_attention(query, key, value, dropout: float, attention_mask, scale: float, logit_capping=None,
