@@ -1,0 +1,140 @@
+"""Packed fine-tuning without an [s, s] mask trains as the block-diagonal mask did.
+
+A packed sample carries each position's document (``document_ids``) and attention runs each document in a row of
+its own (``model/document_rows.py``). The reference is the path it replaced: the same samples with their
+block-diagonal causal mask [1, s, s] instead (``_with_masks``), through the same trainer (``pretrain``: the data
+loader, ``train_step``, the optimizer). Plain SGD without clipping, so the final weights carry every step's
+gradients; init std 0.2 and windows, sinks and caps small enough to bite. Context parallelism on packed documents
+(each rank building its rows of the mask from them) against one process: ``tests/context_parallel/
+test_equivalence.py::test_cp2_matches_one_process`` and ``tests/sft/test_dpo_parallel.py``'s cp2 runs.
+"""
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, TrainingConfig
+from megatron_lite.data.sft import load_sft_examples, preference, sft_dataset
+from megatron_lite.model.builder import build_model
+from megatron_lite.model.document_rows import PackedDocuments
+from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
+from megatron_lite.tokenizer import build_tokenizer
+from megatron_lite.training.loop import pretrain
+from tools.preprocess_data import main as preprocess_data
+
+STEPS = 2
+SEQ = 40  # no other dimension of the model is 40: a tensor with two of them is [s, s]-sized
+LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+             seq_length=SEQ, vocab_size=64, normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+             add_bias_linear=False, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+             attention_dropout=0.0, init_method_std=0.2)
+MODELS = {"llama": LLAMA,
+          "window, global every 2nd layer": dict(LLAMA, window_size=[3, 0], window_attn_skip_freq=2),
+          "sinks, soft-capped": dict(LLAMA, softmax_type="learnable", attn_logit_softcapping=2.0),
+          "chunked (Llama 4)": dict(LLAMA, attention_chunk_size=4)}
+
+
+def _random_ids(rng, low, high):
+    return " ".join(str(rng.randint(0, 60)) for _ in range(rng.randint(low, high)))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Chat examples (several per packed sample), the same preprocessed, and preference pairs."""
+    root, rng = tmp_path_factory.mktemp("packed"), random.Random(0)
+    chat = root / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": _random_ids(rng, 1, 8), "response": _random_ids(rng, 1, 8)}) + "\n"
+                            for _ in range(32)))
+    assert preprocess_data(["--sft", "--input", str(chat), "--output-prefix", str(root / "chat"),
+                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "63"]) == 0  # ids 0-62, EOD 63
+    pairs = root / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": _random_ids(rng, 1, 6), "chosen": _random_ids(rng, 1, 6),
+                                         "rejected": _random_ids(rng, 1, 6)}) + "\n" for _ in range(24)))
+    return {"jsonl": str(chat), "preprocessed": str(root / "chat"), "pairs": str(pairs)}
+
+
+def _config(model: dict, data_path: str, *, dpo: bool = False) -> Config:
+    kind = dict(dpo=True) if dpo else dict(sft=True)
+    return Config(model=ModelConfig(**model),
+                  training=TrainingConfig(micro_batch_size=2, global_batch_size=4, train_iters=STEPS,
+                                          dpo_loss_type="orpo"),
+                  optimizer=OptimizerConfig(optimizer="sgd", lr=0.1, clip_grad=0.0, lr_decay_style="constant"),
+                  data=DataConfig(**kind, train_data_path=[data_path], tokenizer_type="NullTokenizer",
+                                  sft_pack_sequences=True),
+                  logging=LoggingConfig(log_interval=1, log_memory=False))
+
+
+def _with_masks(monkeypatch):
+    """The data path as it was: each packed sample's block-diagonal causal mask [1, s, s] for its documents."""
+    build_sample = sft_dataset.build_sample
+
+    def masked(*args, **kwargs):
+        sample = build_sample(*args, **kwargs)
+        documents = PackedDocuments(torch.from_numpy(sample.pop("document_ids"))[None])
+        sample["attention_mask"] = documents.mask()[0].numpy()
+        return sample
+    monkeypatch.setattr(sft_dataset, "build_sample", masked)
+    monkeypatch.setattr(preference, "build_sample", masked)
+
+
+def _train(config):
+    state, (model,), _ = pretrain(config)
+    return state.losses, {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+RUNS = [(model, "jsonl", False) for model in MODELS] + [("llama", "preprocessed", False), ("llama", "pairs", True)]
+
+
+@pytest.mark.parametrize("model,source,dpo", RUNS, ids=[f"{m}, {s}" for m, s, _ in RUNS])
+def test_packed_documents_train_as_the_block_diagonal_mask(data, monkeypatch, model, source, dpo):
+    config = _config(MODELS[model], data[source], dpo=dpo)
+    losses, weights = _train(config)
+    with monkeypatch.context() as patch:
+        _with_masks(patch)
+        reference_losses, reference_weights = _train(config)
+    assert len(losses) == STEPS and losses[0] != losses[-1]
+    torch.testing.assert_close(losses, reference_losses, rtol=1e-5, atol=1e-6)
+    for name, weight in weights.items():
+        torch.testing.assert_close(weight, reference_weights[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _SquareTensors(TorchDispatchMode):
+    """Every shape an operation makes with two dimensions of ``size``: the [s, s]-sized ones."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size, self.found = size, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        for tensor in output if isinstance(output, (tuple, list)) else [output]:
+            if isinstance(tensor, torch.Tensor) and list(tensor.shape).count(self.size) >= 2:
+                self.found.add((str(func), tuple(tensor.shape)))
+        return output
+
+
+def test_no_tensor_of_sequence_by_sequence_is_made(data):
+    """The default packed path, a data sample through the forward and backward, makes no [s, s] tensor; the mask
+    it replaced does (which shows the check sees one)."""
+    config = _config(LLAMA, data["jsonl"])
+    examples = load_sft_examples([data["jsonl"]], build_tokenizer("NullTokenizer", vocab_size=63), "plain")
+    sample = sft_dataset.build_sample([examples.get(i) for i in range(4)], seq_length=SEQ, pad_token=0,
+                                      pack_sequences=True)
+    batch = {key: torch.from_numpy(np.asarray(value))[None] for key, value in sample.items()}
+    documents = PackedDocuments(batch["document_ids"])
+    assert len(documents.rows().lengths) > 2 and "attention_mask" not in sample
+    parallel_state = initialize_model_parallel(1, 1)
+    try:
+        (model,) = build_model(config, parallel_state)
+        found = {}
+        for name, attention in (("documents", documents), ("mask", documents.mask())):
+            with _SquareTensors(SEQ) as mode:
+                model(batch["tokens"], batch["position_ids"], attention, labels=batch["labels"]).sum().backward()
+            found[name] = mode.found
+        assert not found["documents"], found["documents"]
+        assert found["mask"]
+    finally:
+        destroy_model_parallel(parallel_state)
