@@ -61,11 +61,13 @@ def _model_config(case: dict) -> ModelConfig:
                        vocab_size=64, attention_dropout=0.0, **fields)
 
 
+DOCUMENTS = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
+
+
 def _packed_mask() -> torch.Tensor:
     """Block-diagonal causal [b, 1, s, s] (True = may not attend): documents of 5, 7 and 4 positions, then 9, 7."""
-    documents = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
-    return ~(causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+    return ~(causal & (DOCUMENTS[:, :, None] == DOCUMENTS[:, None, :]))[:, None]
 
 
 def _inputs(config: ModelConfig, case: dict, seed: int) -> dict:
@@ -180,7 +182,7 @@ def test_chunks_are_load_balanced_and_cover_the_sequence():
 
 
 def test_batch_is_cut_to_the_rank_positions():
-    """Every per-position field keeps this rank's positions; a packed mask its query rows, every key column."""
+    """Every per-position field keeps this rank's positions; a mask its query rows, every key column."""
     tokens = torch.arange(2 * SEQ).view(2, SEQ)
     batch = {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(2, SEQ), "position_ids": tokens % SEQ,
              "attention_mask": _packed_mask()}
@@ -190,3 +192,8 @@ def test_batch_is_cut_to_the_rank_positions():
     assert cut["position_ids"][1].tolist() == positions
     assert torch.equal(cut["attention_mask"], batch["attention_mask"][:, :, positions, :])
     assert get_batch_on_this_cp_rank(batch, 0, 1) is batch
+    # Packed documents (no mask in the batch) become the same rows of their mask, built on this rank.
+    documents = dict(batch, document_ids=DOCUMENTS)
+    del documents["attention_mask"]
+    cut = get_batch_on_this_cp_rank(documents, 1, 2)
+    assert "document_ids" not in cut and torch.equal(cut["attention_mask"], _packed_mask()[:, :, positions, :])
