@@ -79,8 +79,9 @@ class SelfAttention(nn.Module):
         """[s, b, h] (or [s/tp, b, h] under sequence parallelism) -> (output, bias) before the residual.
 
         ``attention_mask``: None for causal attention, PackedDocuments for packed examples (``document_rows.py``),
-        else bool [b, 1, s, s], True where a query may not attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split; under
-        context parallelism s is this rank's positions for the rows, the whole sequence for the columns).
+        else bool [b, 1, s, s], True where a query may not attend (the column-parallel QKV has gathered the
+        whole sequence, so the mask is never split; under context parallelism s is this rank's positions for the
+        rows, the whole sequence for the columns).
         With an ``inference_context`` (generation) the new tokens attend to the cached earlier ones too:
         the mask is then [b, 1, s, cached + s] (a sliding-window layer, which caches only its window, takes
         its last columns). ``position_ids`` [b, s]: the tokens' positions, read by Llama 4's layers only."""

@@ -2,9 +2,9 @@
 
 Every attention variant (``attention.py``'s grouped-query attention, ``multi_latent_attention.py``) makes its
 queries, keys and values its own way and hands them here, so the masks (causal, a generation's padding, the
-sliding window), packed examples (each document in a row of its own, ``document_rows.py``), a prefix's keys and values (prefix tuning), the soft-capping, the
-dropout and the backend choice live in one place. Keys and values may have different widths (multi-latent
-attention's values are narrower).
+sliding window), packed examples (each document in a row of its own, ``document_rows.py``), a prefix's keys
+and values (prefix tuning), the soft-capping, the dropout and the backend choice live in one place. Keys and
+values may have different widths (multi-latent attention's values are narrower).
 
 The backend is torch's ``scaled_dot_product_attention`` (``--attention-backend`` auto, flash, fused), or
 with unfused/local the explicit path Megatron-LM's local DotProductAttention takes: scaled QK^T, the fused
@@ -65,9 +65,9 @@ class DotProductAttention(nn.Module):
         """[s, b, heads, d] queries and [sk, b, groups, d or dv] keys and values -> [s, b, heads * dv].
 
         ``attention_mask``: None for causal attention, PackedDocuments for packed examples (sk = s), else bool
-        [b, 1, s, sk], True where a query may not attend. ``prefix``: keys and values put before the sequence's own, which every query sees
-        (``peft/prefix_tuning.py``'s ``KeyValuePrefix``). ``softmax_offset``: each head's sink logit [heads]
-        (``attention_sinks.py``), or None.
+        [b, 1, s, sk], True where a query may not attend. ``prefix``: keys and values put before the sequence's
+        own, which every query sees (``peft/prefix_tuning.py``'s ``KeyValuePrefix``). ``softmax_offset``: each
+        head's sink logit [heads] (``attention_sinks.py``), or None.
         """
         if isinstance(attention_mask, PackedDocuments):
             return self._by_document(query, key, value, attention_mask.rows(), prefix, softmax_offset)

@@ -138,8 +138,8 @@ class GPTModel(nn.Module):
         (unpadded) vocabulary [b, s, V] without them, and hidden states [s, b, h] on other stages.
 
         ``attention_mask`` (bool [b, 1, s, s], True = may not attend, Megatron's convention) replaces the
-        causal mask; packed sequences pass a block-diagonal causal one so examples cannot see each other.
-        Every pipeline stage is given it, with the position ids.
+        causal mask; packed sequences pass their documents instead (``document_rows.PackedDocuments``), so
+        examples cannot see each other. Every pipeline stage is given it, with the position ids.
 
         With an ``inference_context`` (generation, ``inference/text_generation.py``) the tokens follow the
         ones it has cached: positions count on from its offset, and only the last token's logits [b, 1, V]
