@@ -55,14 +55,21 @@ def attention_input(batch: dict):
     return batch.get("attention_mask")
 
 
-def document_starts(attention_mask: torch.Tensor | PackedDocuments | None, seq: int, batch: int, *, continues: bool,
-                    device) -> torch.Tensor:
-    """bool [batch, seq]: True where a token starts a document. ``attention_mask``: PackedDocuments, or bool
-    [b or 1, 1, seq, keys], True where a query may not attend (keys: the cached ones, then these ``seq``), or None
-    (causal: one document per row). ``continues``: the tokens follow cached ones (generation), which a first token
-    sees unless the mask says otherwise."""
+def document_rows(attention_mask: torch.Tensor | PackedDocuments | None, seq: int, batch: int, *, continues: bool,
+                  device) -> DocumentRows:
+    """The rows of the documents ``attention_mask`` gives: a packed batch's own (built once for every layer), else
+    those ``document_starts`` reads off the mask."""
     if isinstance(attention_mask, PackedDocuments):
-        return attention_mask.starts()
+        return attention_mask.rows()
+    return DocumentRows(document_starts(attention_mask, seq, batch, continues=continues, device=device))
+
+
+def document_starts(attention_mask: torch.Tensor | None, seq: int, batch: int, *, continues: bool,
+                    device) -> torch.Tensor:
+    """bool [batch, seq]: True where a token starts a document. ``attention_mask``: bool [b or 1, 1, seq, keys],
+    True where a query may not attend (keys: the cached ones, then these ``seq``), or None (causal: one document
+    per row). ``continues``: the tokens follow cached ones (generation), which a first token sees unless the mask
+    says otherwise."""
     starts = torch.zeros(batch, seq, dtype=torch.bool, device=device)
     if attention_mask is None:
         starts[:, 0] = not continues

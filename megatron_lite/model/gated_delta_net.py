@@ -29,7 +29,7 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.delta_rule import chunk_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
-from megatron_lite.model.document_rows import DocumentRows, document_starts
+from megatron_lite.model.document_rows import DocumentRows, document_rows
 from megatron_lite.process_groups import collectives
 from megatron_lite.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelConfig,
                                            set_tensor_model_parallel_attributes)
@@ -88,8 +88,7 @@ class GatedDeltaNet(nn.Module):
         seq, batch = projected.shape[:2]
         mixed, gate, b, a = projected.view(seq, batch, self.key_heads, -1).split(self.group_split, dim=-1)
         state = None if inference_context is None else inference_context.recurrent_state(self.layer_number)
-        documents = DocumentRows(document_starts(attention_mask, seq, batch, continues=state is not None,
-                                                 device=projected.device))
+        documents = document_rows(attention_mask, seq, batch, continues=state is not None, device=projected.device)
         # Positions first from here on ([b, s, ...]), as the rows of documents are.
         beta = b.sigmoid().reshape(seq, batch, -1).transpose(0, 1)
         decay = -self.A_log.float().exp() * F.softplus(a.reshape(seq, batch, -1).transpose(0, 1).float()

@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_lite.config import Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, TrainingConfig
+from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, PeftConfig,
+                                  TrainingConfig)
 from megatron_lite.data.sft import load_sft_examples, preference, sft_dataset
 from megatron_lite.model.builder import build_model
 from megatron_lite.model.document_rows import PackedDocuments
@@ -34,7 +35,10 @@ LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_grou
 MODELS = {"llama": LLAMA,
           "window, global every 2nd layer": dict(LLAMA, window_size=[3, 0], window_attn_skip_freq=2),
           "sinks, soft-capped": dict(LLAMA, softmax_type="learnable", attn_logit_softcapping=2.0),
-          "chunked (Llama 4)": dict(LLAMA, attention_chunk_size=4)}
+          "chunked (Llama 4)": dict(LLAMA, attention_chunk_size=4),
+          "multi-latent attention": dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=16,
+                                         kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=4),
+          "multi-token prediction": dict(LLAMA, mtp_num_layers=1)}
 
 
 def _random_ids(rng, low, high):
@@ -56,9 +60,10 @@ def data(tmp_path_factory):
     return {"jsonl": str(chat), "preprocessed": str(root / "chat"), "pairs": str(pairs)}
 
 
-def _config(model: dict, data_path: str, *, dpo: bool = False) -> Config:
+def _config(model: dict, data_path: str, *, dpo: bool = False, prefix: bool = False) -> Config:
     kind = dict(dpo=True) if dpo else dict(sft=True)
     return Config(model=ModelConfig(**model),
+                  peft=PeftConfig(peft="prefix", prefix_length=3) if prefix else PeftConfig(),
                   training=TrainingConfig(micro_batch_size=2, global_batch_size=4, train_iters=STEPS,
                                           dpo_loss_type="orpo"),
                   optimizer=OptimizerConfig(optimizer="sgd", lr=0.1, clip_grad=0.0, lr_decay_style="constant"),
@@ -85,12 +90,14 @@ def _train(config):
     return state.losses, {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
-RUNS = [(model, "jsonl", False) for model in MODELS] + [("llama", "preprocessed", False), ("llama", "pairs", True)]
+RUNS = {**{model: (model, "jsonl", {}) for model in MODELS}, "prefix tuning": ("llama", "jsonl", dict(prefix=True)),
+        "preprocessed": ("llama", "preprocessed", {}), "DPO (ORPO)": ("llama", "pairs", dict(dpo=True))}
 
 
-@pytest.mark.parametrize("model,source,dpo", RUNS, ids=[f"{m}, {s}" for m, s, _ in RUNS])
-def test_packed_documents_train_as_the_block_diagonal_mask(data, monkeypatch, model, source, dpo):
-    config = _config(MODELS[model], data[source], dpo=dpo)
+@pytest.mark.parametrize("run", RUNS)
+def test_packed_documents_train_as_the_block_diagonal_mask(data, monkeypatch, run):
+    model, source, options = RUNS[run]
+    config = _config(MODELS[model], data[source], **options)
     losses, weights = _train(config)
     with monkeypatch.context() as patch:
         _with_masks(patch)
