@@ -2,8 +2,9 @@
 block-diagonal mask they replaced.
 
 A tiny-width model (2 layers, hidden 64, 4 heads of 16 in 2 key/value groups, SwiGLU, vocabulary 256; fp32) takes
-one packed sample of ``s`` positions: examples of 64-1024 tokens (a fixed random draw) filled in by
-``build_sample``, then the sample is collated and goes forward and backward through the model, two ways:
+one packed sample of ``s`` positions: examples of 64-1024 tokens (a fixed random draw), or with ``/uneven`` one
+of s/2 tokens and then examples of 64, filled in by ``build_sample``; the sample is collated and goes forward
+and backward through the model, two ways:
 
 - "block-diagonal mask": the sample carries its mask, bool [1, s, s], built in the data path as this code did
   before (``_sample_with_mask`` below is that code), and attention reads it;
@@ -15,7 +16,7 @@ build, forward and backward add to the process's peak resident memory (after a s
 activations autograd keeps for the backward at their peak (``harness.SavedActivationPeak``); time is the CPU time
 of the sample's build, forward and backward, per round, the sides alternating.
 
-    python bench/bench_packed_documents.py [--seq-lengths 4096 8192] [--rounds 2]
+    python bench/bench_packed_documents.py [--cases 4096 8192 8192/uneven] [--rounds 2]
 """
 from __future__ import annotations
 
@@ -38,13 +39,14 @@ def _peak_resident_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kilobytes
 
 
-def _examples(seq: int) -> list:
-    """Examples of 64-1024 ids (a fixed draw) enough to fill ``seq`` positions, loss on their second half."""
+def _examples(seq: int, uneven: bool) -> list:
+    """Examples of 64-1024 ids (a fixed draw), or one of seq/2 and then 64 each, as many as fill ``seq``
+    positions; loss on their second half."""
     import numpy as np
 
     rng, examples, filled = np.random.RandomState(0), [], 0
     while True:
-        length = int(rng.randint(64, 1025))
+        length = (seq // 2 if not examples else 64) if uneven else int(rng.randint(64, 1025))
         if filled + length - 1 > seq:
             return examples
         mask = np.zeros(length, dtype=np.uint8)
@@ -66,7 +68,7 @@ def _sample_with_mask(examples: list, seq: int) -> dict:
     return sample
 
 
-def build(seq: int, with_mask: bool):
+def build(seq: int, uneven: bool, with_mask: bool):
     """The model and its sample's examples; one build, forward and backward measured; a callable that runs another."""
     import torch
 
@@ -83,7 +85,7 @@ def build(seq: int, with_mask: bool):
     model = GPTModel(ModelConfig(**MODEL, seq_length=seq), TensorParallelConfig())
 
     def step(length: int = seq):
-        examples = _examples(length)
+        examples = _examples(length, uneven)
         sample = (_sample_with_mask(examples, length) if with_mask else
                   build_sample(examples, seq_length=length, pad_token=0, pack_sequences=True))
         batch = torch.utils.data.default_collate([sample])
@@ -96,30 +98,35 @@ def build(seq: int, with_mask: bool):
     with SavedActivationPeak(list(model.parameters())) as saved:
         step()
     return step, {"peak_added": _peak_resident_bytes() - before, "saved": saved.peak,
-                  "documents": len(_examples(seq))}
+                  "documents": len(_examples(seq, uneven))}
 
 
-def compare(seq: int, rounds: int) -> list:
+def compare(seq: int, uneven: bool, rounds: int) -> list:
     sides = {"block-diagonal mask": True, "documents": False}
-    contenders = {name: Contender(build, seq, with_mask, threads=1) for name, with_mask in sides.items()}
+    contenders = {name: Contender(build, seq, uneven, with_mask, threads=1) for name, with_mask in sides.items()}
     try:
         seconds, _ = alternate(contenders, rounds, warmup=0)  # build ran the first step
     finally:
         for contender in contenders.values():
             contender.close()
-    return [[str(seq), str(contenders[name].info["documents"]), name,
+    kind = f"{contenders['documents'].info['documents']}" + (", one of s/2, the others 64" if uneven else "")
+    return [[str(seq), kind, name,
              f"{contenders[name].info['peak_added'] / MB:.0f}", f"{contenders[name].info['saved'] / MB:.0f}",
              f"{statistics.median(s.cpu for s in seconds[name]):.2f}"] for name in sides]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-lengths", nargs="+", type=int, default=[4096, 8192])
-    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per length (the median counts)")
+    parser.add_argument("--cases", nargs="+", default=["4096", "8192", "8192/uneven"],
+                        help="SEQ, or SEQ/uneven for one example of SEQ/2 tokens among examples of 64")
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per case (the median counts)")
     args = parser.parse_args(argv)
-    rows = [row for seq in args.seq_lengths for row in compare(seq, args.rounds)]
+    rows = []
+    for case in args.cases:
+        seq, *uneven = case.split("/")
+        rows += compare(int(seq), uneven == ["uneven"], args.rounds)
     print(f"packed sample, 2 layers, hidden 64, 4 heads (2 groups), fp32, one thread each; {load_average()}")
-    print(markdown_table(["s", "documents", "attention", "peak memory added (MB)", "kept for backward (MB)",
+    print(markdown_table(["s", "examples", "attention", "peak memory added (MB)", "kept for backward (MB)",
                           "build + forward + backward, CPU (s)"], rows))
     return 0
 

@@ -8,6 +8,9 @@ than cu_seqlens: they collate and cut like the tokens). Each document is moved t
 longest document, ...], zero after a short one's end), the layer runs on the rows as on a batch (attention with
 its plain causal kernel, flash on CUDA), and the outputs go back to their positions: a query sees exactly its
 document's earlier keys, as under the block-diagonal mask, and a row's padding comes after every real token.
+Attention first groups the documents by length (``DocumentBuckets``: lengths in (2^(k-1), 2^k], one call of the
+kernel per group), so its rows hold at most twice the tokens: one row per document as long as the longest would
+hold documents x longest (40 short examples beside one of 16k positions: 40 x 16k) and attend over all of it.
 
 Generation's left padding is still a mask; where a document starts is then read off it (``document_starts``):
 a token that may not see the token before it starts one (each padding token a one-token document, the prompt's
@@ -27,7 +30,7 @@ class PackedDocuments:
 
     def __init__(self, document_ids: torch.Tensor):
         self.document_ids = document_ids
-        self._rows = None
+        self._rows = self._buckets = None
 
     def starts(self) -> torch.Tensor:
         """bool [b, s]: True where a token starts a document."""
@@ -36,9 +39,16 @@ class PackedDocuments:
         return starts
 
     def rows(self) -> DocumentRows:
+        """One row per document (a recurrence's)."""
         if self._rows is None:
             self._rows = DocumentRows(self.starts())
         return self._rows
+
+    def buckets(self) -> DocumentBuckets:
+        """Rows per group of documents of similar lengths (attention's)."""
+        if self._buckets is None:
+            self._buckets = DocumentBuckets(self.starts())
+        return self._buckets
 
     def mask(self) -> torch.Tensor:
         """The block-diagonal causal mask, bool [b, 1, s, s] (True = may not attend), for a feature that needs one
@@ -119,3 +129,36 @@ class DocumentRows:
     def valid(self, dtype, device) -> torch.Tensor:
         """[documents, longest]: 1 at a document's tokens, 0 after its end."""
         return self.to_rows(torch.ones(self.shape, dtype=dtype, device=device))
+
+
+class DocumentBuckets:
+    """The documents ``starts`` [b, s] marks, grouped by length (1, 2, 3-4, 5-8, ...) and each group moved to rows of
+    its own (``DocumentRows`` over the group's tokens, in order): ``apply(function, *tensors)`` runs ``function``
+    on each group's rows and puts the outputs back at their positions."""
+
+    def __init__(self, starts: torch.Tensor):
+        self.shape = tuple(starts.shape)
+        self.rows_are_batch = not bool(starts[:, 1:].any())
+        if self.rows_are_batch:
+            return
+        boundaries = starts.flatten().clone()
+        boundaries[0] = True
+        document = boundaries.cumsum(0) - 1
+        bucket = torch.bincount(document).float().log2().ceil().long()[document]  # each token's document's group
+        self.groups = []
+        for number in torch.unique(bucket).tolist():
+            tokens = (bucket == number).nonzero().squeeze(1)
+            self.groups.append((tokens, DocumentRows(boundaries[tokens][None])))
+        order = torch.cat([tokens for tokens, _ in self.groups])
+        self.inverse = torch.empty_like(order)
+        self.inverse[order] = torch.arange(len(order), device=order.device)
+
+    def apply(self, function, *tensors: torch.Tensor) -> torch.Tensor:
+        """``function`` of [rows, longest, ...] tensors -> [rows, longest, ...], over [b, s, ...] ``tensors``."""
+        if self.rows_are_batch:
+            return function(*tensors)
+        flat = [tensor.reshape(-1, *tensor.shape[2:]) for tensor in tensors]
+        outputs = [rows.from_rows(function(*(rows.to_rows(tensor[tokens][None]) for tensor in flat)))[0]
+                   for tokens, rows in self.groups]
+        output = torch.cat(outputs)[self.inverse]
+        return output.view(*self.shape, *output.shape[1:])

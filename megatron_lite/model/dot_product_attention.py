@@ -24,7 +24,7 @@ from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, context_parallel_attention
 from megatron_lite.model.attention_sinks import sink_softmax
-from megatron_lite.model.document_rows import DocumentRows, PackedDocuments
+from megatron_lite.model.document_rows import DocumentBuckets, PackedDocuments
 from megatron_lite.model.sliding_window import layer_window
 from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.tensor_parallel.random import get_rng_tracker
@@ -70,7 +70,7 @@ class DotProductAttention(nn.Module):
         head's sink logit [heads] (``attention_sinks.py``), or None.
         """
         if isinstance(attention_mask, PackedDocuments):
-            return self._by_document(query, key, value, attention_mask.rows(), prefix, softmax_offset)
+            return self._by_document(query, key, value, attention_mask.buckets(), prefix, softmax_offset)
         if prefix is not None:
             key, value, attention_mask = prefix(key, value, attention_mask)
         seq, batch = query.shape[:2]
@@ -103,14 +103,14 @@ class DotProductAttention(nn.Module):
                                                          dropout_p=dropout, scale=self.softmax_scale, **grouped)
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
-    def _by_document(self, query, key, value, documents: DocumentRows, prefix, softmax_offset):
+    def _by_document(self, query, key, value, documents: DocumentBuckets, prefix, softmax_offset):
         """Causal attention within each document's row, then back to the positions: what the block-diagonal mask
         computes, without an [s, s] tensor. Every feature acts as on one unpacked example: the window counts
         positions within the document, and a prefix is seen by every document, before its first token."""
-        def to_rows(x):  # [s, b, ...] -> [longest, documents, ...]
-            return documents.to_rows(x.transpose(0, 1)).transpose(0, 1)
-        context = self.forward(to_rows(query), to_rows(key), to_rows(value), None, prefix, softmax_offset)
-        return documents.from_rows(context.transpose(0, 1)).transpose(0, 1)
+        def attend(*rows):  # [documents, longest, ...] each, the core's [longest, documents, ...] inside
+            return self.forward(*(x.transpose(0, 1) for x in rows), None, prefix, softmax_offset).transpose(0, 1)
+        context = documents.apply(attend, query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1))
+        return context.transpose(0, 1)
 
 
 def _unfused_attention(query, key, value, dropout: float, attention_mask, scale: float, logit_capping=None,

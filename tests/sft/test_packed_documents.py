@@ -21,6 +21,7 @@ from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig
 from megatron_lite.data.sft import load_sft_examples, preference, sft_dataset
 from megatron_lite.model.builder import build_model
 from megatron_lite.model.document_rows import PackedDocuments
+from megatron_lite.model.dot_product_attention import DotProductAttention
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.tokenizer import build_tokenizer
 from megatron_lite.training.loop import pretrain
@@ -145,3 +146,30 @@ def test_no_tensor_of_sequence_by_sequence_is_made(data):
         assert found["mask"]
     finally:
         destroy_model_parallel(parallel_state)
+
+
+@pytest.mark.parametrize("window", [None, [5, 0]])
+def test_uneven_documents_fill_rows_of_their_length_and_attend_as_under_the_mask(window):
+    """One long document among many short ones: each length group's rows are at most twice its tokens (one row per
+    document would be documents x longest), and the core's values and gradients equal the masked path's."""
+    lengths = [3, 200, 1, 7, 2, 9, 4, 30, 1, 16, 5, 2]
+    document_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    document_ids = torch.stack([document_ids, document_ids.flip(0)])  # the second row: the documents reversed
+    documents = PackedDocuments(document_ids)
+    buckets = documents.buckets()
+    rows = sum(group.num_rows * group.longest for _, group in buckets.groups)
+    assert rows <= 2 * document_ids.numel() < len(documents.rows().lengths) * documents.rows().longest
+    config = ModelConfig(**dict(LLAMA, seq_length=document_ids.shape[1], window_size=window))
+    core = DotProductAttention(config, layer_number=0, softmax_scale=0.25, heads_per_group=2)
+    torch.manual_seed(0)
+    query = torch.randn(document_ids.shape[1], 2, 4, 8, requires_grad=True)
+    key, value = (torch.randn(document_ids.shape[1], 2, 2, 8, requires_grad=True) for _ in range(2))
+    outputs = []
+    for attention in (documents, documents.mask()):
+        output = core(query, key, value, attention)
+        output.square().sum().backward()
+        outputs.append([output.detach()] + [x.grad.clone() for x in (query, key, value)])
+        for x in (query, key, value):
+            x.grad = None
+    for ours, masked in zip(*outputs):
+        torch.testing.assert_close(ours, masked, rtol=1e-5, atol=1e-5)
