@@ -13,8 +13,7 @@ data-parallel ones (docs/parallelism.md).
 """
 from megatron_lite.context_parallel.attention import attend_own_chunks, context_parallel_attention, gather_sequence
 from megatron_lite.context_parallel.config import ContextParallelConfig
-from megatron_lite.context_parallel.sharding import (get_batch_on_this_cp_rank, local_positions, packed_attention_mask,
-                                                     slice_batches)
+from megatron_lite.context_parallel.sharding import get_batch_on_this_cp_rank, local_positions, slice_batches
 
 __all__ = ["ContextParallelConfig", "attend_own_chunks", "context_parallel_attention", "gather_sequence",
-           "get_batch_on_this_cp_rank", "local_positions", "packed_attention_mask", "slice_batches"]
+           "get_batch_on_this_cp_rank", "local_positions", "slice_batches"]

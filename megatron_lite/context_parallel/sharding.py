@@ -9,10 +9,9 @@ section 15). A rank's activations are its two chunks one after the other, [chunk
 Every rank of a context-parallel group reads the same micro-batch (they share a data-parallel rank) and
 keeps its chunks of every per-position field: tokens, labels and loss mask (the labels are already the
 next tokens, so a chunk's last label is the first token of the next chunk, as in the whole sequence),
-and position ids (so rotary and learned position embeddings see the true positions). A packed batch's
-documents (``document_ids`` [b, s]) become this rank's query rows of their block-diagonal causal mask, every key
-column in sequence order ([b, 1, s/cp, s]); a given attention mask [b, 1, s, s] (generation's padding) keeps its
-rows the same way.
+and position ids (so rotary and learned position embeddings see the true positions). A given attention
+mask [b, 1, s, s] keeps this rank's query rows and every key column, in sequence order. A packed batch's
+documents (``document_ids`` [b, s]) stay whole: attention builds this rank's query rows of their mask from them.
 """
 from __future__ import annotations
 
@@ -41,26 +40,12 @@ def global_order(cp_size: int, chunk: int) -> torch.Tensor:
 
 def get_batch_on_this_cp_rank(batch: dict, cp_rank: int, cp_size: int) -> dict:
     """``batch`` (Megatron's name) with every field cut to this rank's positions: [b, s] fields along the
-    sequence, the attention mask [b, 1, s, s] along its query rows; packed documents become the rows of their
-    mask."""
+    sequence, the attention mask [b, 1, s, s] along its query rows; the documents of a packed batch whole."""
     if cp_size == 1:
         return batch
     positions = local_positions(batch["tokens"].shape[1], cp_rank, cp_size)
-    cut = {key: value.index_select(2 if key == "attention_mask" else 1, positions) for key, value in batch.items()
-           if key != "document_ids"}
-    if "document_ids" in batch:
-        document_ids = batch["document_ids"]
-        cut["attention_mask"] = packed_attention_mask(document_ids, positions.to(document_ids.device))
-    return cut
-
-
-def packed_attention_mask(document_ids: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
-    """bool [b, 1, q, s], True where the query at each of ``query_positions`` [q] may not attend: a later key, or
-    one of another document (``document_ids`` [b, s])."""
-    keys = torch.arange(document_ids.shape[1], device=document_ids.device)
-    later = keys > query_positions[:, None]
-    other = document_ids[:, query_positions, None] != document_ids[:, None, :]
-    return (later | other)[:, None]
+    return {key: value if key == "document_ids" else value.index_select(2 if key == "attention_mask" else 1, positions)
+            for key, value in batch.items()}
 
 
 def slice_batches(iterator, cp_rank: int, cp_size: int):

@@ -16,7 +16,7 @@ from megatron_lite.context_parallel import ContextParallelConfig, attend_own_chu
 from megatron_lite.model.attention_sinks import register_softmax_offset
 from megatron_lite.model.attention_temperature import layer_temperature
 from megatron_lite.model.chunked_attention import layer_chunks
-from megatron_lite.model.document_rows import PackedDocuments
+from megatron_lite.model.document_rows import core_attention_input
 from megatron_lite.model.dot_product_attention import build_core_attention
 from megatron_lite.model.embedding import apply_rotary, layer_rotary_concentration
 from megatron_lite.model.norm import L2Norm, Norm, ProjectionRMSNorm
@@ -54,6 +54,7 @@ class SelfAttention(nn.Module):
         self.core_attention = build_core_attention(
             config, layer_number=layer_number, softmax_scale=config.softmax_scale or 1.0 / math.sqrt(self.head_dim),
             heads_per_group=self.heads_per_group, context_parallel=context_parallel)
+        self.context_parallel = context_parallel
         self.checkpoint_core_attention = checkpoint_core_attention
         self.rotary_concentration = layer_rotary_concentration(config, layer_number)
         self.output_gate = config.attention_output_gate
@@ -109,13 +110,12 @@ class SelfAttention(nn.Module):
             key, value = inference_context.append_key_value(self.layer_number, key, value, window=window)
             if attention_mask is not None:  # a windowed cache returns the most recent keys only
                 attention_mask = attention_mask[..., -key.shape[0]:]
+        attention_mask = core_attention_input(attention_mask, self.context_parallel, chunked=self.chunks is not None)
         # The prefix joins after the cache, which holds the sequence's own keys only.
         core_attention = functools.partial(self.core_attention, prefix=self.prefix)
         if self.softmax_offset is not None:
             core_attention = functools.partial(core_attention, softmax_offset=self.softmax_offset)
         if self.chunks is not None:  # around the core, chunk by chunk (refused with context parallelism, below)
-            if isinstance(attention_mask, PackedDocuments):  # the chunks' blocks are cut out of a mask
-                attention_mask = attention_mask.mask()
             core_attention = functools.partial(self.chunks, core_attention, position_ids=position_ids)
         if inference_context is not None and inference_context.splits_sequence:
             context = attend_own_chunks(self.core_attention, query, key, value, attention_mask,

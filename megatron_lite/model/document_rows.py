@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.context_parallel import packed_attention_mask
+from megatron_lite.context_parallel import ContextParallelConfig, local_positions
 
 
 class PackedDocuments:
@@ -30,7 +30,7 @@ class PackedDocuments:
 
     def __init__(self, document_ids: torch.Tensor):
         self.document_ids = document_ids
-        self._rows = self._buckets = None
+        self._rows = self._buckets = self._mask = None
 
     def starts(self) -> torch.Tensor:
         """bool [b, s]: True where a token starts a document."""
@@ -50,16 +50,30 @@ class PackedDocuments:
             self._buckets = DocumentBuckets(self.starts())
         return self._buckets
 
-    def mask(self) -> torch.Tensor:
-        """The block-diagonal causal mask, bool [b, 1, s, s] (True = may not attend), for a feature that needs one
-        (chunked attention's blocks): built where it is used, never in the data path."""
-        positions = torch.arange(self.document_ids.shape[1], device=self.document_ids.device)
-        return packed_attention_mask(self.document_ids, positions)
+    def mask(self, context_parallel: ContextParallelConfig | None = None) -> torch.Tensor:
+        """The block-diagonal causal mask, bool [b, 1, s, s] (True = may not attend), or under context parallelism
+        this rank's query rows of it, [b, 1, s/cp, s]: for the cores that cut blocks out of a mask (chunked
+        attention, context parallelism), built where they attend (once for every layer), never in the data path."""
+        if self._mask is None:
+            seq, device = self.document_ids.shape[1], self.document_ids.device
+            queries = (torch.arange(seq) if context_parallel is None else
+                       local_positions(seq, context_parallel.rank, context_parallel.size)).to(device)
+            later = torch.arange(seq, device=device) > queries[:, None]
+            other = self.document_ids[:, queries, None] != self.document_ids[:, None, :]
+            self._mask = (later | other)[:, None]
+        return self._mask
+
+
+def core_attention_input(attention_mask, context_parallel: ContextParallelConfig | None, *, chunked: bool = False):
+    """``attention_mask`` as a layer hands it to its core: packed documents stay documents (the core attends in
+    their rows), except where the core cuts blocks out of a mask: chunked attention, or a context-parallel rank."""
+    if isinstance(attention_mask, PackedDocuments) and (chunked or context_parallel is not None):
+        return attention_mask.mask(context_parallel)
+    return attention_mask
 
 
 def attention_input(batch: dict):
-    """What a micro-batch hands attention: its packed documents, else its mask (a context-parallel rank's rows of
-    the packed documents' mask, ``get_batch_on_this_cp_rank``), else None (causal)."""
+    """What a micro-batch hands attention: its packed documents, else its mask, else None (causal)."""
     if "document_ids" in batch:
         return PackedDocuments(batch["document_ids"])
     return batch.get("attention_mask")

@@ -12,6 +12,7 @@ the whole sequence's logits at them.
 """
 import dataclasses
 import math
+import types
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, context_parallel_attention, local_positions
 from megatron_lite.context_parallel.sharding import chunk_ids, get_batch_on_this_cp_rank, global_order
+from megatron_lite.model.document_rows import PackedDocuments
 from megatron_lite.model.dot_product_attention import DotProductAttention
 from megatron_lite.model.gpt_model import GPTModel
 from megatron_lite.model.weight_init import initialize_weights
@@ -192,8 +194,10 @@ def test_batch_is_cut_to_the_rank_positions():
     assert cut["position_ids"][1].tolist() == positions
     assert torch.equal(cut["attention_mask"], batch["attention_mask"][:, :, positions, :])
     assert get_batch_on_this_cp_rank(batch, 0, 1) is batch
-    # Packed documents (no mask in the batch) become the same rows of their mask, built on this rank.
+    # Packed documents stay whole; attention builds this rank's rows of their mask from them.
     documents = dict(batch, document_ids=DOCUMENTS)
     del documents["attention_mask"]
     cut = get_batch_on_this_cp_rank(documents, 1, 2)
-    assert "document_ids" not in cut and torch.equal(cut["attention_mask"], _packed_mask()[:, :, positions, :])
+    assert cut["document_ids"] is DOCUMENTS
+    rows = PackedDocuments(DOCUMENTS).mask(types.SimpleNamespace(rank=1, size=2))  # a ContextParallelConfig's
+    assert torch.equal(rows, _packed_mask()[:, :, positions, :])

@@ -4,9 +4,8 @@ A packed sample carries each position's document (``document_ids``) and attentio
 its own (``model/document_rows.py``). The reference is the path it replaced: the same samples with their
 block-diagonal causal mask [1, s, s] instead (``_with_masks``), through the same trainer (``pretrain``: the data
 loader, ``train_step``, the optimizer). Plain SGD without clipping, so the final weights carry every step's
-gradients; init std 0.2 and windows, sinks and caps small enough to bite. Context parallelism on packed documents
-(each rank building its rows of the mask from them) against one process: ``tests/context_parallel/
-test_equivalence.py::test_cp2_matches_one_process`` and ``tests/sft/test_dpo_parallel.py``'s cp2 runs.
+gradients; init std 0.2 and windows, sinks and caps small enough to bite. At cp2 (each rank building its rows of
+the mask from the documents; one layer p2p, one all_gather) against the mask in one process too.
 """
 import json
 import random
@@ -16,8 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, PeftConfig,
-                                  TrainingConfig)
+from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                                  PeftConfig, TrainingConfig)
 from megatron_lite.data.sft import load_sft_examples, preference, sft_dataset
 from megatron_lite.model.builder import build_model
 from megatron_lite.model.document_rows import PackedDocuments
@@ -25,6 +24,7 @@ from megatron_lite.model.dot_product_attention import DotProductAttention
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.tokenizer import build_tokenizer
 from megatron_lite.training.loop import pretrain
+from tests.distributed import run_distributed
 from tools.preprocess_data import main as preprocess_data
 
 STEPS = 2
@@ -61,9 +61,10 @@ def data(tmp_path_factory):
     return {"jsonl": str(chat), "preprocessed": str(root / "chat"), "pairs": str(pairs)}
 
 
-def _config(model: dict, data_path: str, *, dpo: bool = False, prefix: bool = False) -> Config:
+def _config(model: dict, data_path: str, *, dpo: bool = False, prefix: bool = False, cp: int = 1) -> Config:
     kind = dict(dpo=True) if dpo else dict(sft=True)
     return Config(model=ModelConfig(**model),
+                  parallel=ParallelConfig(context_parallel_size=cp, cp_comm_type=["p2p", "all_gather"]),
                   peft=PeftConfig(peft="prefix", prefix_length=3) if prefix else PeftConfig(),
                   training=TrainingConfig(micro_batch_size=2, global_batch_size=4, train_iters=STEPS,
                                           dpo_loss_type="orpo"),
@@ -74,21 +75,35 @@ def _config(model: dict, data_path: str, *, dpo: bool = False, prefix: bool = Fa
 
 
 def _with_masks(monkeypatch):
-    """The data path as it was: each packed sample's block-diagonal causal mask [1, s, s] for its documents."""
+    """The data path as it was: each packed sample's block-diagonal causal mask [1, s, s] for its documents (the
+    code it had, independent of the model's own ``PackedDocuments.mask``)."""
     build_sample = sft_dataset.build_sample
 
     def masked(*args, **kwargs):
         sample = build_sample(*args, **kwargs)
-        documents = PackedDocuments(torch.from_numpy(sample.pop("document_ids"))[None])
-        sample["attention_mask"] = documents.mask()[0].numpy()
+        document = sample.pop("document_ids")
+        causal = np.tril(np.ones((len(document), len(document)), dtype=bool))
+        sample["attention_mask"] = ~(causal & (document[:, None] == document[None, :]))[None]
         return sample
     monkeypatch.setattr(sft_dataset, "build_sample", masked)
     monkeypatch.setattr(preference, "build_sample", masked)
 
 
-def _train(config):
-    state, (model,), _ = pretrain(config)
+def _train(config, keep_process_group: bool = False):
+    state, (model,), _ = pretrain(config, keep_process_group=keep_process_group)
     return state.losses, {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+def _train_each(rank, world_size, configs):
+    return [_train(config, keep_process_group=True) for config in configs]
+
+
+def _assert_equal(run, reference):
+    (losses, weights), (reference_losses, reference_weights) = run, reference
+    assert len(losses) == STEPS and losses[0] != losses[-1]
+    torch.testing.assert_close(losses, reference_losses, rtol=1e-5, atol=1e-6)
+    for name, weight in weights.items():
+        torch.testing.assert_close(weight, reference_weights[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 RUNS = {**{model: (model, "jsonl", {}) for model in MODELS}, "prefix tuning": ("llama", "jsonl", dict(prefix=True)),
@@ -99,14 +114,19 @@ RUNS = {**{model: (model, "jsonl", {}) for model in MODELS}, "prefix tuning": ("
 def test_packed_documents_train_as_the_block_diagonal_mask(data, monkeypatch, run):
     model, source, options = RUNS[run]
     config = _config(MODELS[model], data[source], **options)
-    losses, weights = _train(config)
+    run = _train(config)
     with monkeypatch.context() as patch:
         _with_masks(patch)
-        reference_losses, reference_weights = _train(config)
-    assert len(losses) == STEPS and losses[0] != losses[-1]
-    torch.testing.assert_close(losses, reference_losses, rtol=1e-5, atol=1e-6)
-    for name, weight in weights.items():
-        torch.testing.assert_close(weight, reference_weights[name], rtol=1e-5, atol=1e-6, msg=name)
+        _assert_equal(run, _train(config))
+
+
+def test_context_parallel_packed_documents_train_as_the_mask_in_one_process(data, monkeypatch):
+    models = [MODELS["llama"], MODELS["window, global every 2nd layer"]]
+    ranks = run_distributed(_train_each, 2, args=([_config(model, data["jsonl"], cp=2) for model in models],))
+    with monkeypatch.context() as patch:
+        _with_masks(patch)
+        for model, run in zip(models, ranks[0]):
+            _assert_equal(run, _train(_config(model, data["jsonl"])))
 
 
 class _SquareTensors(TorchDispatchMode):
@@ -165,7 +185,10 @@ def test_uneven_documents_fill_rows_of_their_length_and_attend_as_under_the_mask
     query = torch.randn(document_ids.shape[1], 2, 4, 8, requires_grad=True)
     key, value = (torch.randn(document_ids.shape[1], 2, 2, 8, requires_grad=True) for _ in range(2))
     outputs = []
-    for attention in (documents, documents.mask()):
+    causal = torch.ones(document_ids.shape[1], document_ids.shape[1], dtype=torch.bool).tril()
+    mask = ~(causal & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
+    assert torch.equal(mask, documents.mask())
+    for attention in (documents, mask):
         output = core(query, key, value, attention)
         output.square().sum().backward()
         outputs.append([output.detach()] + [x.grad.clone() for x in (query, key, value)])
