@@ -4,7 +4,8 @@ A packed sample carries each position's document (``document_ids``) and attentio
 its own (``model/document_rows.py``). The reference is the path it replaced: the same samples with their
 block-diagonal causal mask [1, s, s] instead (``_with_masks``), through the same trainer (``pretrain``: the data
 loader, ``train_step``, the optimizer). Plain SGD without clipping, so the final weights carry every step's
-gradients; init std 0.2 and windows, sinks and caps small enough to bite. At cp2 (each rank building its rows of
+gradients; init std 0.2 and windows, sinks and caps small enough to bite. (Chunked attention would pass even
+without the documents' mask: its chunks restart with each example's positions.) At cp2 (each rank building its rows of
 the mask from the documents; one layer p2p, one all_gather) against the mask in one process too.
 """
 import json
@@ -61,13 +62,16 @@ def data(tmp_path_factory):
     return {"jsonl": str(chat), "preprocessed": str(root / "chat"), "pairs": str(pairs)}
 
 
-def _config(model: dict, data_path: str, *, dpo: bool = False, prefix: bool = False, cp: int = 1) -> Config:
+def _config(model: dict, data_path: str, *, dpo: bool = False, prefix: bool = False, cp: int = 1,
+            recompute: str | None = None) -> Config:
     kind = dict(dpo=True) if dpo else dict(sft=True)
     return Config(model=ModelConfig(**model),
                   parallel=ParallelConfig(context_parallel_size=cp, cp_comm_type=["p2p", "all_gather"]),
                   peft=PeftConfig(peft="prefix", prefix_length=3) if prefix else PeftConfig(),
                   training=TrainingConfig(micro_batch_size=2, global_batch_size=4, train_iters=STEPS,
-                                          dpo_loss_type="orpo"),
+                                          dpo_loss_type="orpo", recompute_granularity=recompute,
+                                          recompute_method="uniform" if recompute == "full" else None,
+                                          recompute_num_layers=1 if recompute == "full" else None),
                   optimizer=OptimizerConfig(optimizer="sgd", lr=0.1, clip_grad=0.0, lr_decay_style="constant"),
                   data=DataConfig(**kind, train_data_path=[data_path], tokenizer_type="NullTokenizer",
                                   sft_pack_sequences=True),
@@ -107,6 +111,8 @@ def _assert_equal(run, reference):
 
 
 RUNS = {**{model: (model, "jsonl", {}) for model in MODELS}, "prefix tuning": ("llama", "jsonl", dict(prefix=True)),
+        "recomputed layers": ("llama", "jsonl", dict(recompute="full")),
+        "recomputed cores": ("window, global every 2nd layer", "jsonl", dict(recompute="selective")),
         "preprocessed": ("llama", "preprocessed", {}), "DPO (ORPO)": ("llama", "pairs", dict(dpo=True))}
 
 
