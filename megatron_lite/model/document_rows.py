@@ -30,7 +30,7 @@ class PackedDocuments:
 
     def __init__(self, document_ids: torch.Tensor):
         self.document_ids = document_ids
-        self._rows = self._buckets = self._mask = None
+        self._buckets = self._mask = None
 
     def starts(self) -> torch.Tensor:
         """bool [b, s]: True where a token starts a document."""
@@ -38,14 +38,8 @@ class PackedDocuments:
         starts[:, 1:] = self.document_ids[:, 1:] != self.document_ids[:, :-1]
         return starts
 
-    def rows(self) -> DocumentRows:
-        """One row per document (a recurrence's)."""
-        if self._rows is None:
-            self._rows = DocumentRows(self.starts())
-        return self._rows
-
     def buckets(self) -> DocumentBuckets:
-        """Rows per group of documents of similar lengths (attention's)."""
+        """The documents in rows, grouped by length."""
         if self._buckets is None:
             self._buckets = DocumentBuckets(self.starts())
         return self._buckets
@@ -79,13 +73,13 @@ def attention_input(batch: dict):
     return batch.get("attention_mask")
 
 
-def document_rows(attention_mask: torch.Tensor | PackedDocuments | None, seq: int, batch: int, *, continues: bool,
-                  device) -> DocumentRows:
-    """The rows of the documents ``attention_mask`` gives: a packed batch's own (built once for every layer), else
-    those ``document_starts`` reads off the mask."""
+def document_buckets(attention_mask: torch.Tensor | PackedDocuments | None, seq: int, batch: int,
+                     device) -> DocumentBuckets:
+    """The documents ``attention_mask`` gives, in rows grouped by length: a packed batch's own (built once for every
+    layer), else those ``document_starts`` reads off a mask (none: one document per batch row)."""
     if isinstance(attention_mask, PackedDocuments):
-        return attention_mask.rows()
-    return DocumentRows(document_starts(attention_mask, seq, batch, continues=continues, device=device))
+        return attention_mask.buckets()
+    return DocumentBuckets(document_starts(attention_mask, seq, batch, continues=False, device=device))
 
 
 def document_starts(attention_mask: torch.Tensor | None, seq: int, batch: int, *, continues: bool,

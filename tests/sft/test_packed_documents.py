@@ -20,7 +20,7 @@ from megatron_lite.config import (Config, DataConfig, LoggingConfig, ModelConfig
                                   PeftConfig, TrainingConfig)
 from megatron_lite.data.sft import load_sft_examples, preference, sft_dataset
 from megatron_lite.model.builder import build_model
-from megatron_lite.model.document_rows import PackedDocuments
+from megatron_lite.model.document_rows import DocumentRows, PackedDocuments
 from megatron_lite.model.dot_product_attention import DotProductAttention
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.tokenizer import build_tokenizer
@@ -40,7 +40,11 @@ MODELS = {"llama": LLAMA,
           "chunked (Llama 4)": dict(LLAMA, attention_chunk_size=4),
           "multi-latent attention": dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=16,
                                          kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=4),
-          "multi-token prediction": dict(LLAMA, mtp_num_layers=1)}
+          "multi-token prediction": dict(LLAMA, mtp_num_layers=1),
+          "gated DeltaNet, then attention": dict(LLAMA, experimental_attention_variant="gdn",
+                                                 linear_attention_freq="[1, 0]", linear_key_head_dim=8,
+                                                 linear_value_head_dim=8, linear_num_key_heads=2,
+                                                 linear_num_value_heads=4)}
 
 
 def _random_ids(rng, low, high):
@@ -159,7 +163,7 @@ def test_no_tensor_of_sequence_by_sequence_is_made(data):
                                       pack_sequences=True)
     batch = {key: torch.from_numpy(np.asarray(value))[None] for key, value in sample.items()}
     documents = PackedDocuments(batch["document_ids"])
-    assert len(documents.rows().lengths) > 2 and "attention_mask" not in sample
+    assert int(documents.starts().sum()) > 2 and "attention_mask" not in sample
     parallel_state = initialize_model_parallel(1, 1)
     try:
         (model,) = build_model(config, parallel_state)
@@ -184,7 +188,8 @@ def test_uneven_documents_fill_rows_of_their_length_and_attend_as_under_the_mask
     documents = PackedDocuments(document_ids)
     buckets = documents.buckets()
     rows = sum(group.num_rows * group.longest for _, group in buckets.groups)
-    assert rows <= 2 * document_ids.numel() < len(documents.rows().lengths) * documents.rows().longest
+    one_row_each = DocumentRows(documents.starts())  # one row per document, as long as the longest
+    assert rows <= 2 * document_ids.numel() < one_row_each.num_rows * one_row_each.longest
     config = ModelConfig(**dict(LLAMA, seq_length=document_ids.shape[1], window_size=window))
     core = DotProductAttention(config, layer_number=0, softmax_scale=0.25, heads_per_group=2)
     torch.manual_seed(0)
