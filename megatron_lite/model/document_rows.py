@@ -8,13 +8,14 @@ than cu_seqlens: they collate and cut like the tokens). Each document is moved t
 longest document, ...], zero after a short one's end), the layer runs on the rows as on a batch (attention with
 its plain causal kernel, flash on CUDA), and the outputs go back to their positions: a query sees exactly its
 document's earlier keys, as under the block-diagonal mask, and a row's padding comes after every real token.
-Attention first groups the documents by length (``DocumentBuckets``: lengths in (2^(k-1), 2^k], one call of the
-kernel per group), so its rows hold at most twice the tokens: one row per document as long as the longest would
-hold documents x longest (40 short examples beside one of 16k positions: 40 x 16k) and attend over all of it.
+In training the documents are grouped by length first (``DocumentBuckets``: lengths in (2^(k-1), 2^k], one call
+per group), so the rows hold at most twice the tokens: one row per document as long as the longest would hold
+documents x longest (40 short examples beside one of 16k positions: 40 x 16k) and attend over all of it.
 
 Generation's left padding is still a mask; where a document starts is then read off it (``document_starts``):
 a token that may not see the token before it starts one (each padding token a one-token document, the prompt's
-first token the start of its own).
+first token the start of its own). A recurrence there keeps one row per document (``DocumentRows``), whose
+state enters and leaves with each batch row.
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from megatron_lite.context_parallel import ContextParallelConfig, local_position
 
 
 class PackedDocuments:
-    """What attention reads of a packed micro-batch in place of a mask: ``document_ids`` [b, s], each position's
-    document in its row (a document's positions contiguous; padding is a document of its own). The rows are
-    built once, at the first layer that asks, and shared by the others."""
+    """What the layers read of a packed micro-batch in place of a mask: ``document_ids`` [b, s], each position's
+    document in its row (a document's positions contiguous; padding is a document of its own). The rows (or a
+    mask) are built once, at the first layer that asks, and shared by the others."""
 
     def __init__(self, document_ids: torch.Tensor):
         self.document_ids = document_ids
@@ -47,7 +48,8 @@ class PackedDocuments:
     def mask(self, context_parallel: ContextParallelConfig | None = None) -> torch.Tensor:
         """The block-diagonal causal mask, bool [b, 1, s, s] (True = may not attend), or under context parallelism
         this rank's query rows of it, [b, 1, s/cp, s]: for the cores that cut blocks out of a mask (chunked
-        attention, context parallelism), built where they attend (once for every layer), never in the data path."""
+        attention, context parallelism), built where they attend (once: every layer asks with the same
+        ``context_parallel``), never in the data path."""
         if self._mask is None:
             seq, device = self.document_ids.shape[1], self.document_ids.device
             queries = (torch.arange(seq) if context_parallel is None else
@@ -149,8 +151,9 @@ class DocumentBuckets:
         self.rows_are_batch = not bool(starts[:, 1:].any())
         if self.rows_are_batch:
             return
-        boundaries = starts.flatten().clone()
-        boundaries[0] = True
+        boundaries = starts.clone()
+        boundaries[:, 0] = True  # each batch row's first token starts a document
+        boundaries = boundaries.flatten()
         document = boundaries.cumsum(0) - 1
         bucket = torch.bincount(document).float().log2().ceil().long()[document]  # each token's document's group
         self.groups = []
