@@ -47,9 +47,9 @@ class PackedDocuments:
 
     def mask(self, context_parallel: ContextParallelConfig | None = None) -> torch.Tensor:
         """The block-diagonal causal mask, bool [b, 1, s, s] (True = may not attend), or under context parallelism
-        this rank's query rows of it, [b, 1, s/cp, s]: for the cores that cut blocks out of a mask (chunked
-        attention, context parallelism), built where they attend (once: every layer asks with the same
-        ``context_parallel``), never in the data path."""
+        this rank's query rows of it, [b, 1, s/cp, s]: for the cores that cut blocks out of a mask (context
+        parallelism's), built where they attend (once: every layer asks with the same ``context_parallel``), never
+        in the data path."""
         if self._mask is None:
             seq, device = self.document_ids.shape[1], self.document_ids.device
             queries = (torch.arange(seq) if context_parallel is None else
@@ -62,10 +62,14 @@ class PackedDocuments:
 
 def core_attention_input(attention_mask, context_parallel: ContextParallelConfig | None, *, chunked: bool = False):
     """``attention_mask`` as a layer hands it to its core: packed documents stay documents (the core attends in
-    their rows), except where the core cuts blocks out of a mask: chunked attention, or a context-parallel rank."""
-    if isinstance(attention_mask, PackedDocuments) and (chunked or context_parallel is not None):
-        return attention_mask.mask(context_parallel)
-    return attention_mask
+    their rows), except under context parallelism, whose cores cut blocks out of a mask (this rank's rows), and
+    in chunked attention (Llama 4), which needs none: its chunks count from each document's first position (the
+    position ids restart there), so no chunk crosses a document."""
+    if not isinstance(attention_mask, PackedDocuments):
+        return attention_mask
+    if chunked:
+        return None
+    return attention_mask if context_parallel is None else attention_mask.mask(context_parallel)
 
 
 def attention_input(batch: dict):

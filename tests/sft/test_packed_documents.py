@@ -4,8 +4,8 @@ A packed sample carries each position's document (``document_ids``) and attentio
 its own (``model/document_rows.py``). The reference is the path it replaced: the same samples with their
 block-diagonal causal mask [1, s, s] instead (``_with_masks``), through the same trainer (``pretrain``: the data
 loader, ``train_step``, the optimizer). Plain SGD without clipping, so the final weights carry every step's
-gradients; init std 0.2 and windows, sinks and caps small enough to bite. (Chunked attention would pass even
-without the documents' mask: its chunks restart with each example's positions.) At cp2 (each rank building its rows of
+gradients; init std 0.2 and windows, sinks and caps small enough to bite. (Chunked attention takes no mask of the
+documents: its chunks restart with each example's positions, which the comparison with the mask proves.) At cp2 (each rank building its rows of
 the mask from the documents; one layer p2p, one all_gather) against the mask in one process too.
 """
 import json
@@ -154,10 +154,11 @@ class _SquareTensors(TorchDispatchMode):
         return output
 
 
-def test_no_tensor_of_sequence_by_sequence_is_made(data):
-    """The default packed path, a data sample through the forward and backward, makes no [s, s] tensor; the mask
-    it replaced does (which shows the check sees one)."""
-    config = _config(LLAMA, data["jsonl"])
+@pytest.mark.parametrize("model", ["llama", "window, global every 2nd layer", "chunked (Llama 4)"])
+def test_no_tensor_of_sequence_by_sequence_is_made(data, model):
+    """The packed path, a data sample through the forward and backward, makes no [s, s] tensor; the mask it
+    replaced does (which shows the check sees one)."""
+    config = _config(MODELS[model], data["jsonl"])
     examples = load_sft_examples([data["jsonl"]], build_tokenizer("NullTokenizer", vocab_size=63), "plain")
     sample = sft_dataset.build_sample([examples.get(i) for i in range(4)], seq_length=SEQ, pad_token=0,
                                       pack_sequences=True)
@@ -168,8 +169,9 @@ def test_no_tensor_of_sequence_by_sequence_is_made(data):
     try:
         (model,) = build_model(config, parallel_state)
         found = {}
-        for name, attention in (("documents", documents), ("mask", documents.mask())):
-            with _SquareTensors(SEQ) as mode:
+        for name in ("documents", "mask"):
+            with _SquareTensors(SEQ) as mode:  # the mask as the data path made it, and what attention makes of it
+                attention = documents if name == "documents" else PackedDocuments(batch["document_ids"]).mask()
                 model(batch["tokens"], batch["position_ids"], attention, labels=batch["labels"]).sum().backward()
             found[name] = mode.found
         assert not found["documents"], found["documents"]
