@@ -5,8 +5,9 @@ its own (``model/document_rows.py``). The reference is the path it replaced: the
 block-diagonal causal mask [1, s, s] instead (``_with_masks``), through the same trainer (``pretrain``: the data
 loader, ``train_step``, the optimizer). Plain SGD without clipping, so the final weights carry every step's
 gradients; init std 0.2 and windows, sinks and caps small enough to bite. (Chunked attention takes no mask of the
-documents: its chunks restart with each example's positions, which the comparison with the mask proves.) At cp2 (each rank building its rows of
-the mask from the documents; one layer p2p, one all_gather) against the mask in one process too.
+documents: its chunks restart with each example's positions, which the comparison with the mask proves.) At cp2
+(each rank building its rows of the mask from the documents; one layer p2p, one all_gather) against the mask in
+one process too.
 """
 import json
 import random
