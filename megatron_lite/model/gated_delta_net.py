@@ -119,7 +119,7 @@ class GatedDeltaNet(nn.Module):
         """The scan's outputs [b, s, value heads, dv] of new tokens after the cached state, one row per document
         (generation's left padding makes each padding token one), and the state each batch row ends in cached."""
         state = inference_context.recurrent_state(self.layer_number)
-        seq, batch = mixed.shape[1], mixed.shape[0]
+        batch, seq = mixed.shape[:2]
         documents = DocumentRows(document_starts(attention_mask, seq, batch, continues=state is not None,
                                                  device=mixed.device))
         valid = documents.valid(torch.float32, mixed.device)[..., None]  # no write, no decay after an end
