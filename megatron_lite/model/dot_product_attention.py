@@ -107,6 +107,12 @@ class DotProductAttention(nn.Module):
         """Causal attention within each document's row, then back to the positions: what the block-diagonal mask
         computes, without an [s, s] tensor. Every feature acts as on one unpacked example: the window counts
         positions within the document, and a prefix is seen by every document, before its first token."""
+        if not (query.shape[0] == key.shape[0] and documents.shape == (query.shape[1], query.shape[0])):
+            raise ValueError(f"packed documents [b, s] = {list(documents.shape)} attend within their own sequence: "
+                             f"they need its s queries of each of b rows and as many keys; got queries [s, b] = "
+                             f"{list(query.shape[:2])} and {key.shape[0]} keys. Pass a mask for queries after "
+                             f"cached keys.")
+
         def attend(*rows):  # [documents, longest, ...] each, the core's [longest, documents, ...] inside
             return self.forward(*(x.transpose(0, 1) for x in rows), None, prefix, softmax_offset).transpose(0, 1)
         context = documents.apply(attend, query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1))

@@ -210,3 +210,5 @@ def test_uneven_documents_fill_rows_of_their_length_and_attend_as_under_the_mask
             x.grad = None
     for ours, masked in zip(*outputs):
         torch.testing.assert_close(ours, masked, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="they need its s queries of each of b rows and as many keys"):
+        core(query[-1:], key, value, documents)  # a query after cached keys
