@@ -23,8 +23,8 @@ ACCEPTED_FLAGS = {
     "--cross-entropy-loss-fusion": "accepted, no effect: the loss is always the vocab-parallel cross entropy "
                                    "on each rank's logit shard, which never gathers the logits",
     "--no-create-attention-mask-in-dataloader": "accepted, no effect: pretraining's data loader builds no attention "
-                                                "masks (attention is causal inside the kernel); only --sft's packed "
-                                                "sequences carry one",
+                                                "masks (attention is causal inside the kernel); --sft's packed "
+                                                "sequences carry their examples' ids, not a mask",
     "--use-flash-attn": "accepted, no effect: attention runs torch's scaled_dot_product_attention, which uses a "
                         "flash kernel where the device has one (see --attention-backend)",
     "--no-masked-softmax-fusion": _FUSION_NOOP,

@@ -9,8 +9,9 @@ section 15). A rank's activations are its two chunks one after the other, [chunk
 Every rank of a context-parallel group reads the same micro-batch (they share a data-parallel rank) and
 keeps its chunks of every per-position field: tokens, labels and loss mask (the labels are already the
 next tokens, so a chunk's last label is the first token of the next chunk, as in the whole sequence),
-and position ids (so rotary and learned position embeddings see the true positions). A packed batch's
-attention mask [b, 1, s, s] keeps this rank's query rows and every key column, in sequence order.
+and position ids (so rotary and learned position embeddings see the true positions). A given attention
+mask [b, 1, s, s] keeps this rank's query rows and every key column, in sequence order. A packed batch's
+documents (``document_ids`` [b, s]) stay whole: attention builds this rank's query rows of their mask from them.
 """
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ def global_order(cp_size: int, chunk: int) -> torch.Tensor:
 
 def get_batch_on_this_cp_rank(batch: dict, cp_rank: int, cp_size: int) -> dict:
     """``batch`` (Megatron's name) with every field cut to this rank's positions: [b, s] fields along the
-    sequence, the attention mask [b, 1, s, s] along its query rows."""
+    sequence, the attention mask [b, 1, s, s] along its query rows; the documents of a packed batch whole."""
     if cp_size == 1:
         return batch
     positions = local_positions(batch["tokens"].shape[1], cp_rank, cp_size)
-    return {key: value.index_select(2 if key == "attention_mask" else 1, positions) for key, value in batch.items()}
+    return {key: value if key == "document_ids" else value.index_select(2 if key == "attention_mask" else 1, positions)
+            for key, value in batch.items()}
 
 
 def slice_batches(iterator, cp_rank: int, cp_size: int):

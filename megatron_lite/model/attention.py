@@ -16,6 +16,7 @@ from megatron_lite.context_parallel import ContextParallelConfig, attend_own_chu
 from megatron_lite.model.attention_sinks import register_softmax_offset
 from megatron_lite.model.attention_temperature import layer_temperature
 from megatron_lite.model.chunked_attention import layer_chunks
+from megatron_lite.model.document_rows import core_attention_input
 from megatron_lite.model.dot_product_attention import build_core_attention
 from megatron_lite.model.embedding import apply_rotary, layer_rotary_concentration
 from megatron_lite.model.norm import L2Norm, Norm, ProjectionRMSNorm
@@ -53,6 +54,7 @@ class SelfAttention(nn.Module):
         self.core_attention = build_core_attention(
             config, layer_number=layer_number, softmax_scale=config.softmax_scale or 1.0 / math.sqrt(self.head_dim),
             heads_per_group=self.heads_per_group, context_parallel=context_parallel)
+        self.context_parallel = context_parallel
         self.checkpoint_core_attention = checkpoint_core_attention
         self.rotary_concentration = layer_rotary_concentration(config, layer_number)
         self.output_gate = config.attention_output_gate
@@ -78,9 +80,10 @@ class SelfAttention(nn.Module):
                 inference_context=None, positions_are_columns: bool = False):
         """[s, b, h] (or [s/tp, b, h] under sequence parallelism) -> (output, bias) before the residual.
 
-        ``attention_mask``: None for causal attention, else bool [b, 1, s, s], True where a query may not
-        attend (the column-parallel QKV has gathered the whole sequence, so the mask is never split; under
-        context parallelism s is this rank's positions for the rows, the whole sequence for the columns).
+        ``attention_mask``: None for causal attention, PackedDocuments for packed examples (``document_rows.py``),
+        else bool [b, 1, s, s], True where a query may not attend (the column-parallel QKV has gathered the
+        whole sequence, so the mask is never split; under context parallelism s is this rank's positions for the
+        rows, the whole sequence for the columns).
         With an ``inference_context`` (generation) the new tokens attend to the cached earlier ones too:
         the mask is then [b, 1, s, cached + s] (a sliding-window layer, which caches only its window, takes
         its last columns). ``position_ids`` [b, s]: the tokens' positions, read by Llama 4's layers only;
@@ -110,6 +113,7 @@ class SelfAttention(nn.Module):
             key, value = inference_context.append_key_value(self.layer_number, key, value, window=window)
             if attention_mask is not None:  # a windowed cache returns the most recent keys only
                 attention_mask = attention_mask[..., -key.shape[0]:]
+        attention_mask = core_attention_input(attention_mask, self.context_parallel, chunked=self.chunks is not None)
         # The prefix joins after the cache, which holds the sequence's own keys only.
         core_attention = functools.partial(self.core_attention, prefix=self.prefix)
         if self.softmax_offset is not None:

@@ -1,10 +1,10 @@
 """The core of attention, softmax(QK^T * scale) V over one rank's heads (Megatron-Core's DotProductAttention).
 
 Every attention variant (``attention.py``'s grouped-query attention, ``multi_latent_attention.py``) makes its
-queries, keys and values its own way and hands them here, so the masks (causal, packed examples, a
-generation's padding, the sliding window), a prefix's keys and values (prefix tuning), the soft-capping, the
-dropout and the backend choice live in one place. Keys and values may have different widths (multi-latent
-attention's values are narrower).
+queries, keys and values its own way and hands them here, so the masks (causal, a generation's padding, the
+sliding window), packed examples (each document in a row of its own, ``document_rows.py``), a prefix's keys
+and values (prefix tuning), the soft-capping, the dropout and the backend choice live in one place. Keys and
+values may have different widths (multi-latent attention's values are narrower).
 
 The backend is torch's ``scaled_dot_product_attention`` (``--attention-backend`` auto, flash, fused), or
 with unfused/local the explicit path Megatron-LM's local DotProductAttention takes: scaled QK^T, the fused
@@ -24,6 +24,7 @@ from megatron_lite import kernels
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, context_parallel_attention
 from megatron_lite.model.attention_sinks import sink_softmax
+from megatron_lite.model.document_rows import DocumentBuckets, PackedDocuments
 from megatron_lite.model.sliding_window import layer_window
 from megatron_lite.model.soft_capping import soft_capping
 from megatron_lite.tensor_parallel.random import get_rng_tracker
@@ -63,11 +64,13 @@ class DotProductAttention(nn.Module):
     def forward(self, query, key, value, attention_mask=None, prefix=None, softmax_offset=None):
         """[s, b, heads, d] queries and [sk, b, groups, d or dv] keys and values -> [s, b, heads * dv].
 
-        ``attention_mask``: None for causal attention, else bool [b, 1, s, sk], True where a query may not attend.
-        ``prefix``: keys and values put before the sequence's own, which every query sees
-        (``peft/prefix_tuning.py``'s ``KeyValuePrefix``). ``softmax_offset``: each head's sink logit [heads]
-        (``attention_sinks.py``), or None.
+        ``attention_mask``: None for causal attention, PackedDocuments for packed examples (sk = s), else bool
+        [b, 1, s, sk], True where a query may not attend. ``prefix``: keys and values put before the sequence's
+        own, which every query sees (``peft/prefix_tuning.py``'s ``KeyValuePrefix``). ``softmax_offset``: each
+        head's sink logit [heads] (``attention_sinks.py``), or None.
         """
+        if isinstance(attention_mask, PackedDocuments):
+            return self._by_document(query, key, value, attention_mask.buckets(), prefix, softmax_offset)
         if prefix is not None:
             key, value, attention_mask = prefix(key, value, attention_mask)
         seq, batch = query.shape[:2]
@@ -99,6 +102,21 @@ class DotProductAttention(nn.Module):
                 context = F.scaled_dot_product_attention(query, key, value, attn_mask=~attention_mask,
                                                          dropout_p=dropout, scale=self.softmax_scale, **grouped)
         return context.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _by_document(self, query, key, value, documents: DocumentBuckets, prefix, softmax_offset):
+        """Causal attention within each document's row, then back to the positions: what the block-diagonal mask
+        computes, without an [s, s] tensor. Every feature acts as on one unpacked example: the window counts
+        positions within the document, and a prefix is seen by every document, before its first token."""
+        if not (query.shape[0] == key.shape[0] and documents.shape == (query.shape[1], query.shape[0])):
+            raise ValueError(f"packed documents [b, s] = {list(documents.shape)} attend within their own sequence: "
+                             f"they need its s queries of each of b rows and as many keys; got queries [s, b] = "
+                             f"{list(query.shape[:2])} and {key.shape[0]} keys. Pass a mask for queries after "
+                             f"cached keys.")
+
+        def attend(*rows):  # [documents, longest, ...] each, the core's [longest, documents, ...] inside
+            return self.forward(*(x.transpose(0, 1) for x in rows), None, prefix, softmax_offset).transpose(0, 1)
+        context = documents.apply(attend, query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1))
+        return context.transpose(0, 1)
 
 
 def _unfused_attention(query, key, value, dropout: float, attention_mask, scale: float, logit_capping=None,

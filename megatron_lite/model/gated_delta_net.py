@@ -16,10 +16,11 @@ dt_bias are split alike, out_proj is row-parallel. The gated norm's weight is sh
 rank's gradient is a partial sum, all-reduced as a sequence-parallel norm's (its ``sequence_parallel`` mark).
 
 The convolution and the scan carry state along the sequence, so packed documents each get a row of their own
-(``document_rows``), where both start from zero. Generation keeps each layer's last K - 1 convolution inputs and
-its scan state in the inference context (``StaticInferenceContext.recurrent_state``): a step then costs one
-token's work, as the key/value cache does for attention. There is no context parallelism (config/__init__.py
-refuses it): a rank's chunk would need the state the ranks before it reach.
+(``document_rows``: in training grouped by length, as attention's rows), where both start from zero. Generation
+keeps each layer's last K - 1 convolution inputs and its scan state in the inference context
+(``StaticInferenceContext.recurrent_state``): a step then costs one token's work, as the key/value cache does for
+attention. There is no context parallelism (config/__init__.py refuses it): a rank's chunk would need the state
+the ranks before it reach.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.delta_rule import chunk_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
-from megatron_lite.model.document_rows import DocumentRows, document_starts
+from megatron_lite.model.document_rows import DocumentRows, document_buckets, document_starts
 from megatron_lite.process_groups import collectives
 from megatron_lite.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelConfig,
                                            set_tensor_model_parallel_attributes)
@@ -87,30 +88,45 @@ class GatedDeltaNet(nn.Module):
         projected, _ = self.in_proj(hidden_states)  # the whole sequence, this rank's heads
         seq, batch = projected.shape[:2]
         mixed, gate, b, a = projected.view(seq, batch, self.key_heads, -1).split(self.group_split, dim=-1)
-        state = None if inference_context is None else inference_context.recurrent_state(self.layer_number)
-        documents = DocumentRows(document_starts(attention_mask, seq, batch, continues=state is not None,
-                                                 device=projected.device))
         # Positions first from here on ([b, s, ...]), as the rows of documents are.
-        beta = b.sigmoid().reshape(seq, batch, -1).transpose(0, 1)
+        mixed = mixed.reshape(seq, batch, -1).transpose(0, 1)
+        beta = b.sigmoid().reshape(seq, batch, -1).transpose(0, 1).float()
         decay = -self.A_log.float().exp() * F.softplus(a.reshape(seq, batch, -1).transpose(0, 1).float()
                                                        + self.dt_bias)
-        valid = documents.valid(torch.float32, projected.device)[..., None]  # no write, no decay after an end
-        scan_inputs = (documents.to_rows(mixed.reshape(seq, batch, -1).transpose(0, 1)),
-                       documents.to_rows(beta.float()) * valid, documents.to_rows(decay) * valid)
-        generating = inference_context is not None
-        if self.checkpoint_scan and self.training:  # --recompute-granularity selective: the scan's activations
-            output, new_state = checkpoint(self._scan_outputs, *scan_inputs, documents), None
+        if inference_context is None:
+            documents = document_buckets(attention_mask, seq, batch, projected.device)
+            ones = torch.ones(batch, seq, 1, device=projected.device)  # in rows: 1 at a document's tokens
+            output = documents.apply(self._scan_rows, mixed, beta, decay, ones)
         else:
-            output, new_state = self._scan(*scan_inputs, documents, state, generating)
-        if generating:
-            inference_context.set_recurrent_state(self.layer_number, new_state)
-        output = documents.from_rows(output).transpose(0, 1)  # [s, b, value heads, dv]
+            output = self._generate(mixed, beta, decay, attention_mask, inference_context)
+        output = output.transpose(0, 1)  # [s, b, value heads, dv]
         output = self.out_norm(output, gate.reshape(seq, batch, self.value_heads, self.value_dim))
         return self.out_proj(output.reshape(seq, batch, -1))
 
-    def _scan_outputs(self, mixed, beta, decay, documents: DocumentRows):
-        """``_scan``'s outputs in training, which keeps no state (what a recomputed region may return)."""
-        return self._scan(mixed, beta, decay, documents, None, False)[0]
+    def _scan_rows(self, mixed, beta, decay, valid):
+        """The scan's outputs over rows of whole documents ([n, L, ...]; ``valid`` [n, L, 1]: 1 at their tokens, 0
+        after an end, where nothing is written and nothing decays), keeping no state."""
+        scan_inputs = (mixed, beta * valid, decay * valid)
+        if self.checkpoint_scan and self.training:  # --recompute-granularity selective: the scan's activations
+            return checkpoint(self._scan_outputs, *scan_inputs)
+        return self._scan_outputs(*scan_inputs)
+
+    def _scan_outputs(self, mixed, beta, decay):
+        """``_scan``'s outputs without a state (what a recomputed region may return)."""
+        return self._scan(mixed, beta, decay, None, None, False)[0]
+
+    def _generate(self, mixed, beta, decay, attention_mask, inference_context):
+        """The scan's outputs [b, s, value heads, dv] of new tokens after the cached state, one row per document
+        (generation's left padding makes each padding token one), and the state each batch row ends in cached."""
+        state = inference_context.recurrent_state(self.layer_number)
+        batch, seq = mixed.shape[:2]
+        documents = DocumentRows(document_starts(attention_mask, seq, batch, continues=state is not None,
+                                                 device=mixed.device))
+        valid = documents.valid(torch.float32, mixed.device)[..., None]  # no write, no decay after an end
+        output, new_state = self._scan(documents.to_rows(mixed), documents.to_rows(beta) * valid,
+                                       documents.to_rows(decay) * valid, documents, state, True)
+        inference_context.set_recurrent_state(self.layer_number, new_state)
+        return documents.from_rows(output)
 
     def _scan(self, mixed, beta, decay, documents: DocumentRows, state, generating: bool):
         """The convolution and the gated delta rule over the document rows ([n, L, ...]), after ``state`` (the

@@ -154,8 +154,8 @@ class GPTModel(nn.Module):
         whether they are the columns without touching the device (``_positions_are_columns``).
 
         ``attention_mask`` (bool [b, 1, s, s], True = may not attend, Megatron's convention) replaces the
-        causal mask; packed sequences pass a block-diagonal causal one so examples cannot see each other.
-        Every pipeline stage is given it, with the position ids.
+        causal mask; packed sequences pass their documents instead (``document_rows.PackedDocuments``), so
+        examples cannot see each other. Every pipeline stage is given it, with the position ids.
 
         With an ``inference_context`` (generation, ``inference/text_generation.py``) the tokens follow the
         ones it has cached: positions count on from its offset, and only the last token's logits [b, 1, V]

@@ -36,6 +36,7 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, attend_own_chunks
+from megatron_lite.model.document_rows import core_attention_input
 from megatron_lite.model.dot_product_attention import build_core_attention
 from megatron_lite.model.embedding import apply_rotary, layer_rotary_concentration
 from megatron_lite.model.norm import Norm
@@ -66,6 +67,7 @@ class MultiLatentAttention(nn.Module):
         self.core_attention = build_core_attention(config, layer_number=layer_number,
                                                    softmax_scale=mla_softmax_scale(config),
                                                    context_parallel=context_parallel)
+        self.context_parallel = context_parallel
         self.checkpoint_core_attention = checkpoint_core_attention
         self.rotary_concentration = layer_rotary_concentration(config, layer_number)
         heads, hidden = config.num_attention_heads, config.hidden_size
@@ -96,6 +98,7 @@ class MultiLatentAttention(nn.Module):
         if inference_context is not None:
             latent, rotary_key = inference_context.append_key_value(self.layer_number, latent, rotary_key)
         key, value = self._keys_and_values(latent, rotary_key)
+        attention_mask = core_attention_input(attention_mask, self.context_parallel)
         if inference_context is not None and inference_context.splits_sequence:  # the cache gathered the latent
             context = attend_own_chunks(self.core_attention, query, key, value, attention_mask,
                                         inference_context.context_parallel)

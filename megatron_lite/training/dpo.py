@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.config import Config
+from megatron_lite.model.document_rows import attention_input
 from megatron_lite.process_groups import collectives
 from megatron_lite.tensor_parallel import reduce_from_tensor_model_parallel_region
 from megatron_lite.training.logger import print_rank_last
@@ -183,14 +184,14 @@ def dpo_loss_func(settings: LossSettings, batch: dict, scale: torch.Tensor | Non
 def dpo_forward_step(settings: LossSettings, scale: torch.Tensor | None, data_iterator, model):
     """The policy's forward of one micro-batch (``loop.forward_step``'s contract) and its DPO loss."""
     batch = to_device(next(data_iterator))
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], attention_input(batch), labels=batch["labels"])
     return output, functools.partial(dpo_loss_func, settings, batch, scale)
 
 
 def reference_forward_step(settings: LossSettings, data_iterator, model):
     """The reference's forward of one micro-batch; its 'loss' dict carries the sequences' log-probabilities."""
     batch = to_device(next(data_iterator))
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], attention_input(batch), labels=batch["labels"])
 
     def keep_log_probs(output_tensor):
         log_probs, _ = sequence_log_probs(output_tensor, batch["loss_mask"], batch["segment_ids"],

@@ -35,6 +35,7 @@ from megatron_lite.checkpointing.async_save import CheckpointSaver
 from megatron_lite.checkpointing.save_lock import holding_save_lock
 from megatron_lite.model.builder import FSDP_UNIT_MODULES, build_model, current_device
 from megatron_lite.model import multi_token_prediction
+from megatron_lite.model.document_rows import attention_input
 from megatron_lite.model.moe import routing_statistics
 from megatron_lite.model.moe.router import AuxLossScale
 from megatron_lite.optimizer import get_megatron_optimizer
@@ -82,12 +83,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, mtp_losses: 
 
 def forward_step(data_iterator, model):
     """One micro-batch through this rank's model chunk (Megatron's forward_step contract). Packed
-    fine-tuning batches carry a block-diagonal ``attention_mask``; without one, attention is causal. The
+    fine-tuning batches carry their documents (``document_ids``); without them, attention is causal. The
     position ids go to the model as they are, on the host: it reads there whether they are the tokens' columns
     (Llama 4's chunked attention folds its chunks then) without reading anything back from the device."""
     batch = {k: v if k == "position_ids" else v.to(current_device(), non_blocking=True)
              for k, v in next(data_iterator).items()}
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+    output = model(batch["tokens"], batch["position_ids"], attention_input(batch), labels=batch["labels"],
                    loss_mask=batch["loss_mask"])
     return output, functools.partial(loss_func, batch["loss_mask"],
                                      mtp_losses=multi_token_prediction.logged_losses(model))

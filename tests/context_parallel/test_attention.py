@@ -15,6 +15,7 @@ at them.
 import dataclasses
 import functools
 import math
+import types
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.context_parallel import ContextParallelConfig, context_parallel_attention, local_positions
 from megatron_lite.context_parallel.sharding import chunk_ids, get_batch_on_this_cp_rank, global_order
 from megatron_lite.model.chunked_attention import ChunkedAttention
+from megatron_lite.model.document_rows import PackedDocuments
 from megatron_lite.model.dot_product_attention import DotProductAttention
 from megatron_lite.model.gpt_model import GPTModel
 from megatron_lite.model.weight_init import initialize_weights
@@ -230,7 +232,7 @@ def test_chunks_are_load_balanced_and_cover_the_sequence():
 
 
 def test_batch_is_cut_to_the_rank_positions():
-    """Every per-position field keeps this rank's positions; a packed mask its query rows, every key column."""
+    """Every per-position field keeps this rank's positions; a mask its query rows, every key column."""
     tokens = torch.arange(2 * SEQ).view(2, SEQ)
     batch = {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(2, SEQ), "position_ids": tokens % SEQ,
              "attention_mask": _packed_mask()}
@@ -240,3 +242,10 @@ def test_batch_is_cut_to_the_rank_positions():
     assert cut["position_ids"][1].tolist() == positions
     assert torch.equal(cut["attention_mask"], batch["attention_mask"][:, :, positions, :])
     assert get_batch_on_this_cp_rank(batch, 0, 1) is batch
+    # Packed documents stay whole; attention builds this rank's rows of their mask from them.
+    documents = dict(batch, document_ids=DOCUMENTS)
+    del documents["attention_mask"]
+    cut = get_batch_on_this_cp_rank(documents, 1, 2)
+    assert cut["document_ids"] is DOCUMENTS
+    rows = PackedDocuments(DOCUMENTS).mask(types.SimpleNamespace(rank=1, size=2))  # a ContextParallelConfig's
+    assert torch.equal(rows, _packed_mask()[:, :, positions, :])

@@ -214,8 +214,9 @@ def _check_written_once(directory: str) -> None:
 
 def test_cp2_matches_one_process(references, sft_data, tmp_path):
     """cp2 under each comm type (a checkpoint of which loads into data-parallel replicas), under ZeRO-3
-    (sharded over the data x context ranks; its checkpoint too), on packed fine-tuning data (block-diagonal
-    masks cut across the chunks, the per-token loss), and prefix tuning."""
+    (sharded over the data x context ranks; its checkpoint too), on packed fine-tuning data (each rank's rows of
+    the documents' block-diagonal mask, cut across the chunks, against one process's document rows; the per-token
+    loss), and prefix tuning."""
     runs = [{"model": m, "cp": 2, "comm": (comm,)} for m in ("gpt", "llama") for comm in ("p2p", "all_gather")]
     runs[0]["save"] = str(tmp_path / "replicated")
     runs += [{"model": "gpt", "cp": 2, "strategy": "optim_grads_params"},

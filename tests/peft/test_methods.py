@@ -16,6 +16,7 @@ from megatron_lite.config import (CheckpointConfig, Config, DataConfig, LoggingC
                                   PeftConfig, TrainingConfig)
 from tests.peft.common import load_single_process
 from megatron_lite.model.builder import build_model
+from megatron_lite.model.document_rows import PackedDocuments
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron_lite.training.loop import pretrain
 from tools.checkpoint_convert import main as convert
@@ -93,7 +94,7 @@ def test_packed_examples_have_their_logits_alone(peft):
         model.eval()
         with torch.no_grad():
             together = model(torch.tensor(packed["tokens"])[None], torch.tensor(packed["position_ids"])[None],
-                             torch.tensor(packed["attention_mask"])[None])[0]
+                             PackedDocuments(torch.tensor(packed["document_ids"])[None]))[0]
             offset = 0
             for ids, _ in examples:
                 alone = model(torch.tensor(ids[:-1])[None])[0]

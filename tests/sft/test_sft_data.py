@@ -3,11 +3,13 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_lite.config import ConfigError
 from megatron_lite.cli.arguments import parse_args
 from megatron_lite.data.sft import SFTDataError, SFTDataset, load_sft_examples
 from megatron_lite.data.sft.sft_dataset import build_sample, next_fit_bins
+from megatron_lite.model.document_rows import PackedDocuments
 from megatron_lite.tokenizer import build_tokenizer
 from megatron_lite.pretrain_gpt import main as pretrain_main
 from tools.preprocess_data import main as preprocess_data
@@ -92,8 +94,9 @@ def test_packing_restarts_positions_and_blocks_attention_across_examples(tmp_pat
     assert sample["labels"].tolist() == [2, 3, 50, 5, 6, 50, 50, 50]
     assert sample["loss_mask"].tolist() == [0, 1, 1, 1, 1, 1, 0, 0]
     assert sample["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
-    allowed = ~sample["attention_mask"][0]
     documents = [0, 0, 0, 1, 1, 1, 2, 2]
+    assert sample["document_ids"].tolist() == documents and "attention_mask" not in sample  # no [s, s] mask
+    allowed = ~PackedDocuments(torch.tensor(sample["document_ids"])[None]).mask()[0, 0]
     for query in range(8):
         assert [key for key in range(8) if allowed[query, key]] == [
             key for key in range(query + 1) if documents[key] == documents[query]]

@@ -3,7 +3,7 @@
 A Llama-style model (rotary positions, grouped-query attention) fine-tunes 3 steps on chat data with
 responses of different lengths, so micro-batches and data-parallel replicas hold different numbers of
 loss tokens: only the per-token mean over the global batch makes every layout agree. Packed data
-carries the block-diagonal attention mask and restarted positions through tensor, sequence and
+carries its documents (each attending in a row of its own) and restarted positions through tensor, sequence and
 pipeline parallelism (and the interleaved schedule). Under ZeRO-2/3 the division by the global token
 count acts on each rank's gradient shards (in host memory with --grad-cpu-offload). Adam hides a
 wrong gradient scale (its update is nearly scale-invariant), and so does clipping to a norm of 1, so

@@ -14,6 +14,7 @@ from megatron_lite.config import (CheckpointConfig, DataConfig, LoggingConfig, M
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_lite.data.sft.sft_dataset import build_sample
 from megatron_lite.evaluate import main as evaluate_main
+from megatron_lite.model.document_rows import attention_input
 from megatron_lite.model.gpt_model import GPTModel
 from megatron_lite.pretrain_gpt import main as pretrain_main
 from megatron_lite.process_groups.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -206,9 +207,9 @@ def test_a_packed_example_has_the_logits_and_loss_it_has_alone(kind):
     examples = _examples()
     packed, alone = _batch(examples, pack=True), _batch(examples, pack=False)
     with torch.no_grad():
-        packed_logits = model(packed["tokens"], packed["position_ids"], packed["attention_mask"])[0]
+        packed_logits = model(packed["tokens"], packed["position_ids"], attention_input(packed))[0]
         alone_logits = model(alone["tokens"], alone["position_ids"])
-        packed_loss = model(packed["tokens"], packed["position_ids"], packed["attention_mask"],
+        packed_loss = model(packed["tokens"], packed["position_ids"], attention_input(packed),
                             labels=packed["labels"])
         alone_loss = model(alone["tokens"], alone["position_ids"], labels=alone["labels"])
     offset = 0

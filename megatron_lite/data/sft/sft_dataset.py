@@ -5,7 +5,8 @@ inputs ``ids[:-1]``, labels ``ids[1:]``, the loss mask of the labels, position i
 
   * Padding (the default): one example per sample; the remaining positions are padding without loss.
   * Packing (``--sft-pack-sequences``): examples, in order, fill a sample while they fit (next-fit).
-    Position ids restart at 0 for each example and ``attention_mask`` is block-diagonal causal, so an
+    Position ids restart at 0 for each example and ``document_ids`` number each position's example, which
+    attention keeps apart (``model/document_rows.py``: each in a row of its own, no [s, s] mask), so an
     example attends only to itself and its logits and loss are what they would be alone (docs/reference.md section 10).
 
 Every epoch visits the examples in a new order (``numpy.random.RandomState(seed + epoch)``); as many
@@ -22,7 +23,7 @@ from megatron_lite.data.sft.examples import SFTDataError, SFTExamples
 
 class SFTDataset:
     """``dataset[i]``: tokens, labels, position_ids (int64), loss_mask (float32), each [seq_length], and when
-    packing attention_mask (bool [1, seq_length, seq_length], True = may not attend, Megatron's convention)."""
+    packing document_ids (int64 [seq_length]: each position's example, 0, 1, ..., the padding after them one more)."""
 
     def __init__(self, examples: SFTExamples, *, seq_length: int, num_samples: int, seed: int, pad_token: int,
                  pack_sequences: bool = False):
@@ -142,6 +143,5 @@ def build_sample(examples: list[tuple[np.ndarray, np.ndarray]], *, seq_length: i
     document[offset:] = len(examples)
     sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
     if pack_sequences:
-        causal = np.tril(np.ones((seq_length, seq_length), dtype=bool))
-        sample["attention_mask"] = ~(causal & (document[:, None] == document[None, :]))[None]
+        sample["document_ids"] = document
     return sample
