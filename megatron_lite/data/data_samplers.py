@@ -75,8 +75,10 @@ def build_pretraining_data_loader(dataset, *, consumed_samples: int, micro_batch
                                          data_parallel_size=data_parallel_size)
     # A private generator: creating the iterator draws a worker base seed, which must not advance the
     # global torch RNG (a resumed run builds its loader after restoring that RNG, an uninterrupted one before).
+    # Pinned batches on a GPU machine (Megatron-LM's default): the trainer's non_blocking copy to the device is
+    # then truly asynchronous, where from pageable memory it waits for the stream.
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0,
-        generator=torch.Generator(),
+        generator=torch.Generator(), pin_memory=torch.cuda.is_available(),
         collate_fn=collate_fn or functools.partial(collate_gpt_batch, eod_token=eod_token, eod_mask_loss=eod_mask_loss))
     return iter(loader)
