@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.side_by_side import Contender, alternate, load_average, markdown_table  # noqa: E402
+from bench.side_by_side import alternate_builds, load_average, markdown_table  # noqa: E402
 
 MB = 2 ** 20
 LAYER = dict(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=1024,
@@ -34,15 +33,11 @@ LAYER = dict(num_layers=1, hidden_size=512, num_attention_heads=8, num_query_gro
              position_embedding_type="rope", qk_l2_norm=True, hidden_dropout=0.0, attention_dropout=0.0)
 
 
-def _peak_resident_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kilobytes
-
-
 def build(seq: int, chunk: int, packed: bool, whole_sequence_mask: bool):
     """The layer and its inputs; one forward and backward measured; a callable that runs another."""
     import torch
 
-    from bench.harness import SavedActivationPeak
+    from bench.harness import first_step_memory
     from megatron_lite.config import ModelConfig
     from megatron_lite.model.chunked_attention import ChunkedAttention
     from megatron_lite.model.embedding import rotary_freqs
@@ -53,7 +48,7 @@ def build(seq: int, chunk: int, packed: bool, whole_sequence_mask: bool):
     class WholeSequenceMask(ChunkedAttention):
         """Before attending chunk by chunk: past one chunk, the core under one mask over the whole sequence."""
 
-        def __call__(self, core_attention, query, key, value, attention_mask, position_ids):
+        def __call__(self, core_attention, query, key, value, attention_mask, position_ids, **_):
             if key.shape[0] > self.chunk_size:
                 attention_mask = self.mask(attention_mask, position_ids, key.shape[0])
             return core_attention(query, key, value, attention_mask)
@@ -75,28 +70,21 @@ def build(seq: int, chunk: int, packed: bool, whole_sequence_mask: bool):
 
     def step(length: int = seq):
         cut_mask = None if mask is None else mask[..., :length, :length]
-        layer(hidden[:length], freqs[:length], cut_mask, positions[:, :length]).square().mean().backward()
+        # As the model tells its layers: an unpacked sequence's positions are its columns (the fold's case).
+        layer(hidden[:length], freqs[:length], cut_mask, positions[:, :length],
+              positions_are_columns=not packed).square().mean().backward()
         layer.zero_grad(set_to_none=True)
         hidden.grad = None
 
-    step(64)  # the libraries' first-call set-up, outside the measured peak
-    before = _peak_resident_bytes()
-    with SavedActivationPeak(list(layer.parameters()) + [hidden]) as saved:
-        step()
-    return step, {"peak_added": _peak_resident_bytes() - before, "saved": saved.peak}
+    return step, first_step_memory(step, 64, list(layer.parameters()) + [hidden])
 
 
 def compare(seq: int, chunk: int, packed: bool, rounds: int) -> list:
     sides = {"whole-sequence mask": True, "chunk by chunk": False}
-    contenders = {name: Contender(build, seq, chunk, packed, whole, threads=1) for name, whole in sides.items()}
-    try:
-        seconds, _ = alternate(contenders, rounds, warmup=0)  # build ran the first step
-    finally:
-        for contender in contenders.values():
-            contender.close()
+    seconds, info = alternate_builds(build, sides, rounds, seq, chunk, packed)
     kind = "packed, 2 documents" if packed else "one sequence"
-    return [[f"{seq} / {chunk}", kind, name, f"{contenders[name].info['peak_added'] / MB:.0f}",
-             f"{contenders[name].info['saved'] / MB:.0f}", f"{statistics.median(s.cpu for s in seconds[name]):.2f}"]
+    return [[f"{seq} / {chunk}", kind, name, f"{info[name]['peak_added'] / MB:.0f}",
+             f"{info[name]['saved'] / MB:.0f}", f"{statistics.median(s.cpu for s in seconds[name]):.2f}"]
             for name in sides]
 
 

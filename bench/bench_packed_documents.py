@@ -22,21 +22,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.side_by_side import Contender, alternate, load_average, markdown_table  # noqa: E402
+from bench.side_by_side import alternate_builds, load_average, markdown_table  # noqa: E402
 
 MB = 2 ** 20
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
              vocab_size=256, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
              position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0)
-
-
-def _peak_resident_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kilobytes
 
 
 def _examples(seq: int, uneven: bool) -> list:
@@ -72,7 +67,7 @@ def build(seq: int, uneven: bool, with_mask: bool):
     """The model and its sample's examples; one build, forward and backward measured; a callable that runs another."""
     import torch
 
-    from bench.harness import SavedActivationPeak
+    from bench.harness import first_step_memory
     from megatron_lite.config import ModelConfig
     from megatron_lite.data.sft.sft_dataset import build_sample
     from megatron_lite.model.document_rows import attention_input
@@ -93,25 +88,14 @@ def build(seq: int, uneven: bool, with_mask: bool):
         (loss * batch["loss_mask"]).sum().backward()
         model.zero_grad(set_to_none=True)
 
-    step(256)  # the libraries' first-call set-up, outside the measured peak
-    before = _peak_resident_bytes()
-    with SavedActivationPeak(list(model.parameters())) as saved:
-        step()
-    return step, {"peak_added": _peak_resident_bytes() - before, "saved": saved.peak,
-                  "documents": len(_examples(seq, uneven))}
+    return step, first_step_memory(step, 256, list(model.parameters())) | {"documents": len(_examples(seq, uneven))}
 
 
 def compare(seq: int, uneven: bool, rounds: int) -> list:
     sides = {"block-diagonal mask": True, "documents": False}
-    contenders = {name: Contender(build, seq, uneven, with_mask, threads=1) for name, with_mask in sides.items()}
-    try:
-        seconds, _ = alternate(contenders, rounds, warmup=0)  # build ran the first step
-    finally:
-        for contender in contenders.values():
-            contender.close()
-    kind = f"{contenders['documents'].info['documents']}" + (", one of s/2, the others 64" if uneven else "")
-    return [[str(seq), kind, name,
-             f"{contenders[name].info['peak_added'] / MB:.0f}", f"{contenders[name].info['saved'] / MB:.0f}",
+    seconds, info = alternate_builds(build, sides, rounds, seq, uneven)
+    kind = f"{info['documents']['documents']}" + (", one of s/2, the others 64" if uneven else "")
+    return [[str(seq), kind, name, f"{info[name]['peak_added'] / MB:.0f}", f"{info[name]['saved'] / MB:.0f}",
              f"{statistics.median(s.cpu for s in seconds[name]):.2f}"] for name in sides]
 
 

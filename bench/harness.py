@@ -10,6 +10,7 @@ Parameters (and the flat buffers they are views of) are not activations.
 """
 from __future__ import annotations
 
+import resource
 import time
 
 import torch
@@ -62,6 +63,21 @@ class SavedActivationPeak:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+
+
+def first_step_memory(step, warm_up_length: int, kept_out: list) -> dict:
+    """Memory of one ``step()``: the resident peak it adds (after ``step(warm_up_length)`` ran the libraries'
+    first-call set-up outside it) and the peak of what autograd keeps for its backward (``kept_out``: tensors,
+    parameters among them, that are not activations)."""
+    step(warm_up_length)
+    before = _peak_resident_bytes()
+    with SavedActivationPeak(kept_out) as saved:
+        step()
+    return {"peak_added": _peak_resident_bytes() - before, "saved": saved.peak}
+
+
+def _peak_resident_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kilobytes
 
 
 def _scheduler_seconds() -> tuple[float, float]:

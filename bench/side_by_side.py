@@ -15,6 +15,7 @@ of such processes, one per rank, started as torchrun starts them (``RANK``, ``WO
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import statistics
@@ -142,6 +143,17 @@ def alternate(runs: dict, rounds: int, *args, warmup: int = 1) -> tuple[dict, di
             elapsed, results[name] = run(*args)
             seconds[name].append(elapsed)
     return seconds, results
+
+
+def alternate_builds(build, variants: dict, rounds: int, *args) -> tuple[dict, dict]:
+    """Each of ``variants`` (name -> the last argument of ``build``) in a one-thread Contender of
+    ``build(*args, value)``, whose build already ran (and measured) a first step, then ``rounds`` alternating
+    rounds: ({name: [Seconds of each round]}, {name: its build's info})."""
+    with contextlib.ExitStack() as stack:
+        contenders = {name: stack.enter_context(Contender(build, *args, value, threads=1))
+                      for name, value in variants.items()}
+        seconds, _ = alternate(contenders, rounds, warmup=0)
+        return seconds, {name: contender.info for name, contender in contenders.items()}
 
 
 def markdown_table(columns: list, rows: list) -> str:
